@@ -1,0 +1,242 @@
+"""Writing one answer to the wire: pacing, streaming, and injected faults.
+
+Rules:
+1. Streamed answers send their headers at once (as vLLM's StreamingResponse does), then
+   the first token after `ttft_ms` and each further token `itl_ms` later. A non-streamed
+   answer is written whole after ``ttft + itl * (tokens - 1)``, when the last token
+   would have been decoded.
+2. Every wait polls the connection (at most `DISCONNECT_POLL_MAX_S` apart) and the
+   app's closing flag, so an abandoned request stops within that bound instead of
+   sleeping on; the poll is needed because aiohttp by default does not cancel a handler
+   whose client left. Leaving raises `ClientGone`.
+3. Mid-stream faults fire after `fault_after_chunks` token chunks (the chat role chunk
+   is not counted) and before the rest; if the answer is shorter, they fire after its
+   last token chunk, before the usage chunk and `[DONE]`. A non-streamed answer with a
+   mid-stream fault sends its headers and the first half of its JSON body first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+from aiohttp import hdrs, web
+
+from backends.sim._config import FaultMode, SimConfig
+from backends.sim._metrics import SimMetrics
+from backends.sim._protocol import (
+    RequestKind,
+    Usage,
+    chat_chunk,
+    completion_chunk,
+    full_response,
+    usage_chunk,
+)
+
+__all__ = ["DISCONNECT_POLL_MAX_S", "AnswerPlan", "AnswerWriter", "ClientGone", "Outcome"]
+
+DISCONNECT_POLL_MIN_S = 0.005
+DISCONNECT_POLL_MAX_S = 0.1
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+JSON_CONTENT_TYPE = "application/json"
+MID_STREAM_FAULTS: frozenset[FaultMode] = frozenset(
+    {"hang_mid_stream", "reset_mid_stream", "malformed_chunks"}
+)
+_MALFORMED_EVENTS = b"data: {not json\n\nthis line has no data field\n\n"
+_DONE = b"data: [DONE]\n\n"
+
+Outcome = Literal["completed", "faulted"]
+
+
+class ClientGone(Exception):
+    """The client closed the connection, or the server is shutting down."""
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerPlan:
+    kind: RequestKind
+    request_id: str
+    created: int
+    model: str
+    tokens: tuple[str, ...]
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+    include_usage: bool
+
+
+class AnswerWriter:
+    """Writes one planned answer for one request, applying at most one fault."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        plan: AnswerPlan,
+        config: SimConfig,
+        metrics: SimMetrics,
+        closing: asyncio.Event,
+    ) -> None:
+        self._request = request
+        self._plan = plan
+        self._config = config
+        self._metrics = metrics
+        self._closing = closing
+        self.response: web.StreamResponse | None = None
+        self._loop = asyncio.get_running_loop()
+        self._arrived_at = self._loop.time()
+        self._last_token_at = self._arrived_at
+
+    async def pause(self, seconds: float | None) -> None:
+        """Sleep `seconds` (None: until the client leaves); raise `ClientGone` early."""
+        loop = asyncio.get_running_loop()
+        deadline = None if seconds is None else loop.time() + seconds
+        interval = DISCONNECT_POLL_MIN_S
+        while True:
+            transport = self._request.transport
+            if transport is None or transport.is_closing() or self._closing.is_set():
+                raise ClientGone
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return
+            step = interval if remaining is None else min(interval, remaining)
+            await asyncio.sleep(step)
+            interval = min(interval * 2, DISCONNECT_POLL_MAX_S)
+
+    def reset(self) -> None:
+        """Abort the TCP connection with an RST, so the client sees a reset, not an end."""
+        transport = self._request.transport
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+
+    async def stream(self, fault: FaultMode) -> Outcome:
+        plan, config = self._plan, self._config
+        resp = web.StreamResponse(headers={hdrs.CONTENT_TYPE: SSE_CONTENT_TYPE})
+        self.response = resp
+        await resp.prepare(self._request)
+        await self.pause(config.ttft_ms / 1000)
+        if plan.kind == "chat":
+            await self._event(self._chunk(role=True, token="", finish=None))
+        fault_at = config.fault_after_chunks if fault in MID_STREAM_FAULTS else None
+        last = len(plan.tokens) - 1
+        for index, token in enumerate(plan.tokens):
+            if index > 0:
+                await self.pause(config.itl_ms / 1000)
+            if index == fault_at and await self._mid_stream_fault(fault):
+                return "faulted"
+            finish = plan.finish_reason if index == last else None
+            await self._event(self._chunk(role=False, token=token, finish=finish))
+            self._observe_token(index, measured=True)
+        if fault_at is not None and fault_at > last and await self._mid_stream_fault(fault):
+            return "faulted"
+        if plan.include_usage:
+            await self._event(
+                usage_chunk(
+                    kind=plan.kind,
+                    request_id=plan.request_id,
+                    created=plan.created,
+                    model=plan.model,
+                    usage=plan.usage,
+                )
+            )
+        await resp.write(_DONE)
+        await resp.write_eof()
+        return "faulted" if fault == "malformed_chunks" else "completed"
+
+    async def whole(self, fault: FaultMode, body: dict[str, Any]) -> Outcome:
+        """Answer with one JSON body (non-streamed completions and embeddings)."""
+        config = self._config
+        decode_s = config.itl_ms / 1000 * max(0, len(self._plan.tokens) - 1)
+        await self.pause(config.ttft_ms / 1000 + decode_s)
+        for index in range(len(self._plan.tokens)):
+            self._observe_token(index, measured=False)
+        if fault not in MID_STREAM_FAULTS:
+            await self.send(body, 200)
+            return "completed"
+        payload = orjson.dumps(body)
+        stream = web.StreamResponse(headers={hdrs.CONTENT_TYPE: JSON_CONTENT_TYPE})
+        self.response = stream
+        await stream.prepare(self._request)
+        await stream.write(payload[: len(payload) // 2])
+        if fault == "hang_mid_stream":
+            await self.pause(None)
+        elif fault == "reset_mid_stream":
+            self.reset()
+        else:
+            await stream.write_eof()
+        return "faulted"
+
+    async def send(self, body: dict[str, Any], status: int) -> None:
+        """Write one whole JSON response now."""
+        resp = web.Response(body=orjson.dumps(body), status=status, content_type=JSON_CONTENT_TYPE)
+        self.response = resp
+        await resp.prepare(self._request)
+        await resp.write_eof()
+
+    def full_body(self) -> dict[str, Any]:
+        plan = self._plan
+        return full_response(
+            kind=plan.kind,
+            request_id=plan.request_id,
+            created=plan.created,
+            model=plan.model,
+            text="".join(plan.tokens),
+            finish_reason=plan.finish_reason,
+            usage=plan.usage,
+        )
+
+    async def _mid_stream_fault(self, fault: FaultMode) -> bool:
+        """Apply a mid-stream fault; True when the answer ends here."""
+        if fault == "hang_mid_stream":
+            await self.pause(None)
+            return True  # pause(None) only ends by raising ClientGone
+        if fault == "reset_mid_stream":
+            self.reset()
+            return True
+        assert self.response is not None
+        await self.response.write(_MALFORMED_EVENTS)
+        return False
+
+    def _chunk(self, *, role: bool, token: str, finish: str | None) -> dict[str, Any]:
+        plan = self._plan
+        if plan.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else {"content": token}
+            return chat_chunk(
+                request_id=plan.request_id,
+                created=plan.created,
+                model=plan.model,
+                delta=delta,
+                finish_reason=finish,
+            )
+        return completion_chunk(
+            request_id=plan.request_id,
+            created=plan.created,
+            model=plan.model,
+            text=token,
+            finish_reason=finish,
+        )
+
+    async def _event(self, body: dict[str, Any]) -> None:
+        assert self.response is not None
+        await self.response.write(b"data: " + orjson.dumps(body) + b"\n\n")
+
+    def _observe_token(self, index: int, *, measured: bool) -> None:
+        """Record a token's latency: as measured when streamed, as planned when whole."""
+        now = self._loop.time()
+        if index == 0:
+            planned = self._config.ttft_ms / 1000
+            self._metrics.ttft.observe(now - self._arrived_at if measured else planned)
+        else:
+            planned = self._config.itl_ms / 1000
+            self._metrics.itl.observe(now - self._last_token_at if measured else planned)
+        self._last_token_at = now
+        self._metrics.generation_tokens.inc()
+
+    def elapsed(self) -> float:
+        return self._loop.time() - self._arrived_at

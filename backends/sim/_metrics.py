@@ -1,0 +1,93 @@
+"""The simulator's Prometheus metrics, named and bucketed as vLLM names them.
+
+Each app owns its `CollectorRegistry`, so several simulators in one process (a primary
+and candidates in a test) never share or collide on series. Label sets are bounded: the
+one served model name, vLLM's `engine="0"`, and the two finish reasons.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["KV_CACHE_CAPACITY_TOKENS", "SimMetrics"]
+
+# Tokens the simulated KV cache holds when full; in-flight prompt + answer tokens over
+# this is what `vllm:kv_cache_usage_perc` reports.
+KV_CACHE_CAPACITY_TOKENS = 65_536
+
+# vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+_LABELS = ("model_name", "engine")
+_ENGINE = "0"
+
+
+class SimMetrics:
+    """vLLM-named series for one app, in a registry of its own."""
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model, "engine": _ENGINE}
+        reg = self.registry
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.",
+            _LABELS, registry=reg, buckets=_TTFT_BUCKETS,
+        ).labels(**labels)  # fmt: skip
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.",
+            _LABELS, registry=reg, buckets=_ITL_BUCKETS,
+        ).labels(**labels)  # fmt: skip
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+            _LABELS, registry=reg, buckets=_E2E_BUCKETS,
+        ).labels(**labels)  # fmt: skip
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests being answered.", _LABELS, registry=reg
+        ).labels(**labels)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", _LABELS,
+            registry=reg,
+        ).labels(**labels)  # fmt: skip
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage, 1 means full.", _LABELS, registry=reg
+        ).labels(**labels)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            _LABELS, registry=reg,
+        ).labels(**labels)  # fmt: skip
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            _LABELS, registry=reg,
+        ).labels(**labels)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=reg
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generation tokens processed.", _LABELS, registry=reg
+        ).labels(**labels)
+        success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.",
+            (*_LABELS, "finished_reason"), registry=reg,
+        )  # fmt: skip
+        self.success_stop = success.labels(**labels, finished_reason="stop")
+        self.success_length = success.labels(**labels, finished_reason="length")
+        self.waiting.set(0)
+        self._held_tokens = 0
+
+    def hold_tokens(self, tokens: int) -> None:
+        """Account tokens of an in-flight request in the simulated KV cache."""
+        self._held_tokens += tokens
+        self.kv_usage.set(min(1.0, self._held_tokens / KV_CACHE_CAPACITY_TOKENS))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,203 @@
+"""Validation of inference request bodies, as vLLM's pydantic request models do it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from backends.sim._protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    RequestKind,
+    SimRequestError,
+)
+from backends.sim._text import count_words
+
+__all__ = ["MESSAGE_OVERHEAD_TOKENS", "InferenceRequest", "parse_request"]
+
+# Tokens a chat template adds around each message (role markers, separators).
+MESSAGE_OVERHEAD_TOKENS = 4
+
+EncodingFormat = Literal["float", "base64"]
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """The parts of a request body the simulator's answer depends on."""
+
+    kind: RequestKind
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    prompt_tokens: int
+    # What the answer text is a function of: the messages, the prompt, or the inputs.
+    prompt_key: object
+    seed: int | None
+    # temperature > 0 given without a seed: the answer may differ from call to call.
+    sampled: bool
+    embedding_inputs: tuple[object, ...] = ()
+    encoding_format: EncodingFormat = "float"
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0:
+            raise ValueError("prompt_tokens is never negative")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens is at least 1")
+
+
+def parse_request(kind: RequestKind, body: object, *, served_model: str) -> InferenceRequest:
+    """Check a decoded JSON body; raise `SimRequestError` where vLLM answers 4xx."""
+    if not isinstance(body, dict):
+        raise SimRequestError("The request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise SimRequestError(f"The model `{model}` does not exist.", param="model", status=404)
+    if kind == "embedding":
+        return _parse_embedding(body)
+    stream = _optional_bool(body, "stream") or False
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise SimRequestError("stream_options must be an object.", param="stream_options")
+        if not stream:
+            raise SimRequestError(
+                "Stream options can only be defined when `stream=True`.",
+                param="stream_options",
+            )
+    # vLLM's StreamOptions.include_usage defaults to true once stream_options is given.
+    include_usage = bool(stream_options.get("include_usage", True)) if stream_options else False
+    n = _optional_int(body, "n", minimum=1)
+    if n not in (None, 1):
+        raise SimRequestError("The simulator answers with one choice (n=1).", param="n")
+    seed = _optional_int(body, "seed", minimum=None)
+    temperature = body.get("temperature")
+    if temperature is not None and (
+        isinstance(temperature, bool) or not isinstance(temperature, int | float)
+    ):
+        raise SimRequestError("temperature must be a number.", param="temperature")
+    sampled = temperature is not None and temperature > 0 and seed is None
+    if kind == "chat":
+        max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
+        if max_tokens is None:
+            max_tokens = _optional_int(body, "max_tokens", minimum=1)
+        prompt_key: object = _chat_messages(body)
+        prompt_tokens = _chat_prompt_tokens(body["messages"])
+    else:
+        max_tokens = _optional_int(body, "max_tokens", minimum=1)
+        if "max_tokens" not in body:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        prompt_key, prompt_tokens = _completion_prompt(body)
+    return InferenceRequest(
+        kind=kind,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        prompt_tokens=prompt_tokens,
+        prompt_key=prompt_key,
+        seed=seed,
+        sampled=sampled,
+    )
+
+
+def _parse_embedding(body: dict[str, Any]) -> InferenceRequest:
+    raw = body.get("input")
+    inputs: list[object]
+    if isinstance(raw, str):
+        inputs = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(item, str) for item in raw):
+        inputs = list(raw)
+    elif isinstance(raw, list) and raw and all(_is_token_ids(item) for item in raw):
+        inputs = [list(item) for item in raw]
+    elif _is_token_ids(raw):
+        inputs = [raw]
+    else:
+        raise SimRequestError(
+            "input must be a string, a list of strings or a list of token ids.", param="input"
+        )
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise SimRequestError("encoding_format must be float or base64.", param="encoding_format")
+    tokens = sum(
+        count_words([item]) if isinstance(item, str) else len(_as_list(item)) for item in inputs
+    )
+    return InferenceRequest(
+        kind="embedding",
+        stream=False,
+        include_usage=False,
+        max_tokens=None,
+        prompt_tokens=tokens,
+        prompt_key=inputs,
+        seed=None,
+        sampled=False,
+        embedding_inputs=tuple(inputs),
+        encoding_format="base64" if encoding == "base64" else "float",
+    )
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise SimRequestError("messages must be a non-empty list.", param="messages")
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise SimRequestError("each message needs a string role.", param="messages")
+    return messages
+
+
+def _chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    texts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(
+                part["text"]
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+    return count_words(texts) + MESSAGE_OVERHEAD_TOKENS * len(messages)
+
+
+def _completion_prompt(body: dict[str, Any]) -> tuple[object, int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and not _is_token_ids(prompt):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt, count_words([prompt])
+    if _is_token_ids(prompt):
+        return prompt, len(_as_list(prompt))
+    raise SimRequestError(
+        "prompt must be one string or one list of token ids (the simulator answers one "
+        "prompt per request).",
+        param="prompt",
+    )
+
+
+def _is_token_ids(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+    )
+
+
+def _as_list(value: object) -> list[object]:
+    return list(value) if isinstance(value, list) else []
+
+
+def _optional_int(body: dict[str, Any], name: str, *, minimum: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SimRequestError(f"{name} must be an integer.", param=name)
+    if minimum is not None and value < minimum:
+        raise SimRequestError(f"{name} must be at least {minimum}, got {value}.", param=name)
+    return value
+
+
+def _optional_bool(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise SimRequestError(f"{name} must be a boolean.", param=name)

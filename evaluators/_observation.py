@@ -1,0 +1,240 @@
+"""What one backend did for one request: the unit every evaluator consumes.
+
+The gateway builds an :class:`Observation` from a :class:`Capture` it filled while it
+relayed the answer (timings taken per chunk, bytes kept up to a bound). Parsing the
+captured bytes happens here, after the answer has reached the client, never per chunk.
+
+Rules:
+1. A value the backend did not report is ``None`` (unknown), never 0. vLLM reports
+   ``cached_tokens`` only with ``--enable-prompt-tokens-details``.
+2. A capture cut at its byte bound still yields timings and byte counts; fields that
+   could only come from the lost bytes are unknown and ``truncated`` says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = ["Capture", "Observation", "Usage", "observe"]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    @classmethod
+    def from_json(cls, usage: Any) -> Usage | None:
+        if not isinstance(usage, dict):
+            return None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(
+            prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+            completion_tokens=_int_or_none(usage.get("completion_tokens")),
+            cached_tokens=_int_or_none(cached),
+        )
+
+
+@dataclass(slots=True)
+class Capture:
+    """Mutable record filled on the hot path; turned into an Observation afterwards.
+
+    Appending is all the relay does per chunk: a clock reading and, while under
+    ``max_bytes``, the chunk itself. The tail (last two chunks) is always kept by
+    reference so the usage chunk at the end of a long stream is not lost.
+    """
+
+    started: float
+    max_bytes: int
+    max_chunk_times: int
+    status: int = 0
+    streamed: bool = False
+    headers_at: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    body: bytearray = field(default_factory=bytearray)
+    tail: list[bytes] = field(default_factory=list)
+    total_bytes: int = 0
+    truncated: bool = False
+    ended: float | None = None
+    error: str | None = None
+
+    def add_chunk(self, now: float, chunk: bytes) -> None:
+        if len(self.chunk_times) < self.max_chunk_times:
+            self.chunk_times.append(now)
+        self.total_bytes += len(chunk)
+        if len(self.body) + len(chunk) <= self.max_bytes:
+            self.body += chunk
+        else:
+            self.truncated = True
+            self.tail = [*self.tail[-1:], chunk]
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    request_id: str
+    backend: str
+    route: str
+    status: int
+    streamed: bool
+    started_at: float
+    ttft_s: float | None
+    chunk_gaps_s: tuple[float, ...]
+    e2e_s: float | None
+    usage: Usage | None
+    finish_reason: str | None
+    text: str | None
+    tool_calls: tuple[dict[str, Any], ...]
+    model: str | None
+    bytes: int
+    truncated: bool
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and 200 <= self.status < 300
+
+
+def observe(capture: Capture, *, request_id: str, backend: str, route: str,
+            wall_started: float) -> Observation:
+    """Turn a finished capture into an Observation (parses the kept bytes once)."""
+    times = capture.chunk_times
+    first = times[0] if times else None
+    gaps = tuple(b - a for a, b in itertools.pairwise(times))
+    parsed = _parse_body(capture)
+    return Observation(
+        request_id=request_id,
+        backend=backend,
+        route=route,
+        status=capture.status,
+        streamed=capture.streamed,
+        started_at=wall_started,
+        ttft_s=(first - capture.started) if first is not None else None,
+        chunk_gaps_s=gaps,
+        e2e_s=(capture.ended - capture.started) if capture.ended is not None else None,
+        usage=parsed.usage,
+        finish_reason=parsed.finish_reason,
+        text=parsed.text,
+        tool_calls=tuple(parsed.tool_calls),
+        model=parsed.model,
+        bytes=capture.total_bytes,
+        truncated=capture.truncated,
+        error=capture.error,
+    )
+
+
+@dataclass(slots=True)
+class _Parsed:
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    text: str | None = None
+    model: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _parse_body(capture: Capture) -> _Parsed:
+    parsed = _Parsed()
+    if not capture.body and not capture.tail:
+        return parsed
+    if capture.streamed:
+        _parse_sse(capture, parsed)
+    else:
+        try:
+            doc = orjson.loads(bytes(capture.body)) if not capture.truncated else None
+        except orjson.JSONDecodeError:
+            doc = None
+        if isinstance(doc, dict):
+            _absorb_completion(doc, parsed)
+    return parsed
+
+
+def _sse_events(data: bytes) -> list[Any]:
+    events: list[Any] = []
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if not payload or payload == b"[DONE]":
+            continue
+        try:
+            events.append(orjson.loads(payload))
+        except orjson.JSONDecodeError:
+            continue
+    return events
+
+
+def _parse_sse(capture: Capture, parsed: _Parsed) -> None:
+    pieces: list[str] = []
+    for event in _sse_events(bytes(capture.body)):
+        if isinstance(event, dict):
+            _absorb_chunk(event, parsed, pieces)
+    if capture.truncated:
+        # Only the tail survived: usage and finish reason may be there, the text is partial.
+        for event in _sse_events(b"".join(capture.tail).partition(b"\n")[2]):
+            if isinstance(event, dict):
+                _absorb_chunk(event, parsed, [])
+        parsed.text = None
+    else:
+        parsed.text = "".join(pieces)
+
+
+def _absorb_chunk(event: dict[str, Any], parsed: _Parsed, pieces: list[str]) -> None:
+    if parsed.model is None and isinstance(event.get("model"), str):
+        parsed.model = event["model"]
+    usage = Usage.from_json(event.get("usage"))
+    if usage is not None:
+        parsed.usage = usage
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("finish_reason"):
+            parsed.finish_reason = str(choice["finish_reason"])
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if isinstance(delta.get("content"), str):
+                pieces.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                _merge_tool_call_delta(parsed.tool_calls, call)
+        elif isinstance(choice.get("text"), str):
+            pieces.append(choice["text"])
+
+
+def _merge_tool_call_delta(calls: list[dict[str, Any]], delta: Any) -> None:
+    if not isinstance(delta, dict):
+        return
+    index = delta.get("index", len(calls))
+    while len(calls) <= index:
+        calls.append({"name": "", "arguments": ""})
+    function = delta.get("function") or {}
+    calls[index]["name"] += function.get("name") or ""
+    calls[index]["arguments"] += function.get("arguments") or ""
+
+
+def _absorb_completion(doc: dict[str, Any], parsed: _Parsed) -> None:
+    parsed.model = doc.get("model") if isinstance(doc.get("model"), str) else None
+    parsed.usage = Usage.from_json(doc.get("usage"))
+    choices = doc.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return
+    choice = choices[0]
+    reason = choice.get("finish_reason")
+    parsed.finish_reason = str(reason) if reason else None
+    message = choice.get("message")
+    if isinstance(message, dict):
+        content = message.get("content")
+        parsed.text = content if isinstance(content, str) else None
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {} if isinstance(call, dict) else {}
+            parsed.tool_calls.append({"name": function.get("name") or "",
+                                      "arguments": function.get("arguments") or ""})
+    elif isinstance(choice.get("text"), str):
+        parsed.text = choice["text"]
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

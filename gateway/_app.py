@@ -1,0 +1,118 @@
+"""The aiohttp application: routes, lifecycle, and the serve loop.
+
+Lifecycle (one place): ``cleanup_ctx`` opens the upstream pools at start and closes them
+last. Shutdown order, kept by aiohttp's runner with ``shutdown_timeout``: stop accepting,
+let in-flight relays finish within the timeout, cancel the rest, then close the pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from gateway._config import GatewayConfig
+from gateway._metrics import GatewayMetrics
+from gateway._relay import relay
+from gateway._state import GatewayState, RecentObservations
+from gateway._upstream import Upstream
+
+__all__ = ["STATE", "build_app", "make_runner", "run", "serve"]
+
+log = logging.getLogger("understudy.gateway")
+
+STATE = web.AppKey("state", GatewayState)
+
+
+def build_app(config: GatewayConfig) -> web.Application:
+    app = web.Application(client_max_size=config.server.max_body_bytes)
+    app[STATE] = GatewayState(
+        config=config,
+        metrics=GatewayMetrics(),
+        primary=Upstream(config.primary),
+        observations=RecentObservations(config.capture.recent_observations),
+    )
+    app.cleanup_ctx.append(_upstream_pools)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_route("*", "/v1/{tail:.*}", _proxy)
+    return app
+
+
+async def _upstream_pools(app: web.Application) -> AsyncIterator[None]:
+    primary = app[STATE].primary
+    await primary.open()
+    try:
+        yield
+    finally:
+        await primary.close()
+
+
+async def _proxy(request: web.Request) -> web.StreamResponse:
+    return await relay(request, request.app[STATE])
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = {"status": "ok", "primary": state.primary.name}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The runner every gateway is served by (CLI and tests alike)."""
+    config = app[STATE].config
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that goes away cancels its upstream call
+        shutdown_timeout=config.server.shutdown_timeout_s,
+        access_log=None,
+    )
+
+
+async def serve(
+    config: GatewayConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[int], Awaitable[None] | None] | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM), then shut down gracefully."""
+    runner = make_runner(build_app(config))
+    await runner.setup()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, config.server.host, config.server.port)
+        await site.start()
+        port = runner.addresses[0][1] if runner.addresses else config.server.port
+        log.info("understudy gateway on http://%s:%s -> primary %s",
+                 config.server.host, port, config.primary.url)
+        if on_ready is not None:
+            result = on_ready(port)
+            if result is not None:
+                await result
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(config: GatewayConfig) -> None:
+    """Blocking entry point: uvloop when available, asyncio otherwise."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))

@@ -1,0 +1,123 @@
+"""Typed configuration: one model per concern, read from TOML, overridden by env and flags.
+
+Precedence, highest first: command-line flags, ``UNDERSTUDY_*`` environment variables
+(nested with ``__``, e.g. ``UNDERSTUDY_PRIMARY__URL``), the TOML file, the defaults below.
+Building a config has no side effects; starting the gateway does.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+__all__ = [
+    "CaptureConfig",
+    "GatewayConfig",
+    "ServerConfig",
+    "UpstreamConfig",
+    "load_config",
+]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+DEFAULT_PORT = 8080
+DEFAULT_MAX_BODY_BYTES = 8 * MiB
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 120.0
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_CAPTURE_BYTES = 256 * KiB
+DEFAULT_CAPTURE_CHUNK_TIMES = 8192
+DEFAULT_RECENT_OBSERVATIONS = 1024
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
+    shutdown_timeout_s: float = Field(DEFAULT_SHUTDOWN_TIMEOUT_S, ge=0)
+
+
+class UpstreamConfig(_Section):
+    """One backend the gateway talks to. ``url`` is the server root (``/v1`` is stripped)."""
+
+    name: str = "primary"
+    url: str = "http://127.0.0.1:8000"
+    api_key: SecretStr | None = None
+    connect_timeout_s: float = Field(DEFAULT_CONNECT_TIMEOUT_S, gt=0)
+    first_byte_timeout_s: float = Field(DEFAULT_FIRST_BYTE_TIMEOUT_S, gt=0)
+    idle_timeout_s: float = Field(DEFAULT_IDLE_TIMEOUT_S, gt=0)
+    max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _root_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"upstream url must start with http:// or https://, got {url!r}")
+        url = url.rstrip("/")
+        return url.removesuffix("/v1")
+
+
+class CaptureConfig(_Section):
+    """Bounds on what the relay keeps of each answer for its Observation."""
+
+    max_bytes: int = Field(DEFAULT_CAPTURE_BYTES, ge=0)
+    max_chunk_times: int = Field(DEFAULT_CAPTURE_CHUNK_TIMES, ge=0)
+    recent_observations: int = Field(DEFAULT_RECENT_OBSERVATIONS, ge=0)
+
+
+class GatewayConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="UNDERSTUDY_", env_nested_delimiter="__", frozen=True, extra="forbid"
+    )
+
+    server: ServerConfig = ServerConfig()
+    primary: UpstreamConfig = UpstreamConfig()
+    capture: CaptureConfig = CaptureConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # load_config merges file, environment and flags itself, in that order.
+        return (init_settings,)
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> GatewayConfig:
+    """Read ``path`` (TOML), apply the environment, then ``overrides`` (nested dict of flags)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    environment = EnvSettingsSource(GatewayConfig)()
+    return GatewayConfig(**_deep_merge(_deep_merge(data, environment), overrides or {}))
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out

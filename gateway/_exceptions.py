@@ -1,0 +1,126 @@
+"""The gateway's errors, and the one place foreign errors are translated into them.
+
+    GatewayError                 (status_hint: the HTTP status it becomes)
+    ├── RequestError             the client's request cannot be forwarded
+    │   └── RequestTooLarge      413
+    └── UpstreamError            the backend failed us (kind: a bounded metrics label)
+        ├── UpstreamUnreachable  502  connect refused / reset before an answer
+        ├── UpstreamTimeout      504  connect, first-byte or idle timeout
+        └── UpstreamBroken       502  the answer was cut or malformed mid-stream
+
+Every error renders as an OpenAI-style JSON body, so clients' SDKs raise their usual types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import ClassVar, Literal
+
+import aiohttp
+import orjson
+from aiohttp import web
+from aiohttp.http_exceptions import ContentLengthError, TransferEncodingError
+
+__all__ = [
+    "GatewayError",
+    "RequestError",
+    "RequestTooLarge",
+    "UpstreamBroken",
+    "UpstreamError",
+    "UpstreamErrorKind",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
+    "error_response",
+    "translate_upstream_errors",
+]
+
+UpstreamErrorKind = Literal[
+    "connect", "connect_timeout", "first_byte_timeout", "idle_timeout", "reset", "protocol"
+]
+
+
+class GatewayError(Exception):
+    status_hint: ClassVar[int] = 500
+    error_type: ClassVar[str] = "internal_error"
+
+
+class RequestError(GatewayError):
+    status_hint = 400
+    error_type = "invalid_request_error"
+
+
+class RequestTooLarge(RequestError):
+    status_hint = 413
+
+
+class UpstreamError(GatewayError):
+    status_hint = 502
+    error_type = "upstream_error"
+
+    def __init__(self, message: str, kind: UpstreamErrorKind) -> None:
+        super().__init__(message)
+        self.kind: UpstreamErrorKind = kind
+
+
+class UpstreamUnreachable(UpstreamError):
+    pass
+
+
+class UpstreamTimeout(UpstreamError):
+    status_hint = 504
+    error_type = "upstream_timeout"
+
+
+class UpstreamBroken(UpstreamError):
+    pass
+
+
+def error_response(error: GatewayError, request_id: str | None = None) -> web.Response:
+    body = {
+        "error": {
+            "message": str(error),
+            "type": error.error_type,
+            "param": None,
+            "code": error.status_hint,
+        }
+    }
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return web.Response(
+        status=error.status_hint,
+        body=orjson.dumps(body),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+@contextmanager
+def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]) -> Iterator[None]:
+    """Map aiohttp/asyncio failures talking to ``upstream`` onto the tree above.
+
+    ``phase`` says whether the answer had begun: a timeout before the headers is a
+    first-byte timeout, after them an idle timeout.
+    """
+    try:
+        yield
+    except TimeoutError as exc:
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            kind: UpstreamErrorKind = "connect_timeout"
+        else:
+            kind = "first_byte_timeout" if phase == "connect" else "idle_timeout"
+        raise UpstreamTimeout(f"upstream {upstream} timed out ({kind})", kind) from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamUnreachable(f"upstream {upstream} is unreachable: {exc.os_error}",
+                                  "connect") from exc
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+            ConnectionResetError) as exc:
+        kind = "connect" if phase == "connect" else "reset"
+        raise UpstreamBroken(f"upstream {upstream} closed the connection", kind) from exc
+    except aiohttp.ClientPayloadError as exc:
+        # A body that stopped short of its declared framing is a connection cut mid-answer.
+        cut = isinstance(exc.__cause__, ContentLengthError | TransferEncodingError)
+        raise UpstreamBroken(f"upstream {upstream} sent a broken body",
+                             "reset" if cut else "protocol") from exc
+    except aiohttp.ClientResponseError as exc:
+        raise UpstreamBroken(f"upstream {upstream} sent an invalid response: {exc.message}",
+                             "protocol") from exc

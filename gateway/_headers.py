@@ -1,0 +1,82 @@
+"""Header handling for a forwarding proxy (RFC 9110 §7.6.1).
+
+Hop-by-hop headers, and any header named in ``Connection``, describe one connection and
+are never forwarded in either direction. ``Content-Length`` is recomputed by the
+transport whenever the relay may change the body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+__all__ = [
+    "CREDENTIAL_HEADERS",
+    "REQUEST_ID_HEADER",
+    "downstream_headers",
+    "upstream_headers",
+]
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
+        "Proxy-Connection", "TE", "Trailer", "Transfer-Encoding", "Upgrade",
+    )
+)
+# Set by the client library for the new connection, never copied.
+_REQUEST_RECOMPUTED = frozenset({"host", "content-length"})
+_RESPONSE_RECOMPUTED = frozenset({"content-length"})
+
+CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key"})
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+    return frozenset(
+        token.strip().lower()
+        for value in headers.getall("Connection", ())
+        for token in value.split(",")
+        if token.strip()
+    )
+
+
+def _copy(
+    headers: CIMultiDictProxy[str], drop: Iterable[str]
+) -> CIMultiDict[str]:
+    dropped = HOP_BY_HOP | _connection_tokens(headers) | frozenset(drop)
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
+
+
+def upstream_headers(
+    incoming: CIMultiDictProxy[str],
+    *,
+    request_id: str,
+    client_ip: str | None,
+    scheme: str,
+    forward_credentials: bool = True,
+    api_key: str | None = None,
+) -> CIMultiDict[str]:
+    drop = set(_REQUEST_RECOMPUTED)
+    if not forward_credentials or api_key is not None:
+        drop |= CREDENTIAL_HEADERS
+    out = _copy(incoming, drop)
+    if api_key is not None:
+        out["Authorization"] = f"Bearer {api_key}"
+    prior = incoming.get("X-Forwarded-For")
+    if client_ip:
+        out["X-Forwarded-For"] = f"{prior}, {client_ip}" if prior else client_ip
+    out["X-Forwarded-Proto"] = incoming.get("X-Forwarded-Proto", scheme)
+    out[REQUEST_ID_HEADER] = request_id
+    return out
+
+
+def downstream_headers(
+    upstream: CIMultiDictProxy[str], *, request_id: str, body_rewritten: bool
+) -> CIMultiDict[str]:
+    drop = _RESPONSE_RECOMPUTED if body_rewritten else frozenset()
+    out = _copy(upstream, drop)
+    out[REQUEST_ID_HEADER] = request_id
+    return out

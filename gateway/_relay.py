@@ -1,0 +1,236 @@
+"""The hot path: forward one request to the primary and stream its answer back.
+
+Rules (DESIGN.md invariant 1):
+1. Every chunk the primary sends is written to the client as it arrives; the relay never
+   waits for a candidate, the store or an evaluator before or while answering.
+2. Per chunk the relay does only: read a clock, append to the bounded :class:`Capture`,
+   note the time for the idle watchdog, and write. The one exception is a stream on which
+   the gateway itself asked for usage (``include_usage``) that the client did not ask
+   for: there whole SSE events are passed on and the extra usage event is dropped.
+3. The request body is read once, bounded by ``max_body_bytes``, and parsed as JSON at
+   most once (only for the routes whose fields matter). A body that is not JSON is
+   forwarded untouched: the backend judges it.
+4. Once the response has begun, an upstream failure can no longer become a 502/504: the
+   client connection is aborted so the client sees a cut answer, never a clean end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from evaluators import Capture, observe
+from gateway._exceptions import (
+    RequestTooLarge,
+    UpstreamError,
+    error_response,
+    translate_upstream_errors,
+)
+from gateway._headers import REQUEST_ID_HEADER, downstream_headers, upstream_headers
+from gateway._metrics import Route, route_of
+from gateway._state import GatewayState
+from gateway._upstream import IdleWatchdog
+
+__all__ = ["RequestPlan", "UsageEventFilter", "plan_request", "read_body", "relay"]
+
+_JSON_ROUTES: frozenset[Route] = frozenset({"chat_completions", "completions", "embeddings"})
+_STREAMING_ROUTES: frozenset[Route] = frozenset({"chat_completions", "completions"})
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """What the gateway learned from the request, once, and the body it will send."""
+
+    route: Route
+    body: bytes
+    payload: dict[str, Any] | None
+    stream: bool
+    injected_usage: bool
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds "
+                              f"the limit of {limit} bytes")
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+    return bytes(body)
+
+
+def plan_request(route: Route, method: str, body: bytes) -> RequestPlan:
+    payload: dict[str, Any] | None = None
+    if method == "POST" and route in _JSON_ROUTES and body:
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        payload = parsed if isinstance(parsed, dict) else None
+    if payload is None or route not in _STREAMING_ROUTES or payload.get("stream") is not True:
+        return RequestPlan(route, body, payload, stream=False, injected_usage=False)
+    options = payload.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return RequestPlan(route, body, payload, stream=True, injected_usage=False)
+    if options is not None and not isinstance(options, dict):
+        # Malformed stream_options: forward untouched, the backend answers the 400.
+        return RequestPlan(route, body, payload, stream=True, injected_usage=False)
+    upstream_payload = {**payload, "stream_options": {**(options or {}), "include_usage": True}}
+    return RequestPlan(route, orjson.dumps(upstream_payload), payload, stream=True,
+                       injected_usage=True)
+
+
+class UsageEventFilter:
+    """Drops the usage-only SSE event (``"choices":[]``) the client did not ask for.
+
+    Only complete events (ending in a blank line) are passed on; a partial event waits
+    for its end. vLLM separates events with ``\\n\\n``.
+    """
+
+    __slots__ = ("_done", "_pending")
+
+    _MARKERS = (b'"choices":[]', b'"choices": []')
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._done:
+            return chunk
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[: cut + 2], data[cut + 2 :]
+        if any(marker in complete for marker in self._MARKERS):
+            events = complete.split(b"\n\n")
+            kept = [e for e in events if not any(m in e for m in self._MARKERS)]
+            complete = b"\n\n".join(kept)
+            self._done = True
+        return complete
+
+    def flush(self) -> bytes:
+        pending, self._pending = self._pending, b""
+        return pending
+
+
+async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse:
+    """Handle one proxied request end to end; never raises for upstream failures."""
+    loop = asyncio.get_running_loop()
+    started, wall_started = loop.time(), time.time()
+    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    route = route_of(request.path)
+    metrics = state.metrics
+    upstream = state.primary
+    capture = Capture(started=started, max_bytes=state.config.capture.max_bytes,
+                      max_chunk_times=state.config.capture.max_chunk_times)
+    metrics.in_flight.inc()
+    try:
+        body = await read_body(request, state.config.server.max_body_bytes)
+        plan = plan_request(route, request.method, body)
+        return await _forward(request, state, plan, capture, request_id)
+    except RequestTooLarge as exc:
+        metrics.rejected.labels("body_too_large").inc()
+        capture.status = exc.status_hint
+        return error_response(exc, request_id)
+    except UpstreamError as exc:  # before the answer began: it becomes a 502/504
+        metrics.upstream_errors.labels(upstream.name, exc.kind).inc()
+        capture.status, capture.error = exc.status_hint, exc.kind
+        return error_response(exc, request_id)
+    except asyncio.CancelledError:  # the client went away; the upstream call is closed
+        capture.error = "client_disconnected"
+        raise
+    finally:
+        metrics.in_flight.dec()
+        capture.ended = loop.time()
+        _record(state, capture, request_id, route, upstream.name, wall_started)
+
+
+async def _forward(request: web.Request, state: GatewayState, plan: RequestPlan,
+                   capture: Capture, request_id: str) -> web.StreamResponse:
+    upstream = state.primary
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    headers = upstream_headers(
+        request.headers, request_id=request_id, client_ip=peer[0] if peer else None,
+        scheme=request.scheme,
+        api_key=upstream.config.api_key.get_secret_value() if upstream.config.api_key else None,
+    )
+    with translate_upstream_errors(upstream.name, "connect"):
+        up = await upstream.send(request.method, request.raw_path, headers, plan.body)
+    try:
+        is_sse = up.content_type == "text/event-stream"
+        usage_filter = UsageEventFilter() if plan.injected_usage and is_sse else None
+        response = web.StreamResponse(
+            status=up.status, reason=up.reason,
+            headers=downstream_headers(up.headers, request_id=request_id,
+                                       body_rewritten=usage_filter is not None),
+        )
+        capture.status = up.status
+        capture.streamed = is_sse
+        await response.prepare(request)
+        try:
+            with translate_upstream_errors(upstream.name, "stream"):
+                async with asyncio.timeout(None) as deadline:
+                    watchdog = IdleWatchdog(deadline, upstream.config.idle_timeout_s)
+                    try:
+                        await _pump(up, response, capture, watchdog, usage_filter)
+                    finally:
+                        watchdog.stop()
+        except UpstreamError as exc:
+            state.metrics.upstream_errors.labels(upstream.name, exc.kind).inc()
+            capture.error = exc.kind
+            _abort(request)  # the answer had begun: cut it, never end it cleanly
+            return response
+        await response.write_eof()
+        return response
+    finally:
+        up.close()
+
+
+async def _pump(up: aiohttp.ClientResponse, response: web.StreamResponse, capture: Capture,
+                watchdog: IdleWatchdog, usage_filter: UsageEventFilter | None) -> None:
+    loop = asyncio.get_running_loop()
+    reader = up.content
+    while True:
+        chunk = await reader.readany()
+        if not chunk:
+            break
+        now = loop.time()
+        watchdog.last_activity = now
+        capture.add_chunk(now, chunk)
+        if usage_filter is not None:
+            chunk = usage_filter.feed(chunk)
+            if not chunk:
+                continue
+        await response.write(chunk)
+    if usage_filter is not None and (rest := usage_filter.flush()):
+        await response.write(rest)
+
+
+def _abort(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.abort()
+
+
+def _record(state: GatewayState, capture: Capture, request_id: str, route: Route,
+            backend: str, wall_started: float) -> None:
+    metrics = state.metrics
+    metrics.requests.labels(route, str(capture.status or 499)).inc()
+    if capture.chunk_times:
+        metrics.ttft.labels(route).observe(capture.chunk_times[0] - capture.started)
+    if capture.ended is not None and capture.error is None:
+        metrics.e2e.labels(route).observe(capture.ended - capture.started)
+    state.observations.accept(
+        observe(capture, request_id=request_id, backend=backend, route=route,
+                wall_started=wall_started)
+    )

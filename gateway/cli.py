@@ -1,0 +1,56 @@
+"""The ``understudy`` command line."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from backends.sim import sim_command
+from gateway._app import run
+from gateway._config import load_config
+
+__all__ = ["main"]
+
+
+@click.group()
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+def main(log_level: str) -> None:
+    """understudy: mirror production LLM traffic to candidates and score them."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False,
+              path_type=Path), help="TOML config file (see examples/understudy.toml).")
+@click.option("--primary", help="Primary backend root URL, e.g. http://127.0.0.1:8000.")
+@click.option("--host", help="Address to listen on.")
+@click.option("--port", type=int, help="Port to listen on.")
+@click.option("--print-config", is_flag=True, help="Print the effective config and exit.")
+def serve(config_path: Path | None, primary: str | None, host: str | None,
+          port: int | None, print_config: bool) -> None:
+    """Forward OpenAI-compatible traffic to the primary."""
+    overrides: dict[str, Any] = {}
+    if primary:
+        overrides.setdefault("primary", {})["url"] = primary
+    if host:
+        overrides.setdefault("server", {})["host"] = host
+    if port is not None:
+        overrides.setdefault("server", {})["port"] = port
+    try:
+        config = load_config(config_path, overrides)
+    except (ValidationError, OSError, ValueError) as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from exc
+    if print_config:
+        click.echo(repr(config))
+        return
+    run(config)
+
+
+main.add_command(sim_command)
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Factories for real servers on loopback sockets, shared by the test suites."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from backends.sim import SIM_STATS, SimConfig, SimStats
+from backends.sim import build_app as build_sim_app
+from gateway import STATE, build_app, load_config, make_runner
+from gateway._state import GatewayState
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@asynccontextmanager
+async def serving(runner: web.BaseRunner) -> AsyncIterator[str]:
+    """Start ``runner`` on an ephemeral loopback port; yield its root URL."""
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@dataclass
+class RunningSim:
+    url: str
+    app: web.Application
+
+    @property
+    def stats(self) -> SimStats:
+        return self.app[SIM_STATS]
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+@asynccontextmanager
+async def run_sim(**config: Any) -> AsyncIterator[RunningSim]:
+    app = build_sim_app(SimConfig(**config))
+    async with serving(web.AppRunner(app, handler_cancellation=True)) as url:
+        yield RunningSim(url, app)
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+
+    @property
+    def state(self) -> GatewayState:
+        return self.app[STATE]
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+@asynccontextmanager
+async def run_gateway(primary_url: str, **sections: dict[str, Any]) -> AsyncIterator[
+    RunningGateway
+]:
+    overrides: dict[str, Any] = {"primary": {"url": primary_url}, "server": {"port": 0}}
+    for name, values in sections.items():
+        overrides.setdefault(name, {}).update(values)
+    app = build_app(load_config(None, overrides))
+    runner = make_runner(app)
+    async with serving(runner) as url:
+        yield RunningGateway(url, app, runner)
+
+
+async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> None:
+    """Wait until ``condition()`` holds; fail after ``within_s`` seconds."""
+    async with asyncio.timeout(within_s):
+        while not condition():  # noqa: ASYNC110 - polling a plain predicate
+            await asyncio.sleep(0.02)
