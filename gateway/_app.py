@@ -16,8 +16,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from evaluators import EvaluationSink, MemorySink
 from gateway._config import GatewayConfig
 from gateway._metrics import GatewayMetrics
+from gateway._mirror import Mirror
 from gateway._relay import relay
 from gateway._state import GatewayState, RecentObservations
 from gateway._upstream import Upstream
@@ -29,15 +31,21 @@ log = logging.getLogger("understudy.gateway")
 STATE = web.AppKey("state", GatewayState)
 
 
-def build_app(config: GatewayConfig) -> web.Application:
+def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.Application:
+    """The gateway app; joined exchanges go to ``sink`` (a bounded MemorySink if None)."""
     app = web.Application(client_max_size=config.server.max_body_bytes)
+    metrics = GatewayMetrics()
     app[STATE] = GatewayState(
         config=config,
-        metrics=GatewayMetrics(),
+        metrics=metrics,
         primary=Upstream(config.primary),
         observations=RecentObservations(config.capture.recent_observations),
+        mirror=Mirror(config.mirror, config.candidates, config.capture, metrics,
+                      sink or MemorySink(config.mirror.sink_capacity)),
     )
+    # Entered in this order, left in reverse: the mirror drains before the pools close.
     app.cleanup_ctx.append(_upstream_pools)
+    app.cleanup_ctx.append(_mirroring)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_route("*", "/v1/{tail:.*}", _proxy)
@@ -51,6 +59,15 @@ async def _upstream_pools(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await primary.close()
+
+
+async def _mirroring(app: web.Application) -> AsyncIterator[None]:
+    mirror = app[STATE].mirror
+    await mirror.start()
+    try:
+        yield
+    finally:
+        await mirror.stop()
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:

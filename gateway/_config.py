@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import (
@@ -20,11 +20,14 @@ from pydantic_settings import (
 )
 
 __all__ = [
+    "CandidateConfig",
     "CaptureConfig",
     "GatewayConfig",
+    "MirrorConfig",
     "ServerConfig",
     "UpstreamConfig",
     "load_config",
+    "parse_candidate_flag",
 ]
 
 KiB = 1024
@@ -40,6 +43,18 @@ DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_CAPTURE_BYTES = 256 * KiB
 DEFAULT_CAPTURE_CHUNK_TIMES = 8192
 DEFAULT_RECENT_OBSERVATIONS = 1024
+DEFAULT_MEMORY_BUDGET = 256 * MiB
+DEFAULT_CANDIDATE_CONCURRENCY = 4
+DEFAULT_BUFFER_ITEMS = 256
+DEFAULT_BUFFER_BYTES = 32 * MiB
+DEFAULT_CANDIDATE_REQUEST_TIMEOUT_S = 300.0
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+DEFAULT_MIRROR_DRAIN_TIMEOUT_S = 5.0
+DEFAULT_SINK_CAPACITY = 10_000
+MirroredRoute = Literal["chat_completions", "completions", "embeddings", "models", "other"]
+DEFAULT_MIRRORED_ROUTES: tuple[MirroredRoute, ...] = (
+    "chat_completions", "completions", "embeddings",
+)
 
 
 class _Section(BaseModel):
@@ -81,6 +96,29 @@ class CaptureConfig(_Section):
     recent_observations: int = Field(DEFAULT_RECENT_OBSERVATIONS, ge=0)
 
 
+class CandidateConfig(UpstreamConfig):
+    """A deployment under test: it receives a sample of the primary's traffic."""
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    sample_rate: float = Field(1.0, ge=0.0, le=1.0)
+    sampling_unit: Literal["request", "session"] = "session"
+    max_concurrency: int = Field(DEFAULT_CANDIDATE_CONCURRENCY, gt=0, le=1024)
+    buffer_items: int = Field(DEFAULT_BUFFER_ITEMS, gt=0)
+    buffer_bytes: int = Field(DEFAULT_BUFFER_BYTES, gt=0)
+    request_timeout_s: float = Field(DEFAULT_CANDIDATE_REQUEST_TIMEOUT_S, gt=0)
+    forward_credentials: bool = False
+    model: str | None = None  # rewrite the request's "model" for this candidate
+
+
+class MirrorConfig(_Section):
+    memory_budget_bytes: int = Field(DEFAULT_MEMORY_BUDGET, ge=0)
+    routes: tuple[MirroredRoute, ...] = DEFAULT_MIRRORED_ROUTES
+    session_header: str = "X-Session-Id"
+    join_timeout_s: float = Field(DEFAULT_JOIN_TIMEOUT_S, gt=0)
+    drain_timeout_s: float = Field(DEFAULT_MIRROR_DRAIN_TIMEOUT_S, ge=0)
+    sink_capacity: int = Field(DEFAULT_SINK_CAPACITY, gt=0)
+
+
 class GatewayConfig(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="UNDERSTUDY_", env_nested_delimiter="__", frozen=True, extra="forbid"
@@ -89,6 +127,16 @@ class GatewayConfig(BaseSettings):
     server: ServerConfig = ServerConfig()
     primary: UpstreamConfig = UpstreamConfig()
     capture: CaptureConfig = CaptureConfig()
+    mirror: MirrorConfig = MirrorConfig()
+    candidates: tuple[CandidateConfig, ...] = ()
+
+    @field_validator("candidates")
+    @classmethod
+    def _unique_names(cls, candidates: tuple[CandidateConfig, ...]) -> tuple[CandidateConfig, ...]:
+        names = [c.name for c in candidates]
+        if len(names) != len(set(names)):
+            raise ValueError(f"candidate names must be unique, got {names}")
+        return candidates
 
     @classmethod
     def settings_customise_sources(
@@ -111,6 +159,28 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
             data = tomllib.load(fh)
     environment = EnvSettingsSource(GatewayConfig)()
     return GatewayConfig(**_deep_merge(_deep_merge(data, environment), overrides or {}))
+
+
+_CANDIDATE_FLAG_KEYS = {
+    "rate": "sample_rate", "unit": "sampling_unit", "concurrency": "max_concurrency",
+    "model": "model", "credentials": "forward_credentials",
+}
+
+
+def parse_candidate_flag(text: str) -> dict[str, Any]:
+    """``NAME=URL[,rate=R][,unit=request|session][,concurrency=N][,model=M]`` as a dict."""
+    head, *options = text.split(",")
+    name, sep, url = head.partition("=")
+    if not sep or not name or not url:
+        raise ValueError(f"--candidate expects NAME=URL[,rate=R], got {text!r}")
+    candidate: dict[str, Any] = {"name": name, "url": url}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in _CANDIDATE_FLAG_KEYS:
+            known = ", ".join(_CANDIDATE_FLAG_KEYS)
+            raise ValueError(f"unknown --candidate option {option!r} (known: {known})")
+        candidate[_CANDIDATE_FLAG_KEYS[key]] = value
+    return candidate
 
 
 def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ __all__ = [
     "CREDENTIAL_HEADERS",
     "REQUEST_ID_HEADER",
     "downstream_headers",
-    "upstream_headers",
+    "forwarded_headers",
+    "with_credentials",
 ]
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -50,26 +51,30 @@ def _copy(
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
 
 
-def upstream_headers(
-    incoming: CIMultiDictProxy[str],
-    *,
-    request_id: str,
-    client_ip: str | None,
-    scheme: str,
-    forward_credentials: bool = True,
-    api_key: str | None = None,
+def forwarded_headers(
+    incoming: CIMultiDictProxy[str], *, request_id: str, client_ip: str | None, scheme: str
 ) -> CIMultiDict[str]:
-    drop = set(_REQUEST_RECOMPUTED)
-    if not forward_credentials or api_key is not None:
-        drop |= CREDENTIAL_HEADERS
-    out = _copy(incoming, drop)
-    if api_key is not None:
-        out["Authorization"] = f"Bearer {api_key}"
+    """The client's headers as any upstream receives them, before credential policy."""
+    out = _copy(incoming, _REQUEST_RECOMPUTED)
     prior = incoming.get("X-Forwarded-For")
     if client_ip:
         out["X-Forwarded-For"] = f"{prior}, {client_ip}" if prior else client_ip
     out["X-Forwarded-Proto"] = incoming.get("X-Forwarded-Proto", scheme)
     out[REQUEST_ID_HEADER] = request_id
+    return out
+
+
+def with_credentials(
+    headers: CIMultiDict[str], *, forward_client_credentials: bool, api_key: str | None
+) -> CIMultiDict[str]:
+    """Apply one upstream's credential policy: its own key, the client's, or none."""
+    if forward_client_credentials and api_key is None:
+        return headers
+    out = CIMultiDict(headers)
+    for name in CREDENTIAL_HEADERS:
+        out.popall(name, None)
+    if api_key is not None:
+        out["Authorization"] = f"Bearer {api_key}"
     return out
 
 

@@ -63,5 +63,53 @@ class GatewayMetrics:
             ["reason"], registry=r,
         )
 
+        # -- mirroring (label ``candidate`` is bounded by the configured candidates) --
+        self.mirror_queued = Counter(
+            "understudy_mirror_queued", "Requests queued for a candidate.",
+            ["candidate"], registry=r,
+        )
+        self.mirror_dropped = Counter(
+            "understudy_mirror_dropped",
+            "Requests not mirrored or not evaluated, by candidate and reason.",
+            ["candidate", "reason"], registry=r,
+        )
+        self.mirror_completed = Counter(
+            "understudy_mirror_completed", "Candidate replays that answered 2xx.",
+            ["candidate"], registry=r,
+        )
+        self.mirror_failed = Counter(
+            "understudy_mirror_failed", "Candidate replays that failed, by kind.",
+            ["candidate", "kind"], registry=r,
+        )
+        self.mirror_joined = Counter(
+            "understudy_mirror_joined",
+            "Candidate observations joined with the primary's and handed to evaluation.",
+            ["candidate"], registry=r,
+        )
+        self.buffer_items = Gauge(
+            "understudy_mirror_buffer_items", "Requests queued per candidate.",
+            ["candidate"], registry=r,
+        )
+        self.buffer_bytes = Gauge(
+            "understudy_mirror_buffer_bytes", "Payload bytes queued per candidate.",
+            ["candidate"], registry=r,
+        )
+        self.budget_used = Gauge(
+            "understudy_memory_budget_used_bytes", "Bytes held for mirroring and evaluation.",
+            registry=r,
+        )
+        self.budget_limit = Gauge(
+            "understudy_memory_budget_limit_bytes", "The process-wide mirroring budget.",
+            registry=r,
+        )
+        self.candidate_ttft = Histogram(
+            "understudy_candidate_ttft_seconds", "Candidate time to first body chunk.",
+            ["candidate"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.candidate_e2e = Histogram(
+            "understudy_candidate_e2e_seconds", "Candidate end-to-end time.",
+            ["candidate"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

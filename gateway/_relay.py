@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from evaluators import Capture, observe
 from gateway._exceptions import (
@@ -33,7 +34,7 @@ from gateway._exceptions import (
     error_response,
     translate_upstream_errors,
 )
-from gateway._headers import REQUEST_ID_HEADER, downstream_headers, upstream_headers
+from gateway._headers import REQUEST_ID_HEADER, downstream_headers, forwarded_headers
 from gateway._metrics import Route, route_of
 from gateway._state import GatewayState
 from gateway._upstream import IdleWatchdog
@@ -138,7 +139,13 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
     try:
         body = await read_body(request, state.config.server.max_body_bytes)
         plan = plan_request(route, request.method, body)
-        return await _forward(request, state, plan, capture, request_id)
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        headers = forwarded_headers(request.headers, request_id=request_id,
+                                    client_ip=peer[0] if peer else None, scheme=request.scheme)
+        if state.mirror.active:
+            state.mirror.offer(route, request.method, request.raw_path, headers, plan.body,
+                               plan.payload, request_id)
+        return await _forward(request, state, plan, headers, capture, request_id)
     except RequestTooLarge as exc:
         metrics.rejected.labels("body_too_large").inc()
         capture.status = exc.status_hint
@@ -157,16 +164,12 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
 
 
 async def _forward(request: web.Request, state: GatewayState, plan: RequestPlan,
-                   capture: Capture, request_id: str) -> web.StreamResponse:
+                   headers: CIMultiDict[str], capture: Capture,
+                   request_id: str) -> web.StreamResponse:
     upstream = state.primary
-    peer = request.transport.get_extra_info("peername") if request.transport else None
-    headers = upstream_headers(
-        request.headers, request_id=request_id, client_ip=peer[0] if peer else None,
-        scheme=request.scheme,
-        api_key=upstream.config.api_key.get_secret_value() if upstream.config.api_key else None,
-    )
     with translate_upstream_errors(upstream.name, "connect"):
-        up = await upstream.send(request.method, request.raw_path, headers, plan.body)
+        up = await upstream.send(request.method, request.raw_path,
+                                 upstream.credentials(headers), plan.body)
     try:
         is_sse = up.content_type == "text/event-stream"
         usage_filter = UsageEventFilter() if plan.injected_usage and is_sse else None
@@ -230,7 +233,7 @@ def _record(state: GatewayState, capture: Capture, request_id: str, route: Route
         metrics.ttft.labels(route).observe(capture.chunk_times[0] - capture.started)
     if capture.ended is not None and capture.error is None:
         metrics.e2e.labels(route).observe(capture.ended - capture.started)
-    state.observations.accept(
-        observe(capture, request_id=request_id, backend=backend, route=route,
-                wall_started=wall_started)
-    )
+    observation = observe(capture, request_id=request_id, backend=backend, route=route,
+                          wall_started=wall_started)
+    state.observations.accept(observation)
+    state.mirror.primary_done(observation)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from evaluators import Observation
 from gateway._config import GatewayConfig
 from gateway._metrics import GatewayMetrics
+from gateway._mirror import Mirror
 from gateway._upstream import Upstream
 
 __all__ = ["GatewayState", "RecentObservations"]
@@ -42,3 +43,4 @@ class GatewayState:
     metrics: GatewayMetrics
     primary: Upstream
     observations: RecentObservations
+    mirror: Mirror

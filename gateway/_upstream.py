@@ -17,6 +17,7 @@ import aiohttp
 from yarl import URL
 
 from gateway._config import UpstreamConfig
+from gateway._headers import with_credentials
 
 if TYPE_CHECKING:
     from multidict import CIMultiDict
@@ -27,8 +28,9 @@ __all__ = ["IdleWatchdog", "Upstream"]
 class Upstream:
     """A backend the gateway forwards to, with its own connection pool."""
 
-    def __init__(self, config: UpstreamConfig) -> None:
+    def __init__(self, config: UpstreamConfig, *, forward_credentials: bool = True) -> None:
         self.config = config
+        self.forward_credentials = forward_credentials
         self.name = config.name
         self._base = URL(config.url)
         self._session: aiohttp.ClientSession | None = None
@@ -54,6 +56,12 @@ class Upstream:
         if self._session is None:
             raise RuntimeError(f"upstream {self.name} is not open")
         return self._session
+
+    def credentials(self, headers: CIMultiDict[str]) -> CIMultiDict[str]:
+        """``headers`` with this upstream's credential policy applied."""
+        key = self.config.api_key
+        return with_credentials(headers, forward_client_credentials=self.forward_credentials,
+                                api_key=key.get_secret_value() if key is not None else None)
 
     def url_for(self, raw_path: str) -> URL:
         return URL(str(self._base) + raw_path, encoded=True)

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from backends.sim import sim_command
 from gateway._app import run
-from gateway._config import load_config
+from gateway._config import load_config, parse_candidate_flag
 
 __all__ = ["main"]
 
@@ -30,11 +30,19 @@ def main(log_level: str) -> None:
 @click.option("--primary", help="Primary backend root URL, e.g. http://127.0.0.1:8000.")
 @click.option("--host", help="Address to listen on.")
 @click.option("--port", type=int, help="Port to listen on.")
+@click.option("--candidate", "candidates", multiple=True, metavar="NAME=URL[,rate=R]",
+              help="Mirror to a candidate (repeatable; replaces the file's candidates). "
+                   "Options: rate=0..1, unit=request|session, concurrency=N, model=M.")
 @click.option("--print-config", is_flag=True, help="Print the effective config and exit.")
 def serve(config_path: Path | None, primary: str | None, host: str | None,
-          port: int | None, print_config: bool) -> None:
-    """Forward OpenAI-compatible traffic to the primary."""
+          port: int | None, candidates: tuple[str, ...], print_config: bool) -> None:
+    """Forward OpenAI-compatible traffic to the primary and mirror it to candidates."""
     overrides: dict[str, Any] = {}
+    try:
+        if candidates:
+            overrides["candidates"] = [parse_candidate_flag(c) for c in candidates]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--candidate") from exc
     if primary:
         overrides.setdefault("primary", {})["url"] = primary
     if host:

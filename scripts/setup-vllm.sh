@@ -22,7 +22,8 @@ VENV="${UNDERSTUDY_HOME}/vllm-venv"
 MODEL_DIR="${UNDERSTUDY_HOME}/models/${MODEL_NAME}"
 STAMP="${UNDERSTUDY_HOME}/vllm-setup.stamp"
 PY="${VENV}/bin/python"
-PYTHON_FOR_VENV="${UNDERSTUDY_VLLM_PYTHON:-python3.11}"
+# torch==2.13.0+cpu lies on disk for CPython 3.11 only.
+PYTHON_FOR_VENV="${UNDERSTUDY_VLLM_PYTHON:-$(command -v python3.11 || command -v python3)}"
 
 log() { printf '[setup-vllm %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 

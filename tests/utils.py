@@ -13,6 +13,7 @@ from aiohttp import web
 
 from backends.sim import SIM_STATS, SimConfig, SimStats
 from backends.sim import build_app as build_sim_app
+from evaluators import EvaluationSink, MemorySink
 from gateway import STATE, build_app, load_config, make_runner
 from gateway._state import GatewayState
 
@@ -71,15 +72,31 @@ class RunningGateway:
     def base_url(self) -> str:
         return self.url + "/v1"
 
+    @property
+    def sink(self) -> MemorySink:
+        sink = self.state.mirror.sink
+        assert isinstance(sink, MemorySink)
+        return sink
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.state.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
 
 @asynccontextmanager
-async def run_gateway(primary_url: str, **sections: dict[str, Any]) -> AsyncIterator[
-    RunningGateway
-]:
+async def run_gateway(
+    primary_url: str,
+    *,
+    candidates: list[dict[str, Any]] | None = None,
+    sink: EvaluationSink | None = None,
+    **sections: dict[str, Any],
+) -> AsyncIterator[RunningGateway]:
     overrides: dict[str, Any] = {"primary": {"url": primary_url}, "server": {"port": 0}}
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
-    app = build_app(load_config(None, overrides))
+    if candidates is not None:
+        overrides["candidates"] = candidates
+    app = build_app(load_config(None, overrides), sink)
     runner = make_runner(app)
     async with serving(runner) as url:
         yield RunningGateway(url, app, runner)

@@ -3,8 +3,8 @@
 It answers /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /health
 and /metrics as vLLM's OpenAI server does, with deterministic text, configurable
 timing, reported prefix-cache hits and injectable faults. `build_app` gives the aiohttp
-application; its counters are under `SIM_STATS`; `running_sim` serves it on a socket (tests);
-`sim_command` runs it from the CLI.
+application, whose counters are under `SIM_STATS`; `running_sim` serves one on a loopback
+socket for tests; `sim_command` runs one from the command line.
 """
 
 from backends.sim._app import SIM_STATS, build_app

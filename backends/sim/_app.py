@@ -150,7 +150,8 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         return _error_response(exc.body(), exc.status)
 
     fault = state.draw_fault(config.fault)
-    stats.faults_injected += fault != "none"
+    if fault != "none":
+        stats.faults_injected += 1
     writer = AnswerWriter(request, plan, config, metrics, state.closing)
     held_tokens = parsed.prompt_tokens + len(plan.tokens)
     stats.started += 1

@@ -72,7 +72,7 @@ class VLLMProfile:
     enable_prompt_tokens_details: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
+        if not 0 < self.port <= 65535:  # 0 would let vLLM pick a port we could not find
             raise ValueError(f"port out of range: {self.port}")
         if self.max_model_len <= 0 or self.kv_cache_space_gib <= 0:
             raise ValueError("max_model_len and kv_cache_space_gib must be positive")
@@ -100,7 +100,6 @@ def command(profile: VLLMProfile, python: Path | None = None) -> list[str]:
         "--port", str(profile.port),
         "--max-model-len", str(profile.max_model_len),
         "--dtype", "bfloat16",
-        "--disable-log-stats",
     ]  # fmt: skip
     if profile.enforce_eager:
         argv.append("--enforce-eager")
@@ -171,14 +170,21 @@ class VLLMServer:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
-        self._process = subprocess.Popen(
-            command(self.profile),
-            env=environment(self.profile, self.cache_dir),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stop() signals all of vLLM
-        )
+        try:
+            self._process = subprocess.Popen(
+                command(self.profile),
+                env=environment(self.profile, self.cache_dir),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() signals all of vLLM
+            )
+        except OSError as exc:
+            self._log.close()
+            self.state = ServerState.STOPPED
+            raise VLLMServerError(
+                f"cannot run {vllm_python()}: run scripts/setup-vllm.sh first"
+            ) from exc
         self.state = ServerState.RUNNING
 
     def wait_healthy(self, timeout: float = DEFAULT_HEALTH_TIMEOUT_S) -> float:

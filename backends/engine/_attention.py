@@ -1,0 +1,119 @@
+"""Causal grouped-query attention over query tiles aligned to absolute positions.
+
+Theory of operation -- why prefix reuse is bitwise exact
+--------------------------------------------------------
+A position's K/V and its logits must come out with the same bits whether the position was
+computed in a one-shot prefill, in a chunk that starts after a cached prefix (at any split point,
+block-aligned or not), or one token at a time by decode.  Float addition is not associative, so
+this holds only if every number is produced by the same sequence of operations each time:
+
+1. Rows are independent.  Each matrix product here is ``rows x k @ k x cols`` and one output row
+   depends only on its input row, provided the BLAS takes the same path: at least
+   ``MIN_GEMM_ROWS`` rows (OpenBLAS and numpy take other kernels for 1-3 rows, whose sums are
+   ordered differently).  ``pad_rows`` is used before every product whose row count varies.
+2. Query tiles are aligned to absolute positions.  Queries at positions
+   ``[t*QUERY_TILE, (t+1)*QUERY_TILE)`` attend over exactly ``(t+1)*QUERY_TILE`` keys, whatever
+   subset of the tile a call holds (a decode step holds one query).  Keys after a query are
+   masked to ``-inf``; their storage must be finite (it is zero or stale K/V, both finite), so
+   their weight is exactly zero.  Every reduction length (softmax max and sum) therefore depends
+   only on the tile index.
+3. Reductions whose order a BLAS could change with the problem size are cut into fixed pieces.
+   Scores are ``q @ K^T`` with K stored transposed, so the product is NN with an inner size of
+   ``head_dim`` (one FMA chain per element on every OpenBLAS path; the NT path does not have
+   this property).  ``P @ V`` runs over ``KEY_CHUNK`` keys at a time (an inner size that fits
+   one OpenBLAS K-block, so no path splits it) and the partial products are summed in order.
+4. Elementwise ufuncs (exp, subtract, divide, RoPE) are exact per element; every array they see
+   is contiguous so the same SIMD loop runs.
+
+Decode writes K/V that equal prefill's because the projections obey rule 1 and the attention
+output of its one query obeys rules 2-4.  Pin the BLAS kernel (``OPENBLAS_CORETYPE``) and the
+numpy/OpenBLAS versions across processes that exchange KV blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["KEY_CHUNK", "MIN_GEMM_ROWS", "QUERY_TILE", "attend", "key_span", "pad_rows"]
+
+Float32Array = npt.NDArray[np.float32]
+
+QUERY_TILE = 128
+"""Queries per attention tile; tile ``t`` attends over ``(t + 1) * QUERY_TILE`` keys."""
+KEY_CHUNK = 256
+"""Keys per ``P @ V`` product (at most one OpenBLAS K-block, see rule 3)."""
+MIN_GEMM_ROWS = 4
+"""Fewest rows handed to a BLAS product (see rule 1)."""
+
+
+def key_span(end_position: int) -> int:
+    """Keys that attention reads for queries up to ``end_position`` (exclusive)."""
+    tiles = -(-end_position // QUERY_TILE)
+    return tiles * QUERY_TILE
+
+
+def pad_rows(x: Float32Array, rows: int = MIN_GEMM_ROWS) -> Float32Array:
+    """``x`` ([n, ...]) with zero rows appended up to ``rows`` (no copy when already enough)."""
+    if x.shape[0] >= rows:
+        return x
+    padded = np.zeros((rows, *x.shape[1:]), dtype=np.float32)
+    padded[: x.shape[0]] = x
+    return padded
+
+
+def _causal_mask(first: int, last: int, group: int, rows: int) -> npt.NDArray[np.bool_]:
+    """[rows, QUERY_TILE]: True where a key of the tile's diagonal block lies after the query.
+
+    Row ``i*group + g`` is the query at tile offset ``first + i``; padding rows mask nothing.
+    """
+    offsets = np.repeat(np.arange(first, last), group)
+    mask = np.zeros((rows, QUERY_TILE), dtype=np.bool_)
+    np.greater(np.arange(QUERY_TILE)[None, :], offsets[:, None], out=mask[: offsets.size])
+    return mask
+
+
+def attend(
+    q: Float32Array,
+    start: int,
+    keys_t: Float32Array,
+    values: Float32Array,
+) -> Float32Array:
+    """Attention output for queries at positions ``start .. start+n``.
+
+    ``q``: [n, kv_heads, group, head_dim], RoPE applied and already scaled by 1/sqrt(head_dim).
+    ``keys_t``: [kv_heads, head_dim, >= key_span(start+n)], keys stored transposed.
+    ``values``: [kv_heads, >= key_span(start+n), head_dim].
+    Returns [n, kv_heads, group, head_dim].
+    """
+    n, kv_heads, group, head_dim = q.shape
+    end = start + n
+    # Rows ordered (position, group member) so that a tile is a contiguous row range.
+    rows = np.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(kv_heads, n * group, head_dim)
+    out = np.empty((kv_heads, n * group, head_dim), dtype=np.float32)
+    for tile in range(start // QUERY_TILE, (end - 1) // QUERY_TILE + 1):
+        tile_start = tile * QUERY_TILE
+        lo = max(start, tile_start)
+        hi = min(end, tile_start + QUERY_TILE)
+        row_lo, row_hi = (lo - start) * group, (hi - start) * group
+        count = row_hi - row_lo
+        padded = max(count, MIN_GEMM_ROWS)
+        if padded == count:
+            q_tile = rows[:, row_lo:row_hi]
+        else:
+            q_tile = np.zeros((kv_heads, padded, head_dim), dtype=np.float32)
+            q_tile[:, :count] = rows[:, row_lo:row_hi]
+        span = tile_start + QUERY_TILE
+        scores = q_tile @ keys_t[:, :, :span]
+        mask = _causal_mask(lo - tile_start, hi - tile_start, group, padded)
+        np.copyto(scores[:, :, tile_start:span], -np.inf, where=mask)
+        peak = scores.max(axis=-1, keepdims=True)
+        np.subtract(scores, peak, out=scores)
+        np.exp(scores, out=scores)
+        denom = scores.sum(axis=-1, keepdims=True)
+        acc = scores[:, :, :KEY_CHUNK] @ values[:, :KEY_CHUNK]
+        for chunk in range(KEY_CHUNK, span, KEY_CHUNK):
+            acc += scores[:, :, chunk : chunk + KEY_CHUNK] @ values[:, chunk : chunk + KEY_CHUNK]
+        np.divide(acc, denom, out=acc)
+        out[:, row_lo:row_hi] = acc[:, :count]
+    return out.reshape(kv_heads, n, group, head_dim).transpose(1, 0, 2, 3)

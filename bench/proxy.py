@@ -1,0 +1,519 @@
+"""Proxy overhead, side by side in one run: direct to the simulator, through the
+understudy gateway, and through nginx ``proxy_pass``.
+
+    .venv/bin/python bench/proxy.py [--quick] [--rounds N] [--profile] [--client-usage]
+
+Scenarios (each against its own simulator, with its own gateway and nginx in front):
+  small-c1   small non-streamed chat requests, 1 at a time: added latency per request
+  small-c32  the same, 32 concurrent: requests/s the relay sustains on this machine
+  stream     streamed answers of 64 chunks at 20 ms spacing, 100 concurrent streams
+
+Rules of the measurement:
+1. Rounds alternate the targets and rotate their order (direct, gateway, nginx; then
+   gateway, nginx, direct; ...), so drift on a shared machine falls on all of them.
+   Figures are medians over rounds; differences and ratios are taken within a round
+   first (gateway vs the direct run next to it), then their median is reported.
+2. The load generator is its own process (bench/_loadgen.py); it reads the relay's
+   CPU time from /proc at the start and end of its measured phase. CPU per relayed chunk
+   = (utime + stime of the relay, nginx = master + worker) / SSE events the client got.
+3. The targets apply to the stream scenario: gateway/direct throughput >= 0.98,
+   gateway - direct median TTFT <= 2 ms, gateway CPU per chunk <= 2x nginx's.
+   Without nginx the benchmark still runs and says the CPU target was not measured.
+
+Results go to stdout and to bench/results/proxy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import (  # noqa: E402
+    CLOCK_TICKS,
+    REPO_ROOT,
+    Child,
+    find_nginx,
+    nginx_version,
+    start_gateway,
+    start_nginx,
+    start_sim,
+)
+
+RESULTS_PATH = REPO_ROOT / "bench" / "results" / "proxy.json"
+PROFILE_PATH = REPO_ROOT / "bench" / "results" / "gateway-pyspy.txt"
+LOADGEN = Path(__file__).resolve().parent / "_loadgen.py"
+SIM_MODEL = "sim-model"
+
+TARGET_THROUGHPUT_RATIO = 0.98
+TARGET_ADDED_TTFT_MS = 2.0
+TARGET_CPU_VS_NGINX = 2.0
+SETTLE_S = 0.3
+
+
+@dataclass(frozen=True)
+class SimShape:
+    ttft_ms: float
+    itl_ms: float
+    tokens: int
+
+
+SMALL_SIM = SimShape(ttft_ms=0.0, itl_ms=0.0, tokens=16)
+STREAM_SIM = SimShape(ttft_ms=20.0, itl_ms=20.0, tokens=64)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    title: str
+    mode: str  # "small" | "stream"
+    sim: SimShape
+    concurrency: int
+    requests_per_worker: int
+    duration_s: float
+    rounds: int
+
+    @property
+    def deadline_s(self) -> float:
+        if self.mode == "stream":
+            per_stream = (self.sim.ttft_ms + self.sim.itl_ms * self.sim.tokens) / 1000
+            return min(self.duration_s, self.requests_per_worker * per_stream) * 3 + 10
+        return self.duration_s + 10
+
+
+def scenarios(quick: bool, rounds: int | None) -> list[Scenario]:
+    small_s = 1.0 if quick else 2.5
+    small_rounds = rounds or (1 if quick else 3)
+    stream_rounds = rounds or (1 if quick else 5)
+    return [
+        Scenario("small-c1", "small non-streamed, concurrency 1", "small", SMALL_SIM,
+                 concurrency=1, requests_per_worker=50_000, duration_s=small_s,
+                 rounds=small_rounds),
+        Scenario("small-c32", "small non-streamed, concurrency 32", "small", SMALL_SIM,
+                 concurrency=32, requests_per_worker=50_000, duration_s=small_s,
+                 rounds=small_rounds),
+        Scenario("stream", "streamed, 64 chunks x 20 ms, 100 concurrent streams", "stream",
+                 STREAM_SIM, concurrency=100, requests_per_worker=2 if quick else 4,
+                 duration_s=60.0, rounds=stream_rounds),
+    ]
+
+
+# --- running ---------------------------------------------------------------------------
+
+def run_loadgen(scenario: Scenario, url: str, cpu_pids: dict[str, list[int]],
+                client_usage: bool) -> dict[str, Any]:
+    spec = {
+        "url": url, "mode": scenario.mode, "model": SIM_MODEL,
+        "concurrency": scenario.concurrency,
+        "requests_per_worker": scenario.requests_per_worker,
+        "duration_s": scenario.duration_s, "deadline_s": scenario.deadline_s,
+        "request_timeout_s": scenario.deadline_s,
+        "max_tokens": scenario.sim.tokens,
+        "stagger_s": scenario.sim.itl_ms / 1000 if scenario.mode == "stream" else 0.0,
+        "client_usage": client_usage,
+        "cpu_pids": cpu_pids,
+    }
+    proc = subprocess.run([sys.executable, str(LOADGEN), json.dumps(spec)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=scenario.deadline_s + 60,
+                          check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"load generator failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    if "error" in result:
+        raise RuntimeError(f"load generator: {result['error']}")
+    return result
+
+
+def derive(result: dict[str, Any]) -> dict[str, Any]:
+    """Per-run figures in the units the report uses (ms, µs, %)."""
+    elapsed = result["elapsed_s"]
+    ticks = result["cpu_ticks"]
+    relay_s = ticks.get("relay", 0) / CLOCK_TICKS if "relay" in ticks else None
+    sim_s = ticks.get("sim", 0) / CLOCK_TICKS
+    events = result["events"]
+
+    def ms(summary: dict[str, Any], key: str) -> float | None:
+        value = summary.get(key)
+        return None if value is None else value * 1000
+
+    return {
+        "ok": result["ok"], "errors": result["errors"], "cut": result["cut_by_deadline"],
+        "error_samples": result["error_samples"],
+        "elapsed_s": elapsed, "rps": result["rps"], "chunks_per_s": result["events_per_s"],
+        "events": events,
+        "ttft_p50_ms": ms(result["ttft_s"], "p50"), "ttft_p99_ms": ms(result["ttft_s"], "p99"),
+        "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
+        "relay_cpu_us_per_chunk": (relay_s / events * 1e6) if relay_s is not None and events
+        else None,
+        "relay_cpu_pct": (relay_s / elapsed * 100) if relay_s is not None else None,
+        "sim_cpu_pct": sim_s / elapsed * 100,
+        "loadgen_cpu_pct": result["loadgen_cpu_s"] / elapsed * 100,
+        "machine_busy_pct": (result["machine_busy_s"] / result["machine_capacity_s"] * 100
+                             if result["machine_capacity_s"] else None),
+    }
+
+
+def run_scenario(scenario: Scenario, workdir: Path, nginx: str | None, client_usage: bool,
+                 log: Callable[[str], None]) -> dict[str, Any]:
+    with ExitStack() as stack:
+        sim = start_sim(workdir, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
+                        tokens=scenario.sim.tokens, name=f"sim-{scenario.key}")
+        stack.callback(sim.stop)
+        gateway = start_gateway(workdir, sim.url)
+        stack.callback(gateway.stop)
+        relays: dict[str, Child | None] = {"direct": None, "gateway": gateway}
+        if nginx is not None:
+            nginx_child = start_nginx(workdir, nginx, sim.url)
+            stack.callback(nginx_child.stop)
+            relays["nginx"] = nginx_child
+        order = list(relays)
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for index in range(scenario.rounds):
+            shift = index % len(order)
+            this_round: dict[str, dict[str, Any]] = {}
+            for target in order[shift:] + order[:shift]:
+                relay = relays[target]
+                for child in (sim, *(c for c in relays.values() if c is not None)):
+                    if not child.alive():
+                        raise RuntimeError(f"{child.name} died:\n{child.log_tail()}")
+                cpu_pids = {"sim": sim.cpu_pids()}
+                if relay is not None:
+                    cpu_pids["relay"] = relay.cpu_pids()
+                url = relay.url if relay is not None else sim.url
+                time.sleep(SETTLE_S)
+                figures = derive(run_loadgen(scenario, url, cpu_pids, client_usage))
+                this_round[target] = figures
+                log(f"  {scenario.key} round {index + 1}/{scenario.rounds} {target:8s} "
+                    + _brief(scenario, figures))
+            rounds.append(this_round)
+        return {"scenario": asdict(scenario), "targets": order, "rounds": rounds,
+                "summary": summarise(order, rounds)}
+
+
+def _brief(scenario: Scenario, f: dict[str, Any]) -> str:
+    cpu = f["relay_cpu_us_per_chunk"]
+    cpu_text = f" relay {cpu:.1f} µs/{'chunk' if scenario.mode == 'stream' else 'req'}" \
+        if cpu is not None else ""
+    lat = (f"ttft p50 {f['ttft_p50_ms']:.2f} p99 {f['ttft_p99_ms']:.2f} ms"
+           if scenario.mode == "stream" and f["ttft_p50_ms"] is not None
+           else f"p50 {_num(f['e2e_p50_ms'], 3)} p99 {_num(f['e2e_p99_ms'], 3)} ms")
+    errors = f" ERRORS {f['errors']} cut {f['cut']}" if f["errors"] or f["cut"] else ""
+    return f"{f['rps']:8.1f} req/s  {lat}{cpu_text}{errors}"
+
+
+# --- summarising -----------------------------------------------------------------------
+
+_FIGURES = ("rps", "chunks_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+            "relay_cpu_us_per_chunk", "relay_cpu_pct", "sim_cpu_pct", "loadgen_cpu_pct",
+            "machine_busy_pct")
+_DELTAS = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarise(order: list[str], rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    medians = {t: {k: _median([r[t][k] for r in rounds]) for k in _FIGURES} for t in order}
+    for t in order:
+        medians[t]["errors"] = sum(r[t]["errors"] + r[t]["cut"] for r in rounds)
+    vs_direct: dict[str, dict[str, float | None]] = {}
+    for t in order:
+        if t == "direct":
+            continue
+        entry: dict[str, float | None] = {
+            "throughput_ratio": _median([r[t]["rps"] / r["direct"]["rps"]
+                                         if r["direct"]["rps"] else None for r in rounds]),
+        }
+        for key in _DELTAS:
+            entry[f"added_{key}"] = _median([
+                r[t][key] - r["direct"][key]
+                if r[t][key] is not None and r["direct"][key] is not None else None
+                for r in rounds])
+        vs_direct[t] = entry
+    cpu_ratio = None
+    if "nginx" in order:
+        cpu_ratio = _median([
+            r["gateway"]["relay_cpu_us_per_chunk"] / r["nginx"]["relay_cpu_us_per_chunk"]
+            if r["gateway"]["relay_cpu_us_per_chunk"] and r["nginx"]["relay_cpu_us_per_chunk"]
+            else None for r in rounds])
+    return {"medians": medians, "vs_direct": vs_direct, "gateway_cpu_vs_nginx": cpu_ratio}
+
+
+def targets(stream: dict[str, Any], nginx_present: bool) -> list[dict[str, Any]]:
+    summary = stream["summary"]
+    gw = summary["vs_direct"]["gateway"]
+    out = [
+        {"target": f"gateway/direct throughput >= {TARGET_THROUGHPUT_RATIO}",
+         "value": gw["throughput_ratio"],
+         "met": gw["throughput_ratio"] is not None
+         and gw["throughput_ratio"] >= TARGET_THROUGHPUT_RATIO},
+        {"target": f"gateway - direct median TTFT <= {TARGET_ADDED_TTFT_MS} ms",
+         "value": gw["added_ttft_p50_ms"],
+         "met": gw["added_ttft_p50_ms"] is not None
+         and gw["added_ttft_p50_ms"] <= TARGET_ADDED_TTFT_MS},
+    ]
+    cpu = summary["gateway_cpu_vs_nginx"]
+    out.append({"target": f"gateway CPU per chunk <= {TARGET_CPU_VS_NGINX}x nginx",
+                "value": cpu,
+                "met": (cpu is not None and cpu <= TARGET_CPU_VS_NGINX) if nginx_present
+                else None})
+    errors = sum(m["errors"] for m in summary["medians"].values())
+    out.append({"target": "no failed or cut streams", "value": errors, "met": errors == 0})
+    return out
+
+
+# --- printing --------------------------------------------------------------------------
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _signed(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:+.{digits}f}"
+
+
+def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        return "\n".join(lines)
+    table = Table(title=title)
+    for h in header:
+        table.add_column(h, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    console = Console(width=200, record=True)
+    with console.capture() as capture:
+        console.print(table)
+    return capture.get().rstrip()
+
+
+def scenario_report(result: dict[str, Any]) -> str:
+    sc = result["scenario"]
+    summary = result["summary"]
+    stream = sc["mode"] == "stream"
+    unit = "chunk" if stream else "req"
+    header = ["target", "req/s"]
+    header += ["chunks/s", "TTFT p50", "TTFT p99", "+TTFT p50", "+TTFT p99"] if stream else []
+    header += ["e2e p50", "e2e p99", "+e2e p50", "+e2e p99", "xput/dir",
+               f"relay µs/{unit}", "relay %", "sim %", "loadgen %", "machine %", "errors"]
+    rows = []
+    for t in result["targets"]:
+        m = summary["medians"][t]
+        d = summary["vs_direct"].get(t, {})
+        row = [t, _num(m["rps"])]
+        if stream:
+            row += [_num(m["chunks_per_s"], 0), _num(m["ttft_p50_ms"], 2),
+                    _num(m["ttft_p99_ms"], 2), _signed(d.get("added_ttft_p50_ms")),
+                    _signed(d.get("added_ttft_p99_ms"))]
+        row += [_num(m["e2e_p50_ms"], 2 if stream else 3), _num(m["e2e_p99_ms"], 2 if stream
+                                                                  else 3),
+                _signed(d.get("added_e2e_p50_ms"), 2 if stream else 3),
+                _signed(d.get("added_e2e_p99_ms"), 2 if stream else 3),
+                _num(d.get("throughput_ratio"), 3) if d else "1",
+                _num(m["relay_cpu_us_per_chunk"]), _num(m["relay_cpu_pct"]),
+                _num(m["sim_cpu_pct"]), _num(m["loadgen_cpu_pct"]),
+                _num(m["machine_busy_pct"]), str(m["errors"])]
+        rows.append(row)
+    title = (f"{sc['key']}: {sc['title']} — medians of {sc['rounds']} alternating round(s); "
+             "times in ms; + = minus direct in the same round; CPU % of one core")
+    text = render_table(title, header, rows)
+    if summary["gateway_cpu_vs_nginx"] is not None:
+        text += (f"\ngateway CPU per {unit} / nginx CPU per {unit}: "
+                 f"{summary['gateway_cpu_vs_nginx']:.2f}x")
+    return text
+
+
+def rounds_report(result: dict[str, Any]) -> str:
+    sc = result["scenario"]
+    stream = sc["mode"] == "stream"
+    header = ["round", "target", "req/s", "p50", "p99", "relay µs", "errors"]
+    rows = []
+    for index, r in enumerate(result["rounds"], 1):
+        for t in result["targets"]:
+            f = r[t]
+            key = "ttft" if stream else "e2e"
+            rows.append([str(index), t, _num(f["rps"]), _num(f[f"{key}_p50_ms"], 2 if stream
+                                                               else 3),
+                         _num(f[f"{key}_p99_ms"], 2 if stream else 3),
+                         _num(f["relay_cpu_us_per_chunk"]), str(f["errors"] + f["cut"])])
+    what = "TTFT" if stream else "latency"
+    return render_table(f"{sc['key']} per round ({what} ms; relay CPU µs per "
+                        f"{'chunk' if stream else 'request'})", header, rows)
+
+
+# --- profiling -------------------------------------------------------------------------
+
+def profile_gateway(scenario: Scenario, workdir: Path, client_usage: bool,
+                    log: Callable[[str], None]) -> str:
+    """One extra stream round through the gateway with py-spy sampling it (raw stacks)."""
+    pyspy = Path(sys.executable).parent / "py-spy"
+    if not pyspy.exists():
+        return "profile: py-spy not installed (.venv/bin/pip install py-spy)"
+    with ExitStack() as stack:
+        sim = start_sim(workdir, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
+                        tokens=scenario.sim.tokens, name="sim-profile")
+        stack.callback(sim.stop)
+        gateway = start_gateway(workdir, sim.url)
+        stack.callback(gateway.stop)
+        per_stream_s = (scenario.sim.ttft_ms + scenario.sim.itl_ms * scenario.sim.tokens) / 1000
+        duration = int(per_stream_s * scenario.requests_per_worker) + 1
+        PROFILE_PATH.parent.mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen([str(pyspy), "record", "--pid", str(gateway.pid), "--rate", "250",
+                                "--format", "raw", "--nonblocking", "--duration", str(duration),
+                                "--output", str(PROFILE_PATH)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)
+        figures = derive(run_loadgen(scenario, gateway.url, {"relay": gateway.cpu_pids()},
+                                     client_usage))
+        log("  profile round (py-spy attached) gateway " + _brief(scenario, figures))
+        _, err = spy.communicate(timeout=duration + 30)
+        if spy.returncode != 0 or not PROFILE_PATH.exists():
+            return f"profile: py-spy failed ({spy.returncode}): {err.decode()[-500:]}"
+    return summarise_profile(PROFILE_PATH.read_text())
+
+
+def summarise_profile(raw: str, top: int = 22) -> str:
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [_frame_name(f) for f in stack.split(";")[2:]]  # drop process, thread
+        if not frames:
+            continue
+        total += count
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+        for name in set(frames):
+            inclusive[name] = inclusive.get(name, 0) + count
+    if not total:
+        return "profile: no samples"
+    lines = [f"py-spy: {total} samples of the gateway's CPU during one stream round "
+             f"(raw stacks: {PROFILE_PATH.relative_to(REPO_ROOT)})", "", "self (leaf) time:"]
+    lines += [f"  {n / total * 100:5.1f}%  {name}"
+              for name, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]]
+    lines += ["", "inclusive time:"]
+    lines += [f"  {n / total * 100:5.1f}%  {name}"
+              for name, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(lines)
+
+
+def _frame_name(frame: str) -> str:
+    """``func (path/to/file.py:123)`` -> ``func (to/file.py)``."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rpartition(":")[0] or where.rstrip(")")
+    parts = path.split("/")
+    short = "/".join(parts[-2:]) if len(parts) > 1 else path
+    return f"{name} ({short})"
+
+
+# --- main ------------------------------------------------------------------------------
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one short round per scenario")
+    parser.add_argument("--rounds", type=int, help="rounds per scenario (overrides the mode)")
+    parser.add_argument("--only", choices=["small-c1", "small-c32", "stream"], action="append",
+                        help="run only these scenarios (repeatable)")
+    parser.add_argument("--no-nginx", action="store_true", help="leave nginx out")
+    parser.add_argument("--client-usage", action="store_true",
+                        help="clients ask for stream_options.include_usage themselves (the "
+                             "gateway then relays without its usage filter)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds, sample the gateway with py-spy for one more "
+                             "stream round and print where its CPU goes")
+    args = parser.parse_args()
+
+    began = time.monotonic()
+    nginx = None if args.no_nginx else find_nginx()
+    version = nginx_version(nginx) if nginx else None
+    print("understudy bench/proxy.py — direct vs gateway vs nginx proxy_pass, one run")
+    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
+          f"{'quick' if args.quick else 'full'} mode")
+    if nginx:
+        print(f"nginx: {version} ({nginx}), 1 worker, proxy_buffering off, upstream keepalive")
+    else:
+        why = "left out (--no-nginx)" if args.no_nginx else "ABSENT (not installed)"
+        print(f"nginx: {why} — nginx column and the CPU-vs-nginx target are NOT measured; "
+              "install it with scripts/setup-bench.sh")
+    print(f"streams: client {'asks for' if args.client_usage else 'does not ask for'} "
+          "include_usage" + ("" if args.client_usage else
+                             " (the gateway injects it and filters the usage event out)"))
+    print(flush=True)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    results: dict[str, Any] = {}
+    chosen = [s for s in scenarios(args.quick, args.rounds)
+              if not args.only or s.key in args.only]
+    profile_text = None
+    with tempfile.TemporaryDirectory(prefix="understudy-bench-") as tmp:
+        workdir = Path(tmp)
+        for scenario in chosen:
+            results[scenario.key] = run_scenario(scenario, workdir, nginx, args.client_usage,
+                                                 log)
+        stream_scenario = next((s for s in chosen if s.key == "stream"), None)
+        if args.profile and stream_scenario is not None:
+            profile_text = profile_gateway(stream_scenario, workdir, args.client_usage, log)
+
+    print()
+    for key, result in results.items():
+        print(scenario_report(result))
+        print()
+        print(rounds_report(result))
+        print()
+    verdicts = targets(results["stream"], nginx is not None) if "stream" in results else []
+    if verdicts:
+        print("targets (stream scenario, medians over rounds):")
+        for v in verdicts:
+            state = {True: "PASS", False: "MISS", None: "NOT MEASURED (nginx absent)"}[v["met"]]
+            value = v["value"]
+            shown = value if isinstance(value, int) else _num(value, 3)
+            print(f"  {state:5s}  {v['target']:45s} measured {shown}")
+        stream_vs = results["stream"]["summary"]["vs_direct"]["gateway"]
+        print(f"  info   gateway - direct p99 TTFT: {_signed(stream_vs['added_ttft_p99_ms'])} ms"
+              " (no target; p99 on 2 shared cores is noisy)")
+    if profile_text:
+        print()
+        print(profile_text)
+    wall = time.monotonic() - began
+    print(f"\nwall time {wall:.0f} s")
+
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps({
+        "meta": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                 "mode": "quick" if args.quick else "full", "nginx": version,
+                 "client_usage": args.client_usage, "wall_s": wall,
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        "scenarios": results, "targets": verdicts, "profile": profile_text,
+    }, indent=2))
+    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Mirroring: sampled production requests replayed on each candidate, off the hot path.
+
+Rules (DESIGN.md invariants 1, 3, 6, 7):
+1. ``offer`` is the only part on the hot path. Per candidate it does a route check, a
+   hash for sampling, and ``CandidateBuffer.offer`` — O(1), no await, no I/O.
+2. Every request that reaches ``offer`` ends, for each candidate, counted exactly once:
+   dropped with a reason (``route``, ``not_sampled``, ``paused``, ``dedup``,
+   ``buffer_full``, ``budget``, ``shutdown``, ``join_timeout``, ``sink_full``) or
+   joined and handed to the evaluation sink.
+3. A candidate's workers (``max_concurrency`` of them) replay requests streaming, and
+   record the candidate's Observation exactly as the relay records the primary's, so
+   candidate TTFT and inter-token latency are measured.
+4. Credentials are not sent to a candidate unless it is configured to receive them.
+5. Stopping: buffers close (queued items dropped as ``shutdown``), in-flight replays get
+   ``drain_timeout_s`` to finish, the rest are cancelled; afterwards the budget is zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import aiohttp
+import orjson
+from multidict import CIMultiDict
+
+from evaluators import Capture, EvaluationSink, Exchange, Observation, observe
+from gateway._budget import MemoryBudget, payload_key
+from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorRequest
+from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
+from gateway._exceptions import UpstreamError, translate_upstream_errors
+from gateway._join import Joiner
+from gateway._metrics import GatewayMetrics, Route
+from gateway._sampler import sampled, session_key
+from gateway._upstream import IdleWatchdog, Upstream
+
+__all__ = ["Candidate", "Mirror"]
+
+log = logging.getLogger("understudy.mirror")
+
+# How often stale joins are swept, at most.
+JOIN_SWEEP_INTERVAL_S = 1.0
+
+
+class Candidate:
+    """One candidate deployment: its config, connection pool, buffer and workers."""
+
+    def __init__(self, config: CandidateConfig, budget: MemoryBudget) -> None:
+        self.config = config
+        self.name = config.name
+        self.upstream = Upstream(config, forward_credentials=config.forward_credentials)
+        self.buffer = CandidateBuffer(config.name, config.buffer_items, config.buffer_bytes,
+                                      budget)
+        self.paused = False
+        self.workers: list[asyncio.Task[None]] = []
+        self.in_flight = 0
+
+
+class Mirror:
+    def __init__(self, config: MirrorConfig, candidates: tuple[CandidateConfig, ...],
+                 capture: CaptureConfig, metrics: GatewayMetrics, sink: EvaluationSink) -> None:
+        self.config = config
+        self.budget = MemoryBudget(config.memory_budget_bytes)
+        self.metrics = metrics
+        self.sink = sink
+        self._capture = capture
+        self._routes: frozenset[str] = frozenset(config.routes)
+        self.candidates: dict[str, Candidate] = {
+            c.name: Candidate(c, self.budget) for c in candidates
+        }
+        self.joiner = Joiner(self.budget, sink, config.join_timeout_s,
+                             on_drop=self._count_drop, on_join=self._count_join)
+        self._sweeper: asyncio.Task[None] | None = None
+        metrics.budget_limit.set(config.memory_budget_bytes)
+        metrics.budget_used.set_function(lambda: self.budget.used)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.candidates)
+
+    # -- hot path -------------------------------------------------------------------
+
+    def offer(self, route: Route, method: str, raw_path: str,
+              headers: CIMultiDict[str], body: bytes,
+              payload: dict[str, object] | None, request_id: str) -> None:
+        """Queue the request for every candidate that samples it. Never awaits."""
+        if route not in self._routes:
+            for name in self.candidates:
+                self._count_drop(name, "route")
+            return
+        now = time.monotonic()
+        session = session_key(headers, payload, self.config.session_header, request_id)
+        request: MirrorRequest | None = None
+        key = b""
+        for candidate in self.candidates.values():
+            config = candidate.config
+            unit_key = session if config.sampling_unit == "session" else request_id
+            if candidate.paused:
+                self._count_drop(candidate.name, "paused")
+                continue
+            if not sampled(candidate.name, unit_key, config.sample_rate):
+                self._count_drop(candidate.name, "not_sampled")
+                continue
+            if request is None:
+                request = MirrorRequest(request_id, session, route, method, raw_path,
+                                        headers, now)
+                key = payload_key(method, raw_path, body)
+            outcome = candidate.buffer.offer(request, key, body)
+            if outcome == "queued":
+                self.metrics.mirror_queued.labels(candidate.name).inc()
+                self.joiner.expect(request_id, candidate.name, session, route, now)
+            else:
+                self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome)
+
+    def primary_done(self, observation: Observation) -> None:
+        self.joiner.primary(observation)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for candidate in self.candidates.values():
+            await self._start_candidate(candidate)
+        self._sweeper = asyncio.create_task(self._sweep(), name="mirror-join-sweeper")
+
+    async def _start_candidate(self, candidate: Candidate) -> None:
+        await candidate.upstream.open()
+        self.metrics.buffer_items.labels(candidate.name).set_function(
+            lambda: len(candidate.buffer))
+        self.metrics.buffer_bytes.labels(candidate.name).set_function(
+            lambda: candidate.buffer.queued_bytes)
+        candidate.workers = [
+            asyncio.create_task(self._work(candidate), name=f"mirror-{candidate.name}-{i}")
+            for i in range(candidate.config.max_concurrency)
+        ]
+
+    async def stop(self) -> None:
+        for candidate in self.candidates.values():
+            await self._stop_candidate(candidate, self.config.drain_timeout_s)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        self.joiner.close()
+
+    async def _stop_candidate(self, candidate: Candidate, drain_timeout_s: float) -> None:
+        for item_request_id in self._close_buffer(candidate):
+            self.joiner.abandon(item_request_id, candidate.name, "shutdown")
+        workers = candidate.workers
+        if workers:
+            _, still_running = await asyncio.wait(workers, timeout=drain_timeout_s)
+            for task in still_running:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        candidate.workers = []
+        await candidate.upstream.close()
+
+    @staticmethod
+    def _close_buffer(candidate: Candidate) -> list[str]:
+        queued = [item.request.request_id for item in candidate.buffer.pending()]
+        candidate.buffer.close()
+        return queued
+
+    async def _sweep(self) -> None:
+        interval = min(JOIN_SWEEP_INTERVAL_S, self.config.join_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.joiner.expire(time.monotonic())
+
+    # -- workers --------------------------------------------------------------------
+
+    async def _work(self, candidate: Candidate) -> None:
+        while True:
+            try:
+                item = await candidate.buffer.get()
+            except BufferClosed:
+                return
+            candidate.in_flight += 1
+            try:
+                observation = await self._replay(candidate, item)
+            except asyncio.CancelledError:
+                self.joiner.abandon(item.request.request_id, candidate.name, "shutdown")
+                raise
+            except Exception:  # a bug here must not kill the worker or leak the join
+                log.exception("replay on candidate %s failed", candidate.name)
+                self.metrics.mirror_failed.labels(candidate.name, "internal").inc()
+                self.joiner.abandon(item.request.request_id, candidate.name, "internal")
+                continue
+            finally:
+                candidate.in_flight -= 1
+                self.budget.release_payload(item.payload)
+            self._count_outcome(candidate.name, observation)
+            self.joiner.candidate(candidate.name, observation)
+
+    async def _replay(self, candidate: Candidate, item: MirrorItem) -> Observation:
+        config = candidate.config
+        request = item.request
+        loop = asyncio.get_running_loop()
+        capture = Capture(started=loop.time(), max_bytes=self._capture.max_bytes,
+                          max_chunk_times=self._capture.max_chunk_times)
+        wall_started = time.time()
+        try:
+            async with asyncio.timeout(config.request_timeout_s):
+                await _fetch_into(candidate.upstream, request.method, request.raw_path,
+                                  candidate.upstream.credentials(request.headers),
+                                  _candidate_body(item.payload.body, config), capture)
+        except UpstreamError as exc:
+            capture.error = exc.kind
+        except TimeoutError:
+            capture.error = "request_timeout"
+        capture.ended = loop.time()
+        return observe(capture, request_id=request.request_id, backend=candidate.name,
+                       route=request.route, wall_started=wall_started)
+
+    # -- accounting -----------------------------------------------------------------
+
+    def _count_drop(self, candidate: str, reason: str) -> None:
+        self.metrics.mirror_dropped.labels(candidate, reason).inc()
+
+    def _count_join(self, exchange: Exchange) -> None:
+        self.metrics.mirror_joined.labels(exchange.candidate).inc()
+
+    def _count_outcome(self, candidate: str, observation: Observation) -> None:
+        if observation.ok:
+            self.metrics.mirror_completed.labels(candidate).inc()
+            if observation.ttft_s is not None:
+                self.metrics.candidate_ttft.labels(candidate).observe(observation.ttft_s)
+            if observation.e2e_s is not None:
+                self.metrics.candidate_e2e.labels(candidate).observe(observation.e2e_s)
+        else:
+            kind = observation.error or f"http_{observation.status // 100}xx"
+            self.metrics.mirror_failed.labels(candidate, kind).inc()
+
+
+async def _fetch_into(upstream: Upstream, method: str, raw_path: str,
+                      headers: CIMultiDict[str], body: bytes, capture: Capture) -> None:
+    """Send one request and read its answer into ``capture``, chunk by chunk."""
+    with translate_upstream_errors(upstream.name, "connect"):
+        response = await upstream.send(method, raw_path, headers, body)
+    try:
+        capture.status = response.status
+        capture.streamed = response.content_type == "text/event-stream"
+        with translate_upstream_errors(upstream.name, "stream"):
+            async with asyncio.timeout(None) as deadline:
+                watchdog = IdleWatchdog(deadline, upstream.config.idle_timeout_s)
+                try:
+                    await _drain(response, capture, watchdog)
+                finally:
+                    watchdog.stop()
+    finally:
+        response.close()
+
+
+async def _drain(response: aiohttp.ClientResponse, capture: Capture,
+                 watchdog: IdleWatchdog) -> None:
+    loop = asyncio.get_running_loop()
+    while chunk := await response.content.readany():
+        now = loop.time()
+        watchdog.last_activity = now
+        capture.add_chunk(now, chunk)
+
+
+def _candidate_body(body: bytes, config: CandidateConfig) -> bytes:
+    if config.model is None or not body:
+        return body
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(payload, dict):
+        return body
+    return orjson.dumps({**payload, "model": config.model})

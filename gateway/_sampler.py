@@ -1,0 +1,64 @@
+"""Deterministic sampling: which requests each candidate sees.
+
+Rules (DESIGN.md invariant 5):
+1. The decision is a pure function of (candidate name, sampling key, rate): a keyed
+   BLAKE2b hash mapped to [0, 1) and compared with the rate. Python's ``hash`` is salted
+   per process and is never used.
+2. With ``unit = "session"`` the key is the session: the configured header (default
+   ``X-Session-Id``), else the body's ``user`` field, else a hash of the conversation's
+   opening (model, system prompt, first user message), which every later turn repeats.
+   So every turn of a sampled conversation is mirrored, on every replica.
+3. With ``unit = "request"`` the key is the request id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+
+__all__ = ["sampled", "session_key"]
+
+_SCALE = float(1 << 64)
+# A text-completion conversation grows by appending to its prompt: its head is stable.
+OPENING_PROMPT_CHARS = 512
+
+
+def sampled(candidate: str, key: str, rate: float) -> bool:
+    if rate >= 1.0:
+        return True
+    if rate <= 0.0:
+        return False
+    digest = hashlib.blake2b(key.encode(), digest_size=8, key=candidate.encode()[:64]).digest()
+    return int.from_bytes(digest, "big") / _SCALE < rate
+
+
+def session_key(headers: CIMultiDict[str] | CIMultiDictProxy[str], payload: dict[str, Any] | None,
+                header: str, request_id: str) -> str:
+    explicit = headers.get(header)
+    if explicit:
+        return f"h:{explicit}"
+    if payload is None:
+        return f"r:{request_id}"
+    user = payload.get("user")
+    if isinstance(user, str) and user:
+        return f"u:{user}"
+    return "c:" + _opening_hash(payload)
+
+
+def _opening_hash(payload: dict[str, Any]) -> str:
+    messages = payload.get("messages")
+    opening: list[Any] = [payload.get("model")]
+    if isinstance(messages, list):
+        system = next((m.get("content") for m in messages
+                       if isinstance(m, dict) and m.get("role") in ("system", "developer")), None)
+        first_user = next((m.get("content") for m in messages
+                           if isinstance(m, dict) and m.get("role") == "user"), None)
+        opening += [system, first_user]
+    else:
+        prompt = payload.get("prompt", payload.get("input"))
+        opening.append(prompt[:OPENING_PROMPT_CHARS] if isinstance(prompt, str) else prompt)
+    return hashlib.blake2b(orjson.dumps(opening, option=orjson.OPT_SORT_KEYS),
+                           digest_size=12).hexdigest()

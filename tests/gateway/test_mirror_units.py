@@ -1,0 +1,178 @@
+"""Units of mirroring with in-memory fakes: sampler, budget, buffer, joiner."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from evaluators import Capture, MemorySink, Observation, observe
+from gateway._budget import PAYLOAD_OVERHEAD_BYTES, MemoryBudget, payload_key
+from gateway._buffer import BufferClosed, CandidateBuffer, MirrorRequest
+from gateway._join import Joiner, observation_charge
+from gateway._sampler import sampled, session_key
+
+
+def _headers(**values: str) -> CIMultiDictProxy[str]:
+    return CIMultiDictProxy(CIMultiDict(values))
+
+
+# -- sampler --------------------------------------------------------------------------
+
+def test_sampling_rate_is_respected_and_deterministic() -> None:
+    keys = [f"session-{i}" for i in range(4000)]
+    chosen = [k for k in keys if sampled("cand", k, 0.25)]
+    assert 0.22 < len(chosen) / len(keys) < 0.28
+    assert chosen == [k for k in keys if sampled("cand", k, 0.25)]
+    # Different candidates sample independently.
+    other = {k for k in keys if sampled("other", k, 0.25)}
+    assert other != set(chosen)
+    assert all(sampled("c", k, 1.0) for k in keys[:50])
+    assert not any(sampled("c", k, 0.0) for k in keys[:50])
+
+
+def test_sampling_is_the_same_in_another_process() -> None:
+    keys = [f"k{i}" for i in range(300)]
+    here = "".join("1" if sampled("cand", k, 0.3) else "0" for k in keys)
+    code = ("from gateway._sampler import sampled; "
+            f"print(''.join('1' if sampled('cand', k, 0.3) else '0' for k in {keys!r}))")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={"PYTHONHASHSEED": "12345"}).stdout.strip()
+    assert there == here
+
+
+def test_session_key_sources_and_every_turn_of_a_conversation_agrees() -> None:
+    turn1 = {"model": "m", "messages": [{"role": "system", "content": "S"},
+                                        {"role": "user", "content": "Q1"}]}
+    turn2 = {"model": "m", "messages": [*turn1["messages"],  # type: ignore[list-item]
+                                        {"role": "assistant", "content": "A1"},
+                                        {"role": "user", "content": "Q2"}]}
+    k1 = session_key(_headers(), turn1, "X-Session-Id", "r1")
+    assert k1 == session_key(_headers(), turn2, "X-Session-Id", "r2")
+    assert k1 != session_key(_headers(), {**turn1, "model": "n"}, "X-Session-Id", "r1")
+    assert session_key(_headers(**{"X-Session-Id": "abc"}), turn1, "X-Session-Id", "r") == "h:abc"
+    assert session_key(_headers(), {**turn1, "user": "u7"}, "X-Session-Id", "r") == "u:u7"
+    assert session_key(_headers(), None, "X-Session-Id", "r9") == "r:r9"
+
+
+# -- budget and buffer ------------------------------------------------------------------
+
+def _request(rid: str = "r") -> MirrorRequest:
+    return MirrorRequest(rid, "s", "chat_completions", "POST", "/v1/chat/completions",
+                         CIMultiDict(), 0.0)
+
+
+def test_payload_shared_by_buffers_is_interned_and_counted_once() -> None:
+    budget = MemoryBudget(10_000)
+    buffers = [CandidateBuffer(f"c{i}", 10, 10_000, budget) for i in range(3)]
+    body = b"x" * 1000
+    key = payload_key("POST", "/v1/chat/completions", body)
+    assert [b.offer(_request(), key, body) for b in buffers] == ["queued"] * 3
+    assert budget.used == 1000 + PAYLOAD_OVERHEAD_BYTES
+    assert budget.interned == 1
+
+
+async def test_buffer_dedup_then_requeue_after_taken() -> None:
+    budget = MemoryBudget(10_000)
+    buffer = CandidateBuffer("c", 10, 10_000, budget)
+    body = b'{"a":1}'
+    key = payload_key("POST", "/p", body)
+    assert buffer.offer(_request("1"), key, body) == "queued"
+    assert buffer.offer(_request("2"), key, body) == "dedup"
+    item = await buffer.get()
+    assert item.request.request_id == "1"
+    assert buffer.offer(_request("3"), key, body) == "queued"  # no longer queued: accepted
+    budget.release_payload(item.payload)
+    assert budget.used == len(body) + PAYLOAD_OVERHEAD_BYTES
+    buffer.close()
+    assert budget.used == 0
+
+
+def test_buffer_full_by_items_and_by_bytes_and_budget() -> None:
+    budget = MemoryBudget(10_000)
+    by_items = CandidateBuffer("c", 2, 10_000, budget)
+    outcomes = [by_items.offer(_request(), bytes([i]), bytes([i]) * 10) for i in range(3)]
+    assert outcomes == ["queued", "queued", "buffer_full"]
+    by_bytes = CandidateBuffer("d", 100, 25, budget)
+    outcomes = [by_bytes.offer(_request(), bytes([i + 10]), b"y" * 10) for i in range(3)]
+    assert outcomes == ["queued", "queued", "buffer_full"]
+    tight = CandidateBuffer("e", 100, 100_000, MemoryBudget(PAYLOAD_OVERHEAD_BYTES + 100))
+    assert tight.offer(_request(), b"k1", b"z" * 100) == "queued"
+    assert tight.offer(_request(), b"k2", b"z" * 100) == "budget"
+    for buffer in (by_items, by_bytes):
+        buffer.close()
+    assert budget.used == 0
+
+
+async def test_closed_buffer_wakes_workers_and_refuses_offers() -> None:
+    buffer = CandidateBuffer("c", 10, 1000, MemoryBudget(10_000))
+    import asyncio
+
+    waiter = asyncio.create_task(buffer.get())
+    await asyncio.sleep(0)
+    buffer.close()
+    with pytest.raises(BufferClosed):
+        await waiter
+    assert buffer.offer(_request(), b"k", b"v") == "closed"
+
+
+def test_budget_refuses_double_release() -> None:
+    budget = MemoryBudget(100)
+    assert budget.charge(60)
+    assert not budget.charge(50)
+    budget.release(60)
+    with pytest.raises(RuntimeError):
+        budget.release(1)
+
+
+# -- joiner -------------------------------------------------------------------------------
+
+def _observation(rid: str, backend: str, text: str = "hello") -> Observation:
+    capture = Capture(started=0.0, max_bytes=1 << 16, max_chunk_times=64, status=200)
+    capture.add_chunk(0.1, b'{"choices":[{"message":{"content":"' + text.encode() + b'"}}]}')
+    capture.ended = 0.2
+    return observe(capture, request_id=rid, backend=backend, route="chat_completions",
+                   wall_started=0.0)
+
+
+def _joiner(limit: int = 1 << 20) -> tuple[Joiner, MemoryBudget, MemorySink, list[tuple[str, str]]]:
+    budget = MemoryBudget(limit)
+    sink = MemorySink(100)
+    drops: list[tuple[str, str]] = []
+    joiner = Joiner(budget, sink, 10.0, on_drop=lambda c, r: drops.append((c, r)),
+                    on_join=lambda e: None)
+    return joiner, budget, sink, drops
+
+
+def test_join_in_either_order_releases_all_bytes() -> None:
+    joiner, budget, sink, drops = _joiner()
+    joiner.expect("r1", "a", "s", "chat_completions", 0.0)
+    joiner.expect("r1", "b", "s", "chat_completions", 0.0)
+    joiner.candidate("a", _observation("r1", "a"))          # before the primary: waits
+    assert budget.used > 0
+    joiner.primary(_observation("r1", "primary"))          # joins a; b still expected
+    assert [e.candidate for e in sink.snapshot()] == ["a"]
+    joiner.candidate("b", _observation("r1", "b"))          # after the primary
+    assert [e.candidate for e in sink.snapshot()] == ["a", "b"]
+    assert budget.used == 0 and len(joiner) == 0 and drops == []
+
+
+def test_join_timeout_and_budget_drops_are_counted() -> None:
+    joiner, budget, _, drops = _joiner()
+    joiner.expect("r1", "a", "s", "chat_completions", 0.0)
+    joiner.primary(_observation("r1", "primary"))
+    assert joiner.expire(5.0) == 0
+    assert joiner.expire(11.0) == 1
+    assert drops == [("a", "join_timeout")] and budget.used == 0
+
+    small, small_budget, _, small_drops = _joiner(limit=10)
+    small.expect("r2", "a", "s", "chat_completions", 0.0)
+    small.primary(_observation("r2", "primary"))
+    assert small_drops == [("a", "budget")] and small_budget.used == 0 and len(small) == 0
+
+
+def test_observation_charge_grows_with_text() -> None:
+    assert observation_charge(_observation("r", "p", "x" * 500)) > observation_charge(
+        _observation("r", "p", "x"))
