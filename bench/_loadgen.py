@@ -15,8 +15,9 @@ Rules:
    carries content (the chat role event does not); events are counted by newlines
    (an SSE event is ``data: ...\\n\\n`` and JSON never holds a raw newline); a stream
    counts as complete only if it ends with ``data: [DONE]``.
-5. Worker starts are spread over one inter-token interval, so the streams' chunks do not
-   all arrive in the same instant.
+5. Worker i starts ``stagger_s * i / concurrency`` after the phase begins: spread over one
+   answer's duration, the streams arrive steadily and stay at ``concurrency`` in flight;
+   spread over one inter-token gap, every wave of streams starts as a burst.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import CLOCK_TICKS, cpu_ticks, machine_ticks  # noqa: E402
+from _procs import CLOCK_TICKS, cpu_ticks, machine_ticks
 
 _CONTENT_MARK = b'"delta":{"content":"'
 _DONE = b"data: [DONE]\n\n"

@@ -1,10 +1,13 @@
 """The processes a proxy benchmark runs: the simulator, the gateway, nginx; and their CPU.
 
 Rules:
-1. Every process is a child of the benchmark, started with its own log file in a temp
+1. The code under test is copied at the start of a run (``snapshot_code``) and every
+   Python child runs from that copy, so edits made to the tree during a run cannot mix
+   two versions in one measurement.
+2. Every process is a child of the benchmark, started with its own log file in a temp
    dir and stopped by its own pid (SIGTERM, then SIGKILL after a bound): nothing is left
    running and nothing system-wide changes (nginx gets a generated config and prefix).
-2. CPU time is read from ``/proc/PID/stat`` (utime + stime, in clock ticks) so that the
+3. CPU time is read from ``/proc/PID/stat`` (utime + stime, in clock ticks) so that the
    relays are measured alike whatever language they are written in; nginx is its master
    plus its workers.
 """
@@ -31,6 +34,7 @@ __all__ = [
     "find_nginx",
     "machine_ticks",
     "nginx_version",
+    "snapshot_code",
     "start_gateway",
     "start_nginx",
     "start_sim",
@@ -41,6 +45,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
 _SIM_LINE = re.compile(rb"on (http://[0-9.]+:[0-9]+)")
+_PACKAGES = ("gateway", "evaluators", "backends")
 
 
 @dataclass
@@ -78,6 +83,15 @@ class Child:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def snapshot_code(workdir: Path) -> Path:
+    """Copy the packages under test into ``workdir/code``; children run from there."""
+    code = workdir / "code"
+    for package in _PACKAGES:
+        shutil.copytree(REPO_ROOT / package, code / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return code
 
 
 def free_port() -> int:
@@ -140,21 +154,22 @@ def _wait_http(child: Child, url: str, timeout_s: float = READY_TIMEOUT_S) -> No
                        f"{child.log_tail()}")
 
 
-def _spawn(name: str, argv: list[str], workdir: Path) -> Child:
+def _spawn(name: str, argv: list[str], workdir: Path, code: Path) -> Child:
+    """Start ``argv`` in ``code`` (``python -m`` puts the cwd first on sys.path)."""
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, cwd=code, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
     return Child(name, proc, log)
 
 
-def start_sim(workdir: Path, *, ttft_ms: float, itl_ms: float, tokens: int,
+def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, tokens: int,
               name: str = "sim") -> Child:
     """The vLLM simulator on a free port (it picks port 0 and prints its URL)."""
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
             "--port", "0", "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
             "--tokens", str(tokens)]
-    child = _spawn(name, argv, workdir)
+    child = _spawn(name, argv, workdir, code)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and not child.url:
         if match := _SIM_LINE.search(child.log.read_bytes()):
@@ -170,12 +185,12 @@ def start_sim(workdir: Path, *, ttft_ms: float, itl_ms: float, tokens: int,
     return child
 
 
-def start_gateway(workdir: Path, primary_url: str) -> Child:
+def start_gateway(workdir: Path, code: Path, primary_url: str) -> Child:
     """The understudy gateway (one process, uvloop) in front of ``primary_url``."""
     port = free_port()
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
             "--primary", primary_url, "--host", "127.0.0.1", "--port", str(port)]
-    child = _spawn("gateway", argv, workdir)
+    child = _spawn("gateway", argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
     _wait_http(child, child.url + "/health")
     return child
@@ -233,7 +248,7 @@ def start_nginx(workdir: Path, binary: str, primary_url: str) -> Child:
                                        upstream=primary_url.removeprefix("http://")))
     argv = [binary, "-e", str(prefix / "error.log"), "-p", str(prefix), "-c", str(conf),
             "-g", "daemon off;"]
-    child = _spawn("nginx", argv, workdir)
+    child = _spawn("nginx", argv, workdir, workdir)
     child.url = f"http://127.0.0.1:{port}"
     _wait_http(child, child.url + "/health")
     child.extra_pids = _children_of(child.pid)  # the worker(s)

@@ -41,12 +41,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import (  # noqa: E402
+from _procs import (
     CLOCK_TICKS,
     REPO_ROOT,
     Child,
     find_nginx,
     nginx_version,
+    snapshot_code,
     start_gateway,
     start_nginx,
     start_sim,
@@ -84,16 +85,29 @@ class Scenario:
     requests_per_worker: int
     duration_s: float
     rounds: int
+    burst: bool = False  # streams start within one inter-token gap instead of spread out
+
+    @property
+    def stream_s(self) -> float:
+        """How long one answer takes at the simulator: TTFT plus the token gaps."""
+        return (self.sim.ttft_ms + self.sim.itl_ms * (self.sim.tokens - 1)) / 1000
+
+    @property
+    def stagger_s(self) -> float:
+        """Worker i starts at i/concurrency of this: steady arrivals, or a burst."""
+        if self.mode != "stream":
+            return 0.0
+        return self.sim.itl_ms / 1000 if self.burst else self.stream_s
 
     @property
     def deadline_s(self) -> float:
         if self.mode == "stream":
-            per_stream = (self.sim.ttft_ms + self.sim.itl_ms * self.sim.tokens) / 1000
-            return min(self.duration_s, self.requests_per_worker * per_stream) * 3 + 10
+            planned = self.stagger_s + self.requests_per_worker * self.stream_s
+            return min(self.duration_s, planned) * 3 + 10
         return self.duration_s + 10
 
 
-def scenarios(quick: bool, rounds: int | None) -> list[Scenario]:
+def scenarios(quick: bool, rounds: int | None, burst: bool) -> list[Scenario]:
     small_s = 1.0 if quick else 2.5
     small_rounds = rounds or (1 if quick else 3)
     stream_rounds = rounds or (1 if quick else 5)
@@ -104,9 +118,11 @@ def scenarios(quick: bool, rounds: int | None) -> list[Scenario]:
         Scenario("small-c32", "small non-streamed, concurrency 32", "small", SMALL_SIM,
                  concurrency=32, requests_per_worker=50_000, duration_s=small_s,
                  rounds=small_rounds),
-        Scenario("stream", "streamed, 64 chunks x 20 ms, 100 concurrent streams", "stream",
+        Scenario("stream", "streamed, 64 chunks x 20 ms, 100 concurrent streams, "
+                 + ("starts in bursts of 100 within 20 ms" if burst
+                    else "starts spread evenly (steady arrivals)"), "stream",
                  STREAM_SIM, concurrency=100, requests_per_worker=2 if quick else 4,
-                 duration_s=60.0, rounds=stream_rounds),
+                 duration_s=60.0, rounds=stream_rounds, burst=burst),
     ]
 
 
@@ -121,7 +137,7 @@ def run_loadgen(scenario: Scenario, url: str, cpu_pids: dict[str, list[int]],
         "duration_s": scenario.duration_s, "deadline_s": scenario.deadline_s,
         "request_timeout_s": scenario.deadline_s,
         "max_tokens": scenario.sim.tokens,
-        "stagger_s": scenario.sim.itl_ms / 1000 if scenario.mode == "stream" else 0.0,
+        "stagger_s": scenario.stagger_s,
         "client_usage": client_usage,
         "cpu_pids": cpu_pids,
     }
@@ -166,13 +182,13 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_scenario(scenario: Scenario, workdir: Path, nginx: str | None, client_usage: bool,
-                 log: Callable[[str], None]) -> dict[str, Any]:
+def run_scenario(scenario: Scenario, workdir: Path, code: Path, nginx: str | None,
+                 client_usage: bool, log: Callable[[str], None]) -> dict[str, Any]:
     with ExitStack() as stack:
-        sim = start_sim(workdir, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
+        sim = start_sim(workdir, code, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
                         tokens=scenario.sim.tokens, name=f"sim-{scenario.key}")
         stack.callback(sim.stop)
-        gateway = start_gateway(workdir, sim.url)
+        gateway = start_gateway(workdir, code, sim.url)
         stack.callback(gateway.stop)
         relays: dict[str, Child | None] = {"direct": None, "gateway": gateway}
         if nginx is not None:
@@ -289,8 +305,8 @@ def _signed(value: float | None, digits: int = 2) -> str:
 
 def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
     try:
-        from rich.console import Console
-        from rich.table import Table
+        from rich.console import Console  # type: ignore[import-not-found,unused-ignore]
+        from rich.table import Table  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
@@ -305,7 +321,7 @@ def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
     console = Console(width=200, record=True)
     with console.capture() as capture:
         console.print(table)
-    return capture.get().rstrip()
+    return str(capture.get()).rstrip()
 
 
 def scenario_report(result: dict[str, Any]) -> str:
@@ -364,22 +380,21 @@ def rounds_report(result: dict[str, Any]) -> str:
 
 # --- profiling -------------------------------------------------------------------------
 
-def profile_gateway(scenario: Scenario, workdir: Path, client_usage: bool,
+def profile_gateway(scenario: Scenario, workdir: Path, code: Path, client_usage: bool,
                     log: Callable[[str], None]) -> str:
     """One extra stream round through the gateway with py-spy sampling it (raw stacks)."""
     pyspy = Path(sys.executable).parent / "py-spy"
     if not pyspy.exists():
         return "profile: py-spy not installed (.venv/bin/pip install py-spy)"
     with ExitStack() as stack:
-        sim = start_sim(workdir, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
+        sim = start_sim(workdir, code, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
                         tokens=scenario.sim.tokens, name="sim-profile")
         stack.callback(sim.stop)
-        gateway = start_gateway(workdir, sim.url)
+        gateway = start_gateway(workdir, code, sim.url)
         stack.callback(gateway.stop)
         # A first round opens the gateway's upstream pool, so the sampled one is steady.
         run_loadgen(scenario, gateway.url, {}, client_usage)
-        per_stream_s = (scenario.sim.ttft_ms + scenario.sim.itl_ms * scenario.sim.tokens) / 1000
-        duration = int(per_stream_s * scenario.requests_per_worker) + 3
+        duration = int(scenario.stagger_s + scenario.stream_s * scenario.requests_per_worker) + 3
         PROFILE_PATH.parent.mkdir(parents=True, exist_ok=True)
         # --native shows where the time inside uvloop and aiohttp's C parts goes; it
         # pauses the gateway for each sample, so this round's timings are not reported.
@@ -445,7 +460,23 @@ def _frame_name(frame: str) -> str:
 
 # --- main ------------------------------------------------------------------------------
 
+def code_revision() -> str:
+    """The commit under test, and whether the packages under test had local edits."""
+    def git(*argv: str) -> str:
+        out = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                             check=False)
+        return out.stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "gateway", "evaluators", "backends")
+    return f"{commit}{' + uncommitted edits' if dirty else ''}"
+
+
 def main() -> int:
+    with ExitStack() as stack:
+        return _main(stack)
+
+
+def _main(stack: ExitStack) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one short round per scenario")
     parser.add_argument("--rounds", type=int, help="rounds per scenario (overrides the mode)")
@@ -455,6 +486,9 @@ def main() -> int:
     parser.add_argument("--client-usage", action="store_true",
                         help="clients ask for stream_options.include_usage themselves (the "
                              "gateway then relays without its usage filter)")
+    parser.add_argument("--burst", action="store_true",
+                        help="start each wave of streams within 20 ms instead of spreading "
+                             "the starts over one answer's duration")
     parser.add_argument("--profile", action="store_true",
                         help="after the rounds, sample the gateway with py-spy for one more "
                              "stream round and print where its CPU goes")
@@ -481,20 +515,18 @@ def main() -> int:
         print(line, flush=True)
 
     results: dict[str, Any] = {}
-    chosen = [s for s in scenarios(args.quick, args.rounds)
+    chosen = [s for s in scenarios(args.quick, args.rounds, args.burst)
               if not args.only or s.key in args.only]
-    profile_text = None
-    with tempfile.TemporaryDirectory(prefix="understudy-bench-") as tmp:
-        workdir = Path(tmp)
-        for scenario in chosen:
-            results[scenario.key] = run_scenario(scenario, workdir, nginx, args.client_usage,
-                                                 log)
-        stream_scenario = next((s for s in chosen if s.key == "stream"), None)
-        if args.profile and stream_scenario is not None:
-            profile_text = profile_gateway(stream_scenario, workdir, args.client_usage, log)
+    revision = code_revision()
+    print(f"code: {revision} (copied at start; the run does not see later edits)", flush=True)
+    workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="understudy-bench-")))
+    code = snapshot_code(workdir)
+    for scenario in chosen:
+        results[scenario.key] = run_scenario(scenario, workdir, code, nginx, args.client_usage,
+                                             log)
 
     print()
-    for key, result in results.items():
+    for result in results.values():
         print(scenario_report(result))
         print()
         print(rounds_report(result))
@@ -510,23 +542,35 @@ def main() -> int:
         stream_vs = results["stream"]["summary"]["vs_direct"]["gateway"]
         print(f"  info   gateway - direct p99 TTFT: {_signed(stream_vs['added_ttft_p99_ms'])} ms"
               " (no target; p99 on 2 shared cores is noisy)")
-    if profile_text:
-        print()
-        print(profile_text)
     wall = time.monotonic() - began
     print(f"\nwall time {wall:.0f} s")
+    meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
+            "mode": "quick" if args.quick else "full", "nginx": version,
+            "code": revision, "client_usage": args.client_usage, "burst": args.burst,
+            "wall_s": wall,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_results(meta, results, verdicts, None)
 
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps({
-        "meta": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                 "mode": "quick" if args.quick else "full", "nginx": version,
-                 "client_usage": args.client_usage, "wall_s": wall,
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-        "scenarios": results, "targets": verdicts, "profile": profile_text,
-    }, indent=2))
-    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    stream_scenario = next((s for s in chosen if s.key == "stream"), None)
+    if args.profile and stream_scenario is not None:
+        print()
+        try:
+            profile_text = profile_gateway(stream_scenario, workdir, code, args.client_usage,
+                                           log)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            profile_text = f"profile: failed: {exc}"
+        print(profile_text)
+        write_results(meta, results, verdicts, profile_text)
     return 0
 
+
+def write_results(meta: dict[str, Any], results: dict[str, Any],
+                  verdicts: list[dict[str, Any]], profile_text: str | None) -> None:
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps({"meta": meta, "scenarios": results,
+                                        "targets": verdicts, "profile": profile_text},
+                                       indent=2))
+    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from evaluators import EvaluationSink, MemorySink
+from gateway._admin import build_admin_app, check_admin_binding
 from gateway._config import GatewayConfig
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
@@ -103,8 +104,11 @@ async def serve(
     on_ready: Callable[[int], Awaitable[None] | None] | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM), then shut down gracefully."""
-    runner = make_runner(build_app(config))
+    check_admin_binding(config.admin)
+    app = build_app(config)
+    runner = make_runner(app)
     await runner.setup()
+    admin_runner: web.AppRunner | None = None
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -116,12 +120,20 @@ async def serve(
         port = runner.addresses[0][1] if runner.addresses else config.server.port
         log.info("understudy gateway on http://%s:%s -> primary %s",
                  config.server.host, port, config.primary.url)
+        if config.admin.port is not None:
+            admin_runner = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
+            await admin_runner.setup()
+            await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
+            log.info("understudy admin API on http://%s:%s/admin/v1", config.admin.host,
+                     admin_runner.addresses[0][1])
         if on_ready is not None:
             result = on_ready(port)
             if result is not None:
                 await result
         await stop.wait()
     finally:
+        if admin_runner is not None:
+            await admin_runner.cleanup()
         await runner.cleanup()
 
 

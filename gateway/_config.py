@@ -7,11 +7,12 @@ Building a config has no side effects; starting the gateway does.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -20,6 +21,7 @@ from pydantic_settings import (
 )
 
 __all__ = [
+    "AdminConfig",
     "CandidateConfig",
     "CaptureConfig",
     "GatewayConfig",
@@ -33,6 +35,7 @@ __all__ = [
 KiB = 1024
 MiB = 1024 * KiB
 
+ADMIN_TOKEN_ENV = "UNDERSTUDY_ADMIN_TOKEN"
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 8 * MiB
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -100,6 +103,7 @@ class CandidateConfig(UpstreamConfig):
     """A deployment under test: it receives a sample of the primary's traffic."""
 
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    url: str
     sample_rate: float = Field(1.0, ge=0.0, le=1.0)
     sampling_unit: Literal["request", "session"] = "session"
     max_concurrency: int = Field(DEFAULT_CANDIDATE_CONCURRENCY, gt=0, le=1024)
@@ -108,6 +112,11 @@ class CandidateConfig(UpstreamConfig):
     request_timeout_s: float = Field(DEFAULT_CANDIDATE_REQUEST_TIMEOUT_S, gt=0)
     forward_credentials: bool = False
     model: str | None = None  # rewrite the request's "model" for this candidate
+    # JSON fields merged into each mirrored request body (e.g. {"temperature": 0.8}).
+    overrides: dict[str, JsonValue] = Field(default_factory=dict)
+    # "secondary": another replica of the primary, scored the same way to measure the
+    # noise floor that candidates' quality differences must exceed.
+    role: Literal["candidate", "secondary"] = "candidate"
 
 
 class MirrorConfig(_Section):
@@ -117,6 +126,14 @@ class MirrorConfig(_Section):
     join_timeout_s: float = Field(DEFAULT_JOIN_TIMEOUT_S, gt=0)
     drain_timeout_s: float = Field(DEFAULT_MIRROR_DRAIN_TIMEOUT_S, ge=0)
     sink_capacity: int = Field(DEFAULT_SINK_CAPACITY, gt=0)
+
+
+class AdminConfig(_Section):
+    """The admin REST API's own listener; off unless a port is given."""
+
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=0, le=65535)
+    token: SecretStr | None = None  # also read from UNDERSTUDY_ADMIN_TOKEN
 
 
 class GatewayConfig(BaseSettings):
@@ -129,6 +146,7 @@ class GatewayConfig(BaseSettings):
     capture: CaptureConfig = CaptureConfig()
     mirror: MirrorConfig = MirrorConfig()
     candidates: tuple[CandidateConfig, ...] = ()
+    admin: AdminConfig = AdminConfig()
 
     @field_validator("candidates")
     @classmethod
@@ -158,6 +176,8 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         with path.open("rb") as fh:
             data = tomllib.load(fh)
     environment = EnvSettingsSource(GatewayConfig)()
+    if token := os.environ.get(ADMIN_TOKEN_ENV):
+        environment = _deep_merge(environment, {"admin": {"token": token}})
     return GatewayConfig(**_deep_merge(_deep_merge(data, environment), overrides or {}))
 
 

@@ -1,8 +1,12 @@
 """The gateway's errors, and the one place foreign errors are translated into them.
 
     GatewayError                 (status_hint: the HTTP status it becomes)
-    ├── RequestError             the client's request cannot be forwarded
-    │   └── RequestTooLarge      413
+    ├── RequestError             the client's request cannot be forwarded or done
+    │   ├── RequestTooLarge      413
+    │   ├── Unauthorized         401  admin API: missing or wrong bearer token
+    │   ├── NotFound             404  admin API: no such candidate or route
+    │   ├── Conflict             409  admin API: the action does not fit the state
+    │   └── InvalidBody          422  admin API: the body failed validation
     └── UpstreamError            the backend failed us (kind: a bounded metrics label)
         ├── UpstreamUnreachable  502  connect refused / reset before an answer
         ├── UpstreamTimeout      504  connect, first-byte or idle timeout
@@ -23,9 +27,13 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentLengthError, TransferEncodingError
 
 __all__ = [
+    "Conflict",
     "GatewayError",
+    "InvalidBody",
+    "NotFound",
     "RequestError",
     "RequestTooLarge",
+    "Unauthorized",
     "UpstreamBroken",
     "UpstreamError",
     "UpstreamErrorKind",
@@ -52,6 +60,25 @@ class RequestError(GatewayError):
 
 class RequestTooLarge(RequestError):
     status_hint = 413
+
+
+class Unauthorized(RequestError):
+    status_hint = 401
+    error_type = "authentication_error"
+
+
+class NotFound(RequestError):
+    status_hint = 404
+    error_type = "not_found_error"
+
+
+class Conflict(RequestError):
+    status_hint = 409
+    error_type = "conflict_error"
+
+
+class InvalidBody(RequestError):
+    status_hint = 422
 
 
 class UpstreamError(GatewayError):

@@ -54,8 +54,20 @@ class Candidate:
         self.buffer = CandidateBuffer(config.name, config.buffer_items, config.buffer_bytes,
                                       budget)
         self.paused = False
-        self.workers: list[asyncio.Task[None]] = []
+        self.workers: set[asyncio.Task[None]] = set()
+        self.idle: set[asyncio.Task[None]] = set()
         self.in_flight = 0
+        self.stop_reason = "shutdown"  # what a cancelled replay is counted as
+
+    def reconfigure(self, config: CandidateConfig) -> None:
+        """Apply a new config of the same name and URL (rate, concurrency, buffer, ...)."""
+        if (config.name, config.url) != (self.config.name, self.config.url):
+            raise ValueError("a candidate's name and url cannot change; remove and re-add it")
+        self.config = config
+        self.upstream.config = config
+        self.upstream.forward_credentials = config.forward_credentials
+        self.buffer.max_items = config.buffer_items
+        self.buffer.max_bytes = config.buffer_bytes
 
 
 class Mirror:
@@ -130,30 +142,66 @@ class Mirror:
             lambda: len(candidate.buffer))
         self.metrics.buffer_bytes.labels(candidate.name).set_function(
             lambda: candidate.buffer.queued_bytes)
-        candidate.workers = [
-            asyncio.create_task(self._work(candidate), name=f"mirror-{candidate.name}-{i}")
-            for i in range(candidate.config.max_concurrency)
-        ]
+        self._resize_workers(candidate)
+
+    def _resize_workers(self, candidate: Candidate) -> None:
+        """Match the worker count to ``max_concurrency``: spawn, or retire idle ones.
+
+        Busy workers beyond the target retire when their current replay ends.
+        """
+        target = candidate.config.max_concurrency
+        while len(candidate.workers) < target:
+            task = asyncio.create_task(self._work(candidate),
+                                       name=f"mirror-{candidate.name}-worker")
+            candidate.workers.add(task)
+        for task in list(candidate.idle)[: max(0, len(candidate.workers) - target)]:
+            candidate.idle.discard(task)
+            candidate.workers.discard(task)
+            task.cancel()
+
+    async def add_candidate(self, config: CandidateConfig) -> Candidate:
+        if config.name in self.candidates:
+            raise ValueError(f"candidate {config.name!r} exists")
+        candidate = Candidate(config, self.budget)
+        await self._start_candidate(candidate)
+        self.candidates[config.name] = candidate
+        return candidate
+
+    def update_candidate(self, name: str, config: CandidateConfig) -> Candidate:
+        candidate = self.candidates[name]
+        candidate.reconfigure(config)
+        self._resize_workers(candidate)
+        return candidate
+
+    async def remove_candidate(self, name: str) -> None:
+        """Stop mirroring to ``name``; its buffer is released and its bytes return."""
+        candidate = self.candidates.pop(name)
+        await self._stop_candidate(candidate, self.config.drain_timeout_s, reason="removed")
+        for gauge in (self.metrics.buffer_items, self.metrics.buffer_bytes):
+            gauge.remove(name)
 
     async def stop(self) -> None:
         for candidate in self.candidates.values():
-            await self._stop_candidate(candidate, self.config.drain_timeout_s)
+            await self._stop_candidate(candidate, self.config.drain_timeout_s, reason="shutdown")
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         self.joiner.close()
 
-    async def _stop_candidate(self, candidate: Candidate, drain_timeout_s: float) -> None:
+    async def _stop_candidate(self, candidate: Candidate, drain_timeout_s: float,
+                              reason: str) -> None:
+        candidate.stop_reason = reason
         for item_request_id in self._close_buffer(candidate):
-            self.joiner.abandon(item_request_id, candidate.name, "shutdown")
-        workers = candidate.workers
+            self.joiner.abandon(item_request_id, candidate.name, reason)
+        workers = list(candidate.workers)
         if workers:
             _, still_running = await asyncio.wait(workers, timeout=drain_timeout_s)
             for task in still_running:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
-        candidate.workers = []
+        candidate.workers.clear()
+        candidate.idle.clear()
         await candidate.upstream.close()
 
     @staticmethod
@@ -171,16 +219,22 @@ class Mirror:
     # -- workers --------------------------------------------------------------------
 
     async def _work(self, candidate: Candidate) -> None:
-        while True:
+        me = asyncio.current_task()
+        assert me is not None
+        while len(candidate.workers) <= candidate.config.max_concurrency:
+            candidate.idle.add(me)
             try:
                 item = await candidate.buffer.get()
             except BufferClosed:
                 return
+            finally:
+                candidate.idle.discard(me)
             candidate.in_flight += 1
             try:
                 observation = await self._replay(candidate, item)
             except asyncio.CancelledError:
-                self.joiner.abandon(item.request.request_id, candidate.name, "shutdown")
+                self.joiner.abandon(item.request.request_id, candidate.name,
+                                    candidate.stop_reason)
                 raise
             except Exception:  # a bug here must not kill the worker or leak the join
                 log.exception("replay on candidate %s failed", candidate.name)
@@ -192,6 +246,7 @@ class Mirror:
                 self.budget.release_payload(item.payload)
             self._count_outcome(candidate.name, observation)
             self.joiner.candidate(candidate.name, observation)
+        candidate.workers.discard(me)  # retired by a lower max_concurrency
 
     async def _replay(self, candidate: Candidate, item: MirrorItem) -> Observation:
         config = candidate.config
@@ -262,7 +317,8 @@ async def _drain(response: aiohttp.ClientResponse, capture: Capture,
 
 
 def _candidate_body(body: bytes, config: CandidateConfig) -> bytes:
-    if config.model is None or not body:
+    """The body as this candidate receives it: model rewrite and overrides applied."""
+    if (config.model is None and not config.overrides) or not body:
         return body
     try:
         payload = orjson.loads(body)
@@ -270,4 +326,7 @@ def _candidate_body(body: bytes, config: CandidateConfig) -> bytes:
         return body
     if not isinstance(payload, dict):
         return body
-    return orjson.dumps({**payload, "model": config.model})
+    rewritten = {**payload, **config.overrides}
+    if config.model is not None:
+        rewritten["model"] = config.model
+    return orjson.dumps(rewritten)

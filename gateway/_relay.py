@@ -90,18 +90,24 @@ def plan_request(route: Route, method: str, body: bytes) -> RequestPlan:
 
 
 class UsageEventFilter:
-    """Drops the usage-only SSE event (``"choices":[]``) the client did not ask for.
+    """Hides the usage-only SSE event (``"choices":[]``) from a client that did not ask.
 
-    Only complete events (ending in a blank line) are passed on; a partial event waits
-    for its end. vLLM separates events with ``\\n\\n``.
+    vLLM stamps ``system_fingerprint`` on the terminal chunks (those with a finish reason)
+    when ``include_usage`` is off, and on the usage chunk instead when it is on. So the
+    terminal chunks are held back until the usage chunk arrives (right after them), given
+    its fingerprint, and passed on; the usage chunk is dropped. Every other event passes
+    as it came. Only complete events (ending in a blank line) are passed on; vLLM
+    separates events with ``\n\n``.
     """
 
-    __slots__ = ("_done", "_pending")
+    __slots__ = ("_done", "_held", "_pending")
 
-    _MARKERS = (b'"choices":[]', b'"choices": []')
+    _USAGE = (b'"choices":[]', b'"choices": []')
+    _TERMINAL = (b'"finish_reason":"', b'"finish_reason": "')
 
     def __init__(self) -> None:
         self._pending = b""
+        self._held: list[bytes] = []
         self._done = False
 
     def feed(self, chunk: bytes) -> bytes:
@@ -113,16 +119,41 @@ class UsageEventFilter:
             self._pending = data
             return b""
         complete, self._pending = data[: cut + 2], data[cut + 2 :]
-        if any(marker in complete for marker in self._MARKERS):
-            events = complete.split(b"\n\n")
-            kept = [e for e in events if not any(m in e for m in self._MARKERS)]
-            complete = b"\n\n".join(kept)
-            self._done = True
-        return complete
+        if not self._held and not any(m in complete for m in (*self._USAGE, *self._TERMINAL)):
+            return complete
+        out: list[bytes] = []
+        for event in complete[:-2].split(b"\n\n"):
+            if any(m in event for m in self._USAGE):
+                out += [_stamp(held, _fingerprint(event)) for held in self._held]
+                self._held = []
+                self._done = True
+            elif self._held or any(m in event for m in self._TERMINAL):
+                self._held.append(event)
+            else:
+                out.append(event)
+        return b"".join(e + b"\n\n" for e in out)
 
     def flush(self) -> bytes:
-        pending, self._pending = self._pending, b""
-        return pending
+        rest = b"".join(e + b"\n\n" for e in self._held) + self._pending
+        self._held, self._pending = [], b""
+        return rest
+
+
+def _fingerprint(event: bytes) -> bytes | None:
+    try:
+        doc = orjson.loads(event.partition(b"data:")[2])
+    except orjson.JSONDecodeError:
+        return None
+    value = doc.get("system_fingerprint") if isinstance(doc, dict) else None
+    return orjson.dumps(value) if isinstance(value, str) else None
+
+
+def _stamp(event: bytes, fingerprint: bytes | None) -> bytes:
+    """``event`` with ``"system_fingerprint"`` appended as its last field, as vLLM does."""
+    end = event.rfind(b"}")
+    if fingerprint is None or end < 0 or b'"system_fingerprint"' in event:
+        return event
+    return event[:end] + b',"system_fingerprint":' + fingerprint + event[end:]
 
 
 async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse:

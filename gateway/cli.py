@@ -33,9 +33,11 @@ def main(log_level: str) -> None:
 @click.option("--candidate", "candidates", multiple=True, metavar="NAME=URL[,rate=R]",
               help="Mirror to a candidate (repeatable; replaces the file's candidates). "
                    "Options: rate=0..1, unit=request|session, concurrency=N, model=M.")
+@click.option("--admin-port", type=int, help="Port of the admin API (off unless given).")
 @click.option("--print-config", is_flag=True, help="Print the effective config and exit.")
 def serve(config_path: Path | None, primary: str | None, host: str | None,
-          port: int | None, candidates: tuple[str, ...], print_config: bool) -> None:
+          port: int | None, candidates: tuple[str, ...], admin_port: int | None,
+          print_config: bool) -> None:
     """Forward OpenAI-compatible traffic to the primary and mirror it to candidates."""
     overrides: dict[str, Any] = {}
     try:
@@ -49,6 +51,8 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
         overrides.setdefault("server", {})["host"] = host
     if port is not None:
         overrides.setdefault("server", {})["port"] = port
+    if admin_port is not None:
+        overrides.setdefault("admin", {})["port"] = admin_port
     try:
         config = load_config(config_path, overrides)
     except (ValidationError, OSError, ValueError) as exc:

@@ -15,6 +15,7 @@ from backends.sim import SIM_STATS, SimConfig, SimStats
 from backends.sim import build_app as build_sim_app
 from evaluators import EvaluationSink, MemorySink
 from gateway import STATE, build_app, load_config, make_runner
+from gateway._admin import build_admin_app
 from gateway._state import GatewayState
 
 
@@ -63,6 +64,7 @@ class RunningGateway:
     url: str
     app: web.Application
     runner: web.AppRunner
+    admin_url: str = ""
 
     @property
     def state(self) -> GatewayState:
@@ -99,7 +101,9 @@ async def run_gateway(
     app = build_app(load_config(None, overrides), sink)
     runner = make_runner(app)
     async with serving(runner) as url:
-        yield RunningGateway(url, app, runner)
+        admin = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
+        async with serving(admin) as admin_url:
+            yield RunningGateway(url, app, runner, admin_url + "/admin/v1")
 
 
 async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> None:

@@ -111,9 +111,11 @@ def attend(
         np.subtract(scores, peak, out=scores)
         np.exp(scores, out=scores)
         denom = scores.sum(axis=-1, keepdims=True)
-        acc = scores[:, :, :KEY_CHUNK] @ values[:, :KEY_CHUNK]
+        first = min(KEY_CHUNK, span)
+        acc = scores[:, :, :first] @ values[:, :first]
         for chunk in range(KEY_CHUNK, span, KEY_CHUNK):
-            acc += scores[:, :, chunk : chunk + KEY_CHUNK] @ values[:, chunk : chunk + KEY_CHUNK]
+            stop = min(chunk + KEY_CHUNK, span)
+            acc += scores[:, :, chunk:stop] @ values[:, chunk:stop]
         np.divide(acc, denom, out=acc)
         out[:, row_lo:row_hi] = acc[:, :count]
     return out.reshape(kv_heads, n, group, head_dim).transpose(1, 0, 2, 3)

@@ -187,7 +187,9 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.storage = KVStorage(layout, num_blocks + 1)
         self._refs = [0] * (num_blocks + 1)
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks + 1))
+        self._free: OrderedDict[int, None] = OrderedDict(
+            (b, None) for b in range(1, num_blocks + 1)
+        )
         self._table: dict[BlockHash, int] = {}
         self._cached: dict[int, _CachedBlock] = {}
         self._queries = 0
@@ -340,7 +342,9 @@ class BlockPool:
         for kv_block in blocks:
             kv_block.verify()
             if kv_block.data.shape != self.layout.block_shape:
-                raise ValueError(f"KV block shape {kv_block.data.shape} != {self.layout.block_shape}")
+                raise ValueError(
+                    f"KV block shape {kv_block.data.shape} != {self.layout.block_shape}"
+                )
         if not self.enable_prefix_caching:
             raise RuntimeError("importing KV blocks needs prefix caching")
         new = {b.block_hash for b in blocks if b.block_hash not in self._table}

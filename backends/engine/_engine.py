@@ -76,7 +76,7 @@ class EngineStats:
     kv: PrefixCacheStats
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Request:
     request_id: str
     prompt_len: int
@@ -159,9 +159,13 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) >= self.model.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens >= max_model_len")
-        needed = -(-min(len(prompt) + params.max_tokens, self.model.max_model_len) // self.block_size)
+        needed = -(
+            -min(len(prompt) + params.max_tokens, self.model.max_model_len) // self.block_size
+        )
         if needed > self.pool.num_blocks:
-            raise ValueError(f"request needs {needed} KV blocks, the pool has {self.pool.num_blocks}")
+            raise ValueError(
+                f"request needs {needed} KV blocks, the pool has {self.pool.num_blocks}"
+            )
         extra: tuple[ExtraKey, ...] = (cache_salt,) if cache_salt is not None else ()
         request = _Request(
             request_id=request_id,
@@ -207,7 +211,9 @@ class Engine:
         hashes = hash_blocks(self.pool.seed, token_ids, self.block_size, extra)
         return self.pool.lookup(hashes)
 
-    def export_kv(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> list[KVBlock]:
+    def export_kv(
+        self, token_ids: Sequence[int], *, cache_salt: str | None = None
+    ) -> list[KVBlock]:
         """The cached KV blocks of the longest cached prefix of ``token_ids``."""
         return self.pool.export_blocks(self.cached_prefix_blocks(token_ids, cache_salt=cache_salt))
 
@@ -243,7 +249,9 @@ class Engine:
                 events.append(self._append_token(request, row[0]))
         return events
 
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> list[int]:
+    def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> list[int]:
         """Run one request to completion on an otherwise idle engine; its output token ids."""
         if self._requests:
             raise RuntimeError("generate() needs an idle engine; use add_request() and step()")
@@ -343,7 +351,10 @@ class Engine:
         finish: FinishReason | None = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self._stop_ids):
             finish = "stop"
-        elif request.num_output >= params.max_tokens or len(request.tokens) >= self.model.max_model_len:
+        elif (
+            request.num_output >= params.max_tokens
+            or len(request.tokens) >= self.model.max_model_len
+        ):
             finish = "length"
         event = TokenEvent(
             request_id=request.request_id,

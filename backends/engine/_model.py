@@ -14,6 +14,7 @@ tied embedding used as ``x @ E^T`` for the logits.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._attention import MIN_GEMM_ROWS, attend, key_span, pad_rows
-from ._gguf import GGUFModel, ModelConfig, read_gguf
+from ._gguf import GGUFModel, read_gguf
 from ._kvstore import NULL_BLOCK, KVStorage
 from ._tokenizer import ChatTokenizer
 
@@ -61,13 +62,13 @@ def _rms_norm(x: Float32Array, weight: Float32Array, eps: float) -> Float32Array
     variance /= np.float32(x.shape[-1])
     variance += np.float32(eps)
     np.sqrt(variance, out=variance)
-    out = x / variance
+    out: Float32Array = x / variance
     out *= weight
     return out
 
 
 def _rope(x: Float32Array, cos: Float32Array, sin: Float32Array) -> Float32Array:
-    """Rotate the two halves of each head; ``x``: [rows, heads, head_dim], cos/sin [rows, 1, d/2]."""
+    """Rotate the two halves of each head: ``x`` [rows, heads, head_dim], cos/sin [rows, 1, d/2]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = np.empty_like(x)
@@ -170,14 +171,16 @@ class LlamaModel:
         bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.intp)
         total = int(bounds[-1])
         rows = max(total, MIN_GEMM_ROWS)
-        if any(c.start + n > cfg.max_position_embeddings for c, n in zip(chunks, lengths)):
+        if any(
+            c.start + n > cfg.max_position_embeddings for c, n in zip(chunks, lengths, strict=True)
+        ):
             raise ValueError(f"sequence longer than max_model_len={cfg.max_position_embeddings}")
 
         ids = np.zeros(rows, dtype=np.intp)
         positions = np.zeros(rows, dtype=np.intp)
         slots: list[tuple[IntArray, IntArray]] = []
         tables: list[IntArray] = []
-        for chunk, lo, hi in zip(chunks, bounds[:-1], bounds[1:]):
+        for chunk, lo, hi in zip(chunks, bounds[:-1], bounds[1:], strict=True):
             ids[lo:hi] = chunk.token_ids
             pos = np.arange(chunk.start, chunk.start + (hi - lo), dtype=np.intp)
             positions[lo:hi] = pos
@@ -207,7 +210,7 @@ class LlamaModel:
                 v = qkv[:, k_end:].reshape(rows, kv_heads, head_dim)
                 attn = np.zeros((rows, heads * head_dim), dtype=np.float32)
                 for chunk, lo, hi, slot, table in zip(
-                    chunks, bounds[:-1], bounds[1:], slots, tables
+                    chunks, bounds[:-1], bounds[1:], slots, tables, strict=True
                 ):
                     kv.write(layer, slot, k[lo:hi], v[lo:hi])
                     keys_t, values = kv.gather(layer, table)
@@ -226,7 +229,7 @@ class LlamaModel:
                 x += act @ self.w_down[layer]
 
         wanted: list[IntArray] = []
-        for chunk, lo, hi in zip(chunks, bounds[:-1], bounds[1:]):
+        for chunk, lo, hi in zip(chunks, bounds[:-1], bounds[1:], strict=True):
             if chunk.logits == "all":
                 wanted.append(np.arange(lo, hi, dtype=np.intp))
             elif chunk.logits == "last":
@@ -239,4 +242,4 @@ class LlamaModel:
         final = pad_rows(_rms_norm(x[picked], self.final_norm, cfg.rms_norm_eps))
         logits = final @ self.lm_head.T
         out_bounds = np.concatenate([[0], np.cumsum([w.size for w in wanted])])
-        return [logits[a:b] for a, b in zip(out_bounds[:-1], out_bounds[1:])]
+        return [logits[a:b] for a, b in itertools.pairwise(out_bounds)]

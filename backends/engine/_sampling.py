@@ -1,4 +1,4 @@
-"""Sampling parameters and the token sampler (greedy, or temperature / top-k / top-p with a seed)."""
+"""Sampling parameters and the sampler: greedy, or temperature / top-k / top-p with a seed."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A GGUF carries no ``tokenizer.json``: the byte-level BPE vocabulary, its merges,
 and the chat template are metadata.  For SmolLM2 (``tokenizer.ggml.pre == "smollm"``) llama.cpp
 splits digits one by one before the GPT-2 regex; the Hugging Face tokenizer of the original model
 does the same with a ``Digits`` pre-tokenizer, and so do we.  Tokens of type CONTROL (3) become
-special added tokens, USER_DEFINED (4) plain added tokens, as transformers does when it loads a GGUF.
+special added tokens, USER_DEFINED (4) plain added tokens, as transformers does with a GGUF.
 
 The chat template is rendered the way ``transformers.apply_chat_template`` renders it: a sandboxed
 jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, ``raise_exception``, ``tojson``.
@@ -45,7 +45,7 @@ class ChatTokenizer:
         if spec.model != "gpt2":
             raise ValueError(f"unsupported tokenizer model {spec.model!r}; only byte-level BPE")
         vocab = {token: index for index, token in enumerate(spec.tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in spec.merges]
+        merges = [(left, right) for left, _, right in (m.partition(" ") for m in spec.merges)]
         bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
         tokenizer = Tokenizer(bpe)
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

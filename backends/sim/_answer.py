@@ -58,14 +58,19 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True, slots=True)
 class AnswerPlan:
+    """One answer, decided before the first byte. A natural stop ends `tokens` with the
+    end-of-sequence token "" (counted in completion_tokens, as vLLM counts it)."""
+
     kind: RequestKind
     request_id: str
     created: int
     model: str
+    fingerprint: str
     tokens: tuple[str, ...]
     finish_reason: Literal["stop", "length"]
     usage: Usage
     include_usage: bool
+    continuous_usage: bool
 
 
 class AnswerWriter:
@@ -122,7 +127,7 @@ class AnswerWriter:
         await resp.prepare(self._request)
         await self.pause(config.ttft_ms / 1000)
         if plan.kind == "chat":
-            await self._event(self._chunk(role=True, token="", finish=None))
+            await self._event(self._chunk(index=None, token="", finish=None))
         fault_at = config.fault_after_chunks if fault in MID_STREAM_FAULTS else None
         last = len(plan.tokens) - 1
         for index, token in enumerate(plan.tokens):
@@ -131,7 +136,7 @@ class AnswerWriter:
             if index == fault_at and await self._mid_stream_fault(fault):
                 return "faulted"
             finish = plan.finish_reason if index == last else None
-            await self._event(self._chunk(role=False, token=token, finish=finish))
+            await self._event(self._chunk(index=index, token=token, finish=finish))
             self._observe_token(index, measured=True)
         if fault_at is not None and fault_at > last and await self._mid_stream_fault(fault):
             return "faulted"
@@ -143,6 +148,7 @@ class AnswerWriter:
                     created=plan.created,
                     model=plan.model,
                     usage=plan.usage,
+                    fingerprint=plan.fingerprint,
                 )
             )
         await resp.write(_DONE)
@@ -189,6 +195,7 @@ class AnswerWriter:
             text="".join(plan.tokens),
             finish_reason=plan.finish_reason,
             usage=plan.usage,
+            fingerprint=plan.fingerprint,
         )
 
     async def _mid_stream_fault(self, fault: FaultMode) -> bool:
@@ -203,16 +210,22 @@ class AnswerWriter:
         await self.response.write(_MALFORMED_EVENTS)
         return False
 
-    def _chunk(self, *, role: bool, token: str, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, *, index: int | None, token: str, finish: str | None) -> dict[str, Any]:
+        """The chunk of token `index`; None is the chat role chunk that precedes them."""
         plan = self._plan
+        done = 0 if index is None else index + 1
+        running = (plan.usage.prompt_tokens, done) if plan.continuous_usage else None
+        fingerprint = plan.fingerprint if finish is not None and not plan.include_usage else None
         if plan.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if role else {"content": token}
             return chat_chunk(
                 request_id=plan.request_id,
                 created=plan.created,
                 model=plan.model,
-                delta=delta,
+                delta={"role": "assistant", "content": ""} if index is None else {"content": token},
                 finish_reason=finish,
+                first=index is None,
+                running_usage=running,
+                fingerprint=fingerprint,
             )
         return completion_chunk(
             request_id=plan.request_id,
@@ -220,6 +233,8 @@ class AnswerWriter:
             model=plan.model,
             text=token,
             finish_reason=finish,
+            running_usage=running,
+            fingerprint=fingerprint,
         )
 
     async def _event(self, body: dict[str, Any]) -> None:

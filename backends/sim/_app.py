@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import json
 import math
 import struct
 import time
@@ -18,17 +20,18 @@ from typing import Literal
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from backends.sim._answer import AnswerPlan, AnswerWriter, ClientGone
 from backends.sim._config import FaultMode, SimConfig
+from backends.sim._errors import SimRequestError, error_body, invalid_json
 from backends.sim._metrics import SimMetrics
 from backends.sim._protocol import (
+    SIMULATED_VLLM_VERSION,
     RequestKind,
-    SimRequestError,
     Usage,
     embedding_response,
-    error_body,
     model_list,
 )
 from backends.sim._requests import InferenceRequest, parse_request
@@ -40,6 +43,8 @@ __all__ = ["MAX_REQUEST_BODY_BYTES", "SIM_CONFIG", "SIM_METRICS", "SIM_STATS", "
 MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 # Fault rates are compared as exact fractions, so 0.1 faults exactly 1 request in 10.
 _MAX_RATE_DENOMINATOR = 1_000_000
+# vLLM's request ids are a prefix and 16 hex digits (or the client's X-Request-Id).
+_ID_HEX_DIGITS = 16
 _ID_PREFIXES: dict[RequestKind, str] = {
     "chat": "chatcmpl-",
     "completion": "cmpl-",
@@ -51,6 +56,7 @@ _ID_PREFIXES: dict[RequestKind, str] = {
 class _SimState:
     closing: asyncio.Event
     fault_rate: Fraction
+    fingerprint: str
     fault_draws: int = 0
     sample_nonce: int = 0
 
@@ -77,15 +83,40 @@ def build_app(config: SimConfig) -> web.Application:
     app[SIM_STATS] = SimStats()
     app[SIM_METRICS] = SimMetrics(config.model)
     rate = Fraction(config.fault_rate).limit_denominator(_MAX_RATE_DENOMINATOR)
-    app[_STATE] = _SimState(closing=asyncio.Event(), fault_rate=rate)
+    app[_STATE] = _SimState(
+        closing=asyncio.Event(), fault_rate=rate, fingerprint=_fingerprint(config)
+    )
     app.on_shutdown.append(_on_shutdown)
+    app.middlewares.append(_fastapi_style_http_errors)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/version", _version)
     return app
+
+
+@web.middleware
+async def _fastapi_style_http_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # Unknown routes and methods answer as FastAPI does: {"detail": "Not Found"}.
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.Response(
+            body=orjson.dumps({"detail": exc.reason}),
+            status=exc.status,
+            content_type="application/json",
+            headers=headers,
+        )
+
+
+def _fingerprint(config: SimConfig) -> str:
+    """vLLM's ``system_fingerprint`` shape; differs between model names and variants."""
+    key = f"{config.model}\0{config.variant}".encode()
+    return f"vllm-{SIMULATED_VLLM_VERSION}-{hashlib.blake2b(key, digest_size=4).hexdigest()}"
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -115,9 +146,14 @@ async def _models(request: web.Request) -> web.StreamResponse:
         model=config.model,
         created=int(time.time()),
         max_model_len=config.max_model_len,
-        permission_id=f"modelperm-{uuid.uuid4().hex}",
+        permission_id=f"modelperm-{uuid.uuid4().hex[:_ID_HEX_DIGITS]}",
     )
     return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _version(request: web.Request) -> web.StreamResponse:
+    body = orjson.dumps({"version": SIMULATED_VLLM_VERSION})
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
@@ -134,21 +170,23 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     config, stats, metrics, state = app[SIM_CONFIG], app[SIM_STATS], app[SIM_METRICS], app[_STATE]
     raw = await request.read()
     body: object = None
-    decode_error: str | None = None
+    decode_error: SimRequestError | None = None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        decode_error = f"JSON decode error: {exc}"
+        decode_error = _json_error(raw, exc)
     stats.record(RecordedRequest.capture(request.method, request.path, request.headers, body))
     try:
         if decode_error is not None:
-            raise SimRequestError(decode_error)
-        parsed = parse_request(kind, body, served_model=config.model)
-        plan = _plan(request, parsed, config, state)
+            raise decode_error
+        parsed = parse_request(
+            kind, body, served_model=config.model, max_model_len=config.max_model_len
+        )
     except SimRequestError as exc:
         stats.rejected += 1
         return _error_response(exc.body(), exc.status)
 
+    plan = _plan(request, parsed, config, state)
     fault = state.draw_fault(config.fault)
     if fault != "none":
         stats.faults_injected += 1
@@ -170,12 +208,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         metrics.running.dec()
         metrics.hold_tokens(-held_tokens)
         stats.count_outcome(outcome)
-        if outcome == "completed":
-            metrics.e2e.observe(writer.elapsed())
-            if plan.finish_reason == "length":
-                metrics.success_length.inc()
-            else:
-                metrics.success_stop.inc()
+        metrics.finished(outcome, plan.finish_reason, writer.elapsed())
     return writer.response if writer.response is not None else web.Response()
 
 
@@ -216,26 +249,29 @@ async def _answer(
     return await writer.whole(fault, body)
 
 
+def _json_error(raw: bytes, exc: orjson.JSONDecodeError) -> SimRequestError:
+    # vLLM (FastAPI) reports the standard library's wording, so ask it for the reason.
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError as std:
+        return invalid_json(std.pos, std.msg)
+    except UnicodeDecodeError:
+        pass
+    return invalid_json(exc.pos, exc.msg)
+
+
 def _plan(
     request: web.Request, parsed: InferenceRequest, config: SimConfig, state: _SimState
 ) -> AnswerPlan:
-    """Decide the answer; raise `SimRequestError` where vLLM refuses the lengths."""
-    limit = config.max_model_len - parsed.prompt_tokens
-    if parsed.kind != "embedding" and (limit < 1 or (parsed.max_tokens or 0) > limit):
-        raise SimRequestError(
-            f"This model's maximum context length is {config.max_model_len} tokens. "
-            f"However, you requested {parsed.prompt_tokens + (parsed.max_tokens or 0)} "
-            f"tokens ({parsed.prompt_tokens} in the messages, {parsed.max_tokens or 0} in "
-            "the completion). Please reduce the length of the messages or completion.",
-            param="max_tokens" if parsed.max_tokens else "messages",
-        )
+    """Decide the whole answer before the first byte."""
     tokens: list[str] = []
     finish: Literal["stop", "length"] = "stop"
     cached: int | None = None
     if parsed.kind != "embedding":
-        cap = min(limit, parsed.max_tokens or limit)
-        if cap < config.tokens:
-            finish = "length"
+        # Like vLLM, a max_tokens past the context window is silently shortened.
+        cap = config.max_model_len - parsed.prompt_tokens
+        if parsed.max_tokens is not None:
+            cap = min(cap, parsed.max_tokens)
         nonce = None
         if parsed.sampled:
             state.sample_nonce += 1
@@ -247,15 +283,18 @@ def _plan(
             seed=parsed.seed,
             nonce=nonce,
         )
-        tokens = answer_tokens(digest, min(cap, config.tokens))
+        # The answer's words, then the end-of-sequence token, unless max_tokens cuts it.
+        tokens = [*answer_tokens(digest, min(cap, config.tokens)), ""][:cap]
+        finish = "stop" if len(tokens) == config.tokens + 1 else "length"
         if config.cached_tokens is not None:
             cached = min(config.cached_tokens, parsed.prompt_tokens)
-    base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:_ID_HEX_DIGITS]
     return AnswerPlan(
         kind=parsed.kind,
         request_id=_ID_PREFIXES[parsed.kind] + base_id,
         created=int(time.time()),
         model=config.model,
+        fingerprint=state.fingerprint,
         tokens=tuple(tokens),
         finish_reason=finish,
         usage=Usage(
@@ -264,4 +303,5 @@ def _plan(
             cached_tokens=cached,
         ),
         include_usage=parsed.include_usage,
+        continuous_usage=parsed.continuous_usage,
     )

@@ -2,10 +2,12 @@
 
 Each app owns its `CollectorRegistry`, so several simulators in one process (a primary
 and candidates in a test) never share or collide on series. Label sets are bounded: the
-one served model name, vLLM's `engine="0"`, and the two finish reasons.
+one served model name, vLLM's `engine="0"`, and four finish reasons.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -79,8 +81,10 @@ class SimMetrics:
             "vllm:request_success", "Finished requests by finish reason.",
             (*_LABELS, "finished_reason"), registry=reg,
         )  # fmt: skip
-        self.success_stop = success.labels(**labels, finished_reason="stop")
-        self.success_length = success.labels(**labels, finished_reason="length")
+        self._success = {
+            reason: success.labels(**labels, finished_reason=reason)
+            for reason in ("stop", "length", "abort", "error")
+        }
         self.waiting.set(0)
         self._held_tokens = 0
 
@@ -88,6 +92,19 @@ class SimMetrics:
         """Account tokens of an in-flight request in the simulated KV cache."""
         self._held_tokens += tokens
         self.kv_usage.set(min(1.0, self._held_tokens / KV_CACHE_CAPACITY_TOKENS))
+
+    def finished(
+        self,
+        outcome: Literal["completed", "cancelled", "faulted"],
+        finish_reason: Literal["stop", "length"],
+        elapsed_s: float,
+    ) -> None:
+        """Count an ended request as vLLM does: by finish reason, abort or error."""
+        if outcome == "completed":
+            self.e2e.observe(elapsed_s)
+            self._success[finish_reason].inc()
+        else:
+            self._success["abort" if outcome == "cancelled" else "error"].inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

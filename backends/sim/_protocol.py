@@ -1,16 +1,14 @@
-"""vLLM's OpenAI wire format: request validation and response bodies.
+"""vLLM's OpenAI response bodies, field for field (checked against vLLM 0.32.0's server).
 
-Rules (what a client of vLLM sees, matched field for field where the simulator has the
-information):
-1. Errors are ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status in
-   `code` (vLLM's `ErrorResponse(error=ErrorInfo(...))`); invalid JSON or a missing
-   field is 400 `BadRequestError`, an unknown model 404 `NotFoundError`.
-2. Stream chunks are dumped like vLLM's `model_dump_json(exclude_unset=True)`: no
-   `usage` key on token chunks; the last token chunk carries `finish_reason`; with
-   `stream_options.include_usage` (which defaults to true once `stream_options` is
-   given) a final chunk has ``choices: []`` and the usage without null fields.
-3. Non-streamed bodies are dumped like `model_dump()`: optional fields are present as
-   null, `usage.prompt_tokens_details` included.
+Rules:
+1. Stream chunks are dumped like vLLM's ``model_dump_json(exclude_unset=True)``: token
+   chunks carry no `usage` key unless ``stream_options.continuous_usage_stats``; the
+   chunk of the last generated token carries `finish_reason` (a natural stop ends with the
+   end-of-sequence token, whose text is ""); without include_usage that last chunk also
+   carries `system_fingerprint`, otherwise the usage chunk (``choices: []``) does.
+2. Non-streamed bodies are dumped like ``model_dump()``: optional fields present as null.
+3. `prompt_tokens_details` exists only when the server reports cached tokens (vLLM's
+   --enable-prompt-tokens-details); unknown is absent or null, never 0.
 """
 
 from __future__ import annotations
@@ -19,15 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
-    "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "SIMULATED_VLLM_VERSION",
     "RequestKind",
-    "SimRequestError",
     "Usage",
     "chat_chunk",
     "completion_chunk",
     "embedding_response",
-    "error_body",
-    "error_type_for_status",
     "full_response",
     "model_list",
     "usage_body",
@@ -35,50 +30,8 @@ __all__ = [
 ]
 
 RequestKind = Literal["chat", "completion", "embedding"]
-
-# vLLM's CompletionRequest.max_tokens default (the OpenAI legacy API's default too).
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-_ERROR_TYPES: dict[int, str] = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    409: "ConflictError",
-    422: "UnprocessableEntityError",
-    429: "RateLimitError",
-}
-
-
-def error_type_for_status(status: int) -> str:
-    """The `type` vLLM (and the OpenAI client's exception names) use for a status."""
-    if status in _ERROR_TYPES:
-        return _ERROR_TYPES[status]
-    return "InternalServerError" if status >= 500 else "BadRequestError"
-
-
-class SimRequestError(Exception):
-    """A request the simulator refuses, carrying the HTTP status it becomes."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, status=self.status, param=self.param)
-
-
-def error_body(message: str, *, status: int, param: str | None = None) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": error_type_for_status(status),
-            "param": param,
-            "code": status,
-        }
-    }
+# The vLLM release whose wire format this module reproduces (reported by /version).
+SIMULATED_VLLM_VERSION = "0.32.0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +45,41 @@ class Usage:
             raise ValueError("token counts are never negative")
 
 
-def usage_body(usage: Usage, *, stream: bool) -> dict[str, Any]:
+def usage_body(usage: Usage, *, kind: RequestKind, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "completion_tokens": usage.completion_tokens,
     }
-    if usage.cached_tokens is not None:
-        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
-    elif not stream:
-        body["prompt_tokens_details"] = None
+    cached = usage.cached_tokens
+    if stream:
+        if cached is not None:
+            details: dict[str, Any] = {"cached_tokens": cached}
+            if kind == "chat":
+                details["created_cache_tokens"] = 0
+            body["prompt_tokens_details"] = details
+        return body
+    body["prompt_tokens_details"] = (
+        None
+        if cached is None
+        else {
+            "cached_tokens": cached,
+            "created_cache_tokens": 0 if kind == "chat" else None,
+            "multimodal_tokens": None,
+        }
+    )
+    body["completion_tokens_details"] = None
     return body
+
+
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The per-chunk usage of ``continuous_usage_stats``."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "completion_tokens_details": None,
+    }
 
 
 def chat_chunk(
@@ -112,6 +89,9 @@ def chat_chunk(
     model: str,
     delta: dict[str, str],
     finish_reason: str | None,
+    first: bool = False,
+    running_usage: tuple[int, int] | None = None,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
@@ -121,19 +101,36 @@ def chat_chunk(
     }
     if finish_reason is not None:
         choice["stop_reason"] = None
-    return {
+    if not first:
+        choice["token_ids"] = None
+    chunk: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "choices": [choice],
     }
+    if running_usage is not None:
+        chunk["usage"] = _running_usage(*running_usage)
+    if first:
+        chunk["prompt_token_ids"] = None
+        chunk["prompt_text"] = None
+    if fingerprint is not None:
+        chunk["system_fingerprint"] = fingerprint
+    return chunk
 
 
 def completion_chunk(
-    *, request_id: str, created: int, model: str, text: str, finish_reason: str | None
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    running_usage: tuple[int, int] | None = None,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    return {
+    chunk: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
@@ -145,13 +142,26 @@ def completion_chunk(
                 "logprobs": None,
                 "finish_reason": finish_reason,
                 "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
             }
         ],
     }
+    if running_usage is not None:
+        chunk["usage"] = _running_usage(*running_usage)
+    if fingerprint is not None:
+        chunk["system_fingerprint"] = fingerprint
+    return chunk
 
 
 def usage_chunk(
-    *, kind: RequestKind, request_id: str, created: int, model: str, usage: Usage
+    *,
+    kind: RequestKind,
+    request_id: str,
+    created: int,
+    model: str,
+    usage: Usage,
+    fingerprint: str,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -159,7 +169,8 @@ def usage_chunk(
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage_body(usage, stream=True),
+        "usage": usage_body(usage, kind=kind, stream=True),
+        "system_fingerprint": fingerprint,
     }
 
 
@@ -172,45 +183,66 @@ def full_response(
     text: str,
     finish_reason: str,
     usage: Usage,
+    fingerprint: str,
 ) -> dict[str, Any]:
-    choice: dict[str, Any]
+    usage_json = usage_body(usage, kind=kind, stream=False)
     if kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": text,
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-                "tool_calls": [],
-                "reasoning_content": None,
-            },
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
+        message = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
         }
-    else:
-        choice = {
+        choice: dict[str, Any] = {
             "index": 0,
-            "text": text,
+            "message": message,
             "logprobs": None,
             "finish_reason": finish_reason,
             "stop_reason": None,
+            "token_ids": None,
+            "routed_experts": None,
+        }
+        head = {"id": request_id, "object": "chat.completion", "created": created}
+        return {
+            **head,
+            "model": model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": fingerprint,
+            "usage": usage_json,
             "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+        "token_ids": None,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "routed_experts": None,
+    }
     return {
         "id": request_id,
-        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "object": "text_completion",
         "created": created,
         "model": model,
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": None,
-        "usage": usage_body(usage, stream=False),
-        "prompt_logprobs": None,
+        "system_fingerprint": fingerprint,
+        "usage": usage_json,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
@@ -223,6 +255,7 @@ def embedding_response(
     prompt_tokens: int,
 ) -> dict[str, Any]:
     """Embeddings as vLLM returns them; each item is floats or base64 little-endian f32."""
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, cached_tokens=None)
     return {
         "id": request_id,
         "object": "list",
@@ -232,43 +265,35 @@ def embedding_response(
             {"index": index, "object": "embedding", "embedding": embedding}
             for index, embedding in enumerate(embeddings)
         ],
-        "usage": usage_body(
-            Usage(prompt_tokens=prompt_tokens, completion_tokens=0, cached_tokens=None),
-            stream=False,
-        ),
+        "usage": usage_body(usage, kind="embedding", stream=False),
     }
 
 
 def model_list(
     *, model: str, created: int, max_model_len: int, permission_id: str
 ) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": model,
-                "parent": None,
-                "max_model_len": max_model_len,
-                "permission": [
-                    {
-                        "id": permission_id,
-                        "object": "model_permission",
-                        "created": created,
-                        "allow_create_engine": False,
-                        "allow_sampling": True,
-                        "allow_logprobs": True,
-                        "allow_search_indices": False,
-                        "allow_view": True,
-                        "allow_fine_tuning": False,
-                        "organization": "*",
-                        "group": None,
-                        "is_blocking": False,
-                    }
-                ],
-            }
-        ],
+    permission = {
+        "id": permission_id,
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
     }
+    card = {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": model,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [permission],
+    }
+    return {"object": "list", "data": [card]}

@@ -1,21 +1,30 @@
-"""Validation of inference request bodies, as vLLM's pydantic request models do it."""
+"""Validation of inference request bodies, refused with the errors vLLM gives."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from backends.sim._protocol import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    RequestKind,
+from backends.sim._errors import (
     SimRequestError,
+    invalid_value,
+    schema_error,
+    unknown_model,
 )
+from backends.sim._protocol import RequestKind
 from backends.sim._text import count_words
 
-__all__ = ["MESSAGE_OVERHEAD_TOKENS", "InferenceRequest", "parse_request"]
+__all__ = [
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "MESSAGE_OVERHEAD_TOKENS",
+    "InferenceRequest",
+    "parse_request",
+]
 
 # Tokens a chat template adds around each message (role markers, separators).
 MESSAGE_OVERHEAD_TOKENS = 4
+# vLLM's CompletionRequest.max_tokens default (the legacy OpenAI API's default too).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 EncodingFormat = Literal["float", "base64"]
 
@@ -27,6 +36,7 @@ class InferenceRequest:
     kind: RequestKind
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     max_tokens: int | None
     prompt_tokens: int
     # What the answer text is a function of: the messages, the prompt, or the inputs.
@@ -44,37 +54,58 @@ class InferenceRequest:
             raise ValueError("max_tokens is at least 1")
 
 
-def parse_request(kind: RequestKind, body: object, *, served_model: str) -> InferenceRequest:
+def parse_request(
+    kind: RequestKind, body: object, *, served_model: str, max_model_len: int
+) -> InferenceRequest:
     """Check a decoded JSON body; raise `SimRequestError` where vLLM answers 4xx."""
     if not isinstance(body, dict):
-        raise SimRequestError("The request body must be a JSON object.")
+        raise schema_error(
+            "model_attributes_type",
+            "body",
+            "Input should be a valid dictionary or object to extract fields from",
+            body,
+        )
     model = body.get("model")
     if model is not None and model != served_model:
-        raise SimRequestError(f"The model `{model}` does not exist.", param="model", status=404)
+        raise unknown_model(model, served_model)
     if kind == "embedding":
         return _parse_embedding(body)
     stream = _optional_bool(body, "stream") or False
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not isinstance(stream_options, dict):
-            raise SimRequestError("stream_options must be an object.", param="stream_options")
+            raise schema_error(
+                "model_type",
+                "body.stream_options",
+                "Input should be a valid dictionary or instance of StreamOptions",
+                stream_options,
+            )
         if not stream:
-            raise SimRequestError(
-                "Stream options can only be defined when `stream=True`.",
-                param="stream_options",
+            raise invalid_value(
+                "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
     # vLLM's StreamOptions.include_usage defaults to true once stream_options is given.
-    include_usage = bool(stream_options.get("include_usage", True)) if stream_options else False
+    options = stream_options or {}
+    include_usage = stream_options is not None and bool(options.get("include_usage", True))
+    continuous_usage = include_usage and bool(options.get("continuous_usage_stats", False))
     n = _optional_int(body, "n", minimum=1)
     if n not in (None, 1):
-        raise SimRequestError("The simulator answers with one choice (n=1).", param="n")
+        raise invalid_value("The simulator answers with one choice.", param="n", value=n)
     seed = _optional_int(body, "seed", minimum=None)
     temperature = body.get("temperature")
     if temperature is not None and (
         isinstance(temperature, bool) or not isinstance(temperature, int | float)
     ):
-        raise SimRequestError("temperature must be a number.", param="temperature")
-    sampled = temperature is not None and temperature > 0 and seed is None
+        if isinstance(temperature, str):
+            raise schema_error(
+                "float_parsing",
+                "body.temperature",
+                "Input should be a valid number, unable to parse string as a number",
+                temperature,
+            )
+        raise schema_error(
+            "float_type", "body.temperature", "Input should be a valid number", temperature
+        )
     if kind == "chat":
         max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
         if max_tokens is None:
@@ -86,15 +117,31 @@ def parse_request(kind: RequestKind, body: object, *, served_model: str) -> Infe
         if "max_tokens" not in body:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         prompt_key, prompt_tokens = _completion_prompt(body)
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise invalid_value(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param="max_tokens",
+            value=max_tokens,
+        )
+    if prompt_tokens >= max_model_len:
+        raise invalid_value(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_tokens} input tokens. Please reduce the length of the "
+            "input messages.",
+            param="input_tokens",
+            value=prompt_tokens,
+        )
     return InferenceRequest(
         kind=kind,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         max_tokens=max_tokens,
         prompt_tokens=prompt_tokens,
         prompt_key=prompt_key,
         seed=seed,
-        sampled=sampled,
+        sampled=temperature is not None and temperature > 0 and seed is None,
     )
 
 
@@ -109,13 +156,20 @@ def _parse_embedding(body: dict[str, Any]) -> InferenceRequest:
         inputs = [list(item) for item in raw]
     elif _is_token_ids(raw):
         inputs = [raw]
+    elif raw is None:
+        raise schema_error("missing", "body.input", "Field required", body)
     else:
-        raise SimRequestError(
-            "input must be a string, a list of strings or a list of token ids.", param="input"
+        raise schema_error(
+            "string_type", "body.input", "Input should be a valid string or list", raw
         )
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
-        raise SimRequestError("encoding_format must be float or base64.", param="encoding_format")
+        raise schema_error(
+            "literal_error",
+            "body.encoding_format",
+            "Input should be 'float' or 'base64'",
+            encoding,
+        )
     tokens = sum(
         count_words([item]) if isinstance(item, str) else len(_as_list(item)) for item in inputs
     )
@@ -123,6 +177,7 @@ def _parse_embedding(body: dict[str, Any]) -> InferenceRequest:
         kind="embedding",
         stream=False,
         include_usage=False,
+        continuous_usage=False,
         max_tokens=None,
         prompt_tokens=tokens,
         prompt_key=inputs,
@@ -134,12 +189,18 @@ def _parse_embedding(body: dict[str, Any]) -> InferenceRequest:
 
 
 def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise SimRequestError("messages must be a non-empty list.", param="messages")
-    for message in messages:
+    if "messages" not in body:
+        raise schema_error("missing", "body.messages", "Field required", body)
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise schema_error("list_type", "body.messages", "Input should be a valid list", messages)
+    if not messages:
+        raise SimRequestError(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+        )
+    for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise SimRequestError("each message needs a string role.", param="messages")
+            raise schema_error("missing", f"body.messages.{index}.role", "Field required", message)
     return messages
 
 
@@ -160,15 +221,18 @@ def _chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
 
 def _completion_prompt(body: dict[str, Any]) -> tuple[object, int]:
     prompt = body.get("prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        raise invalid_value(
+            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
     if isinstance(prompt, list) and len(prompt) == 1 and not _is_token_ids(prompt):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt, count_words([prompt])
     if _is_token_ids(prompt):
         return prompt, len(_as_list(prompt))
-    raise SimRequestError(
-        "prompt must be one string or one list of token ids (the simulator answers one "
-        "prompt per request).",
+    raise invalid_value(
+        "The simulator answers one prompt (a string or a list of token ids) per request.",
         param="prompt",
     )
 
@@ -190,9 +254,11 @@ def _optional_int(body: dict[str, Any], name: str, *, minimum: int | None) -> in
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SimRequestError(f"{name} must be an integer.", param=name)
+        raise schema_error("int_type", f"body.{name}", "Input should be a valid integer", value)
     if minimum is not None and value < minimum:
-        raise SimRequestError(f"{name} must be at least {minimum}, got {value}.", param=name)
+        raise invalid_value(
+            f"{name} must be at least {minimum}, got {value}.", param=name, value=value
+        )
     return value
 
 
@@ -200,4 +266,4 @@ def _optional_bool(body: dict[str, Any], name: str) -> bool | None:
     value = body.get(name)
     if value is None or isinstance(value, bool):
         return value
-    raise SimRequestError(f"{name} must be a boolean.", param=name)
+    raise schema_error("bool_type", f"body.{name}", "Input should be a valid boolean", value)

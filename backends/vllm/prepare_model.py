@@ -61,8 +61,9 @@ def convert(gguf_path: Path, output: Path) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
-    # The weights are already dequantized; a lingering quantizer makes save_pretrained
-    # refuse or write a quantization_config that vLLM would then try to honour.
+    # Loading from GGUF attaches a GgufHfQuantizer and a quantization_config, and
+    # save_pretrained refuses a model with that quantizer ("not serializable"). The tensors
+    # themselves are dequantized: _check() below proves every saved one is plain bf16.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -105,24 +105,31 @@ async def test_chat_non_streamed_shape() -> None:
     assert answer.usage is not None
     # 3 + 6 words, 4 template tokens per message.
     assert answer.usage.prompt_tokens == 9 + 2 * 4
-    assert answer.usage.completion_tokens == 8
-    assert answer.usage.total_tokens == 25
+    # 8 words and the end-of-sequence token, which vLLM counts too.
+    assert answer.usage.completion_tokens == 9
+    assert answer.usage.total_tokens == 26
     assert answer.usage.prompt_tokens_details is None
+    assert answer.system_fingerprint is not None
+    assert answer.system_fingerprint.startswith("vllm-0.32.0-")
 
 
 async def test_chat_stream_without_usage_matches_vllm_wire_format() -> None:
     body = {"model": "sim-model", "messages": MESSAGES, "stream": True}
     async with running_sim(fast(tokens=3)) as sim:
         events = [orjson.loads(event) for event in await raw_sse(sim, "/v1/chat/completions", body)]
-    assert len(events) == 1 + 3
+    # The role chunk, three words, and the end-of-sequence token that carries the finish.
+    assert len(events) == 1 + 3 + 1
     assert all(event["object"] == "chat.completion.chunk" for event in events)
     assert len({event["id"] for event in events}) == 1
     assert all("usage" not in event for event in events)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert [event["choices"][0]["finish_reason"] for event in events] == [None, None, None, "stop"]
+    finishes = [event["choices"][0]["finish_reason"] for event in events]
+    assert finishes == [None, None, None, None, "stop"]
     contents = [event["choices"][0]["delta"]["content"] for event in events[1:]]
     assert contents[0] and not contents[0].startswith(" ")
-    assert all(token.startswith(" ") for token in contents[1:])
+    assert all(token.startswith(" ") for token in contents[1:3])
+    assert contents[3] == ""
+    assert [("system_fingerprint" in event) for event in events] == [False] * 4 + [True]
 
 
 async def test_chat_stream_with_usage_and_cached_tokens() -> None:
@@ -137,7 +144,7 @@ async def test_chat_stream_with_usage_and_cached_tokens() -> None:
         whole = await api.chat.completions.create(model="sim-model", messages=MESSAGES)
     assert chunks[-1].choices == []
     usage = chunks[-1].usage
-    assert usage is not None and usage.completion_tokens == 8
+    assert usage is not None and usage.completion_tokens == 9
     assert usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == 5
     assert all(chunk.usage is None for chunk in chunks[:-1])
@@ -157,13 +164,15 @@ async def test_usage_chunk_omits_unknown_cached_tokens() -> None:
         events = await raw_sse(sim, "/v1/chat/completions", body)
     usage = orjson.loads(events[-1])
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 17, "total_tokens": 25, "completion_tokens": 8}
+    assert usage["usage"] == {"prompt_tokens": 17, "total_tokens": 26, "completion_tokens": 9}
+    assert usage["system_fingerprint"].startswith("vllm-")
 
 
 @pytest.mark.parametrize("limit_field", ["max_tokens", "max_completion_tokens"])
 async def test_max_tokens_caps_the_answer(limit_field: str) -> None:
     three: dict[str, Any] = {limit_field: 3}
     eight: dict[str, Any] = {limit_field: 8}
+    nine: dict[str, Any] = {limit_field: 9}
     async with running_sim(fast()) as sim, client(sim) as api:
         full = await api.chat.completions.create(model="sim-model", messages=MESSAGES)
         capped = await api.chat.completions.create(model="sim-model", messages=MESSAGES, **three)
@@ -171,7 +180,11 @@ async def test_max_tokens_caps_the_answer(limit_field: str) -> None:
             model="sim-model", messages=MESSAGES, stream=True, **three
         )
         chunks = [chunk async for chunk in stream]
-        exact = await api.chat.completions.create(model="sim-model", messages=MESSAGES, **eight)
+        # Eight words fit, the end-of-sequence token does not: vLLM says "length".
+        words_only = await api.chat.completions.create(
+            model="sim-model", messages=MESSAGES, **eight
+        )
+        with_eos = await api.chat.completions.create(model="sim-model", messages=MESSAGES, **nine)
     assert capped.choices[0].finish_reason == "length"
     assert capped.usage is not None and capped.usage.completion_tokens == 3
     full_text = full.choices[0].message.content
@@ -180,7 +193,10 @@ async def test_max_tokens_caps_the_answer(limit_field: str) -> None:
     assert full_text.startswith(capped_text)
     assert chunks[-1].choices[0].finish_reason == "length"
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == capped_text
-    assert exact.choices[0].finish_reason == "stop"
+    assert words_only.choices[0].finish_reason == "length"
+    assert words_only.choices[0].message.content == full_text
+    assert with_eos.choices[0].finish_reason == "stop"
+    assert with_eos.usage is not None and with_eos.usage.completion_tokens == 9
 
 
 async def test_completions_sync_client_streamed_and_not() -> None:
@@ -229,6 +245,11 @@ async def test_text_is_deterministic_per_prompt_variant_and_seed() -> None:
         base = await text(api_a)
         assert base == await text(api_a) == await text(api_a2)
         assert base != await text(api_b)
+        fingerprints = set()
+        for api in (api_a, api_a2, api_b):
+            answer = await api.chat.completions.create(model="sim-model", messages=MESSAGES)
+            fingerprints.add(answer.system_fingerprint)
+        assert len(fingerprints) == 2
         other = [{"role": "user", "content": "Something else entirely"}]
         assert base != await text(api_a, messages=other)
         assert await text(api_a, seed=7) == await text(api_a2, seed=7) != base
@@ -273,18 +294,42 @@ async def test_models_and_health() -> None:
 
 
 @pytest.mark.parametrize(
-    ("payload", "param"),
+    ("payload", "err_type", "param", "fragment"),
     [
-        (b'{"messages": [', None),
-        (b"[1, 2]", None),
-        (b'{"model": "sim-model"}', "messages"),
-        (b'{"messages": [{"content": "no role"}]}', "messages"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}', None),
-        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 9000}', "max_tokens"),
+        (b'{"messages": [', "Bad Request", "body.14", "json_invalid"),
+        (b"[1, 2]", "Bad Request", "body", "model_attributes_type"),
+        (b'{"model": "sim-model"}', "Bad Request", "body.messages", "Field required"),
+        (b'{"messages": [{"content": "x"}]}', "Bad Request", "body.messages.0.role", "missing"),
+        (b'{"messages": []}', "BadRequestError", None, "empty conversation"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+            "BadRequestError",
+            "max_tokens",
+            "max_tokens must be at least 1, got 0.",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+            "BadRequestError",
+            "stream_options",
+            "only be defined when `stream=True`",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 9000}',
+            "BadRequestError",
+            "max_tokens",
+            "cannot be greater than max_model_len=8192",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "n": 2}',
+            "BadRequestError",
+            "n",
+            "one choice",
+        ),
     ],
 )
-async def test_bad_requests_get_vllm_error_bodies(payload: bytes, param: str | None) -> None:
+async def test_bad_requests_get_vllm_error_bodies(
+    payload: bytes, err_type: str, param: str | None, fragment: str
+) -> None:
     async with running_sim(fast()) as sim, aiohttp.ClientSession() as session:
         url = sim.base_url + "/chat/completions"
         headers = {"Content-Type": "application/json"}
@@ -295,13 +340,36 @@ async def test_bad_requests_get_vllm_error_bodies(payload: bytes, param: str | N
         stats = sim.stats
         assert (stats.rejected, stats.started, stats.requests_seen) == (1, 0, 1)
     error = body["error"]
-    assert set(body) == {"error"}
-    assert (error["type"], error["code"]) == ("BadRequestError", 400)
-    assert isinstance(error["message"], str) and error["message"]
-    if param is not None:
-        assert error["param"] == param
-    if param == "max_tokens" and "9000" in payload.decode():
-        assert "maximum context length is 8192 tokens" in error["message"]
+    assert body == {"error": {**error, "type": err_type, "param": param, "code": 400}}
+    assert fragment in error["message"]
+
+
+async def test_long_prompts_and_context_caps() -> None:
+    async with running_sim(fast(max_model_len=20, tokens=50)) as sim, client(sim) as api:
+        # 9 prompt tokens leave 11 for the answer: silently shortened, as vLLM does.
+        short = await api.chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": "a b c d e"}], max_tokens=15
+        )
+        with pytest.raises(openai.BadRequestError) as caught:
+            await api.chat.completions.create(
+                model="sim-model", messages=[{"role": "user", "content": "w " * 16}]
+            )
+    assert short.usage is not None and short.usage.completion_tokens == 11
+    assert short.choices[0].finish_reason == "length"
+    assert "maximum context length is 20 tokens" in str(caught.value)
+
+
+async def test_continuous_usage_stats_put_usage_on_every_chunk() -> None:
+    body = {
+        "messages": MESSAGES,
+        "stream": True,
+        "max_tokens": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    async with running_sim(fast()) as sim:
+        events = [orjson.loads(e) for e in await raw_sse(sim, "/v1/chat/completions", body)]
+    assert [event["usage"]["completion_tokens"] for event in events] == [0, 1, 2, 2]
+    assert events[-1]["choices"] == []
 
 
 async def test_unknown_model_is_404_not_found() -> None:
@@ -310,7 +378,7 @@ async def test_unknown_model_is_404_not_found() -> None:
             await api.chat.completions.create(model="gpt-4", messages=MESSAGES)
         with pytest.raises(openai.BadRequestError):
             await api.completions.create(model="sim-model", prompt=["one", "two"])
-    assert "gpt-4" in str(caught.value)
+    assert "The model `gpt-4` does not exist. Valid aliases: sim-model." in str(caught.value)
 
 
 async def test_headers_and_bodies_are_recorded_and_request_id_is_honoured() -> None:

@@ -172,8 +172,11 @@ async def test_metrics_use_vllm_names_and_a_registry_per_app() -> None:
     ):
         assert f"{name}{labels} 2.0" in first
         assert f"{name}{labels} 0.0" in second
-    assert f"vllm:inter_token_latency_seconds_count{labels} 9.0" in first
-    assert f"vllm:generation_tokens_total{labels} 11.0" in first
+    # 8 words + end-of-sequence, then 3 words cut by max_tokens: 12 tokens, 10 gaps.
+    assert f"vllm:inter_token_latency_seconds_count{labels} 10.0" in first
+    assert f"vllm:generation_tokens_total{labels} 12.0" in first
+    assert 'finished_reason="stop",model_name="sim-model"} 1.0' in first
+    assert 'finished_reason="length",model_name="sim-model"} 1.0' in first
     assert f"vllm:prompt_tokens_total{labels} 16.0" in first
     assert f"vllm:prefix_cache_queries_total{labels} 16.0" in first
     assert f"vllm:prefix_cache_hits_total{labels} 4.0" in first
@@ -219,7 +222,7 @@ async def test_cli_serves_until_sigterm() -> None:
         assert root.startswith("http://127.0.0.1:")
         async with client(RunningSimAt(root)) as api:
             answer = await api.completions.create(model="sim-model", prompt="hi")
-        assert answer.usage is not None and answer.usage.completion_tokens == 3
+        assert answer.usage is not None and answer.usage.completion_tokens == 3 + 1
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), timeout=10) == 0
     finally:

@@ -50,7 +50,7 @@ async def test_every_sampled_request_yields_a_joined_pair() -> None:
             assert p.ok and c.ok and p.request_id == c.request_id == exchange.request_id
             assert c.backend == "b" and p.backend == "primary"
             assert c.text and p.text and c.text != p.text  # variant b answers differently
-            assert c.usage is not None and c.usage.completion_tokens == 8
+            assert c.usage is not None and c.usage == p.usage
             if c.streamed:
                 assert c.ttft_s is not None and c.ttft_s >= 0.015
                 assert len(c.chunk_gaps_s) >= 5  # inter-token latency is measured

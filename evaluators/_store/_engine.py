@@ -1,0 +1,84 @@
+"""Engines and sessions: one URL picks PostgreSQL (asyncpg) or SQLite (aiosqlite).
+
+The engine is made by whoever owns the lifecycle (the gateway's cleanup context, a test
+fixture, a benchmark) and passed explicitly; nothing here keeps one.
+
+Rules:
+1. PostgreSQL: a bounded pool (size + overflow, a checkout timeout), connections pinged
+   on checkout so one cut by an outage is replaced instead of failing a batch, connect
+   and statement timeouts so an unreachable server fails fast rather than hangs.
+2. SQLite: write-ahead logging (readers do not block the writer), a busy timeout instead
+   of an immediate "database is locked", foreign keys enforced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
+from sqlalchemy.pool import StaticPool
+
+from evaluators._store._config import StoreConfig
+
+__all__ = ["create_engine", "session_factory"]
+
+POOL_RECYCLE_S = 1800
+"""Replace pooled connections older than this (servers and middleboxes drop idle ones)."""
+
+
+def create_engine(target: str | StoreConfig) -> AsyncEngine:
+    """An async engine for a database URL (default settings) or a StoreConfig."""
+    config = StoreConfig(url=target) if isinstance(target, str) else target
+    url = make_url(config.url)
+    if url.get_backend_name() == "sqlite":
+        return _sqlite_engine(config)
+    return _create_async_engine(
+        url,
+        pool_size=config.pool_size,
+        max_overflow=config.pool_overflow,
+        pool_timeout=config.pool_timeout_s,
+        pool_recycle=POOL_RECYCLE_S,
+        pool_pre_ping=True,
+        connect_args={
+            "timeout": config.connect_timeout_s,
+            "command_timeout": config.statement_timeout_s,
+            "server_settings": {"application_name": "understudy"},
+        },
+    )
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    """Sessions for the read side; objects stay usable after commit."""
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
+    url = make_url(config.url)
+    in_memory = url.database in (None, "", ":memory:")
+    options: dict[str, Any] = {"connect_args": {"timeout": config.sqlite_busy_timeout_s}}
+    if in_memory:
+        # Every connection to ":memory:" is a new, empty database: share one.
+        options["poolclass"] = StaticPool
+    else:
+        options["pool_size"] = config.pool_size
+        options["max_overflow"] = config.pool_overflow
+        options["pool_timeout"] = config.pool_timeout_s
+    engine = _create_async_engine(url, **options)
+    busy_ms = int(config.sqlite_busy_timeout_s * 1000)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _pragmas(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            if not in_memory:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
+            cursor.execute("PRAGMA foreign_keys=ON")
+        finally:
+            cursor.close()
+
+    return engine

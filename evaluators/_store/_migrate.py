@@ -1,0 +1,97 @@
+"""Run Alembic from code: the only way the store's schema is made or changed.
+
+``upgrade``/``downgrade`` open an async engine, and hand Alembic its connection inside
+``run_sync``; ``migrations/env.py`` sees the connection in ``config.attributes`` and runs
+on it. The plain ``alembic`` CLI (``alembic.ini`` at the repository root) takes the other
+branch of env.py and makes its own async engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Literal
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from evaluators._store._engine import create_engine
+from evaluators._store._errors import StoreError, translate_store_errors
+
+__all__ = ["current_revision", "downgrade", "head_revision", "script_location", "upgrade"]
+
+
+def script_location() -> Path:
+    """``migrations/`` at the repository root, next to the ``evaluators`` package."""
+    return Path(__file__).resolve().parents[2] / "migrations"
+
+
+async def upgrade(url: str | AsyncEngine, revision: str = "head") -> None:
+    """Migrate the database at ``url`` up to ``revision``."""
+    await _run(url, "upgrade", revision)
+
+
+async def downgrade(url: str | AsyncEngine, revision: str) -> None:
+    """Migrate the database at ``url`` down to ``revision`` (``"base"``: empty)."""
+    await _run(url, "downgrade", revision)
+
+
+async def current_revision(url: str | AsyncEngine) -> str | None:
+    """The revision the database is at; None for a database never migrated."""
+
+    def read(connection: Connection) -> str | None:
+        return MigrationContext.configure(connection).get_current_revision()
+
+    with translate_store_errors():
+        async with _engine_for(url) as engine, engine.connect() as connection:
+            return await connection.run_sync(read)
+
+
+def head_revision() -> str:
+    """The newest revision the code knows."""
+    head = ScriptDirectory.from_config(_config(None)).get_current_head()
+    if head is None:
+        raise StoreError(f"no migrations found in {script_location()}")
+    return head
+
+
+async def _run(url: str | AsyncEngine, verb: Literal["upgrade", "downgrade"],
+               revision: str) -> None:
+    def migrate(connection: Connection) -> None:
+        config = _config(connection)
+        if verb == "upgrade":
+            command.upgrade(config, revision)
+        else:
+            command.downgrade(config, revision)
+
+    with translate_store_errors():
+        async with _engine_for(url) as engine, engine.begin() as connection:
+            await connection.run_sync(migrate)
+
+
+def _config(connection: Connection | None) -> Config:
+    location = script_location()
+    if not (location / "env.py").is_file():
+        raise StoreError(f"Alembic environment not found at {location}")
+    config = Config()
+    config.set_main_option("script_location", str(location))
+    config.attributes["connection"] = connection
+    return config
+
+
+@asynccontextmanager
+async def _engine_for(url: str | AsyncEngine) -> AsyncIterator[AsyncEngine]:
+    """Borrow the caller's engine, or make one for a URL and dispose of it afterwards."""
+    if not isinstance(url, str):
+        yield url
+        return
+    engine = create_engine(url)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()

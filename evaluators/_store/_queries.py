@@ -1,0 +1,168 @@
+"""The report's side of the store: samples per metric, verdicts, the audit log.
+
+Each function takes an ``AsyncSession`` and leaves the transaction to the caller
+(``async with session.begin(): ...``), so a verdict and the audit entry that acts on it
+commit together. Every query is served by an index of the first migration:
+scores by (candidate, metric, created_at), verdicts by (candidate, created_at).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, NamedTuple
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from evaluators._store._errors import StoreRejected, translate_store_errors
+from evaluators._store._schema import AuditEntry, Backend, BackendRole, ScoreRow, Verdict
+
+__all__ = [
+    "CandidateSummary",
+    "Samples",
+    "append_audit",
+    "list_candidates",
+    "load_samples",
+    "record_verdict",
+    "register_backend",
+]
+
+
+class Samples(NamedTuple):
+    """One metric's values for a candidate: ``candidate, primary = samples``.
+
+    Each list holds the known (non-NULL) values in the order they were scored; a
+    pairwise metric (candidate vs primary in one number) has an empty ``primary``.
+    """
+
+    candidate: list[float]
+    primary: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateSummary:
+    name: str
+    role: str
+    url: str | None
+    samples: int
+    """Score rows, all metrics together."""
+    metrics: Mapping[str, int] = field(default_factory=dict)
+    """Score rows per metric."""
+    last_scored_at: datetime | None = None
+
+
+async def load_samples(session: AsyncSession, candidate: str,
+                       metrics: Collection[str] | None = None,
+                       since: datetime | None = None) -> dict[str, Samples]:
+    """Every stored value of ``candidate``'s metrics (all, or those named) since ``since``."""
+    query = (
+        select(ScoreRow.metric, ScoreRow.candidate_value, ScoreRow.primary_value)
+        .join(Backend, Backend.id == ScoreRow.candidate_id)
+        .where(Backend.name == candidate)
+        .order_by(ScoreRow.metric, ScoreRow.created_at, ScoreRow.id)
+    )
+    if metrics is not None:
+        query = query.where(ScoreRow.metric.in_(list(metrics)))
+    if since is not None:
+        query = query.where(ScoreRow.created_at >= _aware(since))
+    samples: dict[str, Samples] = {}
+    with translate_store_errors():
+        result = await session.execute(query)
+        for metric, candidate_value, primary_value in result:
+            found = samples.get(metric)
+            if found is None:
+                found = samples[metric] = Samples([], [])
+            if candidate_value is not None:
+                found.candidate.append(candidate_value)
+            if primary_value is not None:
+                found.primary.append(primary_value)
+    return samples
+
+
+async def list_candidates(session: AsyncSession) -> list[CandidateSummary]:
+    """Every backend that is or was a candidate, with its sample counts, by name."""
+    counts = (
+        select(ScoreRow.candidate_id, ScoreRow.metric,
+               func.count().label("n"), func.max(ScoreRow.created_at).label("last"))
+        .group_by(ScoreRow.candidate_id, ScoreRow.metric)
+        .subquery()
+    )
+    query = (
+        select(Backend.name, Backend.role, Backend.url, counts.c.metric, counts.c.n,
+               counts.c["last"])
+        .outerjoin(counts, counts.c.candidate_id == Backend.id)
+        .where((Backend.role != "primary") | counts.c.n.is_not(None))
+        .order_by(Backend.name, counts.c.metric)
+    )
+    with translate_store_errors():
+        rows = (await session.execute(query)).all()
+    summaries: dict[str, tuple[str, str | None, dict[str, int], list[datetime]]] = {}
+    for name, role, url, metric, n, last in rows:
+        _, _, per_metric, lasts = summaries.setdefault(name, (role, url, {}, []))
+        if metric is not None:
+            per_metric[metric] = int(n)
+            lasts.append(_aware(last) if isinstance(last, datetime) else _parse_time(last))
+    return [
+        CandidateSummary(name=name, role=role, url=url, samples=sum(per_metric.values()),
+                         metrics=per_metric, last_scored_at=max(lasts, default=None))
+        for name, (role, url, per_metric, lasts) in summaries.items()
+    ]
+
+
+async def register_backend(session: AsyncSession, name: str, *, role: BackendRole,
+                           url: str | None = None) -> int:
+    """Create or update the backend ``name``; return its id."""
+    with translate_store_errors():
+        backend = await session.scalar(select(Backend).where(Backend.name == name))
+        if backend is None:
+            backend = Backend(name=name, role=role, url=url)
+            session.add(backend)
+        else:
+            backend.role = role
+            if url is not None:
+                backend.url = url
+        await session.flush()
+    return backend.id
+
+
+async def record_verdict(session: AsyncSession, *, candidate: str, verdict: str,
+                         reasons: Sequence[Any], statistics: Mapping[str, Any],
+                         window_start: datetime | None = None,
+                         window_end: datetime | None = None) -> int:
+    """Store the judge's ``verdict`` on ``candidate`` (a known backend); return its id.
+
+    ``reasons`` and ``statistics`` must be JSON-serialisable.
+    """
+    with translate_store_errors():
+        candidate_id = await session.scalar(select(Backend.id).where(Backend.name == candidate))
+        if candidate_id is None:
+            raise StoreRejected(f"unknown backend {candidate!r}")
+        row = Verdict(candidate_id=candidate_id, verdict=verdict, reasons=list(reasons),
+                      statistics=dict(statistics), window_start=window_start,
+                      window_end=window_end, created_at=datetime.now(UTC))
+        session.add(row)
+        await session.flush()
+    return row.id
+
+
+async def append_audit(session: AsyncSession, *, actor: str, action: str, target: str,
+                       detail: Mapping[str, Any] | None = None, verdict_id: int | None = None,
+                       at: datetime | None = None) -> int:
+    """Append one entry to the audit log; return its id."""
+    with translate_store_errors():
+        row = AuditEntry(at=at or datetime.now(UTC), actor=actor, action=action, target=target,
+                         detail=dict(detail or {}), verdict_id=verdict_id)
+        session.add(row)
+        await session.flush()
+    return row.id
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _parse_time(value: Any) -> datetime:
+    # SQLite returns aggregates of a DATETIME column as text, without the column's type.
+    return _aware(datetime.fromisoformat(str(value)))

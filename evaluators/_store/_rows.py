@@ -1,0 +1,180 @@
+"""Turning an Exchange and its scores into the rows the writer inserts.
+
+This runs inside ``ScoreWriter.submit``, so it is plain CPU work proportional to the
+record (its scores and its chunk gaps) and keeps nothing but the rows: the Observations
+(and their text, unless configured to be stored) are released as soon as submit returns.
+
+Rules:
+1. Identities (request id, session key, backend and metric names) longer than the
+   columns hold make the record invalid; descriptive strings (route, model, finish
+   reason, error) are cut to their column.
+2. Unknown stays unknown: a missing usage gives NULL token counts, never 0.
+3. ITL is derived from ``chunk_gaps_s``: the mean, and the p99 by nearest rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from evaluators._exchange import Exchange
+from evaluators._observation import Observation
+from evaluators._store._schema import NAME_LENGTH, REQUEST_ID_LENGTH
+
+__all__ = ["InvalidRecord", "Record", "ScoreLike", "build_record", "itl_stats"]
+
+ROUTE_LENGTH = 64
+FINISH_REASON_LENGTH = 64
+ERROR_CHARS = 2000
+"""An Observation's error message is cut to this many characters."""
+
+Row = dict[str, Any]
+
+
+class ScoreLike(Protocol):
+    """What the writer needs of a score: the scorer family's ``Score`` has these fields."""
+
+    @property
+    def metric(self) -> str: ...
+
+    @property
+    def candidate(self) -> float | None: ...
+
+    @property
+    def primary(self) -> float | None: ...
+
+
+class InvalidRecord(ValueError):
+    """The exchange or a score cannot be stored as given (the reason is the message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One submitted exchange, as rows; foreign keys are filled in when it is written."""
+
+    exchange: Row
+    primary_backend: str
+    primary: Row
+    candidate_backend: str
+    candidate: Row
+    candidate_name: str
+    scores: tuple[tuple[str, float | None, float | None], ...]
+    created_at: datetime
+    queued_at: float
+    rows: int
+    text_chars: int
+
+
+def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: bytes | str | None,
+                 store_prompts: bool, store_answers: bool, queued_at: float) -> Record:
+    """Rows for ``exchange`` and ``scores``; raises InvalidRecord if they cannot be stored."""
+    _identity("request_id", exchange.request_id, REQUEST_ID_LENGTH)
+    _identity("session_key", exchange.session_key, NAME_LENGTH)
+    _identity("candidate", exchange.candidate, NAME_LENGTH)
+    primary, candidate = exchange.primary, exchange.candidate_observation
+    _identity("primary backend", primary.backend, NAME_LENGTH)
+    _identity("candidate backend", candidate.backend, NAME_LENGTH)
+    score_rows = tuple(_score(score) for score in scores)
+    prompt_text: str | None = None
+    prompt_hash: str | None = None
+    if prompt is not None:
+        raw = prompt.encode() if isinstance(prompt, str) else prompt
+        prompt_hash = hashlib.sha256(raw).hexdigest()
+        if store_prompts:
+            prompt_text = prompt if isinstance(prompt, str) else raw.decode(errors="replace")
+    primary_row = observation_row(primary, store_answers=store_answers)
+    candidate_row = observation_row(candidate, store_answers=store_answers)
+    text_chars = len(prompt_text or "") + len(primary_row["answer"] or "") + len(
+        candidate_row["answer"] or ""
+    )
+    return Record(
+        exchange={
+            "request_id": exchange.request_id,
+            "session_key": exchange.session_key,
+            "route": exchange.route[:ROUTE_LENGTH],
+            "model": _cut(primary.model or candidate.model, NAME_LENGTH),
+            "started_at": _utc(primary.started_at),
+            "prompt_hash": prompt_hash,
+            "prompt": prompt_text,
+        },
+        primary_backend=primary.backend,
+        primary=primary_row,
+        candidate_backend=candidate.backend,
+        candidate=candidate_row,
+        candidate_name=exchange.candidate,
+        scores=score_rows,
+        created_at=datetime.now(UTC),
+        queued_at=queued_at,
+        rows=3 + len(score_rows),
+        text_chars=text_chars,
+    )
+
+
+def observation_row(observation: Observation, *, store_answers: bool) -> Row:
+    """Every measured field of ``observation``; answer text only when ``store_answers``."""
+    usage = observation.usage
+    itl_mean, itl_p99 = itl_stats(observation.chunk_gaps_s)
+    return {
+        "started_at": _utc(observation.started_at),
+        "status": observation.status,
+        "streamed": observation.streamed,
+        "ttft_s": observation.ttft_s,
+        "e2e_s": observation.e2e_s,
+        "itl_mean_s": itl_mean,
+        "itl_p99_s": itl_p99,
+        "chunks": len(observation.chunk_gaps_s) + 1 if observation.ttft_s is not None else 0,
+        "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+        "completion_tokens": usage.completion_tokens if usage is not None else None,
+        "cached_tokens": usage.cached_tokens if usage is not None else None,
+        "finish_reason": _cut(observation.finish_reason, FINISH_REASON_LENGTH),
+        "model": _cut(observation.model, NAME_LENGTH),
+        "bytes": observation.bytes,
+        "truncated": observation.truncated,
+        "error": _cut(observation.error, ERROR_CHARS),
+        "answer": observation.text if store_answers else None,
+        "tool_calls": (list(observation.tool_calls) or None) if store_answers else None,
+    }
+
+
+def itl_stats(gaps: Sequence[float]) -> tuple[float | None, float | None]:
+    """Mean and nearest-rank p99 of the inter-chunk gaps; (None, None) without gaps."""
+    n = len(gaps)
+    if n == 0:
+        return None, None
+    # Nearest rank: the ceil(0.99 n)-th smallest is the (n - ceil(0.99 n) + 1)-th largest.
+    from_top = n - math.ceil(0.99 * n) + 1
+    return math.fsum(gaps) / n, heapq.nlargest(from_top, gaps)[-1]
+
+
+def _score(score: ScoreLike) -> tuple[str, float | None, float | None]:
+    metric = score.metric
+    if not isinstance(metric, str) or not metric:
+        raise InvalidRecord(f"score metric must be a non-empty string, got {metric!r}")
+    _identity("metric", metric, NAME_LENGTH)
+    return metric, _value(metric, score.candidate), _value(metric, score.primary)
+
+
+def _value(metric: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRecord(f"score {metric!r}: value must be a number or None, got {value!r}")
+    return float(value)
+
+
+def _identity(what: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise InvalidRecord(f"{what} longer than {limit} characters")
+
+
+def _cut(value: str | None, limit: int) -> str | None:
+    return value[:limit] if value is not None else None
+
+
+def _utc(timestamp: float) -> datetime:
+    return datetime.fromtimestamp(timestamp, UTC)

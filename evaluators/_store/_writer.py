@@ -1,0 +1,299 @@
+"""ScoreWriter: exchanges and their scores into the store, in batches, never blocking.
+
+Theory of operation:
+1. ``submit`` never awaits and never blocks. It turns the exchange and its scores into
+   rows (plain CPU work, no I/O) and appends them to a queue bounded by
+   ``StoreConfig.queue_rows`` rows (and ``queue_text_chars`` of stored text). A record
+   that does not fit is dropped and counted (``reason=queue_full|queue_text``); so is
+   one that cannot be stored (``invalid``) or that arrives while the writer is not
+   running (``not_running``). Submit returns whether the record was accepted.
+2. One background task writes. It takes a batch of whole records when the queue holds
+   ``batch_rows`` rows or when its oldest record has waited ``flush_interval_s``, and
+   writes it in one transaction (see ``_bulk``).
+3. When the database is unreachable (connection refused or lost, timeouts) the task
+   keeps its batch and retries with exponential backoff from ``retry_base_s`` up to
+   ``retry_max_s``, with jitter. Meanwhile submit keeps accepting up to the queue bound
+   and dropping past it. When the database returns, writing resumes where it stopped.
+   Memory is bounded by the queue plus the one batch in hand.
+4. A batch the database rejects (a constraint, bad data) is split in halves until the
+   records it refuses are alone; those are dropped (``rejected``), the rest written.
+5. ``close()`` stops accepting, writes what it holds within ``close_timeout_s``, then
+   cancels the task and counts what is left as dropped (``close_timeout``).
+6. Accounting: every submitted record is refused (counted by reason) or accepted; every
+   accepted record is written, dropped after acceptance (counted by reason), or still
+   held (``queued_records + held_records``).
+
+Call ``submit`` from the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import Literal
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from evaluators._exchange import Exchange
+from evaluators._store._bulk import TABLES, BatchInserter
+from evaluators._store._config import StoreConfig
+from evaluators._store._errors import (
+    StoreRejected,
+    StoreUnavailable,
+    WriterStateError,
+    translate_store_errors,
+)
+from evaluators._store._rows import InvalidRecord, Record, ScoreLike, build_record
+
+__all__ = ["DropReason", "ScoreWriter", "WriterState", "WriterStats"]
+
+log = logging.getLogger("understudy.store")
+
+DropReason = Literal[
+    "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout"
+]
+DROP_REASONS: tuple[DropReason, ...] = (
+    "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout"
+)
+
+
+class WriterState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class WriterStats:
+    """A snapshot of the writer's counters (records unless a name says rows)."""
+
+    state: WriterState
+    submitted: int
+    accepted: int
+    written_records: int
+    written_rows: Mapping[str, int]
+    dropped: Mapping[DropReason, int]
+    batches: int
+    retries: int
+    queued_records: int
+    queued_rows: int
+    held_records: int
+    last_error: str | None
+    last_error_at: float | None
+    """Wall-clock time (``time.time()``) of ``last_error``."""
+
+
+class ScoreWriter:
+    """Writes exchanges, their observations and scores in batches on a background task.
+
+    Use as ``async with ScoreWriter(engine, config) as writer:`` or call ``start()`` and
+    ``close()``. The engine belongs to the caller and outlives the writer.
+    """
+
+    def __init__(self, engine: AsyncEngine, config: StoreConfig | None = None) -> None:
+        self._config = config or StoreConfig()
+        self._inserter = BatchInserter(engine)
+        self._queue: deque[Record] = deque()
+        self._queued_rows = 0
+        self._queued_text = 0
+        self._held = 0  # records of the batch in hand not yet written or dropped
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._state = WriterState.NEW
+        self._submitted = 0
+        self._accepted = 0
+        self._written_records = 0
+        self._written_rows: Counter[str] = Counter(dict.fromkeys(TABLES, 0))
+        self._dropped: Counter[DropReason] = Counter(dict.fromkeys(DROP_REASONS, 0))
+        self._batches = 0
+        self._retries = 0
+        self._last_error: str | None = None
+        self._last_error_at: float | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def state(self) -> WriterState:
+        return self._state
+
+    async def start(self) -> None:
+        if self._state is not WriterState.NEW:
+            raise WriterStateError(f"cannot start a writer that is {self._state.value}")
+        self._task = asyncio.create_task(self._run(), name="understudy-score-writer")
+        self._state = WriterState.RUNNING
+
+    async def close(self) -> None:
+        """Stop accepting, write what is held within ``close_timeout_s``, drop the rest."""
+        if self._state is WriterState.NEW:
+            self._state = WriterState.CLOSED
+        if self._state is WriterState.CLOSED:
+            return
+        task = self._task
+        assert task is not None
+        if self._state is WriterState.RUNNING:
+            self._state = WriterState.CLOSING
+            self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self._config.close_timeout_s)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        lost = self._held + len(self._queue)
+        if lost:
+            log.warning("score writer closed with %d records unwritten", lost)
+            self._dropped["close_timeout"] += lost
+            self._held = 0
+            self._queue.clear()
+            self._queued_rows = self._queued_text = 0
+        self._state = WriterState.CLOSED
+
+    async def __aenter__(self) -> ScoreWriter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    # -- the caller's side -----------------------------------------------------------
+
+    def submit(self, exchange: Exchange, scores: Sequence[ScoreLike] = (), *,
+               prompt: bytes | str | None = None) -> bool:
+        """Queue ``exchange`` and ``scores`` for writing; never awaits, never blocks.
+
+        ``prompt`` (the request body) is hashed into ``exchanges.prompt_hash`` and kept
+        as text only with ``store_prompts``. Returns False, counted with its reason, when
+        the record is refused.
+        """
+        self._submitted += 1
+        if self._state is not WriterState.RUNNING:
+            self._dropped["not_running"] += 1
+            return False
+        config = self._config
+        try:
+            record = build_record(exchange, scores, prompt=prompt,
+                                  store_prompts=config.store_prompts,
+                                  store_answers=config.store_answers,
+                                  queued_at=time.monotonic())
+        except InvalidRecord as exc:
+            self._dropped["invalid"] += 1
+            self._note_error(f"invalid record: {exc}")
+            return False
+        if self._queued_rows + record.rows > config.queue_rows:
+            self._dropped["queue_full"] += 1
+            return False
+        if record.text_chars and self._queued_text + record.text_chars > config.queue_text_chars:
+            self._dropped["queue_text"] += 1
+            return False
+        self._queue.append(record)
+        self._queued_rows += record.rows
+        self._queued_text += record.text_chars
+        self._accepted += 1
+        if len(self._queue) == 1 or self._queued_rows >= config.batch_rows:
+            self._wake.set()
+        return True
+
+    @property
+    def stats(self) -> WriterStats:
+        return WriterStats(
+            state=self._state,
+            submitted=self._submitted,
+            accepted=self._accepted,
+            written_records=self._written_records,
+            written_rows=MappingProxyType(dict(self._written_rows)),
+            dropped=MappingProxyType(dict(self._dropped)),
+            batches=self._batches,
+            retries=self._retries,
+            queued_records=len(self._queue),
+            queued_rows=self._queued_rows,
+            held_records=self._held,
+            last_error=self._last_error,
+            last_error_at=self._last_error_at,
+        )
+
+    # -- the background task ---------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue:
+                if self._state is not WriterState.RUNNING:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self._state is WriterState.RUNNING and self._queued_rows < self._config.batch_rows:
+                deadline = self._queue[0].queued_at + self._config.flush_interval_s
+                if time.monotonic() < deadline:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(deadline - time.monotonic()):
+                            await self._wake.wait()
+                    continue
+            batch = self._take_batch()
+            self._held = len(batch)
+            try:
+                await self._write(batch)
+            except Exception as exc:  # a bug, not the database: never stop the writer
+                log.exception("score writer dropped a batch")
+                self._dropped["failed"] += self._held
+                self._note_error(f"{type(exc).__name__}: {exc}")
+            self._held = 0
+
+    def _take_batch(self) -> list[Record]:
+        batch: list[Record] = []
+        rows = 0
+        limit = self._config.batch_rows
+        queue = self._queue
+        while queue and (not batch or rows + queue[0].rows <= limit):
+            record = queue.popleft()
+            batch.append(record)
+            rows += record.rows
+            self._queued_text -= record.text_chars
+        self._queued_rows -= rows
+        return batch
+
+    async def _write(self, batch: list[Record]) -> None:
+        """Write ``batch``, retrying while the database is unavailable."""
+        delay = self._config.retry_base_s
+        while True:
+            try:
+                with translate_store_errors():
+                    written = await self._inserter.write(batch)
+            except StoreUnavailable as exc:
+                self._retries += 1
+                self._note_error(str(exc))
+                log.warning("store unavailable, retrying in %.2fs: %s", delay, exc)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, self._config.retry_max_s)
+                continue
+            except StoreRejected as exc:
+                self._note_error(str(exc))
+                self._inserter.forget_backends()
+                if len(batch) == 1:
+                    log.error("store rejected a record: %s", exc)
+                    self._dropped["rejected"] += 1
+                    self._held -= 1
+                    return
+                half = len(batch) // 2
+                await self._write(batch[:half])
+                await self._write(batch[half:])
+                return
+            self._batches += 1
+            self._held -= len(batch)
+            self._written_records += len(batch)
+            self._written_rows.update(written)
+            return
+
+    def _note_error(self, message: str) -> None:
+        self._last_error = message
+        self._last_error_at = time.time()

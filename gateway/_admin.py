@@ -1,0 +1,262 @@
+"""The admin REST API: its own listener, versioned under /admin/v1, behind a bearer token.
+
+Rules:
+1. With a token configured every route but none needs ``Authorization: Bearer <token>``,
+   compared in constant time; missing or wrong → 401. With no token the API refuses to
+   listen on a non-loopback address (checked at start).
+2. Bodies are validated with pydantic; every error is an OpenAI-style JSON body with the
+   right 4xx, never a 500 or a traceback. The token never reaches a log.
+3. Changes take effect without a restart: the handlers act on the live ``Mirror``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway._config import AdminConfig, CandidateConfig
+from gateway._exceptions import (
+    Conflict,
+    GatewayError,
+    InvalidBody,
+    NotFound,
+    RequestError,
+    Unauthorized,
+    error_response,
+)
+from gateway._mirror import Candidate
+from gateway._openapi import Operation, openapi_document
+from gateway._state import GatewayState
+
+__all__ = ["ADMIN_STATE", "build_admin_app", "check_admin_binding"]
+
+log = logging.getLogger("understudy.admin")
+
+ADMIN_STATE = web.AppKey("admin_state", GatewayState)
+PREFIX = "/admin/v1"
+MAX_ADMIN_BODY_BYTES = 64 * 1024
+
+Model = TypeVar("Model", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# -- bodies and views -------------------------------------------------------------------
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CandidateUpdate(_Body):
+    """Fields of a candidate that may change at runtime (omitted fields stay)."""
+
+    sample_rate: float | None = Field(None, ge=0.0, le=1.0)
+    sampling_unit: str | None = Field(None, pattern="^(request|session)$")
+    max_concurrency: int | None = Field(None, gt=0, le=1024)
+    buffer_items: int | None = Field(None, gt=0)
+    buffer_bytes: int | None = Field(None, gt=0)
+    request_timeout_s: float | None = Field(None, gt=0)
+    forward_credentials: bool | None = None
+
+
+class CandidateView(BaseModel):
+    name: str
+    url: str
+    role: str
+    sample_rate: float
+    sampling_unit: str
+    max_concurrency: int
+    buffer_items: int
+    buffer_bytes: int
+    forward_credentials: bool
+    model: str | None
+    paused: bool
+    queued: int
+    queued_bytes: int
+    in_flight: int
+
+    @classmethod
+    def of(cls, candidate: Candidate) -> CandidateView:
+        c = candidate.config
+        return cls(name=c.name, url=c.url, role=c.role, sample_rate=c.sample_rate,
+                   sampling_unit=c.sampling_unit, max_concurrency=c.max_concurrency,
+                   buffer_items=c.buffer_items, buffer_bytes=c.buffer_bytes,
+                   forward_credentials=c.forward_credentials, model=c.model,
+                   paused=candidate.paused, queued=len(candidate.buffer),
+                   queued_bytes=candidate.buffer.queued_bytes, in_flight=candidate.in_flight)
+
+
+class CandidateList(BaseModel):
+    candidates: list[CandidateView]
+
+
+class Deleted(BaseModel):
+    deleted: str
+
+
+# -- plumbing ---------------------------------------------------------------------------
+
+def check_admin_binding(config: AdminConfig) -> None:
+    """Refuse to expose an admin API without a token beyond loopback."""
+    if config.token is not None:
+        return
+    try:
+        loopback = ipaddress.ip_address(config.host).is_loopback
+    except ValueError:
+        loopback = config.host == "localhost"
+    if not loopback:
+        raise ValueError(f"admin API on {config.host} needs a token "
+                         "(admin.token or UNDERSTUDY_ADMIN_TOKEN); without one it only "
+                         "listens on a loopback address")
+
+
+def _json(model: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=model.model_dump_json().encode(),
+                        content_type="application/json")
+
+
+async def _body(request: web.Request, model: type[Model]) -> Model:
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
+                             for e in exc.errors(include_url=False))
+        raise InvalidBody(problems) from None
+
+
+def _candidate(request: web.Request) -> Candidate:
+    name = request.match_info["name"]
+    candidate = request.app[ADMIN_STATE].mirror.candidates.get(name)
+    if candidate is None:
+        raise NotFound(f"no candidate named {name!r}")
+    return candidate
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:  # aiohttp's own 404/405/413, in the same JSON shape
+        body = {"error": {"message": exc.reason, "type": RequestError.error_type,
+                          "param": None, "code": exc.status}}
+        return web.Response(status=exc.status, body=orjson.dumps(body),
+                            content_type="application/json")
+
+
+def _auth(token: str | None) -> Middleware:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token is not None:
+            scheme, _, provided = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                provided.strip().encode(), token.encode()
+            ):
+                raise Unauthorized("missing or wrong bearer token")
+        return await handler(request)
+
+    return auth
+
+
+# -- handlers ---------------------------------------------------------------------------
+
+async def list_candidates(request: web.Request) -> web.Response:
+    mirror = request.app[ADMIN_STATE].mirror
+    return _json(CandidateList(candidates=[CandidateView.of(c)
+                                           for c in mirror.candidates.values()]))
+
+
+async def get_candidate(request: web.Request) -> web.Response:
+    return _json(CandidateView.of(_candidate(request)))
+
+
+async def add_candidate(request: web.Request) -> web.Response:
+    config = await _body(request, CandidateConfig)
+    mirror = request.app[ADMIN_STATE].mirror
+    if config.name in mirror.candidates:
+        raise Conflict(f"candidate {config.name!r} exists; PATCH it or DELETE it first")
+    candidate = await mirror.add_candidate(config)
+    log.info("admin: candidate %s added (%s)", config.name, config.url)
+    return _json(CandidateView.of(candidate), status=201)
+
+
+async def update_candidate(request: web.Request) -> web.Response:
+    candidate = _candidate(request)
+    update = await _body(request, CandidateUpdate)
+    changes = update.model_dump(exclude_none=True)
+    try:
+        config = CandidateConfig.model_validate({**candidate.config.model_dump(), **changes})
+    except ValidationError as exc:
+        raise InvalidBody(str(exc)) from None
+    request.app[ADMIN_STATE].mirror.update_candidate(candidate.name, config)
+    log.info("admin: candidate %s updated: %s", candidate.name, sorted(changes))
+    return _json(CandidateView.of(candidate))
+
+
+async def pause_candidate(request: web.Request) -> web.Response:
+    candidate = _candidate(request)
+    candidate.paused = True
+    return _json(CandidateView.of(candidate))
+
+
+async def resume_candidate(request: web.Request) -> web.Response:
+    candidate = _candidate(request)
+    candidate.paused = False
+    return _json(CandidateView.of(candidate))
+
+
+async def remove_candidate(request: web.Request) -> web.Response:
+    candidate = _candidate(request)
+    await request.app[ADMIN_STATE].mirror.remove_candidate(candidate.name)
+    log.info("admin: candidate %s removed", candidate.name)
+    return _json(Deleted(deleted=candidate.name))
+
+
+OPERATIONS: list[tuple[Operation, Handler]] = [
+    (Operation("GET", "/candidates", "List candidates", response=CandidateList),
+     list_candidates),
+    (Operation("POST", "/candidates", "Add a candidate", body=CandidateConfig,
+               response=CandidateView, status=201), add_candidate),
+    (Operation("GET", "/candidates/{name}", "Get a candidate", response=CandidateView),
+     get_candidate),
+    (Operation("PATCH", "/candidates/{name}", "Change a candidate's sampling, concurrency "
+               "or buffer", body=CandidateUpdate, response=CandidateView), update_candidate),
+    (Operation("DELETE", "/candidates/{name}", "Remove a candidate and release its buffer",
+               response=Deleted), remove_candidate),
+    (Operation("POST", "/candidates/{name}/pause", "Stop mirroring to a candidate",
+               response=CandidateView), pause_candidate),
+    (Operation("POST", "/candidates/{name}/resume", "Resume mirroring to a candidate",
+               response=CandidateView), resume_candidate),
+]
+
+
+def build_admin_app(state: GatewayState,
+                    extra: list[tuple[Operation, Handler]] | None = None) -> web.Application:
+    token = state.config.admin.token
+    app = web.Application(
+        middlewares=[_errors, _auth(token.get_secret_value() if token else None)],
+        client_max_size=MAX_ADMIN_BODY_BYTES,
+    )
+    app[ADMIN_STATE] = state
+    operations = [*OPERATIONS, *(extra or [])]
+    document = orjson.dumps(openapi_document("understudy admin API", "1",
+                                             [op for op, _ in operations]))
+
+    async def openapi(_: web.Request) -> web.Response:
+        return web.Response(body=document, content_type="application/json")
+
+    app.router.add_get(PREFIX + "/openapi.json", openapi)
+    for op, handler in operations:
+        app.router.add_route(op.method, PREFIX + op.path, handler)
+    return app
+
+

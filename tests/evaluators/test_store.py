@@ -1,0 +1,479 @@
+"""The evaluation store, against SQLite (a temp file) and a real PostgreSQL (a fresh
+database per test module): migrations, the ScoreWriter's round trip and bounds, the
+report's queries. Faults (the database going away mid-run) are in test_store_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, func, inspect, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import evaluators._store as store
+from evaluators import Exchange, Observation, Usage
+from evaluators._store import (
+    AuditEntry,
+    Backend,
+    Base,
+    ExchangeRow,
+    ObservationRow,
+    ScoreRow,
+    ScoreWriter,
+    StoreConfig,
+    StoreRejected,
+    Verdict,
+    WriterState,
+    WriterStateError,
+    append_audit,
+    create_engine,
+    current_revision,
+    downgrade,
+    head_revision,
+    list_candidates,
+    load_samples,
+    record_verdict,
+    register_backend,
+    session_factory,
+    upgrade,
+)
+from evaluators._store._rows import itl_stats
+from tests.utils import eventually
+
+PG_ADMIN_URL = os.environ.get(
+    "UNDERSTUDY_TEST_PG_ADMIN", "postgresql://root@127.0.0.1:5432/postgres"
+)
+STORE_TABLES = {"backends", "exchanges", "observations", "scores", "verdicts", "audit_log"}
+QUICK = {"flush_interval_s": 0.02, "retry_base_s": 0.01, "retry_max_s": 0.1}
+
+
+# -- builders ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """Stands in for the scorer family's Score (the same three fields)."""
+
+    metric: str
+    candidate: float | None
+    primary: float | None = None
+
+
+USAGE = Usage(prompt_tokens=12, completion_tokens=4)
+
+
+def make_observation(request_id: str, backend: str, *, usage: Usage | None = USAGE,
+                     gaps: tuple[float, ...] = (0.01, 0.02, 0.03),
+                     text: str | None = "an answer", started_at: float | None = None,
+                     error: str | None = None) -> Observation:
+    return Observation(
+        request_id=request_id, backend=backend, route="chat_completions", status=200,
+        streamed=True, started_at=started_at if started_at is not None else 1_700_000_000.0,
+        ttft_s=0.1, chunk_gaps_s=gaps, e2e_s=0.1 + sum(gaps),
+        usage=usage,
+        finish_reason="stop", text=text, tool_calls=(), model="m", bytes=321,
+        truncated=False, error=error,
+    )
+
+
+def make_exchange(request_id: str, candidate: str = "cand-a", *,
+                  primary: Observation | None = None, session_key: str = "session-1",
+                  **observation: Any) -> Exchange:
+    return Exchange(
+        request_id=request_id, session_key=session_key, route="chat_completions",
+        candidate=candidate,
+        primary=primary or make_observation(request_id, "primary"),
+        candidate_observation=make_observation(request_id, candidate, **observation),
+    )
+
+
+SCORES = (Score("ttft_ratio", 1.5, 1.0), Score("similarity", 0.9))
+
+
+# -- databases ----------------------------------------------------------------------------
+
+
+async def _admin(*statements: str) -> None:
+    connection = await asyncpg.connect(PG_ADMIN_URL, timeout=5)
+    try:
+        for statement in statements:
+            await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+@pytest.fixture(scope="module")
+def pg_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for this module, dropped afterwards."""
+    name = f"understudy_test_{secrets.token_hex(6)}"
+    try:
+        asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncpg.PostgresError) as exc:
+        pytest.skip(f"PostgreSQL not usable at {PG_ADMIN_URL}: {exc}")
+    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
+    try:
+        yield f"{base}/{name}"
+    finally:
+        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
+    url: str = request.getfixturevalue("pg_database")
+    return url
+
+
+@pytest.fixture
+async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
+    """An engine on a migrated, empty database; migrated back down afterwards."""
+    await upgrade(db_url)
+    engine = create_engine(db_url)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+        await downgrade(db_url, "base")
+
+
+async def rows(engine: AsyncEngine, model: type[Base], *order: Any) -> list[Any]:
+    async with session_factory(engine)() as session:
+        return list((await session.scalars(select(model).order_by(*order))).all())
+
+
+async def count(engine: AsyncEngine, model: type[Base]) -> int:
+    async with engine.connect() as connection:
+        return (await connection.execute(select(func.count()).select_from(model))).scalar_one()
+
+
+def quick_config(engine: AsyncEngine, **overrides: Any) -> StoreConfig:
+    return StoreConfig(url=engine.url.render_as_string(hide_password=False),
+                       **{**QUICK, **overrides})
+
+
+async def written(writer: ScoreWriter, records: int) -> None:
+    await eventually(lambda: writer.stats.written_records >= records, within_s=10)
+
+
+# -- the public surface and the config -----------------------------------------------------
+
+
+def test_exported_names() -> None:
+    assert set(store.__all__) == {
+        "DEFAULT_STORE_URL", "AuditEntry", "Backend", "BackendRole", "Base",
+        "CandidateSummary", "DropReason", "ExchangeRow", "ObservationRow", "Samples",
+        "ScoreLike", "ScoreRow", "ScoreWriter", "StoreConfig", "StoreError", "StoreRejected",
+        "StoreUnavailable", "Verdict", "WriterState", "WriterStateError", "WriterStats",
+        "append_audit", "create_engine", "current_revision", "downgrade", "head_revision",
+        "list_candidates", "load_samples", "record_verdict", "register_backend",
+        "session_factory", "upgrade",
+    }
+
+
+def test_config_picks_the_async_driver_and_hides_the_password() -> None:
+    assert StoreConfig().url == "sqlite+aiosqlite:///understudy.db"
+    assert StoreConfig(url="postgresql://u:pw@db/x").url == "postgresql+asyncpg://u:pw@db/x"
+    assert StoreConfig(url="sqlite:///a.db").url == "sqlite+aiosqlite:///a.db"
+    assert "pw" not in repr(StoreConfig(url="postgresql://u:pw@db/x"))
+    for bad in ("mysql://db/x", "postgresql+psycopg2://db/x", "not a url"):
+        with pytest.raises(ValueError):
+            StoreConfig(url=bad)
+    with pytest.raises(ValueError):
+        StoreConfig(retry_base_s=2, retry_max_s=1)
+
+
+def test_itl_stats_mean_and_nearest_rank_p99() -> None:
+    assert itl_stats(()) == (None, None)
+    assert itl_stats((0.5,)) == (0.5, 0.5)
+    gaps = tuple(float(i) for i in range(1, 201))  # p99 by nearest rank: the 198th
+    mean, p99 = itl_stats(gaps)
+    assert mean == pytest.approx(100.5)
+    assert p99 == 198.0
+
+
+# -- migrations ------------------------------------------------------------------------------
+
+
+def _table_names(connection: Connection) -> set[str]:
+    return set(inspect(connection).get_table_names())
+
+
+def _schema_drift(connection: Connection) -> list[Any]:
+    context = MigrationContext.configure(connection, opts={"compare_type": True})
+    return list(compare_metadata(context, Base.metadata))
+
+
+def _index_and_constraint_names(connection: Connection) -> set[str]:
+    inspector = inspect(connection)
+    names: set[str] = set()
+    for table in STORE_TABLES:
+        names.update(i["name"] for i in inspector.get_indexes(table) if i["name"])
+        names.update(u["name"] for u in inspector.get_unique_constraints(table) if u["name"])
+        names.update(f["name"] for f in inspector.get_foreign_keys(table) if f["name"])
+    return names
+
+
+async def test_migrations_upgrade_from_empty_and_downgrade_to_empty(db_url: str) -> None:
+    assert await current_revision(db_url) is None
+    await upgrade(db_url)
+    assert await current_revision(db_url) == head_revision()
+    engine = create_engine(db_url)
+    try:
+        async with engine.connect() as connection:
+            assert STORE_TABLES <= await connection.run_sync(_table_names)
+            # The migrations made exactly what the models describe.
+            assert await connection.run_sync(_schema_drift) == []
+            names = await connection.run_sync(_index_and_constraint_names)
+        assert {
+            "ix_scores_candidate_id_metric_created_at", "ix_exchanges_session_key",
+            "ix_observations_backend_id", "uq_observations_exchange_id_backend_id",
+            "uq_exchanges_request_id",
+        } <= names
+        await upgrade(db_url)  # idempotent at head
+        await downgrade(db_url, "base")
+        async with engine.connect() as connection:
+            assert not STORE_TABLES & await connection.run_sync(_table_names)
+        assert await current_revision(db_url) is None
+    finally:
+        await engine.dispose()
+
+
+async def test_sqlite_engine_uses_wal_and_a_busy_timeout(tmp_path: Any) -> None:
+    engine = create_engine(StoreConfig(url=f"sqlite:///{tmp_path / 'x.db'}",
+                                       sqlite_busy_timeout_s=3))
+    try:
+        async with engine.connect() as connection:
+            assert (await connection.execute(text("PRAGMA journal_mode"))).scalar() == "wal"
+            assert (await connection.execute(text("PRAGMA busy_timeout"))).scalar() == 3000
+            assert (await connection.execute(text("PRAGMA foreign_keys"))).scalar() == 1
+    finally:
+        await engine.dispose()
+
+
+# -- the writer ------------------------------------------------------------------------------
+
+
+async def test_writer_round_trip_shares_the_primary_observation(engine: AsyncEngine) -> None:
+    primary = make_observation("r1", "primary", usage=Usage(12, 5, 8), gaps=(0.01, 0.03))
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        assert writer.state is WriterState.RUNNING
+        assert writer.submit(make_exchange("r1", "cand-a", primary=primary,
+                                           usage=Usage(12, 6, None)), SCORES, prompt=b"{}")
+        assert writer.submit(make_exchange("r1", "cand-b", primary=primary), SCORES)
+        assert writer.submit(make_exchange("r2", "cand-a", session_key="session-2",
+                                           usage=None, gaps=()), [Score("x", None, 2.0)])
+        await written(writer, 3)
+    stats = writer.stats
+    assert stats.state is WriterState.CLOSED
+    assert (stats.submitted, stats.accepted, stats.written_records) == (3, 3, 3)
+    assert sum(stats.dropped.values()) == 0
+    assert stats.written_rows["scores"] == 5
+
+    exchanges = await rows(engine, ExchangeRow, ExchangeRow.request_id)
+    assert [(e.request_id, e.session_key) for e in exchanges] == [
+        ("r1", "session-1"), ("r2", "session-2")]
+    assert exchanges[0].prompt is None and len(exchanges[0].prompt_hash or "") == 64
+    assert exchanges[1].prompt_hash is None
+    assert exchanges[0].started_at == datetime.fromtimestamp(1_700_000_000, UTC)
+
+    backends = {b.id: b for b in await rows(engine, Backend, Backend.name)}
+    assert sorted((b.name, b.role) for b in backends.values()) == [
+        ("cand-a", "candidate"), ("cand-b", "candidate"), ("primary", "primary")]
+
+    observations = await rows(engine, ObservationRow, ObservationRow.id)
+    by_key = {(o.exchange_id, backends[o.backend_id].name): o for o in observations}
+    r1, r2 = exchanges[0].id, exchanges[1].id
+    # One row per backend per exchange: the primary's answer to r1 is stored once.
+    assert sorted(by_key) == sorted([(r1, "primary"), (r1, "cand-a"), (r1, "cand-b"),
+                                     (r2, "primary"), (r2, "cand-a")])
+    p = by_key[(r1, "primary")]
+    assert (p.prompt_tokens, p.completion_tokens, p.cached_tokens) == (12, 5, 8)
+    assert (p.chunks, p.itl_mean_s, p.itl_p99_s) == (3, pytest.approx(0.02), 0.03)
+    assert (p.status, p.streamed, p.finish_reason, p.bytes, p.truncated) == (
+        200, True, "stop", 321, False)
+    assert p.answer is None and p.error is None  # answers are off by default
+    assert by_key[(r1, "cand-a")].cached_tokens is None  # unknown, not 0
+    unknown = by_key[(r2, "cand-a")]
+    assert (unknown.prompt_tokens, unknown.completion_tokens, unknown.cached_tokens) == (
+        None, None, None)
+    assert (unknown.chunks, unknown.itl_mean_s, unknown.itl_p99_s) == (1, None, None)
+
+    scores = await rows(engine, ScoreRow, ScoreRow.id)
+    assert sorted((s.exchange_id, backends[s.candidate_id].name, s.metric, s.candidate_value,
+                   s.primary_value) for s in scores) == sorted([
+        (r1, "cand-a", "ttft_ratio", 1.5, 1.0), (r1, "cand-a", "similarity", 0.9, None),
+        (r1, "cand-b", "ttft_ratio", 1.5, 1.0), (r1, "cand-b", "similarity", 0.9, None),
+        (r2, "cand-a", "x", None, 2.0)])
+    assert all(s.created_at.tzinfo is not None for s in scores)
+
+
+async def test_writer_keeps_texts_only_when_configured(engine: AsyncEngine) -> None:
+    config = quick_config(engine, store_prompts=True, store_answers=True)
+    async with ScoreWriter(engine, config) as writer:
+        assert writer.submit(make_exchange("r1", text="candidate says"), SCORES,
+                             prompt=b'{"messages": []}')
+        await written(writer, 1)
+    (exchange,) = await rows(engine, ExchangeRow)
+    assert exchange.prompt == '{"messages": []}'
+    answers = sorted(o.answer or "" for o in await rows(engine, ObservationRow))
+    assert answers == ["an answer", "candidate says"]
+
+
+async def test_resubmitted_exchange_is_not_counted_twice(engine: AsyncEngine) -> None:
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        exchange = make_exchange("r1")
+        assert writer.submit(exchange, SCORES)
+        await written(writer, 1)
+        assert writer.submit(exchange, SCORES)  # a later batch: conflicts, no duplicates
+        await written(writer, 2)
+    assert await count(engine, ExchangeRow) == 1
+    assert await count(engine, ObservationRow) == 2
+    assert await count(engine, ScoreRow) == 2
+
+
+async def test_bounded_queue_drops_are_counted_and_close_flushes(engine: AsyncEngine) -> None:
+    # 2 scores + exchange + 2 observations = 5 rows a record; room for 4 records.
+    config = quick_config(engine, queue_rows=20, batch_rows=1000, flush_interval_s=60)
+    writer = ScoreWriter(engine, config)
+    await writer.start()
+    results = [writer.submit(make_exchange(f"r{i}"), SCORES) for i in range(10)]
+    assert results == [True] * 4 + [False] * 6
+    stats = writer.stats
+    assert (stats.accepted, stats.dropped["queue_full"], stats.queued_rows) == (4, 6, 20)
+    assert await count(engine, ScoreRow) == 0  # nothing due yet: 60 s interval, big batch
+    await writer.close()
+    stats = writer.stats
+    assert (stats.written_records, stats.queued_records, stats.held_records) == (4, 0, 0)
+    assert stats.dropped["close_timeout"] == 0
+    assert await count(engine, ExchangeRow) == 4
+    assert await count(engine, ScoreRow) == 8
+
+
+async def test_batches_flush_by_size_before_the_interval(engine: AsyncEngine) -> None:
+    config = quick_config(engine, batch_rows=10, flush_interval_s=60)
+    async with ScoreWriter(engine, config) as writer:
+        for i in range(4):
+            writer.submit(make_exchange(f"r{i}"), SCORES)  # 5 rows each: two full batches
+        await written(writer, 4)
+        assert writer.stats.batches == 2
+
+
+async def test_submit_is_refused_outside_the_running_state(engine: AsyncEngine) -> None:
+    writer = ScoreWriter(engine, quick_config(engine))
+    assert not writer.submit(make_exchange("r0"), SCORES)
+    await writer.start()
+    with pytest.raises(WriterStateError):
+        await writer.start()
+    await writer.close()
+    await writer.close()  # idempotent
+    assert not writer.submit(make_exchange("r1"), SCORES)
+    assert writer.stats.dropped["not_running"] == 2
+    assert writer.stats.submitted == 2
+
+
+async def test_unstorable_records_are_refused_and_counted(engine: AsyncEngine) -> None:
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        assert not writer.submit(make_exchange("r1"), [Score("m" * 300, 1.0)])
+        assert not writer.submit(make_exchange("x" * 500), SCORES)
+        assert not writer.submit(make_exchange("r2"), [Score("m", "high")])  # type: ignore[arg-type]
+        assert writer.submit(make_exchange("r3"), SCORES)
+        await written(writer, 1)
+    assert writer.stats.dropped["invalid"] == 3
+    assert writer.stats.last_error is not None
+
+
+# -- the report's queries ----------------------------------------------------------------------
+
+
+async def test_load_samples_by_metric_and_time(engine: AsyncEngine) -> None:
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        for i in range(3):
+            writer.submit(make_exchange(f"a{i}", "cand-a"),
+                          [Score("ttft", 1.0 + i, 0.5), Score("similarity", 0.9),
+                           Score("cost", None, 3.0)])
+        writer.submit(make_exchange("b0", "cand-b"), [Score("ttft", 9.0, 0.5)])
+        await written(writer, 4)
+    async with session_factory(engine)() as session:
+        samples = await load_samples(session, "cand-a")
+        assert set(samples) == {"ttft", "similarity", "cost"}
+        candidate, primary = samples["ttft"]
+        assert candidate == [1.0, 2.0, 3.0] and primary == [0.5, 0.5, 0.5]
+        assert samples["similarity"] == ([0.9, 0.9, 0.9], [])  # pairwise: no primary value
+        assert samples["cost"] == ([], [3.0, 3.0, 3.0])  # unknown candidate values skipped
+        assert set(await load_samples(session, "cand-a", metrics=["ttft"])) == {"ttft"}
+        future = datetime.now(UTC) + timedelta(hours=1)
+        assert await load_samples(session, "cand-a", since=future) == {}
+        past = datetime.now(UTC) - timedelta(hours=1)
+        assert len((await load_samples(session, "cand-a", since=past))["ttft"].candidate) == 3
+        assert await load_samples(session, "nobody") == {}
+
+
+async def test_list_candidates_with_sample_counts(engine: AsyncEngine) -> None:
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        for i in range(3):
+            writer.submit(make_exchange(f"a{i}", "cand-a"), SCORES)
+        writer.submit(make_exchange("b0", "cand-b"), [Score("ttft_ratio", 2.0, 1.0)])
+        await written(writer, 4)
+    async with session_factory(engine)() as session, session.begin():
+        await register_backend(session, "cand-c", role="candidate", url="http://c:8000")
+    async with session_factory(engine)() as session:
+        summaries = {s.name: s for s in await list_candidates(session)}
+    assert set(summaries) == {"cand-a", "cand-b", "cand-c"}  # not the primary
+    a = summaries["cand-a"]
+    assert (a.samples, dict(a.metrics)) == (6, {"similarity": 3, "ttft_ratio": 3})
+    assert a.last_scored_at is not None and a.last_scored_at.tzinfo is not None
+    assert summaries["cand-b"].samples == 1
+    c = summaries["cand-c"]
+    assert (c.samples, c.url, c.role, c.last_scored_at) == (0, "http://c:8000", "candidate", None)
+
+
+async def test_register_backend_creates_then_updates(engine: AsyncEngine) -> None:
+    factory = session_factory(engine)
+    async with factory() as session, session.begin():
+        first = await register_backend(session, "b", role="candidate")
+    async with factory() as session, session.begin():
+        again = await register_backend(session, "b", role="primary", url="http://b")
+    assert first == again
+    (backend,) = await rows(engine, Backend)
+    assert (backend.role, backend.url) == ("primary", "http://b")
+
+
+async def test_verdict_and_audit_commit_together(engine: AsyncEngine) -> None:
+    factory = session_factory(engine)
+    start = datetime(2025, 1, 1, tzinfo=UTC)
+    async with factory() as session, session.begin():
+        await register_backend(session, "cand-a", role="candidate")
+        verdict_id = await record_verdict(
+            session, candidate="cand-a", verdict="pass", reasons=["ttft within 5%"],
+            statistics={"ttft": {"p_value": 0.3, "n": 120}},
+            window_start=start, window_end=start + timedelta(hours=1))
+        audit_id = await append_audit(session, actor="alice", action="promote",
+                                      target="cand-a", detail={"from": "primary"},
+                                      verdict_id=verdict_id)
+    (verdict,) = await rows(engine, Verdict)
+    assert verdict.id == verdict_id
+    assert (verdict.verdict, verdict.reasons) == ("pass", ["ttft within 5%"])
+    assert verdict.statistics == {"ttft": {"p_value": 0.3, "n": 120}}
+    assert (verdict.window_start, verdict.window_end) == (start, start + timedelta(hours=1))
+    (entry,) = await rows(engine, AuditEntry)
+    assert (entry.id, entry.actor, entry.action, entry.target, entry.detail,
+            entry.verdict_id) == (audit_id, "alice", "promote", "cand-a", {"from": "primary"},
+                                  verdict_id)
+    assert entry.at.tzinfo is not None
+
+    async with factory() as session:
+        with pytest.raises(StoreRejected):
+            async with session.begin():
+                await record_verdict(session, candidate="nobody", verdict="fail", reasons=[],
+                                     statistics={})

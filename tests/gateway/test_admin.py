@@ -1,0 +1,148 @@
+"""The admin API: auth, validation, and candidates changed at runtime without a restart."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from gateway._admin import check_admin_binding
+from gateway._config import AdminConfig
+from tests.utils import eventually, run_gateway, run_sim
+
+TOKEN = "s3cr3t-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+async def _call(http: aiohttp.ClientSession, method: str, url: str,
+                **kwargs: Any) -> tuple[int, Any]:
+    async with http.request(method, url, **kwargs) as resp:
+        assert resp.content_type == "application/json"
+        return resp.status, await resp.json()
+
+
+async def test_auth_missing_or_wrong_token_is_401_and_token_never_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with run_sim() as sim, run_gateway(sim.url, admin={"token": TOKEN}) as gw, \
+            aiohttp.ClientSession() as http:
+        url = gw.admin_url + "/candidates"
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}):
+            status, body = await _call(http, "GET", url, headers=headers)
+            assert status == 401 and body["error"]["type"] == "authentication_error"
+        status, body = await _call(http, "GET", url, headers=AUTH)
+        assert status == 200 and body == {"candidates": []}
+        status, _ = await _call(http, "POST", url, headers=AUTH,
+                                json={"name": "c", "url": sim.url})
+        assert status == 201
+    assert TOKEN not in caplog.text
+
+
+def test_no_token_refuses_non_loopback() -> None:
+    check_admin_binding(AdminConfig(host="127.0.0.1"))
+    check_admin_binding(AdminConfig(host="0.0.0.0", token="t"))
+    with pytest.raises(ValueError, match="needs a token"):
+        check_admin_binding(AdminConfig(host="0.0.0.0"))
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status"), [
+    ("POST", "/candidates", b"{not json", 422),
+    ("POST", "/candidates", {"name": "x"}, 422),                        # url missing
+    ("POST", "/candidates", {"name": "bad name!", "url": "http://a"}, 422),
+    ("POST", "/candidates", {"name": "x", "url": "ftp://a"}, 422),
+    ("POST", "/candidates", {"name": "x", "url": "http://a", "sample_rate": 2}, 422),
+    ("POST", "/candidates", {"name": "x", "url": "http://a", "bogus": 1}, 422),
+    ("PATCH", "/candidates/c", {"sample_rate": -0.1}, 422),
+    ("PATCH", "/candidates/c", {"max_concurrency": 0}, 422),
+    ("PATCH", "/candidates/c", {"url": "http://elsewhere"}, 422),
+    ("PATCH", "/candidates/nope", {"sample_rate": 0.5}, 404),
+    ("GET", "/candidates/nope", None, 404),
+    ("DELETE", "/candidates/nope", None, 404),
+    ("POST", "/candidates/nope/pause", None, 404),
+    ("GET", "/nothing-here", None, 404),
+    ("PUT", "/candidates", None, 405),
+    ("POST", "/candidates", {"name": "c", "url": "http://127.0.0.1:9"}, 409),  # exists
+])
+async def test_validation_errors_are_clear_4xx(method: str, path: str, body: Any,
+                                               status: int) -> None:
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}]) as gw, \
+            aiohttp.ClientSession() as http:
+        kwargs: dict[str, Any] = {"data": body} if isinstance(body, bytes) else {"json": body}
+        got, answer = await _call(http, method, gw.admin_url + path, **kwargs)
+        assert got == status, answer
+        assert answer["error"]["code"] == status and answer["error"]["message"]
+
+
+async def test_candidates_change_at_runtime() -> None:
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2) as cand, \
+            run_gateway(primary.url) as gw, aiohttp.ClientSession() as http:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
+
+        async def traffic(n: int, tag: str) -> None:
+            for i in range(n):
+                await client.chat.completions.create(model="sim-model", messages=CHAT,
+                                                     user=f"{tag}-{i}")
+
+        status, view = await _call(http, "POST", gw.admin_url + "/candidates",
+                                   json={"name": "c", "url": cand.url, "max_concurrency": 2})
+        assert status == 201 and view["max_concurrency"] == 2
+        await traffic(4, "a")
+        await eventually(lambda: cand.stats.requests_seen == 4)
+
+        _, view = await _call(http, "POST", gw.admin_url + "/candidates/c/pause")
+        assert view["paused"] is True
+        await traffic(3, "b")
+        assert gw.metric("understudy_mirror_dropped_total", candidate="c", reason="paused") == 3
+        await _call(http, "POST", gw.admin_url + "/candidates/c/resume")
+
+        _, view = await _call(http, "PATCH", gw.admin_url + "/candidates/c",
+                              json={"sample_rate": 0.0, "max_concurrency": 1})
+        assert view["sample_rate"] == 0.0 and view["max_concurrency"] == 1
+        await eventually(lambda: len(gw.state.mirror.candidates["c"].workers) == 1)
+        await traffic(3, "c")
+        assert gw.metric("understudy_mirror_dropped_total", candidate="c",
+                         reason="not_sampled") == 3
+
+        _, listing = await _call(http, "GET", gw.admin_url + "/candidates")
+        assert [c["name"] for c in listing["candidates"]] == ["c"]
+        status, _ = await _call(http, "DELETE", gw.admin_url + "/candidates/c")
+        assert status == 200
+        assert "c" not in gw.state.mirror.candidates
+        await traffic(2, "d")
+        assert cand.stats.requests_seen == 4
+        await eventually(lambda: gw.state.mirror.budget.used == 0)
+        await client.close()
+
+
+async def test_removed_stalled_candidate_returns_its_budget_bytes() -> None:
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_sim(fault="hang_before_first_byte") as cand, \
+            run_gateway(primary.url, candidates=[{"name": "slow", "url": cand.url,
+                                                  "max_concurrency": 1}],
+                        mirror={"drain_timeout_s": 0.1}) as gw, \
+            aiohttp.ClientSession() as http:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
+        for i in range(5):
+            await client.chat.completions.create(model="sim-model", messages=CHAT, user=f"{i}")
+        await client.close()
+        assert gw.state.mirror.budget.used > 0
+        await _call(http, "DELETE", gw.admin_url + "/candidates/slow")
+        assert gw.state.mirror.budget.used == 0
+        assert gw.metric("understudy_mirror_dropped_total", candidate="slow",
+                         reason="removed") == 5
+
+
+async def test_openapi_document_describes_every_route() -> None:
+    async with run_sim() as sim, run_gateway(sim.url) as gw, aiohttp.ClientSession() as http:
+        status, doc = await _call(http, "GET", gw.admin_url + "/openapi.json")
+    assert status == 200 and doc["openapi"].startswith("3.")
+    assert {"/candidates", "/candidates/{name}", "/candidates/{name}/pause"} <= set(doc["paths"])
+    assert "CandidateConfig" in doc["components"]["schemas"]
