@@ -35,6 +35,7 @@ __all__ = [
     "machine_ticks",
     "nginx_version",
     "snapshot_code",
+    "start_bare_relay",
     "start_gateway",
     "start_nginx",
     "start_sim",
@@ -191,6 +192,17 @@ def start_gateway(workdir: Path, code: Path, primary_url: str) -> Child:
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
             "--primary", primary_url, "--host", "127.0.0.1", "--port", str(port)]
     child = _spawn("gateway", argv, workdir, code)
+    child.url = f"http://127.0.0.1:{port}"
+    _wait_http(child, child.url + "/health")
+    return child
+
+
+def start_bare_relay(workdir: Path, primary_url: str) -> Child:
+    """bench/_bare_relay.py: aiohttp + uvloop relaying chunks and nothing else."""
+    port = free_port()
+    script = Path(__file__).resolve().parent / "_bare_relay.py"
+    argv = [sys.executable, str(script), "--primary", primary_url, "--port", str(port)]
+    child = _spawn("aiohttp", argv, workdir, workdir)
     child.url = f"http://127.0.0.1:{port}"
     _wait_http(child, child.url + "/health")
     return child

@@ -84,9 +84,10 @@ def parse_request(
             raise invalid_value(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )
-    # vLLM's StreamOptions.include_usage defaults to true once stream_options is given.
+    # Checked against vLLM 0.32: usage is sent only when include_usage is true, and
+    # continuous_usage_stats adds it to every chunk only then.
     options = stream_options or {}
-    include_usage = stream_options is not None and bool(options.get("include_usage", True))
+    include_usage = bool(options.get("include_usage", False))
     continuous_usage = include_usage and bool(options.get("continuous_usage_stats", False))
     n = _optional_int(body, "n", minimum=1)
     if n not in (None, 1):

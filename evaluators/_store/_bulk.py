@@ -11,17 +11,21 @@ Rules:
 3. Backends are registered on first sight in their own short transaction (name + role,
    ``ON CONFLICT DO NOTHING``) and their ids cached, up to a named bound.
 4. Everything else of a batch commits or rolls back together.
+5. Two ways to send many rows, side by side, picked by dialect: PostgreSQL gets one
+   ``INSERT ... SELECT FROM unnest(<one array per column>)`` per table (set-based: the
+   server plans and runs one statement, not one per row); SQLite gets an executemany of
+   the same ``INSERT ... ON CONFLICT DO NOTHING``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from sqlalchemy import Table, select
-from sqlalchemy.dialects import postgresql, sqlite
+import orjson
+from sqlalchemy import JSON, Dialect, Table, TextClause, select, text
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.sql.dml import Insert
 
 from evaluators._store._rows import Record, Row
 from evaluators._store._schema import Backend, BackendRole, ExchangeRow, ObservationRow, ScoreRow
@@ -40,15 +44,12 @@ class BatchInserter:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
-        dialect = engine.dialect.name
-        self._backends = _insert_ignoring(dialect, _table(Backend), "name")
-        self._exchanges = _insert_ignoring(dialect, _table(ExchangeRow), "request_id")
-        self._observations = _insert_ignoring(
-            dialect, _table(ObservationRow), "exchange_id", "backend_id"
-        )
-        self._scores = _insert_ignoring(
-            dialect, _table(ScoreRow), "exchange_id", "candidate_id", "metric"
-        )
+        dialect = engine.dialect
+        make = _insert_family(dialect.name)
+        self._backends = make(dialect, _table(Backend), ("name",))
+        self._exchanges = make(dialect, _table(ExchangeRow), ("request_id",))
+        self._observations = make(dialect, _table(ObservationRow), ("exchange_id", "backend_id"))
+        self._scores = make(dialect, _table(ScoreRow), ("exchange_id", "candidate_id", "metric"))
         self._backend_ids: dict[str, int] = {}
 
     async def write(self, batch: Sequence[Record]) -> dict[str, int]:
@@ -60,7 +61,7 @@ class BatchInserter:
         for record in batch:
             exchanges.setdefault(record.exchange["request_id"], record.exchange)
         async with self._engine.begin() as connection:
-            await connection.execute(self._exchanges, list(exchanges.values()))
+            await self._exchanges.insert(connection, list(exchanges.values()))
             exchange_ids = await _exchange_ids(connection, exchanges)
             observations: dict[tuple[int, int], Row] = {}
             scores: list[Row] = []
@@ -80,9 +81,8 @@ class BatchInserter:
                      "created_at": created_at}
                     for metric, candidate, primary in record.scores
                 )
-            await connection.execute(self._observations, list(observations.values()))
-            if scores:
-                await connection.execute(self._scores, scores)
+            await self._observations.insert(connection, list(observations.values()))
+            await self._scores.insert(connection, scores)
         written["exchanges"] = len(exchanges)
         written["observations"] = len(observations)
         written["scores"] = len(scores)
@@ -93,7 +93,7 @@ class BatchInserter:
         self._backend_ids.clear()
 
     async def _register_backends(self, batch: Iterable[Record]) -> int:
-        wanted: dict[str, BackendRole] = {}
+        needed: dict[str, BackendRole] = {}
         for record in batch:
             seen: tuple[tuple[str, BackendRole], ...] = (
                 (record.primary_backend, "primary"),
@@ -101,16 +101,17 @@ class BatchInserter:
                 (record.candidate_name, "candidate"),
             )
             for name, role in seen:
-                if name not in self._backend_ids:
-                    wanted.setdefault(name, role)
+                needed.setdefault(name, role)
+        wanted = {name: role for name, role in needed.items() if name not in self._backend_ids}
         if not wanted:
             return 0
         if len(self._backend_ids) + len(wanted) > MAX_CACHED_BACKENDS:
             self._backend_ids.clear()
+            wanted = needed
         table = _table(Backend)
         async with self._engine.begin() as connection:
-            await connection.execute(
-                self._backends, [{"name": name, "role": role} for name, role in wanted.items()]
+            await self._backends.insert(
+                connection, [{"name": name, "role": role} for name, role in wanted.items()]
             )
             result = await connection.execute(
                 select(table.c.name, table.c.id).where(table.c.name.in_(list(wanted)))
@@ -134,11 +135,69 @@ async def _exchange_ids(connection: AsyncConnection, exchanges: dict[str, Row]) 
     return ids
 
 
-def _insert_ignoring(dialect: str, table: Table, *keys: str) -> Insert:
+class _RowInsert(Protocol):
+    """``INSERT ... ON CONFLICT (<key>) DO NOTHING`` of many rows (dicts keyed by column)."""
+
+    async def insert(self, connection: AsyncConnection, rows: list[Row]) -> None: ...
+
+
+class _ExecutemanyInsert:
+    """Portable: one statement, executed once per row by the driver (SQLite)."""
+
+    def __init__(self, dialect: Dialect, table: Table, key: tuple[str, ...]) -> None:
+        self._statement = sqlite.insert(table).on_conflict_do_nothing(index_elements=list(key))
+
+    async def insert(self, connection: AsyncConnection, rows: list[Row]) -> None:
+        if rows:
+            await connection.execute(self._statement, rows)
+
+
+class _UnnestInsert:
+    """PostgreSQL: all rows in one statement, one array parameter per column.
+
+    The columns are those the rows carry, so server defaults (ids, ``created_at``
+    when not given) still apply; JSON values are serialised here because a text
+    statement bypasses SQLAlchemy's type processing.
+    """
+
+    def __init__(self, dialect: Dialect, table: Table, key: tuple[str, ...]) -> None:
+        self._table = table
+        self._key = key
+        self._statements: dict[tuple[str, ...], TextClause] = {}
+        self._array_types = {
+            column.name: f"{column.type.compile(dialect=dialect)}[]" for column in table.columns
+        }
+        self._json = {column.name for column in table.columns if isinstance(column.type, JSON)}
+
+    async def insert(self, connection: AsyncConnection, rows: list[Row]) -> None:
+        if not rows:
+            return
+        columns = tuple(rows[0])
+        statement = self._statements.get(columns)
+        if statement is None:
+            statement = self._statements[columns] = self._compile(columns)
+        params: dict[str, list[Any]] = {}
+        for name in columns:
+            values = [row[name] for row in rows]
+            if name in self._json:
+                values = [None if v is None else orjson.dumps(v).decode() for v in values]
+            params[name] = values
+        await connection.execute(statement, params)
+
+    def _compile(self, columns: tuple[str, ...]) -> TextClause:
+        names = ", ".join(columns)
+        arrays = ", ".join(f"CAST(:{name} AS {self._array_types[name]})" for name in columns)
+        return text(
+            f"INSERT INTO {self._table.name} ({names}) SELECT * FROM unnest({arrays}) "
+            f"ON CONFLICT ({', '.join(self._key)}) DO NOTHING"
+        )
+
+
+def _insert_family(dialect: str) -> type[_ExecutemanyInsert] | type[_UnnestInsert]:
     if dialect == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing(index_elements=list(keys))
+        return _UnnestInsert
     if dialect == "sqlite":
-        return sqlite.insert(table).on_conflict_do_nothing(index_elements=list(keys))
+        return _ExecutemanyInsert
     raise ValueError(f"unsupported database dialect {dialect!r}")
 
 

@@ -142,12 +142,13 @@ class ScoreWriter:
         if self._state is WriterState.RUNNING:
             self._state = WriterState.CLOSING
             self._wake.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(task), self._config.close_timeout_s)
-        except TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self._config.close_timeout_s)
+            except TimeoutError:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         lost = self._held + len(self._queue)
         if lost:
             log.warning("score writer closed with %d records unwritten", lost)
@@ -176,7 +177,7 @@ class ScoreWriter:
         the record is refused.
         """
         self._submitted += 1
-        if self._state is not WriterState.RUNNING:
+        if self._state is not WriterState.RUNNING or self._task is None or self._task.done():
             self._dropped["not_running"] += 1
             return False
         config = self._config
@@ -272,8 +273,9 @@ class ScoreWriter:
             except StoreUnavailable as exc:
                 self._retries += 1
                 self._note_error(str(exc))
-                log.warning("store unavailable, retrying in %.2fs: %s", delay, exc)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                pause = delay * random.uniform(0.5, 1.0)  # jitter: replicas do not retry in step
+                log.warning("store unavailable, retrying in %.2f s: %s", pause, exc)
+                await asyncio.sleep(pause)
                 delay = min(delay * 2, self._config.retry_max_s)
                 continue
             except StoreRejected as exc:

@@ -60,6 +60,11 @@ VLLM_LAYOUTS: dict[str, str] = {
         "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=str "
         "choices[].stop_reason=null choices[].token_ids=null system_fingerprint=str"
     ),
+    "chat_last_chunk_without_include_usage": (
+        "id=str object=str created=int model=str choices[].index=int "
+        "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=str "
+        "choices[].stop_reason=null choices[].token_ids=null system_fingerprint=str"
+    ),
     "chat_last_chunk_before_usage": (
         "id=str object=str created=int model=str choices[].index=int "
         "choices[].delta.content=str choices[].logprobs=null choices[].finish_reason=str "
@@ -143,6 +148,8 @@ ERROR_CASES: dict[str, tuple[str, bytes]] = {
     "missing_prompt": ("/v1/completions", b"{}"),
 }
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# A real vLLM on two busy cores can take long over one request; the sim never does.
+LIVE_TIMEOUT = aiohttp.ClientTimeout(total=600)
 
 
 def layout(value: object, path: str = "") -> list[str]:
@@ -163,8 +170,12 @@ async def collect_layouts(root: str, model: str) -> dict[str, list[str]]:
     chat = {"model": model, "messages": MESSAGES, "temperature": 0}
     completion = {"model": model, "prompt": "Once upon a time", "temperature": 0}
     usage = {"stream": True, "stream_options": {"include_usage": True}}
-    continuous = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
-    async with aiohttp.ClientSession() as session:
+    continuous = {
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    no_usage = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    async with aiohttp.ClientSession(timeout=LIVE_TIMEOUT) as session:
 
         async def whole(path: str, body: dict[str, Any]) -> Any:
             async with session.post(root + path, json=body) as resp:
@@ -180,6 +191,7 @@ async def collect_layouts(root: str, model: str) -> dict[str, list[str]]:
         chat_usage = await events("/v1/chat/completions", {**chat, "max_tokens": 3, **usage})
         text_usage = await events("/v1/completions", {**completion, "max_tokens": 2, **usage})
         running = await events("/v1/chat/completions", {**chat, "max_tokens": 2, **continuous})
+        quiet = await events("/v1/chat/completions", {**chat, "max_tokens": 1, **no_usage})
         bodies: dict[str, object] = {
             "chat": await whole("/v1/chat/completions", {**chat, "max_tokens": 4}),
             "completion": await whole("/v1/completions", completion),
@@ -193,6 +205,8 @@ async def collect_layouts(root: str, model: str) -> dict[str, list[str]]:
             "completion_usage_chunk": text_usage[-1],
             "continuous_role_chunk": running[0],
             "continuous_token_chunk": running[1],
+            # stream_options without include_usage: no usage anywhere.
+            "chat_last_chunk_without_include_usage": quiet[-1],
             "error": await whole("/v1/chat/completions", {**chat, "max_tokens": 0}),
         }
         async with session.get(root + "/v1/models") as resp:
@@ -202,7 +216,7 @@ async def collect_layouts(root: str, model: str) -> dict[str, list[str]]:
 
 async def collect_errors(root: str, model: str) -> dict[str, tuple[int, object]]:
     answers: dict[str, tuple[int, object]] = {}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(timeout=LIVE_TIMEOUT) as session:
         for name, (path, payload) in ERROR_CASES.items():
             headers = {"Content-Type": "application/json"}
             async with session.post(root + path, data=payload, headers=headers) as resp:

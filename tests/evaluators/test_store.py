@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
@@ -75,13 +78,14 @@ USAGE = Usage(prompt_tokens=12, completion_tokens=4)
 def make_observation(request_id: str, backend: str, *, usage: Usage | None = USAGE,
                      gaps: tuple[float, ...] = (0.01, 0.02, 0.03),
                      text: str | None = "an answer", started_at: float | None = None,
-                     error: str | None = None) -> Observation:
+                     error: str | None = None,
+                     tool_calls: tuple[dict[str, Any], ...] = ()) -> Observation:
     return Observation(
         request_id=request_id, backend=backend, route="chat_completions", status=200,
         streamed=True, started_at=started_at if started_at is not None else 1_700_000_000.0,
         ttft_s=0.1, chunk_gaps_s=gaps, e2e_s=0.1 + sum(gaps),
         usage=usage,
-        finish_reason="stop", text=text, tool_calls=(), model="m", bytes=321,
+        finish_reason="stop", text=text, tool_calls=tool_calls, model="m", bytes=321,
         truncated=False, error=error,
     )
 
@@ -249,6 +253,24 @@ async def test_migrations_upgrade_from_empty_and_downgrade_to_empty(db_url: str)
         await engine.dispose()
 
 
+def test_alembic_cli_migrates_through_the_async_environment(tmp_path: Any) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"
+    repo = Path(__file__).resolve().parents[2]
+
+    def alembic(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "alembic", "-c", str(repo / "alembic.ini"),
+             "-x", f"url={url}", *args],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True,
+        )
+        return done.stdout + done.stderr
+
+    alembic("upgrade", "head")
+    assert head_revision() in alembic("current")
+    alembic("downgrade", "base")
+    assert head_revision() not in alembic("current")
+
+
 async def test_sqlite_engine_uses_wal_and_a_busy_timeout(tmp_path: Any) -> None:
     engine = create_engine(StoreConfig(url=f"sqlite:///{tmp_path / 'x.db'}",
                                        sqlite_busy_timeout_s=3))
@@ -318,16 +340,31 @@ async def test_writer_round_trip_shares_the_primary_observation(engine: AsyncEng
     assert all(s.created_at.tzinfo is not None for s in scores)
 
 
+async def test_the_scorer_family_scores_are_score_like(engine: AsyncEngine) -> None:
+    scoring = pytest.importorskip("evaluators._score")
+    metric = next(name for name, spec in scoring.METRICS.items() if spec.kind == "per_backend")
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        assert writer.submit(make_exchange("r1"), [scoring.Score(metric, 2.0, 1.0)])
+        await written(writer, 1)
+    (score,) = await rows(engine, ScoreRow)
+    assert (score.metric, score.candidate_value, score.primary_value) == (metric, 2.0, 1.0)
+
+
 async def test_writer_keeps_texts_only_when_configured(engine: AsyncEngine) -> None:
     config = quick_config(engine, store_prompts=True, store_answers=True)
     async with ScoreWriter(engine, config) as writer:
-        assert writer.submit(make_exchange("r1", text="candidate says"), SCORES,
+        call = {"name": "lookup", "arguments": '{"city": "Paris"}'}
+        assert writer.submit(make_exchange("r1", text="candidate says", tool_calls=(call,),
+                                           error="x" * 5000), SCORES,
                              prompt=b'{"messages": []}')
         await written(writer, 1)
     (exchange,) = await rows(engine, ExchangeRow)
     assert exchange.prompt == '{"messages": []}'
-    answers = sorted(o.answer or "" for o in await rows(engine, ObservationRow))
-    assert answers == ["an answer", "candidate says"]
+    primary, candidate = sorted(await rows(engine, ObservationRow),
+                                key=lambda o: o.answer or "")
+    assert (primary.answer, primary.tool_calls) == ("an answer", None)
+    assert (candidate.answer, candidate.tool_calls) == ("candidate says", [call])
+    assert candidate.error == "x" * 2000  # cut to its bound
 
 
 async def test_resubmitted_exchange_is_not_counted_twice(engine: AsyncEngine) -> None:
