@@ -1,5 +1,6 @@
 """Proxy overhead, side by side in one run: direct to the simulator, through the
-understudy gateway, and through nginx ``proxy_pass``.
+understudy gateway, through a bare aiohttp relay (bench/_bare_relay.py: the same stack
+doing nothing but relaying), and through nginx ``proxy_pass``.
 
     .venv/bin/python bench/proxy.py [--quick] [--rounds N] [--profile] [--client-usage]
 
@@ -9,8 +10,8 @@ Scenarios (each against its own simulator, with its own gateway and nginx in fro
   stream     streamed answers of 64 chunks at 20 ms spacing, 100 concurrent streams
 
 Rules of the measurement:
-1. Rounds alternate the targets and rotate their order (direct, gateway, nginx; then
-   gateway, nginx, direct; ...), so drift on a shared machine falls on all of them.
+1. Rounds alternate the targets and rotate their order (direct, gateway, aiohttp, nginx;
+   then gateway, aiohttp, nginx, direct; ...), so drift on a shared machine falls on all.
    Figures are medians over rounds; differences and ratios are taken within a round
    first (gateway vs the direct run next to it), then their median is reported.
 2. The load generator is its own process (bench/_loadgen.py); it reads the relay's
@@ -48,6 +49,7 @@ from _procs import (
     find_nginx,
     nginx_version,
     snapshot_code,
+    start_bare_relay,
     start_gateway,
     start_nginx,
     start_sim,
@@ -108,7 +110,7 @@ class Scenario:
 
 
 def scenarios(quick: bool, rounds: int | None, burst: bool) -> list[Scenario]:
-    small_s = 1.0 if quick else 2.5
+    small_s = 1.0 if quick else 2.0
     small_rounds = rounds or (1 if quick else 3)
     stream_rounds = rounds or (1 if quick else 5)
     return [
@@ -183,7 +185,8 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_scenario(scenario: Scenario, workdir: Path, code: Path, nginx: str | None,
-                 client_usage: bool, log: Callable[[str], None]) -> dict[str, Any]:
+                 bare: bool, client_usage: bool,
+                 log: Callable[[str], None]) -> dict[str, Any]:
     with ExitStack() as stack:
         sim = start_sim(workdir, code, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
                         tokens=scenario.sim.tokens, name=f"sim-{scenario.key}")
@@ -191,6 +194,10 @@ def run_scenario(scenario: Scenario, workdir: Path, code: Path, nginx: str | Non
         gateway = start_gateway(workdir, code, sim.url)
         stack.callback(gateway.stop)
         relays: dict[str, Child | None] = {"direct": None, "gateway": gateway}
+        if bare:
+            bare_child = start_bare_relay(workdir, sim.url)
+            stack.callback(bare_child.stop)
+            relays["aiohttp"] = bare_child
         if nginx is not None:
             nginx_child = start_nginx(workdir, nginx, sim.url)
             stack.callback(nginx_child.stop)
@@ -212,7 +219,7 @@ def run_scenario(scenario: Scenario, workdir: Path, code: Path, nginx: str | Non
                 time.sleep(SETTLE_S)
                 figures = derive(run_loadgen(scenario, url, cpu_pids, client_usage))
                 this_round[target] = figures
-                log(f"  {scenario.key} round {index + 1}/{scenario.rounds} {target:8s} "
+                log(f"  {scenario.key} round {index + 1}/{scenario.rounds} {target:7s} "
                     + _brief(scenario, figures))
             rounds.append(this_round)
         return {"scenario": asdict(scenario), "targets": order, "rounds": rounds,
@@ -261,13 +268,19 @@ def summarise(order: list[str], rounds: list[dict[str, dict[str, Any]]]) -> dict
                 if r[t][key] is not None and r["direct"][key] is not None else None
                 for r in rounds])
         vs_direct[t] = entry
-    cpu_ratio = None
-    if "nginx" in order:
-        cpu_ratio = _median([
-            r["gateway"]["relay_cpu_us_per_chunk"] / r["nginx"]["relay_cpu_us_per_chunk"]
-            if r["gateway"]["relay_cpu_us_per_chunk"] and r["nginx"]["relay_cpu_us_per_chunk"]
+
+    def cpu_ratio(target: str, base: str) -> float | None:
+        if target not in order or base not in order:
+            return None
+        return _median([
+            r[target]["relay_cpu_us_per_chunk"] / r[base]["relay_cpu_us_per_chunk"]
+            if r[target]["relay_cpu_us_per_chunk"] and r[base]["relay_cpu_us_per_chunk"]
             else None for r in rounds])
-    return {"medians": medians, "vs_direct": vs_direct, "gateway_cpu_vs_nginx": cpu_ratio}
+
+    cpu_vs_nginx = {t: cpu_ratio(t, "nginx") for t in order if t not in ("direct", "nginx")}
+    return {"medians": medians, "vs_direct": vs_direct, "cpu_vs_nginx": cpu_vs_nginx,
+            "gateway_cpu_vs_nginx": cpu_vs_nginx.get("gateway"),
+            "gateway_cpu_vs_aiohttp": cpu_ratio("gateway", "aiohttp")}
 
 
 def targets(stream: dict[str, Any], nginx_present: bool) -> list[dict[str, Any]]:
@@ -332,7 +345,8 @@ def scenario_report(result: dict[str, Any]) -> str:
     header = ["target", "req/s"]
     header += ["chunks/s", "TTFT p50", "TTFT p99", "+TTFT p50", "+TTFT p99"] if stream else []
     header += ["e2e p50", "e2e p99", "+e2e p50", "+e2e p99", "xput/dir",
-               f"relay µs/{unit}", "relay %", "sim %", "loadgen %", "machine %", "errors"]
+               f"relay µs/{unit}", "CPU/nginx", "relay %", "sim %", "loadgen %", "machine %",
+               "errors"]
     rows = []
     for t in result["targets"]:
         m = summary["medians"][t]
@@ -347,7 +361,10 @@ def scenario_report(result: dict[str, Any]) -> str:
                 _signed(d.get("added_e2e_p50_ms"), 2 if stream else 3),
                 _signed(d.get("added_e2e_p99_ms"), 2 if stream else 3),
                 _num(d.get("throughput_ratio"), 3) if d else "1",
-                _num(m["relay_cpu_us_per_chunk"]), _num(m["relay_cpu_pct"]),
+                _num(m["relay_cpu_us_per_chunk"]),
+                _num(summary["cpu_vs_nginx"].get(t), 2) if t in summary["cpu_vs_nginx"]
+                else ("1" if t == "nginx" else "-"),
+                _num(m["relay_cpu_pct"]),
                 _num(m["sim_cpu_pct"]), _num(m["loadgen_cpu_pct"]),
                 _num(m["machine_busy_pct"]), str(m["errors"])]
         rows.append(row)
@@ -357,6 +374,9 @@ def scenario_report(result: dict[str, Any]) -> str:
     if summary["gateway_cpu_vs_nginx"] is not None:
         text += (f"\ngateway CPU per {unit} / nginx CPU per {unit}: "
                  f"{summary['gateway_cpu_vs_nginx']:.2f}x")
+    if summary["gateway_cpu_vs_aiohttp"] is not None:
+        text += (f"\ngateway CPU per {unit} / bare aiohttp relay CPU per {unit}: "
+                 f"{summary['gateway_cpu_vs_aiohttp']:.2f}x (the rest is understudy's own work)")
     return text
 
 
@@ -381,7 +401,7 @@ def rounds_report(result: dict[str, Any]) -> str:
 # --- profiling -------------------------------------------------------------------------
 
 def profile_gateway(scenario: Scenario, workdir: Path, code: Path, client_usage: bool,
-                    log: Callable[[str], None]) -> str:
+                    us_per_chunk: float | None, log: Callable[[str], None]) -> str:
     """One extra stream round through the gateway with py-spy sampling it (raw stacks)."""
     pyspy = Path(sys.executable).parent / "py-spy"
     if not pyspy.exists():
@@ -410,10 +430,12 @@ def profile_gateway(scenario: Scenario, workdir: Path, code: Path, client_usage:
         _, err = spy.communicate(timeout=duration + 30)
         if spy.returncode != 0 or not PROFILE_PATH.exists():
             return f"profile: py-spy failed ({spy.returncode}): {err.decode()[-500:]}"
-    return summarise_profile(PROFILE_PATH.read_text())
+    return summarise_profile(PROFILE_PATH.read_text(), us_per_chunk)
 
 
-def summarise_profile(raw: str, top: int = 30) -> str:
+def summarise_profile(raw: str, us_per_chunk: float | None = None, top: int = 30) -> str:
+    """Self and inclusive shares of py-spy's raw stacks; with ``us_per_chunk`` (the
+    gateway's median CPU per chunk in the measured rounds) each share also in µs/chunk."""
     own: dict[str, int] = {}
     inclusive: dict[str, int] = {}
     total = 0
@@ -433,20 +455,28 @@ def summarise_profile(raw: str, top: int = 30) -> str:
     if not total:
         return "profile: no samples"
     lines = [f"py-spy: {total} samples of the gateway's CPU during one stream round "
-             f"(raw stacks: {PROFILE_PATH.relative_to(REPO_ROOT)})", "", "self (leaf) time:"]
-    lines += [f"  {n / total * 100:5.1f}%  {name}"
+             f"(raw stacks: {PROFILE_PATH.relative_to(REPO_ROOT)})"]
+    if us_per_chunk is not None:
+        lines.append(f"µs/chunk columns: share x {us_per_chunk:.1f} µs, the gateway's median CPU "
+                     "per chunk in the measured rounds (py-spy distorts its own round)")
+    lines += ["", "self (leaf) time:"]
+    lines += [f"  {n / total * 100:5.1f}%{_share_us(n / total, us_per_chunk)}  {name}"
               for name, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]]
     ours = {name: n for name, n in inclusive.items()
             if name.split(" (")[-1].startswith(("gateway/", "evaluators/"))}
     lines += ["", "inclusive time of understudy's own frames (gateway/, evaluators/):"]
-    lines += [f"  {n / total * 100:5.1f}%  {name}"
+    lines += [f"  {n / total * 100:5.1f}%{_share_us(n / total, us_per_chunk)}  {name}"
               for name, n in sorted(ours.items(), key=lambda kv: -kv[1])[:top]]
     # The event loop and the CLI hold every sample; below them the split is what matters.
     inner = {name: n for name, n in inclusive.items() if n < 0.9 * total}
     lines += ["", "inclusive time (frames under 90%):"]
-    lines += [f"  {n / total * 100:5.1f}%  {name}"
+    lines += [f"  {n / total * 100:5.1f}%{_share_us(n / total, us_per_chunk)}  {name}"
               for name, n in sorted(inner.items(), key=lambda kv: -kv[1])[:top]]
     return "\n".join(lines)
+
+
+def _share_us(share: float, us_per_chunk: float | None) -> str:
+    return "" if us_per_chunk is None else f" {share * us_per_chunk:6.2f} µs/chunk"
 
 
 def _frame_name(frame: str) -> str:
@@ -483,6 +513,8 @@ def _main(stack: ExitStack) -> int:
     parser.add_argument("--only", choices=["small-c1", "small-c32", "stream"], action="append",
                         help="run only these scenarios (repeatable)")
     parser.add_argument("--no-nginx", action="store_true", help="leave nginx out")
+    parser.add_argument("--no-aiohttp", action="store_true",
+                        help="leave the bare aiohttp relay out (saves a quarter of the time)")
     parser.add_argument("--client-usage", action="store_true",
                         help="clients ask for stream_options.include_usage themselves (the "
                              "gateway then relays without its usage filter)")
@@ -506,6 +538,9 @@ def _main(stack: ExitStack) -> int:
         why = "left out (--no-nginx)" if args.no_nginx else "ABSENT (not installed)"
         print(f"nginx: {why} — nginx column and the CPU-vs-nginx target are NOT measured; "
               "install it with scripts/setup-bench.sh")
+    if not args.no_aiohttp:
+        print("aiohttp: bench/_bare_relay.py, the gateway's stack relaying chunks and nothing "
+              "else (the floor for the gateway)")
     print(f"streams: client {'asks for' if args.client_usage else 'does not ask for'} "
           "include_usage" + ("" if args.client_usage else
                              " (the gateway injects it and filters the usage event out)"))
@@ -522,8 +557,8 @@ def _main(stack: ExitStack) -> int:
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="understudy-bench-")))
     code = snapshot_code(workdir)
     for scenario in chosen:
-        results[scenario.key] = run_scenario(scenario, workdir, code, nginx, args.client_usage,
-                                             log)
+        results[scenario.key] = run_scenario(scenario, workdir, code, nginx,
+                                             not args.no_aiohttp, args.client_usage, log)
 
     print()
     for result in results.values():
@@ -546,8 +581,8 @@ def _main(stack: ExitStack) -> int:
     print(f"\nwall time {wall:.0f} s")
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
             "mode": "quick" if args.quick else "full", "nginx": version,
-            "code": revision, "client_usage": args.client_usage, "burst": args.burst,
-            "wall_s": wall,
+            "code": revision, "bare_aiohttp": not args.no_aiohttp,
+            "client_usage": args.client_usage, "burst": args.burst, "wall_s": wall,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_results(meta, results, verdicts, None)
 
@@ -555,8 +590,10 @@ def _main(stack: ExitStack) -> int:
     if args.profile and stream_scenario is not None:
         print()
         try:
+            gateway_us = results["stream"]["summary"]["medians"]["gateway"][
+                "relay_cpu_us_per_chunk"]
             profile_text = profile_gateway(stream_scenario, workdir, code, args.client_usage,
-                                           log)
+                                           gateway_us, log)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             profile_text = f"profile: failed: {exc}"
         print(profile_text)

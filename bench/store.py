@@ -1,6 +1,7 @@
-"""Score rows per second the ScoreWriter sustains into PostgreSQL (and SQLite, for scale).
+"""Score rows per second the ScoreWriter sustains into PostgreSQL (and SQLite, for scale);
+and the proxy's latency with that writer saturated vs idle, side by side in one run.
 
-    .venv/bin/python bench/store.py [--quick] [--rounds N] [--pg-admin URL]
+    .venv/bin/python bench/store.py [--quick] [--rounds N] [--pg-admin URL] [--skip-proxy]
 
 The workload is what the gateway produces: every mirrored request goes to C candidates,
 so C exchanges share one primary Observation; each exchange carries S scores. A producer
@@ -16,6 +17,14 @@ Rules of the measurement:
    written. Rate = score rows written / that time; the median over rounds is reported.
 3. Every ``submit`` is timed; its median, p99 and max are reported (it must not block).
 4. Target: >= 10,000 score rows/s into PostgreSQL on this machine.
+5. Proxy half: the gateway runs in this process, its ScoreWriter (PostgreSQL) as its
+   evaluation sink, as in production; a simulator is the primary, another the candidate
+   (their own processes), bench/_loadgen.py the client (its own process: streamed chats).
+   Rounds alternate "idle" (the writer gets only the mirrored exchanges) and "saturated"
+   (a task in the gateway's loop keeps the writer's queue above a full batch, so it
+   writes continuously at its maximum rate). Reported: TTFT and end-to-end p50/p99 of
+   each, medians over rounds, and saturated - idle. The writer must not add to the
+   proxy's latency beyond noise: its I/O is awaited, its CPU per batch is small.
 
 Results go to stdout and to bench/results/store.json.
 """
@@ -40,6 +49,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import asyncpg  # type: ignore[import-untyped]  # noqa: E402
+from aiohttp import web  # noqa: E402
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+from _procs import start_sim  # noqa: E402
 
 from evaluators import Exchange, Observation, Usage  # noqa: E402
 from evaluators._store import (  # noqa: E402
@@ -48,6 +61,7 @@ from evaluators._store import (  # noqa: E402
     create_engine,
     upgrade,
 )
+from gateway import build_app, load_config, make_runner  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "store.json"
 TARGET_SCORE_ROWS_PER_S = 10_000
@@ -55,7 +69,7 @@ DEFAULT_PG_ADMIN = "postgresql://root@127.0.0.1:5432/postgres"
 CANDIDATES = 2
 SCORES_PER_EXCHANGE = 8
 CHUNKS_PER_ANSWER = 64
-PRODUCER_CHUNK = 200
+PRODUCER_CHUNK = 100
 """Records submitted between yields to the event loop."""
 
 
@@ -113,9 +127,9 @@ async def run_round(url: str, requests: int) -> dict[str, Any]:
                 refused += not ok
                 if n % PRODUCER_CHUNK == 0:
                     await asyncio.sleep(0)
-                    while writer.stats.queued_rows > half:
+                    while writer.stats.queued_rows > half:  # noqa: ASYNC110 - polling counters
                         await asyncio.sleep(0.001)
-            while writer.stats.written_records < len(records) - refused:
+            while writer.stats.written_records < len(records) - refused:  # noqa: ASYNC110
                 await asyncio.sleep(0.002)
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
             stats = writer.stats
@@ -165,6 +179,137 @@ async def sqlite_round(requests: int) -> dict[str, Any]:
         return await run_round(f"sqlite+aiosqlite:///{folder}/store.db", requests)
 
 
+# --- the proxy, with the writer idle and saturated ----------------------------------------
+
+LOADGEN = REPO_ROOT / "bench" / "_loadgen.py"
+SIM_MODEL = "sim-model"
+STREAM_TTFT_MS, STREAM_ITL_MS, STREAM_TOKENS = 20.0, 20.0, 32
+STREAM_CONCURRENCY = 32
+
+
+async def _loadgen(url: str, requests_per_worker: int) -> dict[str, Any]:
+    answer_s = (STREAM_TTFT_MS + STREAM_ITL_MS * (STREAM_TOKENS - 1)) / 1000
+    spec = {
+        "url": url, "mode": "stream", "model": SIM_MODEL, "concurrency": STREAM_CONCURRENCY,
+        "requests_per_worker": requests_per_worker, "duration_s": 120.0,
+        "deadline_s": 120.0, "request_timeout_s": 60.0, "max_tokens": STREAM_TOKENS,
+        "stagger_s": answer_s, "client_usage": False, "cpu_pids": {},
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(LOADGEN), json.dumps(spec), cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    lines = out.decode().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"load generator failed ({proc.returncode}):\n{err.decode()[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    if "error" in result:
+        raise RuntimeError(f"load generator: {result['error']}")
+    return result
+
+
+async def _flood(writer: ScoreWriter, config: StoreConfig,
+                 records: list[tuple[Exchange, list[Score]]]) -> None:
+    """Keep the writer's queue above one full batch, so that it writes without pause.
+
+    Submits in runs of PRODUCER_CHUNK with a yield between them, as an evaluator would:
+    what the proxy then feels is the writer, not one long loop here.
+    """
+    n = 0
+    while True:
+        for _ in range(PRODUCER_CHUNK):
+            if writer.stats.queued_rows >= 2 * config.batch_rows:
+                break
+            exchange, scores = records[n % len(records)]
+            n += 1
+            fresh = Exchange(f"{exchange.request_id}-{n}", exchange.session_key,
+                             exchange.route, exchange.candidate, exchange.primary,
+                             exchange.candidate_observation)
+            writer.submit(fresh, scores)
+        else:
+            await asyncio.sleep(0)
+            continue
+        await asyncio.sleep(0.005)
+
+
+async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
+                       workdir: Path) -> dict[str, Any]:
+    name = f"understudy_bench_{secrets.token_hex(6)}"
+    await _admin(admin_url, f'CREATE DATABASE "{name}"')
+    base = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
+    url = f"{base}/{name}"
+    sims = [start_sim(workdir, REPO_ROOT, ttft_ms=STREAM_TTFT_MS, itl_ms=STREAM_ITL_MS,
+                      tokens=STREAM_TOKENS, name=f"sim-{role}")
+            for role in ("primary", "candidate")]
+    records = workload(2_000, secrets.token_hex(4))  # built before anything is measured
+    figures: dict[str, list[dict[str, Any]]] = {"idle": [], "saturated": []}
+    writes: dict[str, float] = {"idle": 0.0, "saturated": 0.0}
+    try:
+        await upgrade(url)
+        config = StoreConfig(url=url)
+        engine = create_engine(config)
+        try:
+            async with ScoreWriter(engine, config) as writer:
+                gateway = load_config(None, {
+                    "server": {"port": 0}, "primary": {"url": sims[0].url},
+                    "candidates": [{"name": "candidate", "url": sims[1].url}],
+                })
+                runner = make_runner(build_app(gateway, writer))
+                await runner.setup()
+                try:
+                    site = web.TCPSite(runner, "127.0.0.1", 0)
+                    await site.start()
+                    gateway_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+                    for i in range(rounds):
+                        order = ("idle", "saturated") if i % 2 == 0 else ("saturated", "idle")
+                        for mode in order:
+                            before = writer.stats.written_rows["scores"]
+                            started = time.perf_counter()
+                            flood = asyncio.create_task(_flood(writer, config, records)) \
+                                if mode == "saturated" else None
+                            try:
+                                result = await _loadgen(gateway_url, requests_per_worker)
+                            finally:
+                                if flood is not None:
+                                    flood.cancel()
+                                    await asyncio.gather(flood, return_exceptions=True)
+                            rate = ((writer.stats.written_rows["scores"] - before)
+                                    / (time.perf_counter() - started))
+                            writes[mode] = max(writes[mode], rate)
+                            figures[mode].append(_proxy_figures(result, rate))
+                            print(f"  {mode:9s} " + _proxy_line(figures[mode][-1]), flush=True)
+                finally:
+                    await runner.cleanup()
+        finally:
+            await engine.dispose()
+    finally:
+        for sim in sims:
+            sim.stop()
+        await _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    medians = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]
+                      if isinstance(rs[0][key], float)} for mode, rs in figures.items()}
+    return {"rounds": figures, "medians": medians}
+
+
+def _proxy_figures(result: dict[str, Any], score_rows_per_s: float) -> dict[str, Any]:
+    def ms(summary: dict[str, Any], key: str) -> float:
+        return float(summary[key] or 0.0) * 1000
+
+    return {
+        "ok": result["ok"], "errors": result["errors"],
+        "ttft_p50_ms": ms(result["ttft_s"], "p50"), "ttft_p99_ms": ms(result["ttft_s"], "p99"),
+        "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
+        "writer_score_rows_per_s": score_rows_per_s,
+    }
+
+
+def _proxy_line(f: dict[str, Any]) -> str:
+    return (f"TTFT p50 {f['ttft_p50_ms']:6.1f} ms  p99 {f['ttft_p99_ms']:6.1f} ms   "
+            f"e2e p50 {f['e2e_p50_ms']:6.1f} ms  p99 {f['e2e_p99_ms']:6.1f} ms   "
+            f"({f['ok']} streams, {f['errors']} errors; writer "
+            f"{f['writer_score_rows_per_s']:,.0f} score rows/s)")
+
+
 def _line(backend: str, r: dict[str, Any]) -> str:
     s = r["submit_us"]
     return (f"  {backend:10s} {r['score_rows_per_s']:>9,.0f} score rows/s  "
@@ -206,10 +351,27 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     print("\nmedians over rounds:")
     for backend, s in summary.items():
         print(f"  {backend:10s} {s['median_score_rows_per_s']:>9,.0f} score rows/s")
+    proxy: dict[str, Any] | None = None
+    if not args.skip_proxy:
+        print(f"\nproxy latency, writer idle vs saturated: streamed chats, {STREAM_TOKENS} "
+              f"chunks x {STREAM_ITL_MS:.0f} ms, {STREAM_CONCURRENCY} concurrent, mirrored "
+              f"to one candidate, {rounds} round(s) each, alternating", flush=True)
+        with tempfile.TemporaryDirectory(prefix="understudy-bench-") as workdir:
+            proxy = await proxy_rounds(args.pg_admin, rounds, 3 if args.quick else 8,
+                                       Path(workdir))
+        idle, busy = proxy["medians"]["idle"], proxy["medians"]["saturated"]
+        print("  medians:")
+        for mode, m in (("idle", idle), ("saturated", busy)):
+            print(f"  {mode:9s} TTFT p99 {m['ttft_p99_ms']:6.1f} ms   e2e p99 "
+                  f"{m['e2e_p99_ms']:6.1f} ms   writer {m['writer_score_rows_per_s']:,.0f} "
+                  "score rows/s")
+        print(f"  saturated - idle: TTFT p99 {busy['ttft_p99_ms'] - idle['ttft_p99_ms']:+.1f} ms"
+              f", e2e p99 {busy['e2e_p99_ms'] - idle['e2e_p99_ms']:+.1f} ms")
     print(f"\ntarget: {'PASS' if passed else 'FAIL'}  >= {TARGET_SCORE_ROWS_PER_S:,} score "
           f"rows/s into PostgreSQL, measured {pg_rate:,.0f} "
           f"({pg_rate / TARGET_SCORE_ROWS_PER_S:.2f}x)")
     return {
+        "proxy": proxy,
         "meta": {"python": platform.python_version(), "cpus": os.cpu_count(),
                  "loadavg_at_start": os.getloadavg()[0], "quick": args.quick,
                  "requests": requests, "candidates": CANDIDATES,
@@ -224,6 +386,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 round, a smaller workload")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--skip-proxy", action="store_true",
+                        help="only the writer's throughput, not the proxy's latency")
     parser.add_argument("--pg-admin", default=os.environ.get("UNDERSTUDY_BENCH_PG_ADMIN",
                                                              DEFAULT_PG_ADMIN),
                         help="a PostgreSQL URL allowed to CREATE/DROP DATABASE")

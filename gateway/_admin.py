@@ -15,7 +15,8 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -99,6 +100,18 @@ class CandidateList(BaseModel):
 
 class Deleted(BaseModel):
     deleted: str
+
+
+class ReportBody(BaseModel):
+    """The judge's verdict on a candidate with every statistic (see evaluators' Report)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    candidate: str
+    verdict: str
+    reasons: list[str]
+    samples: dict[str, int]
+    metrics: list[dict[str, Any]]
 
 
 # -- plumbing ---------------------------------------------------------------------------
@@ -185,6 +198,9 @@ async def add_candidate(request: web.Request) -> web.Response:
     if config.name in mirror.candidates:
         raise Conflict(f"candidate {config.name!r} exists; PATCH it or DELETE it first")
     candidate = await mirror.add_candidate(config)
+    evaluation = request.app[ADMIN_STATE].evaluation
+    if evaluation is not None:
+        await evaluation.register(config.name, config.role, config.url)
     log.info("admin: candidate %s added (%s)", config.name, config.url)
     return _json(CandidateView.of(candidate), status=201)
 
@@ -214,6 +230,28 @@ async def resume_candidate(request: web.Request) -> web.Response:
     return _json(CandidateView.of(candidate))
 
 
+async def candidate_report(request: web.Request) -> web.Response:
+    candidate = _candidate(request)
+    evaluation = request.app[ADMIN_STATE].evaluation
+    if evaluation is None:
+        raise Conflict("evaluation is disabled in this gateway ([evaluation] enabled = false)")
+    since = _window_start(request.query.get("window_s"))
+    report = await evaluation.report(candidate.name, since)
+    return web.Response(body=orjson.dumps(report.to_dict()), content_type="application/json")
+
+
+def _window_start(window_s: str | None) -> datetime | None:
+    if window_s is None:
+        return None
+    try:
+        seconds = float(window_s)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 10 * 365 * 86400:
+        raise InvalidBody("window_s must be a positive number of seconds")
+    return datetime.now(UTC) - timedelta(seconds=seconds)
+
+
 async def remove_candidate(request: web.Request) -> web.Response:
     candidate = _candidate(request)
     await request.app[ADMIN_STATE].mirror.remove_candidate(candidate.name)
@@ -236,6 +274,8 @@ OPERATIONS: list[tuple[Operation, Handler]] = [
                response=CandidateView), pause_candidate),
     (Operation("POST", "/candidates/{name}/resume", "Resume mirroring to a candidate",
                response=CandidateView), resume_candidate),
+    (Operation("GET", "/candidates/{name}/report", "Judge a candidate over its stored scores "
+               "(optional query window_s)", response=ReportBody), candidate_report),
 ]
 
 

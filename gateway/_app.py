@@ -19,7 +19,8 @@ from aiohttp import web
 from evaluators import EvaluationSink, MemorySink
 from gateway._admin import build_admin_app, check_admin_binding
 from gateway._config import GatewayConfig
-from gateway._metrics import GatewayMetrics
+from gateway._evaluation import Evaluation
+from gateway._metrics import EvaluationCollector, GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._relay import relay
 from gateway._state import GatewayState, RecentObservations
@@ -33,19 +34,30 @@ STATE = web.AppKey("state", GatewayState)
 
 
 def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.Application:
-    """The gateway app; joined exchanges go to ``sink`` (a bounded MemorySink if None)."""
+    """The gateway app. Joined exchanges go to ``sink`` if given; otherwise to the
+    evaluation pipeline and its store (``[evaluation]``), or, with evaluation disabled,
+    to a bounded in-memory sink."""
     app = web.Application(client_max_size=config.server.max_body_bytes)
     metrics = GatewayMetrics()
+    evaluation = Evaluation(config) if sink is None and config.evaluation.enabled else None
+    if evaluation is not None:
+        metrics.registry.register(EvaluationCollector(
+            lambda: evaluation.pipeline.stats if evaluation.pipeline else None,
+            lambda: evaluation.writer.stats if evaluation.writer else None,
+        ))
     app[STATE] = GatewayState(
         config=config,
         metrics=metrics,
         primary=Upstream(config.primary),
         observations=RecentObservations(config.capture.recent_observations),
         mirror=Mirror(config.mirror, config.candidates, config.capture, metrics,
-                      sink or MemorySink(config.mirror.sink_capacity)),
+                      evaluation or sink or MemorySink(config.mirror.sink_capacity)),
+        evaluation=evaluation,
     )
-    # Entered in this order, left in reverse: the mirror drains before the pools close.
+    # Entered in this order, left in reverse: the mirror drains into evaluation, which
+    # flushes into the store, before the pools close.
     app.cleanup_ctx.append(_upstream_pools)
+    app.cleanup_ctx.append(_evaluating)
     app.cleanup_ctx.append(_mirroring)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -60,6 +72,17 @@ async def _upstream_pools(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await primary.close()
+
+
+async def _evaluating(app: web.Application) -> AsyncIterator[None]:
+    evaluation = app[STATE].evaluation
+    if evaluation is not None:
+        await evaluation.start()
+    try:
+        yield
+    finally:
+        if evaluation is not None:
+            await evaluation.stop()
 
 
 async def _mirroring(app: web.Application) -> AsyncIterator[None]:

@@ -20,10 +20,13 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig, StoreConfig
+
 __all__ = [
     "AdminConfig",
     "CandidateConfig",
     "CaptureConfig",
+    "EvaluationConfig",
     "GatewayConfig",
     "MirrorConfig",
     "ServerConfig",
@@ -55,6 +58,8 @@ DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_MIRROR_DRAIN_TIMEOUT_S = 5.0
 DEFAULT_SINK_CAPACITY = 10_000
 MirroredRoute = Literal["chat_completions", "completions", "embeddings", "models", "other"]
+DEFAULT_EVALUATION_PENDING = 10_000
+DEFAULT_EVALUATION_DRAIN_S = 10.0
 DEFAULT_MIRRORED_ROUTES: tuple[MirroredRoute, ...] = (
     "chat_completions", "completions", "embeddings",
 )
@@ -128,6 +133,19 @@ class MirrorConfig(_Section):
     sink_capacity: int = Field(DEFAULT_SINK_CAPACITY, gt=0)
 
 
+class EvaluationConfig(_Section):
+    """Scoring of joined exchanges, the store they go to, and the judge's gates."""
+
+    enabled: bool = True
+    store: StoreConfig = StoreConfig()
+    auto_migrate: bool = True  # run Alembic's upgrade at start (the embedded default)
+    scorers: tuple[str, ...] = DEFAULT_SCORERS
+    scoring: ScorerConfig = ScorerConfig()
+    gates: Gates = Gates()
+    max_pending: int = Field(DEFAULT_EVALUATION_PENDING, gt=0)
+    drain_timeout_s: float = Field(DEFAULT_EVALUATION_DRAIN_S, ge=0)
+
+
 class AdminConfig(_Section):
     """The admin REST API's own listener; off unless a port is given."""
 
@@ -147,6 +165,7 @@ class GatewayConfig(BaseSettings):
     mirror: MirrorConfig = MirrorConfig()
     candidates: tuple[CandidateConfig, ...] = ()
     admin: AdminConfig = AdminConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
 
     @field_validator("candidates")
     @classmethod

@@ -7,11 +7,17 @@ so several gateways in one process (tests) do not collide.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-__all__ = ["ROUTES", "GatewayMetrics", "Route", "route_of"]
+from evaluators import PipelineStats
+from evaluators._store import WriterStats
+
+__all__ = ["ROUTES", "EvaluationCollector", "GatewayMetrics", "Route", "route_of"]
 
 Route = Literal[
     "chat_completions", "completions", "embeddings", "models", "other", "health", "metrics"
@@ -113,3 +119,47 @@ class GatewayMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EvaluationCollector(Collector):
+    """Exports the evaluation pipeline's and the store writer's own counters at scrape time.
+
+    They are counted where they happen (in ``evaluators``, which knows nothing of
+    Prometheus); this reads their snapshots. Reason labels are the writers' fixed sets.
+    """
+
+    def __init__(self, pipeline: Callable[[], PipelineStats | None],
+                 writer: Callable[[], WriterStats | None]) -> None:
+        self._pipeline = pipeline
+        self._writer = writer
+
+    def collect(self) -> Iterator[Metric]:
+        pipeline = self._pipeline()
+        if pipeline is not None:
+            yield CounterMetricFamily("understudy_evaluation_scored",
+                                      "Exchanges scored.", value=pipeline.scored)
+            yield GaugeMetricFamily("understudy_evaluation_pending",
+                                    "Exchanges waiting to be scored.", value=pipeline.pending)
+            dropped = CounterMetricFamily("understudy_evaluation_dropped",
+                                          "Exchanges not scored, by reason.", labels=["reason"])
+            for reason, count in pipeline.dropped.items():
+                dropped.add_metric([reason], count)
+            yield dropped
+        writer = self._writer()
+        if writer is not None:
+            rows = CounterMetricFamily("understudy_store_written_rows",
+                                       "Rows written to the store, by table.", labels=["table"])
+            for table, count in writer.written_rows.items():
+                rows.add_metric([table], count)
+            yield rows
+            dropped = CounterMetricFamily("understudy_store_dropped",
+                                          "Records the store writer dropped, by reason.",
+                                          labels=["reason"])
+            for reason, count in writer.dropped.items():
+                dropped.add_metric([reason], count)
+            yield dropped
+            yield CounterMetricFamily("understudy_store_retries",
+                                      "Batches retried after a database error.",
+                                      value=writer.retries)
+            yield GaugeMetricFamily("understudy_store_queued_rows",
+                                    "Rows waiting to be written.", value=writer.queued_rows)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from evaluators import Observation
 from gateway._config import GatewayConfig
+from gateway._evaluation import Evaluation
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._upstream import Upstream
@@ -44,3 +45,4 @@ class GatewayState:
     primary: Upstream
     observations: RecentObservations
     mirror: Mirror
+    evaluation: Evaluation | None  # None: exchanges go to a sink the caller gave

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from backends.sim import sim_command
 from gateway._app import run
+from gateway._cli_eval import db, report
 from gateway._config import load_config, parse_candidate_flag
 
 __all__ = ["main"]
@@ -34,10 +35,12 @@ def main(log_level: str) -> None:
               help="Mirror to a candidate (repeatable; replaces the file's candidates). "
                    "Options: rate=0..1, unit=request|session, concurrency=N, model=M.")
 @click.option("--admin-port", type=int, help="Port of the admin API (off unless given).")
+@click.option("--db", "db_url", help="Evaluation store URL: sqlite+aiosqlite:///FILE "
+              "(default understudy.db) or postgresql+asyncpg://USER@HOST/DB.")
 @click.option("--print-config", is_flag=True, help="Print the effective config and exit.")
 def serve(config_path: Path | None, primary: str | None, host: str | None,
           port: int | None, candidates: tuple[str, ...], admin_port: int | None,
-          print_config: bool) -> None:
+          db_url: str | None, print_config: bool) -> None:
     """Forward OpenAI-compatible traffic to the primary and mirror it to candidates."""
     overrides: dict[str, Any] = {}
     try:
@@ -53,6 +56,8 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
         overrides.setdefault("server", {})["port"] = port
     if admin_port is not None:
         overrides.setdefault("admin", {})["port"] = admin_port
+    if db_url:
+        overrides["evaluation"] = {"store": {"url": db_url}}
     try:
         config = load_config(config_path, overrides)
     except (ValidationError, OSError, ValueError) as exc:
@@ -64,5 +69,7 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
 
 
 main.add_command(sim_command)
+main.add_command(db)
+main.add_command(report)
 if __name__ == "__main__":
     main()

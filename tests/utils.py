@@ -98,6 +98,7 @@ async def run_gateway(
         overrides.setdefault(name, {}).update(values)
     if candidates is not None:
         overrides["candidates"] = candidates
+    overrides.setdefault("evaluation", {}).setdefault("enabled", False)
     app = build_app(load_config(None, overrides), sink)
     runner = make_runner(app)
     async with serving(runner) as url:

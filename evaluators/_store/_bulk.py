@@ -19,7 +19,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -37,6 +37,10 @@ MAX_CACHED_BACKENDS = 4096
 """Backend ids kept in memory; past it the cache starts over (names are few in practice)."""
 LOOKUP_CHUNK = 500
 """Keys per ``IN (...)`` lookup: far below every driver's bound on bind parameters."""
+STATEMENT_ROWS = 2_000
+"""Rows per INSERT statement. The writer shares the gateway's event loop: building and
+encoding one statement's parameters is a stretch of CPU with no await in it, and this
+bounds that stretch to a few milliseconds, whatever the batch size."""
 
 
 class BatchInserter:
@@ -56,37 +60,46 @@ class BatchInserter:
         """Write ``batch``; return the rows sent per table (existing rows count as sent)."""
         written = dict.fromkeys(TABLES, 0)
         written["backends"] = await self._register_backends(batch)
-        backend_ids = self._backend_ids
         exchanges: dict[str, Row] = {}
         for record in batch:
             exchanges.setdefault(record.exchange["request_id"], record.exchange)
         async with self._engine.begin() as connection:
             await self._exchanges.insert(connection, list(exchanges.values()))
             exchange_ids = await _exchange_ids(connection, exchanges)
-            observations: dict[tuple[int, int], Row] = {}
-            scores: list[Row] = []
-            for record in batch:
-                exchange_id = exchange_ids[record.exchange["request_id"]]
-                for backend, row in ((record.primary_backend, record.primary),
-                                     (record.candidate_backend, record.candidate)):
-                    key = (exchange_id, backend_ids[backend])
-                    if key not in observations:
-                        row["exchange_id"], row["backend_id"] = key
-                        observations[key] = row
-                candidate_id = backend_ids[record.candidate_name]
-                created_at = record.created_at
-                scores.extend(
-                    {"exchange_id": exchange_id, "candidate_id": candidate_id, "metric": metric,
-                     "candidate_value": candidate, "primary_value": primary,
-                     "created_at": created_at}
-                    for metric, candidate, primary in record.scores
-                )
-            await self._observations.insert(connection, list(observations.values()))
-            await self._scores.insert(connection, scores)
+            seen: set[tuple[int, int]] = set()
+            for part in _slices(batch):
+                observations, scores = self._rows_of(part, exchange_ids, seen)
+                await self._observations.insert(connection, observations)
+                await self._scores.insert(connection, scores)
+                written["observations"] += len(observations)
+                written["scores"] += len(scores)
         written["exchanges"] = len(exchanges)
-        written["observations"] = len(observations)
-        written["scores"] = len(scores)
         return written
+
+    def _rows_of(self, records: Sequence[Record], exchange_ids: dict[str, int],
+                 seen: set[tuple[int, int]]) -> tuple[list[Row], list[Row]]:
+        """Observation rows (each (exchange, backend) once across the batch) and score rows."""
+        backend_ids = self._backend_ids
+        observations: list[Row] = []
+        scores: list[Row] = []
+        for record in records:
+            exchange_id = exchange_ids[record.exchange["request_id"]]
+            for backend, row in ((record.primary_backend, record.primary),
+                                 (record.candidate_backend, record.candidate)):
+                key = (exchange_id, backend_ids[backend])
+                if key not in seen:
+                    seen.add(key)
+                    row["exchange_id"], row["backend_id"] = key
+                    observations.append(row)
+            candidate_id = backend_ids[record.candidate_name]
+            created_at = record.created_at
+            scores.extend(
+                {"exchange_id": exchange_id, "candidate_id": candidate_id, "metric": metric,
+                 "candidate_value": candidate, "primary_value": primary,
+                 "created_at": created_at}
+                for metric, candidate, primary in record.scores
+            )
+        return observations, scores
 
     def forget_backends(self) -> None:
         """Drop cached backend ids (after a rejected batch: the table may have changed)."""
@@ -136,7 +149,8 @@ async def _exchange_ids(connection: AsyncConnection, exchanges: dict[str, Row]) 
 
 
 class _RowInsert(Protocol):
-    """``INSERT ... ON CONFLICT (<key>) DO NOTHING`` of many rows (dicts keyed by column)."""
+    """``INSERT ... ON CONFLICT (<key>) DO NOTHING`` of many rows (dicts keyed by column),
+    STATEMENT_ROWS at a time."""
 
     async def insert(self, connection: AsyncConnection, rows: list[Row]) -> None: ...
 
@@ -148,8 +162,8 @@ class _ExecutemanyInsert:
         self._statement = sqlite.insert(table).on_conflict_do_nothing(index_elements=list(key))
 
     async def insert(self, connection: AsyncConnection, rows: list[Row]) -> None:
-        if rows:
-            await connection.execute(self._statement, rows)
+        for start in range(0, len(rows), STATEMENT_ROWS):
+            await connection.execute(self._statement, rows[start:start + STATEMENT_ROWS])
 
 
 class _UnnestInsert:
@@ -170,8 +184,10 @@ class _UnnestInsert:
         self._json = {column.name for column in table.columns if isinstance(column.type, JSON)}
 
     async def insert(self, connection: AsyncConnection, rows: list[Row]) -> None:
-        if not rows:
-            return
+        for start in range(0, len(rows), STATEMENT_ROWS):
+            await self._insert(connection, rows[start:start + STATEMENT_ROWS])
+
+    async def _insert(self, connection: AsyncConnection, rows: list[Row]) -> None:
         columns = tuple(rows[0])
         statement = self._statements.get(columns)
         if statement is None:
@@ -191,6 +207,18 @@ class _UnnestInsert:
             f"INSERT INTO {self._table.name} ({names}) SELECT * FROM unnest({arrays}) "
             f"ON CONFLICT ({', '.join(self._key)}) DO NOTHING"
         )
+
+
+def _slices(batch: Sequence[Record]) -> Iterator[Sequence[Record]]:
+    """Consecutive runs of records holding about STATEMENT_ROWS rows each."""
+    start, rows = 0, 0
+    for index, record in enumerate(batch):
+        rows += record.rows
+        if rows >= STATEMENT_ROWS:
+            yield batch[start:index + 1]
+            start, rows = index + 1, 0
+    if start < len(batch):
+        yield batch[start:]
 
 
 def _insert_family(dialect: str) -> type[_ExecutemanyInsert] | type[_UnnestInsert]:

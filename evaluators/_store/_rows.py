@@ -148,20 +148,20 @@ def itl_stats(gaps: Sequence[float]) -> tuple[float | None, float | None]:
         return None, None
     # Nearest rank: the ceil(0.99 n)-th smallest is the (n - ceil(0.99 n) + 1)-th largest.
     from_top = n - math.ceil(0.99 * n) + 1
-    return math.fsum(gaps) / n, heapq.nlargest(from_top, gaps)[-1]
+    return sum(gaps) / n, heapq.nlargest(from_top, gaps)[-1]
 
 
 def _score(score: ScoreLike) -> tuple[str, float | None, float | None]:
     metric = score.metric
-    if not isinstance(metric, str) or not metric:
-        raise InvalidRecord(f"score metric must be a non-empty string, got {metric!r}")
-    _identity("metric", metric, NAME_LENGTH)
+    if type(metric) is not str or not 0 < len(metric) <= NAME_LENGTH:
+        raise InvalidRecord(f"score metric must be a string of 1 to {NAME_LENGTH} characters,"
+                            f" got {metric!r:.80}")
     return metric, _value(metric, score.candidate), _value(metric, score.primary)
 
 
 def _value(metric: str, value: float | None) -> float | None:
-    if value is None:
-        return None
+    if value is None or type(value) is float:  # the common case, checked first: it is hot
+        return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRecord(f"score {metric!r}: value must be a number or None, got {value!r}")
     return float(value)

@@ -77,7 +77,7 @@ def test_hash_blocks_covers_full_blocks_only_and_extends() -> None:
     assert len(hashes) == 2  # the partial third block is never hashed
     assert hashes[0] == hash_block(SEED, tokens[:4])
     assert hashes[1] == hash_block(hashes[0], tokens[4:8])
-    longer = tokens + [11]
+    longer = [*tokens, 11]
     assert hash_blocks(SEED, longer, 4, parents=hashes) == hash_blocks(SEED, longer, 4)
     salted = hash_blocks(SEED, tokens, 4, ("tenant-a",))
     assert salted[0] == hash_block(SEED, tokens[:4], ("tenant-a",))
@@ -147,7 +147,7 @@ def test_prefix_lookup_reuses_cached_blocks() -> None:
     tokens = list(range(100, 113))  # 3 full blocks + 1 token
     table = _cache_sequence(pool, tokens)
     assert len(table) == 3
-    other = tokens[:8] + [7, 7, 7, 7]
+    other = [*tokens[:8], 7, 7, 7, 7]
     hashes = hash_blocks(pool.seed, other, 4)
     assert pool.lookup(hashes) == table[:2]  # the longest cached prefix, then a miss
     pool.acquire(table[:2])

@@ -21,7 +21,7 @@ GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 24, "seed": 7}
 
 def _view(chunk: Any) -> dict[str, Any]:
     data = chunk.model_dump()
-    for volatile in ("id", "created", "system_fingerprint"):
+    for volatile in ("id", "created"):
         data.pop(volatile, None)
     return data
 

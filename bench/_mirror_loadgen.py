@@ -1,0 +1,186 @@
+"""The load generator of bench/mirror.py: bench/_loadgen.py's closed loop, with a body of
+its own for every request, optionally padded to a large prompt, and the RSS of one
+process sampled while it runs.
+
+Run as ``python bench/_mirror_loadgen.py SPEC_JSON``; prints one JSON object on stdout.
+
+Why not bench/_loadgen.py as it is: it sends one body over and over, and the gateway
+queues a request identical to one still queued for a candidate only once (DESIGN.md
+invariant 4), so a repeated body would mirror a fraction of the traffic and hold one
+payload however long the overload lasts. Here every measured request differs (a counter
+in the prompt), so each one is a new item for the candidate and a new payload for the
+budget. Timing, counting and CPU rules are _loadgen's, whose code is reused as it is:
+1. Each of ``concurrency`` workers sends at most ``requests_per_worker`` streamed chats
+   and starts none after ``duration_s``; the phase is cancelled at ``deadline_s``.
+2. Warm-up (not measured): one short request per worker, then ``warm_large`` identical
+   padded requests per worker (so the process under test has served bodies of the
+   measured size at the measured concurrency before its RSS baseline is read; identical,
+   so a candidate queues them once).
+3. CPU of ``cpu_pids`` is read right before the first measured request and right after
+   the last. RSS of ``rss_pid`` (VmRSS, VmHWM from /proc/PID/status) is read at the same
+   two moments and every ``rss_interval_s`` in between; VmHWM is the kernel's own
+   high-water mark, so a peak between two samples is not missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _loadgen import Tally, _small_once, _stream_once, summary
+from _procs import CLOCK_TICKS, cpu_ticks, machine_ticks
+
+_PROMPT = "Tell me about relays, briefly."
+_PAD_WORD = "mirror "
+
+
+def read_status_kib(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of ``pid`` in KiB (empty if the process is gone)."""
+    found: dict[str, int] = {}
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return found
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0])
+    return found
+
+
+def chat_body(spec: dict[str, Any], tag: str) -> bytes:
+    """A streamed chat request whose prompt holds ``tag`` and, if asked, padding."""
+    content = f"{_PROMPT} [{tag}]"
+    pad_to = int(spec.get("prompt_bytes", 0))
+    if pad_to > len(content):
+        words = (pad_to - len(content)) // len(_PAD_WORD) + 1
+        content = (content + " " + _PAD_WORD * words)[:pad_to]
+    return json.dumps({"model": spec["model"], "max_tokens": spec["max_tokens"],
+                       "stream": True,
+                       "messages": [{"role": "user", "content": content}]}).encode()
+
+
+async def _sample_rss(pid: int, interval_s: float, peak: dict[str, int]) -> None:
+    while True:
+        status = read_status_kib(pid)
+        if status:
+            peak["rss_kib"] = max(peak.get("rss_kib", 0), status["VmRSS"])
+            peak["samples"] = peak.get("samples", 0) + 1
+        await asyncio.sleep(interval_s)
+
+
+async def run(spec: dict[str, Any]) -> dict[str, Any]:
+    url = spec["url"].rstrip("/") + "/v1/chat/completions"
+    concurrency = int(spec["concurrency"])
+    per_worker = int(spec["requests_per_worker"])
+    duration_s = float(spec["duration_s"])
+    stagger_s = float(spec.get("stagger_s", 0.0))
+    cpu_pids: dict[str, list[int]] = spec.get("cpu_pids", {})
+    rss_pid: int | None = spec.get("rss_pid")
+    tally = Tally()
+    sent_bytes = 0
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
+    timeout = aiohttp.ClientTimeout(total=float(spec["request_timeout_s"]))
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        warm = Tally()
+        short = json.dumps({"model": spec["model"], "max_tokens": 1,
+                            "messages": [{"role": "user", "content": _PROMPT}]}).encode()
+        await asyncio.gather(*(_small_once(session, url, short, warm)
+                               for _ in range(concurrency)))
+        large = chat_body(spec, "warm-up")
+        for _ in range(int(spec.get("warm_large", 0))):
+            await asyncio.gather(*(_stream_once(session, url, large, warm)
+                                   for _ in range(concurrency)))
+        if warm.errors:
+            return {"error": f"warm-up failed: {warm.error_samples}"}
+
+        loop = asyncio.get_running_loop()
+        stop_at = loop.time() + duration_s
+        run_tag = f"{time.time_ns():x}"  # differs between phases and between runs
+
+        async def worker(index: int) -> None:
+            nonlocal sent_bytes
+            if stagger_s:
+                await asyncio.sleep(stagger_s * index / concurrency)
+            for sequence in range(per_worker):
+                if loop.time() >= stop_at:
+                    return
+                body = chat_body(spec, f"{run_tag}-{index}-{sequence}")
+                sent_bytes += len(body)
+                try:
+                    await _stream_once(session, url, body, tally)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    tally.fail(f"{type(exc).__name__}: {exc}")
+
+        rss_before = read_status_kib(rss_pid) if rss_pid else {}
+        peak: dict[str, int] = {}
+        sampler = (asyncio.ensure_future(
+            _sample_rss(rss_pid, float(spec.get("rss_interval_s", 0.05)), peak))
+            if rss_pid else None)
+        before = {name: cpu_ticks(pids) for name, pids in cpu_pids.items()}
+        machine_before = machine_ticks()
+        own_before = time.process_time()
+        started = time.perf_counter()
+        tasks = [asyncio.ensure_future(worker(i)) for i in range(concurrency)]
+        _done, pending = await asyncio.wait(tasks, timeout=float(spec["deadline_s"]))
+        elapsed = time.perf_counter() - started
+        own_cpu = time.process_time() - own_before
+        machine_after = machine_ticks()
+        after = {name: cpu_ticks(pids) for name, pids in cpu_pids.items()}
+        rss_after = read_status_kib(rss_pid) if rss_pid else {}
+        if sampler is not None:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    ticks = {name: after[name] - before[name] for name in before}
+    busy = machine_after[0] - machine_before[0]
+    total = machine_after[1] - machine_before[1]
+    result: dict[str, Any] = {
+        "elapsed_s": elapsed,
+        "ok": tally.ok,
+        "errors": tally.errors,
+        "error_samples": tally.error_samples,
+        "cut_by_deadline": len(pending),
+        "events": tally.events,
+        "sent_bytes": sent_bytes,
+        "rps": tally.ok / elapsed if elapsed else 0.0,
+        "events_per_s": tally.events / elapsed if elapsed else 0.0,
+        "ttft_s": summary(tally.ttft),
+        "e2e_s": summary(tally.e2e),
+        "cpu_ticks": ticks,
+        "clock_ticks": CLOCK_TICKS,
+        "loadgen_cpu_s": own_cpu,
+        "machine_busy_s": busy / CLOCK_TICKS,
+        "machine_capacity_s": total / CLOCK_TICKS,
+    }
+    if rss_pid:
+        result["rss"] = {
+            "before_kib": rss_before.get("VmRSS"), "hwm_before_kib": rss_before.get("VmHWM"),
+            "after_kib": rss_after.get("VmRSS"), "hwm_after_kib": rss_after.get("VmHWM"),
+            "peak_sampled_kib": peak.get("rss_kib"), "samples": peak.get("samples", 0),
+        }
+    return result
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    try:
+        import uvloop
+    except ImportError:
+        result = asyncio.run(run(spec))
+    else:
+        result = uvloop.run(run(spec))
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

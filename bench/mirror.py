@@ -1,0 +1,664 @@
+"""Mirroring's cost to production, side by side in one run: understudy and nginx
+``mirror``, each with no candidate, with one healthy candidate at 100% sampling, and with
+one candidate that never answers at 100% sampling; then the gateway's memory under a
+10x overload of a stalled candidate.
+
+    .venv/bin/python bench/mirror.py [--quick] [--rounds N] [--no-nginx]
+
+Processes (each its own, stopped by pid at the end): a simulator as the primary
+(streamed chats, 32 chunks: TTFT 20 ms, then 15 ms apart), a second one as the healthy
+candidate (same shape), a third with ``--fault hang_before_first_byte`` as the stalled
+candidate; three gateways (no candidate / healthy / stalled; TOML config, sampling 1.0
+per request, ``max_concurrency`` 96 so that 64 client streams can all be mirrored, a
+60 s first-byte timeout so the stalled replays really stall) and three nginx (1 worker,
+upstream keepalive, ``proxy_buffering off``; ``mirror /mirror; mirror_request_body on``
+with an internal location that proxies to the candidate with 5 s timeouts).
+
+Rules of the measurement:
+1. The client is bench/_mirror_loadgen.py (its own process): 64 streams in a closed
+   loop, every request with its own body (a repeated body would be deduplicated by the
+   gateway and not mirror 100%). TTFT = request sent to first content event.
+2. Rounds alternate the six targets and rotate their order; figures are medians over
+   rounds. Ratios (stalled/none, healthy/none) are taken within a round first, then
+   their median is reported.
+3. CPU per primary chunk = utime + stime of the relay (from /proc; nginx = master +
+   worker) over the measured phase / SSE events the client received.
+4. Memory: a fourth gateway with ``memory_budget_bytes`` = 32 MiB and per-candidate
+   buffer bounds far above it (so the budget is the binding bound) mirrors to the
+   stalled candidate; the client sends 10x the budget in 64 KiB prompts, each unique.
+   Growth = peak RSS during the phase (sampled VmRSS and the kernel's VmHWM) - VmRSS
+   right before it. The baseline is read after a warm-up of identical 64 KiB requests at
+   the same concurrency (queued once, by dedup), so it already holds the working set of
+   serving such requests; growth from the cold, just-started gateway is shown too, as is
+   a control gateway with no candidate under the same load. /metrics shows the budget
+   was the binding bound (``reason="budget"`` drops, no ``buffer_full``).
+
+Targets: understudy's primary p99 (TTFT and end to end) with the stalled candidate /
+with none <= 1.05, with no errors; the gateway's CPU per primary chunk with one healthy
+candidate <= 2x with none; RSS growth under the overload <= budget x 1.1.
+
+Results go to stdout and to bench/results/mirror.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _mirror_loadgen import read_status_kib
+from _procs import (
+    CLOCK_TICKS,
+    REPO_ROOT,
+    Child,
+    _children_of,
+    _spawn,
+    _wait_http,
+    find_nginx,
+    free_port,
+    nginx_version,
+    snapshot_code,
+)
+
+RESULTS_PATH = REPO_ROOT / "bench" / "results" / "mirror.json"
+LOADGEN = Path(__file__).resolve().parent / "_mirror_loadgen.py"
+SIM_MODEL = "sim-model"
+KiB = 1024
+MiB = 1024 * KiB
+
+TARGET_P99_RATIO = 1.05
+TARGET_CPU_RATIO = 2.0
+TARGET_RSS_SLACK = 1.10
+
+# The primary and the healthy candidate answer alike.
+TTFT_MS, ITL_MS, TOKENS = 20.0, 15.0, 32
+STREAMS = 64
+CANDIDATE_CONCURRENCY = 96
+STALL_FIRST_BYTE_TIMEOUT_S = 60.0
+NGINX_MIRROR_TIMEOUT_S = 5
+SIM_MAX_MODEL_LEN = 1_000_000  # room for the 64 KiB prompts of the memory phase
+SETTLE_S = 0.3
+
+RSS_BUDGET = 32 * MiB
+RSS_PROMPT_BYTES = 64 * KiB
+RSS_OVERLOAD = 10
+RSS_STREAMS = 32
+RSS_TOKENS = 4
+RSS_BUFFER_ITEMS = 1_000_000
+RSS_BUFFER_BYTES = 4096 * MiB
+RSS_WARM_LARGE = 2
+
+TARGETS = ("gw-none", "gw-healthy", "gw-stalled", "nginx-none", "nginx-healthy",
+           "nginx-stalled")
+
+
+@dataclass(frozen=True)
+class Plan:
+    rounds: int
+    requests_per_worker: int
+    duration_s: float
+
+    @property
+    def stream_s(self) -> float:
+        return (TTFT_MS + ITL_MS * (TOKENS - 1)) / 1000
+
+    @property
+    def deadline_s(self) -> float:
+        # nginx with a stalled mirror holds each connection NGINX_MIRROR_TIMEOUT_S more.
+        return self.duration_s + 2 * NGINX_MIRROR_TIMEOUT_S + 10
+
+
+# --- processes -------------------------------------------------------------------------
+
+def start_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
+    """bench/_procs.start_sim with the options it does not take (fault, context)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
+            "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
+            "--tokens", str(TOKENS), "--max-model-len", str(SIM_MAX_MODEL_LEN), *extra]
+    child = _spawn(name, argv, workdir, code)
+    child.url = f"http://127.0.0.1:{port}"
+    _wait_http(child, child.url + "/health")
+    return child
+
+
+def start_gateway(workdir: Path, code: Path, name: str, primary_url: str,
+                  candidates: list[dict[str, Any]],
+                  budget_bytes: int | None = None) -> Child:
+    port = free_port()
+    lines = ["[server]", 'host = "127.0.0.1"', f"port = {port}", "",
+             "[primary]", f'url = "{primary_url}"', ""]
+    if budget_bytes is not None:
+        lines += ["[mirror]", f"memory_budget_bytes = {budget_bytes}", ""]
+    for candidate in candidates:
+        lines.append("[[candidates]]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in candidate.items()]
+        lines.append("")
+    config = workdir / f"{name}.toml"
+    config.write_text("\n".join(lines))
+    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
+            "--config", str(config)]
+    child = _spawn(name, argv, workdir, code)
+    child.url = f"http://127.0.0.1:{port}"
+    _wait_http(child, child.url + "/health")
+    return child
+
+
+def candidate_entry(name: str, url: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "url": url, "sample_rate": 1.0, "sampling_unit": "request",
+            "max_concurrency": CANDIDATE_CONCURRENCY,
+            "first_byte_timeout_s": STALL_FIRST_BYTE_TIMEOUT_S, **extra}
+
+
+_NGINX_CONF = """\
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/tmp/body;
+    proxy_temp_path {prefix}/tmp/proxy;
+    fastcgi_temp_path {prefix}/tmp/fastcgi;
+    uwsgi_temp_path {prefix}/tmp/uwsgi;
+    scgi_temp_path {prefix}/tmp/scgi;
+    keepalive_requests 100000;
+    upstream primary {{
+        server {primary};
+        keepalive 256;
+        keepalive_requests 100000;
+    }}
+{candidate_upstream}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+{mirror}
+            proxy_pass http://primary;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 120s;
+        }}
+{mirror_location}
+    }}
+}}
+"""
+
+_NGINX_CANDIDATE = """\
+    upstream candidate {{
+        server {candidate};
+        keepalive 256;
+        keepalive_requests 100000;
+    }}"""
+
+_NGINX_MIRROR_LOCATION = """\
+        location = /mirror {{
+            internal;
+            proxy_pass http://candidate$request_uri;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_connect_timeout {timeout}s;
+            proxy_send_timeout {timeout}s;
+            proxy_read_timeout {timeout}s;
+        }}"""
+
+
+def start_nginx_mirror(workdir: Path, binary: str, name: str, primary_url: str,
+                       candidate_url: str | None) -> Child:
+    """nginx ``proxy_pass`` to the primary, ``mirror`` to ``candidate_url`` if given."""
+    prefix = workdir / name
+    (prefix / "tmp").mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    mirrored = candidate_url is not None
+    conf = prefix / "nginx.conf"
+    conf.write_text(_NGINX_CONF.format(
+        prefix=prefix, port=port, primary=primary_url.removeprefix("http://"),
+        candidate_upstream=_NGINX_CANDIDATE.format(
+            candidate=candidate_url.removeprefix("http://")) if candidate_url else "",
+        mirror=("            mirror /mirror;\n            mirror_request_body on;"
+                if mirrored else ""),
+        mirror_location=(_NGINX_MIRROR_LOCATION.format(timeout=NGINX_MIRROR_TIMEOUT_S)
+                         if mirrored else "")))
+    argv = [binary, "-e", str(prefix / "error.log"), "-p", str(prefix), "-c", str(conf),
+            "-g", "daemon off;"]
+    child = _spawn(name, argv, workdir, workdir)
+    child.url = f"http://127.0.0.1:{port}"
+    _wait_http(child, child.url + "/health")
+    child.extra_pids = _children_of(child.pid)
+    if not child.extra_pids:
+        child.stop()
+        raise RuntimeError(f"{name} started without a worker process")
+    return child
+
+
+def scrape(child: Child) -> dict[str, float]:
+    """The gateway's /metrics as ``{'name{labels}': value}`` (understudy_* only)."""
+    with urllib.request.urlopen(child.url + "/metrics", timeout=5.0) as resp:
+        text = resp.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("understudy_") and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            found[key] = float(value)
+    return found
+
+
+def mirror_counts(metrics: dict[str, float]) -> dict[str, float]:
+    """The mirroring counters, summed over candidates, by what happened."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = key.partition("{")[0]
+        if name == "understudy_mirror_dropped_total":
+            reason = key.split('reason="')[1].split('"')[0]
+            out[f"dropped:{reason}"] = out.get(f"dropped:{reason}", 0) + value
+        elif name in ("understudy_mirror_queued_total", "understudy_mirror_completed_total",
+                      "understudy_mirror_joined_total", "understudy_mirror_buffer_items",
+                      "understudy_mirror_buffer_bytes", "understudy_memory_budget_used_bytes",
+                      "understudy_memory_budget_limit_bytes"):
+            short = name.removeprefix("understudy_").removesuffix("_total")
+            out[short] = out.get(short, 0) + value
+        elif name == "understudy_mirror_failed_total":
+            kind = key.split('kind="')[1].split('"')[0] if 'kind="' in key else "?"
+            out[f"failed:{kind}"] = out.get(f"failed:{kind}", 0) + value
+    return out
+
+
+# --- running ---------------------------------------------------------------------------
+
+def run_loadgen(spec: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, str(LOADGEN), json.dumps(spec)], cwd=REPO_ROOT,
+                          capture_output=True, text=True,
+                          timeout=float(spec["deadline_s"]) + 90, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"load generator failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    if "error" in result:
+        raise RuntimeError(f"load generator: {result['error']}")
+    return result
+
+
+def derive(result: dict[str, Any]) -> dict[str, Any]:
+    elapsed = result["elapsed_s"]
+    relay_ticks = result["cpu_ticks"].get("relay")
+    relay_s = relay_ticks / CLOCK_TICKS if relay_ticks is not None else None
+    events = result["events"]
+
+    def ms(summary: dict[str, Any], key: str) -> float | None:
+        value = summary.get(key)
+        return None if value is None else value * 1000
+
+    return {
+        "ok": result["ok"], "errors": result["errors"], "cut": result["cut_by_deadline"],
+        "error_samples": result["error_samples"], "elapsed_s": elapsed,
+        "rps": result["rps"], "chunks_per_s": result["events_per_s"], "events": events,
+        "ttft_p50_ms": ms(result["ttft_s"], "p50"), "ttft_p99_ms": ms(result["ttft_s"], "p99"),
+        "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
+        "cpu_us_per_chunk": relay_s / events * 1e6 if relay_s is not None and events else None,
+        "relay_cpu_pct": relay_s / elapsed * 100 if relay_s is not None and elapsed else None,
+        "machine_busy_pct": (result["machine_busy_s"] / result["machine_capacity_s"] * 100
+                             if result["machine_capacity_s"] else None),
+    }
+
+
+def stream_spec(plan: Plan, url: str, relay: Child | None) -> dict[str, Any]:
+    return {"url": url, "model": SIM_MODEL, "concurrency": STREAMS,
+            "requests_per_worker": plan.requests_per_worker, "duration_s": plan.duration_s,
+            "deadline_s": plan.deadline_s, "request_timeout_s": plan.deadline_s,
+            "max_tokens": TOKENS, "stagger_s": plan.stream_s,
+            "cpu_pids": {"relay": relay.cpu_pids()} if relay is not None else {}}
+
+
+def run_rounds(plan: Plan, relays: dict[str, Child], watched: list[Child],
+               log: Callable[[str], None]) -> list[dict[str, dict[str, Any]]]:
+    order = [t for t in TARGETS if t in relays]
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for index in range(plan.rounds):
+        shift = index % len(order)
+        this_round: dict[str, dict[str, Any]] = {}
+        for target in order[shift:] + order[:shift]:
+            for child in watched:
+                if not child.alive():
+                    raise RuntimeError(f"{child.name} died:\n{child.log_tail()}")
+            time.sleep(SETTLE_S)
+            relay = relays[target]
+            figures = derive(run_loadgen(stream_spec(plan, relay.url, relay)))
+            this_round[target] = figures
+            log(f"  round {index + 1}/{plan.rounds} {target:13s} {brief(figures)}")
+        rounds.append(this_round)
+    return rounds
+
+
+def brief(f: dict[str, Any]) -> str:
+    errors = f" ERRORS {f['errors']} cut {f['cut']} {f['error_samples'][:1]}" \
+        if f["errors"] or f["cut"] else ""
+    return (f"{f['rps']:6.1f} req/s  ttft p50 {_num(f['ttft_p50_ms'], 1)} "
+            f"p99 {_num(f['ttft_p99_ms'], 1)}  e2e p50 {_num(f['e2e_p50_ms'], 0)} "
+            f"p99 {_num(f['e2e_p99_ms'], 0)} ms  cpu {_num(f['cpu_us_per_chunk'], 1)} µs/chunk"
+            f"{errors}")
+
+
+def run_memory(workdir: Path, code: Path, primary: Child, stalled: Child, quick: bool,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """The overload phase: a stalled candidate, 10x the budget offered, RSS sampled."""
+    requests = math.ceil(RSS_OVERLOAD * RSS_BUDGET / RSS_PROMPT_BYTES)
+    out: dict[str, Any] = {"budget_bytes": RSS_BUDGET, "prompt_bytes": RSS_PROMPT_BYTES,
+                           "overload": RSS_OVERLOAD, "streams": RSS_STREAMS,
+                           "requests": requests}
+    variants: list[tuple[str, list[dict[str, Any]]]] = [
+        ("stalled", [candidate_entry("stalled", stalled.url, buffer_items=RSS_BUFFER_ITEMS,
+                                     buffer_bytes=RSS_BUFFER_BYTES)])]
+    if not quick:
+        variants.insert(0, ("control", []))
+    for label, candidates in variants:
+        with ExitStack() as stack:
+            gateway = start_gateway(workdir, code, f"gw-memory-{label}", primary.url,
+                                    candidates, budget_bytes=RSS_BUDGET)
+            stack.callback(gateway.stop)
+            time.sleep(0.5)
+            started = read_status_kib(gateway.pid)
+            spec = {"url": gateway.url, "model": SIM_MODEL, "concurrency": RSS_STREAMS,
+                    "requests_per_worker": math.ceil(requests / RSS_STREAMS),
+                    "duration_s": 60.0 if not quick else 40.0, "deadline_s": 90.0,
+                    "request_timeout_s": 60.0, "max_tokens": RSS_TOKENS,
+                    "prompt_bytes": RSS_PROMPT_BYTES, "warm_large": RSS_WARM_LARGE,
+                    "cpu_pids": {"relay": gateway.cpu_pids()}, "rss_pid": gateway.pid,
+                    "rss_interval_s": 0.02}
+            result = run_loadgen(spec)
+            time.sleep(0.5)
+            metrics = mirror_counts(scrape(gateway))
+            ended = read_status_kib(gateway.pid)
+            rss = result["rss"]
+            # VmHWM moved: its new value is this phase's peak; else the samples are.
+            peak = (rss["hwm_after_kib"] if rss["hwm_after_kib"] != rss["hwm_before_kib"]
+                    else rss["peak_sampled_kib"])
+            entry = {
+                "ok": result["ok"], "errors": result["errors"],
+                "cut": result["cut_by_deadline"], "error_samples": result["error_samples"],
+                "elapsed_s": result["elapsed_s"], "sent_bytes": result["sent_bytes"],
+                "rss_started_kib": started.get("VmRSS"), "rss_before_kib": rss["before_kib"],
+                "rss_peak_kib": peak, "rss_peak_sampled_kib": rss["peak_sampled_kib"],
+                "rss_samples": rss["samples"], "hwm_before_kib": rss["hwm_before_kib"],
+                "hwm_after_kib": rss["hwm_after_kib"], "rss_after_kib": rss["after_kib"],
+                "rss_end_kib": ended.get("VmRSS"),
+                "growth_bytes": (peak - rss["before_kib"]) * KiB,
+                "growth_from_start_bytes": (peak - started["VmRSS"]) * KiB,
+                "metrics": metrics,
+            }
+            out[label] = entry
+            log(f"  memory {label:8s} {entry['ok']} ok {entry['errors']} errors in "
+                f"{entry['elapsed_s']:.1f} s, sent {entry['sent_bytes'] / MiB:.0f} MiB; RSS "
+                f"start {started['VmRSS'] / KiB:.1f} before {rss['before_kib'] / KiB:.1f} peak "
+                f"{peak / KiB:.1f} MiB: growth {entry['growth_bytes'] / MiB:.1f} MiB")
+    return out
+
+
+# --- summarising -----------------------------------------------------------------------
+
+_FIGURES = ("rps", "chunks_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+            "cpu_us_per_chunk", "relay_cpu_pct", "machine_busy_pct")
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def ratio(rounds: list[dict[str, dict[str, Any]]], target: str, base: str,
+          key: str) -> float | None:
+    """Median over rounds of target/base for ``key``, each taken within its round."""
+    if not rounds or target not in rounds[0] or base not in rounds[0]:
+        return None
+    return _median([r[target][key] / r[base][key] if r[target][key] and r[base][key]
+                    else None for r in rounds])
+
+
+def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    order = [t for t in TARGETS if rounds and t in rounds[0]]
+    medians = {t: {k: _median([r[t][k] for r in rounds]) for k in _FIGURES} for t in order}
+    for t in order:
+        medians[t]["errors"] = sum(r[t]["errors"] + r[t]["cut"] for r in rounds)
+        medians[t]["requests"] = sum(r[t]["ok"] for r in rounds)
+    ratios: dict[str, dict[str, float | None]] = {}
+    for peer in ("gw", "nginx"):
+        for case in ("healthy", "stalled"):
+            target, base = f"{peer}-{case}", f"{peer}-none"
+            ratios[target] = {key: ratio(rounds, target, base, key) for key in
+                              ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+                               "rps", "cpu_us_per_chunk")}
+    return {"order": order, "medians": medians, "vs_none": ratios}
+
+
+def verdicts(summary: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, Any]]:
+    stalled = summary["vs_none"]["gw-stalled"]
+    healthy = summary["vs_none"]["gw-healthy"]
+    errors = summary["medians"]["gw-stalled"]["errors"]
+    out = []
+    for key, what in (("ttft_p99_ms", "TTFT"), ("e2e_p99_ms", "end-to-end")):
+        value = stalled[key]
+        out.append({"target": f"gateway {what} p99 stalled/none <= {TARGET_P99_RATIO}",
+                    "value": value, "met": value is not None and value <= TARGET_P99_RATIO})
+    out.append({"target": "gateway with stalled candidate: no errors", "value": errors,
+                 "met": errors == 0})
+    cpu = healthy["cpu_us_per_chunk"]
+    out.append({"target": f"gateway CPU/chunk healthy/none <= {TARGET_CPU_RATIO}",
+                "value": cpu, "met": cpu is not None and cpu <= TARGET_CPU_RATIO})
+    entry = memory["stalled"]
+    limit = memory["budget_bytes"] * TARGET_RSS_SLACK
+    out.append({"target": f"RSS growth under {memory['overload']}x overload <= budget x "
+                          f"{TARGET_RSS_SLACK} ({limit / MiB:.1f} MiB)",
+                "value": entry["growth_bytes"] / MiB, "unit": "MiB",
+                "met": entry["growth_bytes"] <= limit})
+    return out
+
+
+# --- printing --------------------------------------------------------------------------
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def latency_report(summary: dict[str, Any], rounds: int) -> str:
+    header = ["target", "req/s", "chunks/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99",
+              "µs CPU/chunk", "relay CPU %", "machine %", "requests", "errors",
+              "p99 TTFT/none", "p99 e2e/none", "xput/none", "CPU/none"]
+    rows = []
+    for t in summary["order"]:
+        m = summary["medians"][t]
+        r = summary["vs_none"].get(t)
+        rows.append([t, _num(m["rps"]), _num(m["chunks_per_s"], 0), _num(m["ttft_p50_ms"]),
+                     _num(m["ttft_p99_ms"]), _num(m["e2e_p50_ms"], 0), _num(m["e2e_p99_ms"], 0),
+                     _num(m["cpu_us_per_chunk"]), _num(m["relay_cpu_pct"]),
+                     _num(m["machine_busy_pct"], 0), str(m["requests"]), str(m["errors"]),
+                     *([_num(r["ttft_p99_ms"], 3), _num(r["e2e_p99_ms"], 3), _num(r["rps"], 3),
+                        _num(r["cpu_us_per_chunk"], 2)] if r else ["1", "1", "1", "1"])])
+    return render_table(
+        f"primary as the client sees it: {STREAMS} streams x {TOKENS} chunks "
+        f"(TTFT {TTFT_MS:.0f} ms, {ITL_MS:.0f} ms apart); medians of {rounds} alternating "
+        "round(s); times in ms; ratios taken within a round, then their median", header, rows)
+
+
+def rounds_report(rounds: list[dict[str, dict[str, Any]]]) -> str:
+    header = ["round", "target", "req/s", "TTFT p50", "TTFT p99", "e2e p99", "µs/chunk",
+              "errors"]
+    rows = [[str(i), t, _num(f["rps"]), _num(f["ttft_p50_ms"]), _num(f["ttft_p99_ms"]),
+             _num(f["e2e_p99_ms"], 0), _num(f["cpu_us_per_chunk"]), str(f["errors"] + f["cut"])]
+            for i, r in enumerate(rounds, 1) for t, f in r.items()]
+    return render_table("per round", header, rows)
+
+
+def mirroring_report(counts: dict[str, dict[str, float]]) -> str:
+    keys = sorted({k for c in counts.values() for k in c})
+    header = ["gateway", *keys]
+    rows = [[name, *(_num(c.get(k), 0) for k in keys)] for name, c in counts.items()]
+    return render_table("gateways' /metrics after the rounds (mirroring counters, summed)",
+                        header, rows)
+
+
+def memory_report(memory: dict[str, Any]) -> str:
+    header = ["gateway", "ok", "errors", "sent MiB", "sent/budget", "RSS start", "RSS before",
+              "RSS peak", "growth", "growth from start", "budget used", "queued",
+              "drop budget", "drop buffer_full", "drop dedup"]
+    rows = []
+    for label in ("control", "stalled"):
+        e = memory.get(label)
+        if e is None:
+            continue
+        m = e["metrics"]
+        rows.append([label, str(e["ok"]), str(e["errors"] + e["cut"]),
+                     _num(e["sent_bytes"] / MiB, 0),
+                     _num(e["sent_bytes"] / memory["budget_bytes"], 1),
+                     _num(e["rss_started_kib"] / KiB), _num(e["rss_before_kib"] / KiB),
+                     _num(e["rss_peak_kib"] / KiB), _num(e["growth_bytes"] / MiB),
+                     _num(e["growth_from_start_bytes"] / MiB),
+                     _num(m.get("memory_budget_used_bytes", 0) / MiB),
+                     _num(m.get("mirror_queued"), 0), _num(m.get("dropped:budget"), 0),
+                     _num(m.get("dropped:buffer_full"), 0), _num(m.get("dropped:dedup"), 0)])
+    return render_table(
+        f"memory: stalled candidate, budget {memory['budget_bytes'] / MiB:.0f} MiB, buffers "
+        f"{RSS_BUFFER_ITEMS} items / {RSS_BUFFER_BYTES / MiB:.0f} MiB, {memory['streams']} "
+        f"streams of {memory['prompt_bytes'] // KiB} KiB prompts; RSS in MiB (peak = "
+        "max of VmHWM and 20 ms VmRSS samples)", header, rows)
+
+
+# --- main ------------------------------------------------------------------------------
+
+def code_revision() -> str:
+    def git(*argv: str) -> str:
+        out = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                             check=False)
+        return out.stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "gateway", "evaluators", "backends")
+    return f"{commit}{' + uncommitted edits' if dirty else ''}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="one short round, memory phase without its control")
+    parser.add_argument("--rounds", type=int, help="rounds (overrides the mode)")
+    parser.add_argument("--no-nginx", action="store_true", help="leave nginx out")
+    args = parser.parse_args()
+    plan = (Plan(rounds=args.rounds or 1, requests_per_worker=6, duration_s=4.0) if args.quick
+            else Plan(rounds=args.rounds or 4, requests_per_worker=12, duration_s=8.0))
+    began = time.monotonic()
+    nginx = None if args.no_nginx else find_nginx()
+    version = nginx_version(nginx) if nginx else None
+    revision = code_revision()
+    print("understudy bench/mirror.py — mirroring's cost to the primary: understudy vs "
+          "nginx mirror, one run")
+    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
+          f"{'quick' if args.quick else 'full'} mode, code {revision} (copied at start)")
+    print(f"nginx: {version} ({nginx}), mirror subrequest timeouts {NGINX_MIRROR_TIMEOUT_S} s"
+          if nginx else "nginx: left out or not installed — nginx rows NOT measured")
+    print(f"gateway candidates: sampling 1.0 per request, max_concurrency "
+          f"{CANDIDATE_CONCURRENCY}, first_byte_timeout {STALL_FIRST_BYTE_TIMEOUT_S:.0f} s",
+          flush=True)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="understudy-mirror-")))
+        code = snapshot_code(workdir)
+
+        def started(child: Child) -> Child:
+            stack.callback(child.stop)
+            return child
+
+        primary = started(start_sim(workdir, code, "sim-primary"))
+        healthy = started(start_sim(workdir, code, "sim-healthy", "--variant", "candidate"))
+        stalled = started(start_sim(workdir, code, "sim-stalled",
+                                    "--fault", "hang_before_first_byte"))
+        relays: dict[str, Child] = {
+            "gw-none": started(start_gateway(workdir, code, "gw-none", primary.url, [])),
+            "gw-healthy": started(start_gateway(workdir, code, "gw-healthy", primary.url,
+                                                [candidate_entry("healthy", healthy.url)])),
+            "gw-stalled": started(start_gateway(workdir, code, "gw-stalled", primary.url,
+                                                [candidate_entry("stalled", stalled.url)])),
+        }
+        if nginx:
+            relays["nginx-none"] = started(start_nginx_mirror(workdir, nginx, "nginx-none",
+                                                              primary.url, None))
+            relays["nginx-healthy"] = started(start_nginx_mirror(
+                workdir, nginx, "nginx-healthy", primary.url, healthy.url))
+            relays["nginx-stalled"] = started(start_nginx_mirror(
+                workdir, nginx, "nginx-stalled", primary.url, stalled.url))
+        watched = [primary, healthy, stalled, *relays.values()]
+        rounds = run_rounds(plan, relays, watched, log)
+        counts = {name: mirror_counts(scrape(relays[name]))
+                  for name in ("gw-none", "gw-healthy", "gw-stalled")}
+        for name in ("gw-none", "gw-healthy", "gw-stalled"):
+            counts[name]["rss_mib"] = read_status_kib(relays[name].pid).get("VmRSS", 0) / KiB
+        # Stop the latency phase's gateways first: the memory phase wants the machine.
+        for name in ("gw-none", "gw-healthy", "gw-stalled"):
+            relays[name].stop()
+        memory = run_memory(workdir, code, primary, stalled, args.quick, log)
+
+    summary = summarise(rounds)
+    checks = verdicts(summary, memory)
+    print()
+    print(latency_report(summary, plan.rounds))
+    print()
+    print(rounds_report(rounds))
+    print()
+    print(mirroring_report(counts))
+    print()
+    print(memory_report(memory))
+    print()
+    print("peer figures (nginx mirror, medians of within-round ratios to nginx-none):")
+    for case in ("healthy", "stalled"):
+        r = summary["vs_none"].get(f"nginx-{case}")
+        if r and r["rps"] is not None:
+            print(f"  nginx {case:8s} TTFT p50 x{_num(r['ttft_p50_ms'], 2)}  p99 "
+                  f"x{_num(r['ttft_p99_ms'], 2)}  e2e p99 x{_num(r['e2e_p99_ms'], 2)}  "
+                  f"throughput x{_num(r['rps'], 3)}  CPU/chunk x{_num(r['cpu_us_per_chunk'], 2)}")
+    print()
+    print("targets:")
+    for v in checks:
+        value = v["value"]
+        shown = str(value) if isinstance(value, int) else _num(value, 3)
+        print(f"  {'PASS' if v['met'] else 'MISS':5s} {v['target']:58s} measured {shown}"
+              f"{' ' + v['unit'] if 'unit' in v else ''}")
+    wall = time.monotonic() - began
+    print(f"\nwall time {wall:.0f} s")
+    meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
+            "mode": "quick" if args.quick else "full", "nginx": version, "code": revision,
+            "plan": asdict(plan), "streams": STREAMS, "tokens": TOKENS, "ttft_ms": TTFT_MS,
+            "itl_ms": ITL_MS, "candidate_concurrency": CANDIDATE_CONCURRENCY,
+            "nginx_mirror_timeout_s": NGINX_MIRROR_TIMEOUT_S, "wall_s": wall,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps({"meta": meta, "rounds": rounds, "summary": summary,
+                                        "gateway_metrics": counts, "memory": memory,
+                                        "targets": checks}, indent=2))
+    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

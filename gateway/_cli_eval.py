@@ -1,0 +1,148 @@
+"""``understudy db ...`` and ``understudy report``: the store and the judge from a terminal."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from evaluators import Report, build_report, create_engine, downgrade, session_factory, upgrade
+from evaluators._store import current_revision
+from evaluators._store._config import masked_url
+from gateway._config import GatewayConfig, load_config
+
+__all__ = ["db", "report"]
+
+MIN_TABLE_WIDTH = 132
+_VERDICT_STYLE = {"PASS": "green", "MARGINAL": "yellow", "FAIL": "red",
+                  "INCONCLUSIVE": "magenta"}
+
+
+def _config(config_path: Path | None, db_url: str | None) -> GatewayConfig:
+    overrides: dict[str, Any] = {}
+    if db_url:
+        overrides = {"evaluation": {"store": {"url": db_url}}}
+    try:
+        return load_config(config_path, overrides)
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from exc
+
+
+_config_option = click.option("--config", "config_path", type=click.Path(
+    exists=True, dir_okay=False, path_type=Path), help="TOML config file.")
+_db_option = click.option("--db", "db_url", help="Database URL (default: the config's "
+                          "[evaluation.store] url, sqlite+aiosqlite:///understudy.db).")
+
+
+@click.group()
+def db() -> None:
+    """Create or change the evaluation store's schema (Alembic)."""
+
+
+@db.command("upgrade")
+@_config_option
+@_db_option
+@click.option("--revision", default="head", show_default=True)
+def db_upgrade(config_path: Path | None, db_url: str | None, revision: str) -> None:
+    """Upgrade the schema to REVISION (default: the newest)."""
+    url = _config(config_path, db_url).evaluation.store.url
+    asyncio.run(upgrade(url, revision))
+    click.echo(f"{masked_url(url)}: at {asyncio.run(current_revision(url))}")
+
+
+@db.command("downgrade")
+@_config_option
+@_db_option
+@click.argument("revision")
+def db_downgrade(config_path: Path | None, db_url: str | None, revision: str) -> None:
+    """Downgrade the schema to REVISION (``base`` removes every table)."""
+    url = _config(config_path, db_url).evaluation.store.url
+    asyncio.run(downgrade(url, revision))
+    click.echo(f"{masked_url(url)}: at {asyncio.run(current_revision(url))}")
+
+
+@click.command()
+@_config_option
+@_db_option
+@click.argument("candidate")
+@click.option("--window-s", type=float, help="Judge only scores of the last N seconds.")
+@click.option("--secondary", help="The replica of the primary whose scores are the noise "
+              "floor (default: the config's candidate with role = \"secondary\").")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def report(config_path: Path | None, db_url: str | None, candidate: str,
+           window_s: float | None, secondary: str | None, as_json: bool) -> None:
+    """Judge CANDIDATE over its stored scores and print every statistic."""
+    config = _config(config_path, db_url)
+    since = datetime.now(UTC) - timedelta(seconds=window_s) if window_s else None
+    secondary = secondary or next((c.name for c in config.candidates
+                                   if c.role == "secondary"), None)
+    result = asyncio.run(_build(config, candidate, secondary, since))
+    if as_json:
+        click.echo(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        _print(result)
+
+
+async def _build(config: GatewayConfig, candidate: str, secondary: str | None,
+                 since: datetime | None) -> Report:
+    engine = create_engine(config.evaluation.store)
+    try:
+        async with session_factory(engine)() as session, session.begin():
+            return await build_report(session, candidate, config.evaluation.gates,
+                                      secondary=secondary, since=since, record=False)
+    finally:
+        await engine.dispose()
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _columns(stats: dict[str, Any] | None) -> tuple[Any, Any, str, Any]:
+    """(candidate, baseline, relative shift with its CI, tail ratio) of one metric."""
+    if not stats:
+        return None, None, "-", None
+    if "n_baseline" in stats:  # per-backend: candidate against the primary
+        comparison: dict[str, Any] | None = stats
+        candidate, baseline = stats.get("median_candidate"), stats.get("median_baseline")
+    else:  # pairwise: its mean, and the noise floor's when a secondary was mirrored
+        comparison = stats.get("noise_floor")
+        candidate = stats.get("mean")
+        baseline = comparison.get("mean_baseline") if comparison else None
+    if not comparison or comparison.get("relative_shift") is None:
+        return candidate, baseline, "-", None
+    shift = (f"{comparison['relative_shift']:+.1%} [{comparison['relative_ci_low']:+.1%}, "
+             f"{comparison['relative_ci_high']:+.1%}]")
+    return candidate, baseline, shift, comparison.get("tail_ratio")
+
+
+def _print(result: Report) -> None:
+    console = Console(width=max(Console().width, MIN_TABLE_WIDTH))
+    data = result.to_dict()
+    style = _VERDICT_STYLE.get(data["verdict"], "")
+    floor = f"  (noise floor: {result.secondary})" if result.secondary else ""
+    console.print(f"candidate [bold]{result.candidate}[/]: [{style} bold]{data['verdict']}[/]"
+                  + floor)
+    for reason in data["reasons"]:
+        console.print(f"  - {reason}")
+    table = Table(title=f"{result.candidate} against the primary")
+    for column in ("metric", "n", "verdict", "candidate", "primary / floor",
+                   "relative shift [98% CI]", "tail ratio"):
+        table.add_column(column)
+    for metric in data["metrics"]:
+        candidate, baseline, shift, tail = _columns(metric.get("statistics"))
+        verdict = metric["verdict"]
+        table.add_row(metric["metric"], _fmt(result.samples.get(metric["metric"])),
+                      f"[{_VERDICT_STYLE.get(verdict, '')}]{verdict}[/]", _fmt(candidate),
+                      _fmt(baseline), shift, _fmt(tail))
+    console.print(table)
