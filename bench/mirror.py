@@ -92,6 +92,7 @@ STALL_FIRST_BYTE_TIMEOUT_S = 60.0
 NGINX_MIRROR_TIMEOUT_S = 5
 SIM_MAX_MODEL_LEN = 1_000_000  # room for the 64 KiB prompts of the memory phase
 SETTLE_S = 0.3
+READY_TIMEOUT_S = 90.0
 
 RSS_BUDGET = 32 * MiB
 RSS_PROMPT_BYTES = 64 * KiB
@@ -124,19 +125,19 @@ class Plan:
 
 # --- processes -------------------------------------------------------------------------
 
-def start_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
-    """bench/_procs.start_sim with the options it does not take (fault, context)."""
+def spawn_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
+    """bench/_procs.start_sim with the options it does not take (fault, context); not
+    waited for (see ``ready``), so that the Python children start side by side."""
     port = free_port()
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
             "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
             "--tokens", str(TOKENS), "--max-model-len", str(SIM_MAX_MODEL_LEN), *extra]
     child = _spawn(name, argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
-    _wait_http(child, child.url + "/health")
     return child
 
 
-def start_gateway(workdir: Path, code: Path, name: str, primary_url: str,
+def spawn_gateway(workdir: Path, code: Path, name: str, primary_url: str,
                   candidates: list[dict[str, Any]],
                   budget_bytes: int | None = None) -> Child:
     port = free_port()
@@ -154,8 +155,13 @@ def start_gateway(workdir: Path, code: Path, name: str, primary_url: str,
             "--config", str(config)]
     child = _spawn(name, argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
-    _wait_http(child, child.url + "/health")
     return child
+
+
+def ready(*children: Child) -> None:
+    """Wait until each child answers /health (imports take seconds on a busy machine)."""
+    for child in children:
+        _wait_http(child, child.url + "/health", READY_TIMEOUT_S)
 
 
 def candidate_entry(name: str, url: str, **extra: Any) -> dict[str, Any]:
@@ -352,58 +358,59 @@ def brief(f: dict[str, Any]) -> str:
             f"{errors}")
 
 
-def run_memory(workdir: Path, code: Path, primary: Child, stalled: Child, quick: bool,
+def spawn_memory_gateways(workdir: Path, code: Path, primary: Child, stalled: Child,
+                          quick: bool) -> dict[str, Child]:
+    """The overload phase's gateways: budget RSS_BUDGET, buffers far above it."""
+    candidate = candidate_entry("stalled", stalled.url, buffer_items=RSS_BUFFER_ITEMS,
+                                buffer_bytes=RSS_BUFFER_BYTES)
+    variants = {"stalled": [candidate]} if quick else {"control": [], "stalled": [candidate]}
+    return {label: spawn_gateway(workdir, code, f"gw-memory-{label}", primary.url,
+                                 candidates, budget_bytes=RSS_BUDGET)
+            for label, candidates in variants.items()}
+
+
+def run_memory(gateways: dict[str, Child], quick: bool,
                log: Callable[[str], None]) -> dict[str, Any]:
     """The overload phase: a stalled candidate, 10x the budget offered, RSS sampled."""
     requests = math.ceil(RSS_OVERLOAD * RSS_BUDGET / RSS_PROMPT_BYTES)
     out: dict[str, Any] = {"budget_bytes": RSS_BUDGET, "prompt_bytes": RSS_PROMPT_BYTES,
                            "overload": RSS_OVERLOAD, "streams": RSS_STREAMS,
                            "requests": requests}
-    variants: list[tuple[str, list[dict[str, Any]]]] = [
-        ("stalled", [candidate_entry("stalled", stalled.url, buffer_items=RSS_BUFFER_ITEMS,
-                                     buffer_bytes=RSS_BUFFER_BYTES)])]
-    if not quick:
-        variants.insert(0, ("control", []))
-    for label, candidates in variants:
-        with ExitStack() as stack:
-            gateway = start_gateway(workdir, code, f"gw-memory-{label}", primary.url,
-                                    candidates, budget_bytes=RSS_BUDGET)
-            stack.callback(gateway.stop)
-            time.sleep(0.5)
-            started = read_status_kib(gateway.pid)
-            spec = {"url": gateway.url, "model": SIM_MODEL, "concurrency": RSS_STREAMS,
-                    "requests_per_worker": math.ceil(requests / RSS_STREAMS),
-                    "duration_s": 60.0 if not quick else 40.0, "deadline_s": 90.0,
-                    "request_timeout_s": 60.0, "max_tokens": RSS_TOKENS,
-                    "prompt_bytes": RSS_PROMPT_BYTES, "warm_large": RSS_WARM_LARGE,
-                    "cpu_pids": {"relay": gateway.cpu_pids()}, "rss_pid": gateway.pid,
-                    "rss_interval_s": 0.02}
-            result = run_loadgen(spec)
-            time.sleep(0.5)
-            metrics = mirror_counts(scrape(gateway))
-            ended = read_status_kib(gateway.pid)
-            rss = result["rss"]
-            # VmHWM moved: its new value is this phase's peak; else the samples are.
-            peak = (rss["hwm_after_kib"] if rss["hwm_after_kib"] != rss["hwm_before_kib"]
-                    else rss["peak_sampled_kib"])
-            entry = {
-                "ok": result["ok"], "errors": result["errors"],
-                "cut": result["cut_by_deadline"], "error_samples": result["error_samples"],
-                "elapsed_s": result["elapsed_s"], "sent_bytes": result["sent_bytes"],
-                "rss_started_kib": started.get("VmRSS"), "rss_before_kib": rss["before_kib"],
-                "rss_peak_kib": peak, "rss_peak_sampled_kib": rss["peak_sampled_kib"],
-                "rss_samples": rss["samples"], "hwm_before_kib": rss["hwm_before_kib"],
-                "hwm_after_kib": rss["hwm_after_kib"], "rss_after_kib": rss["after_kib"],
-                "rss_end_kib": ended.get("VmRSS"),
-                "growth_bytes": (peak - rss["before_kib"]) * KiB,
-                "growth_from_start_bytes": (peak - started["VmRSS"]) * KiB,
-                "metrics": metrics,
-            }
-            out[label] = entry
-            log(f"  memory {label:8s} {entry['ok']} ok {entry['errors']} errors in "
-                f"{entry['elapsed_s']:.1f} s, sent {entry['sent_bytes'] / MiB:.0f} MiB; RSS "
-                f"start {started['VmRSS'] / KiB:.1f} before {rss['before_kib'] / KiB:.1f} peak "
-                f"{peak / KiB:.1f} MiB: growth {entry['growth_bytes'] / MiB:.1f} MiB")
+    for label, gateway in gateways.items():
+        started = read_status_kib(gateway.pid)
+        spec = {"url": gateway.url, "model": SIM_MODEL, "concurrency": RSS_STREAMS,
+                "requests_per_worker": math.ceil(requests / RSS_STREAMS),
+                "duration_s": 60.0 if not quick else 40.0, "deadline_s": 90.0,
+                "request_timeout_s": 60.0, "max_tokens": RSS_TOKENS,
+                "prompt_bytes": RSS_PROMPT_BYTES, "warm_large": RSS_WARM_LARGE,
+                "cpu_pids": {"relay": gateway.cpu_pids()}, "rss_pid": gateway.pid,
+                "rss_interval_s": 0.02}
+        result = run_loadgen(spec)
+        time.sleep(0.5)
+        metrics = mirror_counts(scrape(gateway))
+        ended = read_status_kib(gateway.pid)
+        rss = result["rss"]
+        # VmHWM moved: its new value is this phase's peak; else the samples are.
+        peak = (rss["hwm_after_kib"] if rss["hwm_after_kib"] != rss["hwm_before_kib"]
+                else rss["peak_sampled_kib"])
+        entry = {
+            "ok": result["ok"], "errors": result["errors"],
+            "cut": result["cut_by_deadline"], "error_samples": result["error_samples"],
+            "elapsed_s": result["elapsed_s"], "sent_bytes": result["sent_bytes"],
+            "rss_started_kib": started.get("VmRSS"), "rss_before_kib": rss["before_kib"],
+            "rss_peak_kib": peak, "rss_peak_sampled_kib": rss["peak_sampled_kib"],
+            "rss_samples": rss["samples"], "hwm_before_kib": rss["hwm_before_kib"],
+            "hwm_after_kib": rss["hwm_after_kib"], "rss_after_kib": rss["after_kib"],
+            "rss_end_kib": ended.get("VmRSS"),
+            "growth_bytes": (peak - rss["before_kib"]) * KiB,
+            "growth_from_start_bytes": (peak - started["VmRSS"]) * KiB,
+            "metrics": metrics,
+        }
+        out[label] = entry
+        log(f"  memory {label:8s} {entry['ok']} ok {entry['errors']} errors in "
+            f"{entry['elapsed_s']:.1f} s, sent {entry['sent_bytes'] / MiB:.0f} MiB; RSS "
+            f"start {started['VmRSS'] / KiB:.1f} before {rss['before_kib'] / KiB:.1f} peak "
+            f"{peak / KiB:.1f} MiB: growth {entry['growth_bytes'] / MiB:.1f} MiB")
     return out
 
 
@@ -590,17 +597,21 @@ def main() -> int:
             stack.callback(child.stop)
             return child
 
-        primary = started(start_sim(workdir, code, "sim-primary"))
-        healthy = started(start_sim(workdir, code, "sim-healthy", "--variant", "candidate"))
-        stalled = started(start_sim(workdir, code, "sim-stalled",
+        primary = started(spawn_sim(workdir, code, "sim-primary"))
+        healthy = started(spawn_sim(workdir, code, "sim-healthy", "--variant", "candidate"))
+        stalled = started(spawn_sim(workdir, code, "sim-stalled",
                                     "--fault", "hang_before_first_byte"))
         relays: dict[str, Child] = {
-            "gw-none": started(start_gateway(workdir, code, "gw-none", primary.url, [])),
-            "gw-healthy": started(start_gateway(workdir, code, "gw-healthy", primary.url,
+            "gw-none": started(spawn_gateway(workdir, code, "gw-none", primary.url, [])),
+            "gw-healthy": started(spawn_gateway(workdir, code, "gw-healthy", primary.url,
                                                 [candidate_entry("healthy", healthy.url)])),
-            "gw-stalled": started(start_gateway(workdir, code, "gw-stalled", primary.url,
+            "gw-stalled": started(spawn_gateway(workdir, code, "gw-stalled", primary.url,
                                                 [candidate_entry("stalled", stalled.url)])),
         }
+        memory_gateways = {label: started(child) for label, child in
+                           spawn_memory_gateways(workdir, code, primary, stalled,
+                                                 args.quick).items()}
+        ready(primary, healthy, stalled, *relays.values(), *memory_gateways.values())
         if nginx:
             relays["nginx-none"] = started(start_nginx_mirror(workdir, nginx, "nginx-none",
                                                               primary.url, None))
@@ -617,7 +628,7 @@ def main() -> int:
         # Stop the latency phase's gateways first: the memory phase wants the machine.
         for name in ("gw-none", "gw-healthy", "gw-stalled"):
             relays[name].stop()
-        memory = run_memory(workdir, code, primary, stalled, args.quick, log)
+        memory = run_memory(memory_gateways, args.quick, log)
 
     summary = summarise(rounds)
     checks = verdicts(summary, memory)

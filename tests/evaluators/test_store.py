@@ -1,22 +1,19 @@
 """The evaluation store, against SQLite (a temp file) and a real PostgreSQL (a fresh
-database per test module): migrations, the ScoreWriter's round trip and bounds, the
-report's queries. Faults (the database going away mid-run) are in test_store_faults.py.
+database per test module; ``db_url`` and ``pg_database`` come from tests/fixtures_db.py):
+migrations, the ScoreWriter's round trip and bounds, the report's queries. Faults (the
+database going away mid-run) are in test_store_faults.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
-import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import asyncpg  # type: ignore[import-untyped]
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -53,10 +50,8 @@ from evaluators._store import (
 from evaluators._store._rows import itl_stats
 from tests.utils import eventually
 
-PG_ADMIN_URL = os.environ.get(
-    "UNDERSTUDY_TEST_PG_ADMIN", "postgresql://root@127.0.0.1:5432/postgres"
-)
 STORE_TABLES = {"backends", "exchanges", "observations", "scores", "verdicts", "audit_log"}
+REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICK = {"flush_interval_s": 0.02, "retry_base_s": 0.01, "retry_max_s": 0.1}
 
 
@@ -105,38 +100,6 @@ SCORES = (Score("ttft_ratio", 1.5, 1.0), Score("similarity", 0.9))
 
 
 # -- databases ----------------------------------------------------------------------------
-
-
-async def _admin(*statements: str) -> None:
-    connection = await asyncpg.connect(PG_ADMIN_URL, timeout=5)
-    try:
-        for statement in statements:
-            await connection.execute(statement)
-    finally:
-        await connection.close()
-
-
-@pytest.fixture(scope="module")
-def pg_database() -> Iterator[str]:
-    """A fresh PostgreSQL database for this module, dropped afterwards."""
-    name = f"understudy_test_{secrets.token_hex(6)}"
-    try:
-        asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncpg.PostgresError) as exc:
-        pytest.skip(f"PostgreSQL not usable at {PG_ADMIN_URL}: {exc}")
-    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
-    try:
-        yield f"{base}/{name}"
-    finally:
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
-    url: str = request.getfixturevalue("pg_database")
-    return url
 
 
 @pytest.fixture
@@ -253,22 +216,15 @@ async def test_migrations_upgrade_from_empty_and_downgrade_to_empty(db_url: str)
         await engine.dispose()
 
 
-def test_alembic_cli_migrates_through_the_async_environment(tmp_path: Any) -> None:
+async def test_alembic_cli_migrates_through_the_async_environment(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"
-    repo = Path(__file__).resolve().parents[2]
-
-    def alembic(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "alembic", "-c", str(repo / "alembic.ini"),
-             "-x", f"url={url}", *args],
-            cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True,
-        )
-        return done.stdout + done.stderr
-
-    alembic("upgrade", "head")
-    assert head_revision() in alembic("current")
-    alembic("downgrade", "base")
-    assert head_revision() not in alembic("current")
+    done = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "alembic", "-c", str(REPO_ROOT / "alembic.ini"), "-x", f"url={url}",
+        "upgrade", "head", cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output, _ = await asyncio.wait_for(done.communicate(), timeout=90)
+    assert done.returncode == 0, output.decode()
+    assert await current_revision(url) == head_revision()
 
 
 async def test_sqlite_engine_uses_wal_and_a_busy_timeout(tmp_path: Any) -> None:

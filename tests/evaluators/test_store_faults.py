@@ -34,12 +34,9 @@ from tests.evaluators.test_store import (
     Score,
     count,
     make_exchange,
-    pg_database,
     written,
 )
 from tests.utils import eventually
-
-__all__ = ["pg_database"]  # the fixture, imported to make this module's own database
 
 SUBMIT_MEDIAN_LIMIT_S = 200e-6
 SUBMIT_MAX_LIMIT_S = 20e-3
@@ -284,3 +281,26 @@ async def test_a_record_the_database_refuses_is_dropped_alone(
     assert stats.dropped["rejected"] == 1
     assert stats.written_records == 7
     assert await _direct_count(pg_database, ScoreRow) == 14
+
+
+async def test_close_while_the_database_hangs_mid_batch(relayed: tuple[TcpRelay, str]) -> None:
+    relay, url = relayed
+    config = _config(url, close_timeout_s=0.5)
+    engine = create_engine(config)
+    try:
+        writer = ScoreWriter(engine, config)
+        await writer.start()
+        writer.submit(make_exchange("r0"), SCORES)
+        await written(writer, 1)
+        relay.stall_answers_after(b"INSERT")  # the server works; its answers never come
+        for i in range(1, 4):
+            assert writer.submit(make_exchange(f"r{i}"), SCORES)
+        await eventually(lambda: writer.stats.held_records == 3, within_s=5)
+        started = time.monotonic()
+        await writer.close()  # cancels the batch in flight once its timeout is spent
+        assert time.monotonic() - started < config.close_timeout_s + 1.0
+    finally:
+        await relay.cut()
+        await engine.dispose()
+    stats = writer.stats
+    assert (stats.written_records, stats.dropped["close_timeout"]) == (1, 3)

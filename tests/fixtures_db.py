@@ -1,0 +1,57 @@
+"""Database fixtures: a fresh PostgreSQL database per test module, and SQLite files.
+
+PostgreSQL must be up at ``UNDERSTUDY_TEST_PG`` (default: the machine's local server,
+trust auth; ``scripts/test.sh`` starts it when it is down). A test that needs it and cannot
+reach it fails loudly: it never skips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+PG_ADMIN_URL = os.environ.get("UNDERSTUDY_TEST_PG", "postgresql://root@127.0.0.1:5432/postgres")
+
+
+async def _admin(*statements: str) -> None:
+    connection = await asyncpg.connect(PG_ADMIN_URL, timeout=5)
+    try:
+        for statement in statements:
+            await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+@pytest.fixture(scope="module")
+def pg_database() -> Iterator[str]:
+    """The async URL of a fresh PostgreSQL database for this module, dropped afterwards."""
+    name = f"understudy_test_{secrets.token_hex(6)}"
+    try:
+        asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncpg.PostgresError) as exc:
+        pytest.fail(f"PostgreSQL is not usable at {PG_ADMIN_URL}: {exc} "
+                    "(scripts/test.sh starts the local server)", pytrace=False)
+    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
+    try:
+        yield f"{base}/{name}"
+    finally:
+        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def sqlite_url(folder: Path, name: str = "store.db") -> str:
+    return f"sqlite+aiosqlite:///{folder / name}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each test using it runs twice: on a SQLite file and on the real PostgreSQL."""
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path)
+    url: str = request.getfixturevalue("pg_database")
+    return url
