@@ -1,7 +1,8 @@
 """The load generator: one process, one aiohttp session, a bounded closed loop.
 
-Run as ``python bench/_loadgen.py SPEC_JSON``; prints one JSON object (the round's
-result) on stdout.
+Run as ``python bench/_loadgen.py SPEC_JSON`` (prints one JSON result on stdout), or as
+``python bench/_loadgen.py --serve``: one JSON spec per line on stdin, one JSON result per
+line on stdout, so a benchmark pays the interpreter's start once, not once per round.
 
 Rules:
 1. Every run is bounded twice: each of the ``concurrency`` workers sends at most
@@ -27,6 +28,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,15 +197,24 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
     except ImportError:
-        result = asyncio.run(run(spec))
-    else:
-        result = uvloop.run(run(spec))
-    sys.stdout.write(json.dumps(result) + "\n")
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def main() -> None:
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        if sys.argv[1:] != ["--serve"]:
+            sys.stdout.write(json.dumps(runner.run(run(json.loads(sys.argv[1])))) + "\n")
+            return
+        for line in sys.stdin:
+            if line.strip():
+                sys.stdout.write(json.dumps(runner.run(run(json.loads(line)))) + "\n")
+                sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
 _SIM_LINE = re.compile(rb"on (http://[0-9.]+:[0-9]+)")
-_PACKAGES = ("gateway", "evaluators", "backends")
+# What a gateway needs at run time: its packages and the Alembic environment it migrates
+# its embedded store with at start (the store is a file in the copy, not in the repo).
+_CODE_DIRS = ("gateway", "evaluators", "backends", "migrations")
 
 
 @dataclass
@@ -87,11 +89,13 @@ class Child:
 
 
 def snapshot_code(workdir: Path) -> Path:
-    """Copy the packages under test into ``workdir/code``; children run from there."""
+    """Copy the code under test into ``workdir/code``; children run from there."""
     code = workdir / "code"
-    for package in _PACKAGES:
-        shutil.copytree(REPO_ROOT / package, code / package,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    code.mkdir()
+    for name in _CODE_DIRS:
+        if (REPO_ROOT / name).is_dir():
+            shutil.copytree(REPO_ROOT / name, code / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return code
 
 

@@ -138,11 +138,15 @@ def spawn_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
 
 
 def spawn_gateway(workdir: Path, code: Path, name: str, primary_url: str,
-                  candidates: list[dict[str, Any]],
-                  budget_bytes: int | None = None) -> Child:
+                  candidates: list[dict[str, Any]], budget_bytes: int | None = None,
+                  evaluation: bool = True) -> Child:
+    """A gateway from a generated TOML config: default settings except those named here;
+    each with its own SQLite store in ``workdir``."""
     port = free_port()
     lines = ["[server]", 'host = "127.0.0.1"', f"port = {port}", "",
-             "[primary]", f'url = "{primary_url}"', ""]
+             "[primary]", f'url = "{primary_url}"', "",
+             "[evaluation]", f"enabled = {json.dumps(evaluation)}", "",
+             "[evaluation.store]", f'url = "sqlite+aiosqlite:///{workdir / name}.db"', ""]
     if budget_bytes is not None:
         lines += ["[mirror]", f"memory_budget_bytes = {budget_bytes}", ""]
     for candidate in candidates:

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import select
 import statistics
 import subprocess
 import sys
@@ -130,8 +131,43 @@ def scenarios(quick: bool, rounds: int | None, burst: bool) -> list[Scenario]:
 
 # --- running ---------------------------------------------------------------------------
 
-def run_loadgen(scenario: Scenario, url: str, cpu_pids: dict[str, list[int]],
-                client_usage: bool) -> dict[str, Any]:
+class LoadGen:
+    """The load generator process (bench/_loadgen.py --serve), kept for the whole run."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._log = (workdir / "loadgen.log").open("wb")
+        self._proc = subprocess.Popen([sys.executable, str(LOADGEN), "--serve"], cwd=REPO_ROOT,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True)
+
+    def run(self, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(spec) + "\n")
+        self._proc.stdin.flush()
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            tail = Path(self._log.name).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"load generator gave no result within {timeout_s:.0f} s:\n{tail}")
+        result: dict[str, Any] = json.loads(line)
+        if "error" in result:
+            raise RuntimeError(f"load generator: {result['error']}")
+        return result
+
+    def close(self) -> None:
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        self._log.close()
+
+
+def run_loadgen(loadgen: LoadGen, scenario: Scenario, url: str,
+                cpu_pids: dict[str, list[int]], client_usage: bool) -> dict[str, Any]:
     spec = {
         "url": url, "mode": scenario.mode, "model": SIM_MODEL,
         "concurrency": scenario.concurrency,
@@ -143,16 +179,7 @@ def run_loadgen(scenario: Scenario, url: str, cpu_pids: dict[str, list[int]],
         "client_usage": client_usage,
         "cpu_pids": cpu_pids,
     }
-    proc = subprocess.run([sys.executable, str(LOADGEN), json.dumps(spec)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=scenario.deadline_s + 60,
-                          check=False)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"load generator failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    if "error" in result:
-        raise RuntimeError(f"load generator: {result['error']}")
-    return result
+    return loadgen.run(spec, scenario.deadline_s + 60)
 
 
 def derive(result: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +211,8 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_scenario(scenario: Scenario, workdir: Path, code: Path, nginx: str | None,
+def run_scenario(loadgen: LoadGen, scenario: Scenario, workdir: Path, code: Path,
+                 nginx: str | None,
                  bare: bool, client_usage: bool,
                  log: Callable[[str], None]) -> dict[str, Any]:
     with ExitStack() as stack:
@@ -217,7 +245,7 @@ def run_scenario(scenario: Scenario, workdir: Path, code: Path, nginx: str | Non
                     cpu_pids["relay"] = relay.cpu_pids()
                 url = relay.url if relay is not None else sim.url
                 time.sleep(SETTLE_S)
-                figures = derive(run_loadgen(scenario, url, cpu_pids, client_usage))
+                figures = derive(run_loadgen(loadgen, scenario, url, cpu_pids, client_usage))
                 this_round[target] = figures
                 log(f"  {scenario.key} round {index + 1}/{scenario.rounds} {target:7s} "
                     + _brief(scenario, figures))
@@ -331,7 +359,7 @@ def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
         table.add_column(h, justify="right")
     for r in rows:
         table.add_row(*r)
-    console = Console(width=200, record=True)
+    console = Console(width=260, record=True)
     with console.capture() as capture:
         console.print(table)
     return str(capture.get()).rstrip()
@@ -400,8 +428,9 @@ def rounds_report(result: dict[str, Any]) -> str:
 
 # --- profiling -------------------------------------------------------------------------
 
-def profile_gateway(scenario: Scenario, workdir: Path, code: Path, client_usage: bool,
-                    us_per_chunk: float | None, log: Callable[[str], None]) -> str:
+def profile_gateway(loadgen: LoadGen, scenario: Scenario, workdir: Path, code: Path,
+                    client_usage: bool, us_per_chunk: float | None,
+                    log: Callable[[str], None]) -> str:
     """One extra stream round through the gateway with py-spy sampling it (raw stacks)."""
     pyspy = Path(sys.executable).parent / "py-spy"
     if not pyspy.exists():
@@ -413,7 +442,7 @@ def profile_gateway(scenario: Scenario, workdir: Path, code: Path, client_usage:
         gateway = start_gateway(workdir, code, sim.url)
         stack.callback(gateway.stop)
         # A first round opens the gateway's upstream pool, so the sampled one is steady.
-        run_loadgen(scenario, gateway.url, {}, client_usage)
+        run_loadgen(loadgen, scenario, gateway.url, {}, client_usage)
         duration = int(scenario.stagger_s + scenario.stream_s * scenario.requests_per_worker) + 3
         PROFILE_PATH.parent.mkdir(parents=True, exist_ok=True)
         # --native shows where the time inside uvloop and aiohttp's C parts goes; it
@@ -423,8 +452,8 @@ def profile_gateway(scenario: Scenario, workdir: Path, code: Path, client_usage:
                                 "--output", str(PROFILE_PATH)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(1.0)
-        figures = derive(run_loadgen(scenario, gateway.url, {"relay": gateway.cpu_pids()},
-                                     client_usage))
+        figures = derive(run_loadgen(loadgen, scenario, gateway.url,
+                                     {"relay": gateway.cpu_pids()}, client_usage))
         log("  profile round (py-spy attached, timings distorted) gateway "
             + _brief(scenario, figures))
         _, err = spy.communicate(timeout=duration + 30)
@@ -490,6 +519,10 @@ def _frame_name(frame: str) -> str:
 
 # --- main ------------------------------------------------------------------------------
 
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def code_revision() -> str:
     """The commit under test, and whether the packages under test had local edits."""
     def git(*argv: str) -> str:
@@ -497,7 +530,8 @@ def code_revision() -> str:
                              check=False)
         return out.stdout.strip()
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "gateway", "evaluators", "backends")
+    dirty = git("status", "--porcelain", "--", "gateway", "evaluators", "backends",
+                "migrations")
     return f"{commit}{' + uncommitted edits' if dirty else ''}"
 
 
@@ -531,7 +565,7 @@ def _main(stack: ExitStack) -> int:
     version = nginx_version(nginx) if nginx else None
     print("understudy bench/proxy.py — direct vs gateway vs nginx proxy_pass, one run")
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
-          f"{'quick' if args.quick else 'full'} mode")
+          f"{'quick' if args.quick else 'full'} mode, load average {_loadavg()}")
     if nginx:
         print(f"nginx: {version} ({nginx}), 1 worker, proxy_buffering off, upstream keepalive")
     else:
@@ -556,8 +590,10 @@ def _main(stack: ExitStack) -> int:
     print(f"code: {revision} (copied at start; the run does not see later edits)", flush=True)
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="understudy-bench-")))
     code = snapshot_code(workdir)
+    loadgen = LoadGen(workdir)
+    stack.callback(loadgen.close)
     for scenario in chosen:
-        results[scenario.key] = run_scenario(scenario, workdir, code, nginx,
+        results[scenario.key] = run_scenario(loadgen, scenario, workdir, code, nginx,
                                              not args.no_aiohttp, args.client_usage, log)
 
     print()
@@ -578,11 +614,12 @@ def _main(stack: ExitStack) -> int:
         print(f"  info   gateway - direct p99 TTFT: {_signed(stream_vs['added_ttft_p99_ms'])} ms"
               " (no target; p99 on 2 shared cores is noisy)")
     wall = time.monotonic() - began
-    print(f"\nwall time {wall:.0f} s")
+    print(f"\nwall time {wall:.0f} s, load average {_loadavg()} (1, 5, 15 min; 2 cores = 2.0)")
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
             "mode": "quick" if args.quick else "full", "nginx": version,
             "code": revision, "bare_aiohttp": not args.no_aiohttp,
             "client_usage": args.client_usage, "burst": args.burst, "wall_s": wall,
+            "loadavg_end": _loadavg(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_results(meta, results, verdicts, None)
 
@@ -592,8 +629,8 @@ def _main(stack: ExitStack) -> int:
         try:
             gateway_us = results["stream"]["summary"]["medians"]["gateway"][
                 "relay_cpu_us_per_chunk"]
-            profile_text = profile_gateway(stream_scenario, workdir, code, args.client_usage,
-                                           gateway_us, log)
+            profile_text = profile_gateway(loadgen, stream_scenario, workdir, code,
+                                           args.client_usage, gateway_us, log)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             profile_text = f"profile: failed: {exc}"
         print(profile_text)

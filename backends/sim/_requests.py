@@ -80,7 +80,7 @@ def parse_request(
                 "Input should be a valid dictionary or instance of StreamOptions",
                 stream_options,
             )
-        if not stream:
+        if stream_options and not stream:  # vLLM lets an empty object pass
             raise invalid_value(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
             )

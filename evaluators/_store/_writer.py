@@ -18,7 +18,8 @@ Theory of operation:
 4. A batch the database rejects (a constraint, bad data) is split in halves until the
    records it refuses are alone; those are dropped (``rejected``), the rest written.
 5. ``close()`` stops accepting, writes what it holds within ``close_timeout_s``, then
-   cancels the task and counts what is left as dropped (``close_timeout``).
+   cancels the task and counts what is left as dropped (``close_timeout``). Cancelling
+   a batch on a hung PostgreSQL connection adds SQLAlchemy's bound on closing it (2 s).
 6. Accounting: every submitted record is refused (counted by reason) or accepted; every
    accepted record is written, dropped after acceptance (counted by reason), or still
    held (``queued_records + held_records``).

@@ -308,7 +308,8 @@ async def test_models_and_health() -> None:
             "max_tokens must be at least 1, got 0.",
         ),
         (
-            b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+            b'{"messages": [{"role": "user", "content": "x"}], '
+            b'"stream_options": {"include_usage": true}}',
             "BadRequestError",
             "stream_options",
             "only be defined when `stream=True`",

@@ -139,7 +139,8 @@ ERROR_CASES: dict[str, tuple[str, bytes]] = {
     ),
     "stream_options_without_stream": (
         "/v1/chat/completions",
-        b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+        b'{"messages": [{"role": "user", "content": "x"}], '
+        b'"stream_options": {"include_usage": true}}',
     ),
     "unknown_model": (
         "/v1/chat/completions",

@@ -120,3 +120,36 @@ async def test_vllm_as_primary_and_candidate_every_sampled_request_is_joined(
             if c.streamed:
                 assert c.ttft_s is not None and c.chunk_gaps_s
         assert gw.state.mirror.budget.used == 0
+
+
+async def test_report_shows_a_hotter_candidate_beyond_the_noise_floor(
+    vllm_server: RunningVLLM, tmp_path: Any,
+) -> None:
+    """Primary and secondary answer greedily; the candidate samples at temperature 1.5."""
+    requests = 12
+    candidates = [
+        {"name": "hot", "url": vllm_server.url, "overrides": {"temperature": 1.5, "top_p": 1.0},
+         "max_concurrency": 2},
+        {"name": "replica", "url": vllm_server.url, "role": "secondary", "max_concurrency": 2},
+    ]
+    evaluation = {"enabled": True, "store": {"url": f"sqlite+aiosqlite:///{tmp_path / 'e.db'}"},
+                  "gates": {"min_samples": 10}}
+    async with run_gateway(vllm_server.url, candidates=candidates,
+                           evaluation=evaluation) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
+        for i in range(requests):
+            await client.chat.completions.create(
+                model=vllm_server.model, temperature=0, max_tokens=32,
+                messages=[{"role": "user", "content": f"Write one sentence about the number {i}."}])
+        await client.close()
+        evaluation_state = gw.state.evaluation
+        assert evaluation_state is not None and evaluation_state.writer is not None
+        writer = evaluation_state.writer
+        await eventually(lambda: writer.stats.written_records >= 2 * requests, within_s=240)
+        report = (await evaluation_state.report("hot")).to_dict()
+    similarity = {m["metric"]: m for m in report["metrics"]}["quality.semantic_similarity"]
+    floor = similarity["statistics"]["noise_floor"]
+    assert floor["n_baseline"] == requests and floor["mean_baseline"] > 0.99  # greedy == greedy
+    assert floor["mean_candidate"] < floor["mean_baseline"] - 0.05
+    assert similarity["verdict"] == "FAIL", similarity["reasons"]
+    assert report["verdict"] == "FAIL"
