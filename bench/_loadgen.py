@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import CLOCK_TICKS, cpu_ticks, machine_ticks
+from _procs import CLOCK_TICKS, cpu_ticks_split, machine_ticks
 
 _CONTENT_MARK = b'"delta":{"content":"'
 _DONE = b"data: [DONE]\n\n"
@@ -163,7 +163,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     tally.fail(f"{type(exc).__name__}: {exc}")
 
-        before = {name: cpu_ticks(pids) for name, pids in cpu_pids.items()}
+        before = {name: cpu_ticks_split(pids) for name, pids in cpu_pids.items()}
         machine_before = machine_ticks()
         own_before = time.process_time()
         started = time.perf_counter()
@@ -172,11 +172,12 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         elapsed = time.perf_counter() - started
         own_cpu = time.process_time() - own_before
         machine_after = machine_ticks()
-        after = {name: cpu_ticks(pids) for name, pids in cpu_pids.items()}
+        after = {name: cpu_ticks_split(pids) for name, pids in cpu_pids.items()}
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    ticks = {name: after[name] - before[name] for name in before}
+    ticks = {name: sum(after[name]) - sum(before[name]) for name in before}
+    user_ticks = {name: after[name][0] - before[name][0] for name in before}
     busy = machine_after[0] - machine_before[0]
     total = machine_after[1] - machine_before[1]
     return {
@@ -191,6 +192,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         "ttft_s": summary(tally.ttft),
         "e2e_s": summary(tally.e2e),
         "cpu_ticks": ticks,
+        "cpu_user_ticks": user_ticks,
         "loadgen_cpu_s": own_cpu,
         "machine_busy_s": busy / CLOCK_TICKS,
         "machine_capacity_s": total / CLOCK_TICKS,

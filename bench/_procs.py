@@ -31,6 +31,7 @@ __all__ = [
     "CLOCK_TICKS",
     "Child",
     "cpu_ticks",
+    "cpu_ticks_split",
     "find_nginx",
     "machine_ticks",
     "nginx_version",
@@ -107,15 +108,21 @@ def free_port() -> int:
 
 def cpu_ticks(pids: list[int]) -> int:
     """utime + stime of ``pids``, in clock ticks (a pid that is gone counts 0)."""
-    total = 0
+    return sum(cpu_ticks_split(pids))
+
+
+def cpu_ticks_split(pids: list[int]) -> tuple[int, int]:
+    """(utime, stime) of ``pids``: user space and kernel, in clock ticks."""
+    user = system = 0
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_bytes()
         except OSError:
             continue
         fields = stat[stat.rindex(b")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
-    return total
+        user += int(fields[11])  # field 14 of proc(5)
+        system += int(fields[12])  # field 15
+    return user, system
 
 
 def machine_ticks() -> tuple[int, int]:

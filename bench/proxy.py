@@ -187,6 +187,7 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
     elapsed = result["elapsed_s"]
     ticks = result["cpu_ticks"]
     relay_s = ticks.get("relay", 0) / CLOCK_TICKS if "relay" in ticks else None
+    relay_user_s = result["cpu_user_ticks"].get("relay", 0) / CLOCK_TICKS
     sim_s = ticks.get("sim", 0) / CLOCK_TICKS
     events = result["events"]
 
@@ -203,6 +204,10 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
         "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
         "relay_cpu_us_per_chunk": (relay_s / events * 1e6) if relay_s is not None and events
         else None,
+        "relay_user_us_per_chunk": (relay_user_s / events * 1e6)
+        if relay_s is not None and events else None,
+        "relay_sys_us_per_chunk": ((relay_s - relay_user_s) / events * 1e6)
+        if relay_s is not None and events else None,
         "relay_cpu_pct": (relay_s / elapsed * 100) if relay_s is not None else None,
         "sim_cpu_pct": sim_s / elapsed * 100,
         "loadgen_cpu_pct": result["loadgen_cpu_s"] / elapsed * 100,
@@ -268,7 +273,8 @@ def _brief(scenario: Scenario, f: dict[str, Any]) -> str:
 # --- summarising -----------------------------------------------------------------------
 
 _FIGURES = ("rps", "chunks_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
-            "relay_cpu_us_per_chunk", "relay_cpu_pct", "sim_cpu_pct", "loadgen_cpu_pct",
+            "relay_cpu_us_per_chunk", "relay_user_us_per_chunk", "relay_sys_us_per_chunk",
+            "relay_cpu_pct", "sim_cpu_pct", "loadgen_cpu_pct",
             "machine_busy_pct")
 _DELTAS = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
 
@@ -373,8 +379,8 @@ def scenario_report(result: dict[str, Any]) -> str:
     header = ["target", "req/s"]
     header += ["chunks/s", "TTFT p50", "TTFT p99", "+TTFT p50", "+TTFT p99"] if stream else []
     header += ["e2e p50", "e2e p99", "+e2e p50", "+e2e p99", "xput/dir",
-               f"relay µs/{unit}", "CPU/nginx", "relay %", "sim %", "loadgen %", "machine %",
-               "errors"]
+               f"relay µs/{unit}", "user", "kernel", "CPU/nginx", "relay %", "sim %",
+               "loadgen %", "machine %", "errors"]
     rows = []
     for t in result["targets"]:
         m = summary["medians"][t]
@@ -389,7 +395,8 @@ def scenario_report(result: dict[str, Any]) -> str:
                 _signed(d.get("added_e2e_p50_ms"), 2 if stream else 3),
                 _signed(d.get("added_e2e_p99_ms"), 2 if stream else 3),
                 _num(d.get("throughput_ratio"), 3) if d else "1",
-                _num(m["relay_cpu_us_per_chunk"]),
+                _num(m["relay_cpu_us_per_chunk"]), _num(m["relay_user_us_per_chunk"]),
+                _num(m["relay_sys_us_per_chunk"]),
                 _num(summary["cpu_vs_nginx"].get(t), 2) if t in summary["cpu_vs_nginx"]
                 else ("1" if t == "nginx" else "-"),
                 _num(m["relay_cpu_pct"]),
@@ -397,7 +404,8 @@ def scenario_report(result: dict[str, Any]) -> str:
                 _num(m["machine_busy_pct"]), str(m["errors"])]
         rows.append(row)
     title = (f"{sc['key']}: {sc['title']} — medians of {sc['rounds']} alternating round(s); "
-             "times in ms; + = minus direct in the same round; CPU % of one core")
+             "times in ms; + = minus direct in the same round; relay CPU split into user "
+             "and kernel time; CPU % of one core")
     text = render_table(title, header, rows)
     if summary["gateway_cpu_vs_nginx"] is not None:
         text += (f"\ngateway CPU per {unit} / nginx CPU per {unit}: "

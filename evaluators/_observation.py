@@ -53,6 +53,7 @@ class Capture:
     started: float
     max_bytes: int
     max_chunk_times: int
+    backend: str = ""
     status: int = 0
     streamed: bool = False
     headers_at: float | None = None

@@ -23,8 +23,8 @@ from gateway._evaluation import Evaluation
 from gateway._metrics import EvaluationCollector, GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._relay import relay
+from gateway._routing import Backend, Routing, Upstreams
 from gateway._state import GatewayState, RecentObservations
-from gateway._upstream import Upstream
 
 __all__ = ["STATE", "build_app", "make_runner", "run", "serve"]
 
@@ -48,7 +48,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     app[STATE] = GatewayState(
         config=config,
         metrics=metrics,
-        primary=Upstream(config.primary),
+        routing=Routing(1, Backend(config.primary.name, config.primary.url)),
+        upstreams=Upstreams(config.primary),
         observations=RecentObservations(config.capture.recent_observations),
         mirror=Mirror(config.mirror, config.candidates, config.capture, metrics,
                       evaluation or sink or MemorySink(config.mirror.sink_capacity)),
@@ -66,12 +67,10 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
 
 
 async def _upstream_pools(app: web.Application) -> AsyncIterator[None]:
-    primary = app[STATE].primary
-    await primary.open()
     try:
         yield
     finally:
-        await primary.close()
+        await app[STATE].upstreams.close()
 
 
 async def _evaluating(app: web.Application) -> AsyncIterator[None]:
@@ -100,7 +99,8 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
 
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = {"status": "ok", "primary": state.primary.name}
+    body = {"status": "ok", "primary": state.routing.primary.name,
+            "routing_version": state.routing.version}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 

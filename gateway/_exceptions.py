@@ -85,9 +85,10 @@ class UpstreamError(GatewayError):
     status_hint = 502
     error_type = "upstream_error"
 
-    def __init__(self, message: str, kind: UpstreamErrorKind) -> None:
+    def __init__(self, message: str, kind: UpstreamErrorKind, upstream: str) -> None:
         super().__init__(message)
         self.kind: UpstreamErrorKind = kind
+        self.upstream = upstream
 
 
 class UpstreamUnreachable(UpstreamError):
@@ -135,19 +136,19 @@ def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]
             kind: UpstreamErrorKind = "connect_timeout"
         else:
             kind = "first_byte_timeout" if phase == "connect" else "idle_timeout"
-        raise UpstreamTimeout(f"upstream {upstream} timed out ({kind})", kind) from exc
+        raise UpstreamTimeout(f"upstream {upstream} timed out ({kind})", kind, upstream) from exc
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamUnreachable(f"upstream {upstream} is unreachable: {exc.os_error}",
-                                  "connect") from exc
+                                  "connect", upstream) from exc
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
             ConnectionResetError) as exc:
         kind = "connect" if phase == "connect" else "reset"
-        raise UpstreamBroken(f"upstream {upstream} closed the connection", kind) from exc
+        raise UpstreamBroken(f"upstream {upstream} closed the connection", kind, upstream) from exc
     except aiohttp.ClientPayloadError as exc:
         # A body that stopped short of its declared framing is a connection cut mid-answer.
         cut = isinstance(exc.__cause__, ContentLengthError | TransferEncodingError)
         raise UpstreamBroken(f"upstream {upstream} sent a broken body",
-                             "reset" if cut else "protocol") from exc
+                             "reset" if cut else "protocol", upstream) from exc
     except aiohttp.ClientResponseError as exc:
         raise UpstreamBroken(f"upstream {upstream} sent an invalid response: {exc.message}",
-                             "protocol") from exc
+                             "protocol", upstream) from exc

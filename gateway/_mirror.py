@@ -33,7 +33,7 @@ from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
 from gateway._exceptions import UpstreamError, translate_upstream_errors
 from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, Route
-from gateway._sampler import sampled, session_key
+from gateway._sampler import sampled
 from gateway._upstream import IdleWatchdog, Upstream
 
 __all__ = ["Candidate", "Mirror"]
@@ -96,14 +96,13 @@ class Mirror:
 
     def offer(self, route: Route, method: str, raw_path: str,
               headers: CIMultiDict[str], body: bytes,
-              payload: dict[str, object] | None, request_id: str) -> None:
+              payload: dict[str, object] | None, request_id: str, session: str) -> None:
         """Queue the request for every candidate that samples it. Never awaits."""
         if route not in self._routes:
             for name in self.candidates:
                 self._count_drop(name, "route")
             return
         now = time.monotonic()
-        session = session_key(headers, payload, self.config.session_header, request_id)
         request: MirrorRequest | None = None
         key = b""
         for candidate in self.candidates.values():
@@ -137,7 +136,7 @@ class Mirror:
         self._sweeper = asyncio.create_task(self._sweep(), name="mirror-join-sweeper")
 
     async def _start_candidate(self, candidate: Candidate) -> None:
-        await candidate.upstream.open()
+        candidate.upstream.open()
         self.metrics.buffer_items.labels(candidate.name).set_function(
             lambda: len(candidate.buffer))
         self.metrics.buffer_bytes.labels(candidate.name).set_function(

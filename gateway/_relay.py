@@ -36,8 +36,9 @@ from gateway._exceptions import (
 )
 from gateway._headers import REQUEST_ID_HEADER, downstream_headers, forwarded_headers
 from gateway._metrics import Route, route_of
+from gateway._sampler import session_key
 from gateway._state import GatewayState
-from gateway._upstream import IdleWatchdog
+from gateway._upstream import IdleWatchdog, Upstream
 
 __all__ = ["RequestPlan", "UsageEventFilter", "plan_request", "read_body", "relay"]
 
@@ -163,7 +164,7 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
     request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     route = route_of(request.path)
     metrics = state.metrics
-    upstream = state.primary
+    routing = state.routing  # one snapshot: the whole request goes where it says
     capture = Capture(started=started, max_bytes=state.config.capture.max_bytes,
                       max_chunk_times=state.config.capture.max_chunk_times)
     metrics.in_flight.inc()
@@ -173,16 +174,23 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
         peer = request.transport.get_extra_info("peername") if request.transport else None
         headers = forwarded_headers(request.headers, request_id=request_id,
                                     client_ip=peer[0] if peer else None, scheme=request.scheme)
-        if state.mirror.active:
-            state.mirror.offer(route, request.method, request.raw_path, headers, plan.body,
-                               plan.payload, request_id)
-        return await _forward(request, state, plan, headers, capture, request_id)
+        backend = routing.primary
+        if state.mirror.active or routing.canary is not None:
+            session = session_key(headers, plan.payload, state.config.mirror.session_header,
+                                  request_id)
+            if routing.canary is not None and routing.chooses_canary(session):
+                backend = routing.canary.backend
+            if state.mirror.active:
+                state.mirror.offer(route, request.method, request.raw_path, headers,
+                                   plan.body, plan.payload, request_id, session)
+        upstream = state.upstreams.get(backend)
+        return await _forward(request, state, upstream, plan, headers, capture, request_id)
     except RequestTooLarge as exc:
         metrics.rejected.labels("body_too_large").inc()
         capture.status = exc.status_hint
         return error_response(exc, request_id)
     except UpstreamError as exc:  # before the answer began: it becomes a 502/504
-        metrics.upstream_errors.labels(upstream.name, exc.kind).inc()
+        metrics.upstream_errors.labels(exc.upstream, exc.kind).inc()
         capture.status, capture.error = exc.status_hint, exc.kind
         return error_response(exc, request_id)
     except asyncio.CancelledError:  # the client went away; the upstream call is closed
@@ -191,13 +199,13 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
     finally:
         metrics.in_flight.dec()
         capture.ended = loop.time()
-        _record(state, capture, request_id, route, upstream.name, wall_started)
+        _record(state, capture, request_id, route, wall_started)
 
 
-async def _forward(request: web.Request, state: GatewayState, plan: RequestPlan,
-                   headers: CIMultiDict[str], capture: Capture,
+async def _forward(request: web.Request, state: GatewayState, upstream: Upstream,
+                   plan: RequestPlan, headers: CIMultiDict[str], capture: Capture,
                    request_id: str) -> web.StreamResponse:
-    upstream = state.primary
+    capture.backend = upstream.name
     with translate_upstream_errors(upstream.name, "connect"):
         up = await upstream.send(request.method, request.raw_path,
                                  upstream.credentials(headers), plan.body)
@@ -257,14 +265,14 @@ def _abort(request: web.Request) -> None:
 
 
 def _record(state: GatewayState, capture: Capture, request_id: str, route: Route,
-            backend: str, wall_started: float) -> None:
+            wall_started: float) -> None:
     metrics = state.metrics
     metrics.requests.labels(route, str(capture.status or 499)).inc()
     if capture.chunk_times:
         metrics.ttft.labels(route).observe(capture.chunk_times[0] - capture.started)
     if capture.ended is not None and capture.error is None:
         metrics.e2e.labels(route).observe(capture.ended - capture.started)
-    observation = observe(capture, request_id=request_id, backend=backend, route=route,
-                          wall_started=wall_started)
+    observation = observe(capture, request_id=request_id, backend=capture.backend,
+                          route=route, wall_started=wall_started)
     state.observations.accept(observation)
     state.mirror.primary_done(observation)

@@ -10,7 +10,7 @@ from gateway._config import GatewayConfig
 from gateway._evaluation import Evaluation
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
-from gateway._upstream import Upstream
+from gateway._routing import Routing, Upstreams
 
 __all__ = ["GatewayState", "RecentObservations"]
 
@@ -42,7 +42,8 @@ class RecentObservations:
 class GatewayState:
     config: GatewayConfig
     metrics: GatewayMetrics
-    primary: Upstream
+    routing: Routing  # replaced whole, never mutated: the relay reads it once per request
+    upstreams: Upstreams
     observations: RecentObservations
     mirror: Mirror
     evaluation: Evaluation | None  # None: exchanges go to a sink the caller gave

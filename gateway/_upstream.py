@@ -35,7 +35,7 @@ class Upstream:
         self._base = URL(config.url)
         self._session: aiohttp.ClientSession | None = None
 
-    async def open(self) -> None:
+    def open(self) -> None:
         connector = aiohttp.TCPConnector(
             limit=self.config.max_connections, limit_per_host=self.config.max_connections
         )

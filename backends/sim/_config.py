@@ -67,6 +67,9 @@ class SimConfig(BaseModel):
     model: str = Field(default=DEFAULT_MODEL, min_length=1)
     ttft_ms: float = Field(default=DEFAULT_TTFT_MS, ge=0.0)
     itl_ms: float = Field(default=DEFAULT_ITL_MS, ge=0.0)
+    # Words in a full answer. A natural stop then generates the end-of-sequence token
+    # (text "", counted in completion_tokens as vLLM counts it): max_tokens >= tokens + 1
+    # ends with finish_reason "stop", a smaller one cuts the words with "length".
     tokens: int = Field(default=DEFAULT_ANSWER_TOKENS, ge=1, le=MAX_ANSWER_TOKENS)
     # None: the usage carries no `prompt_tokens_details` (vLLM without
     # --enable-prompt-tokens-details); a number: reported as cached_tokens, capped by

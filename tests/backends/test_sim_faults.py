@@ -28,8 +28,9 @@ def fast(**overrides: Any) -> SimConfig:
     return SimConfig(**{**FAST, **overrides})
 
 
-def client(sim: RunningSim, timeout: float = 5.0) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=sim.base_url, api_key="k", max_retries=0, timeout=timeout)
+def client(sim: RunningSim | str, timeout: float = 5.0) -> openai.AsyncOpenAI:
+    base_url = sim if isinstance(sim, str) else sim.base_url
+    return openai.AsyncOpenAI(base_url=base_url, api_key="k", max_retries=0, timeout=timeout)
 
 
 async def wait_for(predicate: Callable[[], bool]) -> None:
@@ -220,7 +221,7 @@ async def test_cli_serves_until_sigterm() -> None:
         line = (await asyncio.wait_for(process.stdout.readline(), timeout=20)).decode()
         root = line.rsplit(" ", 1)[-1].strip()
         assert root.startswith("http://127.0.0.1:")
-        async with client(RunningSimAt(root)) as api:
+        async with client(root + "/v1") as api:
             answer = await api.completions.create(model="sim-model", prompt="hi")
         assert answer.usage is not None and answer.usage.completion_tokens == 3 + 1
         process.send_signal(signal.SIGTERM)
@@ -229,12 +230,3 @@ async def test_cli_serves_until_sigterm() -> None:
         if process.returncode is None:
             process.kill()
             await process.wait()
-
-
-class RunningSimAt(RunningSim):
-    """A `RunningSim` for a server in another process: only its address is known."""
-
-    def __init__(self, root: str) -> None:
-        host, port = root.removeprefix("http://").rsplit(":", 1)
-        object.__setattr__(self, "host", host)
-        object.__setattr__(self, "port", int(port))

@@ -1,0 +1,123 @@
+"""Routing: which backend answers a request, switched atomically by promotion and rollback.
+
+Rules (DESIGN.md invariant 8):
+1. :class:`Routing` is an immutable snapshot with a version. The relay reads the current
+   snapshot once, when a request starts, and the whole request goes to the backend it
+   names; a promotion replaces the snapshot for requests that start afterwards, so
+   requests in flight finish on the backend they started on.
+2. A progressive canary sends a share of sessions to the canary backend, decided by the
+   same keyed hash as sampling, so a session stays on one side as the share grows.
+3. Every backend that was ever primary keeps its pool (``Upstreams``) until shutdown: a
+   rollback needs no reconnect and cuts no request in flight.
+4. Replicas converge through the database (``RoutingSync``): the snapshot with the
+   highest version wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway._config import UpstreamConfig
+from gateway._sampler import sampled
+from gateway._upstream import Upstream
+
+__all__ = ["Backend", "Canary", "Routing", "Upstreams"]
+
+CANARY_SAMPLING_KEY = "canary"
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """A backend that can take live traffic: its name and root URL."""
+
+    name: str
+    url: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "url": self.url}
+
+
+@dataclass(frozen=True, slots=True)
+class Canary:
+    backend: Backend
+    steps: tuple[float, ...]  # percent of sessions at each step, increasing, ending at 100
+    step: int
+    interval_s: float
+    step_started_at: float  # wall clock (time.time()) when the current step began
+
+    @property
+    def percent(self) -> float:
+        return self.steps[self.step]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend.to_dict(), "steps": list(self.steps),
+                "step": self.step, "percent": self.percent, "interval_s": self.interval_s,
+                "step_started_at": self.step_started_at}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Canary:
+        backend = data["backend"]
+        return cls(Backend(backend["name"], backend["url"]), tuple(data["steps"]),
+                   int(data["step"]), float(data["interval_s"]), float(data["step_started_at"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    version: int
+    primary: Backend
+    previous: Backend | None = None  # the rollback target
+    canary: Canary | None = None
+
+    def chooses_canary(self, session_key: str) -> bool:
+        canary = self.canary
+        return canary is not None and sampled(CANARY_SAMPLING_KEY, session_key,
+                                              canary.percent / 100.0)
+
+    def promoted(self, backend: Backend) -> Routing:
+        return Routing(self.version + 1, primary=backend, previous=self.primary)
+
+    def rolled_back(self) -> Routing:
+        if self.previous is None:
+            raise ValueError("there is no previous primary to roll back to")
+        return Routing(self.version + 1, primary=self.previous, previous=self.primary)
+
+    def with_canary(self, canary: Canary | None) -> Routing:
+        return replace(self, version=self.version + 1, canary=canary)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "primary": self.primary.to_dict(),
+                "previous": self.previous.to_dict() if self.previous else None,
+                "canary": self.canary.to_dict() if self.canary else None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Routing:
+        previous = data.get("previous")
+        canary = data.get("canary")
+        return cls(int(data["version"]), Backend(**data["primary"]),
+                   Backend(**previous) if previous else None,
+                   Canary.from_dict(canary) if canary else None)
+
+
+@dataclass(slots=True)
+class Upstreams:
+    """One pooled session per backend that takes live traffic, opened on first use.
+
+    Every live backend uses the primary's timeouts and limits (``template``).
+    """
+
+    template: UpstreamConfig
+    _pools: dict[Backend, Upstream] = field(default_factory=dict)
+
+    def get(self, backend: Backend) -> Upstream:
+        upstream = self._pools.get(backend)
+        if upstream is None:
+            config = self.template.model_copy(update={"name": backend.name, "url": backend.url})
+            upstream = self._pools[backend] = Upstream(config)
+            upstream.open()
+        return upstream
+
+    async def close(self) -> None:
+        for upstream in self._pools.values():
+            await upstream.close()
+        self._pools.clear()
