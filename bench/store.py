@@ -240,6 +240,11 @@ async def _flood(writer: ScoreWriter, config: StoreConfig,
         await asyncio.sleep(0.005)
 
 
+async def _drained(writer: ScoreWriter) -> None:
+    while writer.stats.queued_records or writer.stats.held_records:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+
+
 async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
                        workdir: Path) -> dict[str, Any]:
     name = f"understudy_bench_{secrets.token_hex(6)}"
@@ -250,8 +255,9 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
                       tokens=STREAM_TOKENS, name=f"sim-{role}")
             for role in ("primary", "candidate")]
     records = workload(2_000, secrets.token_hex(4))  # built before anything is measured
+    gc.collect()
+    gc.freeze()
     figures: dict[str, list[dict[str, Any]]] = {"idle": [], "saturated": []}
-    writes: dict[str, float] = {"idle": 0.0, "saturated": 0.0}
     try:
         await upgrade(url)
         config = StoreConfig(url=url)
@@ -283,7 +289,7 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
                                     await asyncio.gather(flood, return_exceptions=True)
                             rate = ((writer.stats.written_rows["scores"] - before)
                                     / (time.perf_counter() - started))
-                            writes[mode] = max(writes[mode], rate)
+                            await _drained(writer)  # the next round starts from idle
                             figures[mode].append(_proxy_figures(result, rate))
                             print(f"  {mode:9s} " + _proxy_line(figures[mode][-1]), flush=True)
                 finally:
@@ -293,6 +299,7 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
     finally:
         for sim in sims:
             sim.stop()
+        gc.unfreeze()
         await _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     medians = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]
                       if isinstance(rs[0][key], float)} for mode, rs in figures.items()}

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway._config import AdminConfig, CandidateConfig
 from gateway._exceptions import (
@@ -100,6 +100,60 @@ class CandidateList(BaseModel):
 
 class Deleted(BaseModel):
     deleted: str
+
+
+class PromoteBody(_Body):
+    force: bool = False
+    reason: str | None = Field(None, max_length=1000)
+    actor: str = Field("admin", min_length=1, max_length=100)
+
+
+class RollbackBody(_Body):
+    reason: str | None = Field(None, max_length=1000)
+    actor: str = Field("admin", min_length=1, max_length=100)
+
+
+class CanaryBody(_Body):
+    steps: list[float] = Field(default_factory=lambda: [1.0, 5.0, 25.0, 50.0, 100.0],
+                               min_length=1, max_length=20)
+    interval_s: float = Field(60.0, gt=0, le=86400)
+    actor: str = Field("admin", min_length=1, max_length=100)
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing_to_100(cls, steps: list[float]) -> list[float]:
+        if any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)):
+            raise ValueError("steps must be increasing percentages in (0, 100]")
+        if steps[-1] != 100:
+            raise ValueError("the last step must be 100 (then the candidate is promoted)")
+        return steps
+
+
+class BackendView(BaseModel):
+    name: str
+    url: str
+
+
+class CanaryView(BaseModel):
+    backend: BackendView
+    steps: list[float]
+    step: int
+    percent: float
+    interval_s: float
+    step_started_at: float
+
+
+class RoutingView(BaseModel):
+    version: int
+    primary: BackendView
+    previous: BackendView | None
+    canary: CanaryView | None
+
+
+class ActionResult(BaseModel):
+    routing: RoutingView
+    verdict: str | None = None
+    reasons: list[str] = Field(default_factory=list)
 
 
 class ReportBody(BaseModel):
@@ -252,6 +306,40 @@ def _window_start(window_s: str | None) -> datetime | None:
     return datetime.now(UTC) - timedelta(seconds=seconds)
 
 
+async def get_routing(request: web.Request) -> web.Response:
+    return _json(RoutingView.model_validate(request.app[ADMIN_STATE].routing.to_dict()))
+
+
+async def promote(request: web.Request) -> web.Response:
+    body = await _body(request, PromoteBody)
+    name = request.match_info["name"]
+    result = await request.app[ADMIN_STATE].operator.promote(
+        name, actor=body.actor, force=body.force, reason=body.reason)
+    return _json(ActionResult.model_validate(result))
+
+
+async def rollback(request: web.Request) -> web.Response:
+    body = await _body(request, RollbackBody)
+    result = await request.app[ADMIN_STATE].operator.rollback(actor=body.actor,
+                                                              reason=body.reason)
+    return _json(ActionResult.model_validate(result))
+
+
+async def start_canary(request: web.Request) -> web.Response:
+    body = await _body(request, CanaryBody)
+    result = await request.app[ADMIN_STATE].operator.start_canary(
+        request.match_info["name"], actor=body.actor, steps=tuple(body.steps),
+        interval_s=body.interval_s)
+    return _json(ActionResult.model_validate(result), status=202)
+
+
+async def stop_canary(request: web.Request) -> web.Response:
+    body = await _body(request, RollbackBody)
+    result = await request.app[ADMIN_STATE].operator.abort_canary(actor=body.actor,
+                                                                  reason=body.reason)
+    return _json(ActionResult.model_validate(result))
+
+
 async def remove_candidate(request: web.Request) -> web.Response:
     candidate = _candidate(request)
     await request.app[ADMIN_STATE].mirror.remove_candidate(candidate.name)
@@ -274,6 +362,18 @@ OPERATIONS: list[tuple[Operation, Handler]] = [
                response=CandidateView), pause_candidate),
     (Operation("POST", "/candidates/{name}/resume", "Resume mirroring to a candidate",
                response=CandidateView), resume_candidate),
+    (Operation("GET", "/routing", "The routing this replica serves (primary, rollback "
+               "target, canary)", response=RoutingView), get_routing),
+    (Operation("POST", "/candidates/{name}/promote", "Promote a candidate if the judge "
+               "passes it (or force with a reason)", body=PromoteBody, response=ActionResult),
+     promote),
+    (Operation("POST", "/rollback", "Switch back to the previous primary", body=RollbackBody,
+               response=ActionResult), rollback),
+    (Operation("POST", "/candidates/{name}/canary", "Shift live sessions to a candidate "
+               "step by step while the judge passes", body=CanaryBody, response=ActionResult,
+               status=202), start_canary),
+    (Operation("DELETE", "/canary", "Stop the canary; its sessions go back to the primary",
+               body=RollbackBody, response=ActionResult), stop_canary),
     (Operation("GET", "/candidates/{name}/report", "Judge a candidate over its stored scores "
                "(optional query window_s)", response=ReportBody), candidate_report),
 ]

@@ -22,15 +22,18 @@ from gateway._config import GatewayConfig
 from gateway._evaluation import Evaluation
 from gateway._metrics import EvaluationCollector, GatewayMetrics
 from gateway._mirror import Mirror
+from gateway._promotion import Operator
 from gateway._relay import relay
 from gateway._routing import Backend, Routing, Upstreams
 from gateway._state import GatewayState, RecentObservations
+from gateway._sync import RoutingSync
 
 __all__ = ["STATE", "build_app", "make_runner", "run", "serve"]
 
 log = logging.getLogger("understudy.gateway")
 
 STATE = web.AppKey("state", GatewayState)
+SYNC = web.AppKey("routing_sync", RoutingSync)
 
 
 def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.Application:
@@ -45,20 +48,30 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
             lambda: evaluation.pipeline.stats if evaluation.pipeline else None,
             lambda: evaluation.writer.stats if evaluation.writer else None,
         ))
+    routing = Routing(1, Backend(config.primary.name, config.primary.url))
+    mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
+                    evaluation or sink or MemorySink(config.mirror.sink_capacity))
+
+    def serve_routing(new: Routing) -> None:
+        app[STATE].routing = new
+
+    sync = RoutingSync(routing, serve_routing, metrics, config.admin.routing_poll_interval_s)
+    app[SYNC] = sync
     app[STATE] = GatewayState(
         config=config,
         metrics=metrics,
-        routing=Routing(1, Backend(config.primary.name, config.primary.url)),
+        routing=routing,
         upstreams=Upstreams(config.primary),
         observations=RecentObservations(config.capture.recent_observations),
-        mirror=Mirror(config.mirror, config.candidates, config.capture, metrics,
-                      evaluation or sink or MemorySink(config.mirror.sink_capacity)),
+        mirror=mirror,
         evaluation=evaluation,
+        operator=Operator(sync, mirror, metrics, evaluation),
     )
     # Entered in this order, left in reverse: the mirror drains into evaluation, which
     # flushes into the store, before the pools close.
     app.cleanup_ctx.append(_upstream_pools)
     app.cleanup_ctx.append(_evaluating)
+    app.cleanup_ctx.append(_routing_sync)
     app.cleanup_ctx.append(_mirroring)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -82,6 +95,16 @@ async def _evaluating(app: web.Application) -> AsyncIterator[None]:
     finally:
         if evaluation is not None:
             await evaluation.stop()
+
+
+async def _routing_sync(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    await app[SYNC].start(state.evaluation.engine if state.evaluation else None)
+    try:
+        yield
+    finally:
+        await state.operator.close()
+        await app[SYNC].stop()
 
 
 async def _mirroring(app: web.Application) -> AsyncIterator[None]:

@@ -58,6 +58,7 @@ DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_MIRROR_DRAIN_TIMEOUT_S = 5.0
 DEFAULT_SINK_CAPACITY = 10_000
 MirroredRoute = Literal["chat_completions", "completions", "embeddings", "models", "other"]
+DEFAULT_ROUTING_POLL_S = 1.0
 DEFAULT_EVALUATION_PENDING = 10_000
 DEFAULT_EVALUATION_DRAIN_S = 10.0
 DEFAULT_MIRRORED_ROUTES: tuple[MirroredRoute, ...] = (
@@ -152,6 +153,8 @@ class AdminConfig(_Section):
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=0, le=65535)
     token: SecretStr | None = None  # also read from UNDERSTUDY_ADMIN_TOKEN
+    # How often a replica reads the shared routing state (PostgreSQL also notifies).
+    routing_poll_interval_s: float = Field(DEFAULT_ROUTING_POLL_S, gt=0)
 
 
 class GatewayConfig(BaseSettings):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -26,7 +27,7 @@ from evaluators import (
     session_factory,
     upgrade,
 )
-from evaluators._store import register_backend
+from evaluators._store import append_audit, register_backend
 from evaluators._store._config import masked_url
 from gateway._config import GatewayConfig
 
@@ -52,6 +53,18 @@ class Evaluation:
     @property
     def writer(self) -> ScoreWriter | None:
         return self._writer
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self._engine
+
+    async def audit(self, *, actor: str, action: str, target: str, detail: dict[str, Any],
+                    verdict_id: int | None) -> None:
+        if self._engine is None:
+            return
+        async with session_factory(self._engine)() as session, session.begin():
+            await append_audit(session, actor=actor, action=action, target=target,
+                               detail=detail, verdict_id=verdict_id)
 
     def submit(self, exchange: Exchange) -> bool:
         return self.pipeline.submit(exchange) if self.pipeline is not None else False

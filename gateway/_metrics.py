@@ -117,6 +117,20 @@ class GatewayMetrics:
             ["candidate"], buckets=LATENCY_BUCKETS, registry=r,
         )
 
+        # -- routing -------------------------------------------------------------------
+        self.routing_version = Gauge(
+            "understudy_routing_version", "Version of the routing this replica serves.",
+            registry=r,
+        )
+        self.canary_percent = Gauge(
+            "understudy_canary_percent", "Share of sessions served by the canary (0: none).",
+            registry=r,
+        )
+        self.admin_actions = Counter(
+            "understudy_admin_actions", "Promotions, rollbacks and canary steps, by action.",
+            ["action"], registry=r,
+        )
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -10,6 +10,7 @@ from gateway._config import GatewayConfig
 from gateway._evaluation import Evaluation
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
+from gateway._promotion import Operator
 from gateway._routing import Routing, Upstreams
 
 __all__ = ["GatewayState", "RecentObservations"]
@@ -47,3 +48,4 @@ class GatewayState:
     observations: RecentObservations
     mirror: Mirror
     evaluation: Evaluation | None  # None: exchanges go to a sink the caller gave
+    operator: Operator
