@@ -84,6 +84,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     stagger_s = float(spec.get("stagger_s", 0.0))
     cpu_pids: dict[str, list[int]] = spec.get("cpu_pids", {})
     rss_pid: int | None = spec.get("rss_pid")
+    unique = bool(spec.get("unique", True))
     tally = Tally()
     sent_bytes = 0
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
@@ -112,7 +113,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
             for sequence in range(per_worker):
                 if loop.time() >= stop_at:
                     return
-                body = chat_body(spec, f"{run_tag}-{index}-{sequence}")
+                body = chat_body(spec, f"{run_tag}-{index}-{sequence}" if unique else "same")
                 sent_bytes += len(body)
                 try:
                     await _stream_once(session, url, body, tally)

@@ -25,8 +25,9 @@ Rules of the measurement:
    Rounds alternate "idle" (the writer gets only the mirrored exchanges) and "saturated"
    (a task in the gateway's loop keeps the writer's queue above a full batch, so it
    writes continuously at its maximum rate). Reported: TTFT and end-to-end p50/p99 of
-   each, medians over rounds, and saturated - idle. The writer must not add to the
-   proxy's latency beyond noise: its I/O is awaited, its CPU per batch is small.
+   each, medians over rounds, and saturated - idle; and the gateway loop's lag (how
+   late a 1 ms timer fires), which tells the writer's stretches of CPU on the loop apart
+   from the machine's CPU going to PostgreSQL (on this machine: the same 2 cores).
 
 Results go to stdout and to bench/results/store.json.
 """
@@ -240,6 +241,14 @@ async def _flood(writer: ScoreWriter, config: StoreConfig,
         await asyncio.sleep(0.005)
 
 
+async def _loop_lag(lags: list[float]) -> None:
+    """How late a 1 ms timer fires: what any task in this loop waits behind others."""
+    while True:
+        started = time.perf_counter()
+        await asyncio.sleep(0.001)
+        lags.append(time.perf_counter() - started - 0.001)
+
+
 async def _drained(writer: ScoreWriter) -> None:
     while writer.stats.queued_records or writer.stats.held_records:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
@@ -279,18 +288,20 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
                         for mode in order:
                             before = writer.stats.written_rows["scores"]
                             started = time.perf_counter()
-                            flood = asyncio.create_task(_flood(writer, config, records)) \
-                                if mode == "saturated" else None
+                            lags: list[float] = []
+                            tasks = [asyncio.create_task(_loop_lag(lags))]
+                            if mode == "saturated":
+                                tasks.append(asyncio.create_task(_flood(writer, config, records)))
                             try:
                                 result = await _loadgen(gateway_url, requests_per_worker)
                             finally:
-                                if flood is not None:
-                                    flood.cancel()
-                                    await asyncio.gather(flood, return_exceptions=True)
+                                for task in tasks:
+                                    task.cancel()
+                                await asyncio.gather(*tasks, return_exceptions=True)
                             rate = ((writer.stats.written_rows["scores"] - before)
                                     / (time.perf_counter() - started))
                             await _drained(writer)  # the next round starts from idle
-                            figures[mode].append(_proxy_figures(result, rate))
+                            figures[mode].append(_proxy_figures(result, rate, lags))
                             print(f"  {mode:9s} " + _proxy_line(figures[mode][-1]), flush=True)
                 finally:
                     await runner.cleanup()
@@ -306,7 +317,8 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
     return {"rounds": figures, "medians": medians}
 
 
-def _proxy_figures(result: dict[str, Any], score_rows_per_s: float) -> dict[str, Any]:
+def _proxy_figures(result: dict[str, Any], score_rows_per_s: float,
+                   lags: list[float]) -> dict[str, Any]:
     def ms(summary: dict[str, Any], key: str) -> float:
         return float(summary[key] or 0.0) * 1000
 
@@ -315,12 +327,15 @@ def _proxy_figures(result: dict[str, Any], score_rows_per_s: float) -> dict[str,
         "ttft_p50_ms": ms(result["ttft_s"], "p50"), "ttft_p99_ms": ms(result["ttft_s"], "p99"),
         "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
         "writer_score_rows_per_s": score_rows_per_s,
+        "loop_lag_p99_ms": sorted(lags)[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0,
+        "loop_lag_max_ms": max(lags, default=0.0) * 1000,
     }
 
 
 def _proxy_line(f: dict[str, Any]) -> str:
     return (f"TTFT p50 {f['ttft_p50_ms']:6.1f} ms  p99 {f['ttft_p99_ms']:6.1f} ms   "
             f"e2e p50 {f['e2e_p50_ms']:6.1f} ms  p99 {f['e2e_p99_ms']:6.1f} ms   "
+            f"loop lag p99 {f['loop_lag_p99_ms']:5.1f} ms max {f['loop_lag_max_ms']:5.1f} ms   "
             f"({f['ok']} streams, {f['errors']} errors; writer "
             f"{f['writer_score_rows_per_s']:,.0f} score rows/s)")
 
@@ -378,8 +393,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print("  medians:")
         for mode, m in (("idle", idle), ("saturated", busy)):
             print(f"  {mode:9s} TTFT p99 {m['ttft_p99_ms']:6.1f} ms   e2e p99 "
-                  f"{m['e2e_p99_ms']:6.1f} ms   writer {m['writer_score_rows_per_s']:,.0f} "
-                  "score rows/s")
+                  f"{m['e2e_p99_ms']:6.1f} ms   loop lag p99 {m['loop_lag_p99_ms']:5.1f} ms   "
+                  f"writer {m['writer_score_rows_per_s']:,.0f} score rows/s")
         print(f"  saturated - idle: TTFT p99 {busy['ttft_p99_ms'] - idle['ttft_p99_ms']:+.1f} ms"
               f", e2e p99 {busy['e2e_p99_ms'] - idle['e2e_p99_ms']:+.1f} ms")
     print(f"\ntarget: {'PASS' if passed else 'FAIL'}  >= {TARGET_SCORE_ROWS_PER_S:,} score "

@@ -1,0 +1,224 @@
+"""Promotion, rollback and canary through the admin API, with the judge and the audit log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import sqlalchemy as sa
+
+from evaluators import create_engine
+from tests.utils import RunningGateway, eventually, run_gateway, run_sim
+
+LOOSE_GATES = {"min_samples": 8, "max_median_shift_ratio": 3.0, "max_std_ratio": 10.0,
+               "max_ttft_p99_ratio": 10.0, "max_e2e_p99_ratio": 10.0, "marginal_band": 0.0}
+
+
+def _evaluation(url: str, **gates: Any) -> dict[str, Any]:
+    return {"enabled": True, "store": {"url": url, "flush_interval_s": 0.05},
+            "gates": {**LOOSE_GATES, **gates}}
+
+
+async def _traffic(gw: RunningGateway, n: int, tag: str = "q") -> list[str]:
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    answers = []
+    for i in range(n):
+        answer = await client.chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": f"{tag} {i}"}])
+        answers.append(answer.choices[0].message.content or "")
+    await client.close()
+    return answers
+
+
+def _json(value: Any) -> dict[str, Any]:
+    return json.loads(value) if isinstance(value, str) else dict(value)
+
+
+def _scored(gw: RunningGateway, records: int) -> bool:
+    evaluation = gw.state.evaluation
+    assert evaluation is not None and evaluation.writer is not None
+    return evaluation.writer.stats.written_records >= records
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: Any = None) -> tuple[int, Any]:
+    async with http.post(url, json=body if body is not None else {}) as resp:
+        return resp.status, await resp.json()
+
+
+async def _audit(url: str) -> list[tuple[str, str, Any]]:
+    """(action, target, detail with the actor) of every audit row, oldest first."""
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as connection:
+            rows = await connection.execute(sa.text(
+                "SELECT actor, action, target, detail FROM audit_log ORDER BY id"))
+            return [(r.action, r.target, {**_json(r.detail), "actor": r.actor}) for r in rows]
+    finally:
+        await engine.dispose()
+
+
+async def test_promotion_refused_on_fail_and_inconclusive_allowed_with_force(
+    tmp_path: Any,
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'p.db'}"
+    async with run_sim(ttft_ms=1, itl_ms=0, tokens=6) as primary, \
+            run_sim(ttft_ms=1, itl_ms=0, tokens=6, variant="other") as worse, \
+            run_gateway(primary.url, candidates=[{"name": "worse", "url": worse.url}],
+                        evaluation=_evaluation(url)) as gw, \
+            aiohttp.ClientSession() as http:
+        promote = gw.admin_url + "/candidates/worse/promote"
+        await _traffic(gw, 2)
+        await eventually(lambda: _scored(gw, 2))
+        status, body = await _post(http, promote)
+        assert status == 409 and "INCONCLUSIVE" in body["error"]["message"]
+        await _traffic(gw, 10, "more")
+        await eventually(lambda: _scored(gw, 12))
+        status, body = await _post(http, promote)
+        assert status == 409 and "FAIL" in body["error"]["message"]
+        status, body = await _post(http, promote, {"force": True})
+        assert status == 422 and "reason" in body["error"]["message"]
+        status, body = await _post(http, promote, {"force": True, "reason": "hotfix",
+                                                   "actor": "alice"})
+        assert status == 200 and body["routing"]["primary"]["name"] == "worse"
+        assert body["verdict"] == "FAIL"
+        assert "worse" not in gw.state.mirror.candidates  # no longer mirrored to itself
+        served = await _traffic(gw, 1, "after")
+        assert worse.stats.requests[-1].body["messages"][0]["content"] == "after 0"  # type: ignore[index]
+        assert served
+    actions = [(a, t) for a, t, _ in await _audit(url)]
+    assert actions == [("promote_refused", "worse"), ("promote_refused", "worse"),
+                       ("promote", "worse")]
+    detail = (await _audit(url))[-1][2]
+    assert detail["force"] is True and detail["reason"] == "hotfix"
+    assert detail["actor"] == "alice"
+    assert detail["verdict"] == "FAIL"
+
+
+async def test_promotion_on_pass_then_rollback(tmp_path: Any) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'p.db'}"
+    async with run_sim(ttft_ms=1, itl_ms=0, tokens=6) as primary, \
+            run_sim(ttft_ms=1, itl_ms=0, tokens=6) as same, \
+            run_gateway(primary.url, candidates=[{"name": "same", "url": same.url}],
+                        evaluation=_evaluation(url)) as gw, \
+            aiohttp.ClientSession() as http:
+        status, body = await _post(http, gw.admin_url + "/rollback")
+        assert status == 409 and "no previous primary" in body["error"]["message"]
+        await _traffic(gw, 12)
+        await eventually(lambda: _scored(gw, 12))
+        status, body = await _post(http, gw.admin_url + "/candidates/same/promote")
+        assert status == 200, body
+        assert body["verdict"] == "PASS"
+        assert body["routing"]["primary"]["name"] == "same"
+        assert body["routing"]["previous"]["name"] == "primary"
+        before = same.stats.requests_seen
+        await _traffic(gw, 3, "new")
+        assert same.stats.requests_seen == before + 3
+        status, body = await _post(http, gw.admin_url + "/rollback", {"reason": "drill"})
+        assert status == 200 and body["routing"]["primary"]["name"] == "primary"
+        async with http.get(gw.admin_url + "/routing") as resp:
+            routing = await resp.json()
+        assert routing["version"] == 3 and routing["previous"]["name"] == "same"
+        before = primary.stats.requests_seen
+        await _traffic(gw, 2, "back")
+        assert primary.stats.requests_seen == before + 2
+    assert [a for a, _, _ in await _audit(url)] == ["promote", "rollback"]
+
+
+async def test_promote_and_rollback_under_load_loses_nothing() -> None:
+    """Every request completes, wholly on one backend, while the primary flips."""
+    async with run_sim(ttft_ms=2, itl_ms=2, tokens=10) as a, \
+            run_sim(ttft_ms=2, itl_ms=2, tokens=10, variant="b") as b, \
+            run_gateway(a.url, candidates=[{"name": "b", "url": b.url, "sample_rate": 0.0}]) as gw, \
+            aiohttp.ClientSession() as http:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        direct = {name: openai.AsyncOpenAI(base_url=sim.base_url, api_key="x")
+                  for name, sim in (("primary", a), ("b", b))}
+        prompts = [f"load {i}" for i in range(60)]
+        expected = {name: {p: await _stream_text(c, p) for p in prompts}
+                    for name, c in direct.items()}
+        stop = asyncio.Event()
+        results: list[tuple[str, str]] = []
+
+        async def load(worker: int) -> None:
+            i = worker
+            while not stop.is_set() and i < len(prompts) * 4:
+                prompt = prompts[i % len(prompts)]
+                results.append((prompt, await _stream_text(client, prompt)))
+                i += 8
+
+        async def flip() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0.05)
+                status, body = await _post(http, gw.admin_url + "/candidates/b/promote",
+                                           {"force": True, "reason": "load test"})
+                assert status == 200, body
+                await asyncio.sleep(0.05)
+                status, body = await _post(http, gw.admin_url + "/rollback")
+                assert status == 200, body
+                # Rollback leaves b out of the mirror; add it back for the next round.
+                status, _ = await _post(http, gw.admin_url + "/candidates",
+                                        {"name": "b", "url": b.url, "sample_rate": 0.0})
+                assert status == 201
+            stop.set()
+
+        await asyncio.wait_for(asyncio.gather(flip(), *(load(w) for w in range(8))), 60)
+        await client.close()
+        for c in direct.values():
+            await c.close()
+    assert len(results) >= 40
+    served_by = [next(n for n in ("primary", "b") if expected[n][p] == text)
+                 for p, text in results]  # StopIteration here means a mixed answer
+    assert {"primary", "b"} <= set(served_by)
+    assert gw.metric("understudy_requests_total", route="chat_completions", status="200") >= len(
+        results)
+
+
+async def _stream_text(client: openai.AsyncOpenAI, prompt: str) -> str:
+    stream = await client.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": prompt}], stream=True)
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+async def test_canary_steps_up_and_promotes_or_rolls_back(tmp_path: Any) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"
+    async with run_sim(ttft_ms=1, itl_ms=0, tokens=6) as primary, \
+            run_sim(ttft_ms=1, itl_ms=0, tokens=6) as good, \
+            run_sim(ttft_ms=1, itl_ms=0, tokens=6, variant="bad") as bad, \
+            run_gateway(primary.url, candidates=[{"name": "good", "url": good.url},
+                                                 {"name": "bad", "url": bad.url}],
+                        evaluation=_evaluation(url)) as gw, \
+            aiohttp.ClientSession() as http:
+        await _traffic(gw, 12)
+        await eventually(lambda: _scored(gw, 24))
+        status, body = await _post(http, gw.admin_url + "/candidates/bad/canary",
+                                   {"steps": [10, 100], "interval_s": 0.3})
+        assert status == 202 and body["routing"]["canary"]["percent"] == 10
+        status, body = await _post(http, gw.admin_url + "/candidates/good/canary",
+                                   {"steps": [50, 100], "interval_s": 0.3})
+        assert status == 409  # one canary at a time
+        await eventually(lambda: gw.state.routing.canary is None, within_s=10)
+        assert gw.state.routing.primary.name == "primary"  # the bad canary rolled back
+
+        status, body = await _post(http, gw.admin_url + "/candidates/good/canary",
+                                   {"steps": [50, 100], "interval_s": 0.3})
+        assert status == 202
+        await eventually(lambda: gw.state.routing.primary.name == "good", within_s=10)
+        assert gw.metric("understudy_canary_percent") == 0
+    actions = [a for a, _, _ in await _audit(url)]
+    assert actions == ["canary_start", "canary_rollback", "canary_start", "canary_step",
+                       "promote"]
+
+
+async def test_canary_validation() -> None:
+    async with run_sim() as primary, \
+            run_gateway(primary.url, candidates=[{"name": "c", "url": primary.url}]) as gw, \
+            aiohttp.ClientSession() as http:
+        for body in ({"steps": [50, 10, 100]}, {"steps": [5, 50]}, {"steps": [0, 100]},
+                     {"interval_s": 0}, {"steps": []}):
+            status, _ = await _post(http, gw.admin_url + "/candidates/c/canary", body)
+            assert status == 422, body
+        async with http.delete(gw.admin_url + "/canary", json={}) as resp:
+            assert resp.status == 409
