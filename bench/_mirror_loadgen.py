@@ -12,10 +12,8 @@ in the prompt), so each one is a new item for the candidate and a new payload fo
 budget. Timing, counting and CPU rules are _loadgen's, whose code is reused as it is:
 1. Each of ``concurrency`` workers sends at most ``requests_per_worker`` streamed chats
    and starts none after ``duration_s``; the phase is cancelled at ``deadline_s``.
-2. Warm-up (not measured): one short request per worker, then ``warm_large`` identical
-   padded requests per worker (so the process under test has served bodies of the
-   measured size at the measured concurrency before its RSS baseline is read; identical,
-   so a candidate queues them once).
+2. Warm-up (not measured): one short request per worker, each its own unless
+   ``unique`` is false (then every measured request carries the same body too).
 3. CPU of ``cpu_pids`` is read right before the first measured request and right after
    the last. RSS of ``rss_pid`` (VmRSS, VmHWM from /proc/PID/status) is read at the same
    two moments and every ``rss_interval_s`` in between; VmHWM is the kernel's own
@@ -67,6 +65,11 @@ def chat_body(spec: dict[str, Any], tag: str) -> bytes:
                        "messages": [{"role": "user", "content": content}]}).encode()
 
 
+def warm_body(spec: dict[str, Any], tag: str) -> bytes:
+    return json.dumps({"model": spec["model"], "max_tokens": 1, "messages": [
+        {"role": "user", "content": f"{_PROMPT} [warm-up {tag}]"}]}).encode()
+
+
 async def _sample_rss(pid: int, interval_s: float, peak: dict[str, int]) -> None:
     while True:
         status = read_status_kib(pid)
@@ -90,21 +93,16 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
     timeout = aiohttp.ClientTimeout(total=float(spec["request_timeout_s"]))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        run_tag = f"{time.time_ns():x}"  # differs between phases and between runs
         warm = Tally()
-        short = json.dumps({"model": spec["model"], "max_tokens": 1,
-                            "messages": [{"role": "user", "content": _PROMPT}]}).encode()
-        await asyncio.gather(*(_small_once(session, url, short, warm)
-                               for _ in range(concurrency)))
-        large = chat_body(spec, "warm-up")
-        for _ in range(int(spec.get("warm_large", 0))):
-            await asyncio.gather(*(_stream_once(session, url, large, warm)
-                                   for _ in range(concurrency)))
+        await asyncio.gather(*(_small_once(session, url, warm_body(spec, f"{run_tag}-{i}"
+                                                                 if unique else "same"), warm)
+                               for i in range(concurrency)))
         if warm.errors:
             return {"error": f"warm-up failed: {warm.error_samples}"}
 
         loop = asyncio.get_running_loop()
         stop_at = loop.time() + duration_s
-        run_tag = f"{time.time_ns():x}"  # differs between phases and between runs
 
         async def worker(index: int) -> None:
             nonlocal sent_bytes

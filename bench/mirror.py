@@ -8,34 +8,40 @@ one candidate that never answers at 100% sampling; then the gateway's memory und
 Processes (each its own, stopped by pid at the end): a simulator as the primary
 (streamed chats, 32 chunks: TTFT 20 ms, then 15 ms apart), a second one as the healthy
 candidate (same shape), a third with ``--fault hang_before_first_byte`` as the stalled
-candidate; three gateways (no candidate / healthy / stalled; TOML config, sampling 1.0
-per request, ``max_concurrency`` 96 so that 64 client streams can all be mirrored, a
-60 s first-byte timeout so the stalled replays really stall) and three nginx (1 worker,
-upstream keepalive, ``proxy_buffering off``; ``mirror /mirror; mirror_request_body on``
-with an internal location that proxies to the candidate with 5 s timeouts).
+candidate; four gateways (no candidate / healthy / healthy with evaluation off /
+stalled; generated TOML, default settings except: sampling 1.0 per request,
+``max_concurrency`` 96 so that 64 client streams can all be mirrored, a 60 s first-byte
+timeout so the stalled replays really stall, a SQLite store each) and three nginx
+(1 worker, upstream keepalive, ``proxy_buffering off``; ``mirror /mirror;
+mirror_request_body on`` with an internal location that proxies to the candidate with
+5 s timeouts).
 
 Rules of the measurement:
 1. The client is bench/_mirror_loadgen.py (its own process): 64 streams in a closed
    loop, every request with its own body (a repeated body would be deduplicated by the
    gateway and not mirror 100%). TTFT = request sent to first content event.
-2. Rounds alternate the six targets and rotate their order; figures are medians over
-   rounds. Ratios (stalled/none, healthy/none) are taken within a round first, then
-   their median is reported.
+2. Rounds alternate the seven targets and rotate their order; figures are medians over
+   rounds. Ratios (case / no candidate) are taken within a round first, then their
+   median is reported.
 3. CPU per primary chunk = utime + stime of the relay (from /proc; nginx = master +
-   worker) over the measured phase / SSE events the client received.
-4. Memory: a fourth gateway with ``memory_budget_bytes`` = 32 MiB and per-candidate
-   buffer bounds far above it (so the budget is the binding bound) mirrors to the
-   stalled candidate; the client sends 10x the budget in 64 KiB prompts, each unique.
-   Growth = peak RSS during the phase (sampled VmRSS and the kernel's VmHWM) - VmRSS
-   right before it. The baseline is read after a warm-up of identical 64 KiB requests at
-   the same concurrency (queued once, by dedup), so it already holds the working set of
-   serving such requests; growth from the cold, just-started gateway is shown too, as is
-   a control gateway with no candidate under the same load. /metrics shows the budget
-   was the binding bound (``reason="budget"`` drops, no ``buffer_full``).
+   worker) over the measured phase / SSE events the client received. The gateway's
+   figure includes everything its process does: relay, replays, joins, and (unless
+   evaluation is off) scoring the exchanges in its worker thread.
+4. Memory: a gateway with ``memory_budget_bytes`` = 32 MiB and per-candidate buffer
+   bounds far above it (so the budget is the binding bound) mirrors to the stalled
+   candidate. It first serves 3072 identical 64 KiB requests (a candidate queues one
+   payload for them all, by dedup): the heap grows by ~20 MiB over the first thousands
+   of large requests whether or not anything is mirrored, and levels off; the baseline
+   is read after that. Then the client sends 10x the budget in unique 64 KiB prompts.
+   Growth = peak RSS during that phase (sampled VmRSS, and the kernel's VmHWM) - VmRSS
+   right before it. Shown too: growth from the just-started gateway, and (full mode) a
+   control gateway with no candidate under the same load. /metrics shows the budget was
+   the binding bound (``reason="budget"`` drops, no ``buffer_full``).
 
 Targets: understudy's primary p99 (TTFT and end to end) with the stalled candidate /
 with none <= 1.05, with no errors; the gateway's CPU per primary chunk with one healthy
-candidate <= 2x with none; RSS growth under the overload <= budget x 1.1.
+candidate (defaults: evaluation on) <= 2x with none; RSS growth under the overload <=
+budget x 1.1.
 
 Results go to stdout and to bench/results/mirror.json.
 """
@@ -101,10 +107,11 @@ RSS_STREAMS = 32
 RSS_TOKENS = 4
 RSS_BUFFER_ITEMS = 1_000_000
 RSS_BUFFER_BYTES = 4096 * MiB
-RSS_WARM_LARGE = 2
+RSS_WARM_REQUESTS = 3072  # identical bodies: the candidate queues one payload
 
-TARGETS = ("gw-none", "gw-healthy", "gw-stalled", "nginx-none", "nginx-healthy",
-           "nginx-stalled")
+TARGETS = ("gw-none", "gw-healthy", "gw-healthy-noeval", "gw-stalled", "nginx-none",
+           "nginx-healthy", "nginx-stalled")
+GATEWAYS = tuple(t for t in TARGETS if t.startswith("gw-"))
 
 
 @dataclass(frozen=True)
@@ -281,6 +288,11 @@ def mirror_counts(metrics: dict[str, float]) -> dict[str, float]:
                       "understudy_memory_budget_limit_bytes"):
             short = name.removeprefix("understudy_").removesuffix("_total")
             out[short] = out.get(short, 0) + value
+        elif name in ("understudy_evaluation_scored_total", "understudy_evaluation_pending"):
+            out[name.removeprefix("understudy_").removesuffix("_total")] = value
+        elif name == "understudy_evaluation_dropped_total":
+            reason = key.split('reason="')[1].split('"')[0]
+            out[f"evaluation_dropped:{reason}"] = value
         elif name == "understudy_mirror_failed_total":
             kind = key.split('kind="')[1].split('"')[0] if 'kind="' in key else "?"
             out[f"failed:{kind}"] = out.get(f"failed:{kind}", 0) + value
@@ -380,15 +392,19 @@ def run_memory(gateways: dict[str, Child], quick: bool,
     out: dict[str, Any] = {"budget_bytes": RSS_BUDGET, "prompt_bytes": RSS_PROMPT_BYTES,
                            "overload": RSS_OVERLOAD, "streams": RSS_STREAMS,
                            "requests": requests}
+    warm_requests = RSS_WARM_REQUESTS // (2 if quick else 1)
+    out["warm_requests"] = warm_requests
     for label, gateway in gateways.items():
         started = read_status_kib(gateway.pid)
         spec = {"url": gateway.url, "model": SIM_MODEL, "concurrency": RSS_STREAMS,
-                "requests_per_worker": math.ceil(requests / RSS_STREAMS),
-                "duration_s": 60.0 if not quick else 40.0, "deadline_s": 90.0,
-                "request_timeout_s": 60.0, "max_tokens": RSS_TOKENS,
-                "prompt_bytes": RSS_PROMPT_BYTES, "warm_large": RSS_WARM_LARGE,
-                "cpu_pids": {"relay": gateway.cpu_pids()}, "rss_pid": gateway.pid,
-                "rss_interval_s": 0.02}
+                "requests_per_worker": math.ceil(warm_requests / RSS_STREAMS),
+                "duration_s": 30.0, "deadline_s": 60.0, "request_timeout_s": 60.0,
+                "max_tokens": RSS_TOKENS, "prompt_bytes": RSS_PROMPT_BYTES, "unique": False}
+        warm = run_loadgen(spec)
+        spec.update({"requests_per_worker": math.ceil(requests / RSS_STREAMS),
+                     "duration_s": 60.0, "deadline_s": 90.0, "unique": True,
+                     "cpu_pids": {"relay": gateway.cpu_pids()}, "rss_pid": gateway.pid,
+                     "rss_interval_s": 0.02})
         result = run_loadgen(spec)
         time.sleep(0.5)
         metrics = mirror_counts(scrape(gateway))
@@ -405,7 +421,8 @@ def run_memory(gateways: dict[str, Child], quick: bool,
             "rss_peak_kib": peak, "rss_peak_sampled_kib": rss["peak_sampled_kib"],
             "rss_samples": rss["samples"], "hwm_before_kib": rss["hwm_before_kib"],
             "hwm_after_kib": rss["hwm_after_kib"], "rss_after_kib": rss["after_kib"],
-            "rss_end_kib": ended.get("VmRSS"),
+            "rss_end_kib": ended.get("VmRSS"), "warm_ok": warm["ok"],
+            "warm_errors": warm["errors"] + warm["cut_by_deadline"],
             "growth_bytes": (peak - rss["before_kib"]) * KiB,
             "growth_from_start_bytes": (peak - started["VmRSS"]) * KiB,
             "metrics": metrics,
@@ -445,9 +462,9 @@ def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         medians[t]["errors"] = sum(r[t]["errors"] + r[t]["cut"] for r in rounds)
         medians[t]["requests"] = sum(r[t]["ok"] for r in rounds)
     ratios: dict[str, dict[str, float | None]] = {}
-    for peer in ("gw", "nginx"):
-        for case in ("healthy", "stalled"):
-            target, base = f"{peer}-{case}", f"{peer}-none"
+    for target in order:
+        base = "gw-none" if target.startswith("gw-") else "nginx-none"
+        if target != base:
             ratios[target] = {key: ratio(rounds, target, base, key) for key in
                               ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
                                "rps", "cpu_us_per_chunk")}
@@ -521,16 +538,17 @@ def rounds_report(rounds: list[dict[str, dict[str, Any]]]) -> str:
 
 
 def mirroring_report(counts: dict[str, dict[str, float]]) -> str:
+    names = list(counts)
     keys = sorted({k for c in counts.values() for k in c})
-    header = ["gateway", *keys]
-    rows = [[name, *(_num(c.get(k), 0) for k in keys)] for name, c in counts.items()]
-    return render_table("gateways' /metrics after the rounds (mirroring counters, summed)",
-                        header, rows)
+    rows = [[key, *(_num(counts[n].get(key), 1 if key == "rss_mib" else 0) for n in names)]
+            for key in keys]
+    return render_table("gateways' /metrics after the rounds (summed over candidates; "
+                        "rss_mib from /proc)", ["counter", *names], rows)
 
 
 def memory_report(memory: dict[str, Any]) -> str:
     header = ["gateway", "ok", "errors", "sent MiB", "sent/budget", "RSS start", "RSS before",
-              "RSS peak", "growth", "growth from start", "budget used", "queued",
+              "RSS peak", "RSS end", "growth", "growth from start", "budget used", "queued",
               "drop budget", "drop buffer_full", "drop dedup"]
     rows = []
     for label in ("control", "stalled"):
@@ -538,20 +556,31 @@ def memory_report(memory: dict[str, Any]) -> str:
         if e is None:
             continue
         m = e["metrics"]
-        rows.append([label, str(e["ok"]), str(e["errors"] + e["cut"]),
+        rows.append([label, str(e["ok"]), str(e["errors"] + e["cut"] + e["warm_errors"]),
                      _num(e["sent_bytes"] / MiB, 0),
                      _num(e["sent_bytes"] / memory["budget_bytes"], 1),
                      _num(e["rss_started_kib"] / KiB), _num(e["rss_before_kib"] / KiB),
-                     _num(e["rss_peak_kib"] / KiB), _num(e["growth_bytes"] / MiB),
-                     _num(e["growth_from_start_bytes"] / MiB),
-                     _num(m.get("memory_budget_used_bytes", 0) / MiB),
+                     _num(e["rss_peak_kib"] / KiB), _num(e["rss_end_kib"] / KiB),
+                     _num(e["growth_bytes"] / MiB), _num(e["growth_from_start_bytes"] / MiB),
+                     _num(m.get("memory_budget_used_bytes", 0) / MiB, 2),
                      _num(m.get("mirror_queued"), 0), _num(m.get("dropped:budget"), 0),
                      _num(m.get("dropped:buffer_full"), 0), _num(m.get("dropped:dedup"), 0)])
-    return render_table(
-        f"memory: stalled candidate, budget {memory['budget_bytes'] / MiB:.0f} MiB, buffers "
-        f"{RSS_BUFFER_ITEMS} items / {RSS_BUFFER_BYTES / MiB:.0f} MiB, {memory['streams']} "
-        f"streams of {memory['prompt_bytes'] // KiB} KiB prompts; RSS in MiB (peak = "
-        "max of VmHWM and 20 ms VmRSS samples)", header, rows)
+    text = render_table(
+        f"memory: budget {memory['budget_bytes'] / MiB:.0f} MiB, buffers {RSS_BUFFER_ITEMS} "
+        f"items / {RSS_BUFFER_BYTES / MiB:.0f} MiB, {memory['streams']} streams of "
+        f"{memory['prompt_bytes'] // KiB} KiB prompts, each unique, after "
+        f"{memory['warm_requests']} identical ones; RSS in MiB (peak = max of VmHWM and "
+        "20 ms VmRSS samples; growth = peak - before)", header, rows)
+    if "control" in memory:
+        extra = memory["stalled"]["growth_bytes"] - memory["control"]["growth_bytes"]
+        used = memory["stalled"]["metrics"].get("memory_budget_used_bytes", 0)
+        items = memory["stalled"]["metrics"].get("mirror_queued", 0)
+        text += (f"\nstalled - control growth: {extra / MiB:.1f} MiB = "
+                 f"{extra / memory['budget_bytes']:.2f}x the budget; beyond the "
+                 f"{used / MiB:.1f} MiB charged: {(extra - used) / MiB:.1f} MiB"
+                 + (f", {(extra - used) / items / KiB:.1f} KiB per queued request"
+                    if items else ""))
+    return text
 
 
 # --- main ------------------------------------------------------------------------------
@@ -609,6 +638,9 @@ def main() -> int:
             "gw-none": started(spawn_gateway(workdir, code, "gw-none", primary.url, [])),
             "gw-healthy": started(spawn_gateway(workdir, code, "gw-healthy", primary.url,
                                                 [candidate_entry("healthy", healthy.url)])),
+            "gw-healthy-noeval": started(spawn_gateway(
+                workdir, code, "gw-healthy-noeval", primary.url,
+                [candidate_entry("healthy", healthy.url)], evaluation=False)),
             "gw-stalled": started(spawn_gateway(workdir, code, "gw-stalled", primary.url,
                                                 [candidate_entry("stalled", stalled.url)])),
         }
@@ -625,12 +657,11 @@ def main() -> int:
                 workdir, nginx, "nginx-stalled", primary.url, stalled.url))
         watched = [primary, healthy, stalled, *relays.values()]
         rounds = run_rounds(plan, relays, watched, log)
-        counts = {name: mirror_counts(scrape(relays[name]))
-                  for name in ("gw-none", "gw-healthy", "gw-stalled")}
-        for name in ("gw-none", "gw-healthy", "gw-stalled"):
+        counts = {name: mirror_counts(scrape(relays[name])) for name in GATEWAYS}
+        for name in GATEWAYS:
             counts[name]["rss_mib"] = read_status_kib(relays[name].pid).get("VmRSS", 0) / KiB
         # Stop the latency phase's gateways first: the memory phase wants the machine.
-        for name in ("gw-none", "gw-healthy", "gw-stalled"):
+        for name in GATEWAYS:
             relays[name].stop()
         memory = run_memory(memory_gateways, args.quick, log)
 
@@ -645,13 +676,13 @@ def main() -> int:
     print()
     print(memory_report(memory))
     print()
-    print("peer figures (nginx mirror, medians of within-round ratios to nginx-none):")
-    for case in ("healthy", "stalled"):
-        r = summary["vs_none"].get(f"nginx-{case}")
-        if r and r["rps"] is not None:
-            print(f"  nginx {case:8s} TTFT p50 x{_num(r['ttft_p50_ms'], 2)}  p99 "
-                  f"x{_num(r['ttft_p99_ms'], 2)}  e2e p99 x{_num(r['e2e_p99_ms'], 2)}  "
-                  f"throughput x{_num(r['rps'], 3)}  CPU/chunk x{_num(r['cpu_us_per_chunk'], 2)}")
+    print("each case / its peer with no candidate, medians of within-round ratios:")
+    for target, r in summary["vs_none"].items():
+        if r["rps"] is not None:
+            print(f"  {target:17s} TTFT p50 x{_num(r['ttft_p50_ms'], 2)}  p99 "
+                  f"x{_num(r['ttft_p99_ms'], 2)}  e2e p50 x{_num(r['e2e_p50_ms'], 2)}  p99 "
+                  f"x{_num(r['e2e_p99_ms'], 2)}  throughput x{_num(r['rps'], 3)}  "
+                  f"CPU/chunk x{_num(r['cpu_us_per_chunk'], 2)}")
     print()
     print("targets:")
     for v in checks:

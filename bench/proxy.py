@@ -475,12 +475,15 @@ def summarise_profile(raw: str, us_per_chunk: float | None = None, top: int = 30
     gateway's median CPU per chunk in the measured rounds) each share also in µs/chunk."""
     own: dict[str, int] = {}
     inclusive: dict[str, int] = {}
-    total = 0
+    total = idle = 0
     for line in raw.splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
+        if any(wait in stack for wait in _IDLE_WAITS):
+            idle += count  # a helper thread blocked on a lock: no CPU
+            continue
         frames = [_frame_name(f) for f in stack.split(";")
                   if not f.startswith(("process ", "thread "))]
         if not frames:
@@ -492,7 +495,8 @@ def summarise_profile(raw: str, us_per_chunk: float | None = None, top: int = 30
     if not total:
         return "profile: no samples"
     lines = [f"py-spy: {total} samples of the gateway's CPU during one stream round "
-             f"(raw stacks: {PROFILE_PATH.relative_to(REPO_ROOT)})"]
+             f"(raw stacks: {PROFILE_PATH.relative_to(REPO_ROOT)}; {idle} samples of helper "
+             "threads blocked on a lock left out)"]
     if us_per_chunk is not None:
         lines.append(f"µs/chunk columns: share x {us_per_chunk:.1f} µs, the gateway's median CPU "
                      "per chunk in the measured rounds (py-spy distorts its own round)")
@@ -510,6 +514,10 @@ def summarise_profile(raw: str, us_per_chunk: float | None = None, top: int = 30
     lines += [f"  {n / total * 100:5.1f}%{_share_us(n / total, us_per_chunk)}  {name}"
               for name, n in sorted(inner.items(), key=lambda kv: -kv[1])[:top]]
     return "\n".join(lines)
+
+
+# py-spy --native counts a thread blocked in a lock wait as busy; these are idle.
+_IDLE_WAITS = ("PyThread_acquire_lock_timed", "_queue_SimpleQueue_get_impl")
 
 
 def _share_us(share: float, us_per_chunk: float | None) -> str:

@@ -52,8 +52,10 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
                     evaluation or sink or MemorySink(config.mirror.sink_capacity))
 
-    def serve_routing(new: Routing) -> None:
+    async def serve_routing(new: Routing) -> None:
         app[STATE].routing = new
+        if new.primary.name in mirror.candidates:  # a primary is not its own candidate
+            await mirror.remove_candidate(new.primary.name)
 
     sync = RoutingSync(routing, serve_routing, metrics, config.admin.routing_poll_interval_s)
     app[SYNC] = sync

@@ -4,7 +4,8 @@ Rules (DESIGN.md invariant 8):
 1. Promotion runs the judge and switches only on PASS, unless forced with a reason.
    The switch is one new :class:`Routing` snapshot: atomic for new requests, while
    requests in flight finish where they started. The old primary becomes the rollback
-   target; the promoted candidate stops being mirrored to.
+   target; the promoted candidate stops being mirrored to (on every replica: the
+   routing change itself removes it).
 2. Every action is written to the audit log (who, when, what, and the verdict at that
    moment) when the store is on; it is always logged.
 3. A canary moves live sessions to a candidate step by step (session-consistent). After
@@ -74,7 +75,6 @@ class Operator:
             await self._stop_canary()
             routing = await self._sync.commit(
                 lambda r: r.promoted(Backend(name, candidate.config.url)))
-            await self._mirror.remove_candidate(name)
             await self._audit(actor, "promote", name, verdict, verdict_id,
                               {"force": force, "reason": reason, "routing": routing.to_dict()})
             return {"routing": routing.to_dict(), "verdict": verdict, "reasons": reasons}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -35,7 +35,7 @@ log = logging.getLogger("understudy.routing")
 
 
 class RoutingSync:
-    def __init__(self, initial: Routing, apply: Callable[[Routing], None],
+    def __init__(self, initial: Routing, apply: Callable[[Routing], Awaitable[None]],
                  metrics: GatewayMetrics, poll_interval_s: float) -> None:
         self._routing = initial
         self._apply_to_state = apply
@@ -51,9 +51,9 @@ class RoutingSync:
     def routing(self) -> Routing:
         return self._routing
 
-    def _apply(self, routing: Routing) -> None:
+    async def _apply(self, routing: Routing) -> None:
         self._routing = routing
-        self._apply_to_state(routing)
+        await self._apply_to_state(routing)
         self._metrics.routing_version.set(routing.version)
         self._metrics.canary_percent.set(routing.canary.percent if routing.canary else 0)
 
@@ -72,7 +72,7 @@ class RoutingSync:
             except StoreError:  # another replica inserted it at the same moment
                 stored = await load_routing(engine)
         if stored is not None:
-            self._apply(Routing.from_dict(stored[1]))
+            await self._apply(Routing.from_dict(stored[1]))
             log.info("routing: adopted version %d (primary %s)", self._routing.version,
                      self._routing.primary.name)
         self._poller = asyncio.create_task(self._poll(), name="routing-poll")
@@ -98,7 +98,7 @@ class RoutingSync:
                 await self.refresh()
                 raise Conflict("the routing was changed by another replica meanwhile; "
                                "look at it again and retry")
-            self._apply(new)
+            await self._apply(new)
             log.info("routing: version %d, primary %s%s", new.version, new.primary.name,
                      f", canary {new.canary.backend.name} at {new.canary.percent}%"
                      if new.canary else "")
@@ -109,7 +109,7 @@ class RoutingSync:
             return
         stored = await load_routing(self._engine)
         if stored is not None and stored[0] > self._routing.version:
-            self._apply(Routing.from_dict(stored[1]))
+            await self._apply(Routing.from_dict(stored[1]))
             log.info("routing: converged on version %d (primary %s)", self._routing.version,
                      self._routing.primary.name)
 

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from backends.sim import sim_command
 from gateway._app import run
+from gateway._cli_admin import ADMIN_COMMANDS
 from gateway._cli_eval import db, report
 from gateway._config import load_config, parse_candidate_flag
 
@@ -71,5 +72,7 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
 main.add_command(sim_command)
 main.add_command(db)
 main.add_command(report)
+for command in ADMIN_COMMANDS:
+    main.add_command(command)
 if __name__ == "__main__":
     main()

@@ -16,7 +16,10 @@ Rules
 4. When a running request needs a block and none is free, the most recently admitted running
    request is preempted: its blocks are released (its cached blocks stay reusable) and it goes
    back to the front of the queue with the tokens it has, to be recomputed mostly from the cache.
-5. A request finishes on a stop token (the model's eos / ``<|im_end|>`` unless ``ignore_eos``,
+5. Greedy decodes may carry prompt-lookup drafts in the rows a small batch pads anyway
+   (``_speculation``); a draft counts as computed only once the model produced it, so the
+   tokens are exactly those of plain decoding, sometimes several per step.
+6. A request finishes on a stop token (the model's eos / ``<|im_end|>`` unless ``ignore_eos``,
    or ``stop_token_ids``), at ``max_tokens``, or at ``max_model_len``; its blocks are released.
 """
 
@@ -29,11 +32,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
+from ._attention import MIN_GEMM_ROWS
 from ._blockpool import BlockHash, BlockPool, ExtraKey, KVBlock, PrefixCacheStats, hash_blocks
 from ._kvstore import DEFAULT_BLOCK_SIZE, KVLayout
 from ._model import ForwardChunk, LlamaModel
 from ._sampling import SamplingParams, sample_token
+from ._speculation import propose_drafts
 
 __all__ = [
     "DEFAULT_KV_LIMIT_BYTES",
@@ -50,6 +56,7 @@ DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 FinishReason = Literal["stop", "length"]
+Float32Array = npt.NDArray[np.float32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +96,7 @@ class _Request:
     num_computed: int = 0
     num_registered: int = 0
     cached_tokens: int | None = None
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def num_output(self) -> int:
@@ -108,6 +116,7 @@ class Engine:
         "max_num_seqs",
         "model",
         "pool",
+        "speculative_tokens",
     )
 
     def __init__(
@@ -119,6 +128,7 @@ class Engine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        speculative_tokens: int = MIN_GEMM_ROWS - 1,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_batched_tokens >= max_num_seqs >= 1")
@@ -131,6 +141,7 @@ class Engine:
         )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.speculative_tokens = max(0, speculative_tokens)
         self._stop_ids = model.tokenizer.stop_token_ids
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()
@@ -228,25 +239,31 @@ class Engine:
         scheduled = self._schedule()
         if not scheduled:
             return []
+        self._add_drafts(scheduled)
         chunks = []
         for request, count in scheduled:
             start = request.num_computed
-            ends_known = start + count == len(request.tokens)
+            known = request.tokens[start : start + count]
+            if request.drafts:
+                logits: Literal["none", "last", "all"] = "all"
+            else:
+                logits = "last" if start + count == len(request.tokens) else "none"
             chunks.append(
                 ForwardChunk(
-                    token_ids=tuple(request.tokens[start : start + count]),
+                    token_ids=(*known, *request.drafts),
                     start=start,
                     block_table=tuple(request.block_table),
-                    logits="last" if ends_known else "none",
+                    logits=logits,
                 )
             )
-        logits = self.model.forward(chunks, self.pool.storage)
-        events = []
-        for (request, count), row in zip(scheduled, logits, strict=True):
+        outputs = self.model.forward(chunks, self.pool.storage)
+        events: list[TokenEvent] = []
+        for (request, count), rows in zip(scheduled, outputs, strict=True):
             request.num_computed += count
-            self._register_full_blocks(request)
-            if row.shape[0]:
-                events.append(self._append_token(request, row[0]))
+            if rows.shape[0]:
+                events.extend(self._emit(request, rows))
+            else:
+                self._register_full_blocks(request)
         return events
 
     def generate(
@@ -343,30 +360,67 @@ class Engine:
             )
         request.num_registered = max(request.num_registered, full)
 
-    def _append_token(self, request: _Request, logits: np.ndarray) -> TokenEvent:
+    def _add_drafts(self, scheduled: list[tuple[_Request, int]]) -> None:
+        """Fill the padding rows of a small decode batch with prompt-lookup drafts."""
+        spare = MIN_GEMM_ROWS - sum(count for _, count in scheduled)
+        if spare <= 0 or not self.speculative_tokens:
+            return
+        for request, count in scheduled:
+            if spare <= 0:
+                break
+            remaining = len(request.tokens) - request.num_computed
+            if count != remaining or count != 1 or not request.params.greedy:
+                continue
+            room = min(
+                spare,
+                self.speculative_tokens,
+                request.params.max_tokens - request.num_output - 1,
+                self.model.max_model_len - len(request.tokens) - 1,
+            )
+            drafts = propose_drafts(request.tokens, room)
+            need = self._blocks_for(len(request.tokens) + len(drafts)) - len(request.block_table)
+            if not drafts or need > self.pool.num_free_blocks:
+                continue
+            request.block_table.extend(self.pool.allocate(need))
+            request.drafts = drafts
+            spare -= len(drafts)
+
+    def _emit(self, request: _Request, rows: Float32Array) -> list[TokenEvent]:
+        """Sample from the logits rows, verify drafts, append tokens, finish if done."""
+        drafts, request.drafts = request.drafts, []
         params = request.params
-        token, logprob = sample_token(logits, params, request.rng)
-        request.tokens.append(token)
-        self._rehash(request)
+        events = []
         finish: FinishReason | None = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self._stop_ids):
-            finish = "stop"
-        elif (
-            request.num_output >= params.max_tokens
-            or len(request.tokens) >= self.model.max_model_len
-        ):
-            finish = "length"
-        event = TokenEvent(
-            request_id=request.request_id,
-            token_id=token,
-            logprob=logprob,
-            index=request.num_output - 1,
-            num_prompt_tokens=request.prompt_len,
-            cached_tokens=request.cached_tokens or 0,
-            finish_reason=finish,
-        )
+        for index, row in enumerate(rows if drafts else rows[-1:]):
+            token, logprob = sample_token(row, params, request.rng)
+            request.tokens.append(token)
+            if token in params.stop_token_ids or (
+                not params.ignore_eos and token in self._stop_ids
+            ):
+                finish = "stop"
+            elif (
+                request.num_output >= params.max_tokens
+                or len(request.tokens) >= self.model.max_model_len
+            ):
+                finish = "length"
+            events.append(
+                TokenEvent(
+                    request_id=request.request_id,
+                    token_id=token,
+                    logprob=logprob,
+                    index=request.num_output - 1,
+                    num_prompt_tokens=request.prompt_len,
+                    cached_tokens=request.cached_tokens or 0,
+                    finish_reason=finish,
+                )
+            )
+            if finish is not None or index >= len(drafts) or token != drafts[index]:
+                break
+            request.num_computed += 1  # the draft at the next position was the real token
+        self._rehash(request)
+        self._register_full_blocks(request)
         if finish is not None:
             self._running.remove(request)
             self.pool.release(request.block_table)
             del self._requests[request.request_id]
-        return event
+        return events

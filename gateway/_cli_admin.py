@@ -1,0 +1,171 @@
+"""``understudy candidates|promote|rollback|canary|routing``: the admin API from a terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gateway._config import ADMIN_TOKEN_ENV
+
+__all__ = ["ADMIN_COMMANDS"]
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:8081/admin/v1"
+REQUEST_TIMEOUT_S = 120.0  # a promotion runs the judge first
+
+
+def _call(admin: tuple[str, str | None], method: str, path: str,
+          body: dict[str, Any] | None = None) -> Any:
+    url, token = admin[0].rstrip("/"), admin[1]
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url + path, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise click.ClickException(f"{exc.code}: {message}") from None
+    except urllib.error.URLError as exc:
+        raise click.ClickException(f"admin API at {url} unreachable: {exc.reason}") from None
+
+
+def _echo(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+@click.group()
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, show_default=True,
+              envvar="UNDERSTUDY_ADMIN_URL", help="The admin API's root.")
+@click.option("--token", envvar=ADMIN_TOKEN_ENV, help=f"Bearer token (default ${ADMIN_TOKEN_ENV}).")
+@click.pass_context
+def candidates(ctx: click.Context, admin_url: str, token: str | None) -> None:
+    """List, add, change, pause, resume or remove candidates on a running gateway."""
+    ctx.obj = (admin_url, token)
+
+
+@candidates.command("list")
+@click.pass_context
+def candidates_list(ctx: click.Context) -> None:
+    table = Table()
+    for column in ("name", "role", "url", "rate", "unit", "concurrency", "paused", "queued",
+                   "in flight"):
+        table.add_column(column)
+    for c in _call(ctx.obj, "GET", "/candidates")["candidates"]:
+        table.add_row(c["name"], c["role"], c["url"], str(c["sample_rate"]),
+                      c["sampling_unit"], str(c["max_concurrency"]), str(c["paused"]),
+                      str(c["queued"]), str(c["in_flight"]))
+    Console().print(table)
+
+
+@candidates.command("add")
+@click.argument("name")
+@click.argument("url")
+@click.option("--rate", type=float, default=1.0, show_default=True)
+@click.option("--unit", type=click.Choice(["session", "request"]), default="session")
+@click.option("--concurrency", type=int, default=4, show_default=True)
+@click.option("--secondary", is_flag=True, help="A replica of the primary (noise floor).")
+@click.pass_context
+def candidates_add(ctx: click.Context, name: str, url: str, rate: float, unit: str,
+                   concurrency: int, secondary: bool) -> None:
+    _echo(_call(ctx.obj, "POST", "/candidates", {
+        "name": name, "url": url, "sample_rate": rate, "sampling_unit": unit,
+        "max_concurrency": concurrency, "role": "secondary" if secondary else "candidate"}))
+
+
+@candidates.command("set")
+@click.argument("name")
+@click.option("--rate", type=float)
+@click.option("--concurrency", type=int)
+@click.option("--buffer-items", type=int)
+@click.pass_context
+def candidates_set(ctx: click.Context, name: str, rate: float | None, concurrency: int | None,
+                   buffer_items: int | None) -> None:
+    changes = {"sample_rate": rate, "max_concurrency": concurrency, "buffer_items": buffer_items}
+    _echo(_call(ctx.obj, "PATCH", f"/candidates/{name}",
+                {k: v for k, v in changes.items() if v is not None}))
+
+
+@candidates.command("pause")
+@click.argument("name")
+@click.pass_context
+def candidates_pause(ctx: click.Context, name: str) -> None:
+    _echo(_call(ctx.obj, "POST", f"/candidates/{name}/pause"))
+
+
+@candidates.command("resume")
+@click.argument("name")
+@click.pass_context
+def candidates_resume(ctx: click.Context, name: str) -> None:
+    _echo(_call(ctx.obj, "POST", f"/candidates/{name}/resume"))
+
+
+@candidates.command("remove")
+@click.argument("name")
+@click.pass_context
+def candidates_remove(ctx: click.Context, name: str) -> None:
+    _echo(_call(ctx.obj, "DELETE", f"/candidates/{name}"))
+
+
+@click.command()
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Promote whatever the judge says (needs --reason).")
+@click.option("--reason")
+@click.option("--actor", default=lambda: os.environ.get("USER", "admin"))
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar="UNDERSTUDY_ADMIN_URL")
+@click.option("--token", envvar=ADMIN_TOKEN_ENV)
+def promote(name: str, force: bool, reason: str | None, actor: str, admin_url: str,
+            token: str | None) -> None:
+    """Promote candidate NAME to primary if the judge passes it."""
+    _echo(_call((admin_url, token), "POST", f"/candidates/{name}/promote",
+                {"force": force, "reason": reason, "actor": actor}))
+
+
+@click.command()
+@click.option("--reason")
+@click.option("--actor", default=lambda: os.environ.get("USER", "admin"))
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar="UNDERSTUDY_ADMIN_URL")
+@click.option("--token", envvar=ADMIN_TOKEN_ENV)
+def rollback(reason: str | None, actor: str, admin_url: str, token: str | None) -> None:
+    """Switch back to the previous primary."""
+    _echo(_call((admin_url, token), "POST", "/rollback", {"reason": reason, "actor": actor}))
+
+
+@click.command()
+@click.argument("name")
+@click.option("--steps", default="1,5,25,50,100", show_default=True)
+@click.option("--interval-s", type=float, default=60.0, show_default=True)
+@click.option("--actor", default=lambda: os.environ.get("USER", "admin"))
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar="UNDERSTUDY_ADMIN_URL")
+@click.option("--token", envvar=ADMIN_TOKEN_ENV)
+def canary(name: str, steps: str, interval_s: float, actor: str, admin_url: str,
+           token: str | None) -> None:
+    """Shift live sessions to candidate NAME step by step while the judge passes."""
+    try:
+        percents = [float(s) for s in steps.split(",")]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--steps") from None
+    _echo(_call((admin_url, token), "POST", f"/candidates/{name}/canary",
+                {"steps": percents, "interval_s": interval_s, "actor": actor}))
+
+
+@click.command()
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar="UNDERSTUDY_ADMIN_URL")
+@click.option("--token", envvar=ADMIN_TOKEN_ENV)
+def routing(admin_url: str, token: str | None) -> None:
+    """Show the routing: primary, rollback target, canary."""
+    _echo(_call((admin_url, token), "GET", "/routing"))
+
+
+ADMIN_COMMANDS: tuple[click.Command, ...] = (candidates, promote, rollback, canary, routing)

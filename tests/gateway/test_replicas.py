@@ -1,0 +1,94 @@
+"""Two gateway processes sharing one PostgreSQL converge on a promotion."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from tests.utils import free_port, run_sim
+
+TOKEN = "replica-token"
+POLL_INTERVAL_S = 1.0
+
+
+@asynccontextmanager
+async def _replica(primary: str, candidate: str, db: str) -> AsyncIterator[tuple[str, str]]:
+    port, admin = free_port(), free_port()
+    env = {**os.environ, "UNDERSTUDY_ADMIN_TOKEN": TOKEN,
+           "UNDERSTUDY_ADMIN__ROUTING_POLL_INTERVAL_S": str(POLL_INTERVAL_S)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
+         "--primary", primary, "--candidate", f"cand={candidate}", "--port", str(port),
+         "--admin-port", str(admin), "--db", db], env=env)
+    url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}/admin/v1"
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.poll() is None, "the gateway exited"
+                try:
+                    async with http.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert time.monotonic() < deadline, "the gateway did not become healthy"
+                await asyncio.sleep(0.2)
+        yield url, admin_url
+    finally:
+        process.terminate()
+        process.wait(timeout=40)
+
+
+async def _routing(http: aiohttp.ClientSession, admin_url: str) -> dict[str, Any]:
+    async with http.get(admin_url + "/routing",
+                        headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+        assert resp.status == 200
+        return await resp.json()  # type: ignore[no-any-return]
+
+
+async def test_two_replicas_converge_on_a_promotion_and_a_rollback(pg_database: str) -> None:
+    async with run_sim(ttft_ms=1, itl_ms=0, tokens=4) as primary, \
+            run_sim(ttft_ms=1, itl_ms=0, tokens=4, variant="c") as candidate, \
+            _replica(primary.url, candidate.url, pg_database) as (url_a, admin_a), \
+            _replica(primary.url, candidate.url, pg_database) as (url_b, admin_b), \
+            aiohttp.ClientSession() as http:
+        assert (await _routing(http, admin_b))["version"] == 1
+        # Promote on replica A with the CLI, as an operator would.
+        env = {**os.environ, "UNDERSTUDY_ADMIN_TOKEN": TOKEN}
+        promoted = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "promote", "cand", "--force",
+             "--reason", "replica test", "--admin-url", admin_a],
+            env=env, capture_output=True, text=True, timeout=60)
+        assert promoted.returncode == 0, promoted.stderr
+        started = time.monotonic()
+        while (await _routing(http, admin_b))["primary"]["name"] != "cand":
+            assert time.monotonic() - started < 2 * POLL_INTERVAL_S, "replica B did not converge"
+            await asyncio.sleep(0.05)
+        converged_s = time.monotonic() - started
+        # Replica B now sends new requests to the promoted backend.
+        before = candidate.stats.requests_seen
+        async with http.post(url_b + "/v1/chat/completions", json={
+                "model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}) as resp:
+            assert resp.status == 200
+        assert candidate.stats.requests_seen == before + 1
+        # A rollback on B reaches A the same way.
+        rolled = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "rollback", "--admin-url", admin_b],
+            env=env, capture_output=True, text=True, timeout=60)
+        assert rolled.returncode == 0, rolled.stderr
+        started = time.monotonic()
+        while (await _routing(http, admin_a))["primary"]["name"] != "primary":
+            assert time.monotonic() - started < 2 * POLL_INTERVAL_S, "replica A did not converge"
+            await asyncio.sleep(0.05)
+        assert (await _routing(http, admin_a))["version"] == 3
+        assert url_a != url_b
+    print(f"replica B converged in {converged_s * 1000:.0f} ms")
