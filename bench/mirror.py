@@ -332,20 +332,24 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
         "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
         "cpu_us_per_chunk": relay_s / events * 1e6 if relay_s is not None and events else None,
         "relay_cpu_pct": relay_s / elapsed * 100 if relay_s is not None and elapsed else None,
+        "sims_cpu_pct": result["cpu_ticks"].get("sims", 0) / CLOCK_TICKS / elapsed * 100
+        if elapsed else None,
+        "loadgen_cpu_pct": result["loadgen_cpu_s"] / elapsed * 100 if elapsed else None,
         "machine_busy_pct": (result["machine_busy_s"] / result["machine_capacity_s"] * 100
                              if result["machine_capacity_s"] else None),
     }
 
 
-def stream_spec(plan: Plan, url: str, relay: Child | None) -> dict[str, Any]:
+def stream_spec(plan: Plan, url: str, relay: Child, sims: list[Child]) -> dict[str, Any]:
     return {"url": url, "model": SIM_MODEL, "concurrency": STREAMS,
             "requests_per_worker": plan.requests_per_worker, "duration_s": plan.duration_s,
             "deadline_s": plan.deadline_s, "request_timeout_s": plan.deadline_s,
             "max_tokens": TOKENS, "stagger_s": plan.stream_s,
-            "cpu_pids": {"relay": relay.cpu_pids()} if relay is not None else {}}
+            "cpu_pids": {"relay": relay.cpu_pids(),
+                         "sims": [pid for sim in sims for pid in sim.cpu_pids()]}}
 
 
-def run_rounds(plan: Plan, relays: dict[str, Child], watched: list[Child],
+def run_rounds(plan: Plan, relays: dict[str, Child], sims: list[Child],
                log: Callable[[str], None]) -> list[dict[str, dict[str, Any]]]:
     order = [t for t in TARGETS if t in relays]
     rounds: list[dict[str, dict[str, Any]]] = []
@@ -353,14 +357,14 @@ def run_rounds(plan: Plan, relays: dict[str, Child], watched: list[Child],
         shift = index % len(order)
         this_round: dict[str, dict[str, Any]] = {}
         for target in order[shift:] + order[:shift]:
-            for child in watched:
+            for child in (*sims, *relays.values()):
                 if not child.alive():
                     raise RuntimeError(f"{child.name} died:\n{child.log_tail()}")
             time.sleep(SETTLE_S)
             relay = relays[target]
-            figures = derive(run_loadgen(stream_spec(plan, relay.url, relay)))
+            figures = derive(run_loadgen(stream_spec(plan, relay.url, relay, sims)))
             this_round[target] = figures
-            log(f"  round {index + 1}/{plan.rounds} {target:13s} {brief(figures)}")
+            log(f"  round {index + 1}/{plan.rounds} {target:17s} {brief(figures)}")
         rounds.append(this_round)
     return rounds
 
@@ -371,6 +375,8 @@ def brief(f: dict[str, Any]) -> str:
     return (f"{f['rps']:6.1f} req/s  ttft p50 {_num(f['ttft_p50_ms'], 1)} "
             f"p99 {_num(f['ttft_p99_ms'], 1)}  e2e p50 {_num(f['e2e_p50_ms'], 0)} "
             f"p99 {_num(f['e2e_p99_ms'], 0)} ms  cpu {_num(f['cpu_us_per_chunk'], 1)} µs/chunk"
+            f"  relay {_num(f['relay_cpu_pct'], 0)}% sims {_num(f['sims_cpu_pct'], 0)}% "
+            f"client {_num(f['loadgen_cpu_pct'], 0)}% machine {_num(f['machine_busy_pct'], 0)}%"
             f"{errors}")
 
 
@@ -438,7 +444,8 @@ def run_memory(gateways: dict[str, Child], quick: bool,
 # --- summarising -----------------------------------------------------------------------
 
 _FIGURES = ("rps", "chunks_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
-            "cpu_us_per_chunk", "relay_cpu_pct", "machine_busy_pct")
+            "cpu_us_per_chunk", "relay_cpu_pct", "sims_cpu_pct", "loadgen_cpu_pct",
+            "machine_busy_pct")
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -471,26 +478,25 @@ def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     return {"order": order, "medians": medians, "vs_none": ratios}
 
 
-def verdicts(summary: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, Any]]:
-    stalled = summary["vs_none"]["gw-stalled"]
-    healthy = summary["vs_none"]["gw-healthy"]
-    errors = summary["medians"]["gw-stalled"]["errors"]
-    out = []
+def verdicts(summary: dict[str, Any], memory: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each target with its measured value; ``met`` is None where it was not measured."""
+    def check(target: str, value: float | None, limit: float, unit: str = "") -> None:
+        out.append({"target": target, "value": value, "unit": unit,
+                    "met": None if value is None else value <= limit})
+
+    out: list[dict[str, Any]] = []
+    stalled = summary["vs_none"].get("gw-stalled", {})
     for key, what in (("ttft_p99_ms", "TTFT"), ("e2e_p99_ms", "end-to-end")):
-        value = stalled[key]
-        out.append({"target": f"gateway {what} p99 stalled/none <= {TARGET_P99_RATIO}",
-                    "value": value, "met": value is not None and value <= TARGET_P99_RATIO})
-    out.append({"target": "gateway with stalled candidate: no errors", "value": errors,
-                 "met": errors == 0})
-    cpu = healthy["cpu_us_per_chunk"]
-    out.append({"target": f"gateway CPU/chunk healthy/none <= {TARGET_CPU_RATIO}",
-                "value": cpu, "met": cpu is not None and cpu <= TARGET_CPU_RATIO})
-    entry = memory["stalled"]
-    limit = memory["budget_bytes"] * TARGET_RSS_SLACK
-    out.append({"target": f"RSS growth under {memory['overload']}x overload <= budget x "
-                          f"{TARGET_RSS_SLACK} ({limit / MiB:.1f} MiB)",
-                "value": entry["growth_bytes"] / MiB, "unit": "MiB",
-                "met": entry["growth_bytes"] <= limit})
+        check(f"gateway {what} p99 stalled/none <= {TARGET_P99_RATIO}", stalled.get(key),
+              TARGET_P99_RATIO)
+    errors = summary["medians"].get("gw-stalled", {}).get("errors")
+    check("gateway with stalled candidate: no errors", errors, 0)
+    check(f"gateway CPU/chunk healthy/none <= {TARGET_CPU_RATIO}",
+          summary["vs_none"].get("gw-healthy", {}).get("cpu_us_per_chunk"), TARGET_CPU_RATIO)
+    limit = RSS_BUDGET * TARGET_RSS_SLACK
+    check(f"RSS growth under {RSS_OVERLOAD}x overload <= budget x {TARGET_RSS_SLACK} "
+          f"({limit / MiB:.1f} MiB)",
+          memory["stalled"]["growth_bytes"] / MiB if memory else None, limit / MiB, "MiB")
     return out
 
 
@@ -510,8 +516,8 @@ def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
 
 def latency_report(summary: dict[str, Any], rounds: int) -> str:
     header = ["target", "req/s", "chunks/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99",
-              "µs CPU/chunk", "relay CPU %", "machine %", "requests", "errors",
-              "p99 TTFT/none", "p99 e2e/none", "xput/none", "CPU/none"]
+              "µs CPU/chunk", "relay CPU %", "sims %", "client %", "machine %", "requests",
+              "errors",              "p99 TTFT/none", "p99 e2e/none", "xput/none", "CPU/none"]
     rows = []
     for t in summary["order"]:
         m = summary["medians"][t]
@@ -519,6 +525,7 @@ def latency_report(summary: dict[str, Any], rounds: int) -> str:
         rows.append([t, _num(m["rps"]), _num(m["chunks_per_s"], 0), _num(m["ttft_p50_ms"]),
                      _num(m["ttft_p99_ms"]), _num(m["e2e_p50_ms"], 0), _num(m["e2e_p99_ms"], 0),
                      _num(m["cpu_us_per_chunk"]), _num(m["relay_cpu_pct"]),
+                     _num(m["sims_cpu_pct"], 0), _num(m["loadgen_cpu_pct"], 0),
                      _num(m["machine_busy_pct"], 0), str(m["requests"]), str(m["errors"]),
                      *([_num(r["ttft_p99_ms"], 3), _num(r["e2e_p99_ms"], 3), _num(r["rps"], 3),
                         _num(r["cpu_us_per_chunk"], 2)] if r else ["1", "1", "1", "1"])])
@@ -601,6 +608,9 @@ def main() -> int:
                         help="one short round, memory phase without its control")
     parser.add_argument("--rounds", type=int, help="rounds (overrides the mode)")
     parser.add_argument("--no-nginx", action="store_true", help="leave nginx out")
+    parser.add_argument("--only", choices=TARGETS, action="append",
+                        help="measure only these latency targets (repeatable)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     args = parser.parse_args()
     plan = (Plan(rounds=args.rounds or 1, requests_per_worker=6, duration_s=4.0) if args.quick
             else Plan(rounds=args.rounds or 4, requests_per_worker=12, duration_s=8.0))
@@ -644,9 +654,9 @@ def main() -> int:
             "gw-stalled": started(spawn_gateway(workdir, code, "gw-stalled", primary.url,
                                                 [candidate_entry("stalled", stalled.url)])),
         }
-        memory_gateways = {label: started(child) for label, child in
-                           spawn_memory_gateways(workdir, code, primary, stalled,
-                                                 args.quick).items()}
+        memory_gateways = {} if args.no_memory else {
+            label: started(child) for label, child in
+            spawn_memory_gateways(workdir, code, primary, stalled, args.quick).items()}
         ready(primary, healthy, stalled, *relays.values(), *memory_gateways.values())
         if nginx:
             relays["nginx-none"] = started(start_nginx_mirror(workdir, nginx, "nginx-none",
@@ -655,15 +665,17 @@ def main() -> int:
                 workdir, nginx, "nginx-healthy", primary.url, healthy.url))
             relays["nginx-stalled"] = started(start_nginx_mirror(
                 workdir, nginx, "nginx-stalled", primary.url, stalled.url))
-        watched = [primary, healthy, stalled, *relays.values()]
-        rounds = run_rounds(plan, relays, watched, log)
-        counts = {name: mirror_counts(scrape(relays[name])) for name in GATEWAYS}
-        for name in GATEWAYS:
+        if args.only:
+            relays = {name: child for name, child in relays.items() if name in args.only}
+        rounds = run_rounds(plan, relays, [primary, healthy, stalled], log)
+        gateways = [name for name in GATEWAYS if name in relays]
+        counts = {name: mirror_counts(scrape(relays[name])) for name in gateways}
+        for name in gateways:
             counts[name]["rss_mib"] = read_status_kib(relays[name].pid).get("VmRSS", 0) / KiB
         # Stop the latency phase's gateways first: the memory phase wants the machine.
-        for name in GATEWAYS:
+        for name in gateways:
             relays[name].stop()
-        memory = run_memory(memory_gateways, args.quick, log)
+        memory = run_memory(memory_gateways, args.quick, log) if memory_gateways else None
 
     summary = summarise(rounds)
     checks = verdicts(summary, memory)
@@ -672,10 +684,12 @@ def main() -> int:
     print()
     print(rounds_report(rounds))
     print()
-    print(mirroring_report(counts))
+    if counts:
+        print(mirroring_report(counts))
     print()
-    print(memory_report(memory))
-    print()
+    if memory is not None:
+        print(memory_report(memory))
+        print()
     print("each case / its peer with no candidate, medians of within-round ratios:")
     for target, r in summary["vs_none"].items():
         if r["rps"] is not None:
@@ -688,8 +702,9 @@ def main() -> int:
     for v in checks:
         value = v["value"]
         shown = str(value) if isinstance(value, int) else _num(value, 3)
-        print(f"  {'PASS' if v['met'] else 'MISS':5s} {v['target']:58s} measured {shown}"
-              f"{' ' + v['unit'] if 'unit' in v else ''}")
+        state = {True: "PASS", False: "MISS", None: "NOT MEASURED"}[v["met"]]
+        print(f"  {state:5s} {v['target']:58s} measured {shown}"
+              f"{' ' + v['unit'] if v['unit'] else ''}")
     wall = time.monotonic() - began
     print(f"\nwall time {wall:.0f} s")
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(),

@@ -2,9 +2,9 @@
 understudy gateway, through a bare aiohttp relay (bench/_bare_relay.py: the same stack
 doing nothing but relaying), and through nginx ``proxy_pass``.
 
-    .venv/bin/python bench/proxy.py [--quick] [--rounds N] [--profile] [--client-usage]
+    .venv/bin/python bench/proxy.py [--quick] [--profile] [--rounds N] [--plain] ...
 
-Scenarios (each against its own simulator, with its own gateway and nginx in front):
+Scenarios (each against its own simulator, with its own relays in front):
   small-c1   small non-streamed chat requests, 1 at a time: added latency per request
   small-c32  the same, 32 concurrent: requests/s the relay sustains on this machine
   stream     streamed answers of 64 chunks at 20 ms spacing, 100 concurrent streams
@@ -14,14 +14,18 @@ Rules of the measurement:
    then gateway, aiohttp, nginx, direct; ...), so drift on a shared machine falls on all.
    Figures are medians over rounds; differences and ratios are taken within a round
    first (gateway vs the direct run next to it), then their median is reported.
-2. The load generator is its own process (bench/_loadgen.py); it reads the relay's
-   CPU time from /proc at the start and end of its measured phase. CPU per relayed chunk
-   = (utime + stime of the relay, nginx = master + worker) / SSE events the client got.
-3. The targets apply to the stream scenario: gateway/direct throughput >= 0.98,
+2. The load generator is its own process (bench/_loadgen.py, started once per run); it
+   reads the relay's CPU time from /proc at the start and end of its measured phase.
+   CPU per relayed chunk = (utime + stime of the relay, nginx = master + worker) / SSE
+   events the client got; the table also splits it into user and kernel time.
+3. Streams start spread evenly over one answer's duration, so 100 are in flight at a
+   steady arrival rate (``--burst`` starts each wave of 100 within 20 ms instead).
+4. The targets apply to the stream scenario: gateway/direct throughput >= 0.98,
    gateway - direct median TTFT <= 2 ms, gateway CPU per chunk <= 2x nginx's.
    Without nginx the benchmark still runs and says the CPU target was not measured.
 
-Results go to stdout and to bench/results/proxy.json.
+Results go to stdout and to bench/results/proxy.json (``--from-json`` prints them
+again); ``--profile`` adds a py-spy view of where the gateway's CPU per chunk goes.
 """
 
 from __future__ import annotations
@@ -250,13 +254,27 @@ def run_scenario(loadgen: LoadGen, scenario: Scenario, workdir: Path, code: Path
                     cpu_pids["relay"] = relay.cpu_pids()
                 url = relay.url if relay is not None else sim.url
                 time.sleep(SETTLE_S)
-                figures = derive(run_loadgen(loadgen, scenario, url, cpu_pids, client_usage))
+                try:
+                    figures = derive(run_loadgen(loadgen, scenario, url, cpu_pids,
+                                                 client_usage))
+                except RuntimeError as exc:
+                    raise RuntimeError(f"{scenario.key} round {index + 1}, {target}: {exc}\n"
+                                       + _children_state(sim, relays)) from exc
                 this_round[target] = figures
                 log(f"  {scenario.key} round {index + 1}/{scenario.rounds} {target:7s} "
                     + _brief(scenario, figures))
             rounds.append(this_round)
         return {"scenario": asdict(scenario), "targets": order, "rounds": rounds,
                 "summary": summarise(order, rounds)}
+
+
+def _children_state(sim: Child, relays: dict[str, Child | None]) -> str:
+    lines = []
+    for child in (sim, *(c for c in relays.values() if c is not None)):
+        state = "running" if child.alive() else f"exited with {child.proc.returncode}"
+        lines.append(f"--- {child.name} ({child.url}, pid {child.pid}): {state}; log tail:\n"
+                     f"{child.log_tail(15)}")
+    return "\n".join(lines)
 
 
 def _brief(scenario: Scenario, f: dict[str, Any]) -> str:
@@ -350,8 +368,13 @@ def _signed(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:+.{digits}f}"
 
 
+_PLAIN = False  # --plain: set once by main before anything is printed
+
+
 def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
     try:
+        if _PLAIN:
+            raise ImportError("--plain")
         from rich.console import Console  # type: ignore[import-not-found,unused-ignore]
         from rich.table import Table  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
@@ -571,10 +594,18 @@ def _main(stack: ExitStack) -> int:
     parser.add_argument("--burst", action="store_true",
                         help="start each wave of streams within 20 ms instead of spreading "
                              "the starts over one answer's duration")
+    parser.add_argument("--plain", action="store_true",
+                        help="plain-text tables even where rich is installed")
+    parser.add_argument("--from-json", type=Path, metavar="PATH",
+                        help="print the report of an earlier run (its results JSON) and exit")
     parser.add_argument("--profile", action="store_true",
                         help="after the rounds, sample the gateway with py-spy for one more "
                              "stream round and print where its CPU goes")
     args = parser.parse_args()
+    global _PLAIN
+    _PLAIN = args.plain
+    if args.from_json is not None:
+        return reprint(args.from_json)
 
     began = time.monotonic()
     nginx = None if args.no_nginx else find_nginx()
@@ -612,23 +643,9 @@ def _main(stack: ExitStack) -> int:
         results[scenario.key] = run_scenario(loadgen, scenario, workdir, code, nginx,
                                              not args.no_aiohttp, args.client_usage, log)
 
-    print()
-    for result in results.values():
-        print(scenario_report(result))
-        print()
-        print(rounds_report(result))
-        print()
     verdicts = targets(results["stream"], nginx is not None) if "stream" in results else []
-    if verdicts:
-        print("targets (stream scenario, medians over rounds):")
-        for v in verdicts:
-            state = {True: "PASS", False: "MISS", None: "NOT MEASURED (nginx absent)"}[v["met"]]
-            value = v["value"]
-            shown = value if isinstance(value, int) else _num(value, 3)
-            print(f"  {state:5s}  {v['target']:45s} measured {shown}")
-        stream_vs = results["stream"]["summary"]["vs_direct"]["gateway"]
-        print(f"  info   gateway - direct p99 TTFT: {_signed(stream_vs['added_ttft_p99_ms'])} ms"
-              " (no target; p99 on 2 shared cores is noisy)")
+    print()
+    print_report(results, verdicts)
     wall = time.monotonic() - began
     print(f"\nwall time {wall:.0f} s, load average {_loadavg()} (1, 5, 15 min; 2 cores = 2.0)")
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
@@ -651,6 +668,40 @@ def _main(stack: ExitStack) -> int:
             profile_text = f"profile: failed: {exc}"
         print(profile_text)
         write_results(meta, results, verdicts, profile_text)
+    return 0
+
+
+def print_report(results: dict[str, Any], verdicts: list[dict[str, Any]]) -> None:
+    for result in results.values():
+        print(scenario_report(result))
+        print()
+        print(rounds_report(result))
+        print()
+    if verdicts:
+        print("targets (stream scenario, medians over rounds):")
+        for v in verdicts:
+            state = {True: "PASS", False: "MISS",
+                     None: "NOT MEASURED (no nginx in this run)"}[v["met"]]
+            value = v["value"]
+            shown = value if isinstance(value, int) else _num(value, 3)
+            print(f"  {state:5s}  {v['target']:45s} measured {shown}")
+        stream_vs = results["stream"]["summary"]["vs_direct"]["gateway"]
+        print(f"  info   gateway - direct p99 TTFT: {_signed(stream_vs['added_ttft_p99_ms'])} ms"
+              " (no target; p99 on 2 shared cores is noisy)")
+
+
+def reprint(path: Path) -> int:
+    """Print the report of an earlier run from its JSON, without measuring anything."""
+    saved = json.loads(path.read_text())
+    meta = saved["meta"]
+    print(f"{path}: {meta['mode']} run of {meta['time']}, code {meta.get('code')}, "
+          f"nginx {meta['nginx'] or 'absent'}, wall {meta['wall_s']:.0f} s, "
+          f"load average at the end {meta.get('loadavg_end')}")
+    print()
+    print_report(saved["scenarios"], saved["targets"])
+    if saved.get("profile"):
+        print()
+        print(saved["profile"])
     return 0
 
 

@@ -37,7 +37,7 @@ from gateway._mirror import Candidate
 from gateway._openapi import Operation, openapi_document
 from gateway._state import GatewayState
 
-__all__ = ["ADMIN_STATE", "build_admin_app", "check_admin_binding"]
+__all__ = ["ADMIN_STATE", "admin_openapi", "build_admin_app", "check_admin_binding"]
 
 log = logging.getLogger("understudy.admin")
 
@@ -379,23 +379,27 @@ OPERATIONS: list[tuple[Operation, Handler]] = [
 ]
 
 
-def build_admin_app(state: GatewayState,
-                    extra: list[tuple[Operation, Handler]] | None = None) -> web.Application:
+def admin_openapi() -> dict[str, Any]:
+    """The admin API's OpenAPI document (served at /admin/v1/openapi.json)."""
+    document = openapi_document("understudy admin API", "1", [op for op, _ in OPERATIONS])
+    document["servers"] = [{"url": PREFIX}]
+    return document
+
+
+def build_admin_app(state: GatewayState) -> web.Application:
     token = state.config.admin.token
     app = web.Application(
         middlewares=[_errors, _auth(token.get_secret_value() if token else None)],
         client_max_size=MAX_ADMIN_BODY_BYTES,
     )
     app[ADMIN_STATE] = state
-    operations = [*OPERATIONS, *(extra or [])]
-    document = orjson.dumps(openapi_document("understudy admin API", "1",
-                                             [op for op, _ in operations]))
+    document = orjson.dumps(admin_openapi())
 
     async def openapi(_: web.Request) -> web.Response:
         return web.Response(body=document, content_type="application/json")
 
     app.router.add_get(PREFIX + "/openapi.json", openapi)
-    for op, handler in operations:
+    for op, handler in OPERATIONS:
         app.router.add_route(op.method, PREFIX + op.path, handler)
     return app
 

@@ -10,9 +10,17 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, SecretStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    SecretStr,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -119,7 +127,8 @@ class CandidateConfig(UpstreamConfig):
     forward_credentials: bool = False
     model: str | None = None  # rewrite the request's "model" for this candidate
     # JSON fields merged into each mirrored request body (e.g. {"temperature": 0.8}).
-    overrides: dict[str, JsonValue] = Field(default_factory=dict)
+    overrides: Annotated[dict[str, JsonValue], WithJsonSchema({"type": "object"})] = Field(
+        default_factory=dict)
     # "secondary": another replica of the primary, scored the same way to measure the
     # noise floor that candidates' quality differences must exceed.
     role: Literal["candidate", "secondary"] = "candidate"

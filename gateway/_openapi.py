@@ -57,7 +57,7 @@ def openapi_document(title: str, version: str, operations: list[Operation]) -> d
             }
         paths.setdefault(op.path, {})[op.method.lower()] = entry
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",  # its schemas are JSON Schema 2020-12, as pydantic emits
         "info": {"title": title, "version": version},
         "paths": paths,
         "components": {
@@ -72,7 +72,7 @@ _ERROR_SCHEMA = {
     "type": "object",
     "properties": {"error": {"type": "object", "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"nullable": True}, "code": {"type": "integer"}}}},
+        "param": {}, "code": {"type": "integer"}}}},
 }
 
 

@@ -14,10 +14,11 @@ is bitwise identical to computing the prompt from scratch.
 """
 
 from ._blockpool import BlockPool, KVBlock, NoFreeBlocksError, PrefixCacheStats, hash_block
-from ._engine import Engine, EngineStats, FinishReason, TokenEvent
+from ._engine import Engine
 from ._gguf import ModelConfig, default_gguf_path
 from ._kvstore import KVLayout
 from ._model import ForwardChunk, LlamaModel
+from ._request import EngineStats, FinishReason, TokenEvent
 from ._sampling import SamplingParams
 from ._tokenizer import ChatTokenizer
 

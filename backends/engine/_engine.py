@@ -28,16 +28,16 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from ._attention import MIN_GEMM_ROWS
-from ._blockpool import BlockHash, BlockPool, ExtraKey, KVBlock, PrefixCacheStats, hash_blocks
+from ._blockpool import BlockPool, ExtraKey, KVBlock, hash_blocks
 from ._kvstore import DEFAULT_BLOCK_SIZE, KVLayout
 from ._model import ForwardChunk, LlamaModel
+from ._request import EngineStats, FinishReason, Request, TokenEvent
 from ._sampling import SamplingParams, sample_token
 from ._speculation import propose_drafts
 
@@ -46,61 +46,13 @@ __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
     "Engine",
-    "EngineStats",
-    "FinishReason",
-    "TokenEvent",
 ]
 
 DEFAULT_KV_LIMIT_BYTES = 1 << 30
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
-FinishReason = Literal["stop", "length"]
 Float32Array = npt.NDArray[np.float32]
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One generated token of one request."""
-
-    request_id: str
-    token_id: int
-    logprob: float
-    index: int
-    num_prompt_tokens: int
-    cached_tokens: int
-    finish_reason: FinishReason | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv: PrefixCacheStats
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    request_id: str
-    prompt_len: int
-    params: SamplingParams
-    rng: np.random.Generator
-    extra_keys: tuple[ExtraKey, ...]
-    tokens: list[int]
-    block_hashes: list[BlockHash] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    num_registered: int = 0
-    cached_tokens: int | None = None
-    drafts: list[int] = field(default_factory=list)
-
-    @property
-    def num_output(self) -> int:
-        return len(self.tokens) - self.prompt_len
 
 
 class Engine:
@@ -143,9 +95,9 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.speculative_tokens = max(0, speculative_tokens)
         self._stop_ids = model.tokenizer.stop_token_ids
-        self._requests: dict[str, _Request] = {}
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
         self._ids = itertools.count()
 
     # -- requests ---------------------------------------------------------------------------
@@ -178,7 +130,7 @@ class Engine:
                 f"request needs {needed} KV blocks, the pool has {self.pool.num_blocks}"
             )
         extra: tuple[ExtraKey, ...] = (cache_salt,) if cache_salt is not None else ()
-        request = _Request(
+        request = Request(
             request_id=request_id,
             prompt_len=len(prompt),
             params=params,
@@ -281,7 +233,7 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _rehash(self, request: _Request) -> None:
+    def _rehash(self, request: Request) -> None:
         request.block_hashes = hash_blocks(
             self.pool.seed,
             request.tokens,
@@ -293,9 +245,9 @@ class Engine:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _schedule(self) -> list[tuple[_Request, int]]:
+    def _schedule(self) -> list[tuple[Request, int]]:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[_Request, int]] = []
+        scheduled: list[tuple[Request, int]] = []
         preempted = False
         index = 0
         while index < len(self._running) and budget > 0:
@@ -338,7 +290,7 @@ class Engine:
             budget -= count
         return scheduled
 
-    def _preempt(self, request: _Request) -> None:
+    def _preempt(self, request: Request) -> None:
         self._running.remove(request)
         self.pool.release(request.block_table)
         request.block_table = []
@@ -346,7 +298,7 @@ class Engine:
         request.num_registered = 0
         self._waiting.appendleft(request)
 
-    def _register_full_blocks(self, request: _Request) -> None:
+    def _register_full_blocks(self, request: Request) -> None:
         full = min(request.num_computed // self.block_size, len(request.block_hashes))
         bs = self.block_size
         for index in range(request.num_registered, full):
@@ -360,7 +312,7 @@ class Engine:
             )
         request.num_registered = max(request.num_registered, full)
 
-    def _add_drafts(self, scheduled: list[tuple[_Request, int]]) -> None:
+    def _add_drafts(self, scheduled: list[tuple[Request, int]]) -> None:
         """Fill the padding rows of a small decode batch with prompt-lookup drafts."""
         spare = MIN_GEMM_ROWS - sum(count for _, count in scheduled)
         if spare <= 0 or not self.speculative_tokens:
@@ -385,7 +337,7 @@ class Engine:
             request.drafts = drafts
             spare -= len(drafts)
 
-    def _emit(self, request: _Request, rows: Float32Array) -> list[TokenEvent]:
+    def _emit(self, request: Request, rows: Float32Array) -> list[TokenEvent]:
         """Sample from the logits rows, verify drafts, append tokens, finish if done."""
         drafts, request.drafts = request.drafts, []
         params = request.params

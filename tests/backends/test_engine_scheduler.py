@@ -14,7 +14,7 @@ from backends.engine import Engine, LlamaModel, SamplingParams, TokenEvent
 from backends.engine._kvstore import KVLayout
 
 KV_LIMIT = 64 << 20
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def _drain(engine: Engine) -> dict[str, list[TokenEvent]]:
 def _solo(
     model: LlamaModel, prompt: Sequence[int], params: SamplingParams
 ) -> list[tuple[int, float]]:
-    engine = Engine(model, KV_LIMIT, enable_prefix_caching=False)
+    engine = Engine(model, KV_LIMIT, enable_prefix_caching=False, speculative_tokens=0)
     engine.add_request("solo", prompt, params)
     return [(e.token_id, e.logprob) for e in _drain(engine)["solo"]]
 
@@ -103,7 +103,7 @@ def test_whole_prompt_cached_still_computes_the_last_token(model: LlamaModel) ->
 def test_preemption_under_a_tight_kv_limit(model: LlamaModel) -> None:
     layout = KVLayout.for_model(model.config)
     prompts = [_chat(model, "Describe a cat."), _chat(model, "Describe a dog.")]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     per_request = -(-(max(map(len, prompts)) + params.max_tokens) // layout.block_size)
     blocks = per_request + per_request // 2  # room for one and a half requests
     engine = Engine(model, (blocks + 1) * layout.bytes_per_block)
@@ -139,18 +139,32 @@ def test_kv_export_import_between_engines(model: LlamaModel) -> None:
 
 def test_sampling_is_seeded_and_batch_independent(model: LlamaModel) -> None:
     prompt = _chat(model, "Invent a name for a boat.")
-    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
     engine = Engine(model, KV_LIMIT)
     engine.add_request("a", prompt, params)
     engine.add_request("b", prompt, params)
-    engine.add_request("other", _chat(model, "Hello"), SamplingParams(max_tokens=10, seed=1))
+    engine.add_request("other", _chat(model, "Hello"), SamplingParams(max_tokens=6, seed=1))
     events = _drain(engine)
     assert _trace(events["a"]) == _trace(events["b"]) == _solo(model, prompt, params)
-    narrow = SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
-    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    narrow = SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     assert [t for t, _ in _solo(model, prompt, narrow)] == [
         t for t, _ in _solo(model, prompt, greedy)
     ]
+
+
+def test_drafts_in_padding_rows_change_nothing_but_the_step_count(model: LlamaModel) -> None:
+    prompt = _chat(model, "Repeat after me three times: red, green, blue.")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = Engine(model, KV_LIMIT)
+    engine.add_request("spec", prompt, params)
+    steps, events = 0, []
+    while engine.has_unfinished_requests():
+        events.extend(engine.step())
+        steps += 1
+    assert _trace(events) == _solo(model, prompt, params)
+    assert [e.index for e in events] == list(range(24))
+    assert steps < 24  # some drafts were accepted
 
 
 def test_stop_conditions(model: LlamaModel) -> None:
