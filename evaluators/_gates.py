@@ -258,9 +258,17 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
         x = c.std_ratio
         if x is None:
             x = math.inf if c.std_candidate > 0.0 else 1.0
-        evidence = _Evidence(x, None, None, c.variance_increased)
         label = f"std ratio candidate/primary (Brown-Forsythe p={c.variance_p_value:.3g})"
-        checks.append(_graded("std_ratio", label, evidence, gate.max_std_ratio, band))
+        tail_no_worse = c.tail_ratio is not None and _worse_ratio(c.tail_ratio, hib) <= 1.0
+        if c.significantly_better and tail_no_worse:
+            # A wider spread around a better centre, with a bad tail no worse than the
+            # primary's, harms nobody: the variance check guards against hidden tails.
+            checks.append(Check("std_ratio", Outcome.PASS, x, gate.max_std_ratio, None, None,
+                                c.variance_increased, f"{label}: {x:.4g}; the candidate is "
+                                "significantly better and its bad tail is no worse"))
+        else:
+            evidence = _Evidence(x, None, None, c.variance_increased)
+            checks.append(_graded("std_ratio", label, evidence, gate.max_std_ratio, band))
     return checks
 
 

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 
 scripts/setup.sh
 scripts/setup-vllm.sh
+scripts/start-postgres.sh
 echo "test: ruff"
 .venv/bin/ruff check .
 echo "test: mypy (strict on the packages)"

@@ -35,7 +35,15 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["KEY_CHUNK", "MIN_GEMM_ROWS", "QUERY_TILE", "attend", "key_span", "pad_rows"]
+__all__ = [
+    "KEY_CHUNK",
+    "MIN_GEMM_ROWS",
+    "QUERY_TILE",
+    "attend",
+    "attend_decode",
+    "key_span",
+    "pad_rows",
+]
 
 Float32Array = npt.NDArray[np.float32]
 
@@ -107,15 +115,53 @@ def attend(
         scores = q_tile @ keys_t[:, :, :span]
         mask = _causal_mask(lo - tile_start, hi - tile_start, group, padded)
         np.copyto(scores[:, :, tile_start:span], -np.inf, where=mask)
-        peak = scores.max(axis=-1, keepdims=True)
-        np.subtract(scores, peak, out=scores)
-        np.exp(scores, out=scores)
-        denom = scores.sum(axis=-1, keepdims=True)
-        first = min(KEY_CHUNK, span)
-        acc = scores[:, :, :first] @ values[:, :first]
-        for chunk in range(KEY_CHUNK, span, KEY_CHUNK):
-            stop = min(chunk + KEY_CHUNK, span)
-            acc += scores[:, :, chunk:stop] @ values[:, chunk:stop]
-        np.divide(acc, denom, out=acc)
+        acc = _softmax_times_values(scores, values, span)
         out[:, row_lo:row_hi] = acc[:, :count]
     return out.reshape(kv_heads, n, group, head_dim).transpose(1, 0, 2, 3)
+
+
+def _softmax_times_values(scores: Float32Array, values: Float32Array, span: int) -> Float32Array:
+    """softmax(scores) @ values[..., :span, :], rows normalised after the product.
+
+    ``scores``: [..., rows, span] (masked entries -inf), consumed in place; ``values``:
+    [..., >= span, head_dim].  Every reduction runs over exactly ``span`` keys (rules 2 and 3).
+    """
+    peak = scores.max(axis=-1, keepdims=True)
+    np.subtract(scores, peak, out=scores)
+    np.exp(scores, out=scores)
+    denom = scores.sum(axis=-1, keepdims=True)
+    first = min(KEY_CHUNK, span)
+    acc: Float32Array = scores[..., :first] @ values[..., :first, :]
+    for chunk in range(KEY_CHUNK, span, KEY_CHUNK):
+        stop = min(chunk + KEY_CHUNK, span)
+        acc += scores[..., chunk:stop] @ values[..., chunk:stop, :]
+    np.divide(acc, denom, out=acc)
+    return acc
+
+
+def attend_decode(
+    q: Float32Array,
+    positions: npt.NDArray[np.intp],
+    keys_t: Float32Array,
+    values: Float32Array,
+) -> Float32Array:
+    """Attention of one query per sequence, for sequences whose queries share a tile.
+
+    ``q``: [seqs, kv_heads, group, head_dim]; ``positions``: [seqs], all in one query tile;
+    ``keys_t``: [seqs, kv_heads, head_dim, key_span], ``values``: [seqs, kv_heads, key_span,
+    head_dim] (strided views are fine).  Each sequence's products have exactly the shapes
+    ``attend`` gives a lone query (rows padded to ``MIN_GEMM_ROWS``), so the bits are the same.
+    """
+    seqs, kv_heads, group, head_dim = q.shape
+    span = keys_t.shape[-1]
+    tile_start = span - QUERY_TILE
+    padded = max(group, MIN_GEMM_ROWS)
+    q_tile = np.zeros((seqs, kv_heads, padded, head_dim), dtype=np.float32)
+    q_tile[:, :, :group] = q
+    scores = q_tile @ keys_t
+    mask = np.zeros((seqs, 1, padded, QUERY_TILE), dtype=np.bool_)
+    offsets = (positions - tile_start)[:, None, None, None]
+    np.greater(np.arange(QUERY_TILE), offsets, out=mask[:, :, :group])
+    np.copyto(scores[..., tile_start:], -np.inf, where=mask)
+    acc = _softmax_times_values(scores, values, span)
+    return acc[:, :, :group]

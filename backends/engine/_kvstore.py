@@ -98,6 +98,21 @@ class KVStorage:
             values.reshape(lay.num_kv_heads, tokens, lay.head_dim),
         )
 
+    def gather_group(self, layer: int, tables: IntArray) -> tuple[Float32Array, Float32Array]:
+        """Views ``(K^T [seqs, kv_heads, head_dim, tokens], V [seqs, kv_heads, tokens, head_dim])``.
+
+        ``tables``: [seqs, blocks], one equally long block table per sequence.
+        """
+        lay = self.layout
+        seqs, blocks = tables.shape
+        tokens = blocks * lay.block_size
+        keys_t = np.take(self.keys[layer], tables.ravel(), axis=2)
+        values = np.take(self.values[layer], tables.ravel(), axis=1)
+        return (
+            keys_t.reshape(lay.num_kv_heads, lay.head_dim, seqs, tokens).transpose(2, 0, 1, 3),
+            values.reshape(lay.num_kv_heads, seqs, tokens, lay.head_dim).transpose(1, 0, 2, 3),
+        )
+
     def read_block(self, block_id: int) -> Float32Array:
         """A copy of one block in the exchange format."""
         out = np.empty(self.layout.block_shape, dtype=np.float32)

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from ._attention import MIN_GEMM_ROWS, attend, key_span, pad_rows
+from ._attention import MIN_GEMM_ROWS, attend, attend_decode, key_span, pad_rows
 from ._gguf import GGUFModel, read_gguf
 from ._kvstore import NULL_BLOCK, KVStorage
 from ._tokenizer import ChatTokenizer
@@ -55,6 +55,57 @@ class ForwardChunk:
             raise ValueError("a forward chunk needs at least one token")
         if self.start < 0:
             raise ValueError("start must be >= 0")
+
+
+class _Plan:
+    """Row layout of one forward call: token rows, K/V slots, attention groups."""
+
+    __slots__ = (
+        "bounds",
+        "decode_groups",
+        "ids",
+        "positions",
+        "prefills",
+        "rows",
+        "slots",
+        "total",
+    )
+
+    def __init__(self, chunks: Sequence[ForwardChunk], block_size: int, max_positions: int) -> None:
+        lengths = [len(c.token_ids) for c in chunks]
+        self.bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.intp)
+        self.total = int(self.bounds[-1])
+        self.rows = max(self.total, MIN_GEMM_ROWS)
+        self.ids = np.zeros(self.rows, dtype=np.intp)
+        self.positions = np.zeros(self.rows, dtype=np.intp)
+        slot_blocks, slot_offsets = [], []
+        singles: dict[int, list[tuple[int, IntArray]]] = {}
+        self.prefills: list[tuple[int, int, IntArray]] = []
+        for chunk, lo, hi in zip(chunks, self.bounds[:-1], self.bounds[1:], strict=True):
+            if chunk.start + (hi - lo) > max_positions:
+                raise ValueError(f"sequence longer than max_model_len={max_positions}")
+            self.ids[lo:hi] = chunk.token_ids
+            pos = np.arange(chunk.start, chunk.start + (hi - lo), dtype=np.intp)
+            self.positions[lo:hi] = pos
+            table = np.asarray(chunk.block_table, dtype=np.intp)
+            slot_blocks.append(table[pos // block_size])
+            slot_offsets.append(pos % block_size)
+            span_blocks = key_span(int(pos[-1]) + 1) // block_size
+            padded = np.full(span_blocks, NULL_BLOCK, dtype=np.intp)
+            used = min(span_blocks, table.size)
+            padded[:used] = table[:used]
+            if hi - lo == 1:
+                singles.setdefault(span_blocks, []).append((int(lo), padded))
+            else:
+                self.prefills.append((int(lo), int(hi), padded))
+        self.slots = (np.concatenate(slot_blocks), np.concatenate(slot_offsets))
+        self.decode_groups = [
+            (
+                np.array([row for row, _ in members], dtype=np.intp),
+                np.stack([table for _, table in members]),
+            )
+            for members in singles.values()
+        ]
 
 
 def _rms_norm(x: Float32Array, weight: Float32Array, eps: float) -> Float32Array:
@@ -166,38 +217,15 @@ class LlamaModel:
         Returns one array per chunk: [0 | 1 | len(token_ids), vocab] float32.
         """
         cfg = self.config
-        block_size = kv.layout.block_size
-        lengths = [len(c.token_ids) for c in chunks]
-        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.intp)
-        total = int(bounds[-1])
-        rows = max(total, MIN_GEMM_ROWS)
-        if any(
-            c.start + n > cfg.max_position_embeddings for c, n in zip(chunks, lengths, strict=True)
-        ):
-            raise ValueError(f"sequence longer than max_model_len={cfg.max_position_embeddings}")
-
-        ids = np.zeros(rows, dtype=np.intp)
-        positions = np.zeros(rows, dtype=np.intp)
-        slots: list[tuple[IntArray, IntArray]] = []
-        tables: list[IntArray] = []
-        for chunk, lo, hi in zip(chunks, bounds[:-1], bounds[1:], strict=True):
-            ids[lo:hi] = chunk.token_ids
-            pos = np.arange(chunk.start, chunk.start + (hi - lo), dtype=np.intp)
-            positions[lo:hi] = pos
-            table = np.asarray(chunk.block_table, dtype=np.intp)
-            slots.append((table[pos // block_size], pos % block_size))
-            span_blocks = key_span(int(pos[-1]) + 1) // block_size
-            padded = np.full(span_blocks, NULL_BLOCK, dtype=np.intp)
-            used = min(span_blocks, table.size)
-            padded[:used] = table[:used]
-            tables.append(padded)
-
-        x = self.embed[ids]
+        plan = _Plan(chunks, kv.layout.block_size, cfg.max_position_embeddings)
+        rows, total = plan.rows, plan.total
+        x = self.embed[plan.ids]
         if rows > total:
             x[total:] = 0.0
-        cos = self.rope_cos[positions][:, None, :]
-        sin = self.rope_sin[positions][:, None, :]
+        cos = self.rope_cos[plan.positions][:, None, :]
+        sin = self.rope_sin[plan.positions][:, None, :]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        group = heads // kv_heads
         q_end = heads * head_dim
         k_end = q_end + kv_heads * head_dim
         inter = cfg.intermediate_size
@@ -208,14 +236,17 @@ class LlamaModel:
                 q = _rope(qkv[:, :q_end].reshape(rows, heads, head_dim), cos, sin)
                 k = _rope(qkv[:, q_end:k_end].reshape(rows, kv_heads, head_dim), cos, sin)
                 v = qkv[:, k_end:].reshape(rows, kv_heads, head_dim)
+                kv.write(layer, plan.slots, k[:total], v[:total])
                 attn = np.zeros((rows, heads * head_dim), dtype=np.float32)
-                for chunk, lo, hi, slot, table in zip(
-                    chunks, bounds[:-1], bounds[1:], slots, tables, strict=True
-                ):
-                    kv.write(layer, slot, k[lo:hi], v[lo:hi])
+                for members, tables in plan.decode_groups:
+                    keys_t, values = kv.gather_group(layer, tables)
+                    q_group = q[members].reshape(members.size, kv_heads, group, head_dim)
+                    out = attend_decode(q_group, plan.positions[members], keys_t, values)
+                    attn[members] = out.reshape(members.size, heads * head_dim)
+                for lo, hi, table in plan.prefills:
                     keys_t, values = kv.gather(layer, table)
-                    group_q = q[lo:hi].reshape(hi - lo, kv_heads, heads // kv_heads, head_dim)
-                    out = attend(group_q, chunk.start, keys_t, values)
+                    q_seq = q[lo:hi].reshape(hi - lo, kv_heads, group, head_dim)
+                    out = attend(q_seq, int(plan.positions[lo]), keys_t, values)
                     attn[lo:hi] = out.reshape(hi - lo, heads * head_dim)
                 x += attn @ self.w_o[layer]
                 h = _rms_norm(x, self.ffn_norm[layer], cfg.rms_norm_eps)
@@ -228,6 +259,7 @@ class LlamaModel:
                 act *= up
                 x += act @ self.w_down[layer]
 
+        bounds = plan.bounds
         wanted: list[IntArray] = []
         for chunk, lo, hi in zip(chunks, bounds[:-1], bounds[1:], strict=True):
             if chunk.logits == "all":

@@ -37,7 +37,7 @@ MAX_CACHED_BACKENDS = 4096
 """Backend ids kept in memory; past it the cache starts over (names are few in practice)."""
 LOOKUP_CHUNK = 500
 """Keys per ``IN (...)`` lookup: far below every driver's bound on bind parameters."""
-STATEMENT_ROWS = 1000
+STATEMENT_ROWS = 500
 """Rows per INSERT statement. The writer shares the gateway's event loop: building and
 encoding one statement's parameters is a stretch of CPU with no await in it, and this
 bounds that stretch to a few milliseconds, whatever the batch size."""
