@@ -166,12 +166,19 @@ def _wait_http(child: Child, url: str, timeout_s: float = READY_TIMEOUT_S) -> No
                        f"{child.log_tail()}")
 
 
-def _spawn(name: str, argv: list[str], workdir: Path, code: Path) -> Child:
-    """Start ``argv`` in ``code`` (``python -m`` puts the cwd first on sys.path)."""
+def _spawn(name: str, argv: list[str], workdir: Path, code: Path, *,
+           cwd: Path | None = None) -> Child:
+    """Start ``argv`` in ``code`` (``python -m`` puts the cwd first on sys.path), or in
+    ``cwd`` with ``code`` first on PYTHONPATH; it logs to ``workdir/NAME.log``."""
     log = workdir / f"{name}.log"
+    env = None
+    if cwd is not None:
+        env = {**os.environ,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(code),
+                                                           os.environ.get("PYTHONPATH")]))}
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=code, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, cwd=cwd or code, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return Child(name, proc, log)
 
 
@@ -198,11 +205,18 @@ def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, token
 
 
 def start_gateway(workdir: Path, code: Path, primary_url: str) -> Child:
-    """The understudy gateway (one process, uvloop) in front of ``primary_url``."""
+    """The understudy gateway (one process, uvloop) in front of ``primary_url``.
+
+    Each gateway runs in a directory of its own: its embedded store (SQLite, a file in
+    the working directory by default) holds the routing, and a gateway adopts the primary
+    stored there over ``--primary``, so two gateways sharing a directory would share a
+    primary."""
     port = free_port()
+    run_dir = workdir / f"gateway-{port}"
+    run_dir.mkdir()
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
             "--primary", primary_url, "--host", "127.0.0.1", "--port", str(port)]
-    child = _spawn("gateway", argv, workdir, code)
+    child = _spawn("gateway", argv, run_dir, code, cwd=run_dir)
     child.url = f"http://127.0.0.1:{port}"
     _wait_http(child, child.url + "/health")
     return child

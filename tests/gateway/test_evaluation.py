@@ -7,6 +7,7 @@ PostgreSQL in turn.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from typing import Any
@@ -87,9 +88,10 @@ async def test_sparse_data_is_inconclusive(tmp_path: Any) -> None:
     assert report["verdict"] == "INCONCLUSIVE"
     assert any("too few samples" in r for r in report["reasons"])
     # The same store read from the terminal.
-    printed = subprocess.run(
+    printed = (await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, "-m", "gateway.cli", "report", "cand", "--db", url],
-        capture_output=True, text=True, check=True).stdout
+        capture_output=True, text=True, check=True)).stdout
     assert "INCONCLUSIVE" in printed and "latency.ttft_s" in printed
 
 

@@ -131,7 +131,8 @@ async def test_promote_and_rollback_under_load_loses_nothing() -> None:
     """Every request completes, wholly on one backend, while the primary flips."""
     async with run_sim(ttft_ms=2, itl_ms=2, tokens=10) as a, \
             run_sim(ttft_ms=2, itl_ms=2, tokens=10, variant="b") as b, \
-            run_gateway(a.url, candidates=[{"name": "b", "url": b.url, "sample_rate": 0.0}]) as gw, \
+            run_gateway(a.url, candidates=[{"name": "b", "url": b.url,
+                                            "sample_rate": 0.0}]) as gw, \
             aiohttp.ClientSession() as http:
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
         direct = {name: openai.AsyncOpenAI(base_url=sim.base_url, api_key="x")

@@ -24,7 +24,7 @@ async def _replica(primary: str, candidate: str, db: str) -> AsyncIterator[tuple
     port, admin = free_port(), free_port()
     env = {**os.environ, "UNDERSTUDY_ADMIN_TOKEN": TOKEN,
            "UNDERSTUDY_ADMIN__ROUTING_POLL_INTERVAL_S": str(POLL_INTERVAL_S)}
-    process = subprocess.Popen(
+    process = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block
         [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
          "--primary", primary, "--candidate", f"cand={candidate}", "--port", str(port),
          "--admin-port", str(admin), "--db", db], env=env)
@@ -64,7 +64,8 @@ async def test_two_replicas_converge_on_a_promotion_and_a_rollback(pg_database: 
         assert (await _routing(http, admin_b))["version"] == 1
         # Promote on replica A with the CLI, as an operator would.
         env = {**os.environ, "UNDERSTUDY_ADMIN_TOKEN": TOKEN}
-        promoted = subprocess.run(
+        promoted = await asyncio.to_thread(
+            subprocess.run,
             [sys.executable, "-m", "gateway.cli", "promote", "cand", "--force",
              "--reason", "replica test", "--admin-url", admin_a],
             env=env, capture_output=True, text=True, timeout=60)
@@ -81,7 +82,8 @@ async def test_two_replicas_converge_on_a_promotion_and_a_rollback(pg_database: 
             assert resp.status == 200
         assert candidate.stats.requests_seen == before + 1
         # A rollback on B reaches A the same way.
-        rolled = subprocess.run(
+        rolled = await asyncio.to_thread(
+            subprocess.run,
             [sys.executable, "-m", "gateway.cli", "rollback", "--admin-url", admin_b],
             env=env, capture_output=True, text=True, timeout=60)
         assert rolled.returncode == 0, rolled.stderr
