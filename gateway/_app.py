@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,7 +49,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
             lambda: evaluation.pipeline.stats if evaluation.pipeline else None,
             lambda: evaluation.writer.stats if evaluation.writer else None,
         ))
-    routing = Routing(1, Backend(config.primary.name, config.primary.url))
+    routing = Routing.configured(Backend(config.primary.name, config.primary.url))
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
                     evaluation or sink or MemorySink(config.mirror.sink_capacity))
 
@@ -174,6 +175,8 @@ async def serve(
             await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
             log.info("understudy admin API on http://%s:%s/admin/v1", config.admin.host,
                      admin_runner.addresses[0][1])
+        # Everything built so far lives until shutdown: keep the collector from scanning it.
+        gc.freeze()
         if on_ready is not None:
             result = on_ready(port)
             if result is not None:

@@ -57,6 +57,9 @@ class Joiner:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def expects(self, request_id: str) -> bool:
+        return request_id in self._pending
+
     def expect(self, request_id: str, candidate: str, session_key: str, route: str,
                now: float) -> None:
         entry = self._pending.get(request_id)

@@ -125,6 +125,10 @@ class Mirror:
             else:
                 self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome)
 
+    def expects(self, request_id: str) -> bool:
+        """Whether a candidate's answer to ``request_id`` waits for the primary's."""
+        return self.joiner.expects(request_id)
+
     def primary_done(self, observation: Observation) -> None:
         self.joiner.primary(observation)
 

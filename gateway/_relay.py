@@ -120,7 +120,7 @@ class UsageEventFilter:
             self._pending = data
             return b""
         complete, self._pending = data[: cut + 2], data[cut + 2 :]
-        if not self._held and not any(m in complete for m in (*self._USAGE, *self._TERMINAL)):
+        if not self._held and not _has_marker(complete):
             return complete
         out: list[bytes] = []
         for event in complete[:-2].split(b"\n\n"):
@@ -138,6 +138,12 @@ class UsageEventFilter:
         rest = b"".join(e + b"\n\n" for e in self._held) + self._pending
         self._held, self._pending = [], b""
         return rest
+
+
+def _has_marker(data: bytes) -> bool:
+    """Whether ``data`` may hold a usage or a terminal event (plain ``in``: per chunk)."""
+    return (b'"choices":[]' in data or b'"choices": []' in data
+            or b'"finish_reason":"' in data or b'"finish_reason": "' in data)
 
 
 def _fingerprint(event: bytes) -> bytes | None:
@@ -272,7 +278,10 @@ def _record(state: GatewayState, capture: Capture, request_id: str, route: Route
         metrics.ttft.labels(route).observe(capture.chunk_times[0] - capture.started)
     if capture.ended is not None and capture.error is None:
         metrics.e2e.labels(route).observe(capture.ended - capture.started)
-    observation = observe(capture, request_id=request_id, backend=capture.backend,
-                          route=route, wall_started=wall_started)
-    state.observations.accept(observation)
-    state.mirror.primary_done(observation)
+    # Parsing the captured answer costs per event: it is done only when a candidate waits
+    # for it; the record of recent answers parses lazily, when someone reads it.
+    state.observations.accept(capture, request_id, route, wall_started)
+    if state.mirror.expects(request_id):
+        state.mirror.primary_done(observe(capture, request_id=request_id,
+                                          backend=capture.backend, route=route,
+                                          wall_started=wall_started))

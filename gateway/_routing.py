@@ -68,6 +68,13 @@ class Routing:
     primary: Backend
     previous: Backend | None = None  # the rollback target
     canary: Canary | None = None
+    # The configured primary this history started from: a replica whose configuration
+    # names another primary starts a new history instead of adopting this one.
+    origin: Backend | None = None
+
+    @classmethod
+    def configured(cls, primary: Backend, version: int = 1) -> Routing:
+        return cls(version, primary, origin=primary)
 
     def chooses_canary(self, session_key: str) -> bool:
         canary = self.canary
@@ -75,12 +82,14 @@ class Routing:
                                               canary.percent / 100.0)
 
     def promoted(self, backend: Backend) -> Routing:
-        return Routing(self.version + 1, primary=backend, previous=self.primary)
+        return Routing(self.version + 1, primary=backend, previous=self.primary,
+                       origin=self.origin)
 
     def rolled_back(self) -> Routing:
         if self.previous is None:
             raise ValueError("there is no previous primary to roll back to")
-        return Routing(self.version + 1, primary=self.previous, previous=self.primary)
+        return Routing(self.version + 1, primary=self.previous, previous=self.primary,
+                       origin=self.origin)
 
     def with_canary(self, canary: Canary | None) -> Routing:
         return replace(self, version=self.version + 1, canary=canary)
@@ -88,15 +97,16 @@ class Routing:
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "primary": self.primary.to_dict(),
                 "previous": self.previous.to_dict() if self.previous else None,
-                "canary": self.canary.to_dict() if self.canary else None}
+                "canary": self.canary.to_dict() if self.canary else None,
+                "origin": self.origin.to_dict() if self.origin else None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Routing:
-        previous = data.get("previous")
-        canary = data.get("canary")
+        previous, canary, origin = data.get("previous"), data.get("canary"), data.get("origin")
         return cls(int(data["version"]), Backend(**data["primary"]),
                    Backend(**previous) if previous else None,
-                   Canary.from_dict(canary) if canary else None)
+                   Canary.from_dict(canary) if canary else None,
+                   Backend(**origin) if origin else None)
 
 
 @dataclass(slots=True)

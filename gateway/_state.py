@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from evaluators import Observation
+from evaluators import Capture, Observation, observe
 from gateway._config import GatewayConfig
 from gateway._evaluation import Evaluation
 from gateway._metrics import GatewayMetrics
@@ -17,26 +17,25 @@ __all__ = ["GatewayState", "RecentObservations"]
 
 
 class RecentObservations:
-    """The last ``capacity`` primary observations, for tests and the admin view.
+    """The last ``capacity`` primary answers, for tests and operators to look at.
 
-    The mirroring join replaces this as the consumer of observations; this stays the
-    bounded record of what the primary did.
+    It keeps the raw captures (bounded by ``[capture]``) and parses them only when read,
+    so the relay pays nothing per event for it.
     """
 
     def __init__(self, capacity: int) -> None:
-        self._items: deque[Observation] = deque(maxlen=capacity)
+        self._items: deque[tuple[Capture, str, str, float]] = deque(maxlen=capacity)
 
-    def accept(self, observation: Observation) -> None:
-        self._items.append(observation)
+    def accept(self, capture: Capture, request_id: str, route: str,
+               wall_started: float) -> None:
+        self._items.append((capture, request_id, route, wall_started))
 
     def __len__(self) -> int:
         return len(self._items)
 
     def snapshot(self) -> list[Observation]:
-        return list(self._items)
-
-    def find(self, request_id: str) -> Observation | None:
-        return next((o for o in reversed(self._items) if o.request_id == request_id), None)
+        return [observe(c, request_id=rid, backend=c.backend, route=route, wall_started=wall)
+                for c, rid, route, wall in list(self._items)]
 
 
 @dataclass(slots=True)

@@ -72,12 +72,32 @@ class RoutingSync:
             except StoreError:  # another replica inserted it at the same moment
                 stored = await load_routing(engine)
         if stored is not None:
-            await self._apply(Routing.from_dict(stored[1]))
-            log.info("routing: adopted version %d (primary %s)", self._routing.version,
-                     self._routing.primary.name)
+            await self._adopt(engine, Routing.from_dict(stored[1]))
         self._poller = asyncio.create_task(self._poll(), name="routing-poll")
         if engine.dialect.name == "postgresql":
             await self._listen(engine)
+
+    async def _adopt(self, engine: AsyncEngine, stored: Routing) -> None:
+        """Rule 1: join the stored history, unless the configured primary changed."""
+        configured = self._routing
+        if stored.origin != configured.origin:
+            log.warning("routing: the configured primary is %s, but the stored routing "
+                        "started from %s: starting a new routing history (version %d)",
+                        configured.primary.url, stored.origin.url if stored.origin else "?",
+                        stored.version + 1)
+            new = Routing.configured(configured.primary, stored.version + 1)
+            if not await save_routing(engine, new.version, new.to_dict(),
+                                      expected=stored.version):
+                stored_now = await load_routing(engine)
+                new = Routing.from_dict(stored_now[1]) if stored_now else new
+            await self._apply(new)
+            return
+        await self._apply(stored)
+        if stored.primary != configured.primary:
+            log.warning("routing: serving %s (%s), promoted at version %d, instead of the "
+                        "configured primary %s; `understudy rollback` switches back",
+                        stored.primary.name, stored.primary.url, stored.version,
+                        configured.primary.url)
 
     async def stop(self) -> None:
         if self._poller is not None:

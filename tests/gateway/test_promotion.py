@@ -223,3 +223,24 @@ async def test_canary_validation() -> None:
             assert status == 422, body
         async with http.delete(gw.admin_url + "/canary", json={}) as resp:
             assert resp.status == 409
+
+
+async def test_a_restart_keeps_a_promotion_unless_the_configured_primary_changed(
+    tmp_path: Any,
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'r.db'}"
+    async with run_sim() as primary, run_sim(variant="c") as cand, run_sim() as other:
+        candidates = [{"name": "cand", "url": cand.url}]
+        async with run_gateway(primary.url, candidates=candidates,
+                               evaluation=_evaluation(url)) as gw, \
+                aiohttp.ClientSession() as http:
+            status, _ = await _post(http, gw.admin_url + "/candidates/cand/promote",
+                                    {"force": True, "reason": "restart test"})
+            assert status == 200
+        async with run_gateway(primary.url, candidates=candidates,
+                               evaluation=_evaluation(url)) as gw:
+            assert gw.state.routing.primary.name == "cand"  # the promotion survived
+            assert gw.state.routing.version == 2
+        async with run_gateway(other.url, evaluation=_evaluation(url)) as gw:
+            assert gw.state.routing.primary.url == other.url  # a new configured primary wins
+            assert gw.state.routing.version == 3 and gw.state.routing.previous is None
