@@ -4,7 +4,7 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
 1. ``offer`` is the only part on the hot path. Per candidate it does a route check, a
    hash for sampling, and ``CandidateBuffer.offer`` — O(1), no await, no I/O.
 2. Every request that reaches ``offer`` ends, for each candidate, counted exactly once:
-   dropped with a reason (``route``, ``not_sampled``, ``paused``, ``dedup``,
+   dropped with a reason (``route``, ``canary``, ``not_sampled``, ``paused``, ``dedup``,
    ``buffer_full``, ``budget``, ``shutdown``, ``join_timeout``, ``sink_full``) or
    joined and handed to the evaluation sink.
 3. A candidate's workers (``max_concurrency`` of them) replay requests streaming, and
@@ -99,8 +99,7 @@ class Mirror:
               payload: dict[str, object] | None, request_id: str, session: str) -> None:
         """Queue the request for every candidate that samples it. Never awaits."""
         if route not in self._routes:
-            for name in self.candidates:
-                self._count_drop(name, "route")
+            self.skip("route")
             return
         now = time.monotonic()
         request: MirrorRequest | None = None
@@ -124,6 +123,11 @@ class Mirror:
                 self.joiner.expect(request_id, candidate.name, session, route, now)
             else:
                 self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome)
+
+    def skip(self, reason: str) -> None:
+        """Count a request that no candidate gets, for every candidate."""
+        for name in self.candidates:
+            self._count_drop(name, reason)
 
     def expects(self, request_id: str) -> bool:
         """Whether a candidate's answer to ``request_id`` waits for the primary's."""

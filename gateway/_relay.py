@@ -185,8 +185,10 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
             session = session_key(headers, plan.payload, state.config.mirror.session_header,
                                   request_id)
             if routing.canary is not None and routing.chooses_canary(session):
+                # Served live by the canary: not a primary answer to compare against.
                 backend = routing.canary.backend
-            if state.mirror.active:
+                state.mirror.skip("canary")
+            elif state.mirror.active:
                 state.mirror.offer(route, request.method, request.raw_path, headers,
                                    plan.body, plan.payload, request_id, session)
         upstream = state.upstreams.get(backend)

@@ -6,7 +6,7 @@ it into a server.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,14 +27,7 @@ FaultMode = Literal[
     "reset_mid_stream",
     "malformed_chunks",
 ]
-FAULT_MODES: tuple[FaultMode, ...] = (
-    "none",
-    "error",
-    "hang_before_first_byte",
-    "hang_mid_stream",
-    "reset_mid_stream",
-    "malformed_chunks",
-)
+FAULT_MODES: tuple[FaultMode, ...] = get_args(FaultMode)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8100
