@@ -155,6 +155,9 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         "events_per_s": tally.events / elapsed if elapsed else 0.0,
         "ttft_s": summary(tally.ttft),
         "e2e_s": summary(tally.e2e),
+        # Every completed request's, so that percentiles can be taken over several runs.
+        "ttft_samples_ms": [round(v * 1000, 2) for v in tally.ttft],
+        "e2e_samples_ms": [round(v * 1000, 1) for v in tally.e2e],
         "cpu_ticks": ticks,
         "clock_ticks": CLOCK_TICKS,
         "loadgen_cpu_s": own_cpu,

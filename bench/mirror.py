@@ -3,7 +3,8 @@
 one candidate that never answers at 100% sampling; then the gateway's memory under a
 10x overload of a stalled candidate.
 
-    .venv/bin/python bench/mirror.py [--quick] [--rounds N] [--no-nginx]
+    .venv/bin/python bench/mirror.py [--quick] [--rounds N] [--no-nginx] [--no-memory]
+                                     [--only TARGET ...] [--rev GIT_REV]
 
 Processes (each its own, stopped by pid at the end): a simulator as the primary
 (streamed chats, 32 chunks: TTFT 20 ms, then 15 ms apart), a second one as the healthy
@@ -20,14 +21,25 @@ Rules of the measurement:
 1. The client is bench/_mirror_loadgen.py (its own process): 64 streams in a closed
    loop, every request with its own body (a repeated body would be deduplicated by the
    gateway and not mirror 100%). TTFT = request sent to first content event.
-2. Rounds alternate the seven targets and rotate their order; figures are medians over
-   rounds. Ratios (case / no candidate) are taken within a round first, then their
-   median is reported.
+2. Rounds alternate the seven targets, rotating their order and reversing it every
+   other round, so that each case runs next to its peer with no candidate; figures are
+   medians over rounds. Ratios (case / no candidate) are taken within a round first, then
+   their median is reported; except the latency percentiles of the targets, which are
+   taken over every request of every round (pooled: a p99 of one round's 500 requests is
+   its 5th worst, too few to tell 5% apart). Each round also runs gw-none and gw-stalled
+   side by side (at the same time, 32 streams each): the machine is shared with other
+   work, and what it does then falls on both alike; the p99 target is judged both ways.
 3. CPU per primary chunk = utime + stime of the relay (from /proc; nginx = master +
-   worker) over the measured phase / SSE events the client received. The gateway's
-   figure includes everything its process does: relay, replays, joins, and (unless
-   evaluation is off) scoring the exchanges in its worker thread.
-4. Memory: a gateway with ``memory_budget_bytes`` = 32 MiB and per-candidate buffer
+   worker; the gateway = its process and any below it) over the measured phase / SSE
+   events the client received. The gateway's figure includes everything it does: relay,
+   replays, joins, and (unless evaluation is off) scoring the exchanges. After each gateway
+   phase the benchmark waits (<= 60 s) until the gateway is idle (no replay finishing,
+   nothing left to score, per its /metrics), so that the next phase has the machine to
+   itself; "+after" adds the CPU spent meanwhile. The CPU target uses "+after".
+4. The candidate simulators' /metrics tell how each mirrored request ended: a stream
+   that the mirroring side cut before its end counts as ``abort``. (nginx's ``mirror``
+   subrequest is header-only: it closes the candidate's stream once the headers arrive.)
+5. Memory: a gateway with ``memory_budget_bytes`` = 32 MiB and per-candidate buffer
    bounds far above it (so the budget is the binding bound) mirrors to the stalled
    candidate. It first serves 3072 identical 64 KiB requests (a candidate queues one
    payload for them all, by dedup): the heap grows by ~20 MiB over the first thousands
@@ -37,6 +49,9 @@ Rules of the measurement:
    right before it. Shown too: growth from the just-started gateway, and (full mode) a
    control gateway with no candidate under the same load. /metrics shows the budget was
    the binding bound (``reason="budget"`` drops, no ``buffer_full``).
+6. --quick: one round of shorter phases, no "evaluation off" gateway, at most 8 s to
+   finish a phase's work (then "+after" is a lower bound), a 16 MiB budget after 1024
+   warm-up requests and no control in the memory phase.
 
 Targets: understudy's primary p99 (TTFT and end to end) with the stalled candidate /
 with none <= 1.05, with no errors; the gateway's CPU per primary chunk with one healthy
@@ -66,8 +81,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _loadgen import percentile
 from _mirror_loadgen import read_status_kib
 from _procs import (
+    _CODE_DIRS,
     CLOCK_TICKS,
     REPO_ROOT,
     Child,
@@ -99,21 +116,23 @@ STALL_FIRST_BYTE_TIMEOUT_S = 60.0
 NGINX_MIRROR_TIMEOUT_S = 5
 SIM_MAX_MODEL_LEN = 1_000_000  # room for the 64 KiB prompts of the memory phase
 SETTLE_S = 0.3
-DRAIN_TIMEOUT_S = 60.0
-DRAIN_POLL_S = 0.3
+DRAIN_POLL_S = 0.4
+DRAIN_IDLE_CPU = 0.05  # of one core
 READY_TIMEOUT_S = 90.0
 
 RSS_BUDGET = 32 * MiB
+RSS_BUDGET_QUICK = 16 * MiB
 RSS_PROMPT_BYTES = 64 * KiB
 RSS_OVERLOAD = 10
 RSS_STREAMS = 32
 RSS_TOKENS = 4
 RSS_BUFFER_ITEMS = 1_000_000
 RSS_BUFFER_BYTES = 4096 * MiB
-RSS_WARM_REQUESTS = 3072  # identical bodies: the candidate queues one payload
 
-TARGETS = ("gw-none", "gw-healthy", "gw-healthy-noeval", "gw-stalled", "nginx-none",
-           "nginx-healthy", "nginx-stalled")
+# Rounds rotate this order: stalled runs next to its peer with no candidate; the healthy
+# gateways (whose scoring outlasts their phase) come last in the first round.
+TARGETS = ("gw-none", "gw-stalled", "nginx-none", "nginx-stalled", "nginx-healthy",
+           "gw-healthy", "gw-healthy-noeval")
 GATEWAYS = tuple(t for t in TARGETS if t.startswith("gw-"))
 
 
@@ -122,6 +141,9 @@ class Plan:
     rounds: int
     requests_per_worker: int
     duration_s: float
+    drain_timeout_s: float  # the longest wait for a gateway to finish a phase's work
+    memory_warm_requests: int
+    memory_budget: int
 
     @property
     def stream_s(self) -> float:
@@ -305,16 +327,29 @@ def mirror_counts(metrics: dict[str, float]) -> dict[str, float]:
 # --- running ---------------------------------------------------------------------------
 
 def run_loadgen(spec: dict[str, Any]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(LOADGEN), json.dumps(spec)], cwd=REPO_ROOT,
-                          capture_output=True, text=True,
-                          timeout=float(spec["deadline_s"]) + 90, check=False)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"load generator failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    if "error" in result:
-        raise RuntimeError(f"load generator: {result['error']}")
-    return result
+    return run_loadgens([spec])[0]
+
+
+def run_loadgens(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One load generator per spec, all at once; their results in the same order."""
+    procs = [subprocess.Popen([sys.executable, str(LOADGEN), json.dumps(spec)], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for spec in specs]
+    results = []
+    for proc, spec in zip(procs, specs, strict=True):
+        try:
+            out, err = proc.communicate(timeout=float(spec["deadline_s"]) + 90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        lines = out.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"load generator failed ({proc.returncode}):\n{err[-2000:]}")
+        result: dict[str, Any] = json.loads(lines[-1])
+        if "error" in result:
+            raise RuntimeError(f"load generator: {result['error']}")
+        results.append(result)
+    return results
 
 
 def derive(result: dict[str, Any]) -> dict[str, Any]:
@@ -331,6 +366,7 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
         "ok": result["ok"], "errors": result["errors"], "cut": result["cut_by_deadline"],
         "error_samples": result["error_samples"], "elapsed_s": elapsed,
         "rps": result["rps"], "chunks_per_s": result["events_per_s"], "events": events,
+        "ttft_samples_ms": result["ttft_samples_ms"], "e2e_samples_ms": result["e2e_samples_ms"],
         "ttft_p50_ms": ms(result["ttft_s"], "p50"), "ttft_p99_ms": ms(result["ttft_s"], "p99"),
         "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
         "cpu_us_per_chunk": relay_s / events * 1e6 if relay_s is not None and events else None,
@@ -352,31 +388,74 @@ def stream_spec(plan: Plan, url: str, relay: Child, sims: list[Child]) -> dict[s
                          "sims": [pid for sim in sims for pid in sim.cpu_pids()]}}
 
 
+def round_order(order: list[str], index: int) -> list[str]:
+    """Round ``index``'s order: rotated by two places a round (so that neighbours stay
+    neighbours for the first rounds) and reversed every other round (so that neither of
+    two neighbours always runs first)."""
+    shift = 2 * index % len(order)
+    rotated = order[shift:] + order[:shift]
+    return rotated[::-1] if index % 2 else rotated
+
+
 def run_rounds(plan: Plan, relays: dict[str, Child], sims: list[Child],
-               log: Callable[[str], None]) -> list[dict[str, dict[str, Any]]]:
+               log: Callable[[str], None]
+               ) -> tuple[list[dict[str, dict[str, Any]]], list[dict[str, dict[str, Any]]]]:
+    """The rounds (target -> figures) and, per round, the side-by-side phase."""
     order = [t for t in TARGETS if t in relays]
     rounds: list[dict[str, dict[str, Any]]] = []
+    pairs: list[dict[str, dict[str, Any]]] = []
     for index in range(plan.rounds):
-        shift = index % len(order)
+        if "gw-none" in relays and "gw-stalled" in relays:
+            time.sleep(SETTLE_S)
+            pair = run_side_by_side(plan, relays["gw-none"], relays["gw-stalled"], sims)
+            pairs.append(pair)
+            for name, figures in pair.items():
+                log(f"  round {index + 1}/{plan.rounds} {name + ' ||':17s} {brief(figures)}")
         this_round: dict[str, dict[str, Any]] = {}
-        for target in order[shift:] + order[:shift]:
+        for target in round_order(order, index):
             for child in (*sims, *relays.values()):
                 if not child.alive():
                     raise RuntimeError(f"{child.name} died:\n{child.log_tail()}")
             time.sleep(SETTLE_S)
             relay = relays[target]
+            if target.startswith("gw-"):
+                relay.extra_pids = descendants(relay.pid)  # e.g. a scoring process
             candidate = candidate_sim(target, sims)
             before = sim_outcomes(candidate) if candidate else {}
             figures = derive(run_loadgen(stream_spec(plan, relay.url, relay, sims)))
             if target.startswith("gw-"):
-                figures.update(drain(relay, figures))
+                figures.update(drain(relay, figures, plan.drain_timeout_s))
             if candidate:
                 after = sim_outcomes(candidate)
                 figures["candidate_finished"] = {k: after[k] - before.get(k, 0) for k in after}
             this_round[target] = figures
             log(f"  round {index + 1}/{plan.rounds} {target:17s} {brief(figures)}")
         rounds.append(this_round)
-    return rounds
+    return rounds, pairs
+
+
+def run_side_by_side(plan: Plan, none: Child, stalled: Child,
+                     sims: list[Child]) -> dict[str, dict[str, Any]]:
+    """gw-none and gw-stalled measured at the same time, half the streams each: whatever
+    else the shared machine does falls on both alike, so their p99s compare closely."""
+    gateways = {"gw-none": none, "gw-stalled": stalled}
+    specs = [{**stream_spec(plan, g.url, g, sims), "concurrency": STREAMS // 2}
+             for g in gateways.values()]
+    results = run_loadgens(specs)
+    out = {}
+    for (name, gateway), result in zip(gateways.items(), results, strict=True):
+        figures = derive(result)
+        figures.update(drain(gateway, figures, plan.drain_timeout_s))
+        out[name] = figures
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: their CPU is the gateway's too."""
+    found = []
+    for child in _children_of(pid):
+        found += [child, *descendants(child)]
+    return found
 
 
 def candidate_sim(target: str, sims: list[Child]) -> Child | None:
@@ -397,27 +476,40 @@ def sim_outcomes(sim: Child) -> dict[str, float]:
     return found
 
 
-def drain(gateway: Child, figures: dict[str, Any]) -> dict[str, Any]:
+def drain(gateway: Child, figures: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Wait until the gateway has finished what the phase left it (replays in flight,
     exchanges waiting to be scored), so that the next phase does not share the machine
-    with it; the CPU it spends meanwhile is the phase's too (``cpu_us_per_chunk_all``)."""
+    with it; the CPU it spends meanwhile is the phase's too (``cpu_us_per_chunk_all``).
+
+    Idle = every exchange handed to evaluation is scored or dropped, no counter moved
+    and the process used under DRAIN_IDLE_CPU of a core, over two polls in a row (a batch
+    being scored is no longer pending but not yet scored: counters alone can stand still).
+    """
     ticks = cpu_ticks(gateway.cpu_pids())
     started = time.monotonic()
     last: tuple[float, ...] | None = None
-    settled = False
-    while time.monotonic() - started < DRAIN_TIMEOUT_S:
+    quiet_polls = 0
+    backlog: float | None = None
+    while time.monotonic() - started < timeout_s and quiet_polls < 2:
+        poll_ticks = cpu_ticks(gateway.cpu_pids())
         counts = mirror_counts(scrape(gateway))
+        if backlog is None:
+            backlog = counts.get("evaluation_pending")
         state = tuple(v for k, v in sorted(counts.items())
                       if k.startswith(("mirror_completed", "failed:", "evaluation_")))
-        if state == last and not counts.get("evaluation_pending"):
-            settled = True
-            break
-        last = state
+        evaluated = counts.get("evaluation_scored", 0) + sum(
+            v for k, v in counts.items() if k.startswith("evaluation_dropped:"))
+        scoring_done = ("evaluation_scored" not in counts
+                        or evaluated >= counts.get("mirror_joined", 0))
         time.sleep(DRAIN_POLL_S)
+        busy = (cpu_ticks(gateway.cpu_pids()) - poll_ticks) / CLOCK_TICKS / DRAIN_POLL_S
+        quiet = state == last and scoring_done and busy < DRAIN_IDLE_CPU
+        quiet_polls = quiet_polls + 1 if quiet else 0
+        last = state
     drain_cpu_s = (cpu_ticks(gateway.cpu_pids()) - ticks) / CLOCK_TICKS
     phase_cpu_s = (figures["cpu_us_per_chunk"] or 0) * figures["events"] / 1e6
     return {"drain_s": time.monotonic() - started, "drain_cpu_s": drain_cpu_s,
-            "drain_settled": settled,
+            "drain_settled": quiet_polls >= 2, "scoring_backlog": backlog,
             "cpu_us_per_chunk_all": (phase_cpu_s + drain_cpu_s) / figures["events"] * 1e6
             if figures["events"] else None}
 
@@ -430,32 +522,37 @@ def brief(f: dict[str, Any]) -> str:
             f"p99 {_num(f['e2e_p99_ms'], 0)} ms  cpu {_num(f['cpu_us_per_chunk'], 1)} µs/chunk"
             f"  relay {_num(f['relay_cpu_pct'], 0)}% sims {_num(f['sims_cpu_pct'], 0)}% "
             f"client {_num(f['loadgen_cpu_pct'], 0)}% machine {_num(f['machine_busy_pct'], 0)}%"
-            + (f"  then {f['drain_s']:.1f} s to finish: {_num(f['cpu_us_per_chunk_all'], 1)}"
-               f" µs/chunk in all{'' if f['drain_settled'] else ' (NOT settled)'}"
+            + (f"  then {f['drain_s']:.1f} s to finish"
+               + (f" ({f['scoring_backlog']:.0f} exchanges left to score)"
+                  if f["scoring_backlog"] else "")
+               + f": {_num(f['cpu_us_per_chunk_all'], 1)} µs/chunk in all"
+               + ("" if f["drain_settled"] else " (NOT settled)")
                if "drain_s" in f else "") + errors)
 
 
 def spawn_memory_gateways(workdir: Path, code: Path, primary: Child, stalled: Child,
-                          quick: bool) -> dict[str, Child]:
-    """The overload phase's gateways: budget RSS_BUDGET, buffers far above it."""
+                          plan: Plan, quick: bool) -> dict[str, Child]:
+    """The overload phase's gateways: the budget, buffers far above it."""
     candidate = candidate_entry("stalled", stalled.url, buffer_items=RSS_BUFFER_ITEMS,
                                 buffer_bytes=RSS_BUFFER_BYTES)
     variants = {"stalled": [candidate]} if quick else {"control": [], "stalled": [candidate]}
     return {label: spawn_gateway(workdir, code, f"gw-memory-{label}", primary.url,
-                                 candidates, budget_bytes=RSS_BUDGET)
+                                 candidates, budget_bytes=plan.memory_budget)
             for label, candidates in variants.items()}
 
 
-def run_memory(gateways: dict[str, Child], quick: bool,
+def run_memory(gateways: dict[str, Child], plan: Plan,
                log: Callable[[str], None]) -> dict[str, Any]:
     """The overload phase: a stalled candidate, 10x the budget offered, RSS sampled."""
-    requests = math.ceil(RSS_OVERLOAD * RSS_BUDGET / RSS_PROMPT_BYTES)
-    out: dict[str, Any] = {"budget_bytes": RSS_BUDGET, "prompt_bytes": RSS_PROMPT_BYTES,
+    budget = plan.memory_budget
+    requests = math.ceil(RSS_OVERLOAD * budget / RSS_PROMPT_BYTES)
+    out: dict[str, Any] = {"budget_bytes": budget, "prompt_bytes": RSS_PROMPT_BYTES,
                            "overload": RSS_OVERLOAD, "streams": RSS_STREAMS,
                            "requests": requests}
-    warm_requests = RSS_WARM_REQUESTS // (2 if quick else 1)
+    warm_requests = plan.memory_warm_requests
     out["warm_requests"] = warm_requests
     for label, gateway in gateways.items():
+        gateway.extra_pids = descendants(gateway.pid)
         started = read_status_kib(gateway.pid)
         spec = {"url": gateway.url, "model": SIM_MODEL, "concurrency": RSS_STREAMS,
                 "requests_per_worker": math.ceil(warm_requests / RSS_STREAMS),
@@ -503,6 +600,10 @@ _FIGURES = ("rps", "chunks_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "
             "sims_cpu_pct", "loadgen_cpu_pct", "machine_busy_pct")
 
 
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -536,27 +637,71 @@ def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
             ratios[target] = {key: ratio(rounds, target, base, key) for key in
                               ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
                                "rps", "cpu_us_per_chunk", "cpu_us_per_chunk_all")}
-    return {"order": order, "medians": medians, "vs_none": ratios}
+    pooled = {t: pooled_percentiles([r[t] for r in rounds]) for t in order}
+    pooled_ratios = {
+        t: {k: _div(pooled[t][k], pooled[base][k]) for k in pooled[t]}
+        for t in order if (base := "gw-none" if t.startswith("gw-") else "nginx-none") != t
+        and base in pooled}
+    return {"order": order, "medians": medians, "vs_none": ratios, "pooled": pooled,
+            "pooled_vs_none": pooled_ratios}
 
 
-def verdicts(summary: dict[str, Any], memory: dict[str, Any] | None) -> list[dict[str, Any]]:
+def pooled_percentiles(phases: list[dict[str, Any]]) -> dict[str, float | None]:
+    """p50 and p99 of TTFT and end to end over every request of ``phases`` together."""
+    ttft = [v for f in phases for v in f["ttft_samples_ms"]]
+    e2e = [v for f in phases for v in f["e2e_samples_ms"]]
+    return {"ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+            "e2e_p50_ms": percentile(e2e, 0.5), "e2e_p99_ms": percentile(e2e, 0.99)}
+
+
+def summarise_pairs(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any] | None:
+    if not pairs:
+        return None
+    medians: dict[str, dict[str, Any]] = {}
+    for name in ("gw-none", "gw-stalled"):
+        medians[name] = {k: _median([p[name].get(k) for p in pairs]) for k in _FIGURES}
+        medians[name]["errors"] = sum(p[name]["errors"] + p[name]["cut"] for p in pairs)
+        medians[name]["requests"] = sum(p[name]["ok"] for p in pairs)
+    ratios = {key: _median([p["gw-stalled"][key] / p["gw-none"][key]
+                            if p["gw-stalled"].get(key) and p["gw-none"].get(key) else None
+                            for p in pairs])
+              for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "rps",
+                          "cpu_us_per_chunk_all")}
+    pooled = {name: pooled_percentiles([p[name] for p in pairs])
+              for name in ("gw-none", "gw-stalled")}
+    pooled_ratios = {k: _div(pooled["gw-stalled"][k], pooled["gw-none"][k])
+                     for k in pooled["gw-none"]}
+    return {"medians": medians, "vs_none": ratios, "pooled": pooled,
+            "pooled_vs_none": pooled_ratios,
+            "per_round_ttft_p99": [[p["gw-none"]["ttft_p99_ms"], p["gw-stalled"]["ttft_p99_ms"]]
+                                   for p in pairs]}
+
+
+def verdicts(summary: dict[str, Any], memory: dict[str, Any] | None,
+             side_by_side: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Each target with its measured value; ``met`` is None where it was not measured."""
     def check(target: str, value: float | None, limit: float, unit: str = "") -> None:
         out.append({"target": target, "value": value, "unit": unit,
                     "met": None if value is None else value <= limit})
 
     out: list[dict[str, Any]] = []
-    stalled = summary["vs_none"].get("gw-stalled", {})
+    stalled = summary["pooled_vs_none"].get("gw-stalled", {})
     for key, what in (("ttft_p99_ms", "TTFT"), ("e2e_p99_ms", "end-to-end")):
         check(f"gateway {what} p99 stalled/none <= {TARGET_P99_RATIO}", stalled.get(key),
               TARGET_P99_RATIO)
+    pair = side_by_side["pooled_vs_none"] if side_by_side else {}
+    for key, what in (("ttft_p99_ms", "TTFT"), ("e2e_p99_ms", "end-to-end")):
+        check(f"gateway {what} p99 stalled/none <= {TARGET_P99_RATIO}, side by side",
+              pair.get(key), TARGET_P99_RATIO)
     errors = summary["medians"].get("gw-stalled", {}).get("errors")
+    if errors is not None and side_by_side:
+        errors += side_by_side["medians"]["gw-stalled"]["errors"]
     check("gateway with stalled candidate: no errors", errors, 0)
     check(f"gateway CPU/chunk healthy/none <= {TARGET_CPU_RATIO} (defaults: scoring on)",
           summary["vs_none"].get("gw-healthy", {}).get("cpu_us_per_chunk_all"),
           TARGET_CPU_RATIO)
     out[-1]["note"] = "all the work the phase caused, scoring that ran after it included"
-    limit = RSS_BUDGET * TARGET_RSS_SLACK
+    limit = (memory["budget_bytes"] if memory else RSS_BUDGET) * TARGET_RSS_SLACK
     check(f"RSS growth under {RSS_OVERLOAD}x overload <= budget x {TARGET_RSS_SLACK} "
           f"({limit / MiB:.1f} MiB)",
           memory["stalled"]["growth_bytes"] / MiB if memory else None, limit / MiB, "MiB")
@@ -574,7 +719,7 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"gateway CPU/chunk healthy/none with evaluation off (mirroring alone): "
                      f"{_num(r['cpu_us_per_chunk_all'], 3)}")
     if "nginx-stalled" in medians and "nginx-none" in medians:
-        none, stalled = medians["nginx-none"], medians["nginx-stalled"]
+        none, stalled = summary["pooled"]["nginx-none"], summary["pooled"]["nginx-stalled"]
         lines.append(f"nginx with a mirror that never answers: median TTFT "
                      f"{_num(none['ttft_p50_ms'])} -> {_num(stalled['ttft_p50_ms'])} ms, "
                      f"throughput x{_num(ratios['nginx-stalled']['rps'], 3)}")
@@ -602,24 +747,26 @@ def latency_report(summary: dict[str, Any], rounds: int) -> str:
               "+after/none"]
     rows = []
     for t in summary["order"]:
-        m = summary["medians"][t]
+        m, pooled = summary["medians"][t], summary["pooled"][t]
         r = summary["vs_none"].get(t)
-        rows.append([t, _num(m["rps"]), _num(m["chunks_per_s"], 0), _num(m["ttft_p50_ms"]),
-                     _num(m["ttft_p99_ms"]), _num(m["e2e_p50_ms"], 0), _num(m["e2e_p99_ms"], 0),
-                     str(m["errors"]), _num(m["cpu_us_per_chunk"]),
-                     _num(m["cpu_us_per_chunk_all"]), _num(m["drain_s"]),
-                     _num(m["relay_cpu_pct"], 0), _num(m["sims_cpu_pct"], 0),
+        p = summary["pooled_vs_none"].get(t)
+        rows.append([t, _num(m["rps"]), _num(m["chunks_per_s"], 0), _num(pooled["ttft_p50_ms"]),
+                     _num(pooled["ttft_p99_ms"]), _num(pooled["e2e_p50_ms"], 0),
+                     _num(pooled["e2e_p99_ms"], 0), str(m["errors"]),
+                     _num(m["cpu_us_per_chunk"]), _num(m["cpu_us_per_chunk_all"]),
+                     _num(m["drain_s"]), _num(m["relay_cpu_pct"], 0), _num(m["sims_cpu_pct"], 0),
                      _num(m["loadgen_cpu_pct"], 0), _num(m["machine_busy_pct"], 0),
-                     *([_num(r["ttft_p99_ms"], 3), _num(r["e2e_p99_ms"], 3), _num(r["rps"], 3),
+                     *([_num(p["ttft_p99_ms"], 3), _num(p["e2e_p99_ms"], 3), _num(r["rps"], 3),
                         _num(r["cpu_us_per_chunk"], 2), _num(r["cpu_us_per_chunk_all"], 2)]
-                       if r else ["1", "1", "1", "1", "1"])])
+                       if r and p else ["1", "1", "1", "1", "1"])])
     return render_table(
         f"primary as the client sees it: {STREAMS} streams x {TOKENS} chunks "
-        f"(TTFT {TTFT_MS:.0f} ms, {ITL_MS:.0f} ms apart); medians of {rounds} alternating "
-        "round(s); times in ms; µs/chunk = relay CPU per primary chunk during the phase, "
-        "+after = including what the gateway still did after it (replays, scoring) until "
-        "idle ('after s' seconds); CPU % of one core; ratios taken within a round, then their "
-        "median", header, rows)
+        f"(TTFT {TTFT_MS:.0f} ms, {ITL_MS:.0f} ms apart), {rounds} alternating round(s); "
+        "times in ms, percentiles over all rounds' requests; other figures medians of the "
+        "rounds; µs/chunk = relay CPU per primary chunk during the phase, +after = including "
+        "what the gateway still did after it (replays, scoring) until idle ('after s' "
+        "seconds); CPU % of one core; throughput and CPU ratios taken within a round, then "
+        "their median", header, rows)
 
 
 def rounds_report(rounds: list[dict[str, dict[str, Any]]]) -> str:
@@ -631,6 +778,26 @@ def rounds_report(rounds: list[dict[str, dict[str, Any]]]) -> str:
              str(f["errors"] + f["cut"])]
             for i, r in enumerate(rounds, 1) for t, f in r.items()]
     return render_table("per round", header, rows)
+
+
+def side_by_side_report(pair: dict[str, Any], rounds: int) -> str:
+    header = ["gateway", "req/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "errors",
+              "µs/chunk", "+after"]
+    rows = [[name, _num(m["rps"]), _num(pair["pooled"][name]["ttft_p50_ms"]),
+             _num(pair["pooled"][name]["ttft_p99_ms"]), _num(pair["pooled"][name]["e2e_p50_ms"], 0),
+             _num(pair["pooled"][name]["e2e_p99_ms"], 0), str(m["errors"]),
+             _num(m["cpu_us_per_chunk"]), _num(m["cpu_us_per_chunk_all"])]
+            for name, m in pair["medians"].items()]
+    r, p = pair["vs_none"], pair["pooled_vs_none"]
+    per_round = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in pair["per_round_ttft_p99"])
+    return (render_table(f"side by side: gw-none and gw-stalled at the same time, {STREAMS // 2} "
+                         f"streams each, {rounds} round(s); ms, percentiles over all rounds' "
+                         "requests", header, rows)
+            + f"\nstalled/none: TTFT p50 x{_num(p['ttft_p50_ms'], 3)}  p99 "
+              f"x{_num(p['ttft_p99_ms'], 3)}  e2e p50 x{_num(p['e2e_p50_ms'], 3)}  p99 "
+              f"x{_num(p['e2e_p99_ms'], 3)}  throughput x{_num(r['rps'], 3)}  CPU/chunk "
+              f"x{_num(r['cpu_us_per_chunk_all'], 3)}; TTFT p99 of each round, none/stalled: "
+              f"{per_round}")
 
 
 def mirroring_report(counts: dict[str, dict[str, float]]) -> str:
@@ -691,6 +858,22 @@ def code_revision() -> str:
     return f"{commit}{' + uncommitted edits' if dirty else ''}"
 
 
+def git_commit(rev: str) -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def export_code(workdir: Path, rev: str) -> Path:
+    """``snapshot_code`` from a commit: the same folders, as ``rev`` has them."""
+    code = workdir / "code"
+    code.mkdir()
+    archive = subprocess.run(["git", "archive", rev, "--", *_CODE_DIRS], cwd=REPO_ROOT,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
+    return code
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -700,13 +883,21 @@ def main() -> int:
     parser.add_argument("--only", choices=TARGETS, action="append",
                         help="measure only these latency targets (repeatable)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
+    parser.add_argument("--rev", help="measure this git revision's code instead of the "
+                                      "working tree (e.g. HEAD, while others edit the tree)")
     args = parser.parse_args()
-    plan = (Plan(rounds=args.rounds or 1, requests_per_worker=6, duration_s=4.0) if args.quick
-            else Plan(rounds=args.rounds or 3, requests_per_worker=10, duration_s=7.0))
+    plan = (Plan(rounds=args.rounds or 1, requests_per_worker=4, duration_s=3.0,
+                 drain_timeout_s=8.0, memory_warm_requests=1024,
+                 memory_budget=RSS_BUDGET_QUICK) if args.quick
+            else Plan(rounds=args.rounds or 3, requests_per_worker=8, duration_s=7.0,
+                      drain_timeout_s=60.0, memory_warm_requests=3072,
+                      memory_budget=RSS_BUDGET))
+    chosen = args.only or [t for t in TARGETS if not (args.quick and t == "gw-healthy-noeval")
+                           and not (args.no_nginx and t.startswith("nginx-"))]
     began = time.monotonic()
     nginx = None if args.no_nginx else find_nginx()
     version = nginx_version(nginx) if nginx else None
-    revision = code_revision()
+    revision = code_revision() if args.rev is None else git_commit(args.rev)
     print("understudy bench/mirror.py — mirroring's cost to the primary: understudy vs "
           "nginx mirror, one run")
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
@@ -723,7 +914,7 @@ def main() -> int:
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
             prefix="understudy-mirror-")))
-        code = snapshot_code(workdir)
+        code = snapshot_code(workdir) if args.rev is None else export_code(workdir, args.rev)
 
         def started(child: Child) -> Child:
             stack.callback(child.stop)
@@ -733,30 +924,26 @@ def main() -> int:
         healthy = started(spawn_sim(workdir, code, "sim-healthy", "--variant", "candidate"))
         stalled = started(spawn_sim(workdir, code, "sim-stalled",
                                     "--fault", "hang_before_first_byte"))
-        relays: dict[str, Child] = {
-            "gw-none": started(spawn_gateway(workdir, code, "gw-none", primary.url, [])),
-            "gw-healthy": started(spawn_gateway(workdir, code, "gw-healthy", primary.url,
-                                                [candidate_entry("healthy", healthy.url)])),
-            "gw-healthy-noeval": started(spawn_gateway(
-                workdir, code, "gw-healthy-noeval", primary.url,
-                [candidate_entry("healthy", healthy.url)], evaluation=False)),
-            "gw-stalled": started(spawn_gateway(workdir, code, "gw-stalled", primary.url,
-                                                [candidate_entry("stalled", stalled.url)])),
-        }
+        candidates = {"none": None, "healthy": healthy, "stalled": stalled}
+        relays: dict[str, Child] = {}
+        for target in (t for t in chosen if t.startswith("gw-")):
+            sim = candidates[target.split("-")[1]]
+            relays[target] = started(spawn_gateway(
+                workdir, code, target, primary.url,
+                [candidate_entry(sim.name.removeprefix("sim-"), sim.url)] if sim else [],
+                evaluation=not target.endswith("-noeval")))
         memory_gateways = {} if args.no_memory else {
-            label: started(child) for label, child in
-            spawn_memory_gateways(workdir, code, primary, stalled, args.quick).items()}
+            label: started(child) for label, child in spawn_memory_gateways(
+                workdir, code, primary, stalled, plan, args.quick).items()}
         ready(primary, healthy, stalled, *relays.values(), *memory_gateways.values())
-        if nginx:
-            relays["nginx-none"] = started(start_nginx_mirror(workdir, nginx, "nginx-none",
-                                                              primary.url, None))
-            relays["nginx-healthy"] = started(start_nginx_mirror(
-                workdir, nginx, "nginx-healthy", primary.url, healthy.url))
-            relays["nginx-stalled"] = started(start_nginx_mirror(
-                workdir, nginx, "nginx-stalled", primary.url, stalled.url))
-        if args.only:
-            relays = {name: child for name, child in relays.items() if name in args.only}
-        rounds = run_rounds(plan, relays, [primary, healthy, stalled], log)
+        for target in (t for t in chosen if t.startswith("nginx-")):
+            if nginx is None:
+                continue
+            sim = candidates[target.split("-")[1]]
+            relays[target] = started(start_nginx_mirror(workdir, nginx, target, primary.url,
+                                                        sim.url if sim else None))
+        rounds, pairs = run_rounds(plan, relays, [primary, healthy, stalled], log)
+        side_by_side = summarise_pairs(pairs)
         gateways = [name for name in GATEWAYS if name in relays]
         counts = {name: mirror_counts(scrape(relays[name])) for name in gateways}
         for name in gateways:
@@ -764,15 +951,18 @@ def main() -> int:
         # Stop the latency phase's gateways first: the memory phase wants the machine.
         for name in gateways:
             relays[name].stop()
-        memory = run_memory(memory_gateways, args.quick, log) if memory_gateways else None
+        memory = run_memory(memory_gateways, plan, log) if memory_gateways else None
 
     summary = summarise(rounds)
-    checks = verdicts(summary, memory)
+    checks = verdicts(summary, memory, side_by_side)
     print()
     print(latency_report(summary, plan.rounds))
     print()
     print(rounds_report(rounds))
     print()
+    if side_by_side is not None:
+        print(side_by_side_report(side_by_side, plan.rounds))
+        print()
     if counts:
         print(mirroring_report(counts))
     print()
@@ -788,15 +978,16 @@ def main() -> int:
             print(f"  {target:17s} {shown or 'none ended'} "
                   f"(client completed {summary['medians'][target]['requests']})")
     print()
-    print("each case / its peer with no candidate, medians of within-round ratios:")
+    print("each case / its peer with no candidate (latency: percentiles over all rounds; "
+          "throughput and CPU: medians of within-round ratios):")
     for target, r in summary["vs_none"].items():
-        if r["rps"] is not None:
-            print(f"  {target:17s} TTFT p50 x{_num(r['ttft_p50_ms'], 2)}  p99 "
-                  f"x{_num(r['ttft_p99_ms'], 2)}  e2e p50 x{_num(r['e2e_p50_ms'], 2)}  p99 "
-                  f"x{_num(r['e2e_p99_ms'], 2)}  throughput x{_num(r['rps'], 3)}  "
-                  f"CPU/chunk x{_num(r['cpu_us_per_chunk'], 2)}"
-                  + (f" (x{_num(r['cpu_us_per_chunk_all'], 2)} with what it did after)"
-                     if r["cpu_us_per_chunk_all"] is not None else ""))
+        p = summary["pooled_vs_none"][target]
+        print(f"  {target:17s} TTFT p50 x{_num(p['ttft_p50_ms'], 2)}  p99 "
+              f"x{_num(p['ttft_p99_ms'], 2)}  e2e p50 x{_num(p['e2e_p50_ms'], 2)}  p99 "
+              f"x{_num(p['e2e_p99_ms'], 2)}  throughput x{_num(r['rps'], 3)}  "
+              f"CPU/chunk x{_num(r['cpu_us_per_chunk'], 2)}"
+              + (f" (x{_num(r['cpu_us_per_chunk_all'], 2)} with what it did after)"
+                 if r["cpu_us_per_chunk_all"] is not None else ""))
     print()
     print("targets:")
     for v in checks:
@@ -817,6 +1008,8 @@ def main() -> int:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_PATH.write_text(json.dumps({"meta": meta, "rounds": rounds, "summary": summary,
+                                        "side_by_side": {"rounds": pairs,
+                                                         "summary": side_by_side},
                                         "gateway_metrics": counts, "memory": memory,
                                         "targets": checks}, indent=2))
     print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")

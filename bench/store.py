@@ -1,13 +1,15 @@
 """Score rows per second the ScoreWriter sustains into PostgreSQL (and SQLite, for scale);
-and the proxy's latency with that writer saturated vs idle, side by side in one run.
+and the proxy's latency with evaluation (scoring and that writer, in the evaluation
+process) saturated vs idle, side by side in one run.
 
     .venv/bin/python bench/store.py [--quick] [--rounds N] [--pg-admin URL] [--skip-proxy]
+                                    [--scorers all|NAME,NAME...]
 
 The workload is what the gateway produces: every mirrored request goes to C candidates,
 so C exchanges share one primary Observation; each exchange carries S scores. A producer
 submits as fast as the writer takes them, keeping the queue under half its bound (it
 never lets submit refuse, so the figure is the writer's, not the queue's), in the same
-event loop as the writer, as in the gateway.
+event loop as the writer, as in the evaluation process.
 
 Rules of the measurement:
 1. Each round writes into a fresh database (PostgreSQL: CREATE DATABASE ... per round,
@@ -19,15 +21,20 @@ Rules of the measurement:
    The pre-built workload is frozen out of the garbage collector (``gc.freeze``), so a
    full collection walking the benchmark's own objects does not pass for a submit stall.
 4. Target: >= 10,000 score rows/s into PostgreSQL on this machine.
-5. Proxy half: the gateway runs in this process, its ScoreWriter (PostgreSQL) as its
-   evaluation sink, as in production; a simulator is the primary, another the candidate
-   (their own processes), bench/_loadgen.py the client (its own process: streamed chats).
-   Rounds alternate "idle" (the writer gets only the mirrored exchanges) and "saturated"
-   (a task in the gateway's loop keeps the writer's queue above a full batch, so it
-   writes continuously at its maximum rate). Reported: TTFT and end-to-end p50/p99 of
-   each, medians over rounds, and saturated - idle; and the gateway loop's lag (how
-   late a 1 ms timer fires), which tells the writer's stretches of CPU on the loop apart
-   from the machine's CPU going to PostgreSQL (on this machine: the same 2 cores).
+5. Proxy half: the gateway runs in this process with its evaluation as in production
+   (PostgreSQL): scoring and writing in the evaluation process it starts; a simulator
+   is the primary, another the candidate (their own processes), bench/_loadgen.py the
+   client (its own process: streamed chats). Rounds alternate "idle" (evaluation gets
+   only the mirrored exchanges) and "saturated" (a task in the gateway's loop submits
+   exchanges through the gateway's own ``submit`` so that the evaluation process always
+   has FLOOD_QUEUED_S of work queued: it scores and writes at its maximum rate). The
+   scorers are PROXY_SCORERS unless ``--scorers`` names others. Reported: TTFT and
+   end-to-end p50/p99 of each, medians over rounds, saturated - idle and saturated /
+   idle (target TARGET_TTFT_P99_RATIO); the gateway loop's lag (how late a 1 ms timer
+   fires), which tells stretches of CPU on the loop apart from the machine's CPU going
+   elsewhere (on this machine: the same 2 cores); the gateway process's CPU; and the
+   cost of ``submit`` on the gateway's side (the timed call, and the pickling its
+   queue's feeder thread does afterwards).
 
 Results go to stdout and to bench/results/store.json.
 """
@@ -46,6 +53,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -58,23 +66,35 @@ from aiohttp import web  # noqa: E402
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 from _procs import start_sim  # noqa: E402
 
-from evaluators import Exchange, Observation, Usage  # noqa: E402
+from evaluators import DEFAULT_SCORERS, Exchange, Observation, Usage  # noqa: E402
 from evaluators._store import (  # noqa: E402
     ScoreWriter,
     StoreConfig,
     create_engine,
     upgrade,
 )
-from gateway import build_app, load_config, make_runner  # noqa: E402
+from gateway import STATE, build_app, load_config, make_runner  # noqa: E402
+from gateway._evaluation import Evaluation  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "store.json"
 TARGET_SCORE_ROWS_PER_S = 10_000
+TARGET_TTFT_P99_RATIO = 1.05
+"""Proxy TTFT p99 with evaluation saturated over idle (reported, not gated on: this
+machine's two cores are shared by the gateway, its evaluation process, PostgreSQL,
+the simulators and the load generator)."""
 DEFAULT_PG_ADMIN = "postgresql://root@127.0.0.1:5432/postgres"
 CANDIDATES = 2
 SCORES_PER_EXCHANGE = 8
 CHUNKS_PER_ANSWER = 64
 PRODUCER_CHUNK = 100
 """Records submitted between yields to the event loop."""
+FLOOD_QUEUED_S = 0.5
+"""Seconds of the evaluation process's work the saturating flood keeps queued for it."""
+FLOOD_MIN_PENDING = 128
+PROXY_SCORERS = tuple(name for name in DEFAULT_SCORERS if name != "semantic_similarity")
+"""The proxy half's scorers unless --scorers says otherwise: all but the sentence encoder
+(tens of ms of CPU per exchange here), so that the writer is what saturates, as in the
+measurement this half was written for. ``--scorers all`` runs the default set."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +208,7 @@ async def sqlite_round(requests: int) -> dict[str, Any]:
         return await run_round(f"sqlite+aiosqlite:///{folder}/store.db", requests)
 
 
-# --- the proxy, with the writer idle and saturated ----------------------------------------
+# --- the proxy, with evaluation idle and saturated ----------------------------------------
 
 LOADGEN = REPO_ROOT / "bench" / "_loadgen.py"
 SIM_MODEL = "sim-model"
@@ -217,28 +237,37 @@ async def _loadgen(url: str, requests_per_worker: int) -> dict[str, Any]:
     return result
 
 
-async def _flood(writer: ScoreWriter, config: StoreConfig,
-                 records: list[tuple[Exchange, list[Score]]]) -> None:
-    """Keep the writer's queue above one full batch, so that it writes without pause.
+async def _flood(evaluation: Evaluation, records: list[tuple[Exchange, list[Score]]],
+                 submit_s: list[float]) -> None:
+    """Keep the evaluation process busy: FLOOD_QUEUED_S of its work always queued.
 
-    Submits in runs of PRODUCER_CHUNK with a yield between them, as an evaluator would:
-    what the proxy then feels is the writer, not one long loop here.
+    Submits in runs of PRODUCER_CHUNK with a yield between them, as the mirror would,
+    through the gateway's own ``submit``; each call is timed into ``submit_s``. The
+    process's rate and pending count come from its reports (every few hundred ms), so
+    the queue swings around the mark; it never fills (that would refuse the mirrored
+    exchanges), and the round's end drains in well under a second.
     """
     n = 0
+    started = time.perf_counter()
+    first = evaluation.pipeline_stats
+    scored_before = first.scored if first is not None else 0
     while True:
+        stats = evaluation.pipeline_stats
+        assert stats is not None
+        rate = (stats.scored - scored_before) / (time.perf_counter() - started)
+        if stats.pending >= max(FLOOD_MIN_PENDING, rate * FLOOD_QUEUED_S):
+            await asyncio.sleep(0.005)
+            continue
         for _ in range(PRODUCER_CHUNK):
-            if writer.stats.queued_rows >= 2 * config.batch_rows:
-                break
-            exchange, scores = records[n % len(records)]
+            exchange, _scores = records[n % len(records)]
             n += 1
             fresh = Exchange(f"{exchange.request_id}-{n}", exchange.session_key,
                              exchange.route, exchange.candidate, exchange.primary,
                              exchange.candidate_observation)
-            writer.submit(fresh, scores)
-        else:
-            await asyncio.sleep(0)
-            continue
-        await asyncio.sleep(0.005)
+            t = time.perf_counter()
+            evaluation.submit(fresh)
+            submit_s.append(time.perf_counter() - t)
+        await asyncio.sleep(0)
 
 
 async def _loop_lag(lags: list[float]) -> None:
@@ -249,13 +278,32 @@ async def _loop_lag(lags: list[float]) -> None:
         lags.append(time.perf_counter() - started - 0.001)
 
 
-async def _drained(writer: ScoreWriter) -> None:
-    while writer.stats.queued_records or writer.stats.held_records:  # noqa: ASYNC110
-        await asyncio.sleep(0.01)
+def _scores_written(evaluation: Evaluation) -> int:
+    stats = evaluation.writer_stats
+    return stats.written_rows["scores"] if stats is not None else 0
+
+
+async def _drained(evaluation: Evaluation) -> None:
+    def busy() -> bool:
+        pipeline, writer = evaluation.pipeline_stats, evaluation.writer_stats
+        return (pipeline is None or writer is None or pipeline.pending > 0
+                or writer.queued_records > 0 or writer.held_records > 0)
+
+    while busy():  # noqa: ASYNC110 - polling counters
+        await asyncio.sleep(0.05)
+
+
+def _pickle_us(records: list[tuple[Exchange, list[Score]]]) -> float:
+    """What the multiprocessing queue's feeder thread spends per exchange (pickling)."""
+    exchanges = [exchange for exchange, _ in records]
+    started = time.perf_counter()
+    for exchange in exchanges:
+        ForkingPickler.dumps(exchange)
+    return (time.perf_counter() - started) / len(exchanges) * 1e6
 
 
 async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
-                       workdir: Path) -> dict[str, Any]:
+                       workdir: Path, scorers: tuple[str, ...]) -> dict[str, Any]:
     name = f"understudy_bench_{secrets.token_hex(6)}"
     await _admin(admin_url, f'CREATE DATABASE "{name}"')
     base = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
@@ -264,49 +312,49 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
                       tokens=STREAM_TOKENS, name=f"sim-{role}")
             for role in ("primary", "candidate")]
     records = workload(2_000, secrets.token_hex(4))  # built before anything is measured
+    pickle_us = statistics.median(_pickle_us(records) for _ in range(3))
     gc.collect()
     gc.freeze()
     figures: dict[str, list[dict[str, Any]]] = {"idle": [], "saturated": []}
+    submit_s: list[float] = []
     try:
-        await upgrade(url)
-        config = StoreConfig(url=url)
-        engine = create_engine(config)
+        gateway = load_config(None, {
+            "server": {"port": 0}, "primary": {"url": sims[0].url},
+            "candidates": [{"name": "candidate", "url": sims[1].url}],
+            "evaluation": {"enabled": True, "store": {"url": url}, "scorers": scorers},
+        })
+        app = build_app(gateway)
+        evaluation = app[STATE].evaluation
+        assert evaluation is not None
+        runner = make_runner(app)
+        await runner.setup()  # migrates, then starts the evaluation process
         try:
-            async with ScoreWriter(engine, config) as writer:
-                gateway = load_config(None, {
-                    "server": {"port": 0}, "primary": {"url": sims[0].url},
-                    "candidates": [{"name": "candidate", "url": sims[1].url}],
-                })
-                runner = make_runner(build_app(gateway, writer))
-                await runner.setup()
-                try:
-                    site = web.TCPSite(runner, "127.0.0.1", 0)
-                    await site.start()
-                    gateway_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-                    for i in range(rounds):
-                        order = ("idle", "saturated") if i % 2 == 0 else ("saturated", "idle")
-                        for mode in order:
-                            before = writer.stats.written_rows["scores"]
-                            started = time.perf_counter()
-                            lags: list[float] = []
-                            tasks = [asyncio.create_task(_loop_lag(lags))]
-                            if mode == "saturated":
-                                tasks.append(asyncio.create_task(_flood(writer, config, records)))
-                            try:
-                                result = await _loadgen(gateway_url, requests_per_worker)
-                            finally:
-                                for task in tasks:
-                                    task.cancel()
-                                await asyncio.gather(*tasks, return_exceptions=True)
-                            rate = ((writer.stats.written_rows["scores"] - before)
-                                    / (time.perf_counter() - started))
-                            await _drained(writer)  # the next round starts from idle
-                            figures[mode].append(_proxy_figures(result, rate, lags))
-                            print(f"  {mode:9s} " + _proxy_line(figures[mode][-1]), flush=True)
-                finally:
-                    await runner.cleanup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            gateway_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            for i in range(rounds):
+                order = ("idle", "saturated") if i % 2 == 0 else ("saturated", "idle")
+                for mode in order:
+                    before = _scores_written(evaluation)
+                    started, cpu0 = time.perf_counter(), time.process_time()
+                    lags: list[float] = []
+                    tasks = [asyncio.create_task(_loop_lag(lags))]
+                    if mode == "saturated":
+                        tasks.append(asyncio.create_task(_flood(evaluation, records, submit_s)))
+                    try:
+                        result = await _loadgen(gateway_url, requests_per_worker)
+                    finally:
+                        for task in tasks:
+                            task.cancel()
+                        await asyncio.gather(*tasks, return_exceptions=True)
+                    elapsed = time.perf_counter() - started
+                    cpu = time.process_time() - cpu0
+                    rate = (_scores_written(evaluation) - before) / elapsed
+                    await _drained(evaluation)  # the next round starts from idle
+                    figures[mode].append(_proxy_figures(result, rate, lags, cpu / elapsed))
+                    print(f"  {mode:9s} " + _proxy_line(figures[mode][-1]), flush=True)
         finally:
-            await engine.dispose()
+            await runner.cleanup()
     finally:
         for sim in sims:
             sim.stop()
@@ -314,11 +362,18 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
         await _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     medians = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]
                       if isinstance(rs[0][key], float)} for mode, rs in figures.items()}
-    return {"rounds": figures, "medians": medians}
+    submit_s.sort()
+    submit = {
+        "calls": len(submit_s),
+        "median_us": statistics.median(submit_s) * 1e6 if submit_s else 0.0,
+        "p99_us": submit_s[int(0.99 * (len(submit_s) - 1))] * 1e6 if submit_s else 0.0,
+        "feeder_pickle_us": pickle_us,
+    }
+    return {"rounds": figures, "medians": medians, "submit": submit, "scorers": scorers}
 
 
 def _proxy_figures(result: dict[str, Any], score_rows_per_s: float,
-                   lags: list[float]) -> dict[str, Any]:
+                   lags: list[float], gateway_cpu: float) -> dict[str, Any]:
     def ms(summary: dict[str, Any], key: str) -> float:
         return float(summary[key] or 0.0) * 1000
 
@@ -329,6 +384,7 @@ def _proxy_figures(result: dict[str, Any], score_rows_per_s: float,
         "writer_score_rows_per_s": score_rows_per_s,
         "loop_lag_p99_ms": sorted(lags)[int(0.99 * (len(lags) - 1))] * 1000 if lags else 0.0,
         "loop_lag_max_ms": max(lags, default=0.0) * 1000,
+        "gateway_cpu": gateway_cpu,
     }
 
 
@@ -336,8 +392,8 @@ def _proxy_line(f: dict[str, Any]) -> str:
     return (f"TTFT p50 {f['ttft_p50_ms']:6.1f} ms  p99 {f['ttft_p99_ms']:6.1f} ms   "
             f"e2e p50 {f['e2e_p50_ms']:6.1f} ms  p99 {f['e2e_p99_ms']:6.1f} ms   "
             f"loop lag p99 {f['loop_lag_p99_ms']:5.1f} ms max {f['loop_lag_max_ms']:5.1f} ms   "
-            f"({f['ok']} streams, {f['errors']} errors; writer "
-            f"{f['writer_score_rows_per_s']:,.0f} score rows/s)")
+            f"({f['ok']} streams, {f['errors']} errors; gateway CPU "
+            f"{f['gateway_cpu']:.0%}; writer {f['writer_score_rows_per_s']:,.0f} score rows/s)")
 
 
 def _line(backend: str, r: dict[str, Any]) -> str:
@@ -383,12 +439,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  {backend:10s} {s['median_score_rows_per_s']:>9,.0f} score rows/s")
     proxy: dict[str, Any] | None = None
     if not args.skip_proxy:
-        print(f"\nproxy latency, writer idle vs saturated: streamed chats, {STREAM_TOKENS} "
+        print(f"\nproxy latency, evaluation idle vs saturated: streamed chats, {STREAM_TOKENS} "
               f"chunks x {STREAM_ITL_MS:.0f} ms, {STREAM_CONCURRENCY} concurrent, mirrored "
-              f"to one candidate, {rounds} round(s) each, alternating", flush=True)
+              f"to one candidate, {rounds} round(s) each, alternating; scorers: "
+              f"{', '.join(args.scorers)}", flush=True)
         with tempfile.TemporaryDirectory(prefix="understudy-bench-") as workdir:
             proxy = await proxy_rounds(args.pg_admin, rounds, 3 if args.quick else 8,
-                                       Path(workdir))
+                                       Path(workdir), args.scorers)
         idle, busy = proxy["medians"]["idle"], proxy["medians"]["saturated"]
         print("  medians:")
         for mode, m in (("idle", idle), ("saturated", busy)):
@@ -396,7 +453,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                   f"{m['e2e_p99_ms']:6.1f} ms   loop lag p99 {m['loop_lag_p99_ms']:5.1f} ms   "
                   f"writer {m['writer_score_rows_per_s']:,.0f} score rows/s")
         print(f"  saturated - idle: TTFT p99 {busy['ttft_p99_ms'] - idle['ttft_p99_ms']:+.1f} ms"
-              f", e2e p99 {busy['e2e_p99_ms'] - idle['e2e_p99_ms']:+.1f} ms")
+              f", e2e p99 {busy['e2e_p99_ms'] - idle['e2e_p99_ms']:+.1f} ms; saturated / idle: "
+              f"TTFT p99 {busy['ttft_p99_ms'] / idle['ttft_p99_ms']:.2f}x "
+              f"(target <= {TARGET_TTFT_P99_RATIO:.2f}x)")
+        submit = proxy["submit"]
+        print(f"  gateway-side submit: median {submit['median_us']:.1f} us, p99 "
+              f"{submit['p99_us']:.1f} us over {submit['calls']:,} calls; the queue's feeder "
+              f"thread then pickles each exchange: {submit['feeder_pickle_us']:.0f} us")
     print(f"\ntarget: {'PASS' if passed else 'FAIL'}  >= {TARGET_SCORE_ROWS_PER_S:,} score "
           f"rows/s into PostgreSQL, measured {pg_rate:,.0f} "
           f"({pg_rate / TARGET_SCORE_ROWS_PER_S:.2f}x)")
@@ -412,12 +475,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _scorers(value: str) -> tuple[str, ...]:
+    return DEFAULT_SCORERS if value == "all" else tuple(value.split(","))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 round, a smaller workload")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--skip-proxy", action="store_true",
                         help="only the writer's throughput, not the proxy's latency")
+    parser.add_argument("--scorers", type=_scorers, default=PROXY_SCORERS,
+                        help="the proxy half's scorers, comma-separated, or 'all' "
+                             "(default: all but semantic_similarity)")
     parser.add_argument("--pg-admin", default=os.environ.get("UNDERSTUDY_BENCH_PG_ADMIN",
                                                              DEFAULT_PG_ADMIN),
                         help="a PostgreSQL URL allowed to CREATE/DROP DATABASE")

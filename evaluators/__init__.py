@@ -5,7 +5,12 @@ from evaluators._exchange import EvaluationSink, Exchange, MemorySink
 from evaluators._gates import Gates, MetricGate, Outcome
 from evaluators._judge import MetricSamples, MetricVerdict, Verdict, judge
 from evaluators._observation import Capture, Observation, Usage, observe
-from evaluators._pipeline import EvaluationPipeline, PipelineStats
+from evaluators._pipeline import (
+    EvaluationPipeline,
+    EvaluationProcessError,
+    PipelineState,
+    PipelineStats,
+)
 from evaluators._price import CostModel, GpuHourPrice, PriceModel, TokenPrice, session_costs
 from evaluators._report import Report, build_report
 from evaluators._score import METRICS, MetricSpec, Score, Scorer, score_exchange
@@ -29,6 +34,7 @@ __all__ = [
     "Comparison",
     "CostModel",
     "EvaluationPipeline",
+    "EvaluationProcessError",
     "EvaluationSink",
     "Exchange",
     "Gates",
@@ -40,6 +46,7 @@ __all__ = [
     "MetricVerdict",
     "Observation",
     "Outcome",
+    "PipelineState",
     "PipelineStats",
     "PriceModel",
     "Report",

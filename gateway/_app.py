@@ -46,9 +46,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     evaluation = Evaluation(config) if sink is None and config.evaluation.enabled else None
     if evaluation is not None:
         metrics.registry.register(EvaluationCollector(
-            lambda: evaluation.pipeline.stats if evaluation.pipeline else None,
-            lambda: evaluation.writer.stats if evaluation.writer else None,
-        ))
+            lambda: evaluation.pipeline_stats, lambda: evaluation.writer_stats))
     routing = Routing.configured(Backend(config.primary.name, config.primary.url))
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
                     evaluation or sink or MemorySink(config.mirror.sink_capacity))

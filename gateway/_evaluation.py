@@ -1,15 +1,21 @@
-"""The evaluation side of a running gateway: store, scorers, pipeline, and reports.
+"""The evaluation side of a running gateway: store, scoring pipeline, and reports.
 
-Lifecycle: ``start`` opens the database (running Alembic's upgrade when ``auto_migrate``),
-registers the configured backends with their roles, loads the scorers (the sentence
-encoder is loaded in a worker thread) and starts the writer and the pipeline; ``stop``
-drains the pipeline, flushes the writer and closes the database, in that order. Until
-``start`` and after ``stop``, ``submit`` refuses (the mirror counts ``sink_full``).
+Scoring and writing scores run in the pipeline's child process (``evaluators._pipeline``),
+never in the gateway's: this process keeps only ``submit`` (a bounded, non-blocking put),
+the counters the child reports, and an engine of its own for the rare admin work
+(reports, audit entries, backend registration, the routing version).
+
+Lifecycle: ``start`` opens the database (running Alembic's upgrade when ``auto_migrate``,
+so the schema is current before the gateway serves), registers the configured backends
+with their roles, and starts the pipeline, which returns when its process has loaded
+the scorers and started its writer (or raises ``EvaluationProcessError`` with the
+reason); ``stop`` drains the pipeline (its process scores what is queued and flushes its
+writer) and closes the database, in that order. Until ``start`` and after ``stop``,
+``submit`` refuses (the mirror counts ``sink_full``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from datetime import datetime
 from typing import Any
@@ -19,15 +25,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from evaluators import (
     EvaluationPipeline,
     Exchange,
+    PipelineStats,
     Report,
-    ScoreWriter,
     build_report,
-    build_scorers,
     create_engine,
     session_factory,
     upgrade,
 )
-from evaluators._store import append_audit, register_backend
+from evaluators._store import WriterStats, append_audit, register_backend
 from evaluators._store._config import masked_url
 from gateway._config import GatewayConfig
 
@@ -41,8 +46,7 @@ class Evaluation:
         self._gateway_config = config
         self.config = config.evaluation
         self._engine: AsyncEngine | None = None
-        self._writer: ScoreWriter | None = None
-        self.pipeline: EvaluationPipeline | None = None
+        self._pipeline: EvaluationPipeline | None = None
 
     @property
     def secondary(self) -> str | None:
@@ -51,8 +55,13 @@ class Evaluation:
                     None)
 
     @property
-    def writer(self) -> ScoreWriter | None:
-        return self._writer
+    def pipeline_stats(self) -> PipelineStats | None:
+        return self._pipeline.stats if self._pipeline is not None else None
+
+    @property
+    def writer_stats(self) -> WriterStats | None:
+        """The score writer's counters as its process last reported them."""
+        return self._pipeline.writer_stats if self._pipeline is not None else None
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -67,12 +76,19 @@ class Evaluation:
                                detail=detail, verdict_id=verdict_id)
 
     def submit(self, exchange: Exchange) -> bool:
-        return self.pipeline.submit(exchange) if self.pipeline is not None else False
+        return self._pipeline.submit(exchange) if self._pipeline is not None else False
 
     async def start(self) -> None:
-        store = self.config.store
-        self._engine = create_engine(store)
-        if self.config.auto_migrate:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        config = self.config
+        self._engine = create_engine(config.store)
+        if config.auto_migrate:
             await upgrade(self._engine)
         async with session_factory(self._engine)() as session, session.begin():
             primary = self._gateway_config.primary
@@ -80,21 +96,15 @@ class Evaluation:
             for candidate in self._gateway_config.candidates:
                 await register_backend(session, candidate.name, role=candidate.role,
                                        url=candidate.url)
-        scorers = await asyncio.to_thread(build_scorers, self.config.scorers,
-                                          self.config.scoring)
-        self._writer = ScoreWriter(self._engine, store)
-        await self._writer.start()
-        self.pipeline = EvaluationPipeline(scorers, self._writer,
-                                           max_pending=self.config.max_pending,
-                                           drain_timeout_s=self.config.drain_timeout_s)
-        await self.pipeline.start()
-        log.info("evaluation: scoring into %s", masked_url(store.url))
+        self._pipeline = EvaluationPipeline(config.store, config.scorers, config.scoring,
+                                            max_pending=config.max_pending,
+                                            drain_timeout_s=config.drain_timeout_s)
+        await self._pipeline.start()
+        log.info("evaluation: scoring into %s", masked_url(config.store.url))
 
     async def stop(self) -> None:
-        if self.pipeline is not None:
-            await self.pipeline.close()
-        if self._writer is not None:
-            await self._writer.close()
+        if self._pipeline is not None:
+            await self._pipeline.close()
         if self._engine is not None:
             await self._engine.dispose()
 

@@ -11,21 +11,31 @@ is bitwise identical to computing the prompt from scratch.
     while engine.has_unfinished_requests():
         for event in engine.step():
             ...
+
+Served behind vLLM's OpenAI API (``understudy engine --role unified``, i.e. ``engine_command``):
+
+    async with running_engine_server(EngineServerConfig(port=0), model) as server:
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="-")
 """
 
 from ._blockpool import BlockPool, KVBlock, NoFreeBlocksError, PrefixCacheStats, hash_block
+from ._cli import engine_command
 from ._engine import Engine
 from ._gguf import ModelConfig, default_gguf_path
 from ._kvstore import KVLayout
 from ._model import ForwardChunk, LlamaModel
 from ._request import EngineStats, FinishReason, TokenEvent
 from ._sampling import SamplingParams
+from ._server import RunningEngineServer, build_engine_app, running_engine_server
+from ._server_config import EngineRole, EngineServerConfig
 from ._tokenizer import ChatTokenizer
 
 __all__ = [
     "BlockPool",
     "ChatTokenizer",
     "Engine",
+    "EngineRole",
+    "EngineServerConfig",
     "EngineStats",
     "FinishReason",
     "ForwardChunk",
@@ -35,8 +45,12 @@ __all__ = [
     "ModelConfig",
     "NoFreeBlocksError",
     "PrefixCacheStats",
+    "RunningEngineServer",
     "SamplingParams",
     "TokenEvent",
+    "build_engine_app",
     "default_gguf_path",
+    "engine_command",
     "hash_block",
+    "running_engine_server",
 ]

@@ -26,11 +26,19 @@ this holds only if every number is produced by the same sequence of operations e
    is contiguous so the same SIMD loop runs.
 
 Decode writes K/V that equal prefill's because the projections obey rule 1 and the attention
-output of its one query obeys rules 2-4.  Pin the BLAS kernel (``OPENBLAS_CORETYPE``) and the
-numpy/OpenBLAS versions across processes that exchange KV blocks.
+output of its one query obeys rules 2-4.
+
+Rules 1 and 3 are properties of the BLAS kernels, not of this code.  OpenBLAS's SkylakeX kernels
+(what it picks on AVX-512 machines) have them; its Haswell kernels (``OPENBLAS_CORETYPE=Haswell``)
+do not -- a row's bits there depend on the row count and the row's place in the tile.
+``blas_is_row_stable`` checks them on the model's own shapes when the model loads, so the engine
+can say whether its prefix reuse is bitwise exact or only accurate to float32 rounding.  Pin the
+kernel type and the numpy/OpenBLAS versions across processes that exchange KV blocks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +49,7 @@ __all__ = [
     "QUERY_TILE",
     "attend",
     "attend_decode",
+    "blas_is_row_stable",
     "key_span",
     "pad_rows",
 ]
@@ -53,6 +62,8 @@ KEY_CHUNK = 256
 """Keys per ``P @ V`` product (at most one OpenBLAS K-block, see rule 3)."""
 MIN_GEMM_ROWS = 4
 """Fewest rows handed to a BLAS product (see rule 1)."""
+_PROBE_ROWS = (4, 5, 7, 8, 13, 17, 33, 70)
+_PROBE_SEED = 20260601
 
 
 def key_span(end_position: int) -> int:
@@ -165,3 +176,34 @@ def attend_decode(
     np.copyto(scores[..., tile_start:], -np.inf, where=mask)
     acc = _softmax_times_values(scores, values, span)
     return acc[:, :, :group]
+
+
+def blas_is_row_stable(weights: Sequence[Float32Array], head_dim: int) -> bool:
+    """Whether rules 1 and 3 hold for this process's BLAS on these [in, out] weight matrices.
+
+    Each weight is multiplied by batches of ``_PROBE_ROWS`` rows, one probe row placed at
+    different offsets; the probe row must come out with the same bits every time.  The
+    attention products (``q @ K^T`` with inner size ``head_dim``, ``P @ V`` over
+    ``KEY_CHUNK`` keys) are checked the same way on random data.
+    """
+    rng = np.random.default_rng(_PROBE_SEED)
+    attention = [
+        rng.standard_normal((head_dim, 3 * QUERY_TILE), dtype=np.float32),
+        rng.standard_normal((KEY_CHUNK, head_dim), dtype=np.float32),
+        rng.standard_normal((QUERY_TILE, head_dim), dtype=np.float32),
+    ]
+    for weight in [*weights, *attention]:
+        inner = weight.shape[0]
+        filler = rng.standard_normal((max(_PROBE_ROWS), inner), dtype=np.float32)
+        probe = rng.standard_normal(inner, dtype=np.float32)
+        expected: Float32Array | None = None
+        for rows in _PROBE_ROWS:
+            for offset in {0, rows // 2, rows - 1}:
+                batch = filler[:rows].copy()
+                batch[offset] = probe
+                got = (batch @ weight)[offset]
+                if expected is None:
+                    expected = got
+                elif not np.array_equal(got, expected):
+                    return False
+    return True

@@ -2,9 +2,12 @@
 
 One call runs any mix of sequences -- prefill chunks and single decode tokens -- through the
 model: every linear layer is one product over the rows of all sequences (padded to
-``MIN_GEMM_ROWS``), attention runs per sequence over its gathered blocks.  The determinism rules
-that make a position's K/V and logits independent of how the work was split are in
-``_attention``'s module comment; this module keeps rule 1 (row padding) for the linear layers.
+``MIN_GEMM_ROWS``); attention runs per prefill chunk, and once for all single-token decodes
+whose queries fall in the same query tile (their products keep the shapes of a lone decode).
+The determinism rules that make a position's K/V and logits independent of how the work was
+split are in ``_attention``'s module comment; this module keeps rule 1 (row padding) for the
+linear layers, and ``LlamaModel.bitwise_prefix_reuse`` says whether this process's BLAS keeps
+rules 1 and 3.
 
 Weights are stored once, contiguous and pre-transposed for ``x @ W``: fused QKV (the Q part
 pre-scaled by 1/sqrt(head_dim), an exact power of two for head_dim 64), fused gate/up, and the
@@ -23,7 +26,14 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from ._attention import MIN_GEMM_ROWS, attend, attend_decode, key_span, pad_rows
+from ._attention import (
+    MIN_GEMM_ROWS,
+    attend,
+    attend_decode,
+    blas_is_row_stable,
+    key_span,
+    pad_rows,
+)
 from ._gguf import GGUFModel, read_gguf
 from ._kvstore import NULL_BLOCK, KVStorage
 from ._tokenizer import ChatTokenizer
@@ -133,6 +143,7 @@ class LlamaModel:
 
     __slots__ = (
         "attn_norm",
+        "bitwise_prefix_reuse",
         "config",
         "embed",
         "ffn_norm",
@@ -192,6 +203,12 @@ class LlamaModel:
         self.rope_cos = np.cos(angles).astype(np.float32)
         self.rope_sin = np.sin(angles).astype(np.float32)
         self.fingerprint = self._fingerprint(source)
+        self.bitwise_prefix_reuse = blas_is_row_stable(
+            [self.w_qkv[0], self.w_o[0], self.w_gate_up[0], self.w_down[0], self.lm_head.T],
+            cfg.head_dim,
+        )
+        """Whether prefix reuse and decode give bitwise the K/V and logits of a one-shot prefill
+        in this process (see ``_attention``); otherwise they agree to float32 rounding."""
 
     @classmethod
     def load(cls, path: Path | str | None = None) -> LlamaModel:

@@ -19,6 +19,7 @@ SEED = b"model-fingerprint"
 
 def test_public_api_is_exactly_this() -> None:
     assert set(engine_pkg.__all__) == {
+        # the model core
         "BlockPool",
         "ChatTokenizer",
         "Engine",
@@ -35,6 +36,13 @@ def test_public_api_is_exactly_this() -> None:
         "TokenEvent",
         "default_gguf_path",
         "hash_block",
+        # the server around it
+        "EngineRole",
+        "EngineServerConfig",
+        "RunningEngineServer",
+        "build_engine_app",
+        "engine_command",
+        "running_engine_server",
     }
 
 

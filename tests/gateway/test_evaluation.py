@@ -14,7 +14,9 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 
+from evaluators import EvaluationProcessError
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 REQUESTS = 24
@@ -33,8 +35,9 @@ async def _traffic(gw: RunningGateway, n: int) -> None:
 
 def _written(gw: RunningGateway, records: int) -> bool:
     evaluation = gw.state.evaluation
-    assert evaluation is not None and evaluation.writer is not None
-    return evaluation.writer.stats.written_records >= records
+    assert evaluation is not None
+    stats = evaluation.writer_stats
+    return stats is not None and stats.written_records >= records
 
 
 async def test_report_shows_a_worse_candidate_beyond_the_noise_floor(db_url: str) -> None:
@@ -93,6 +96,15 @@ async def test_sparse_data_is_inconclusive(tmp_path: Any) -> None:
         [sys.executable, "-m", "gateway.cli", "report", "cand", "--db", url],
         capture_output=True, text=True, check=True)).stdout
     assert "INCONCLUSIVE" in printed and "latency.ttft_s" in printed
+
+
+async def test_an_evaluation_that_cannot_start_stops_the_gateway_start(tmp_path: Any) -> None:
+    """Scorers load in the evaluation process; its failure is the gateway's startup error."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'u.db'}"
+    with pytest.raises(EvaluationProcessError, match="unknown scorers"):
+        async with run_gateway("http://127.0.0.1:9", evaluation={
+                "enabled": True, "store": {"url": url}, "scorers": ["no_such_scorer"]}):
+            pass
 
 
 async def _metrics(http: aiohttp.ClientSession, url: str) -> str:

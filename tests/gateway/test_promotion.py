@@ -39,8 +39,9 @@ def _json(value: Any) -> dict[str, Any]:
 
 def _scored(gw: RunningGateway, records: int) -> bool:
     evaluation = gw.state.evaluation
-    assert evaluation is not None and evaluation.writer is not None
-    return evaluation.writer.stats.written_records >= records
+    assert evaluation is not None
+    stats = evaluation.writer_stats
+    return stats is not None and stats.written_records >= records
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: Any = None) -> tuple[int, Any]:

@@ -143,9 +143,13 @@ async def test_report_shows_a_hotter_candidate_beyond_the_noise_floor(
                 messages=[{"role": "user", "content": f"Write one sentence about the number {i}."}])
         await client.close()
         evaluation_state = gw.state.evaluation
-        assert evaluation_state is not None and evaluation_state.writer is not None
-        writer = evaluation_state.writer
-        await eventually(lambda: writer.stats.written_records >= 2 * requests, within_s=240)
+        assert evaluation_state is not None
+
+        def written() -> bool:
+            stats = evaluation_state.writer_stats
+            return stats is not None and stats.written_records >= 2 * requests
+
+        await eventually(written, within_s=240)
         report = (await evaluation_state.report("hot")).to_dict()
     similarity = {m["metric"]: m for m in report["metrics"]}["quality.semantic_similarity"]
     floor = similarity["statistics"]["noise_floor"]

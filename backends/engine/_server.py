@@ -1,0 +1,276 @@
+"""The engine behind vLLM's OpenAI API: an aiohttp app per role, and serving one on a socket.
+
+All state lives on the ``web.Application`` under typed keys, so several engine servers (a
+primary without prefix caching and a candidate with it, in one test) run side by side in one
+process, sharing nothing but, if the caller wishes, the loaded model (read-only weights).
+
+The engine thread starts and stops in a ``cleanup_ctx``.  At shutdown the listening socket
+closes first, in-flight answers get ``SHUTDOWN_TIMEOUT_S`` to finish (the engine keeps
+stepping), then the engine loop stops and what is left is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from backends.sim._errors import error_body
+from backends.sim._protocol import RequestKind, model_list
+
+from ._answer import AnswerWriter, ClientGone, ResponseIdentity, json_response
+from ._engine import Engine
+from ._engine_loop import EngineLoop, EngineServerError
+from ._metrics import EngineMetrics
+from ._model import LlamaModel
+from ._openai import RequestError, decode_body, parse_generation_request
+from ._server_config import EngineRole, EngineServerConfig
+
+__all__ = [
+    "ENGINE_LOOP",
+    "ENGINE_METRICS",
+    "MAX_REQUEST_BODY_BYTES",
+    "SHUTDOWN_TIMEOUT_S",
+    "RunningEngineServer",
+    "build_engine_app",
+    "running_engine_server",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+# In-flight answers get this long to finish at shutdown; the rest are aborted.
+SHUTDOWN_TIMEOUT_S = 5.0
+# A step cannot be interrupted; the engine thread gets this long to notice the stop.
+ENGINE_STOP_TIMEOUT_S = 30.0
+# vLLM's request ids: a prefix and 16 hex digits (or the client's X-Request-Id).
+_ID_HEX_DIGITS = 16
+_ID_PREFIXES: dict[RequestKind, str] = {"chat": "chatcmpl-", "completion": "cmpl-"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Serving:
+    """What the handlers of one app read: fixed when the app is built."""
+
+    config: EngineServerConfig
+    model: LlamaModel
+    max_model_len: int
+    fingerprint: str
+    created: int
+
+
+_SERVING = web.AppKey("engine_serving", _Serving)
+ENGINE_LOOP = web.AppKey("engine_loop", EngineLoop)
+ENGINE_METRICS = web.AppKey("engine_metrics", EngineMetrics)
+
+AppBuilder = Callable[[EngineServerConfig, LlamaModel], web.Application]
+
+
+def build_engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+    """The aiohttp app of ``config.role``, serving ``model``."""
+    return _ROLE_BUILDERS[config.role](config, model)
+
+
+def _build_unified_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+    """Prefill and decode in one engine, behind vLLM's OpenAI routes."""
+    engine = Engine(
+        model,
+        config.kv_limit_bytes,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+    )
+    # Every accepted request must fit in the pool on its own, or the engine could not run it.
+    max_model_len = min(
+        config.max_model_len or model.max_model_len,
+        model.max_model_len,
+        engine.pool.num_blocks * engine.block_size,
+    )
+    metrics = EngineMetrics(config.served_model_name)
+    app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES)
+    app[_SERVING] = _Serving(
+        config=config,
+        model=model,
+        max_model_len=max_model_len,
+        fingerprint=f"understudy-engine-{model.fingerprint[:4].hex()}",
+        created=int(time.time()),
+    )
+    app[ENGINE_METRICS] = metrics
+    app[ENGINE_LOOP] = EngineLoop(
+        engine, metrics, capacity=config.max_num_seqs + config.max_waiting_requests
+    )
+    app.cleanup_ctx.append(_engine_thread)
+    app.middlewares.append(_fastapi_style_http_errors)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+_ROLE_BUILDERS: dict[EngineRole, AppBuilder] = {"unified": _build_unified_app}
+
+
+async def _engine_thread(app: web.Application) -> AsyncIterator[None]:
+    loop = app[ENGINE_LOOP]
+    loop.start()
+    try:
+        yield
+    finally:
+        await loop.stop(ENGINE_STOP_TIMEOUT_S)
+
+
+@web.middleware
+async def _fastapi_style_http_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # Unknown routes and methods answer as FastAPI does: {"detail": "Not Found"}; a bug answers
+    # as vLLM's exception handler does: a JSON error with status 500.
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.Response(
+            body=orjson.dumps({"detail": exc.reason}),
+            status=exc.status,
+            content_type="application/json",
+            headers=headers,
+        )
+    except web.HTTPException:
+        raise
+    except Exception as exc:
+        log.exception("unexpected error answering %s %s", request.method, request.path)
+        return json_response(error_body(f"{type(exc).__name__}: {exc}", status=500), 500)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    arrived_at = asyncio.get_running_loop().time()
+    serving, engine_loop = request.app[_SERVING], request.app[ENGINE_LOOP]
+    tokenizer = serving.model.tokenizer
+    try:
+        generation = parse_generation_request(
+            kind,
+            decode_body(await request.read()),
+            tokenizer=tokenizer,
+            served_model=serving.config.served_model_name,
+            max_model_len=serving.max_model_len,
+        )
+    except RequestError as exc:
+        return json_response(exc.body(), exc.status)
+    try:
+        handle = engine_loop.submit(generation.prompt_ids, generation.params, arrived_at=arrived_at)
+    except EngineServerError as exc:
+        return json_response(
+            error_body(str(exc), status=exc.status, err_type=exc.err_type), exc.status
+        )
+    base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:_ID_HEX_DIGITS]
+    identity = ResponseIdentity(
+        kind=kind,
+        response_id=_ID_PREFIXES[kind] + base_id,
+        created=int(time.time()),
+        model=serving.config.served_model_name,
+        fingerprint=serving.fingerprint,
+    )
+    writer = AnswerWriter(request, handle, generation, identity, tokenizer)
+    try:
+        if generation.stream:
+            return await writer.stream()
+        return await writer.whole()
+    except (ClientGone, ConnectionResetError):
+        # Nothing more reaches the client; aiohttp only needs a response object.
+        return writer.response or web.Response()
+    finally:
+        # Also on CancelledError (a runner with handler_cancellation): the engine stops too.
+        engine_loop.release(handle)
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    serving = request.app[_SERVING]
+    name = serving.config.served_model_name
+    return json_response(
+        model_list(
+            model=name,
+            created=serving.created,
+            max_model_len=serving.max_model_len,
+            permission_id=f"modelperm-{uuid.uuid4().hex[:_ID_HEX_DIGITS]}",
+        )
+    )
+
+
+async def _health(request: web.Request) -> web.StreamResponse:
+    # vLLM answers 200 with an empty body while its engine lives, 503 once it died.
+    return web.Response(status=200 if request.app[ENGINE_LOOP].alive else 503)
+
+
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    body = request.app[ENGINE_METRICS].exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- serving on a socket ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunningEngineServer:
+    """A started engine server: where it listens, its app, and its engine."""
+
+    app: web.Application
+    host: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI client's base_url: ``http://host:port/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def root_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine(self) -> Engine:
+        return self.app[ENGINE_LOOP].engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.app[_SERVING].max_model_len
+
+
+@asynccontextmanager
+async def running_engine_server(
+    config: EngineServerConfig, model: LlamaModel | None = None
+) -> AsyncIterator[RunningEngineServer]:
+    """Serve ``config`` on its host and port (0 picks a free one) until the block exits.
+
+    Without ``model`` the GGUF of ``config.gguf_path`` is loaded first (seconds, off the loop).
+    """
+    if model is None:
+        model = await asyncio.to_thread(LlamaModel.load, config.gguf_path)
+    app = build_engine_app(config, model)
+    runner = web.AppRunner(
+        app, handle_signals=False, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield RunningEngineServer(app=app, host=str(host), port=int(port))
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,259 @@
+"""The evaluation process: scores exchanges and writes them, away from the gateway.
+
+:class:`~evaluators._pipeline.EvaluationPipeline` starts :func:`run_scoring_process` in a
+child process. The child has its own interpreter (its own GIL) and its own event loop,
+which runs only the ScoreWriter and this module's bookkeeping, so scoring and batch
+building never take time from the gateway's loop.
+
+Theory of operation:
+1. Start: build the scorers (the sentence encoder loads here), open the engine, start
+   the writer, send :class:`Ready` — or :class:`Failed` with the reason, and exit.
+2. One worker thread takes exchanges from the queue a batch at a time
+   (``batch_size``), scores them and hands the scores to the writer on the loop's thread
+   (``call_soon_threadsafe``; the writer is not thread-safe). An exchange that fails to
+   score is dropped and counted (``scoring_error``).
+3. Every ``STATS_INTERVAL_S`` the child sends a :class:`Snapshot` of its counters and
+   its writer's; the parent keeps the latest.
+4. Drain: on :class:`Drain` (``expected`` = how many exchanges the parent put on the
+   queue in all) the thread scores until it has taken that many or ``drain_timeout_s``
+   has passed (checked between exchanges; the parent counts what was not scored). If
+   the parent is gone instead (EOF on the pipe, or the process was reparented) it
+   drains what is already in the queue, within the same bound. Then the writer closes
+   (within ``close_timeout_s``), the final :class:`Snapshot` is sent (when the parent
+   can still hear it) and the process exits: it never outlives its parent by more than
+   those bounds.
+5. SIGINT and SIGTERM are ignored: a terminal's Ctrl-C or a service manager's stop
+   reaches the whole process group, and it is the gateway's to turn into a drain.
+6. The process runs at a lower CPU priority (``niceness``): where cores are scarce, the
+   scheduler gives them to the gateway first, and evaluation takes what is left (when
+   that is too little, its queue fills and the gateway counts ``sink_full``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.queues import Queue
+
+from evaluators._exchange import Exchange
+from evaluators._score import Score, Scorer, score_exchange
+from evaluators._scorers import ScorerConfig, build_scorers
+from evaluators._store import ScoreWriter, StoreConfig, create_engine
+from evaluators._store._writer import WriterStats
+
+__all__ = [
+    "STATS_INTERVAL_S",
+    "Drain",
+    "Failed",
+    "ProcessSettings",
+    "Ready",
+    "Snapshot",
+    "run_scoring_process",
+]
+
+log = logging.getLogger("understudy.evaluation")
+
+STATS_INTERVAL_S = 0.2
+"""How often the child reports its counters (and checks that its parent is alive)."""
+TAKE_POLL_S = 0.1
+"""How long the worker thread waits on an empty queue before it looks at the drain."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSettings:
+    store: StoreConfig
+    scorers: tuple[str, ...]
+    scoring: ScorerConfig
+    batch_size: int
+    drain_timeout_s: float
+    niceness: int
+    log_level: int
+
+
+# -- messages on the pipe: child -> parent ---------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    scored: int
+    dropped: dict[str, int]
+    writer: WriterStats  # its mappings as plain dicts: a mappingproxy does not pickle
+    final: bool
+
+
+# -- parent -> child -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    expected: int
+    """Exchanges the parent put on the queue since the start, all told."""
+
+
+def run_scoring_process(settings: ProcessSettings, exchanges: Queue[Exchange],
+                        conn: Connection, parent_pid: int) -> None:
+    """The child's entry point (a spawned process: nothing is inherited but the args)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.nice(settings.niceness)
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s[child] %(message)s")
+    asyncio.run(_ScoringProcess(settings, exchanges, conn, parent_pid).serve())
+
+
+class _ScoringProcess:
+    def __init__(self, settings: ProcessSettings, exchanges: Queue[Exchange],
+                 conn: Connection, parent_pid: int) -> None:
+        self._settings = settings
+        self._exchanges = exchanges
+        self._conn = conn
+        self._parent_pid = parent_pid
+        self._parent_alive = True
+        self._scored = 0
+        self._dropped: Counter[str] = Counter()
+        # Set by the loop's thread, read by the worker thread once ``_draining`` is set.
+        self._draining = threading.Event()
+        self._expected: int | None = None
+        self._deadline = 0.0
+
+    async def serve(self) -> None:
+        settings = self._settings
+        try:
+            scorers = build_scorers(settings.scorers, settings.scoring)
+            engine = create_engine(settings.store)
+        except Exception as exc:
+            log.exception("the evaluation process cannot start")
+            self._send(Failed(f"{type(exc).__name__}: {exc}"))
+            return
+        try:
+            async with ScoreWriter(engine, settings.store) as writer:
+                await self._run(scorers, writer)
+            self._send(self._snapshot(writer, final=True))
+        finally:
+            await engine.dispose()
+
+    async def _run(self, scorers: Sequence[Scorer], writer: ScoreWriter) -> None:
+        loop = asyncio.get_running_loop()
+        drained = asyncio.Event()
+        loop.add_reader(self._conn.fileno(), self._on_message, drained)
+        self._send(self._snapshot(writer, final=False))  # so the parent has one from the start
+        self._send(Ready(os.getpid()))
+        worker = asyncio.create_task(asyncio.to_thread(self._score, loop, scorers, writer))
+        try:
+            while not drained.is_set() and not worker.done():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STATS_INTERVAL_S):
+                        await drained.wait()
+                if os.getppid() != self._parent_pid:  # reparented: the parent is gone
+                    self._parent_alive = False
+                    self._start_drain(None)
+                    drained.set()
+                self._send(self._snapshot(writer, final=False))
+            await worker  # raises what killed the thread, if it died before the drain
+        finally:
+            loop.remove_reader(self._conn.fileno())
+
+    # -- the pipe ----------------------------------------------------------------------
+
+    def _on_message(self, drained: asyncio.Event) -> None:
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):  # the parent is gone, however it went
+            self._parent_alive = False
+            self._start_drain(None)
+        else:
+            if not isinstance(message, Drain):
+                return
+            self._start_drain(message.expected)
+        drained.set()
+        asyncio.get_running_loop().remove_reader(self._conn.fileno())
+
+    def _send(self, message: Ready | Failed | Snapshot) -> None:
+        if not self._parent_alive:
+            return
+        try:
+            self._conn.send(message)
+        except OSError:  # EPIPE: the parent is gone; the drain notices it too
+            self._parent_alive = False
+
+    def _start_drain(self, expected: int | None) -> None:
+        if self._draining.is_set():
+            return
+        self._expected = expected
+        self._deadline = time.monotonic() + self._settings.drain_timeout_s
+        self._draining.set()
+
+    def _snapshot(self, writer: ScoreWriter, *, final: bool) -> Snapshot:
+        stats = writer.stats
+        plain = dataclasses.replace(stats, written_rows=dict(stats.written_rows),
+                                    dropped=dict(stats.dropped))
+        return Snapshot(self._scored, dict(self._dropped), plain, final)
+
+    # -- the worker thread -------------------------------------------------------------
+
+    def _score(self, loop: asyncio.AbstractEventLoop, scorers: Sequence[Scorer],
+               writer: ScoreWriter) -> None:
+        taken = 0
+        while not self._drained(taken):
+            batch = self._take()
+            taken += len(batch)
+            scored: list[tuple[Exchange, list[Score]]] = []
+            for exchange in batch:
+                if self._past_deadline():  # the parent counts the rest (``shutdown``)
+                    break
+                try:
+                    scored.append((exchange, score_exchange(exchange, scorers)))
+                except Exception:
+                    log.exception("scoring exchange %s failed", exchange.request_id)
+                    loop.call_soon_threadsafe(self._count_drop, "scoring_error")
+            if scored:
+                loop.call_soon_threadsafe(self._store, writer, scored)
+
+    def _past_deadline(self) -> bool:
+        return self._draining.is_set() and time.monotonic() >= self._deadline
+
+    def _drained(self, taken: int) -> bool:
+        if not self._draining.is_set():
+            return False
+        if self._past_deadline():
+            return True
+        if self._expected is None:  # no parent to say how many: what is queued now
+            return self._exchanges.empty()
+        return taken >= self._expected
+
+    def _take(self) -> list[Exchange]:
+        try:
+            batch = [self._exchanges.get(timeout=TAKE_POLL_S)]
+        except queue.Empty:
+            return []
+        with contextlib.suppress(queue.Empty):
+            while len(batch) < self._settings.batch_size:
+                batch.append(self._exchanges.get_nowait())
+        return batch
+
+    def _store(self, writer: ScoreWriter, scored: list[tuple[Exchange, list[Score]]]) -> None:
+        for exchange, scores in scored:
+            writer.submit(exchange, scores)
+        self._scored += len(scored)
+
+    def _count_drop(self, reason: str) -> None:
+        self._dropped[reason] += 1

@@ -1,0 +1,167 @@
+"""EvaluationPipeline: exchanges scored and stored by a child process, with every
+exchange accounted for, and no child left behind (also when the parent is killed).
+
+Real processes and a real SQLite file; the scorers are the cheap ones (no sentence
+encoder to load), except where a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from evaluators import (
+    EvaluationPipeline,
+    EvaluationProcessError,
+    PipelineState,
+    StoreConfig,
+    upgrade,
+)
+from evaluators._scoring_process import STATS_INTERVAL_S
+from tests.evaluators.test_store import make_exchange
+from tests.fixtures_db import sqlite_url
+from tests.utils import eventually
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHEAP_SCORERS = ("exact_match", "edit_similarity", "latency", "reliability")
+QUICK_STORE = {"flush_interval_s": 0.02}
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> StoreConfig:
+    url = sqlite_url(tmp_path)
+    await upgrade(url)
+    return StoreConfig(url=url, **QUICK_STORE)
+
+
+@pytest.fixture
+async def pipeline(store: StoreConfig) -> AsyncIterator[EvaluationPipeline]:
+    pipeline = EvaluationPipeline(store, CHEAP_SCORERS)
+    await pipeline.start()
+    try:
+        yield pipeline
+    finally:
+        await pipeline.close()
+
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie not yet reaped by its new parent counts)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def _written(pipeline: EvaluationPipeline, records: int) -> bool:
+    stats = pipeline.writer_stats
+    return stats is not None and stats.written_records >= records
+
+
+async def test_scores_and_stores_in_a_child_process(pipeline: EvaluationPipeline) -> None:
+    assert pipeline.state is PipelineState.RUNNING
+    assert pipeline.pid is not None and pipeline.pid != os.getpid()
+    assert pipeline.writer_stats is not None  # reported before start returned
+    for i in range(50):
+        assert pipeline.submit(make_exchange(f"r{i}"))
+    await eventually(lambda: _written(pipeline, 50), within_s=20)
+    stats = pipeline.stats
+    assert (stats.accepted, stats.scored, stats.pending, stats.dropped) == (50, 50, 0, {})
+    writer = pipeline.writer_stats
+    assert writer is not None and writer.written_rows["scores"] > 0
+    pid = pipeline.pid
+    await pipeline.close()
+    assert pipeline.state is PipelineState.CLOSED and _gone(pid)
+    assert not pipeline.submit(make_exchange("late"))
+
+
+async def test_submit_refuses_before_start(store: StoreConfig) -> None:
+    pipeline = EvaluationPipeline(store, CHEAP_SCORERS)
+    assert not pipeline.submit(make_exchange("early"))
+    await pipeline.close()
+    assert pipeline.state is PipelineState.CLOSED
+
+
+async def test_submit_is_a_bounded_put(store: StoreConfig) -> None:
+    """The queue holds at most ``max_pending``: past it, submit refuses at once."""
+    pipeline = EvaluationPipeline(store, CHEAP_SCORERS, max_pending=5)
+    await pipeline.start()
+    try:
+        exchange = make_exchange("same")
+        started = time.perf_counter()
+        results = [pipeline.submit(exchange) for _ in range(2_000)]
+        per_call_s = (time.perf_counter() - started) / len(results)
+        assert results[:5] == [True] * 5 and not all(results)
+        assert per_call_s < 200e-6  # a put on a local buffer, never a wait on the child
+    finally:
+        await pipeline.close()
+    stats = pipeline.stats
+    assert stats.accepted == sum(results)
+    assert stats.scored + sum(stats.dropped.values()) == stats.accepted
+
+
+async def test_a_child_that_cannot_start_is_a_clear_error(store: StoreConfig) -> None:
+    pipeline = EvaluationPipeline(store, ("no_such_scorer",))
+    with pytest.raises(EvaluationProcessError, match="unknown scorers"):
+        await pipeline.start()
+    assert pipeline.state is PipelineState.CLOSED
+    assert pipeline.pid is not None and _gone(pipeline.pid)
+
+
+async def test_close_counts_what_was_not_scored_in_time(store: StoreConfig) -> None:
+    pipeline = EvaluationPipeline(store, CHEAP_SCORERS, drain_timeout_s=0.0, batch_size=1)
+    await pipeline.start()
+    accepted = sum(pipeline.submit(make_exchange(f"r{i}")) for i in range(500))
+    await pipeline.close()
+    stats = pipeline.stats
+    assert stats.accepted == accepted and stats.pending == 0
+    assert stats.scored + stats.dropped.get("shutdown", 0) == accepted
+    writer = pipeline.writer_stats
+    assert writer is not None  # the final report: everything scored was written
+    assert writer.written_records + sum(writer.dropped.values()) == stats.scored
+
+
+async def test_a_child_that_dies_is_counted_and_refused(pipeline: EvaluationPipeline) -> None:
+    pid = pipeline.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    await eventually(lambda: pipeline.state is PipelineState.FAILED, within_s=10)
+    assert not pipeline.submit(make_exchange("after"))
+
+
+PARENT = """
+import asyncio, sys
+from evaluators import EvaluationPipeline, StoreConfig
+
+async def main():
+    pipeline = EvaluationPipeline(StoreConfig(url=sys.argv[1]), ("latency",))
+    await pipeline.start()
+    print(pipeline.pid, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_child_exits_when_its_parent_is_killed(store: StoreConfig) -> None:
+    parent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", PARENT, store.url, cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert parent.stdout is not None
+        child = int(await parent.stdout.readline())
+        assert not _gone(child)
+        parent.kill()  # no chance to close the pipeline: the child must notice alone
+        await parent.wait()
+        await eventually(lambda: _gone(child), within_s=10 + STATS_INTERVAL_S)
+    finally:
+        if parent.returncode is None:
+            parent.kill()
+            await parent.wait()

@@ -1,0 +1,48 @@
+"""The ``engine_model`` fixture: the reference engine's model, loaded once per session.
+
+Loading dequantizes the GGUF (~10 s on two idle cores); every engine server in the session
+shares the one model (its weights are read-only), each with its own ``Engine`` and KV pool.
+
+The engine computes on the CPU, and a shared two-core machine can be many times slower than
+an idle one, so every test that uses ``engine_model`` gets ``ENGINE_TEST_TIMEOUT_S`` (unless it
+sets its own timeout) and the ``slow`` marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from backends.engine import EngineServerConfig, LlamaModel, RunningEngineServer
+from backends.engine import running_engine_server as _running_engine_server
+
+# Enough KV for a few concurrent requests of ~1k tokens; the pages are touched only as used.
+TEST_KV_LIMIT_BYTES = 128 << 20
+ENGINE_TEST_TIMEOUT_S = 600.0
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselection looks at the markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "engine_model" not in getattr(item, "fixturenames", ()):
+            continue
+        item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
+
+
+@pytest.fixture(scope="session")
+def engine_model() -> LlamaModel:
+    return LlamaModel.load()
+
+
+@asynccontextmanager
+async def serve_engine(model: LlamaModel, **config: Any) -> AsyncIterator[RunningEngineServer]:
+    """An engine server on an ephemeral loopback port over ``model``."""
+    config.setdefault("port", 0)
+    config.setdefault("kv_limit_bytes", TEST_KV_LIMIT_BYTES)
+    async with _running_engine_server(EngineServerConfig(**config), model) as server:
+        yield server
