@@ -86,8 +86,10 @@ def plan_request(route: Route, method: str, body: bytes) -> RequestPlan:
         # Malformed stream_options: forward untouched, the backend answers the 400.
         return RequestPlan(route, body, payload, stream=True, injected_usage=False)
     upstream_payload = {**payload, "stream_options": {**(options or {}), "include_usage": True}}
-    return RequestPlan(route, orjson.dumps(upstream_payload), payload, stream=True,
-                       injected_usage=True)
+    # orjson's output can own far more memory than its length (1 MiB for a 64 KiB body);
+    # an exact copy keeps what the request holds, and what the MemoryBudget charges, true.
+    body = bytes(memoryview(orjson.dumps(upstream_payload)))
+    return RequestPlan(route, body, payload, stream=True, injected_usage=True)
 
 
 class UsageEventFilter:
