@@ -176,3 +176,24 @@ def test_join_timeout_and_budget_drops_are_counted() -> None:
 def test_observation_charge_grows_with_text() -> None:
     assert observation_charge(_observation("r", "p", "x" * 500)) > observation_charge(
         _observation("r", "p", "x"))
+
+
+def test_rewritten_body_owns_no_more_memory_than_its_length() -> None:
+    """The budget charges a payload's length: the body must not own much more than that."""
+    import tracemalloc
+
+    import orjson
+
+    from gateway._relay import plan_request
+
+    body = orjson.dumps({"model": "m", "stream": True,
+                         "messages": [{"role": "user", "content": "x" * 65536}]})
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        plan = plan_request("chat_completions", "POST", body)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert plan.injected_usage
+    assert held < 2 * len(plan.body) + 64 * 1024
