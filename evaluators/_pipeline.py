@@ -30,7 +30,8 @@ Rules (DESIGN.md invariants 1 and 7):
    ``close_timeout_s``, reports its final counters and exits. One that has not exited
    ``EXIT_GRACE_S`` after those bounds is killed.
 6. No orphans: the child also drains and exits when its parent goes away (EOF on the
-   pipe, or it finds itself reparented), within the same bounds.
+   pipe, or it finds itself reparented) or exits without ``close`` (multiprocessing
+   sends its daemonic children SIGTERM), within the same bounds.
 7. The child runs niced (``niceness``): on a busy machine the gateway's threads get the
    cores first.
 """
@@ -178,7 +179,10 @@ class EvaluationPipeline:
         self._conn, child_conn = self._context.Pipe()
         self._process = self._context.Process(
             target=run_scoring_process, name="understudy-evaluation",
-            args=(self._settings, self._queue, child_conn, os.getpid()), daemon=False)
+            args=(self._settings, self._queue, child_conn, os.getpid()),
+            # Daemonic: a parent that exits without ``close`` sends it SIGTERM (it drains
+            # and exits) before it joins it, instead of waiting on it forever.
+            daemon=True)
         self._ready = loop.create_future()
         self._finished = loop.create_future()
         self._process.start()

@@ -22,8 +22,11 @@ Theory of operation:
    (within ``close_timeout_s``), the final :class:`Snapshot` is sent (when the parent
    can still hear it) and the process exits: it never outlives its parent by more than
    those bounds.
-5. SIGINT and SIGTERM are ignored: a terminal's Ctrl-C or a service manager's stop
-   reaches the whole process group, and it is the gateway's to turn into a drain.
+5. Signals: SIGINT is ignored (a terminal's Ctrl-C reaches the whole process group, and
+   it is the gateway's to turn into a drain); SIGTERM, once the writer runs, drains what
+   is queued and exits, as when the parent is gone: it is what a service manager sends
+   to every process of the gateway, and what multiprocessing sends its daemonic
+   children when the parent exits without closing the pipeline.
 6. The process runs at a lower CPU priority (``niceness``): where cores are scarce, the
    scheduler gives them to the gateway first, and evaluation takes what is left (when
    that is too little, its queue fills and the gateway counts ``sink_full``).
@@ -113,7 +116,6 @@ def run_scoring_process(settings: ProcessSettings, exchanges: Queue[Exchange],
                         conn: Connection, parent_pid: int) -> None:
     """The child's entry point (a spawned process: nothing is inherited but the args)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.nice(settings.niceness)
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s[child] %(message)s")
@@ -155,6 +157,7 @@ class _ScoringProcess:
         loop = asyncio.get_running_loop()
         drained = asyncio.Event()
         loop.add_reader(self._conn.fileno(), self._on_message, drained)
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, drained)
         self._send(self._snapshot(writer, final=False))  # so the parent has one from the start
         self._send(Ready(os.getpid()))
         worker = asyncio.create_task(asyncio.to_thread(self._score, loop, scorers, writer))
@@ -186,6 +189,10 @@ class _ScoringProcess:
             self._start_drain(message.expected)
         drained.set()
         asyncio.get_running_loop().remove_reader(self._conn.fileno())
+
+    def _on_sigterm(self, drained: asyncio.Event) -> None:
+        self._start_drain(None)
+        drained.set()
 
     def _send(self, message: Ready | Failed | Snapshot) -> None:
         if not self._parent_alive:

@@ -21,7 +21,8 @@ Rules
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,8 +112,9 @@ class AnswerWriter:
         finish: str | None = None
         stop_reason: str | int | None = None
         try:
-            async for token in self._tokens():
-                finish, stop_reason = token.finish_reason, token.stop_reason
+            async with aclosing(self._tokens()) as tokens:
+                async for token in tokens:
+                    finish, stop_reason = token.finish_reason, token.stop_reason
         except EngineServerError as exc:
             return json_response(
                 error_body(str(exc), status=exc.status, err_type=exc.err_type), exc.status
@@ -137,10 +139,11 @@ class AnswerWriter:
         await response.prepare(self._request)
         ident, generation = self._identity, self._generation
         try:
-            async for token in self._tokens():
-                if self._completion_tokens == 1 and ident.kind == "chat":
-                    await _send(response, self._chunk(None, ""))
-                await _send(response, self._chunk(token, token.piece.text))
+            async with aclosing(self._tokens()) as tokens:
+                async for token in tokens:
+                    if self._completion_tokens == 1 and ident.kind == "chat":
+                        await _send(response, self._chunk(None, ""))
+                    await _send(response, self._chunk(token, token.piece.text))
         except EngineServerError as exc:
             await _send(response, error_body(str(exc), status=exc.status, err_type=exc.err_type))
             await response.write(_DONE)
@@ -164,7 +167,7 @@ class AnswerWriter:
 
     # -- internals --------------------------------------------------------------------------
 
-    async def _tokens(self) -> AsyncIterator[_Token]:
+    async def _tokens(self) -> AsyncGenerator[_Token, None]:
         """The answer's tokens with their text, up to and including the one that ends it."""
         params = self._generation.params
         eos_ids = self._tokenizer.stop_token_ids

@@ -44,6 +44,7 @@ Float32Array = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.intp]
 
 _FINGERPRINT_READ = 1 << 20
+_PROBE_VOCAB = 8192  # logits columns the load-time BLAS probe multiplies (a slice suffices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +205,13 @@ class LlamaModel:
         self.rope_sin = np.sin(angles).astype(np.float32)
         self.fingerprint = self._fingerprint(source)
         self.bitwise_prefix_reuse = blas_is_row_stable(
-            [self.w_qkv[0], self.w_o[0], self.w_gate_up[0], self.w_down[0], self.lm_head.T],
+            [
+                self.w_qkv[0],
+                self.w_o[0],
+                self.w_gate_up[0],
+                self.w_down[0],
+                self.lm_head[:_PROBE_VOCAB].T,
+            ],
             cfg.head_dim,
         )
         """Whether prefix reuse and decode give bitwise the K/V and logits of a one-shot prefill

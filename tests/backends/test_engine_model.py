@@ -24,6 +24,10 @@ from backends.vllm import vllm_python
 
 REFERENCE_TIMEOUT_S = 600.0
 LOGITS_ATOL = 1e-3
+# A real model on two shared cores: a few seconds a test when idle, minutes when loaded.
+ENGINE_TEST_TIMEOUT_S = 300
+
+pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -1,7 +1,8 @@
 """The reference engine's scheduler: batching, chunked prefill, prefix reuse, preemption.
 
 Every path that reuses or splits work must give the bits a lone, uncached run gives: tokens and
-log-probabilities are compared exactly.
+log-probabilities are compared exactly (within float32 rounding where this process's BLAS does
+not keep rows independent, see ``LlamaModel.bitwise_prefix_reuse``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from backends.engine._kvstore import KVLayout
 
 KV_LIMIT = 64 << 20
 MAX_TOKENS = 8
+# A real model on two shared cores: a few seconds a test when idle, minutes when loaded.
+ENGINE_TEST_TIMEOUT_S = 300
+
+pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +117,7 @@ def test_whole_prompt_cached_still_computes_the_last_token(model: LlamaModel) ->
 def test_preemption_under_a_tight_kv_limit(model: LlamaModel) -> None:
     layout = KVLayout.for_model(model.config)
     prompts = [_chat(model, "Describe a cat."), _chat(model, "Describe a dog.")]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
     per_request = -(-(max(map(len, prompts)) + params.max_tokens) // layout.block_size)
     blocks = per_request + per_request // 2  # room for one and a half requests
     engine = Engine(model, (blocks + 1) * layout.bytes_per_block)
@@ -164,8 +169,10 @@ def test_sampling_is_seeded_and_batch_independent(model: LlamaModel) -> None:
 
 
 def test_drafts_in_padding_rows_change_nothing_but_the_step_count(model: LlamaModel) -> None:
-    prompt = _chat(model, "Repeat after me three times: red, green, blue.")
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = _chat(
+        model, "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog."
+    )
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     engine = Engine(model, KV_LIMIT)
     engine.add_request("spec", prompt, params)
     steps, events = 0, []
@@ -173,8 +180,8 @@ def test_drafts_in_padding_rows_change_nothing_but_the_step_count(model: LlamaMo
         events.extend(engine.step())
         steps += 1
     assert _same(model, _trace(events), _solo(model, prompt, params))
-    assert [e.index for e in events] == list(range(24))
-    assert steps < 24  # some drafts were accepted
+    assert [e.index for e in events] == list(range(16))
+    assert steps < 16  # some drafts were accepted
 
 
 def test_stop_conditions(model: LlamaModel) -> None:

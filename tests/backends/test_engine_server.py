@@ -187,8 +187,10 @@ async def test_concurrent_requests_match_solo_answers(engine_model: LlamaModel) 
     conversations = [[{"role": "user", "content": q}] for q in questions]
     async with serve_engine(engine_model, enable_prefix_caching=False) as server:
         client = _client(server)
-        solo = [(await _stream_chat(client, c))[1] for c in conversations]
-        together = await asyncio.gather(*(_stream_chat(client, c) for c in conversations))
+        solo = [(await _stream_chat(client, c, max_tokens=8))[1] for c in conversations]
+        together = await asyncio.gather(
+            *(_stream_chat(client, c, max_tokens=8) for c in conversations)
+        )
         await client.close()
         assert _metric(server, "vllm:num_requests_running") == 0
     assert [text for _, text in together] == solo

@@ -165,3 +165,35 @@ async def test_the_child_exits_when_its_parent_is_killed(store: StoreConfig) -> 
         if parent.returncode is None:
             parent.kill()
             await parent.wait()
+
+
+FORGETFUL_PARENT = """
+import asyncio, sys
+from evaluators import EvaluationPipeline, StoreConfig
+
+PIPELINES = []  # still referenced at exit: its pipe to the child stays open
+
+async def main():
+    pipeline = EvaluationPipeline(StoreConfig(url=sys.argv[1]), ("latency",))
+    await pipeline.start()
+    PIPELINES.append(pipeline)
+    print(pipeline.pid, flush=True)
+
+asyncio.run(main())  # returns without closing the pipeline
+"""
+
+
+async def test_a_parent_that_exits_without_closing_does_not_hang(store: StoreConfig) -> None:
+    parent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FORGETFUL_PARENT, store.url, cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert parent.stdout is not None
+        child = int(await parent.stdout.readline())
+        async with asyncio.timeout(20):
+            assert await parent.wait() == 0
+        assert _gone(child)
+    finally:
+        if parent.returncode is None:
+            parent.kill()
+            await parent.wait()
