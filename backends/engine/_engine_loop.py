@@ -12,7 +12,8 @@ Rules
    per step, so a queue holds at most ``max_tokens`` items) and the metrics are observed.
    Events of a request whose handler already left are dropped.
 4. Admission is bounded: at most ``capacity`` requests are in flight (submitted, not finished,
-   not released).  One more is refused with ``EngineOverloaded`` -- at once, never queued.
+   not released).  One more is refused with ``EngineOverloaded`` -- at once, never queued --
+   and counted (``understudy_engine_requests_refused_total{reason="overloaded"}``).
 5. A handler always releases its request when it is done with it; one that did not finish
    (client gone, stop string matched, shutdown) is aborted in the engine, so the engine never
    keeps computing for nobody.
@@ -133,7 +134,6 @@ class EngineLoop:
         self._failure: str | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.overloaded = 0  # requests refused by the capacity bound
 
     # -- lifecycle (event loop) -------------------------------------------------------------
 
@@ -179,11 +179,13 @@ class EngineLoop:
     ) -> RequestHandle:
         """Queue a request for the next step; raise if the loop cannot take it now."""
         if self._state is _State.FAILED:
+            self._metrics.refused("failed")
             raise EngineFailed(self._failure or "The engine failed.")
         if self._state is not _State.RUNNING:
+            self._metrics.refused("stopped")
             raise EngineStopped("The engine is not running.")
         if len(self._handles) >= self.capacity:
-            self.overloaded += 1
+            self._metrics.refused("overloaded")
             raise EngineOverloaded(
                 f"The server is at capacity ({self.capacity} requests in flight); retry later."
             )

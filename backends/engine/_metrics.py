@@ -13,10 +13,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ._request import EngineStats
 
-__all__ = ["EngineMetrics", "RequestOutcome"]
+__all__ = ["EngineMetrics", "RefusalReason", "RequestOutcome"]
 
 RequestOutcome = Literal["stop", "length", "abort", "error"]
 _OUTCOMES: tuple[RequestOutcome, ...] = ("stop", "length", "abort", "error")
+# Why a valid request was refused before reaching the engine (ours; vLLM has no such series).
+RefusalReason = Literal["overloaded", "stopped", "failed"]
+_REFUSALS: tuple[RefusalReason, ...] = ("overloaded", "stopped", "failed")
 
 # vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = (
@@ -86,6 +89,11 @@ class EngineMetrics:
         self._outcomes = {
             reason: success.labels(**labels, finished_reason=reason) for reason in _OUTCOMES
         }
+        refused = Counter(
+            "understudy_engine_requests_refused", "Requests refused before the engine saw them.",
+            (*_LABELS, "reason"), registry=reg,
+        )  # fmt: skip
+        self._refusals = {reason: refused.labels(**labels, reason=reason) for reason in _REFUSALS}
         self._seen_queries = 0
         self._seen_hits = 0
 
@@ -101,6 +109,9 @@ class EngineMetrics:
 
     def finished(self, outcome: RequestOutcome) -> None:
         self._outcomes[outcome].inc()
+
+    def refused(self, reason: RefusalReason) -> None:
+        self._refusals[reason].inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

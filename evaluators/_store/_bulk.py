@@ -38,9 +38,9 @@ MAX_CACHED_BACKENDS = 4096
 LOOKUP_CHUNK = 500
 """Keys per ``IN (...)`` lookup: far below every driver's bound on bind parameters."""
 STATEMENT_ROWS = 500
-"""Rows per INSERT statement. The writer shares the gateway's event loop: building and
-encoding one statement's parameters is a stretch of CPU with no await in it, and this
-bounds that stretch to a few milliseconds, whatever the batch size."""
+"""Rows per INSERT statement. Building and encoding one statement's parameters is a stretch
+of CPU with no await in it; this bounds it to a few milliseconds, whatever the batch size,
+so the writer's loop (in the scoring process) stays responsive to its stats and drain."""
 
 
 class BatchInserter:

@@ -293,6 +293,8 @@ async def test_a_full_server_refuses_with_503(engine_model: LlamaModel) -> None:
             async with session.post(server.base_url + "/chat/completions", json=body) as resp:
                 assert resp.status == 503
                 assert (await resp.json())["error"]["code"] == 503
+        refused = "understudy_engine_requests_refused_total"
+        assert _metric(server, refused, reason="overloaded") == 1
         await eventually(lambda: not server.engine.has_unfinished_requests(), within_s=10)
 
 
