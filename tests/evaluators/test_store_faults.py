@@ -36,88 +36,13 @@ from tests.evaluators.test_store import (
     make_exchange,
     written,
 )
+from tests.tcp_relay import TcpRelay
 from tests.utils import eventually
 
 SUBMIT_MEDIAN_LIMIT_S = 200e-6
 SUBMIT_MAX_LIMIT_S = 20e-3
 """Generous for a shared 2-core machine; a blocked submit would wait on the database's
 connect timeout or the writer's backoff, hundreds of milliseconds at least."""
-
-
-class TcpRelay:
-    """Forwards loopback connections to ``target``; ``cut()`` and ``restore()`` it."""
-
-    def __init__(self, target_host: str, target_port: int) -> None:
-        self._target = (target_host, target_port)
-        self._server: asyncio.Server | None = None
-        self._pumps: set[asyncio.Task[None]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._answers_flow = asyncio.Event()
-        self._answers_flow.set()
-        self._stall_after: bytes | None = None
-        self.port = 0
-        self.connections = 0
-
-    def stall_answers_after(self, marker: bytes) -> None:
-        """Once a client sends ``marker``, hold the server's answers: the server acts on
-        the request, the client never hears back."""
-        self._stall_after = marker
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port,
-                                                  reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def cut(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        for task in list(self._pumps):
-            task.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-        await self._server.wait_closed()
-        self._server = None
-
-    async def restore(self) -> None:
-        self._stall_after = None
-        self._answers_flow.set()
-        await self.start()  # the same port again
-
-    async def close(self) -> None:
-        if self._server is not None:
-            await self.cut()
-
-    async def _accept(self, client_r: asyncio.StreamReader,
-                      client_w: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            upstream_r, upstream_w = await asyncio.open_connection(*self._target)
-        except OSError:
-            client_w.transport.abort()
-            return
-        self._writers.update((client_w, upstream_w))
-        for source, sink, upstream in ((client_r, upstream_w, True),
-                                       (upstream_r, client_w, False)):
-            task = asyncio.create_task(self._pump(source, sink, upstream))
-            self._pumps.add(task)
-            task.add_done_callback(self._pumps.discard)
-
-    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter,
-                    upstream: bool) -> None:
-        try:
-            while data := await source.read(65536):
-                if not upstream:
-                    await self._answers_flow.wait()
-                sink.write(data)
-                if upstream and self._stall_after is not None and self._stall_after in data:
-                    self._answers_flow.clear()
-                await sink.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            sink.transport.abort()
-            self._writers.discard(sink)
 
 
 @pytest.fixture

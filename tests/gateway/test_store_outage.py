@@ -1,0 +1,71 @@
+"""PostgreSQL unreachable mid-run: the gateway keeps serving, the writer retries, counts
+what it drops past its bound, and catches up when the database returns."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+from sqlalchemy.engine import make_url
+
+from evaluators import upgrade
+from tests.tcp_relay import TcpRelay
+from tests.utils import RunningGateway, eventually, run_gateway, run_sim
+
+
+def _written(gw: RunningGateway) -> int:
+    evaluation = gw.state.evaluation
+    assert evaluation is not None
+    stats = evaluation.writer_stats
+    return stats.written_records if stats is not None else 0
+
+
+async def _requests(gw: RunningGateway, n: int, tag: str) -> list[float]:
+    """Send ``n`` requests; return each one's latency (all must succeed)."""
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    latencies = []
+    for i in range(n):
+        started = time.monotonic()
+        await client.chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": f"{tag} {i}"}])
+        latencies.append(time.monotonic() - started)
+    await client.close()
+    return latencies
+
+
+async def test_database_outage_never_reaches_the_client(pg_database: str) -> None:
+    await upgrade(pg_database)
+    url = make_url(pg_database)
+    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
+    await relay.start()
+    through_relay = url.set(port=relay.port).render_as_string(hide_password=False)
+    store = {"url": through_relay, "flush_interval_s": 0.05, "retry_base_s": 0.05,
+             "retry_max_s": 0.2, "connect_timeout_s": 1, "queue_rows": 100}
+    try:
+        async with run_sim(ttft_ms=1, itl_ms=0, tokens=4) as primary, \
+                run_sim(ttft_ms=1, itl_ms=0, tokens=4) as candidate, \
+                run_gateway(primary.url, candidates=[{"name": "c", "url": candidate.url}],
+                            evaluation={"enabled": True, "store": store,
+                                        "scorers": ["exact_match", "latency"]}) as gw:
+            await _requests(gw, 5, "before")
+            await eventually(lambda: _written(gw) >= 5, within_s=30)
+
+            await relay.cut()
+            during = await _requests(gw, 60, "during")  # every one answered
+            assert max(during) < 2.0, "the outage must not reach the client"
+            evaluation = gw.state.evaluation
+            assert evaluation is not None
+
+            def dropped_past_bound() -> bool:
+                stats = evaluation.writer_stats
+                return (stats is not None and stats.retries > 0
+                        and stats.dropped.get("queue_full", 0) > 0)
+
+            await eventually(dropped_past_bound, within_s=30)  # retrying, and counting drops
+            assert _written(gw) == 5
+
+            await relay.restore()
+            await _requests(gw, 5, "after")
+            await eventually(lambda: _written(gw) >= 5 + 5, within_s=60)
+    finally:
+        await relay.close()
