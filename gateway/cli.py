@@ -9,6 +9,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
+from backends.engine import engine_command
 from backends.sim import sim_command
 from gateway._app import run
 from gateway._cli_admin import ADMIN_COMMANDS
@@ -70,6 +71,7 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
 
 
 main.add_command(sim_command)
+main.add_command(engine_command)
 main.add_command(db)
 main.add_command(report)
 for command in ADMIN_COMMANDS:
