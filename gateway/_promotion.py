@@ -24,6 +24,7 @@ import time
 from functools import partial
 from typing import Any
 
+from gateway._evaluation import Evaluation
 from gateway._exceptions import Conflict, InvalidBody, NotFound
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
@@ -39,11 +40,11 @@ class Operator:
     """Carries out promote, rollback and canary on the live gateway."""
 
     def __init__(self, sync: RoutingSync, mirror: Mirror, metrics: GatewayMetrics,
-                 evaluation: Any) -> None:
+                 evaluation: Evaluation | None) -> None:
         self._sync = sync
         self._mirror = mirror
         self._metrics = metrics
-        self._evaluation = evaluation  # gateway._evaluation.Evaluation | None
+        self._evaluation = evaluation
         self._canary_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
