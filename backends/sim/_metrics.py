@@ -1,15 +1,11 @@
-"""The simulator's Prometheus metrics, named and bucketed as vLLM names them.
-
-Each app owns its `CollectorRegistry`, so several simulators in one process (a primary
-and candidates in a test) never share or collide on series. Label sets are bounded: the
-one served model name, vLLM's `engine="0"`, and four finish reasons.
-"""
+"""The simulator's Prometheus metrics: vLLM's series (``backends._vllm_metrics``) and a
+simulated KV cache behind ``vllm:kv_cache_usage_perc``."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from backends._vllm_metrics import VLLMSeries
 
 __all__ = ["KV_CACHE_CAPACITY_TOKENS", "SimMetrics"]
 
@@ -17,75 +13,12 @@ __all__ = ["KV_CACHE_CAPACITY_TOKENS", "SimMetrics"]
 # this is what `vllm:kv_cache_usage_perc` reports.
 KV_CACHE_CAPACITY_TOKENS = 65_536
 
-# vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py).
-_TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-_ITL_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-    10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-_E2E_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-_LABELS = ("model_name", "engine")
-_ENGINE = "0"
 
-
-class SimMetrics:
-    """vLLM-named series for one app, in a registry of its own."""
+class SimMetrics(VLLMSeries):
+    """vLLM's series for one simulator app, with a simulated KV cache."""
 
     def __init__(self, model: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = {"model_name": model, "engine": _ENGINE}
-        reg = self.registry
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.",
-            _LABELS, registry=reg, buckets=_TTFT_BUCKETS,
-        ).labels(**labels)  # fmt: skip
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between output tokens.",
-            _LABELS, registry=reg, buckets=_ITL_BUCKETS,
-        ).labels(**labels)  # fmt: skip
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-            _LABELS, registry=reg, buckets=_E2E_BUCKETS,
-        ).labels(**labels)  # fmt: skip
-        self.running = Gauge(
-            "vllm:num_requests_running", "Requests being answered.", _LABELS, registry=reg
-        ).labels(**labels)
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", _LABELS,
-            registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV cache usage, 1 means full.", _LABELS, registry=reg
-        ).labels(**labels)
-        self.prefix_queries = Counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            _LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.prefix_hits = Counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-            _LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=reg
-        ).labels(**labels)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Generation tokens processed.", _LABELS, registry=reg
-        ).labels(**labels)
-        success = Counter(
-            "vllm:request_success", "Finished requests by finish reason.",
-            (*_LABELS, "finished_reason"), registry=reg,
-        )  # fmt: skip
-        self._success = {
-            reason: success.labels(**labels, finished_reason=reason)
-            for reason in ("stop", "length", "abort", "error")
-        }
-        self.waiting.set(0)
+        super().__init__(model)
         self._held_tokens = 0
 
     def hold_tokens(self, tokens: int) -> None:
@@ -102,9 +35,6 @@ class SimMetrics:
         """Count an ended request as vLLM does: by finish reason, abort or error."""
         if outcome == "completed":
             self.e2e.observe(elapsed_s)
-            self._success[finish_reason].inc()
+            self.count_outcome(finish_reason)
         else:
-            self._success["abort" if outcome == "cancelled" else "error"].inc()
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+            self.count_outcome("abort" if outcome == "cancelled" else "error")
