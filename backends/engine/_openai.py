@@ -18,7 +18,6 @@ Rules
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from backends.sim._errors import (
     schema_error,
     unknown_model,
 )
+from backends.sim._fields import is_token_ids, optional_bool, optional_float, optional_int
 from backends.sim._protocol import RequestKind
 
 from ._sampling import SamplingParams
@@ -126,9 +126,9 @@ def parse_generation_request(
     model = body.get("model")
     if model is not None and model != served_model:
         raise unknown_model(model, served_model)
-    stream = _optional_bool(body, "stream") or False
+    stream = optional_bool(body, "stream") or False
     include_usage, continuous_usage = _stream_options(body, stream)
-    n = _optional_int(body, "n")
+    n = optional_int(body, "n")
     if n not in (None, 1):
         raise invalid_value("The engine answers with one choice.", param="n", value=n)
     for name, neutral in _NEUTRAL.items():
@@ -138,13 +138,13 @@ def parse_generation_request(
             )
     if kind == "chat":
         prompt = _chat_prompt(body, tokenizer)
-        max_tokens = _optional_int(body, "max_completion_tokens")
+        max_tokens = optional_int(body, "max_completion_tokens")
         name = "max_completion_tokens"
         if max_tokens is None:
-            max_tokens, name = _optional_int(body, "max_tokens"), "max_tokens"
+            max_tokens, name = optional_int(body, "max_tokens"), "max_tokens"
     else:
         prompt = _completion_prompt(body, tokenizer)
-        max_tokens, name = _optional_int(body, "max_tokens"), "max_tokens"
+        max_tokens, name = optional_int(body, "max_tokens"), "max_tokens"
         if "max_tokens" not in body:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if max_tokens is not None and max_tokens < 1:
@@ -174,7 +174,7 @@ def parse_generation_request(
         top_k=_top_k(body),
         seed=_seed(body),
         stop_token_ids=_stop_token_ids(body, tokenizer.vocab_size),
-        ignore_eos=_optional_bool(body, "ignore_eos") or False,
+        ignore_eos=optional_bool(body, "ignore_eos") or False,
     )
     return GenerationRequest(
         kind=kind,
@@ -201,7 +201,7 @@ def _chat_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
             "Cannot apply chat template to an empty conversation. Provide at least one message."
         )
     flat = [_chat_message(index, message) for index, message in enumerate(messages)]
-    add_generation_prompt = _optional_bool(body, "add_generation_prompt")
+    add_generation_prompt = optional_bool(body, "add_generation_prompt")
     try:
         return tokenizer.apply_chat_template(
             flat, add_generation_prompt=add_generation_prompt is not False
@@ -252,11 +252,11 @@ def _completion_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[i
         raise invalid_value(
             "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
         )
-    if isinstance(prompt, list) and len(prompt) == 1 and not _is_token_ids(prompt):
+    if isinstance(prompt, list) and len(prompt) == 1 and not is_token_ids(prompt):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return tokenizer.encode(prompt)
-    if _is_token_ids(prompt):
+    if is_token_ids(prompt):
         vocab = tokenizer.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -269,14 +269,6 @@ def _completion_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[i
     raise invalid_value(
         "The engine answers one prompt (a string or a list of token ids) per request.",
         param="prompt",
-    )
-
-
-def _is_token_ids(value: object) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
     )
 
 
@@ -303,7 +295,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
 
 
 def _temperature(body: dict[str, Any]) -> float:
-    value = _optional_float(body, "temperature")
+    value = optional_float(body, "temperature")
     if value is None:
         return _DEFAULT_TEMPERATURE
     if value < 0:
@@ -314,7 +306,7 @@ def _temperature(body: dict[str, Any]) -> float:
 
 
 def _top_p(body: dict[str, Any]) -> float:
-    value = _optional_float(body, "top_p")
+    value = optional_float(body, "top_p")
     if value is None:
         return 1.0
     if not 0.0 < value <= 1.0:
@@ -323,7 +315,7 @@ def _top_p(body: dict[str, Any]) -> float:
 
 
 def _top_k(body: dict[str, Any]) -> int:
-    value = _optional_int(body, "top_k")
+    value = optional_int(body, "top_k")
     if value is None or value in (-1, 0):
         return 0
     if value < 0:
@@ -335,7 +327,7 @@ def _top_k(body: dict[str, Any]) -> int:
 
 def _seed(body: dict[str, Any]) -> int | None:
     # vLLM takes any 64-bit seed; numpy's generator wants it unsigned.
-    value = _optional_int(body, "seed")
+    value = optional_int(body, "seed")
     return None if value is None else value % _SEED_MODULUS
 
 
@@ -368,40 +360,3 @@ def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
     if any(not 0 <= t < vocab_size for t in ids):
         raise invalid_value(f"stop_token_ids must be in [0, {vocab_size}).", param="stop_token_ids")
     return tuple(ids)
-
-
-def _optional_int(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise schema_error("int_type", f"body.{name}", "Input should be a valid integer", value)
-    return value
-
-
-def _optional_float(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, str):
-        raise schema_error(
-            "float_parsing",
-            f"body.{name}",
-            "Input should be a valid number, unable to parse string as a number",
-            value,
-        )
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise schema_error("float_type", f"body.{name}", "Input should be a valid number", value)
-    number = float(value)
-    if not math.isfinite(number):
-        raise schema_error(
-            "finite_number", f"body.{name}", "Input should be a finite number", value
-        )
-    return number
-
-
-def _optional_bool(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is None or isinstance(value, bool):
-        return value
-    raise schema_error("bool_type", f"body.{name}", "Input should be a valid boolean", value)

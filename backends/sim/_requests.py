@@ -11,6 +11,7 @@ from backends.sim._errors import (
     schema_error,
     unknown_model,
 )
+from backends.sim._fields import is_token_ids, optional_bool, optional_int
 from backends.sim._protocol import RequestKind
 from backends.sim._text import count_words
 
@@ -70,7 +71,7 @@ def parse_request(
         raise unknown_model(model, served_model)
     if kind == "embedding":
         return _parse_embedding(body)
-    stream = _optional_bool(body, "stream") or False
+    stream = optional_bool(body, "stream") or False
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not isinstance(stream_options, dict):
@@ -89,10 +90,10 @@ def parse_request(
     options = stream_options or {}
     include_usage = bool(options.get("include_usage", False))
     continuous_usage = include_usage and bool(options.get("continuous_usage_stats", False))
-    n = _optional_int(body, "n", minimum=1)
+    n = optional_int(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid_value("The simulator answers with one choice.", param="n", value=n)
-    seed = _optional_int(body, "seed", minimum=None)
+    seed = optional_int(body, "seed", minimum=None)
     temperature = body.get("temperature")
     if temperature is not None and (
         isinstance(temperature, bool) or not isinstance(temperature, int | float)
@@ -108,13 +109,13 @@ def parse_request(
             "float_type", "body.temperature", "Input should be a valid number", temperature
         )
     if kind == "chat":
-        max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
+        max_tokens = optional_int(body, "max_completion_tokens", minimum=1)
         if max_tokens is None:
-            max_tokens = _optional_int(body, "max_tokens", minimum=1)
+            max_tokens = optional_int(body, "max_tokens", minimum=1)
         prompt_key: object = _chat_messages(body)
         prompt_tokens = _chat_prompt_tokens(body["messages"])
     else:
-        max_tokens = _optional_int(body, "max_tokens", minimum=1)
+        max_tokens = optional_int(body, "max_tokens", minimum=1)
         if "max_tokens" not in body:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         prompt_key, prompt_tokens = _completion_prompt(body)
@@ -153,9 +154,9 @@ def _parse_embedding(body: dict[str, Any]) -> InferenceRequest:
         inputs = [raw]
     elif isinstance(raw, list) and raw and all(isinstance(item, str) for item in raw):
         inputs = list(raw)
-    elif isinstance(raw, list) and raw and all(_is_token_ids(item) for item in raw):
+    elif isinstance(raw, list) and raw and all(is_token_ids(item) for item in raw):
         inputs = [list(item) for item in raw]
-    elif _is_token_ids(raw):
+    elif is_token_ids(raw):
         inputs = [raw]
     elif raw is None:
         raise schema_error("missing", "body.input", "Field required", body)
@@ -226,11 +227,11 @@ def _completion_prompt(body: dict[str, Any]) -> tuple[object, int]:
         raise invalid_value(
             "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
         )
-    if isinstance(prompt, list) and len(prompt) == 1 and not _is_token_ids(prompt):
+    if isinstance(prompt, list) and len(prompt) == 1 and not is_token_ids(prompt):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt, count_words([prompt])
-    if _is_token_ids(prompt):
+    if is_token_ids(prompt):
         return prompt, len(_as_list(prompt))
     raise invalid_value(
         "The simulator answers one prompt (a string or a list of token ids) per request.",
@@ -238,33 +239,5 @@ def _completion_prompt(body: dict[str, Any]) -> tuple[object, int]:
     )
 
 
-def _is_token_ids(value: object) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
-    )
-
-
 def _as_list(value: object) -> list[object]:
     return list(value) if isinstance(value, list) else []
-
-
-def _optional_int(body: dict[str, Any], name: str, *, minimum: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise schema_error("int_type", f"body.{name}", "Input should be a valid integer", value)
-    if minimum is not None and value < minimum:
-        raise invalid_value(
-            f"{name} must be at least {minimum}, got {value}.", param=name, value=value
-        )
-    return value
-
-
-def _optional_bool(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is None or isinstance(value, bool):
-        return value
-    raise schema_error("bool_type", f"body.{name}", "Input should be a valid boolean", value)
