@@ -16,12 +16,15 @@ Rules
    left unless asked to), and the caller aborts the request in the engine.
 3. An engine error before the headers is an error response with its status; after the headers
    of a stream it is an error event followed by ``[DONE]``, as vLLM ends a failed stream.
+4. On a decode node (``kv_source`` given), what the request retained for the next turn is
+   described in ``kv_transfer_params``: on the whole body (vLLM's field), or on the stream's
+   finishing chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +46,7 @@ from ._detokenizer import IncrementalDetokenizer, TextPiece
 from ._engine_loop import EngineServerError, RequestHandle
 from ._openai import GenerationRequest
 from ._request import TokenEvent
+from ._retention import RetainedKV
 from ._tokenizer import ChatTokenizer
 
 __all__ = [
@@ -96,8 +100,11 @@ class AnswerWriter:
         generation: GenerationRequest,
         identity: ResponseIdentity,
         tokenizer: ChatTokenizer,
+        kv_source: Callable[[RetainedKV], dict[str, Any]] | None = None,
     ) -> None:
         self._request = request
+        self._kv_source = kv_source
+        self._kv_params: dict[str, Any] | None = None
         self._handle = handle
         self._generation = generation
         self._identity = identity
@@ -131,6 +138,7 @@ class AnswerWriter:
             fingerprint=ident.fingerprint,
         )
         body["choices"][0]["stop_reason"] = stop_reason
+        body["kv_transfer_params"] = self._kv_params
         return json_response(body)
 
     async def stream(self) -> web.StreamResponse:
@@ -175,6 +183,8 @@ class AnswerWriter:
             for event in await self._next_batch():
                 if self._completion_tokens == 0:
                     self._cached_tokens = event.cached_tokens
+                if event.retained is not None and self._kv_source is not None:
+                    self._kv_params = self._kv_source(event.retained)
                 self._completion_tokens += 1
                 piece = self._detokenizer.push(event.token_id, last=event.finished)
                 finish: str | None = event.finish_reason
@@ -251,6 +261,8 @@ class AnswerWriter:
             )
         if token is not None and token.stop_reason is not None:
             chunk["choices"][0]["stop_reason"] = token.stop_reason
+        if finish is not None and self._kv_params is not None:
+            chunk["kv_transfer_params"] = self._kv_params
         return chunk
 
 

@@ -16,11 +16,14 @@ from ._server import running_engine_server
 from ._server_config import (
     DEFAULT_ENGINE_HOST,
     DEFAULT_ENGINE_PORT,
+    DEFAULT_KV_READBACK_MIN_TOKENS,
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_SERVED_MODEL_NAME,
     ENGINE_ROLES,
+    ROUTING_POLICIES,
     EngineRole,
     EngineServerConfig,
+    RoutingPolicyName,
 )
 
 __all__ = ["engine_command"]
@@ -30,8 +33,11 @@ _DEFAULT_KV_GIB = 1.0
 
 
 @click.command("engine")
-@click.option("--role", type=click.Choice(ENGINE_ROLES), default="unified", show_default=True,
-              help="unified: prefill and decode in one engine.")  # fmt: skip
+@click.option(
+    "--role", type=click.Choice(ENGINE_ROLES), default="unified", show_default=True,
+    help="unified: prefill and decode in one engine; prefill / decode: disaggregated nodes "
+    "exchanging KV over TCP; router: the OpenAI front of such nodes.",
+)  # fmt: skip
 @click.option("--host", default=DEFAULT_ENGINE_HOST, show_default=True)
 @click.option(
     "--port", default=DEFAULT_ENGINE_PORT, show_default=True, type=int, help="0 picks a free port."
@@ -51,6 +57,35 @@ _DEFAULT_KV_GIB = 1.0
     "--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, show_default=True,
     help="Requests queued beyond the running batch; more get 503.",
 )  # fmt: skip
+@click.option(
+    "--kv-port", type=int, default=0, show_default=True,
+    help="prefill/decode: port of the KV transfer listener (0 picks a free one).",
+)  # fmt: skip
+@click.option(
+    "--kv-retain-s", type=float, default=None,
+    help="prefill/decode: keep a finished request's KV this long for another node "
+    "[default: prefill 30, decode 300].",
+)  # fmt: skip
+@click.option(
+    "--kv-readback-min-tokens", type=int, default=DEFAULT_KV_READBACK_MIN_TOKENS,
+    show_default=True, help="prefill: read a history's KV back only if it saves this many tokens.",
+)  # fmt: skip
+@click.option(
+    "--prefill", "prefill_urls", multiple=True, metavar="URL",
+    help="router: a prefill node's root URL (repeat for several).",
+)  # fmt: skip
+@click.option(
+    "--decode", "decode_urls", multiple=True, metavar="URL",
+    help="router: a decode node's root URL (repeat for several).",
+)  # fmt: skip
+@click.option(
+    "--policy", "routing_policy", type=click.Choice(ROUTING_POLICIES), default="kv-aware",
+    show_default=True, help="router: how nodes are picked.",
+)  # fmt: skip
+@click.option(
+    "--kv-readback/--no-kv-readback", default=True, show_default=True,
+    help="router: attach a conversation's retained KV to its next prefill.",
+)  # fmt: skip
 def engine_command(
     role: EngineRole,
     host: str,
@@ -61,6 +96,13 @@ def engine_command(
     served_model_name: str,
     max_model_len: int | None,
     max_waiting_requests: int,
+    kv_port: int,
+    kv_retain_s: float | None,
+    kv_readback_min_tokens: int,
+    prefill_urls: tuple[str, ...],
+    decode_urls: tuple[str, ...],
+    routing_policy: RoutingPolicyName,
+    kv_readback: bool,
 ) -> None:
     """Serve the reference engine (SmolLM2 in numpy) with vLLM's OpenAI API."""
     try:
@@ -74,6 +116,13 @@ def engine_command(
             served_model_name=served_model_name,
             max_model_len=max_model_len,
             max_waiting_requests=max_waiting_requests,
+            kv_port=kv_port,
+            kv_retain_s=kv_retain_s,
+            kv_readback_min_tokens=kv_readback_min_tokens,
+            prefill_urls=prefill_urls,
+            decode_urls=decode_urls,
+            routing_policy=routing_policy,
+            kv_readback=kv_readback,
         )
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -101,12 +150,7 @@ async def _serve(config: EngineServerConfig, model: LlamaModel) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         async with running_engine_server(config, model) as server:
-            caching = "on" if config.enable_prefix_caching else "off"
-            click.echo(
-                f"engine ({config.role}): serving {config.served_model_name!r} on "
-                f"{server.root_url} (max_model_len {server.max_model_len}, "
-                f"prefix caching {caching})"
-            )
+            click.echo(f"engine ({config.role}): {server.describe()}")
             sys.stdout.flush()
             await stop.wait()
     finally:

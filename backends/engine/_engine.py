@@ -21,10 +21,15 @@ Rules
    tokens are exactly those of plain decoding, sometimes several per step.
 6. A request finishes on a stop token (the model's eos / ``<|im_end|>`` unless ``ignore_eos``,
    or ``stop_token_ids``), at ``max_tokens``, or at ``max_model_len``; its blocks are released.
+7. A request added with ``retain_kv_s`` keeps its full blocks (prompt + answer) for that long
+   after it finishes, under a ticket on its last event (``_retention``), for another node to
+   pull with ``export_retained``.  When blocks run short, retained sets are reclaimed, oldest
+   first, before any running request is preempted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Sequence
@@ -34,10 +39,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ._attention import MIN_GEMM_ROWS
-from ._blockpool import BlockPool, ExtraKey, KVBlock, hash_blocks
+from ._blockpool import BlockPool, ExtraKey, KVBlock, NoFreeBlocksError, hash_blocks
 from ._kvstore import DEFAULT_BLOCK_SIZE, KVLayout
 from ._model import ForwardChunk, LlamaModel
 from ._request import EngineStats, FinishReason, Request, TokenEvent
+from ._retention import KVRetention, RetainedKV
 from ._sampling import SamplingParams, sample_token
 from ._speculation import propose_drafts
 
@@ -45,12 +51,15 @@ __all__ = [
     "DEFAULT_KV_LIMIT_BYTES",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
+    "DEFAULT_RETAINED_KV_SHARE",
     "Engine",
 ]
 
 DEFAULT_KV_LIMIT_BYTES = 1 << 30
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# At most this share of the KV pool is held for other nodes to pull.
+DEFAULT_RETAINED_KV_SHARE = 0.5
 
 Float32Array = npt.NDArray[np.float32]
 
@@ -68,6 +77,7 @@ class Engine:
         "max_num_seqs",
         "model",
         "pool",
+        "retention",
         "speculative_tokens",
     )
 
@@ -81,6 +91,7 @@ class Engine:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         speculative_tokens: int = MIN_GEMM_ROWS - 1,
+        retained_kv_share: float = DEFAULT_RETAINED_KV_SHARE,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_batched_tokens >= max_num_seqs >= 1")
@@ -91,6 +102,7 @@ class Engine:
             seed=model.fingerprint,
             enable_prefix_caching=enable_prefix_caching,
         )
+        self.retention = KVRetention(self.pool, int(self.pool.num_blocks * retained_kv_share))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.speculative_tokens = max(0, speculative_tokens)
@@ -109,8 +121,10 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        retain_kv_s: float | None = None,
     ) -> None:
-        """Queue a request; ``cache_salt`` isolates its prefix-cache entries from others'."""
+        """Queue a request; ``cache_salt`` isolates its prefix-cache entries from others';
+        ``retain_kv_s`` keeps its full blocks that long after it finishes (rule 7)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         if request_id in self._requests:
@@ -137,6 +151,7 @@ class Engine:
             rng=np.random.default_rng(params.seed),
             extra_keys=extra,
             tokens=prompt,
+            retain_kv_s=retain_kv_s,
         )
         self._rehash(request)
         self._requests[request_id] = request
@@ -162,7 +177,9 @@ class Engine:
         return self.pool.block_size
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self._running), len(self._waiting), self.pool.stats())
+        return EngineStats(
+            len(self._running), len(self._waiting), self.pool.stats(), self.retention.num_blocks
+        )
 
     # -- KV exchange (disaggregation) --------------------------------------------------------
 
@@ -181,13 +198,28 @@ class Engine:
         return self.pool.export_blocks(self.cached_prefix_blocks(token_ids, cache_salt=cache_salt))
 
     def import_kv(self, blocks: Sequence[KVBlock]) -> list[int]:
-        """Register blocks exported by another node (same model) in the prefix cache."""
-        return self.pool.import_blocks(blocks)
+        """Register blocks exported by another node (same model) in the prefix cache,
+        reclaiming retained sets if the pool has no room (``NoFreeBlocksError`` if still none)."""
+        while True:
+            try:
+                return self.pool.import_blocks(blocks)
+            except NoFreeBlocksError:
+                if not self.retention.reclaim_oldest():
+                    raise
+
+    def export_retained(self, ticket: bytes, start: int, count: int) -> list[KVBlock]:
+        """Blocks ``[start, start + count)`` of a retained set (``UnknownTicketError`` if it
+        expired or never existed)."""
+        return self.pool.export_blocks(self.retention.blocks(ticket, start, count))
+
+    def release_retained(self, ticket: bytes) -> bool:
+        return self.retention.release(ticket)
 
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
         """One scheduler iteration and one batched forward pass."""
+        self.retention.expire()
         scheduled = self._schedule()
         if not scheduled:
             return []
@@ -254,6 +286,7 @@ class Engine:
             request = self._running[index]
             count = min(len(request.tokens) - request.num_computed, budget)
             need = self._blocks_for(request.num_computed + count) - len(request.block_table)
+            self._reclaim_retained(need)
             while need > self.pool.num_free_blocks and self._running[-1] is not request:
                 self._preempt(self._running[-1])
                 preempted = True
@@ -275,6 +308,9 @@ class Engine:
             count = min(len(request.tokens) - computed, budget)
             need = self._blocks_for(computed + count) - len(hits)
             revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+            # Reclaiming retained sets evicts nothing: the hits stay valid (some revived).
+            while need > self.pool.num_free_blocks - revived and self.retention.reclaim_oldest():
+                revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
             if need > self.pool.num_free_blocks - revived:
                 break
             self._waiting.popleft()
@@ -289,6 +325,10 @@ class Engine:
             scheduled.append((request, count))
             budget -= count
         return scheduled
+
+    def _reclaim_retained(self, need: int) -> None:
+        while need > self.pool.num_free_blocks and self.retention.reclaim_oldest():
+            pass
 
     def _preempt(self, request: Request) -> None:
         self._running.remove(request)
@@ -311,6 +351,13 @@ class Engine:
                 request.extra_keys if index == 0 else (),
             )
         request.num_registered = max(request.num_registered, full)
+
+    def _retain(self, request: Request) -> RetainedKV | None:
+        """Hold the cached blocks of the request's computed full blocks (rule 7)."""
+        assert request.retain_kv_s is not None
+        hashes = request.block_hashes[: request.num_computed // self.block_size]
+        ids = self.pool.lookup(hashes)  # the cached copy of each, wherever it was computed
+        return self.retention.retain(ids, hashes[: len(ids)], request.retain_kv_s)
 
     def _add_drafts(self, scheduled: list[tuple[Request, int]]) -> None:
         """Fill the padding rows of a small decode batch with prompt-lookup drafts."""
@@ -372,6 +419,8 @@ class Engine:
         self._rehash(request)
         self._register_full_blocks(request)
         if finish is not None:
+            if request.retain_kv_s is not None:
+                events[-1] = dataclasses.replace(events[-1], retained=self._retain(request))
             self._running.remove(request)
             self.pool.release(request.block_table)
             del self._requests[request.request_id]

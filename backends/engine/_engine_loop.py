@@ -19,6 +19,10 @@ Rules
    keeps computing for nobody.
 6. A step that raises kills the loop: every in-flight request gets ``EngineFailed``, new ones
    are refused with it, and ``alive`` turns false (``/health`` reports it).
+7. Other work on the engine (importing or exporting KV blocks) goes through ``call``: the
+   function runs on the worker thread between two steps, in order with adds and aborts, and
+   its result (or exception) resolves the caller's future.  A call pending when the loop stops
+   or fails gets ``EngineStopped`` / ``EngineFailed``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import enum
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from ._engine import Engine
 from ._metrics import EngineMetrics
@@ -47,6 +52,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineServerError(Exception):
@@ -108,6 +115,13 @@ class _Add:
     engine_id: str
     prompt: tuple[int, ...]
     params: SamplingParams
+    retain_kv_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    function: Callable[[Engine], Any]
+    future: asyncio.Future[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +139,8 @@ class EngineLoop:
         self.capacity = capacity
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _Call] = []
+        self._calls: set[asyncio.Future[Any]] = set()
         self._wake = threading.Event()
         self._stopping = False
         self._handles: dict[str, RequestHandle] = {}
@@ -155,6 +170,7 @@ class EngineLoop:
             self._metrics.finished("abort")
             handle.queue.put_nowait(EngineStopped("The server is shutting down."))
         self._handles.clear()
+        self._settle_calls(EngineStopped("The server is shutting down."))
         with self._lock:
             self._stopping = True
             self._wake.set()
@@ -175,15 +191,15 @@ class EngineLoop:
     # -- requests (event loop) --------------------------------------------------------------
 
     def submit(
-        self, prompt: Sequence[int], params: SamplingParams, *, arrived_at: float
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        arrived_at: float,
+        retain_kv_s: float | None = None,
     ) -> RequestHandle:
         """Queue a request for the next step; raise if the loop cannot take it now."""
-        if self._state is _State.FAILED:
-            self._metrics.refused("failed")
-            raise EngineFailed(self._failure or "The engine failed.")
-        if self._state is not _State.RUNNING:
-            self._metrics.refused("stopped")
-            raise EngineStopped("The engine is not running.")
+        self._check_running()
         if len(self._handles) >= self.capacity:
             self._metrics.refused("overloaded")
             raise EngineOverloaded(
@@ -191,8 +207,27 @@ class EngineLoop:
             )
         handle = RequestHandle(engine_id=f"req-{next(self._ids)}", arrived_at=arrived_at)
         self._handles[handle.engine_id] = handle
-        self._post(_Add(handle.engine_id, tuple(prompt), params))
+        self._post(_Add(handle.engine_id, tuple(prompt), params, retain_kv_s))
         return handle
+
+    async def call(self, function: Callable[[Engine], T]) -> T:
+        """Run ``function(engine)`` on the worker thread between two steps (rule 7)."""
+        self._check_running()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._calls.add(future)
+        self._post(_Call(function, future))
+        try:
+            return await future
+        finally:
+            self._calls.discard(future)
+
+    def _check_running(self) -> None:
+        if self._state is _State.FAILED:
+            self._metrics.refused("failed")
+            raise EngineFailed(self._failure or "The engine failed.")
+        if self._state is not _State.RUNNING:
+            self._metrics.refused("stopped")
+            raise EngineStopped("The engine is not running.")
 
     def release(self, handle: RequestHandle) -> None:
         """The handler is done with ``handle``; abort it in the engine if it did not finish."""
@@ -203,7 +238,7 @@ class EngineLoop:
             self._metrics.finished("abort")
             self._post(_Abort(handle.engine_id))
 
-    def _post(self, command: _Add | _Abort) -> None:
+    def _post(self, command: _Add | _Abort | _Call) -> None:
         with self._lock:
             self._inbox.append(command)
             self._wake.set()
@@ -258,6 +293,22 @@ class EngineLoop:
             self._metrics.finished("error")
             handle.queue.put_nowait(EngineFailed(message))
         self._handles.clear()
+        self._settle_calls(EngineFailed(message))
+
+    def _settle_calls(self, error: EngineServerError) -> None:
+        for future in self._calls:
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+
+    @staticmethod
+    def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return  # the caller was cancelled, or the loop stopped first
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     # -- the worker thread ------------------------------------------------------------------
 
@@ -275,11 +326,18 @@ class EngineLoop:
                 for command in commands:
                     if isinstance(command, _Abort):
                         engine.abort(command.engine_id)
-                        continue
-                    try:
-                        engine.add_request(command.engine_id, command.prompt, command.params)
-                    except ValueError as exc:
-                        rejected.append((command.engine_id, str(exc)))
+                    elif isinstance(command, _Call):
+                        self._run_call(command)
+                    else:
+                        try:
+                            engine.add_request(
+                                command.engine_id,
+                                command.prompt,
+                                command.params,
+                                retain_kv_s=command.retain_kv_s,
+                            )
+                        except ValueError as exc:
+                            rejected.append((command.engine_id, str(exc)))
                 if not engine.has_unfinished_requests():
                     if commands and not self._hand_over([], rejected, engine.stats()):
                         return
@@ -297,6 +355,20 @@ class EngineLoop:
                 loop.call_soon_threadsafe(self._fail, message)
             except RuntimeError:
                 pass  # the event loop is closed
+
+    def _run_call(self, call: _Call) -> None:
+        loop = self._loop
+        assert loop is not None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = call.function(self.engine)
+        except Exception as exc:  # the caller's to handle; the engine is unharmed
+            error = exc
+        try:
+            loop.call_soon_threadsafe(self._resolve, call.future, result, error)
+        except RuntimeError:
+            pass  # the event loop is closed
 
     def _hand_over(
         self, events: list[TokenEvent], rejected: list[tuple[str, str]], stats: EngineStats

@@ -8,6 +8,7 @@ from typing import Literal
 import numpy as np
 
 from ._blockpool import BlockHash, ExtraKey, PrefixCacheStats
+from ._retention import RetainedKV
 from ._sampling import SamplingParams
 
 __all__ = ["EngineStats", "FinishReason", "Request", "TokenEvent"]
@@ -26,6 +27,8 @@ class TokenEvent:
     num_prompt_tokens: int
     cached_tokens: int
     finish_reason: FinishReason | None = None
+    # On the last event of a request that asked to retain its KV: what was kept, if anything.
+    retained: RetainedKV | None = None
 
     @property
     def finished(self) -> bool:
@@ -39,6 +42,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     kv: PrefixCacheStats
+    num_retained_blocks: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -57,6 +61,8 @@ class Request:
     num_registered: int = 0
     cached_tokens: int | None = None
     drafts: list[int] = field(default_factory=list)
+    # Keep the full blocks this long after the request finishes (for another node to pull).
+    retain_kv_s: float | None = None
 
     @property
     def num_output(self) -> int:

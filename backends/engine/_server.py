@@ -1,5 +1,9 @@
 """The engine behind vLLM's OpenAI API: an aiohttp app per role, and serving one on a socket.
 
+Roles (``EngineRole``): ``unified`` answers OpenAI requests from one engine; ``decode`` does the
+same and exchanges KV with prefill nodes (``_kv_node``); ``prefill`` only computes prompts' KV
+for decode nodes; ``router`` is the OpenAI front of prefill and decode nodes (``_router``).
+
 All state lives on the ``web.Application`` under typed keys, so several engine servers (a
 primary without prefix caching and a candidate with it, in one test) run side by side in one
 process, sharing nothing but, if the caller wishes, the loaded model (read-only weights).
@@ -30,9 +34,11 @@ from backends.sim._protocol import RequestKind, model_list
 from ._answer import AnswerWriter, ClientGone, ResponseIdentity, json_response
 from ._engine import Engine
 from ._engine_loop import EngineLoop, EngineServerError
+from ._kv_node import KV_SERVER, PREFILL_ROUTE, KVNode, install_kv_node, prefill, receive_prompt_kv
 from ._metrics import EngineMetrics
 from ._model import LlamaModel
 from ._openai import RequestError, decode_body, parse_generation_request
+from ._router import build_router_app
 from ._server_config import EngineRole, EngineServerConfig
 
 __all__ = [
@@ -82,6 +88,39 @@ def build_engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Appli
 
 def _build_unified_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
     """Prefill and decode in one engine, behind vLLM's OpenAI routes."""
+    app = _engine_app(config, model)
+    _add_openai_routes(app)
+    return app
+
+
+def _build_decode_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+    """A unified engine that takes prompts' KV from prefill nodes and keeps each turn's KV
+    for the next turn's prefill to read back."""
+    app = _build_unified_app(config, model)
+    _install_kv(app, config)
+    return app
+
+
+def _build_prefill_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+    """Computes prompts' KV for decode nodes to pull; no OpenAI generation routes."""
+    app = _engine_app(config, model)
+    _install_kv(app, config)
+    app.router.add_post(PREFILL_ROUTE, prefill)
+    return app
+
+
+def _install_kv(app: web.Application, config: EngineServerConfig) -> None:
+    node = KVNode(
+        app[ENGINE_LOOP],
+        app[ENGINE_METRICS],
+        retain_s=config.retain_s,
+        readback_min_tokens=config.kv_readback_min_tokens,
+    )
+    install_kv_node(app, node, config.host, config.kv_port)
+
+
+def _engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+    """An app running one engine: its thread, metrics, /health and /metrics."""
     engine = Engine(
         model,
         config.kv_limit_bytes,
@@ -110,15 +149,23 @@ def _build_unified_app(config: EngineServerConfig, model: LlamaModel) -> web.App
     )
     app.cleanup_ctx.append(_engine_thread)
     app.middlewares.append(_fastapi_style_http_errors)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
 
 
-_ROLE_BUILDERS: dict[EngineRole, AppBuilder] = {"unified": _build_unified_app}
+def _add_openai_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+
+
+_ROLE_BUILDERS: dict[EngineRole, AppBuilder] = {
+    "unified": _build_unified_app,
+    "decode": _build_decode_app,
+    "prefill": _build_prefill_app,
+    "router": build_router_app,
+}
 
 
 async def _engine_thread(app: web.Application) -> AsyncIterator[None]:
@@ -163,18 +210,27 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     arrived_at = asyncio.get_running_loop().time()
     serving, engine_loop = request.app[_SERVING], request.app[ENGINE_LOOP]
     tokenizer = serving.model.tokenizer
+    kv_node = request.app.get(KV_SERVER)
     try:
+        body = decode_body(await request.read())
         generation = parse_generation_request(
             kind,
-            decode_body(await request.read()),
+            body,
             tokenizer=tokenizer,
             served_model=serving.config.served_model_name,
             max_model_len=serving.max_model_len,
         )
+        if kv_node is not None:
+            await receive_prompt_kv(kv_node, body, generation.prompt_ids)
     except RequestError as exc:
         return json_response(exc.body(), exc.status)
     try:
-        handle = engine_loop.submit(generation.prompt_ids, generation.params, arrived_at=arrived_at)
+        handle = engine_loop.submit(
+            generation.prompt_ids,
+            generation.params,
+            arrived_at=arrived_at,
+            retain_kv_s=None if kv_node is None else kv_node.retain_s,
+        )
     except EngineServerError as exc:
         return json_response(
             error_body(str(exc), status=exc.status, err_type=exc.err_type), exc.status
@@ -187,7 +243,8 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
         model=serving.config.served_model_name,
         fingerprint=serving.fingerprint,
     )
-    writer = AnswerWriter(request, handle, generation, identity, tokenizer)
+    kv_params = None if kv_node is None else kv_node.transfer_params
+    writer = AnswerWriter(request, handle, generation, identity, tokenizer, kv_params)
     try:
         if generation.stream:
             return await writer.stream()
@@ -230,6 +287,7 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
 class RunningEngineServer:
     """A started engine server: where it listens, its app, and its engine."""
 
+    config: EngineServerConfig
     app: web.Application
     host: str
     port: int
@@ -245,11 +303,41 @@ class RunningEngineServer:
 
     @property
     def engine(self) -> Engine:
+        """The engine (every role but the router runs one)."""
         return self.app[ENGINE_LOOP].engine
 
     @property
     def max_model_len(self) -> int:
         return self.app[_SERVING].max_model_len
+
+    @property
+    def kv_port(self) -> int | None:
+        """Where a prefill or decode node serves KV pulls."""
+        node = self.app.get(KV_SERVER)
+        return None if node is None else node.server.port
+
+    @property
+    def kv(self) -> KVNode:
+        """The KV side of a prefill or decode node."""
+        return self.app[KV_SERVER]
+
+    def describe(self) -> str:
+        config = self.config
+        if config.role == "router":
+            return (
+                f"routing ({config.routing_policy}, read-back "
+                f"{'on' if config.kv_readback else 'off'}) to prefill "
+                f"{', '.join(config.prefill_urls)} and decode {', '.join(config.decode_urls)} "
+                f"on {self.root_url}"
+            )
+        caching = "on" if config.enable_prefix_caching else "off"
+        text = (
+            f"serving {config.served_model_name!r} on {self.root_url} (max_model_len "
+            f"{self.max_model_len}, prefix caching {caching})"
+        )
+        if self.kv_port is not None:
+            text += f", KV transfers on {config.host}:{self.kv_port}"
+        return text
 
 
 @asynccontextmanager
@@ -271,6 +359,6 @@ async def running_engine_server(
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         host, port = runner.addresses[0][:2]
-        yield RunningEngineServer(app=app, host=str(host), port=int(port))
+        yield RunningEngineServer(config=config, app=app, host=str(host), port=int(port))
     finally:
         await runner.cleanup()

@@ -9,24 +9,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._engine import DEFAULT_KV_LIMIT_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 __all__ = [
+    "DEFAULT_DECODE_RETAIN_S",
     "DEFAULT_ENGINE_HOST",
     "DEFAULT_ENGINE_PORT",
+    "DEFAULT_KV_READBACK_MIN_TOKENS",
     "DEFAULT_MAX_WAITING_REQUESTS",
     "DEFAULT_SERVED_MODEL_NAME",
     "ENGINE_ROLES",
+    "ROUTING_POLICIES",
     "EngineRole",
     "EngineServerConfig",
+    "RoutingPolicyName",
 ]
 
-# What one engine server does.  Only "unified" (prefill and decode in one engine) exists; the
-# disaggregated roles (prefill, decode, router) register their app builders next to it.
-EngineRole = Literal["unified"]
+# What one engine server does: "unified" prefills and decodes in one engine; "prefill" computes
+# prompts' KV for decode nodes to pull; "decode" pulls it and answers; "router" is the OpenAI
+# front of prefill and decode nodes (``_router``).
+EngineRole = Literal["unified", "prefill", "decode", "router"]
 ENGINE_ROLES: tuple[EngineRole, ...] = get_args(EngineRole)
+# How the router picks nodes: weighing cache locality against queueing ("kv-aware"), keeping a
+# conversation on its nodes ("affinity"), or rotating ("round-robin").
+RoutingPolicyName = Literal["kv-aware", "affinity", "round-robin"]
+ROUTING_POLICIES: tuple[RoutingPolicyName, ...] = get_args(RoutingPolicyName)
 
 DEFAULT_ENGINE_HOST = "127.0.0.1"
 DEFAULT_ENGINE_PORT = 8200
@@ -35,6 +44,13 @@ DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_WAITING_REQUESTS = 64
 # The smallest KV pool worth serving from: a few blocks of every layer.
 MIN_KV_LIMIT_BYTES = 1 << 20
+# A decode node keeps a finished turn's prompt + answer blocks this long for the next turn.
+DEFAULT_DECODE_RETAIN_S = 300.0
+# A prefill node keeps a prompt's blocks this long for its decode node (released once pulled).
+DEFAULT_PREFILL_RETAIN_S = 30.0
+# A prefill node reads blocks back from a decode node only if it would otherwise compute at
+# least this many tokens of them (below, recomputing is about as fast as a transfer).
+DEFAULT_KV_READBACK_MIN_TOKENS = 64
 
 
 class EngineServerConfig(BaseModel):
@@ -59,3 +75,33 @@ class EngineServerConfig(BaseModel):
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1)
     max_num_batched_tokens: int = Field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     max_waiting_requests: int = Field(default=DEFAULT_MAX_WAITING_REQUESTS, ge=0)
+
+    # -- disaggregated roles --
+    # Where prefill and decode nodes listen for KV pulls (0 picks a free port).
+    kv_port: int = Field(default=0, ge=0, le=65535)
+    # How long a finished request's blocks are kept for another node (None: the role's default).
+    kv_retain_s: float | None = Field(default=None, gt=0)
+    kv_readback_min_tokens: int = Field(default=DEFAULT_KV_READBACK_MIN_TOKENS, ge=0)
+    # The router's nodes (root URLs, e.g. http://127.0.0.1:8301) and policy.
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    routing_policy: RoutingPolicyName = "kv-aware"
+    # Off: the router never attaches a previous turn's KV (prefill recomputes the history).
+    kv_readback: bool = True
+
+    @model_validator(mode="after")
+    def _role_needs(self) -> EngineServerConfig:
+        if self.role == "router" and not (self.prefill_urls and self.decode_urls):
+            raise ValueError("the router needs at least one prefill and one decode node")
+        if self.role != "router" and (self.prefill_urls or self.decode_urls):
+            raise ValueError("only the router takes prefill and decode nodes")
+        if self.role in ("prefill", "decode") and not self.enable_prefix_caching:
+            raise ValueError(f"a {self.role} node exchanges KV through its prefix cache")
+        return self
+
+    @property
+    def retain_s(self) -> float:
+        """How long this node keeps a finished request's blocks for another node."""
+        if self.kv_retain_s is not None:
+            return self.kv_retain_s
+        return DEFAULT_PREFILL_RETAIN_S if self.role == "prefill" else DEFAULT_DECODE_RETAIN_S
