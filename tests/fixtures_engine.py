@@ -11,7 +11,8 @@ sets its own timeout) and the ``slow`` marker.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -46,3 +47,45 @@ async def serve_engine(model: LlamaModel, **config: Any) -> AsyncIterator[Runnin
     config.setdefault("kv_limit_bytes", TEST_KV_LIMIT_BYTES)
     async with _running_engine_server(EngineServerConfig(**config), model) as server:
         yield server
+
+
+@dataclass(frozen=True, slots=True)
+class Disaggregated:
+    """A router in front of its prefill and decode nodes."""
+
+    router: RunningEngineServer
+    prefill: list[RunningEngineServer]
+    decode: list[RunningEngineServer]
+
+
+@asynccontextmanager
+async def serve_disaggregated(
+    model: LlamaModel,
+    *,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    node: dict[str, Any] | None = None,
+    **router: Any,
+) -> AsyncIterator[Disaggregated]:
+    """A router (``router`` config) over prefill and decode nodes (``node`` config), all on
+    ephemeral loopback ports over ``model``."""
+    node = node or {}
+    async with AsyncExitStack() as stack:
+        prefill = [
+            await stack.enter_async_context(serve_engine(model, role="prefill", **node))
+            for _ in range(num_prefill)
+        ]
+        decode = [
+            await stack.enter_async_context(serve_engine(model, role="decode", **node))
+            for _ in range(num_decode)
+        ]
+        front = await stack.enter_async_context(
+            serve_engine(
+                model,
+                role="router",
+                prefill_urls=tuple(s.root_url for s in prefill),
+                decode_urls=tuple(s.root_url for s in decode),
+                **router,
+            )
+        )
+        yield Disaggregated(front, prefill, decode)

@@ -58,8 +58,9 @@ __all__ = [
 DEFAULT_KV_LIMIT_BYTES = 1 << 30
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# At most this share of the KV pool is held for other nodes to pull.
-DEFAULT_RETAINED_KV_SHARE = 0.5
+# At most this share of the KV pool is held for other nodes to pull (a set must fit in it
+# whole; under pressure retained sets are reclaimed before any request is preempted).
+DEFAULT_RETAINED_KV_SHARE = 0.75
 
 Float32Array = npt.NDArray[np.float32]
 
