@@ -333,11 +333,13 @@ class BlockPool:
             )
         return exported
 
-    def import_blocks(self, blocks: Sequence[KVBlock]) -> list[int]:
+    def import_blocks(self, blocks: Sequence[KVBlock], *, keep: Sequence[int] = ()) -> list[int]:
         """Register blocks from another node as cached, unreferenced (most recently used).
 
         Blocks whose hash is already cached are skipped.  Returns the ids now holding each
-        block's hash, in order.  Every block is verified before anything changes.
+        block's hash, in order.  Every block is verified before anything changes.  The cached
+        blocks among ``blocks``, and the cached blocks ``keep`` (the prefix they extend), are
+        held while the others are allocated, so the import never evicts what it needs.
         """
         for kv_block in blocks:
             kv_block.verify()
@@ -347,24 +349,30 @@ class BlockPool:
                 )
         if not self.enable_prefix_caching:
             raise RuntimeError("importing KV blocks needs prefix caching")
-        new = {b.block_hash for b in blocks if b.block_hash not in self._table}
-        if len(new) > len(self._free):
-            raise NoFreeBlocksError(f"importing {len(new)} KV blocks, {len(self._free)} free")
-        ids = []
-        for kv_block in blocks:
-            existing = self._table.get(kv_block.block_hash)
-            if existing is not None:
-                ids.append(existing)
-                continue
-            (block,) = self.allocate(1)
-            self.storage.write_block(block, kv_block.data.astype(np.float32, copy=False))
-            self.register(
-                block,
-                kv_block.block_hash,
-                kv_block.parent_hash,
-                kv_block.token_ids,
-                kv_block.extra_keys,
-            )
-            self.release([block])
-            ids.append(block)
+        hashes = {b.block_hash for b in blocks}
+        held = [*keep, *(self._table[h] for h in hashes if h in self._table)]
+        self.acquire(held)
+        try:
+            new = {h for h in hashes if h not in self._table}
+            if len(new) > len(self._free):
+                raise NoFreeBlocksError(f"importing {len(new)} KV blocks, {len(self._free)} free")
+            ids = []
+            for kv_block in blocks:
+                existing = self._table.get(kv_block.block_hash)
+                if existing is not None:
+                    ids.append(existing)
+                    continue
+                (block,) = self.allocate(1)
+                self.storage.write_block(block, kv_block.data.astype(np.float32, copy=False))
+                self.register(
+                    block,
+                    kv_block.block_hash,
+                    kv_block.parent_hash,
+                    kv_block.token_ids,
+                    kv_block.extra_keys,
+                )
+                self.release([block])
+                ids.append(block)
+        finally:
+            self.release(held)
         return ids

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._attention import MIN_GEMM_ROWS
-from ._blockpool import BlockPool, ExtraKey, KVBlock, NoFreeBlocksError, hash_blocks
+from ._blockpool import BlockHash, BlockPool, ExtraKey, KVBlock, NoFreeBlocksError, hash_blocks
 from ._kvstore import DEFAULT_BLOCK_SIZE, KVLayout
 from ._model import ForwardChunk, LlamaModel
 from ._request import EngineStats, FinishReason, Request, TokenEvent
@@ -198,12 +198,16 @@ class Engine:
         """The cached KV blocks of the longest cached prefix of ``token_ids``."""
         return self.pool.export_blocks(self.cached_prefix_blocks(token_ids, cache_salt=cache_salt))
 
-    def import_kv(self, blocks: Sequence[KVBlock]) -> list[int]:
+    def import_kv(
+        self, blocks: Sequence[KVBlock], *, prefix: Sequence[BlockHash] = ()
+    ) -> list[int]:
         """Register blocks exported by another node (same model) in the prefix cache,
-        reclaiming retained sets if the pool has no room (``NoFreeBlocksError`` if still none)."""
+        reclaiming retained sets if the pool has no room (``NoFreeBlocksError`` if still none).
+        The cached blocks of ``prefix`` (what the imported blocks extend) are not evicted for
+        them."""
         while True:
             try:
-                return self.pool.import_blocks(blocks)
+                return self.pool.import_blocks(blocks, keep=self.pool.lookup(prefix))
             except NoFreeBlocksError:
                 if not self.retention.reclaim_oldest():
                     raise

@@ -10,8 +10,9 @@ Rules
 3. The puller trusts nothing it has not checked: every frame's checksum, the layout and count
    in BEGIN, that the hashes are exactly those of its own prompt at those positions (the
    chained hash covers every earlier token, so an equal hash is an equal prefix), and -- as the
-   pool imports them -- each block's hash against its tokens and its values being finite.  Any failure is a ``KVTransferError`` with a bounded outcome, and
-   the caller recomputes: a failed or expired transfer is slower, never wrong.
+   pool imports them -- each block's hash against its tokens and its values being finite.
+   Any failure is a ``KVTransferError`` with a bounded outcome, and the caller recomputes: a
+   failed or expired transfer is slower, never wrong.
 4. Every pull is bounded in time (``DEFAULT_PULL_TIMEOUT_S``, connect included) and in size
    (the count the puller asked for).
 """
@@ -69,6 +70,8 @@ DEFAULT_PULL_TIMEOUT_S = 10.0
 # A connection that has not sent its PULL by then is closed.
 SERVE_REQUEST_TIMEOUT_S = 5.0
 EXPORT_BATCH_BLOCKS = 32
+# The puller's stream buffer: a few blocks, so the socket is read in large pieces.
+_READ_BUFFER_BYTES = 4 * 1024 * 1024
 # Fault injection for tests: corrupt one block's bytes after its checksum, or hang up midway.
 TransferFault = Literal["corrupt", "drop"]
 
@@ -122,13 +125,17 @@ class KVSource:
             num_blocks = params["num_blocks"]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"kv_transfer_params: missing or malformed {exc}") from None
-        if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+        if not isinstance(host, str) or not _is_int(port) or not 0 < port < 65536:
             raise ValueError("kv_transfer_params: remote_host must be a string, remote_port a port")
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if not _is_int(num_blocks) or num_blocks < 1:
             raise ValueError("kv_transfer_params: num_blocks must be a positive integer")
         if len(ticket) != TICKET_BYTES or len(last) != HASH_BYTES:
             raise ValueError("kv_transfer_params: ticket or last_block_hash has the wrong length")
         return cls(host, port, ticket, num_blocks, last)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # -- the owner's side ------------------------------------------------------------------------
@@ -252,7 +259,9 @@ async def pull_blocks(
     pull = PullRequest(source.ticket, start, len(expected), fingerprint, release_after)
     try:
         async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(source.host, source.port)
+            reader, writer = await asyncio.open_connection(
+                source.host, source.port, limit=_READ_BUFFER_BYTES
+            )
             try:
                 payload, flags = encode_pull(pull)
                 write_frame(writer, FrameKind.PULL, payload, flags)
@@ -340,7 +349,7 @@ async def pull_missing_blocks(
             timeout_s=timeout_s,
         )
         try:
-            await engine_loop.call(lambda e: e.import_kv(blocks))
+            await engine_loop.call(lambda e: e.import_kv(blocks, prefix=wanted[:local]))
         except NoFreeBlocksError as exc:
             raise KVTransferError("no_room", str(exc)) from exc
         except ValueError as exc:  # a block whose hash does not match its tokens

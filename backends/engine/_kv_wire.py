@@ -67,7 +67,7 @@ __all__ = [
 
 MAGIC = b"UKV1"
 HASH_BYTES = 32
-# One block of SmolLM2 is 360 KiB; a frame this large is a broken or hostile peer.
+# One block of SmolLM2 is 720 KiB; a frame this large is a broken or hostile peer.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 RELEASE_AFTER = 0x01
 
@@ -225,6 +225,8 @@ def _encode_extra(key: ExtraKey) -> bytes:
 
 def encode_block(block: KVBlock) -> bytes:
     """Payload of a BLOCK frame."""
+    if len(block.block_hash) != HASH_BYTES or len(block.parent_hash) != HASH_BYTES:
+        raise ValueError(f"block hashes must be {HASH_BYTES} bytes")
     head = _BLOCK_HEAD.pack(
         block.block_hash, block.parent_hash, len(block.token_ids), len(block.extra_keys)
     )

@@ -13,7 +13,11 @@ Rules
    dropping the oldest sets; a set larger than the bound is not retained at all.  When the
    scheduler needs blocks that only retained sets hold, it reclaims the oldest set first
    (``reclaim_oldest``): serving a running request beats keeping a transfer possible.
-4. Expiry is lazy: sets past their deadline are dropped whenever the owner looks (``expire``),
+4. A set that extends another (the next turn of a conversation: same blocks first, more
+   after) supersedes it: the older set is dropped when the newer is retained, so a long
+   conversation holds one set, not one per turn.  (A referenced block holds one hash, and
+   hashes chain, so the same block at the same position means the same prefix.)
+5. Expiry is lazy: sets past their deadline are dropped whenever the owner looks (``expire``),
    which the engine does before every step and every export.  A dropped ticket is answered as
    unknown; the puller then recomputes -- never uses stale or foreign blocks.
 """
@@ -56,7 +60,7 @@ class _Held:
 class KVRetention:
     """Tickets to reference-held block sets of one ``BlockPool``."""
 
-    __slots__ = ("_clock", "_held", "max_blocks", "num_blocks", "pool")
+    __slots__ = ("_clock", "_ends", "_held", "max_blocks", "num_blocks", "pool")
 
     def __init__(
         self, pool: BlockPool, max_blocks: int, *, clock: Callable[[], float] = time.monotonic
@@ -68,6 +72,7 @@ class KVRetention:
         self.num_blocks = 0
         self._clock = clock
         self._held: OrderedDict[bytes, _Held] = OrderedDict()  # oldest first
+        self._ends: dict[tuple[int, int], bytes] = {}  # (last block, length) -> ticket
 
     def __len__(self) -> int:
         return len(self._held)
@@ -81,12 +86,17 @@ class KVRetention:
         if len(block_ids) > self.max_blocks:
             return None
         self.expire()
-        while self.num_blocks + len(block_ids) > self.max_blocks:
+        ids = list(block_ids)
+        self.pool.acquire(ids)  # first, so that dropping a superseded set frees nothing shared
+        for length, block in enumerate(ids, start=1):
+            superseded = self._ends.get((block, length))
+            if superseded is not None:
+                self.release(superseded)
+        while self.num_blocks + len(ids) > self.max_blocks:
             self.reclaim_oldest()
         ticket = secrets.token_bytes(TICKET_BYTES)
-        ids = list(block_ids)
-        self.pool.acquire(ids)
         self._held[ticket] = _Held(ids, self._clock() + ttl_s)
+        self._ends[(ids[-1], len(ids))] = ticket
         self.num_blocks += len(ids)
         return RetainedKV(ticket, len(ids), block_hashes[-1], ttl_s)
 
@@ -107,7 +117,7 @@ class KVRetention:
         held = self._held.pop(ticket, None)
         if held is None:
             return False
-        self._drop(held)
+        self._drop(ticket, held)
         return True
 
     def expire(self) -> int:
@@ -115,17 +125,20 @@ class KVRetention:
         now = self._clock()
         expired = [t for t, held in self._held.items() if held.expires_at <= now]
         for ticket in expired:
-            self._drop(self._held.pop(ticket))
+            self._drop(ticket, self._held.pop(ticket))
         return len(expired)
 
     def reclaim_oldest(self) -> bool:
         """Drop the oldest set to free its blocks; False if nothing is retained."""
         if not self._held:
             return False
-        _, held = self._held.popitem(last=False)
-        self._drop(held)
+        ticket, held = self._held.popitem(last=False)
+        self._drop(ticket, held)
         return True
 
-    def _drop(self, held: _Held) -> None:
+    def _drop(self, ticket: bytes, held: _Held) -> None:
         self.pool.release(held.block_ids)
         self.num_blocks -= len(held.block_ids)
+        end = (held.block_ids[-1], len(held.block_ids))
+        if self._ends.get(end) == ticket:
+            del self._ends[end]

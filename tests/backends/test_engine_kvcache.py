@@ -268,3 +268,22 @@ def test_import_rejects_bad_blocks_without_changing_anything() -> None:
     with pytest.raises(NoFreeBlocksError):
         tiny.import_blocks(two_blocks)
     assert tiny.stats().num_cached_blocks == 0
+
+
+def test_import_never_evicts_what_it_needs() -> None:
+    source = BlockPool(LAYOUT, 8, seed=SEED)
+    exported = source.export_blocks(_cache_sequence(source, list(range(12))))
+    # A pool whose only free blocks are cached copies of the first two: importing the third
+    # must not evict them (the prefix it extends), and there is no other room.
+    target = BlockPool(LAYOUT, 2, seed=SEED)
+    kept = target.import_blocks(exported[:2])
+    with pytest.raises(NoFreeBlocksError):
+        target.import_blocks(exported[2:], keep=kept)
+    assert target.lookup(hash_blocks(SEED, list(range(12)), 4)) == kept
+    # Blocks already cached among those imported are held too: importing [A, B] into a
+    # one-block pool that holds A cannot evict A to make room for B.
+    one = BlockPool(LAYOUT, 1, seed=SEED)
+    (a,) = one.import_blocks(exported[:1])
+    with pytest.raises(NoFreeBlocksError):
+        one.import_blocks(exported[:2])
+    assert one.lookup([exported[0].block_hash]) == [a]
