@@ -396,7 +396,7 @@ def test_cli_help_and_validation() -> None:
     assert result.exit_code == 0
     for option in ("--role", "--port", "--host", "--kv-gib", "--no-prefix-caching"):
         assert option in result.output
-    result = runner.invoke(engine_command, ["--role", "decode"])
+    result = runner.invoke(engine_command, ["--role", "encode"])
     assert result.exit_code == 2
     result = runner.invoke(engine_command, ["--kv-gib", "0"])  # fails before loading the model
     assert result.exit_code == 2 and "kv_limit_bytes" in result.output
