@@ -11,6 +11,9 @@ this holds only if every number is produced by the same sequence of operations e
    depends only on its input row, provided the BLAS takes the same path: at least
    ``MIN_GEMM_ROWS`` rows (OpenBLAS and numpy take other kernels for 1-3 rows, whose sums are
    ordered differently).  ``pad_rows`` is used before every product whose row count varies.
+   The weight products take a faster path for few rows that does the same arithmetic as the
+   path for many (``_linear``); products over inner sizes up to 448 (one OpenBLAS K-block, as
+   here) have the same bits on either path.
 2. Query tiles are aligned to absolute positions.  Queries at positions
    ``[t*QUERY_TILE, (t+1)*QUERY_TILE)`` attend over exactly ``(t+1)*QUERY_TILE`` keys, whatever
    subset of the tile a call holds (a decode step holds one query).  Keys after a query are
@@ -38,7 +41,7 @@ kernel type and the numpy/OpenBLAS versions across processes that exchange KV bl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -55,6 +58,8 @@ __all__ = [
 ]
 
 Float32Array = npt.NDArray[np.float32]
+Product = Callable[[Float32Array, Float32Array], Float32Array]
+"""``x @ weight`` as some code path computes it."""
 
 QUERY_TILE = 128
 """Queries per attention tile; tile ``t`` attends over ``(t + 1) * QUERY_TILE`` keys."""
@@ -62,7 +67,7 @@ KEY_CHUNK = 256
 """Keys per ``P @ V`` product (at most one OpenBLAS K-block, see rule 3)."""
 MIN_GEMM_ROWS = 4
 """Fewest rows handed to a BLAS product (see rule 1)."""
-_PROBE_ROWS = (4, 5, 7, 8, 13, 17, 33, 70)
+_PROBE_ROWS = (4, 5, 7, 8, 13, 16, 17, 33, 70)
 _PROBE_SEED = 20260601
 
 
@@ -178,13 +183,13 @@ def attend_decode(
     return acc[:, :, :group]
 
 
-def blas_is_row_stable(weights: Sequence[Float32Array], head_dim: int) -> bool:
-    """Whether rules 1 and 3 hold for this process's BLAS on these [in, out] weight matrices.
+def blas_is_row_stable(products: Sequence[tuple[Product, Float32Array]], head_dim: int) -> bool:
+    """Whether rules 1 and 3 hold for this process's BLAS on these products and weights.
 
-    Each weight is multiplied by batches of ``_PROBE_ROWS`` rows, one probe row placed at
-    different offsets; the probe row must come out with the same bits every time.  The
-    attention products (``q @ K^T`` with inner size ``head_dim``, ``P @ V`` over
-    ``KEY_CHUNK`` keys) are checked the same way on random data.
+    Each ``product(batch, weight)`` ([in, out] weights, as the model runs them) is given batches
+    of ``_PROBE_ROWS`` rows, one probe row placed at different offsets; the probe row must come
+    out with the same bits every time.  The attention products (``q @ K^T`` with inner size
+    ``head_dim``, ``P @ V`` over ``KEY_CHUNK`` keys) are checked the same way on random data.
     """
     rng = np.random.default_rng(_PROBE_SEED)
     attention = [
@@ -192,7 +197,9 @@ def blas_is_row_stable(weights: Sequence[Float32Array], head_dim: int) -> bool:
         rng.standard_normal((KEY_CHUNK, head_dim), dtype=np.float32),
         rng.standard_normal((QUERY_TILE, head_dim), dtype=np.float32),
     ]
-    for weight in [*weights, *attention]:
+    checks: list[tuple[Product, Float32Array]] = [*products]
+    checks += [(np.matmul, weight) for weight in attention]
+    for product, weight in checks:
         inner = weight.shape[0]
         filler = rng.standard_normal((max(_PROBE_ROWS), inner), dtype=np.float32)
         probe = rng.standard_normal(inner, dtype=np.float32)
@@ -201,7 +208,7 @@ def blas_is_row_stable(weights: Sequence[Float32Array], head_dim: int) -> bool:
             for offset in {0, rows // 2, rows - 1}:
                 batch = filler[:rows].copy()
                 batch[offset] = probe
-                got = (batch @ weight)[offset]
+                got = product(batch, weight)[offset]
                 if expected is None:
                     expected = got
                 elif not np.array_equal(got, expected):

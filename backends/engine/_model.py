@@ -11,7 +11,9 @@ rules 1 and 3.
 
 Weights are stored once, contiguous and pre-transposed for ``x @ W``: fused QKV (the Q part
 pre-scaled by 1/sqrt(head_dim), an exact power of two for head_dim 64), fused gate/up, and the
-tied embedding used as ``x @ E^T`` for the logits.
+output head as ``E^T`` [hidden, vocab] (the tied embedding's rows are read from it as columns).
+Every weight product goes through a ``LinearPlan`` (``_linear``): a decode step's few rows are
+multiplied without OpenBLAS's per-call copy of the weights, with the bits of a prefill.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ._attention import (
 )
 from ._gguf import GGUFModel, read_gguf
 from ._kvstore import NULL_BLOCK, KVStorage
+from ._linear import LinearPlan
 from ._tokenizer import ChatTokenizer
 
 __all__ = ["ForwardChunk", "LlamaModel"]
@@ -139,6 +142,17 @@ def _rope(x: Float32Array, cos: Float32Array, sin: Float32Array) -> Float32Array
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Plans:
+    """One ``LinearPlan`` per weight kind (every layer's weight of a kind has the same shape)."""
+
+    qkv: LinearPlan
+    o: LinearPlan
+    gate_up: LinearPlan
+    down: LinearPlan
+    lm_head: LinearPlan
+
+
 class LlamaModel:
     """Weights of a Llama decoder and its forward pass."""
 
@@ -152,6 +166,7 @@ class LlamaModel:
         "fingerprint",
         "lm_head",
         "path",
+        "plans",
         "rope_cos",
         "rope_sin",
         "tokenizer",
@@ -173,8 +188,9 @@ class LlamaModel:
         self.config = cfg
         self.path = source.path
         self.tokenizer = ChatTokenizer(source.tokenizer)
-        self.embed = t["token_embd.weight"]
-        self.lm_head = t["token_embd.weight"] if cfg.tie_word_embeddings else t["output.weight"]
+        head = t["token_embd.weight"] if cfg.tie_word_embeddings else t["output.weight"]
+        self.lm_head = np.ascontiguousarray(head.T)
+        self.embed = self.lm_head.T if cfg.tie_word_embeddings else t["token_embd.weight"]
         self.final_norm = t["output_norm.weight"]
         self.attn_norm = stack([t[f"blk.{i}.attn_norm.weight"] for i in layers])
         self.ffn_norm = stack([t[f"blk.{i}.ffn_norm.weight"] for i in layers])
@@ -204,13 +220,21 @@ class LlamaModel:
         self.rope_cos = np.cos(angles).astype(np.float32)
         self.rope_sin = np.sin(angles).astype(np.float32)
         self.fingerprint = self._fingerprint(source)
+        self.plans = _Plans(
+            qkv=LinearPlan.for_weight(self.w_qkv[0]),
+            o=LinearPlan.for_weight(self.w_o[0]),
+            gate_up=LinearPlan.for_weight(self.w_gate_up[0]),
+            down=LinearPlan.for_weight(self.w_down[0]),
+            lm_head=LinearPlan.for_weight(self.lm_head),
+        )
+        plans = self.plans
         self.bitwise_prefix_reuse = blas_is_row_stable(
             [
-                self.w_qkv[0],
-                self.w_o[0],
-                self.w_gate_up[0],
-                self.w_down[0],
-                self.lm_head[:_PROBE_VOCAB].T,
+                (plans.qkv, self.w_qkv[0]),
+                (plans.o, self.w_o[0]),
+                (plans.gate_up, self.w_gate_up[0]),
+                (plans.down, self.w_down[0]),
+                (plans.lm_head, self.lm_head[:, :_PROBE_VOCAB]),
             ],
             cfg.head_dim,
         )
@@ -243,7 +267,7 @@ class LlamaModel:
         cfg = self.config
         plan = _Plan(chunks, kv.layout.block_size, cfg.max_position_embeddings)
         rows, total = plan.rows, plan.total
-        x = self.embed[plan.ids]
+        x = np.ascontiguousarray(self.embed[plan.ids])
         if rows > total:
             x[total:] = 0.0
         cos = self.rope_cos[plan.positions][:, None, :]
@@ -253,10 +277,11 @@ class LlamaModel:
         q_end = heads * head_dim
         k_end = q_end + kv_heads * head_dim
         inter = cfg.intermediate_size
+        plans = self.plans
         with np.errstate(over="ignore"):
             for layer in range(cfg.num_layers):
                 h = _rms_norm(x, self.attn_norm[layer], cfg.rms_norm_eps)
-                qkv = h @ self.w_qkv[layer]
+                qkv = plans.qkv(h, self.w_qkv[layer])
                 q = _rope(qkv[:, :q_end].reshape(rows, heads, head_dim), cos, sin)
                 k = _rope(qkv[:, q_end:k_end].reshape(rows, kv_heads, head_dim), cos, sin)
                 v = qkv[:, k_end:].reshape(rows, kv_heads, head_dim)
@@ -272,16 +297,16 @@ class LlamaModel:
                     q_seq = q[lo:hi].reshape(hi - lo, kv_heads, group, head_dim)
                     out = attend(q_seq, int(plan.positions[lo]), keys_t, values)
                     attn[lo:hi] = out.reshape(hi - lo, heads * head_dim)
-                x += attn @ self.w_o[layer]
+                x += plans.o(attn, self.w_o[layer])
                 h = _rms_norm(x, self.ffn_norm[layer], cfg.rms_norm_eps)
-                gate_up = h @ self.w_gate_up[layer]
+                gate_up = plans.gate_up(h, self.w_gate_up[layer])
                 gate, up = gate_up[:, :inter], gate_up[:, inter:]
                 act = np.negative(gate)
                 np.exp(act, out=act)
                 act += np.float32(1.0)
                 np.divide(gate, act, out=act)
                 act *= up
-                x += act @ self.w_down[layer]
+                x += plans.down(act, self.w_down[layer])
 
         bounds = plan.bounds
         wanted: list[IntArray] = []
@@ -296,6 +321,6 @@ class LlamaModel:
         if picked.size == 0:
             return [np.zeros((0, cfg.vocab_size), dtype=np.float32) for _ in chunks]
         final = pad_rows(_rms_norm(x[picked], self.final_norm, cfg.rms_norm_eps))
-        logits = final @ self.lm_head.T
+        logits = plans.lm_head(final, self.lm_head)
         out_bounds = np.concatenate([[0], np.cumsum([w.size for w in wanted])])
         return [logits[a:b] for a, b in itertools.pairwise(out_bounds)]

@@ -1,0 +1,130 @@
+"""Weight products ``x @ W`` that give a row the same bits for any row count, and are fast for few.
+
+Theory of operation -- why decode does not pay for a copy of every weight
+-------------------------------------------------------------------------
+Rule 1 of ``_attention`` asks every linear-layer product to give a row the same bits whatever
+the number of rows beside it, so that decode writes the K/V and logits a prefill would.  OpenBLAS
+(its SkylakeX sgemm) multiplies in one of two ways:
+
+* the packed path, for any shape: ``W`` is first copied into OpenBLAS's panel format, on every
+  call, then multiplied.  The inner dimension ``K`` is cut into blocks (``GEMM_Q`` = 448; a ``K``
+  between one and two blocks is halved: 576 -> 288 + 288, 1536 -> 448 + 448 + 320 + 320); each
+  output is one FMA chain per block, and the blocks' sums are added in order.  For a decode step
+  (a handful of rows) the copy costs more than the arithmetic: the weights are read, written and
+  read again, about three times the traffic of reading them once.
+* the small-matrix path, taken when ``rows * cols * K`` is at most about 1e6: ``W`` is read in
+  place, no copy; each output is one FMA chain over all of ``K``.
+
+Over one ``K`` block both paths do the same arithmetic.  So a product with at most
+``FEW_ROWS`` rows is done as the packed path would do it, without its copy:
+
+1. ``K`` is cut exactly where the packed path cuts it (``packed_k_blocks``).
+2. Each piece is multiplied in column tiles of ``TILE`` columns, a shape the small-matrix path
+   takes, reading ``W`` in place (a width that is not a multiple of 16 would end in a tail the
+   small-matrix path sums in another order, so weights whose width is not a multiple of
+   ``TILE`` always take the packed path).
+3. The pieces' products are added in order, as the packed path adds its blocks.
+
+More rows go to the packed path in one plain ``x @ W``, which also keeps the other rules (the
+copy is then a small part of the work).  Rules 1-3 rest on OpenBLAS's blocking, so
+``LinearPlan.for_weight`` checks them on the weight itself: where a row from the tiled product
+differs in any bit from the same row in a large product, the plan sends every row count to the
+packed path (rows independent still, only slower).  ``_attention.blas_is_row_stable`` then
+checks the products the model really runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from numpy.lib.stride_tricks import as_strided
+
+from ._attention import MIN_GEMM_ROWS
+
+__all__ = ["FEW_ROWS", "TILE", "LinearPlan", "packed_k_blocks"]
+
+Float32Array = npt.NDArray[np.float32]
+
+FEW_ROWS = 16
+"""Most rows multiplied on the small-matrix path (a decode batch); more take the packed path."""
+TILE = 64
+"""Columns per small-matrix product: ``FEW_ROWS * 448 * TILE`` stays under OpenBLAS's 1e6."""
+_OPENBLAS_SGEMM_Q = 448
+_OPENBLAS_SGEMM_UNROLL_M = 16
+_CHECK_ROWS = (MIN_GEMM_ROWS, 7, FEW_ROWS)
+_CHECK_LARGE = 64
+_CHECK_SEED = 20260602
+
+
+def packed_k_blocks(inner: int) -> tuple[int, ...]:
+    """Where OpenBLAS's packed sgemm cuts an inner dimension (``driver/level3/level3.c``)."""
+    cuts, start = [0], 0
+    q, unroll = _OPENBLAS_SGEMM_Q, _OPENBLAS_SGEMM_UNROLL_M
+    while start < inner:
+        size = inner - start
+        if size >= 2 * q:
+            size = q
+        elif size > q:
+            size = (size // 2 + unroll - 1) // unroll * unroll
+        start += size
+        cuts.append(start)
+    return tuple(cuts)
+
+
+def _tiles(matrix: Float32Array, tiles: int) -> Float32Array:
+    """[rows, tiles*TILE] (unit column stride) as a [tiles, rows, TILE] view."""
+    rows_stride, col_stride = matrix.strides
+    view: Float32Array = as_strided(
+        matrix,
+        shape=(tiles, matrix.shape[0], TILE),
+        strides=(TILE * col_stride, rows_stride, col_stride),
+        writeable=matrix.flags.writeable,
+    )
+    return view
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPlan:
+    """How ``x @ W`` is computed for weights [inner, cols] (float32, unit column stride)."""
+
+    k_blocks: tuple[int, ...]
+    """Where the packed path cuts the inner dimension; the tiled product cuts it there too."""
+    few_rows_tiled: bool
+    """Whether few rows take the tiled small-matrix product (checked bitwise equal)."""
+
+    @classmethod
+    def for_weight(cls, weight: Float32Array) -> LinearPlan:
+        """The plan for ``weight``, the tiled product kept only if it is bitwise the packed one."""
+        inner, cols = weight.shape
+        plan = cls(packed_k_blocks(inner), few_rows_tiled=cols % TILE == 0)
+        if not plan.few_rows_tiled:
+            return plan
+        rng = np.random.default_rng(_CHECK_SEED)
+        large = rng.standard_normal((_CHECK_LARGE, inner), dtype=np.float32)
+        expected = large @ weight
+        for rows in _CHECK_ROWS:
+            if not np.array_equal(plan._tiled(large[:rows], weight), expected[:rows]):
+                return cls(plan.k_blocks, few_rows_tiled=False)
+        return plan
+
+    def __call__(self, x: Float32Array, weight: Float32Array) -> Float32Array:
+        """``x @ weight`` for ``x`` [rows, inner], C-contiguous, at least ``MIN_GEMM_ROWS`` rows."""
+        if self.few_rows_tiled and x.shape[0] <= FEW_ROWS:
+            return self._tiled(x, weight)
+        out: Float32Array = x @ weight
+        return out
+
+    def _tiled(self, x: Float32Array, weight: Float32Array) -> Float32Array:
+        rows, cols = x.shape[0], weight.shape[1]
+        tiles = cols // TILE
+        out = np.empty((rows, cols), dtype=np.float32)
+        part = np.empty_like(out) if len(self.k_blocks) > 2 else out
+        for index, (lo, hi) in enumerate(itertools.pairwise(self.k_blocks)):
+            dest = out if index == 0 else part
+            np.matmul(x[None, :, lo:hi], _tiles(weight[lo:hi], tiles), out=_tiles(dest, tiles))
+            if index:
+                out += part
+        return out
