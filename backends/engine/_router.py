@@ -15,8 +15,9 @@ Rules
    they become null as on vLLM) and files them for the conversation's next turn.
 4. Failures degrade, never corrupt: a prefill node that fails or times out is counted and the
    decode node computes the prompt itself; a decode node's error status is relayed as is; one
-   that fails before its headers is a 502 OpenAI-style error.  A client that leaves cancels the
-   decode request (the runner cancels the handler, closing the upstream connection).
+   that fails before its headers is a 502 OpenAI-style error, after them an error event and
+   ``[DONE]``.  A client that leaves ends the decode request (the upstream connection closes
+   and the decode node aborts).
 """
 
 from __future__ import annotations
@@ -281,16 +282,25 @@ async def _relay_stream(
     response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: SSE_CONTENT_TYPE})
     await response.prepare(request)
     event = bytearray()
-    async for line in upstream.content:
-        event += line
-        if line not in (b"\n", b"\r\n"):
-            continue
-        if _KV_MARKER in event and event.startswith(b"data: {"):
-            chunk = orjson.loads(bytes(event[len(b"data: ") :]))
-            router.file(routed, chunk.pop("kv_transfer_params", None))
-            event = bytearray(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await response.write(bytes(event))
-        event.clear()
+    try:
+        async for line in upstream.content:
+            event += line
+            if line not in (b"\n", b"\r\n"):
+                continue
+            if _KV_MARKER in event and event.startswith(b"data: {"):
+                chunk = orjson.loads(bytes(event[len(b"data: ") :]))
+                router.file(routed, chunk.pop("kv_transfer_params", None))
+                event = bytearray(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await response.write(bytes(event))
+            event.clear()
+    except ConnectionResetError:
+        return response  # the client left; leaving the block closes the decode request
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # After the headers an error is an event, then [DONE], as vLLM ends a failed stream.
+        message = f"decode node {routed.decode_node} failed mid-stream: {type(exc).__name__}"
+        log.warning("%s: %s", message, exc)
+        body = error_body(message, status=502, err_type="BadGatewayError")
+        event = bytearray(b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n")
     if event:
         await response.write(bytes(event))
     await response.write_eof()

@@ -21,8 +21,9 @@ from click.testing import CliRunner
 
 from backends.engine import LlamaModel, RunningEngineServer, engine_command
 from backends.engine._router import ROUTER
-from backends.engine._server import ENGINE_METRICS
+from backends.engine._server import ENGINE_LOOP, ENGINE_METRICS
 from tests.fixtures_engine import serve_disaggregated, serve_engine
+from tests.utils import eventually, run_sim
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = "You are the help desk of a harbour. Answer in one short sentence. " + " ".join(
@@ -242,3 +243,36 @@ def test_cli_refuses_roles_without_what_they_need() -> None:
     assert result.exit_code == 2 and "prefix cache" in result.output
     result = runner.invoke(engine_command, ["--role", "unified", "--prefill", "http://127.0.0.1:1"])
     assert result.exit_code == 2 and "only the router" in result.output
+
+
+async def test_the_router_relays_decode_failures_and_client_departures(
+    engine_model: LlamaModel,
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        async with run_sim(
+            model=MODEL, fault="reset_mid_stream", fault_after_chunks=2, itl_ms=1
+        ) as broken, run_sim(model=MODEL, fault="error", error_status=503) as refusing:
+            for decode, stream in ((broken.url, True), (refusing.url, False)):
+                async with serve_engine(
+                    engine_model, role="router", prefill_urls=(dead,), decode_urls=(decode,)
+                ) as router, aiohttp.ClientSession() as http:  # fmt: skip
+                    url = router.base_url + "/chat/completions"
+                    async with http.post(url, json={**body, "stream": stream}) as resp:
+                        status, raw = resp.status, await resp.read()
+                if stream:
+                    # Headers were out: the failure is an error event, then [DONE].
+                    assert status == 200
+                    assert b'"error"' in raw and raw.endswith(b"data: [DONE]\n\n")
+                else:
+                    assert status == 503 and b'"error"' in raw
+    # A client that leaves mid-answer ends the decode node's request too.
+    async with serve_disaggregated(engine_model) as cluster, aiohttp.ClientSession() as http:
+        loop = cluster.decode[0].app[ENGINE_LOOP]
+        long = {**body, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        async with http.post(cluster.router.base_url + "/chat/completions", json=long) as resp:
+            await resp.content.readline()
+            assert loop.num_in_flight == 1
+        await eventually(lambda: loop.num_in_flight == 0, within_s=30)
