@@ -36,6 +36,7 @@ from ._kvstore import KVLayout, KVStorage
 __all__ = [
     "BlockHash",
     "BlockPool",
+    "CachedBlock",
     "ExtraKey",
     "KVBlock",
     "NoFreeBlocksError",
@@ -146,8 +147,10 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-@dataclass(slots=True)
-class _CachedBlock:
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """What identifies a cached block's content: its chained hash and what it was made of."""
+
     block_hash: BlockHash
     parent_hash: BlockHash
     token_ids: tuple[int, ...]
@@ -191,7 +194,7 @@ class BlockPool:
             (b, None) for b in range(1, num_blocks + 1)
         )
         self._table: dict[BlockHash, int] = {}
-        self._cached: dict[int, _CachedBlock] = {}
+        self._cached: dict[int, CachedBlock] = {}
         self._queries = 0
         self._hits = 0
 
@@ -245,6 +248,10 @@ class BlockPool:
     def cached_block(self, block_hash: BlockHash) -> int | None:
         """The block cached under ``block_hash``, if any."""
         return self._table.get(block_hash)
+
+    def cached_entry(self, block_id: int) -> CachedBlock:
+        """The identity of a cached block (``KeyError`` if it is not cached)."""
+        return self._cached[block_id]
 
     def block_hash(self, block_id: int) -> BlockHash | None:
         entry = self._cached.get(block_id)
@@ -309,7 +316,7 @@ class BlockPool:
         if block_id in self._cached:
             raise RuntimeError(f"block {block_id} is already cached under another hash")
         self._table[block_hash] = block_id
-        self._cached[block_id] = _CachedBlock(
+        self._cached[block_id] = CachedBlock(
             block_hash, parent_hash, tuple(token_ids), tuple(extra_keys)
         )
         return True

@@ -215,7 +215,7 @@ class Engine:
     def export_retained(self, ticket: bytes, start: int, count: int) -> list[KVBlock]:
         """Blocks ``[start, start + count)`` of a retained set (``UnknownTicketError`` if it
         expired or never existed)."""
-        return self.pool.export_blocks(self.retention.blocks(ticket, start, count))
+        return self.retention.export(ticket, start, count)
 
     def release_retained(self, ticket: bytes) -> bool:
         return self.retention.release(ticket)

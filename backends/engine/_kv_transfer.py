@@ -4,9 +4,11 @@ Rules
 -----
 1. A node that retains KV (prefill, decode) listens on a KV port.  A pull is one connection:
    PULL, then the owner's BEGIN, BLOCK..., END -- or ERROR (frames in ``_kv_wire``).
-2. The owner reads blocks on its engine thread (``EngineLoop.call``), the only thread that
-   touches the engine, at most ``EXPORT_BATCH_BLOCKS`` at a time, so a long transfer never
-   holds up a step for long; it writes them as they come and drains between frames.
+2. The owner copies blocks out of a leased retained set in a worker thread, at most
+   ``EXPORT_BATCH_BLOCKS`` at a time, while its engine keeps stepping (a retained block never
+   changes, see ``_retention``): a pull never waits for a long prefill step on the owner.  It
+   writes blocks as they come and drains between frames.  The puller imports on its own
+   engine thread, between two of its steps.
 3. The puller trusts nothing it has not checked: every frame's checksum, the layout and count
    in BEGIN, that the hashes are exactly those of its own prompt at those positions (the
    chained hash covers every earlier token, so an equal hash is an equal prefix), and -- as the
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ._blockpool import BlockHash, KVBlock, NoFreeBlocksError
-from ._engine_loop import EngineLoop, EngineServerError
+from ._engine_loop import EngineLoop
 from ._kv_wire import (
     HASH_BYTES,
     ErrorCode,
@@ -207,14 +209,14 @@ class KVTransferServer:
             await self._loop.call(lambda engine: engine.release_retained(pull.ticket))
 
     async def _export(self, ticket: bytes, start: int, count: int) -> list[KVBlock]:
+        # Off the engine thread: a pull never waits for the owner's step (``_retention``).
+        retention = self._loop.engine.retention
         try:
-            return await self._loop.call(lambda e: e.export_retained(ticket, start, count))
+            return await asyncio.to_thread(retention.export, ticket, start, count)
         except UnknownTicketError:
             raise _Refusal(ErrorCode.UNKNOWN_TICKET, "no such retained KV (expired?)") from None
         except IndexError as exc:
             raise _Refusal(ErrorCode.BAD_RANGE, str(exc)) from None
-        except EngineServerError as exc:
-            raise _Refusal(ErrorCode.UNAVAILABLE, str(exc)) from None
 
     def _write_block(self, writer: asyncio.StreamWriter, block: KVBlock, index: int) -> None:
         payload = encode_block(block)

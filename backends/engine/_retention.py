@@ -6,31 +6,39 @@ Rules
    random ticket: a prefill node keeps a prompt's blocks until its decode node has pulled them;
    a decode node keeps prompt + answer blocks for a TTL, so that the next turn's prefill can
    read them back.
-2. Retaining takes one reference on every block, so LRU eviction cannot touch them; dropping a
-   retained set (expiry, release, reclaim) gives the references back, and the blocks stay in
-   the prefix cache as ordinary evictable blocks.
-3. Retention is bounded: at most ``max_blocks`` blocks are held.  A new set makes room by
-   dropping the oldest sets; a set larger than the bound is not retained at all.  When the
-   scheduler needs blocks that only retained sets hold, it reclaims the oldest set first
+2. Retaining takes one reference on every block, so LRU eviction cannot touch them, and a
+   cached block's content never changes: while a set is held its blocks may be read from any
+   thread.  Dropping a set (expiry, release, reclaim) gives the references back -- on the
+   engine thread, the only one that changes the pool -- and the blocks stay in the prefix
+   cache as ordinary evictable blocks.
+3. ``export`` runs on any thread (a transfer must not wait for the engine to finish a step):
+   it leases the set, copies the blocks, and returns the lease.  A leased set is never
+   dropped; one that expires or is released meanwhile is dropped by the next ``expire`` after
+   its lease ends.  The bookkeeping is guarded by one lock.
+4. Retention is bounded: at most ``max_blocks`` blocks are held.  A new set makes room by
+   dropping the oldest unleased sets; a set larger than the bound is not retained at all.  When
+   the scheduler needs blocks that only retained sets hold, it reclaims the oldest set first
    (``reclaim_oldest``): serving a running request beats keeping a transfer possible.
-4. A set that extends another (the next turn of a conversation: same blocks first, more
+5. A set that extends another (the next turn of a conversation: same blocks first, more
    after) supersedes it: the older set is dropped when the newer is retained, so a long
    conversation holds one set, not one per turn.  (A referenced block holds one hash, and
    hashes chain, so the same block at the same position means the same prefix.)
-5. Expiry is lazy: sets past their deadline are dropped whenever the owner looks (``expire``),
-   which the engine does before every step and every export.  A dropped ticket is answered as
-   unknown; the puller then recomputes -- never uses stale or foreign blocks.
+6. Expiry is lazy: sets past their deadline are dropped whenever the engine looks
+   (``expire``), before every step and every retain.  An expired ticket is answered as unknown
+   even before it is dropped; the puller then recomputes -- never uses stale or foreign blocks.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ._blockpool import BlockHash, BlockPool
+from ._blockpool import BlockHash, BlockPool, CachedBlock, KVBlock
 
 __all__ = ["TICKET_BYTES", "KVRetention", "RetainedKV", "UnknownTicketError"]
 
@@ -54,13 +62,15 @@ class RetainedKV:
 @dataclass(slots=True)
 class _Held:
     block_ids: list[int]
+    entries: list[CachedBlock]  # fixed at retain time: exports never read the pool's tables
     expires_at: float
+    leases: int = field(default=0)
 
 
 class KVRetention:
     """Tickets to reference-held block sets of one ``BlockPool``."""
 
-    __slots__ = ("_clock", "_ends", "_held", "max_blocks", "num_blocks", "pool")
+    __slots__ = ("_clock", "_ends", "_held", "_lock", "max_blocks", "num_blocks", "pool")
 
     def __init__(
         self, pool: BlockPool, max_blocks: int, *, clock: Callable[[], float] = time.monotonic
@@ -71,11 +81,14 @@ class KVRetention:
         self.max_blocks = max_blocks
         self.num_blocks = 0
         self._clock = clock
+        self._lock = threading.Lock()
         self._held: OrderedDict[bytes, _Held] = OrderedDict()  # oldest first
         self._ends: dict[tuple[int, int], bytes] = {}  # (last block, length) -> ticket
 
     def __len__(self) -> int:
         return len(self._held)
+
+    # -- the engine thread ------------------------------------------------------------------
 
     def retain(
         self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], ttl_s: float
@@ -87,58 +100,104 @@ class KVRetention:
             return None
         self.expire()
         ids = list(block_ids)
+        entries = [self.pool.cached_entry(block) for block in ids]
         self.pool.acquire(ids)  # first, so that dropping a superseded set frees nothing shared
-        for length, block in enumerate(ids, start=1):
-            superseded = self._ends.get((block, length))
-            if superseded is not None:
-                self.release(superseded)
-        while self.num_blocks + len(ids) > self.max_blocks:
-            self.reclaim_oldest()
+        with self._lock:
+            superseded = [
+                ticket
+                for length, block in enumerate(ids, start=1)
+                if (ticket := self._ends.get((block, length))) is not None
+            ]
+        for ticket in superseded:
+            self.release(ticket)
+        while self.num_blocks + len(ids) > self.max_blocks and self.reclaim_oldest():
+            pass
+        if self.num_blocks + len(ids) > self.max_blocks:  # the rest is leased right now
+            self.pool.release(ids)
+            return None
         ticket = secrets.token_bytes(TICKET_BYTES)
-        self._held[ticket] = _Held(ids, self._clock() + ttl_s)
-        self._ends[(ids[-1], len(ids))] = ticket
-        self.num_blocks += len(ids)
+        with self._lock:
+            self._held[ticket] = _Held(ids, entries, self._clock() + ttl_s)
+            self._ends[(ids[-1], len(ids))] = ticket
+            self.num_blocks += len(ids)
         return RetainedKV(ticket, len(ids), block_hashes[-1], ttl_s)
 
-    def blocks(self, ticket: bytes, start: int, count: int) -> list[int]:
-        """Block ids ``[start, start + count)`` of a retained set."""
-        self.expire()
-        held = self._held.get(ticket)
-        if held is None:
-            raise UnknownTicketError(ticket.hex())
-        if start < 0 or count < 0 or start + count > len(held.block_ids):
-            raise IndexError(
-                f"blocks [{start}, {start + count}) outside a set of {len(held.block_ids)}"
-            )
-        return held.block_ids[start : start + count]
-
     def release(self, ticket: bytes) -> bool:
-        """Drop a set now (its puller has it); False if it is already gone."""
-        held = self._held.pop(ticket, None)
-        if held is None:
-            return False
+        """Drop a set now, or once its lease ends (its puller has it); False if it is gone."""
+        with self._lock:
+            held = self._held.get(ticket)
+            if held is None:
+                return False
+            if held.leases:
+                held.expires_at = -math.inf
+                return True
+            del self._held[ticket]
         self._drop(ticket, held)
         return True
 
     def expire(self) -> int:
-        """Drop every set past its deadline; how many were dropped."""
+        """Drop every unleased set past its deadline; how many were dropped."""
         now = self._clock()
-        expired = [t for t, held in self._held.items() if held.expires_at <= now]
-        for ticket in expired:
-            self._drop(ticket, self._held.pop(ticket))
+        with self._lock:
+            expired = [
+                (ticket, held)
+                for ticket, held in self._held.items()
+                if held.expires_at <= now and not held.leases
+            ]
+            for ticket, _ in expired:
+                del self._held[ticket]
+        for ticket, held in expired:
+            self._drop(ticket, held)
         return len(expired)
 
     def reclaim_oldest(self) -> bool:
-        """Drop the oldest set to free its blocks; False if nothing is retained."""
-        if not self._held:
-            return False
-        ticket, held = self._held.popitem(last=False)
-        self._drop(ticket, held)
+        """Drop the oldest unleased set to free its blocks; False if there is none."""
+        with self._lock:
+            oldest = next(((t, h) for t, h in self._held.items() if not h.leases), None)
+            if oldest is None:
+                return False
+            del self._held[oldest[0]]
+        self._drop(*oldest)
         return True
 
     def _drop(self, ticket: bytes, held: _Held) -> None:
         self.pool.release(held.block_ids)
-        self.num_blocks -= len(held.block_ids)
-        end = (held.block_ids[-1], len(held.block_ids))
-        if self._ends.get(end) == ticket:
-            del self._ends[end]
+        with self._lock:
+            self.num_blocks -= len(held.block_ids)
+            end = (held.block_ids[-1], len(held.block_ids))
+            if self._ends.get(end) == ticket:
+                del self._ends[end]
+
+    # -- any thread -------------------------------------------------------------------------
+
+    def export(self, ticket: bytes, start: int, count: int) -> list[KVBlock]:
+        """Copies of blocks ``[start, start + count)`` of a retained set (rule 3)."""
+        with self._lock:
+            held = self._held.get(ticket)
+            if held is None or held.expires_at <= self._clock():
+                raise UnknownTicketError(ticket.hex())
+            if start < 0 or count < 0 or start + count > len(held.block_ids):
+                raise IndexError(
+                    f"blocks [{start}, {start + count}) outside a set of {len(held.block_ids)}"
+                )
+            held.leases += 1
+        try:
+            storage = self.pool.storage
+            return [
+                KVBlock(
+                    block_id=block,
+                    block_hash=entry.block_hash,
+                    parent_hash=entry.parent_hash,
+                    token_ids=entry.token_ids,
+                    extra_keys=entry.extra_keys,
+                    data=storage.read_block(block),
+                )
+                for block, entry in zip(
+                    held.block_ids[start : start + count],
+                    held.entries[start : start + count],
+                    strict=True,
+                )
+            ]
+        finally:
+            with self._lock:
+                held.leases -= 1

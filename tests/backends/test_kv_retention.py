@@ -5,10 +5,13 @@ A tiny ``BlockPool`` with cached blocks and a fake clock; no model is loaded.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from backends.engine import BlockPool, KVLayout
 from backends.engine._blockpool import BlockHash, hash_blocks
+from backends.engine._kvstore import KVStorage
 from backends.engine._retention import TICKET_BYTES, KVRetention, UnknownTicketError
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4)
@@ -53,6 +56,10 @@ def _finished(pool: BlockPool, tokens: list[int]) -> tuple[list[int], list[Block
     return blocks, hashes
 
 
+def _ids(retention: KVRetention, ticket: bytes, start: int, count: int) -> list[int]:
+    return [block.block_id for block in retention.export(ticket, start, count)]
+
+
 def _refs(pool: BlockPool, blocks: list[int]) -> list[int]:
     return [pool.ref_count(b) for b in blocks]
 
@@ -74,7 +81,7 @@ def test_retaining_holds_a_reference_on_every_block(pool: BlockPool, clock: Fake
     fresh = pool.allocate(pool.num_free_blocks)
     assert not set(fresh) & set(blocks)
     assert pool.lookup(hashes) == blocks
-    assert retention.blocks(retained.ticket, 0, 3) == blocks
+    assert _ids(retention, retained.ticket, 0, 3) == blocks
 
 
 def test_tickets_are_distinct_and_sets_may_share_blocks(pool: BlockPool, clock: FakeClock) -> None:
@@ -100,19 +107,19 @@ def test_a_set_expires_at_its_deadline_and_gives_its_references_back(
     assert retained is not None
     clock.now += TTL_S - 0.001
     assert retention.expire() == 0
-    assert retention.blocks(retained.ticket, 0, 2) == blocks
+    assert _ids(retention, retained.ticket, 0, 2) == blocks
     clock.now += 0.001
     assert retention.expire() == 1
     assert _refs(pool, blocks) == [1, 1]  # what the still-running request holds, as before
     assert (len(retention), retention.num_blocks) == (0, 0)
     with pytest.raises(UnknownTicketError):
-        retention.blocks(retained.ticket, 0, 1)
+        _ids(retention, retained.ticket, 0, 1)
     pool.release(blocks)
     assert pool.num_free_blocks == 8
     assert pool.lookup(hashes) == blocks  # still cached: ordinary evictable blocks now
 
 
-def test_an_expired_set_is_dropped_when_its_ticket_is_asked_for(
+def test_an_expired_set_is_refused_at_once_and_dropped_by_the_engine(
     pool: BlockPool, clock: FakeClock
 ) -> None:
     retention = KVRetention(pool, 8, clock=clock)
@@ -120,8 +127,10 @@ def test_an_expired_set_is_dropped_when_its_ticket_is_asked_for(
     retained = retention.retain(blocks, hashes, 1.0)
     assert retained is not None
     clock.now += 1.0
-    with pytest.raises(UnknownTicketError):  # expiry is lazy: no expire() call needed
-        retention.blocks(retained.ticket, 0, 1)
+    with pytest.raises(UnknownTicketError):  # refused before any expire() call
+        _ids(retention, retained.ticket, 0, 1)
+    assert _refs(pool, blocks) == [1]  # the references go back on the engine thread
+    assert retention.expire() == 1
     assert _refs(pool, blocks) == [0] and retention.num_blocks == 0
     assert not retention.release(retained.ticket)
 
@@ -137,7 +146,7 @@ def test_release_drops_a_set_once(pool: BlockPool, clock: FakeClock) -> None:
     assert _refs(pool, blocks) == [0, 0] and pool.num_free_blocks == 8
     assert not retention.release(b"\x00" * TICKET_BYTES)
     with pytest.raises(UnknownTicketError):
-        retention.blocks(retained.ticket, 0, 1)
+        _ids(retention, retained.ticket, 0, 1)
 
 
 def test_reclaim_drops_the_oldest_set_first(pool: BlockPool, clock: FakeClock) -> None:
@@ -152,9 +161,9 @@ def test_reclaim_drops_the_oldest_set_first(pool: BlockPool, clock: FakeClock) -
     for dropped in range(3):
         assert retention.reclaim_oldest()
         with pytest.raises(UnknownTicketError):
-            retention.blocks(tickets[dropped], 0, 1)
+            _ids(retention, tickets[dropped], 0, 1)
         for kept in tickets[dropped + 1 :]:
-            assert len(retention.blocks(kept, 0, 1)) == 1
+            assert len(_ids(retention, kept, 0, 1)) == 1
         assert retention.num_blocks == 2 - dropped
     assert not retention.reclaim_oldest()
     assert pool.num_free_blocks == 8
@@ -183,9 +192,9 @@ def test_a_new_set_pushes_out_the_oldest(pool: BlockPool, clock: FakeClock) -> N
     assert retention.num_blocks == 2 and len(retention) == 2
     assert _refs(pool, first_blocks) == [0, 0]
     with pytest.raises(UnknownTicketError):
-        retention.blocks(first.ticket, 0, 1)
-    assert retention.blocks(second.ticket, 0, 1) == second_blocks
-    assert retention.blocks(third.ticket, 0, 1) == third_blocks
+        _ids(retention, first.ticket, 0, 1)
+    assert _ids(retention, second.ticket, 0, 1) == second_blocks
+    assert _ids(retention, third.ticket, 0, 1) == third_blocks
 
 
 def test_nothing_to_retain_is_not_retained(pool: BlockPool, clock: FakeClock) -> None:
@@ -206,13 +215,13 @@ def test_ranges_of_a_set(pool: BlockPool, clock: FakeClock) -> None:
     retained = retention.retain(blocks, hashes, TTL_S)
     assert retained is not None
     ticket = retained.ticket
-    assert retention.blocks(ticket, 1, 2) == blocks[1:]
-    assert retention.blocks(ticket, 3, 0) == []
+    assert _ids(retention, ticket, 1, 2) == blocks[1:]
+    assert _ids(retention, ticket, 3, 0) == []
     for start, count in ((0, 4), (3, 1), (-1, 1), (1, -1), (4, 0)):
         with pytest.raises(IndexError):
-            retention.blocks(ticket, start, count)
+            _ids(retention, ticket, start, count)
     with pytest.raises(UnknownTicketError):
-        retention.blocks(bytes(TICKET_BYTES), 0, 1)
+        _ids(retention, bytes(TICKET_BYTES), 0, 1)
     assert issubclass(UnknownTicketError, KeyError)
 
 
@@ -232,8 +241,8 @@ def test_a_set_that_extends_another_supersedes_it(pool: BlockPool, clock: FakeCl
     assert first is not None and second is not None
     assert (len(retention), retention.num_blocks) == (1, 3)
     with pytest.raises(UnknownTicketError):
-        retention.blocks(first.ticket, 0, 1)
-    assert retention.blocks(second.ticket, 0, 3) == [*turn1, extra]
+        _ids(retention, first.ticket, 0, 1)
+    assert _ids(retention, second.ticket, 0, 3) == [*turn1, extra]
     assert _refs(pool, [*turn1, extra]) == [1, 1, 1]
     # A set that shares only a prefix (another branch) does not supersede.
     other_tokens = [*range(8), 90, 91, 92, 93]
@@ -246,3 +255,42 @@ def test_a_set_that_extends_another_supersedes_it(pool: BlockPool, clock: FakeCl
     assert third is not None and len(retention) == 2
     assert retention.release(second.ticket) and retention.release(third.ticket)
     assert _refs(pool, [*turn1, extra, branch]) == [0, 0, 0, 0]
+
+
+class _WatchedStorage(KVStorage):
+    """Storage that runs ``during_read`` while a block is being copied out."""
+
+    __slots__ = ("during_read",)
+
+    def read_block(self, block_id: int) -> Any:
+        self.during_read()
+        return super().read_block(block_id)
+
+
+def test_a_leased_set_outlives_expiry_release_and_reclaim_until_its_export_ends(
+    pool: BlockPool, clock: FakeClock
+) -> None:
+    retention = KVRetention(pool, 8, clock=clock)
+    blocks, hashes = _finished(pool, list(range(8)))
+    retained = retention.retain(blocks, hashes, 1.0)
+    assert retained is not None
+    seen: list[list[int]] = []
+
+    def engine_drops_it() -> None:
+        # What the engine thread may do while another thread copies the set out.
+        clock.now += 5.0
+        assert retention.expire() == 0 and not retention.reclaim_oldest()
+        assert retention.release(retained.ticket)  # doomed, not dropped
+        seen.append(_refs(pool, blocks))
+
+    watched = _WatchedStorage(LAYOUT, pool.storage.num_blocks)
+    watched.during_read = engine_drops_it
+    pool.storage = watched
+    exported = retention.export(retained.ticket, 0, 2)
+    assert [b.block_id for b in exported] == blocks
+    assert [b.block_hash for b in exported] == hashes
+    assert seen == [[1, 1], [1, 1]]
+    with pytest.raises(UnknownTicketError):
+        retention.export(retained.ticket, 0, 1)
+    assert retention.expire() == 1
+    assert _refs(pool, blocks) == [0, 0] and len(retention) == 0
