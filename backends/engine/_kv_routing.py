@@ -14,7 +14,8 @@ Rules
    * ``round-robin`` rotates both kinds of node.
    * ``affinity`` keeps a continuing conversation on the nodes of its previous turn (the
      classic sticky session); a new conversation goes round robin.
-   * ``kv-aware`` prices every node and takes the cheapest (the lowest index on a tie):
+   * ``kv-aware`` prices every node and takes the cheapest (on a tie the less busy, then the
+     lower index):
      a prefill node costs the wait for the prefill tokens queued there, plus the tokens it would
      compute for this prompt (all but what it holds or can read back from the decode node that
      retains the conversation), plus the read-back transfer; a decode node costs the transfer
@@ -215,8 +216,15 @@ class Affinity:
 
 class KVAware:
     def choose(self, job: RouteJob, cluster: Cluster) -> tuple[int, int]:
-        prefill = min(range(len(cluster.prefill)), key=lambda n: cluster.prefill_cost(n, job))
-        decode = min(range(len(cluster.decode_streams)), key=lambda n: cluster.decode_cost(n, job))
+        # Equal prices go to the less busy node, then to the lower index.
+        prefill = min(
+            range(len(cluster.prefill)),
+            key=lambda n: (cluster.prefill_cost(n, job), cluster.prefill[n].queued_tokens, n),
+        )
+        decode = min(
+            range(len(cluster.decode_streams)),
+            key=lambda n: (cluster.decode_cost(n, job), cluster.decode_streams[n], n),
+        )
         return prefill, decode
 
 
