@@ -264,7 +264,9 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
             router.file(routed, answer.get("kv_transfer_params"))
             answer["kv_transfer_params"] = None
             return json_response(answer)
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
+        if _client_left(request):
+            return web.Response()  # nobody to answer; leaving the block ended the decode
         message = f"decode node {node} failed: {type(exc).__name__}: {exc}"
         log.warning(message)
         return json_response(error_body(message, status=502, err_type="BadGatewayError"), 502)
@@ -293,9 +295,9 @@ async def _relay_stream(
                 event = bytearray(b"data: " + orjson.dumps(chunk) + b"\n\n")
             await response.write(bytes(event))
             event.clear()
-    except ConnectionResetError:
-        return response  # the client left; leaving the block closes the decode request
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
+        if _client_left(request):
+            return response  # leaving the block closes the decode request
         # After the headers an error is an event, then [DONE], as vLLM ends a failed stream.
         message = f"decode node {routed.decode_node} failed mid-stream: {type(exc).__name__}"
         log.warning("%s: %s", message, exc)
@@ -305,6 +307,11 @@ async def _relay_stream(
         await response.write(bytes(event))
     await response.write_eof()
     return response
+
+
+def _client_left(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
