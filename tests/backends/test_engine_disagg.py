@@ -252,9 +252,12 @@ async def test_the_router_relays_decode_failures_and_client_departures(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        async with run_sim(
-            model=MODEL, fault="reset_mid_stream", fault_after_chunks=2, itl_ms=1
-        ) as broken, run_sim(model=MODEL, fault="error", error_status=503) as refusing:
+        async with (
+            run_sim(
+                model=MODEL, fault="reset_mid_stream", fault_after_chunks=2, itl_ms=1
+            ) as broken,
+            run_sim(model=MODEL, fault="error", error_status=503) as refusing,
+        ):
             for decode, stream in ((broken.url, True), (refusing.url, False)):
                 async with serve_engine(
                     engine_model, role="router", prefill_urls=(dead,), decode_urls=(decode,)
