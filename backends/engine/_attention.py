@@ -22,9 +22,12 @@ this holds only if every number is produced by the same sequence of operations e
    only on the tile index.
 3. Reductions whose order a BLAS could change with the problem size are cut into fixed pieces.
    Scores are ``q @ K^T`` with K stored transposed, so the product is NN with an inner size of
-   ``head_dim`` (one FMA chain per element on every OpenBLAS path; the NT path does not have
-   this property).  ``P @ V`` runs over ``KEY_CHUNK`` keys at a time (an inner size that fits
-   one OpenBLAS K-block, so no path splits it) and the partial products are summed in order.
+   ``head_dim`` (one FMA chain per element on every OpenBLAS path, for any number of rows and
+   any number of columns that is a multiple of the kernel's column unroll -- so decode makes
+   them one KV block of columns at a time where ``blockwise_scores_exact`` allows it; the NT
+   path does not have this property).  ``P @ V`` runs over ``KEY_CHUNK`` keys at a time (an
+   inner size that fits one OpenBLAS K-block, so no path splits it) and the partial products are
+   summed in order.
 4. Elementwise ufuncs (exp, subtract, divide, RoPE) are exact per element; every array they see
    is contiguous so the same SIMD loop runs.
 
@@ -41,6 +44,7 @@ kernel type and the numpy/OpenBLAS versions across processes that exchange KV bl
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -53,6 +57,7 @@ __all__ = [
     "attend",
     "attend_decode",
     "blas_is_row_stable",
+    "blockwise_scores_exact",
     "key_span",
     "pad_rows",
 ]
@@ -67,6 +72,10 @@ KEY_CHUNK = 256
 """Keys per ``P @ V`` product (at most one OpenBLAS K-block, see rule 3)."""
 MIN_GEMM_ROWS = 4
 """Fewest rows handed to a BLAS product (see rule 1)."""
+SCORE_BLOCK = 1 << 20
+"""Most scores ``attend`` holds at once (4 MiB): a tile's rows are taken in blocks of about this
+many scores, one KV head at a time, so that the softmax's passes over them run in cache."""
+_ROW_ALIGN = 16  # rows of a block are a multiple of OpenBLAS's sgemm row unroll (speed only)
 _PROBE_ROWS = (4, 5, 7, 8, 13, 16, 17, 33, 70)
 _PROBE_SEED = 20260601
 
@@ -109,12 +118,19 @@ def attend(
     ``keys_t``: [kv_heads, head_dim, >= key_span(start+n)], keys stored transposed.
     ``values``: [kv_heads, >= key_span(start+n), head_dim].
     Returns [n, kv_heads, group, head_dim].
+
+    Each tile's rows are taken one KV head and one block of rows (``_row_blocks``) at a time,
+    in one scores buffer reused for every block: at a long context a tile's scores for all heads
+    are tens of MiB (19 MiB at 4k keys), which every softmax pass would stream from memory, and a
+    fresh array that size would be page-faulted in for every tile.  A row's bits do not depend on
+    the block it is computed in (rule 1), so the output is the same as for one product per tile.
     """
     n, kv_heads, group, head_dim = q.shape
     end = start + n
     # Rows ordered (position, group member) so that a tile is a contiguous row range.
     rows = np.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(kv_heads, n * group, head_dim)
     out = np.empty((kv_heads, n * group, head_dim), dtype=np.float32)
+    scratch = np.empty(0, dtype=np.float32)
     for tile in range(start // QUERY_TILE, (end - 1) // QUERY_TILE + 1):
         tile_start = tile * QUERY_TILE
         lo = max(start, tile_start)
@@ -128,12 +144,34 @@ def attend(
             q_tile = np.zeros((kv_heads, padded, head_dim), dtype=np.float32)
             q_tile[:, :count] = rows[:, row_lo:row_hi]
         span = tile_start + QUERY_TILE
-        scores = q_tile @ keys_t[:, :, :span]
         mask = _causal_mask(lo - tile_start, hi - tile_start, group, padded)
-        np.copyto(scores[:, :, tile_start:span], -np.inf, where=mask)
-        acc = _softmax_times_values(scores, values, span)
-        out[:, row_lo:row_hi] = acc[:, :count]
+        blocks = _row_blocks(padded, span)
+        largest = max(b - a for a, b in itertools.pairwise(blocks))
+        if scratch.size < largest * span:
+            scratch = np.empty(largest * span, dtype=np.float32)
+        for head in range(kv_heads):
+            head_keys = keys_t[head, :, :span]
+            for first, last in itertools.pairwise(blocks):
+                scores = scratch[: (last - first) * span].reshape(last - first, span)
+                np.matmul(q_tile[head, first:last], head_keys, out=scores)
+                np.copyto(scores[:, tile_start:], -np.inf, where=mask[first:last])
+                acc = _softmax_times_values(scores, values[head], span)
+                kept = min(last, count) - first
+                if kept > 0:
+                    out[head, row_lo + first : row_lo + first + kept] = acc[:kept]
     return out.reshape(kv_heads, n, group, head_dim).transpose(1, 0, 2, 3)
+
+
+def _row_blocks(rows: int, span: int) -> list[int]:
+    """Cuts of ``rows`` (>= ``MIN_GEMM_ROWS``) into near-equal blocks of about ``SCORE_BLOCK``
+    scores over ``span`` keys; every block has at least ``MIN_GEMM_ROWS`` rows (rule 1)."""
+    count = max(1, -(-rows * span // SCORE_BLOCK))
+    step = -(-rows // count)
+    step = -(-step // _ROW_ALIGN) * _ROW_ALIGN
+    cuts = [*range(0, rows, step), rows]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] < MIN_GEMM_ROWS:
+        del cuts[-2]
+    return cuts
 
 
 def _softmax_times_values(scores: Float32Array, values: Float32Array, span: int) -> Float32Array:
@@ -158,23 +196,30 @@ def _softmax_times_values(scores: Float32Array, values: Float32Array, span: int)
 def attend_decode(
     q: Float32Array,
     positions: npt.NDArray[np.intp],
-    keys_t: Float32Array,
+    key_blocks: Float32Array,
     values: Float32Array,
 ) -> Float32Array:
     """Attention of one query per sequence, for sequences whose queries share a tile.
 
     ``q``: [seqs, kv_heads, group, head_dim]; ``positions``: [seqs], all in one query tile;
-    ``keys_t``: [seqs, kv_heads, head_dim, key_span], ``values``: [seqs, kv_heads, key_span,
-    head_dim] (strided views are fine).  Each sequence's products have exactly the shapes
-    ``attend`` gives a lone query (rows padded to ``MIN_GEMM_ROWS``), so the bits are the same.
+    ``key_blocks``: [seqs, kv_heads, blocks, head_dim, block_size], ``K^T`` of each block of
+    the key span (one block of the whole span where blocks are not ``blockwise_scores_exact``);
+    ``values``: [seqs, kv_heads, key_span, head_dim] (strided views are fine).
+    The rows are padded to ``MIN_GEMM_ROWS`` as ``attend`` pads a lone query, so the bits are
+    the same: the scores are products over ``head_dim`` (one FMA chain per score, rule 3), made
+    block by block straight into their columns (no copy of the keys into one ``K^T``), and
+    ``P @ V`` has the shapes ``attend`` gives it.
     """
     seqs, kv_heads, group, head_dim = q.shape
-    span = keys_t.shape[-1]
+    blocks, block_size = key_blocks.shape[2], key_blocks.shape[4]
+    span = blocks * block_size
     tile_start = span - QUERY_TILE
     padded = max(group, MIN_GEMM_ROWS)
-    q_tile = np.zeros((seqs, kv_heads, padded, head_dim), dtype=np.float32)
-    q_tile[:, :, :group] = q
-    scores = q_tile @ keys_t
+    q_tile = np.zeros((seqs, kv_heads, 1, padded, head_dim), dtype=np.float32)
+    q_tile[:, :, 0, :group] = q
+    scores = np.empty((seqs, kv_heads, padded, span), dtype=np.float32)
+    split = np.reshape(scores, (seqs, kv_heads, padded, blocks, block_size), copy=False)
+    np.matmul(q_tile, key_blocks, out=split.transpose(0, 1, 3, 2, 4))
     mask = np.zeros((seqs, 1, padded, QUERY_TILE), dtype=np.bool_)
     offsets = (positions - tile_start)[:, None, None, None]
     np.greater(np.arange(QUERY_TILE), offsets, out=mask[:, :, :group])
@@ -213,4 +258,22 @@ def blas_is_row_stable(products: Sequence[tuple[Product, Float32Array]], head_di
                     expected = got
                 elif not np.array_equal(got, expected):
                     return False
+    return True
+
+
+def blockwise_scores_exact(head_dim: int, block_size: int) -> bool:
+    """Whether scores made ``block_size`` key columns at a time have the bits of one product.
+
+    Rule 3 on this BLAS for one KV block width: a width that is not a multiple of the kernel's
+    column unroll (16 for OpenBLAS's SkylakeX sgemm) ends in a tail summed in another order.
+    """
+    rng = np.random.default_rng(_PROBE_SEED)
+    cols = -(-3 * QUERY_TILE // block_size) * block_size
+    keys_t = rng.standard_normal((head_dim, cols), dtype=np.float32)
+    for rows in _PROBE_ROWS:
+        batch = rng.standard_normal((rows, head_dim), dtype=np.float32)
+        starts = range(0, cols, block_size)
+        pieces = [batch @ keys_t[:, start : start + block_size] for start in starts]
+        if not np.array_equal(np.concatenate(pieces, axis=1), batch @ keys_t):
+            return False
     return True

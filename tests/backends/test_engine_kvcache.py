@@ -10,6 +10,7 @@ import pytest
 
 import backends.engine as engine_pkg
 from backends.engine import BlockPool, KVBlock, KVLayout, NoFreeBlocksError, hash_block
+from backends.engine._attention import QUERY_TILE, attend, attend_decode, blas_is_row_stable
 from backends.engine._blockpool import hash_blocks
 from backends.engine._kvstore import NULL_BLOCK, KVStorage
 
@@ -117,6 +118,38 @@ def test_storage_write_gather_and_exchange_layout_agree() -> None:
     np.testing.assert_array_equal(storage.read_block(2), block)
     with pytest.raises(ValueError, match="float32"):
         storage.write_block(2, block.astype(np.float64))
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_decode_attention_over_a_group_is_a_lone_prefill_query(block_size: int) -> None:
+    """Scores made block by block (or, for widths the probe refuses, over one copied ``K^T``)
+    have the bits of ``attend`` over ``gather``: rule 3 of ``_attention``."""
+    layout = KVLayout(num_layers=2, num_kv_heads=3, head_dim=64, block_size=block_size)
+    span = 2 * QUERY_TILE
+    per_seq = span // block_size
+    storage = KVStorage(layout, 1 + 3 * per_seq)
+    assert storage.blockwise_scores == (block_size % 16 == 0)
+    rng = np.random.default_rng(block_size)
+    positions = np.array([QUERY_TILE, QUERY_TILE + 57, span - 1], dtype=np.intp)
+    tables = np.zeros((3, per_seq), dtype=np.intp)
+    free = list(rng.permutation(np.arange(1, 1 + 3 * per_seq)))
+    for seq, last in enumerate(positions):
+        used = int(last) // block_size + 1
+        tables[seq, :used] = [free.pop() for _ in range(used)]  # scattered, NULL-padded
+        pos = np.arange(last + 1)
+        kv = rng.standard_normal((2, pos.size, 3, 64), dtype=np.float32)
+        storage.write(1, (tables[seq][pos // block_size], pos % block_size), kv[0], kv[1])
+    q = rng.standard_normal((3, 3, 3, 64), dtype=np.float32)
+    key_blocks, values = storage.gather_group(1, tables)
+    together = attend_decode(q, positions, key_blocks, values)
+    exact = blas_is_row_stable([], 64)
+    for seq, last in enumerate(positions):
+        keys_t, vals = storage.gather(1, tables[seq])
+        alone = attend(q[seq : seq + 1], int(last), keys_t, vals)[0]
+        if exact:
+            assert together[seq].tobytes() == alone.tobytes(), seq
+        else:
+            np.testing.assert_allclose(together[seq], alone, rtol=1e-5, atol=1e-6)
 
 
 def test_pool_size_from_memory_limit() -> None:

@@ -5,11 +5,22 @@ Synthetic weights of the model's shapes; no model is loaded.
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
+
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_info
+from threadpoolctl import threadpool_info, threadpool_limits
 
-from backends.engine._linear import FEW_ROWS, TILE, LinearPlan, packed_k_blocks
+from backends.engine._linear import (
+    FEW_ROWS,
+    TILE,
+    LinearPlan,
+    TileWorkers,
+    blas_threads,
+    packed_k_blocks,
+)
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152 // 16)]
 
@@ -53,3 +64,81 @@ def test_widths_off_the_tile_take_the_plain_product() -> None:
     plan = LinearPlan.for_weight(weight)
     assert not plan.few_rows_tiled
     assert plan(x, weight).tobytes() == (x @ weight).tobytes()
+
+
+def _tile_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("understudy-tiles")]
+
+
+@pytest.mark.parametrize(("inner", "cols"), SHAPES)
+def test_tiles_shared_among_threads_give_the_same_bits(inner: int, cols: int) -> None:
+    rng = np.random.default_rng(inner + cols)
+    weight = rng.standard_normal((inner, cols), dtype=np.float32) * np.float32(0.05)
+    plan = LinearPlan.for_weight(weight)
+    x = rng.standard_normal((FEW_ROWS, inner), dtype=np.float32)
+    for threads in (2, 3, 7):
+        workers = TileWorkers(threads)
+        try:
+            for rows in (4, 5, FEW_ROWS):
+                alone = plan(x[:rows], weight)
+                shared = plan(x[:rows], weight, workers)
+                assert shared.tobytes() == alone.tobytes(), (threads, rows)
+        finally:
+            workers.close()
+
+
+def test_more_threads_than_tiles_give_the_same_bits() -> None:
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((64, 2 * TILE), dtype=np.float32)
+    x = rng.standard_normal((4, 64), dtype=np.float32)
+    workers = TileWorkers(5)
+    try:
+        plan = LinearPlan.for_weight(weight)
+        assert plan(x, weight, workers).tobytes() == plan(x, weight).tobytes()
+    finally:
+        workers.close()
+
+
+def test_a_failing_share_is_raised_after_every_share_finished() -> None:
+    done: list[tuple[int, int]] = []
+
+    def work(first: int, last: int) -> None:
+        if first == 0:
+            raise RuntimeError("share failed")
+        time.sleep(0.05)
+        done.append((first, last))
+
+    workers = TileWorkers(2)
+    try:
+        with pytest.raises(RuntimeError, match="share failed"):
+            workers.run(work, 4)
+        assert done == [(2, 4)]
+    finally:
+        workers.close()
+
+
+def test_decode_threads_follow_the_blas_threads() -> None:
+    with threadpool_limits(limits=1, user_api="blas"):
+        assert blas_threads() == 1
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert blas_threads() == 2
+    with pytest.raises(ValueError, match="decode threads"):
+        TileWorkers(0)
+
+
+def test_one_thread_starts_no_pool_and_pools_stop() -> None:
+    before = len(_tile_threads())
+    TileWorkers(1).run(lambda first, last: None, 8)
+    assert len(_tile_threads()) == before
+    closed = TileWorkers(3)
+    closed.run(lambda first, last: time.sleep(0.01), 9)
+    closed.close()
+    closed.close()
+    dropped = TileWorkers(3)
+    dropped.run(lambda first, last: time.sleep(0.01), 9)
+    del dropped
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while len(_tile_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_tile_threads()) == before

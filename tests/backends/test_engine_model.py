@@ -20,6 +20,7 @@ from threadpoolctl import threadpool_info
 from backends.engine import ForwardChunk, KVLayout, LlamaModel, SamplingParams
 from backends.engine._attention import QUERY_TILE
 from backends.engine._kvstore import KVStorage
+from backends.engine._linear import blas_threads
 from backends.vllm import vllm_python
 
 REFERENCE_TIMEOUT_S = 600.0
@@ -116,6 +117,10 @@ def test_config_comes_from_the_gguf(model: LlamaModel) -> None:
     assert cfg.max_position_embeddings == 8192
     assert model.w_qkv.shape == (30, 576, 576 + 2 * 192) and model.w_qkv.flags.c_contiguous
     assert model.w_gate_up.shape == (30, 576, 2 * 1536) and model.w_gate_up.dtype == np.float32
+
+
+def test_decode_threads_default_to_the_blas_threads(model: LlamaModel) -> None:
+    assert model.decode_threads == blas_threads() == model.workers.threads
 
 
 def test_chat_template_and_special_tokens(model: LlamaModel) -> None:
