@@ -150,9 +150,17 @@ async def test_report_shows_a_hotter_candidate_beyond_the_noise_floor(
             return stats is not None and stats.written_records >= 2 * requests
 
         await eventually(written, within_s=240)
-        report = (await evaluation_state.report("hot")).to_dict()
-    similarity = {m["metric"]: m for m in report["metrics"]}["quality.semantic_similarity"]
-    floor = similarity["statistics"]["noise_floor"]
+        # The report reads what the scoring process committed: wait until every exchange's
+        # score is there (the writer's count can run ahead of what a new session sees).
+        async with asyncio.timeout(60):
+            while True:
+                report = (await evaluation_state.report("hot")).to_dict()
+                metrics = {m["metric"]: m for m in report["metrics"]}
+                similarity = metrics["quality.semantic_similarity"]
+                floor = similarity["statistics"].get("noise_floor") or {}
+                if floor.get("n_baseline") == requests:
+                    break
+                await asyncio.sleep(0.5)
     assert floor["n_baseline"] == requests and floor["mean_baseline"] > 0.99  # greedy == greedy
     assert floor["mean_candidate"] < floor["mean_baseline"] - 0.05
     assert similarity["verdict"] == "FAIL", similarity["reasons"]
