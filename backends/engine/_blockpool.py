@@ -156,6 +156,12 @@ class CachedBlock:
     token_ids: tuple[int, ...]
     extra_keys: tuple[ExtraKey, ...]
 
+    def with_data(self, block_id: int, data: Float32Array) -> KVBlock:
+        """The exported form of this block, holding ``data``."""
+        return KVBlock(
+            block_id, self.block_hash, self.parent_hash, self.token_ids, self.extra_keys, data
+        )
+
 
 class BlockPool:
     """Reference-counted KV blocks, a hash-to-block prefix cache and an LRU free queue."""
@@ -328,16 +334,7 @@ class BlockPool:
             entry = self._cached.get(block)
             if entry is None:
                 raise KeyError(f"block {block} is not a cached block")
-            exported.append(
-                KVBlock(
-                    block_id=block,
-                    block_hash=entry.block_hash,
-                    parent_hash=entry.parent_hash,
-                    token_ids=entry.token_ids,
-                    extra_keys=entry.extra_keys,
-                    data=self.storage.read_block(block),
-                )
-            )
+            exported.append(entry.with_data(block, self.storage.read_block(block)))
         return exported
 
     def import_blocks(self, blocks: Sequence[KVBlock], *, keep: Sequence[int] = ()) -> list[int]:

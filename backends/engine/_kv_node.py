@@ -66,8 +66,12 @@ class KVNode:
         *,
         retain_s: float,
         readback_min_tokens: int,
+        listen_host: str,
+        listen_port: int,
     ) -> None:
         self.engine_loop = engine_loop
+        self.listen_host = listen_host
+        self.listen_port = listen_port  # 0: any free port; ``server.port`` once started
         self.metrics = metrics
         self.retain_s = retain_s
         self.readback_min_tokens = readback_min_tokens
@@ -107,25 +111,19 @@ class KVNode:
 KV_SERVER = web.AppKey("kv_node", KVNode)
 
 
-async def kv_server_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _kv_server_ctx(app: web.Application) -> AsyncIterator[None]:
     node = app[KV_SERVER]
-    await node.server.start(app[_KV_HOST], app[_KV_PORT])
+    await node.server.start(node.listen_host, node.listen_port)
     try:
         yield
     finally:
         await node.server.close()
 
 
-_KV_HOST = web.AppKey("kv_host", str)
-_KV_PORT = web.AppKey("kv_port", int)
-
-
-def install_kv_node(app: web.Application, node: KVNode, host: str, port: int) -> None:
+def install_kv_node(app: web.Application, node: KVNode) -> None:
     """Run ``node``'s KV server with ``app`` (rule 1)."""
     app[KV_SERVER] = node
-    app[_KV_HOST] = host
-    app[_KV_PORT] = port
-    app.cleanup_ctx.append(kv_server_ctx)
+    app.cleanup_ctx.append(_kv_server_ctx)
 
 
 # -- prefill ---------------------------------------------------------------------------------

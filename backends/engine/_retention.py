@@ -184,14 +184,7 @@ class KVRetention:
         try:
             storage = self.pool.storage
             return [
-                KVBlock(
-                    block_id=block,
-                    block_hash=entry.block_hash,
-                    parent_hash=entry.parent_hash,
-                    token_ids=entry.token_ids,
-                    extra_keys=entry.extra_keys,
-                    data=storage.read_block(block),
-                )
+                entry.with_data(block, storage.read_block(block))
                 for block, entry in zip(
                     held.block_ids[start : start + count],
                     held.entries[start : start + count],

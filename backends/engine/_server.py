@@ -115,8 +115,10 @@ def _install_kv(app: web.Application, config: EngineServerConfig) -> None:
         app[ENGINE_METRICS],
         retain_s=config.retain_s,
         readback_min_tokens=config.kv_readback_min_tokens,
+        listen_host=config.host,
+        listen_port=config.kv_port,
     )
-    install_kv_node(app, node, config.host, config.kv_port)
+    install_kv_node(app, node)
 
 
 def _engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
