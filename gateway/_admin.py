@@ -1,9 +1,11 @@
 """The admin REST API: its own listener, versioned under /admin/v1, behind a bearer token.
 
 Rules:
-1. With a token configured every route but none needs ``Authorization: Bearer <token>``,
-   compared in constant time; missing or wrong → 401. With no token the API refuses to
-   listen on a non-loopback address (checked at start).
+1. With a token configured every route needs ``Authorization: Bearer <token>``, compared
+   in constant time; missing, empty or wrong → 401. An empty or blank configured token is
+   no token, and one shorter than ``MIN_ADMIN_TOKEN_LENGTH`` is refused when the config is
+   read. With no token the API refuses to listen on a non-loopback address (checked at
+   start).
 2. Bodies are validated with pydantic; every error is an OpenAI-style JSON body with the
    right 4xx, never a 500 or a traceback. The token never reaches a log.
 3. Changes take effect without a restart: the handlers act on the live ``Mirror``.
@@ -23,7 +25,12 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway._config import AdminConfig, CandidateConfig
+from gateway._config import (
+    ADMIN_TOKEN_ENV,
+    MIN_ADMIN_TOKEN_LENGTH,
+    AdminConfig,
+    CandidateConfig,
+)
 from gateway._exceptions import (
     Conflict,
     GatewayError,
@@ -179,8 +186,9 @@ def check_admin_binding(config: AdminConfig) -> None:
     except ValueError:
         loopback = config.host == "localhost"
     if not loopback:
-        raise ValueError(f"admin API on {config.host} needs a token "
-                         "(admin.token or UNDERSTUDY_ADMIN_TOKEN); without one it only "
+        raise ValueError(f"admin API on {config.host} needs a token of at least "
+                         f"{MIN_ADMIN_TOKEN_LENGTH} characters (admin.token or "
+                         f"{ADMIN_TOKEN_ENV}; an empty one is none); without one it only "
                          "listens on a loopback address")
 
 
@@ -225,9 +233,10 @@ def _auth(token: str | None) -> Middleware:
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token is not None:
             scheme, _, provided = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                provided.strip().encode(), token.encode()
-            ):
+            provided = provided.strip()
+            # compare_digest even for an empty value, so its timing tells nothing either.
+            matches = hmac.compare_digest(provided.encode(), token.encode())
+            if scheme.lower() != "bearer" or not provided or not matches:
                 raise Unauthorized("missing or wrong bearer token")
         return await handler(request)
 
@@ -387,9 +396,9 @@ def admin_openapi() -> dict[str, Any]:
 
 
 def build_admin_app(state: GatewayState) -> web.Application:
-    token = state.config.admin.token
+    token = state.config.admin.token  # never empty: AdminConfig makes a blank one None
     app = web.Application(
-        middlewares=[_errors, _auth(token.get_secret_value() if token else None)],
+        middlewares=[_errors, _auth(token.get_secret_value() if token is not None else None)],
         client_max_size=MAX_ADMIN_BODY_BYTES,
     )
     app[ADMIN_STATE] = state

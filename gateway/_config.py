@@ -31,6 +31,7 @@ from pydantic_settings import (
 from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig, StoreConfig
 
 __all__ = [
+    "MIN_ADMIN_TOKEN_LENGTH",
     "AdminConfig",
     "CandidateConfig",
     "CaptureConfig",
@@ -47,6 +48,10 @@ KiB = 1024
 MiB = 1024 * KiB
 
 ADMIN_TOKEN_ENV = "UNDERSTUDY_ADMIN_TOKEN"
+MIN_ADMIN_TOKEN_LENGTH = 16
+"""Characters an admin token needs at least; an empty or blank token counts as none."""
+DEFAULT_ADMIN_STORE_TIMEOUT_S = 5.0
+"""How long an admin change waits on each store call before it answers 503, unapplied."""
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 8 * MiB
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -159,16 +164,35 @@ class EvaluationConfig(_Section):
 class AdminConfig(_Section):
     """The admin REST API's own listener; off unless a port is given."""
 
+    # A token that fails validation must not be echoed into the error message.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=0, le=65535)
     token: SecretStr | None = None  # also read from UNDERSTUDY_ADMIN_TOKEN
     # How often a replica reads the shared routing state (PostgreSQL also notifies).
     routing_poll_interval_s: float = Field(DEFAULT_ROUTING_POLL_S, gt=0)
+    # Each store call of an admin change gets this long; then the change is refused (503).
+    store_timeout_s: float = Field(DEFAULT_ADMIN_STORE_TIMEOUT_S, gt=0, le=300)
+
+    @field_validator("token")
+    @classmethod
+    def _token_or_none(cls, token: SecretStr | None) -> SecretStr | None:
+        """An empty or blank token is no token; a short one is refused, never weakened."""
+        value = token.get_secret_value().strip() if token is not None else ""
+        if not value:
+            return None
+        if len(value) < MIN_ADMIN_TOKEN_LENGTH:
+            raise ValueError(f"admin.token must be at least {MIN_ADMIN_TOKEN_LENGTH} "
+                             f"characters, got {len(value)} (an empty token means none)")
+        return SecretStr(value)
 
 
 class GatewayConfig(BaseSettings):
+    # Errors name the field and the rule, never the value: it may be a token or a password.
     model_config = SettingsConfigDict(
-        env_prefix="UNDERSTUDY_", env_nested_delimiter="__", frozen=True, extra="forbid"
+        env_prefix="UNDERSTUDY_", env_nested_delimiter="__", frozen=True, extra="forbid",
+        hide_input_in_errors=True,
     )
 
     server: ServerConfig = ServerConfig()

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from backends.engine import engine_command
 from backends.sim import sim_command
+from gateway._admin import check_admin_binding
 from gateway._app import run
 from gateway._cli_admin import ADMIN_COMMANDS
 from gateway._cli_eval import db, report
@@ -62,6 +63,8 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
         overrides["evaluation"] = {"store": {"url": db_url}}
     try:
         config = load_config(config_path, overrides)
+        if not print_config:
+            check_admin_binding(config.admin)  # refused here: a clear message, no traceback
     except (ValidationError, OSError, ValueError) as exc:
         raise click.ClickException(f"invalid configuration: {exc}") from exc
     if print_config:

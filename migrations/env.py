@@ -7,6 +7,8 @@ Two ways in:
    ``-x url=...``, else ``UNDERSTUDY_STORE__URL``, else ``sqlalchemy.url`` in the ini;
    env.py makes an async engine and runs the migrations inside ``run_sync``.
 Offline mode (``alembic upgrade head --sql``) renders SQL for the URL's dialect.
+Online, on PostgreSQL, the migration holds an advisory lock (``MIGRATION_LOCK_KEY``, see
+``evaluators/_store/_migrate.py``) so that replicas started together migrate one by one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from evaluators._store._engine import create_engine
+from evaluators._store._migrate import lock_for_migration
 from evaluators._store._schema import Base
 
 config = context.config
@@ -47,6 +50,8 @@ def _configure(connection: Connection) -> None:
         compare_type=True,
     )
     with context.begin_transaction():
+        # Replicas starting together queue here; the revision is read after the lock.
+        lock_for_migration(connection)
         context.run_migrations()
 
 

@@ -4,6 +4,15 @@
 ``run_sync``; ``migrations/env.py`` sees the connection in ``config.attributes`` and runs
 on it. The plain ``alembic`` CLI (``alembic.ini`` at the repository root) takes the other
 branch of env.py and makes its own async engine.
+
+Rules:
+1. On PostgreSQL a migration runs inside one transaction that first takes the
+   transaction-scoped advisory lock ``MIGRATION_LOCK_KEY`` (``lock_for_migration``, called
+   by env.py on both branches). Replicas that start together on a fresh database queue on
+   it; each reads the schema's revision only once it holds the lock, so the first one
+   migrates and the others find the schema at head. The lock goes with the transaction's
+   commit or rollback, or with its connection if the process dies.
+2. SQLite needs no lock: it has one writer at a time and DDL is transactional.
 """
 
 from __future__ import annotations
@@ -17,13 +26,31 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators._store._engine import create_engine
 from evaluators._store._errors import StoreError, translate_store_errors
 
-__all__ = ["current_revision", "downgrade", "head_revision", "script_location", "upgrade"]
+__all__ = [
+    "MIGRATION_LOCK_KEY",
+    "current_revision",
+    "downgrade",
+    "head_revision",
+    "lock_for_migration",
+    "script_location",
+    "upgrade",
+]
+
+MIGRATION_LOCK_KEY = 0x756E_6465_7273_7475  # "understu": one key for every replica
+"""The PostgreSQL advisory lock (a bigint) that serializes understudy's migrations."""
+
+
+def lock_for_migration(connection: Connection) -> None:
+    """Rule 1: hold the migration lock until this connection's transaction ends."""
+    if connection.dialect.name == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+                           {"key": MIGRATION_LOCK_KEY})
 
 
 def script_location() -> Path:

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from evaluators._store._errors import StoreRejected, translate_store_errors
@@ -113,18 +114,36 @@ async def list_candidates(session: AsyncSession) -> list[CandidateSummary]:
 
 async def register_backend(session: AsyncSession, name: str, *, role: BackendRole,
                            url: str | None = None) -> int:
-    """Create or update the backend ``name``; return its id."""
+    """Create or update the backend ``name``; return its id.
+
+    One upsert, so replicas that register the same backend at the same moment (they all
+    start together) neither collide on the unique name nor overwrite a URL with nothing.
+    """
+    dialect = session.get_bind().dialect.name
+    values = {"name": name, "role": role, "url": url}
+    keep_url = url is not None  # an update that names no URL keeps the stored one
+    if dialect == "postgresql":
+        pg = postgresql.insert(Backend).values(values)
+        statement: Any = pg.on_conflict_do_update(
+            index_elements=[Backend.name], set_=_backend_changes(pg.excluded, keep_url))
+    elif dialect == "sqlite":
+        lite = sqlite.insert(Backend).values(values)
+        statement = lite.on_conflict_do_update(
+            index_elements=[Backend.name], set_=_backend_changes(lite.excluded, keep_url))
+    else:
+        raise StoreRejected(f"no upsert for the {dialect} dialect")
     with translate_store_errors():
-        backend = await session.scalar(select(Backend).where(Backend.name == name))
-        if backend is None:
-            backend = Backend(name=name, role=role, url=url)
-            session.add(backend)
-        else:
-            backend.role = role
-            if url is not None:
-                backend.url = url
-        await session.flush()
-    return backend.id
+        backend_id = await session.scalar(statement.returning(Backend.id))
+    if backend_id is None:
+        raise StoreRejected(f"backend {name!r} was not registered")
+    return int(backend_id)
+
+
+def _backend_changes(excluded: Any, keep_url: bool) -> dict[str, Any]:
+    changes = {"role": excluded.role}
+    if keep_url:
+        changes["url"] = excluded.url
+    return changes
 
 
 async def record_verdict(session: AsyncSession, *, candidate: str, verdict: str,

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from pydantic import ValidationError
 
 from gateway._admin import check_admin_binding
-from gateway._config import AdminConfig
+from gateway._config import MIN_ADMIN_TOKEN_LENGTH, AdminConfig, load_config
 from tests.utils import eventually, run_gateway, run_sim
 
 TOKEN = "s3cr3t-admin-token"
@@ -46,9 +50,62 @@ async def test_auth_missing_or_wrong_token_is_401_and_token_never_logged(
 
 def test_no_token_refuses_non_loopback() -> None:
     check_admin_binding(AdminConfig(host="127.0.0.1"))
-    check_admin_binding(AdminConfig(host="0.0.0.0", token="t"))
+    check_admin_binding(AdminConfig(host="0.0.0.0", token=TOKEN))
     with pytest.raises(ValueError, match="needs a token"):
         check_admin_binding(AdminConfig(host="0.0.0.0"))
+
+
+@pytest.mark.parametrize("blank", ["", " ", "\t\n  "])
+def test_an_empty_or_blank_token_is_no_token(blank: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    assert AdminConfig(token=blank).token is None
+    with pytest.raises(ValueError, match="needs a token"):
+        check_admin_binding(AdminConfig(host="0.0.0.0", token=blank))
+    # The same through the environment, as `UNDERSTUDY_ADMIN__TOKEN= understudy serve`.
+    monkeypatch.setenv("UNDERSTUDY_ADMIN__HOST", "0.0.0.0")
+    monkeypatch.setenv("UNDERSTUDY_ADMIN__TOKEN", blank)
+    monkeypatch.setenv("UNDERSTUDY_ADMIN_TOKEN", blank)
+    config = load_config(None)
+    assert config.admin.token is None
+    with pytest.raises(ValueError, match="needs a token"):
+        check_admin_binding(config.admin)
+
+
+def test_a_short_token_is_refused_without_echoing_it() -> None:
+    short = "x" * (MIN_ADMIN_TOKEN_LENGTH - 1)
+    with pytest.raises(ValidationError, match=f"at least {MIN_ADMIN_TOKEN_LENGTH}") as caught:
+        AdminConfig(token=short)
+    assert short not in str(caught.value)
+    padded = f"  {'y' * MIN_ADMIN_TOKEN_LENGTH}\n"  # e.g. read from a file with its newline
+    token = AdminConfig(token=padded).token
+    assert token is not None and token.get_secret_value() == padded.strip()
+
+
+@pytest.mark.parametrize(("token", "refusal"), [
+    ("", "needs a token"),
+    ("   ", "needs a token"),
+    ("short-token", f"at least {MIN_ADMIN_TOKEN_LENGTH} characters"),
+])
+def test_serve_refuses_a_weak_token_on_every_interface(token: str, refusal: str) -> None:
+    env = {**os.environ, "UNDERSTUDY_ADMIN__HOST": "0.0.0.0", "UNDERSTUDY_ADMIN__TOKEN": token,
+           "UNDERSTUDY_EVALUATION__ENABLED": "false"}
+    env.pop("UNDERSTUDY_ADMIN_TOKEN", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--primary", "http://127.0.0.1:9",
+         "--port", "0", "--admin-port", "0"],
+        env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert refusal in done.stderr and "Traceback" not in done.stderr
+    assert not token.strip() or token not in done.stderr
+
+
+async def test_an_empty_bearer_value_never_authenticates() -> None:
+    async with run_sim() as sim, run_gateway(sim.url, admin={"token": TOKEN}) as gw, \
+            aiohttp.ClientSession() as http:
+        for value in ("Bearer ", "Bearer    ", "Bearer", "bearer \t", " ", ""):
+            status, body = await _call(http, "GET", gw.admin_url + "/candidates",
+                                       headers={"Authorization": value})
+            assert status == 401 and body["error"]["type"] == "authentication_error", value
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status"), [

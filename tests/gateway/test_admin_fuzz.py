@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from gateway._admin import admin_openapi
 from tests.utils import free_port
 
-TOKEN = "fuzz-token"
+TOKEN = "fuzz-admin-token-0123"
 schema = schemathesis.openapi.from_dict(admin_openapi())
 
 

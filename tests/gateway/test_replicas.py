@@ -15,7 +15,7 @@ import aiohttp
 
 from tests.utils import free_port, run_sim
 
-TOKEN = "replica-token"
+TOKEN = "replica-admin-token"
 POLL_INTERVAL_S = 1.0
 
 
