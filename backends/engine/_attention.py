@@ -50,6 +50,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from ._lanes import RowLanes
+
 __all__ = [
     "KEY_CHUNK",
     "MIN_GEMM_ROWS",
@@ -111,6 +113,7 @@ def attend(
     start: int,
     keys_t: Float32Array,
     values: Float32Array,
+    lanes: RowLanes | None = None,
 ) -> Float32Array:
     """Attention output for queries at positions ``start .. start+n``.
 
@@ -124,6 +127,7 @@ def attend(
     are tens of MiB (19 MiB at 4k keys), which every softmax pass would stream from memory, and a
     fresh array that size would be page-faulted in for every tile.  A row's bits do not depend on
     the block it is computed in (rule 1), so the output is the same as for one product per tile.
+    ``lanes``: run both products lane-mapped (``_lanes``), on kernels that break rule 1.
     """
     n, kv_heads, group, head_dim = q.shape
     end = start + n
@@ -151,11 +155,16 @@ def attend(
             scratch = np.empty(largest * span, dtype=np.float32)
         for head in range(kv_heads):
             head_keys = keys_t[head, :, :span]
+            if lanes is not None:
+                head_keys = np.ascontiguousarray(head_keys)
             for first, last in itertools.pairwise(blocks):
                 scores = scratch[: (last - first) * span].reshape(last - first, span)
-                np.matmul(q_tile[head, first:last], head_keys, out=scores)
+                if lanes is None:
+                    np.matmul(q_tile[head, first:last], head_keys, out=scores)
+                else:
+                    scores[...] = lanes.matmul(q_tile[head, first:last], head_keys)
                 np.copyto(scores[:, tile_start:], -np.inf, where=mask[first:last])
-                acc = _softmax_times_values(scores, values[head], span)
+                acc = _softmax_times_values(scores, values[head], span, lanes)
                 kept = min(last, count) - first
                 if kept > 0:
                     out[head, row_lo + first : row_lo + first + kept] = acc[:kept]
@@ -174,21 +183,25 @@ def _row_blocks(rows: int, span: int) -> list[int]:
     return cuts
 
 
-def _softmax_times_values(scores: Float32Array, values: Float32Array, span: int) -> Float32Array:
+def _softmax_times_values(
+    scores: Float32Array, values: Float32Array, span: int, lanes: RowLanes | None = None
+) -> Float32Array:
     """softmax(scores) @ values[..., :span, :], rows normalised after the product.
 
     ``scores``: [..., rows, span] (masked entries -inf), consumed in place; ``values``:
-    [..., >= span, head_dim].  Every reduction runs over exactly ``span`` keys (rules 2 and 3).
+    [..., >= span, head_dim] (2-D where ``lanes`` maps the products).  Every reduction runs over
+    exactly ``span`` keys (rules 2 and 3).
     """
+    product = np.matmul if lanes is None else lanes.matmul
     peak = scores.max(axis=-1, keepdims=True)
     np.subtract(scores, peak, out=scores)
     np.exp(scores, out=scores)
     denom = scores.sum(axis=-1, keepdims=True)
     first = min(KEY_CHUNK, span)
-    acc: Float32Array = scores[..., :first] @ values[..., :first, :]
+    acc: Float32Array = product(scores[..., :first], values[..., :first, :])
     for chunk in range(KEY_CHUNK, span, KEY_CHUNK):
         stop = min(chunk + KEY_CHUNK, span)
-        acc += scores[..., chunk:stop] @ values[..., chunk:stop, :]
+        acc += product(scores[..., chunk:stop], values[..., chunk:stop, :])
     np.divide(acc, denom, out=acc)
     return acc
 

@@ -29,8 +29,10 @@ More rows go to the packed path in one plain ``x @ W``, which also keeps the oth
 copy is then a small part of the work).  Rules 1-3 rest on OpenBLAS's blocking, so
 ``LinearPlan.for_weight`` checks them on the weight itself: where a row from the tiled product
 differs in any bit from the same row in a large product, the plan sends every row count to the
-packed path (rows independent still, only slower).  ``_attention.blas_is_row_stable`` then
-checks the products the model really runs.
+packed path.  It then checks that the path kept gives a row the same bits in every batch
+(``_lanes.rows_are_independent``); where the kernel's packed path does not (OpenBLAS's Haswell
+sgemm, also picked on Zen), the plan maps rows to lanes (``_lanes``): exact on any kernel, at the
+cost of padding lanes.
 
 4. The tiles of a tiled product may be shared among the threads of a ``TileWorkers`` (numpy's
    matmul releases the GIL): each thread runs rules 1-3 on its own contiguous run of tiles,
@@ -46,18 +48,29 @@ processes with ``OPENBLAS_NUM_THREADS=1``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
 
 from ._attention import MIN_GEMM_ROWS
+from ._lanes import RowLanes, rows_are_independent
 
-__all__ = ["FEW_ROWS", "TILE", "LinearPlan", "TileWorkers", "blas_threads", "packed_k_blocks"]
+__all__ = [
+    "FEW_ROWS",
+    "TILE",
+    "LinearPath",
+    "LinearPlan",
+    "TileWorkers",
+    "blas_threads",
+    "packed_k_blocks",
+]
 
 Float32Array = npt.NDArray[np.float32]
 
@@ -152,6 +165,10 @@ class TileWorkers:
             self._pool.shutdown(wait=True)
 
 
+LinearPath = Literal["tiled", "packed", "lanes"]
+"""How a plan multiplies: few rows tiled and more packed, always packed, or lane-mapped."""
+
+
 @dataclass(frozen=True, slots=True)
 class LinearPlan:
     """How ``x @ W`` is computed for weights [inner, cols] (float32, unit column stride)."""
@@ -160,21 +177,46 @@ class LinearPlan:
     """Where the packed path cuts the inner dimension; the tiled product cuts it there too."""
     few_rows_tiled: bool
     """Whether few rows take the tiled small-matrix product (checked bitwise equal)."""
+    lanes: RowLanes | None = None
+    """Lane-mapped products (``_lanes``) where this kernel's own do not keep rows independent."""
+
+    @property
+    def path(self) -> LinearPath:
+        if self.lanes is not None:
+            return "lanes"
+        return "tiled" if self.few_rows_tiled else "packed"
 
     @classmethod
-    def for_weight(cls, weight: Float32Array) -> LinearPlan:
-        """The plan for ``weight``, the tiled product kept only if it is bitwise the packed one."""
+    def for_weight(
+        cls,
+        weight: Float32Array,
+        lanes: RowLanes | None = None,
+        *,
+        check_cols: int | None = None,
+        workers: TileWorkers | None = None,
+    ) -> LinearPlan:
+        """The fastest plan for ``weight`` that keeps a row's bits independent of its batch.
+
+        The tiled product is kept only if it is bitwise the packed one; the kernel's own paths
+        only if ``rows_are_independent`` holds for them on ``weight[:, :check_cols]``; else the
+        plan maps rows to lanes (``lanes``, when given).
+        """
         inner, cols = weight.shape
         plan = cls(packed_k_blocks(inner), few_rows_tiled=cols % TILE == 0)
-        if not plan.few_rows_tiled:
+        if plan.few_rows_tiled:
+            rng = np.random.default_rng(_CHECK_SEED)
+            large = rng.standard_normal((_CHECK_LARGE, inner), dtype=np.float32)
+            expected = large @ weight
+            for rows in _CHECK_ROWS:
+                if not np.array_equal(plan._tiled(large[:rows], weight, None), expected[:rows]):
+                    plan = cls(plan.k_blocks, few_rows_tiled=False)
+                    break
+        if lanes is None:
             return plan
-        rng = np.random.default_rng(_CHECK_SEED)
-        large = rng.standard_normal((_CHECK_LARGE, inner), dtype=np.float32)
-        expected = large @ weight
-        for rows in _CHECK_ROWS:
-            if not np.array_equal(plan._tiled(large[:rows], weight, None), expected[:rows]):
-                return cls(plan.k_blocks, few_rows_tiled=False)
-        return plan
+        checked = weight if check_cols is None else weight[:, :check_cols]
+        if rows_are_independent(functools.partial(plan, workers=workers), checked):
+            return plan
+        return cls(plan.k_blocks, few_rows_tiled=False, lanes=lanes)
 
     def __call__(
         self, x: Float32Array, weight: Float32Array, workers: TileWorkers | None = None
@@ -183,6 +225,8 @@ class LinearPlan:
 
         ``workers`` share the tiles of a few-row product (the bits do not depend on them).
         """
+        if self.lanes is not None:
+            return self.lanes.matmul(x, weight)
         if self.few_rows_tiled and x.shape[0] <= FEW_ROWS:
             return self._tiled(x, weight, workers)
         out: Float32Array = x @ weight

@@ -21,7 +21,6 @@ with, so ``OPENBLAS_NUM_THREADS=1`` keeps decode on one core).  The model owns t
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 from collections.abc import Sequence
@@ -36,13 +35,13 @@ from ._attention import (
     MIN_GEMM_ROWS,
     attend,
     attend_decode,
-    blas_is_row_stable,
     key_span,
     pad_rows,
 )
 from ._gguf import GGUFModel, read_gguf
 from ._kvstore import NULL_BLOCK, KVStorage
 from ._linear import LinearPlan, TileWorkers, blas_threads
+from ._numerics import Numerics
 from ._tokenizer import ChatTokenizer
 
 __all__ = ["ForwardChunk", "LlamaModel"]
@@ -51,7 +50,6 @@ Float32Array = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.intp]
 
 _FINGERPRINT_READ = 1 << 20
-_PROBE_VOCAB = 8192  # logits columns the load-time BLAS probe multiplies (a slice suffices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +160,6 @@ class LlamaModel:
 
     __slots__ = (
         "attn_norm",
-        "bitwise_prefix_reuse",
         "config",
         "decode_threads",
         "embed",
@@ -170,6 +167,7 @@ class LlamaModel:
         "final_norm",
         "fingerprint",
         "lm_head",
+        "numerics",
         "path",
         "plans",
         "rope_cos",
@@ -228,31 +226,33 @@ class LlamaModel:
         self.rope_cos = np.cos(angles).astype(np.float32)
         self.rope_sin = np.sin(angles).astype(np.float32)
         self.fingerprint = self._fingerprint(source)
-        self.plans = _Plans(
-            qkv=LinearPlan.for_weight(self.w_qkv[0]),
-            o=LinearPlan.for_weight(self.w_o[0]),
-            gate_up=LinearPlan.for_weight(self.w_gate_up[0]),
-            down=LinearPlan.for_weight(self.w_down[0]),
-            lm_head=LinearPlan.for_weight(self.lm_head),
-        )
         self.decode_threads = blas_threads() if decode_threads is None else decode_threads
         self.workers = TileWorkers(self.decode_threads)
-        plans = self.plans
-        self.bitwise_prefix_reuse = blas_is_row_stable(
-            [
-                (functools.partial(plan, workers=self.workers), weight)
-                for plan, weight in (
-                    (plans.qkv, self.w_qkv[0]),
-                    (plans.o, self.w_o[0]),
-                    (plans.gate_up, self.w_gate_up[0]),
-                    (plans.down, self.w_down[0]),
-                    (plans.lm_head, self.lm_head[:, :_PROBE_VOCAB]),
-                )
-            ],
+        self.numerics = Numerics.choose(
+            {
+                "qkv": self.w_qkv[0],
+                "o": self.w_o[0],
+                "gate_up": self.w_gate_up[0],
+                "down": self.w_down[0],
+                "lm_head": self.lm_head,
+            },
             cfg.head_dim,
+            self.workers,
         )
-        """Whether prefix reuse and decode give bitwise the K/V and logits of a one-shot prefill
-        in this process (see ``_attention``); otherwise they agree to float32 rounding."""
+        plans = self.numerics.plans
+        self.plans = _Plans(
+            qkv=plans["qkv"],
+            o=plans["o"],
+            gate_up=plans["gate_up"],
+            down=plans["down"],
+            lm_head=plans["lm_head"],
+        )
+
+    @property
+    def bitwise_prefix_reuse(self) -> bool:
+        """Whether prefix reuse, decode and batching give bitwise the K/V and logits of a lone
+        one-shot prefill in this process (checked at load, see ``_numerics``)."""
+        return self.numerics.exact
 
     @classmethod
     def load(
@@ -299,6 +299,7 @@ class LlamaModel:
         k_end = q_end + kv_heads * head_dim
         inter = cfg.intermediate_size
         plans, workers = self.plans, self.workers
+        lanes = self.numerics.attention_lanes
         with np.errstate(over="ignore"):
             for layer in range(cfg.num_layers):
                 h = _rms_norm(x, self.attn_norm[layer], cfg.rms_norm_eps)
@@ -309,14 +310,21 @@ class LlamaModel:
                 kv.write(layer, plan.slots, k[:total], v[:total])
                 attn = np.zeros((rows, heads * head_dim), dtype=np.float32)
                 for members, tables in plan.decode_groups:
-                    key_blocks, values = kv.gather_group(layer, tables)
-                    q_group = q[members].reshape(members.size, kv_heads, group, head_dim)
-                    out = attend_decode(q_group, plan.positions[members], key_blocks, values)
-                    attn[members] = out.reshape(members.size, heads * head_dim)
+                    if lanes is None:
+                        key_blocks, values = kv.gather_group(layer, tables)
+                        q_group = q[members].reshape(members.size, kv_heads, group, head_dim)
+                        out = attend_decode(q_group, plan.positions[members], key_blocks, values)
+                        attn[members] = out.reshape(members.size, heads * head_dim)
+                        continue
+                    for member, table in zip(members, tables, strict=True):
+                        keys_t, values = kv.gather(layer, table)
+                        q_one = q[member : member + 1].reshape(1, kv_heads, group, head_dim)
+                        out = attend(q_one, int(plan.positions[member]), keys_t, values, lanes)
+                        attn[member] = out.reshape(heads * head_dim)
                 for lo, hi, table in plan.prefills:
                     keys_t, values = kv.gather(layer, table)
                     q_seq = q[lo:hi].reshape(hi - lo, kv_heads, group, head_dim)
-                    out = attend(q_seq, int(plan.positions[lo]), keys_t, values)
+                    out = attend(q_seq, int(plan.positions[lo]), keys_t, values, lanes)
                     attn[lo:hi] = out.reshape(hi - lo, heads * head_dim)
                 x += plans.o(attn, self.w_o[layer], workers)
                 h = _rms_norm(x, self.ffn_norm[layer], cfg.rms_norm_eps)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from backends.engine._lanes import RowLanes, rows_are_independent
 from backends.engine._linear import (
     FEW_ROWS,
     TILE,
@@ -46,15 +47,32 @@ def test_k_blocks_follow_openblas_blocking() -> None:
 def test_few_rows_equal_rows_of_a_large_product(inner: int, cols: int) -> None:
     rng = np.random.default_rng(inner * cols)
     weight = rng.standard_normal((inner, cols), dtype=np.float32) * np.float32(0.05)
-    plan = LinearPlan.for_weight(weight)
+    plan = LinearPlan.for_weight(weight, RowLanes())
     if _skylakex():
-        assert plan.few_rows_tiled
+        assert plan.path == "tiled"
     large = rng.standard_normal((100, inner), dtype=np.float32)
     expected = plan(large, weight)
-    assert expected.tobytes() == (large @ weight).tobytes()
+    if plan.path != "lanes":
+        assert expected.tobytes() == (large @ weight).tobytes()
+    np.testing.assert_allclose(expected, large @ weight, rtol=1e-4, atol=1e-4)
     for rows in range(4, FEW_ROWS + 1):
-        got = plan(np.ascontiguousarray(large[:rows]), weight)
-        assert got.tobytes() == expected[:rows].tobytes(), rows
+        for start in (0, 100 - rows):  # first rows of the batch and last ones
+            got = plan(np.ascontiguousarray(large[start : start + rows]), weight)
+            assert got.tobytes() == expected[start : start + rows].tobytes(), (rows, start)
+
+
+@pytest.mark.parametrize(("inner", "cols"), SHAPES)
+def test_lane_mapped_rows_do_not_depend_on_their_batch(inner: int, cols: int) -> None:
+    """The path kept for kernels that break row independence keeps it on every kernel."""
+    rng = np.random.default_rng(inner + 3 * cols)
+    weight = rng.standard_normal((inner, cols), dtype=np.float32)
+    lanes = RowLanes()
+    assert rows_are_independent(lanes.matmul, weight)
+    x = rng.standard_normal((300, inner), dtype=np.float32)
+    whole = lanes.matmul(x, weight)
+    np.testing.assert_allclose(whole, x @ weight, rtol=1e-4, atol=1e-3)
+    for lo, hi in ((0, 1), (5, 9), (17, 130), (299, 300), (100, 300)):
+        assert lanes.matmul(x[lo:hi], weight).tobytes() == whole[lo:hi].tobytes(), (lo, hi)
 
 
 def test_widths_off_the_tile_take_the_plain_product() -> None:

@@ -1,8 +1,7 @@
 """The reference engine's scheduler: batching, chunked prefill, prefix reuse, preemption.
 
 Every path that reuses or splits work must give the bits a lone, uncached run gives: tokens and
-log-probabilities are compared exactly (within float32 rounding where this process's BLAS does
-not keep rows independent, see ``LlamaModel.bitwise_prefix_reuse``).
+log-probabilities are compared exactly, on every BLAS kernel (``_numerics``).
 """
 
 from __future__ import annotations
@@ -52,12 +51,9 @@ def _trace(events: list[TokenEvent]) -> list[tuple[int, float]]:
 
 
 def _same(model: LlamaModel, got: list[tuple[int, float]], want: list[tuple[int, float]]) -> bool:
-    """Equal tokens; log-probabilities bitwise equal where the BLAS allows (see _attention)."""
-    if model.bitwise_prefix_reuse:
-        return got == want
-    return [t for t, _ in got] == [t for t, _ in want] and all(
-        abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, want, strict=True)
-    )
+    """Equal tokens and bitwise equal log-probabilities."""
+    assert model.bitwise_prefix_reuse
+    return got == want
 
 
 def test_concurrent_and_chunked_requests_match_solo_runs(model: LlamaModel) -> None:

@@ -1,0 +1,143 @@
+"""Products ``x @ w`` whose rows do not depend on the rows beside them, on any BLAS kernel.
+
+Theory of operation -- the engine owns the bits, not the kernel
+---------------------------------------------------------------
+1. A BLAS product computes output row ``i`` from input row ``i`` alone, by a sequence of
+   operations fixed by the call: its shape, strides and thread count, and the row's place in the
+   call (its *lane*).  Nothing else changes a row's bits.
+2. Kernels differ in whether every lane runs the same sequence.  OpenBLAS's SkylakeX and
+   Sandybridge sgemm do for the model's shapes; its Haswell sgemm (also what it picks on Zen)
+   does not: the two halves of its 12-row tiles and the tail tiles sum in other orders, and two
+   threads split the rows into more tails.  On such a kernel a row's bits change with the batch
+   it happens to be in.
+3. So rows are placed only in lanes that reproduce one reference: lane 0 of a call of
+   ``REFERENCE_ROWS`` rows.  For a weight shape, a call size's good lanes are found once, by
+   putting the same random probe row in every lane and keeping the lanes whose output equals the
+   reference (two probes; lanes running another sequence differ on random data).  A product of
+   ``n`` rows is then made of calls of exactly those sizes, rows scattered into good lanes and
+   gathered back, the other lanes zero.  A row's bits are the reference's, whatever its
+   neighbours, its batch position or the size of its chunk.
+4. Weights are made contiguous before they are looked up, so a shape (inner, cols) names the
+   call completely and the lane maps stay few: the model's five weight shapes, one ``q @ K^T``
+   shape per attention tile, one ``P @ V`` shape.
+
+The cost is the padding lanes: on Haswell half of each call, and a decode step's few rows ride in
+a call of 12-48 rows.  ``Numerics`` (``_numerics``) takes this path only where the kernel's own
+products are not row-independent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["CALL_ROWS", "REFERENCE_ROWS", "Product", "RowLanes", "rows_are_independent"]
+
+Float32Array = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.intp]
+Product = Callable[[Float32Array, Float32Array], Float32Array]
+"""``x @ weight`` as some code path computes it."""
+
+CALL_ROWS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 192)
+"""Call sizes a lane-mapped product may use, smallest first (probed when first needed)."""
+REFERENCE_ROWS = 96
+"""Rows of the call whose lane 0 defines a row's bits (rule 3)."""
+_PROBES = 2
+_PROBE_SEED = 20261202
+
+
+class _LaneMap:
+    """Good lanes of each call size for one contiguous weight shape (rule 3)."""
+
+    __slots__ = ("_good", "_probes", "_reference")
+
+    def __init__(self, weight: Float32Array) -> None:
+        rng = np.random.default_rng(_PROBE_SEED)
+        self._probes = rng.standard_normal((_PROBES, weight.shape[0]), dtype=np.float32)
+        self._reference = np.stack(
+            [(np.tile(probe, (REFERENCE_ROWS, 1)) @ weight)[0] for probe in self._probes]
+        )
+        self._good: dict[int, IntArray] = {}
+
+    def lanes(self, rows: int, weight: Float32Array) -> IntArray:
+        """Lanes of a ``rows``-row call that reproduce the reference bits."""
+        good = self._good.get(rows)
+        if good is None:
+            keep = np.ones(rows, dtype=np.bool_)
+            for probe, reference in zip(self._probes, self._reference, strict=True):
+                out = np.tile(probe, (rows, 1)) @ weight
+                keep &= (out == reference).all(axis=1)
+            good = np.flatnonzero(keep)
+            self._good[rows] = good
+        return good
+
+    def call_for(self, count: int, weight: Float32Array) -> tuple[int, IntArray]:
+        """The smallest call size with room for ``count`` rows, else the roomiest."""
+        best: tuple[int, IntArray] | None = None
+        for rows in CALL_ROWS:
+            good = self.lanes(rows, weight)
+            if good.size >= count:
+                return rows, good
+            if good.size and (best is None or good.size >= best[1].size):
+                best = (rows, good)
+        if best is None:
+            raise RuntimeError(f"no call size reproduces the reference for {weight.shape}")
+        return best
+
+
+class RowLanes:
+    """Lane-mapped products (rule 3); one per model, used from the engine thread."""
+
+    __slots__ = ("_maps",)
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], _LaneMap] = {}
+
+    def matmul(self, x: Float32Array, weight: Float32Array) -> Float32Array:
+        """``x @ weight`` for ``x`` [rows, inner], each row in a lane of the reference."""
+        weight = np.ascontiguousarray(weight)
+        inner, cols = weight.shape
+        lane_map = self._maps.get((inner, cols))
+        if lane_map is None:
+            lane_map = self._maps[(inner, cols)] = _LaneMap(weight)
+        count = x.shape[0]
+        out = np.empty((count, cols), dtype=np.float32)
+        done = 0
+        while done < count:
+            rows, good = lane_map.call_for(count - done, weight)
+            take = good[: min(good.size, count - done)]
+            call = np.zeros((rows, inner), dtype=np.float32)
+            call[take] = x[done : done + take.size]
+            out[done : done + take.size] = (call @ weight)[take]
+            done += take.size
+        return out
+
+
+_CHECK_ROWS = (4, 5, 7, 8, 13, 16, 17, 33, 70, 130)
+_CHECK_SEED = 20260601
+
+
+def rows_are_independent(product: Product, weight: Float32Array) -> bool:
+    """Whether ``product(batch, weight)`` gives a row the same bits wherever it sits.
+
+    One probe row is placed at the start, middle and end of batches of ``_CHECK_ROWS`` rows
+    (decode batches, prefill chunks, both sides of every call size); every placement must give
+    the bits of the first.
+    """
+    rng = np.random.default_rng(_CHECK_SEED)
+    inner = weight.shape[0]
+    filler = rng.standard_normal((max(_CHECK_ROWS), inner), dtype=np.float32)
+    probe = rng.standard_normal(inner, dtype=np.float32)
+    expected: Float32Array | None = None
+    for rows in _CHECK_ROWS:
+        for offset in sorted({0, rows // 2, rows - 1}):
+            batch = filler[:rows].copy()
+            batch[offset] = probe
+            got = product(batch, weight)[offset]
+            if expected is None:
+                expected = got
+            elif not np.array_equal(got, expected):
+                return False
+    return True
