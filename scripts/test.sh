@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: sets up both environments (the project's and the real vLLM's,
-# built once and reused), checks lint and types, then runs every test, real vLLM included.
+# built once and reused), checks lint and types, then runs every test, real vLLM included,
+# and runs the engine's exactness tests again under a forced OpenBLAS kernel other than this
+# machine's (Haswell, or Sandybridge where Haswell is native), so that a break of the engine's
+# bitwise promise on any CPU shows here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,4 +15,13 @@ echo "test: ruff"
 echo "test: mypy (strict on the packages)"
 .venv/bin/mypy
 echo "test: pytest"
-exec .venv/bin/pytest "$@"
+.venv/bin/pytest "$@"
+
+native=$(.venv/bin/python -c 'from backends.engine._numerics import blas_kernel; print(blas_kernel())')
+forced=Haswell
+[ "$native" = Haswell ] && forced=Sandybridge
+echo "test: engine exactness under OPENBLAS_CORETYPE=$forced (native kernel: $native)"
+OPENBLAS_CORETYPE=$forced exec .venv/bin/pytest -q \
+    tests/backends/test_engine_linear.py tests/backends/test_engine_kvcache.py \
+    tests/backends/test_engine_model.py tests/backends/test_engine_scheduler.py \
+    tests/backends/test_engine_disagg.py

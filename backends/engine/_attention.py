@@ -35,17 +35,17 @@ Decode writes K/V that equal prefill's because the projections obey rule 1 and t
 output of its one query obeys rules 2-4.
 
 Rules 1 and 3 are properties of the BLAS kernels, not of this code.  OpenBLAS's SkylakeX kernels
-(what it picks on AVX-512 machines) have them; its Haswell kernels (``OPENBLAS_CORETYPE=Haswell``)
-do not -- a row's bits there depend on the row count and the row's place in the tile.
-``blas_is_row_stable`` checks them on the model's own shapes when the model loads, so the engine
-can say whether its prefix reuse is bitwise exact or only accurate to float32 rounding.  Pin the
-kernel type and the numpy/OpenBLAS versions across processes that exchange KV blocks.
+(what it picks on AVX-512 machines) have them; its Haswell kernels (``OPENBLAS_CORETYPE=Haswell``,
+also picked on Zen) do not -- a row's bits there depend on the row count and the row's place in
+the tile.  ``_numerics`` checks them on the model's own shapes when the model loads; where they
+fail, both products here take ``lanes`` (``_lanes``: each row in a lane that reproduces one
+reference), which restores rule 1 on any kernel, and decode runs each query through ``attend``.
+Processes exchange KV blocks only when their numerics fingerprints agree.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -58,15 +58,12 @@ __all__ = [
     "QUERY_TILE",
     "attend",
     "attend_decode",
-    "blas_is_row_stable",
     "blockwise_scores_exact",
     "key_span",
     "pad_rows",
 ]
 
 Float32Array = npt.NDArray[np.float32]
-Product = Callable[[Float32Array, Float32Array], Float32Array]
-"""``x @ weight`` as some code path computes it."""
 
 QUERY_TILE = 128
 """Queries per attention tile; tile ``t`` attends over ``(t + 1) * QUERY_TILE`` keys."""
@@ -239,39 +236,6 @@ def attend_decode(
     np.copyto(scores[..., tile_start:], -np.inf, where=mask)
     acc = _softmax_times_values(scores, values, span)
     return acc[:, :, :group]
-
-
-def blas_is_row_stable(products: Sequence[tuple[Product, Float32Array]], head_dim: int) -> bool:
-    """Whether rules 1 and 3 hold for this process's BLAS on these products and weights.
-
-    Each ``product(batch, weight)`` ([in, out] weights, as the model runs them) is given batches
-    of ``_PROBE_ROWS`` rows, one probe row placed at different offsets; the probe row must come
-    out with the same bits every time.  The attention products (``q @ K^T`` with inner size
-    ``head_dim``, ``P @ V`` over ``KEY_CHUNK`` keys) are checked the same way on random data.
-    """
-    rng = np.random.default_rng(_PROBE_SEED)
-    attention = [
-        rng.standard_normal((head_dim, 3 * QUERY_TILE), dtype=np.float32),
-        rng.standard_normal((KEY_CHUNK, head_dim), dtype=np.float32),
-        rng.standard_normal((QUERY_TILE, head_dim), dtype=np.float32),
-    ]
-    checks: list[tuple[Product, Float32Array]] = [*products]
-    checks += [(np.matmul, weight) for weight in attention]
-    for product, weight in checks:
-        inner = weight.shape[0]
-        filler = rng.standard_normal((max(_PROBE_ROWS), inner), dtype=np.float32)
-        probe = rng.standard_normal(inner, dtype=np.float32)
-        expected: Float32Array | None = None
-        for rows in _PROBE_ROWS:
-            for offset in {0, rows // 2, rows - 1}:
-                batch = filler[:rows].copy()
-                batch[offset] = probe
-                got = product(batch, weight)[offset]
-                if expected is None:
-                    expected = got
-                elif not np.array_equal(got, expected):
-                    return False
-    return True
 
 
 def blockwise_scores_exact(head_dim: int, block_size: int) -> bool:

@@ -147,11 +147,21 @@ class KVTransferServer:
     """Serves the retained blocks of one engine loop to pulling nodes."""
 
     def __init__(
-        self, engine_loop: EngineLoop, metrics: EngineMetrics, *, fingerprint: bytes
+        self,
+        engine_loop: EngineLoop,
+        metrics: EngineMetrics,
+        *,
+        fingerprint: bytes,
+        numerics: bytes | None = None,
     ) -> None:
+        """``fingerprint``: the model's; ``numerics``: the bits' (default: the engine model's
+        ``Numerics.fingerprint``).  A pull must match both."""
         self._loop = engine_loop
         self._metrics = metrics
         self._fingerprint = fingerprint
+        self._numerics = (
+            engine_loop.engine.model.numerics.fingerprint if numerics is None else numerics
+        )
         self._layout: KVLayout = engine_loop.engine.pool.layout
         self._server: asyncio.Server | None = None
         self.fault: TransferFault | None = None
@@ -189,6 +199,12 @@ class KVTransferServer:
     async def _send(self, writer: asyncio.StreamWriter, pull: PullRequest) -> None:
         if pull.fingerprint != self._fingerprint:
             raise _Refusal(ErrorCode.MODEL_MISMATCH, "the blocks belong to another model")
+        if pull.numerics != self._numerics:
+            raise _Refusal(
+                ErrorCode.NUMERICS_MISMATCH,
+                "the blocks were computed with other bits (BLAS kernel, threads or numpy "
+                "differ; see the 'engine numerics' log line of each node)",
+            )
         first = await self._export(pull.ticket, pull.start, min(pull.count, EXPORT_BATCH_BLOCKS))
         write_frame(writer, FrameKind.BEGIN, encode_begin(self._layout, pull.count))
         sent = 0
@@ -243,6 +259,7 @@ class _Refusal(Exception):
 _ERROR_OUTCOMES: dict[ErrorCode | None, PullOutcome] = {
     ErrorCode.UNKNOWN_TICKET: "unknown_ticket",
     ErrorCode.MODEL_MISMATCH: "mismatch",
+    ErrorCode.NUMERICS_MISMATCH: "numerics",
 }
 
 
@@ -252,13 +269,14 @@ async def pull_blocks(
     expected: Sequence[BlockHash],
     *,
     fingerprint: bytes,
+    numerics: bytes,
     layout: KVLayout,
     release_after: bool = False,
     timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
 ) -> tuple[list[KVBlock], int]:
     """Blocks ``start ..`` of ``source``'s set, which must hash to ``expected``; and the bytes
     received.  Raises ``KVTransferError``."""
-    pull = PullRequest(source.ticket, start, len(expected), fingerprint, release_after)
+    pull = PullRequest(source.ticket, start, len(expected), fingerprint, numerics, release_after)
     try:
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_connection(
@@ -346,6 +364,7 @@ async def pull_missing_blocks(
             local,
             wanted[local:],
             fingerprint=engine.pool.seed,
+            numerics=engine.model.numerics.fingerprint,
             layout=engine.pool.layout,
             release_after=release_after,
             timeout_s=timeout_s,

@@ -13,7 +13,8 @@ Every frame is a 20-byte header then its payload (integers little-endian)::
 A pull is one connection: the puller sends PULL; the owner answers BEGIN, one BLOCK per block,
 END -- or ERROR instead of any of them.
 
-    PULL   ticket (16) | start u32 | count u32 | model fingerprint (32)
+    PULL   ticket (16) | start u32 | count u32 | model fingerprint (32) |
+           numerics fingerprint (32: the BLAS paths' bits, ``_numerics``)
     BEGIN  layers u16 | kv_heads u16 | head_dim u16 | block_size u16 | count u32
     BLOCK  block hash (32) | parent hash (32) | tokens u16 | extra keys u8 | extra keys |
            token ids (i32 x tokens) | K/V (f32, the exchange layout [layers, 2, kv_heads,
@@ -72,7 +73,7 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 RELEASE_AFTER = 0x01
 
 _HEADER = struct.Struct("<4sBBHIQ")
-_PULL = struct.Struct(f"<{TICKET_BYTES}sII{HASH_BYTES}s")
+_PULL = struct.Struct(f"<{TICKET_BYTES}sII{HASH_BYTES}s{HASH_BYTES}s")
 _BEGIN = struct.Struct("<HHHHI")
 _BLOCK_HEAD = struct.Struct(f"<{HASH_BYTES}s{HASH_BYTES}sHB")
 _EXTRA_HEAD = struct.Struct("<cH")
@@ -94,6 +95,7 @@ class ErrorCode(enum.IntEnum):
     MODEL_MISMATCH = 3
     BAD_REQUEST = 4
     UNAVAILABLE = 5
+    NUMERICS_MISMATCH = 6  # same model, other bits (another BLAS kernel, threads, numpy)
 
 
 class KVWireError(Exception):
@@ -117,6 +119,7 @@ class PullRequest:
     start: int
     count: int
     fingerprint: bytes
+    numerics: bytes
     release_after: bool = False
 
 
@@ -166,13 +169,15 @@ def _exact(payload: bytes, layout: struct.Struct, what: str) -> tuple[Any, ...]:
 
 def encode_pull(pull: PullRequest) -> tuple[bytes, int]:
     """Payload and flags of a PULL frame."""
-    payload = _PULL.pack(pull.ticket, pull.start, pull.count, pull.fingerprint)
+    payload = _PULL.pack(pull.ticket, pull.start, pull.count, pull.fingerprint, pull.numerics)
     return payload, RELEASE_AFTER if pull.release_after else 0
 
 
 def decode_pull(frame: Frame) -> PullRequest:
-    ticket, start, count, fingerprint = _exact(frame.payload, _PULL, "PULL")
-    return PullRequest(ticket, start, count, fingerprint, bool(frame.flags & RELEASE_AFTER))
+    ticket, start, count, fingerprint, numerics = _exact(frame.payload, _PULL, "PULL")
+    return PullRequest(
+        ticket, start, count, fingerprint, numerics, bool(frame.flags & RELEASE_AFTER)
+    )
 
 
 def encode_begin(layout: KVLayout, count: int) -> bytes:

@@ -27,6 +27,7 @@ PullOutcome = Literal[
     "connection",
     "timeout",
     "mismatch",
+    "numerics",
     "no_room",
     "below_threshold",
 ]

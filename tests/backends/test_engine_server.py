@@ -31,12 +31,9 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 12}
 # A long shared prefix (~300 tokens): what a second request, or a next turn, reuses.
-SYSTEM = (
-    "You are a careful geography tutor. Answer in one short sentence. "
-    + " ".join(
-        f"Fact {i}: the river of region {i} flows north, its capital has {i + 3} bridges."
-        for i in range(14)
-    )
+SYSTEM = "You are a careful geography tutor. Answer in one short sentence. " + " ".join(
+    f"Fact {i}: the river of region {i} flows north, its capital has {i + 3} bridges."
+    for i in range(14)
 )
 
 
@@ -64,12 +61,8 @@ def _metric(server: RunningEngineServer, name: str, **labels: str) -> float:
 async def test_chat_whole_and_streamed_agree_and_count_tokens(engine_model: LlamaModel) -> None:
     async with serve_engine(engine_model) as server:
         client = _client(server)
-        whole = await client.chat.completions.create(
-            model=MODEL, messages=QUESTION, **GREEDY
-        )
-        chunks, text = await _stream_chat(
-            client, QUESTION, stream_options={"include_usage": True}
-        )
+        whole = await client.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY)
+        chunks, text = await _stream_chat(client, QUESTION, stream_options={"include_usage": True})
         await client.close()
     content = whole.choices[0].message.content or ""
     assert "Paris" in content
@@ -277,9 +270,7 @@ async def test_bad_requests_answer_vllm_style_errors(engine_model: LlamaModel) -
     async with serve_engine(engine_model) as server:
         client = _client(server)
         with pytest.raises(openai.BadRequestError):
-            await client.chat.completions.create(
-                model=MODEL, messages=QUESTION, temperature=-1
-            )
+            await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=-1)
         await client.close()
 
 
@@ -304,9 +295,7 @@ async def test_models_health_and_metrics(engine_model: LlamaModel) -> None:
         models = await client.models.list()
         assert [m.id for m in models.data] == [MODEL]
         assert models.data[0].model_dump()["max_model_len"] == server.max_model_len
-        reply = await client.chat.completions.create(
-            model=MODEL, messages=QUESTION, **GREEDY
-        )
+        reply = await client.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY)
         await client.close()
         async with session.get(server.root_url + "/health") as resp:
             assert resp.status == 200

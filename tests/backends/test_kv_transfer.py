@@ -367,6 +367,26 @@ async def test_an_owner_of_another_model_is_a_mismatch(
     assert owner.node.sample("understudy_kv_served_blocks_total") == 0
 
 
+async def test_an_owner_with_other_numerics_is_refused_and_counted(
+    owner: Owner, start_puller: Callable[[], Node], history: list[int]
+) -> None:
+    """Same model, other bits (another BLAS kernel on the owner): never a silent difference."""
+    retained = await _retain(owner.node, history)
+    pool = owner.node.engine.pool
+    other = KVTransferServer(
+        owner.node.loop, owner.node.metrics, fingerprint=pool.seed, numerics=bytes(32)
+    )
+    await other.start("127.0.0.1", 0)
+    try:
+        source = KVSource.retained_at(other.host, other.port, retained)
+        puller = start_puller()
+        assert await _pull_fails(puller, source, history) == "numerics"
+    finally:
+        await other.close()
+    assert puller.pulls() == {"numerics": 1}
+    assert owner.node.sample("understudy_kv_served_blocks_total") == 0
+
+
 async def test_an_owner_with_another_kv_layout_is_a_mismatch(
     owner: Owner, history: list[int]
 ) -> None:
@@ -380,6 +400,7 @@ async def test_an_owner_with_another_kv_layout_is_a_mismatch(
             0,
             _hashes(owner.node, history),
             fingerprint=pool.seed,
+            numerics=owner.node.engine.model.numerics.fingerprint,
             layout=wider,
         )
     assert caught.value.outcome == "mismatch"

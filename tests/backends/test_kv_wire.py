@@ -245,7 +245,7 @@ async def test_frames_follow_each_other_on_one_stream() -> None:
 
 @pytest.mark.parametrize("release_after", [False, True])
 async def test_pull_round_trips_with_its_release_flag(release_after: bool) -> None:
-    pull = PullRequest(bytes(range(16)), 3, 70_000, b"\xab" * 32, release_after)
+    pull = PullRequest(bytes(range(16)), 3, 70_000, b"\xab" * 32, b"\xcd" * 32, release_after)
     payload, flags = encode_pull(pull)
     frame = await _through_wire(FrameKind.PULL, payload, flags)
     assert frame.kind is FrameKind.PULL
@@ -273,7 +273,7 @@ def test_an_error_with_an_unknown_code_keeps_its_message() -> None:
 
 
 def test_fixed_size_messages_of_the_wrong_size_are_protocol_errors() -> None:
-    pull, _ = encode_pull(PullRequest(bytes(16), 0, 1, bytes(32)))
+    pull, _ = encode_pull(PullRequest(bytes(16), 0, 1, bytes(32), bytes(32)))
     cases: list[tuple[Callable[[Frame], object], Frame]] = [
         (decode_pull, Frame(FrameKind.PULL, 0, pull[:-1])),
         (decode_begin, Frame(FrameKind.BEGIN, 0, encode_begin(LAYOUT, 1) + b"\x00")),
