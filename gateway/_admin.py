@@ -8,7 +8,10 @@ Rules:
    start).
 2. Bodies are validated with pydantic; every error is an OpenAI-style JSON body with the
    right 4xx, never a 500 or a traceback. The token never reaches a log.
-3. Changes take effect without a restart: the handlers act on the live ``Mirror``.
+3. Changes take effect without a restart: the handlers hand them to the ``Operator``,
+   which stores each before it applies it to the live gateway, wholly or not at all.
+   When the store cannot take a change in time the answer is 503 (``ChangeNotStored``,
+   OpenAI-style JSON with the reason) and nothing was applied.
 """
 
 from __future__ import annotations
@@ -257,13 +260,7 @@ async def get_candidate(request: web.Request) -> web.Response:
 
 async def add_candidate(request: web.Request) -> web.Response:
     config = await _body(request, CandidateConfig)
-    mirror = request.app[ADMIN_STATE].mirror
-    if config.name in mirror.candidates:
-        raise Conflict(f"candidate {config.name!r} exists; PATCH it or DELETE it first")
-    candidate = await mirror.add_candidate(config)
-    evaluation = request.app[ADMIN_STATE].evaluation
-    if evaluation is not None:
-        await evaluation.register(config.name, config.role, config.url)
+    candidate = await request.app[ADMIN_STATE].operator.add_candidate(config)
     log.info("admin: candidate %s added (%s)", config.name, config.url)
     return _json(CandidateView.of(candidate), status=201)
 
@@ -276,21 +273,22 @@ async def update_candidate(request: web.Request) -> web.Response:
         config = CandidateConfig.model_validate({**candidate.config.model_dump(), **changes})
     except ValidationError as exc:
         raise InvalidBody(str(exc)) from None
-    request.app[ADMIN_STATE].mirror.update_candidate(candidate.name, config)
+    candidate = await request.app[ADMIN_STATE].operator.update_candidate(
+        candidate.name, config, changes)
     log.info("admin: candidate %s updated: %s", candidate.name, sorted(changes))
     return _json(CandidateView.of(candidate))
 
 
 async def pause_candidate(request: web.Request) -> web.Response:
-    candidate = _candidate(request)
-    candidate.paused = True
-    return _json(CandidateView.of(candidate))
+    operator = request.app[ADMIN_STATE].operator
+    return _json(CandidateView.of(await operator.pause_candidate(_candidate(request).name,
+                                                                 paused=True)))
 
 
 async def resume_candidate(request: web.Request) -> web.Response:
-    candidate = _candidate(request)
-    candidate.paused = False
-    return _json(CandidateView.of(candidate))
+    operator = request.app[ADMIN_STATE].operator
+    return _json(CandidateView.of(await operator.pause_candidate(_candidate(request).name,
+                                                                 paused=False)))
 
 
 async def candidate_report(request: web.Request) -> web.Response:
@@ -351,7 +349,7 @@ async def stop_canary(request: web.Request) -> web.Response:
 
 async def remove_candidate(request: web.Request) -> web.Response:
     candidate = _candidate(request)
-    await request.app[ADMIN_STATE].mirror.remove_candidate(candidate.name)
+    await request.app[ADMIN_STATE].operator.remove_candidate(candidate.name)
     log.info("admin: candidate %s removed", candidate.name)
     return _json(Deleted(deleted=candidate.name))
 

@@ -56,7 +56,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
         if new.primary.name in mirror.candidates:  # a primary is not its own candidate
             await mirror.remove_candidate(new.primary.name)
 
-    sync = RoutingSync(routing, serve_routing, metrics, config.admin.routing_poll_interval_s)
+    sync = RoutingSync(routing, serve_routing, metrics, config.admin.routing_poll_interval_s,
+                       config.admin.store_timeout_s)
     app[SYNC] = sync
     app[STATE] = GatewayState(
         config=config,

@@ -7,12 +7,16 @@
     │   ├── NotFound             404  admin API: no such candidate or route
     │   ├── Conflict             409  admin API: the action does not fit the state
     │   └── InvalidBody          422  admin API: the body failed validation
+    ├── ChangeNotStored          503  admin API: the store could not take a change (reason:
+    │                                 timeout|unavailable|rejected); nothing was applied
     └── UpstreamError            the backend failed us (kind: a bounded metrics label)
         ├── UpstreamUnreachable  502  connect refused / reset before an answer
         ├── UpstreamTimeout      504  connect, first-byte or idle timeout
         └── UpstreamBroken       502  the answer was cut or malformed mid-stream
 
 Every error renders as an OpenAI-style JSON body, so clients' SDKs raise their usual types.
+The store's errors (``evaluators.StoreError``) become ``ChangeNotStored`` in
+``translate_store_errors``, the one place the admin API meets them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import ContentLengthError, TransferEncodingError
 
+from evaluators._store import StoreError, StoreRejected
+
 __all__ = [
+    "ChangeNotStored",
+    "ChangeNotStoredReason",
     "Conflict",
     "GatewayError",
     "InvalidBody",
@@ -40,6 +48,7 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "error_response",
+    "translate_store_errors",
     "translate_upstream_errors",
 ]
 
@@ -81,6 +90,20 @@ class InvalidBody(RequestError):
     status_hint = 422
 
 
+ChangeNotStoredReason = Literal["timeout", "unavailable", "rejected"]
+
+
+class ChangeNotStored(GatewayError):
+    """An admin change the store did not take: this replica applied none of it."""
+
+    status_hint = 503
+    error_type = "store_unavailable"
+
+    def __init__(self, message: str, reason: ChangeNotStoredReason) -> None:
+        super().__init__(message)
+        self.reason: ChangeNotStoredReason = reason
+
+
 class UpstreamError(GatewayError):
     status_hint = 502
     error_type = "upstream_error"
@@ -120,6 +143,19 @@ def error_response(error: GatewayError, request_id: str | None = None) -> web.Re
         content_type="application/json",
         headers=headers,
     )
+
+
+@contextmanager
+def translate_store_errors(what: str) -> Iterator[None]:
+    """Map the store's errors while doing ``what`` (an admin change) onto ChangeNotStored."""
+    try:
+        yield
+    except StoreError as exc:
+        if isinstance(exc, StoreRejected):
+            raise ChangeNotStored(f"{what}: the store refused it ({exc}); nothing was applied",
+                                  "rejected") from exc
+        raise ChangeNotStored(f"{what}: the store is unavailable ({exc}); nothing was "
+                              "applied, retry when it is back", "unavailable") from exc
 
 
 @contextmanager

@@ -130,6 +130,12 @@ class GatewayMetrics:
             "understudy_admin_actions", "Promotions, rollbacks and canary steps, by action.",
             ["action"], registry=r,
         )
+        self.admin_store_failures = Counter(
+            "understudy_admin_store_failures",
+            "Admin changes refused with 503, unapplied, because the store could not take "
+            "them, by reason (timeout, unavailable, rejected).",
+            ["reason"], registry=r,
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,4 +1,4 @@
-"""Promotion, rollback and the progressive canary: the operator's switches.
+"""The operator's switches: candidates at runtime, promotion, rollback, the canary.
 
 Rules (DESIGN.md invariant 8):
 1. Promotion runs the judge and switches only on PASS, unless forced with a reason.
@@ -6,13 +6,16 @@ Rules (DESIGN.md invariant 8):
    requests in flight finish where they started. The old primary becomes the rollback
    target; the promoted candidate stops being mirrored to (on every replica: the
    routing change itself removes it).
-2. Every action is written to the audit log (who, when, what, and the verdict at that
-   moment) when the store is on; it is always logged.
+2. Every change is stored before it is applied, wholly or not at all (``RoutingSync``
+   rule 5): its audit entry (who, when, what, and the verdict at that moment) commits
+   with it, and when the store cannot take it in time the answer is 503 and this replica
+   is as it was. Without a store (evaluation disabled) changes are applied and logged.
 3. A canary moves live sessions to a candidate step by step (session-consistent). After
    each interval the judge looks at the candidate: FAIL rolls the canary back at once,
    INCONCLUSIVE holds the step, PASS or MARGINAL moves to the next step; passing the last
-   step (100 %) promotes.
-4. Changes go through ``RoutingSync.commit``, which makes them the replicas' state too.
+   step (100 %) promotes. A step the store cannot take is tried again next interval.
+4. Routing changes go through ``RoutingSync.commit``, which makes them the replicas' state
+   too. One lock orders every change of this replica, candidates' included.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import time
 from functools import partial
 from typing import Any
 
+from evaluators._store import BackendRole
+from evaluators._store._routing import AuditNote
+from gateway._config import CandidateConfig
 from gateway._evaluation import Evaluation
-from gateway._exceptions import Conflict, InvalidBody, NotFound
+from gateway._exceptions import ChangeNotStored, Conflict, InvalidBody, NotFound
 from gateway._metrics import GatewayMetrics
-from gateway._mirror import Mirror
+from gateway._mirror import Candidate, Mirror
 from gateway._routing import Backend, Canary, Routing
 from gateway._sync import RoutingSync
 
@@ -35,9 +41,12 @@ __all__ = ["Operator"]
 
 log = logging.getLogger("understudy.promotion")
 
+ADMIN_ACTOR = "admin"
+"""The actor of candidate changes (their bodies name none)."""
+
 
 class Operator:
-    """Carries out promote, rollback and canary on the live gateway."""
+    """Carries out every admin change on the live gateway (rules 2 and 4)."""
 
     def __init__(self, sync: RoutingSync, mirror: Mirror, metrics: GatewayMetrics,
                  evaluation: Evaluation | None) -> None:
@@ -52,10 +61,66 @@ class Operator:
     def routing(self) -> Routing:
         return self._sync.routing
 
+    # -- candidates ---------------------------------------------------------------------
+
+    def _candidate(self, name: str) -> Candidate:
+        candidate = self._mirror.candidates.get(name)
+        if candidate is None:
+            raise NotFound(f"no candidate named {name!r}")
+        return candidate
+
+    async def add_candidate(self, config: CandidateConfig) -> Candidate:
+        async with self._lock:
+            if config.name in self._mirror.candidates:
+                raise Conflict(f"candidate {config.name!r} exists; PATCH it or DELETE it first")
+            role: BackendRole = "secondary" if config.role == "secondary" else "candidate"
+            await self._sync.record(
+                f"adding candidate {config.name}",
+                AuditNote(ADMIN_ACTOR, "candidate_add", config.name, _settings(config)),
+                backend=(config.name, role, config.url))
+            candidate = await self._mirror.add_candidate(config)
+            self._done("candidate_add", config.name)
+            return candidate
+
+    async def update_candidate(self, name: str, config: CandidateConfig,
+                               changes: dict[str, Any]) -> Candidate:
+        async with self._lock:
+            self._candidate(name)
+            await self._sync.record(f"changing candidate {name}", AuditNote(
+                ADMIN_ACTOR, "candidate_update", name, {"changes": changes}))
+            candidate = self._mirror.update_candidate(name, config)
+            self._done("candidate_update", name)
+            return candidate
+
+    async def pause_candidate(self, name: str, paused: bool) -> Candidate:
+        action = "candidate_pause" if paused else "candidate_resume"
+        async with self._lock:
+            candidate = self._candidate(name)
+            if candidate.paused != paused:
+                await self._sync.record(f"{action.removeprefix('candidate_')} of {name}",
+                                        AuditNote(ADMIN_ACTOR, action, name))
+                candidate.paused = paused
+                self._done(action, name)
+            return candidate
+
+    async def remove_candidate(self, name: str) -> None:
+        async with self._lock:
+            self._candidate(name)
+            await self._sync.record(f"removing candidate {name}",
+                                    AuditNote(ADMIN_ACTOR, "candidate_remove", name))
+            await self._mirror.remove_candidate(name)
+            self._done("candidate_remove", name)
+
+    # -- routing ------------------------------------------------------------------------
+
     async def _verdict(self, name: str) -> tuple[str, int | None, list[str]]:
-        if self._evaluation is None:
+        evaluation = self._evaluation
+        if evaluation is None:
             return "UNKNOWN", None, ["evaluation is disabled: no verdict"]
-        report = await self._evaluation.report(name)
+        report = await self._sync.store_call(f"judging {name}",
+                                             lambda _: evaluation.report(name))
+        if report is None:  # the store is not attached: nothing to judge with
+            return "UNKNOWN", None, ["the store is not attached: no verdict"]
         return report.verdict.verdict.value, report.verdict_id, list(report.verdict.reasons)
 
     async def promote(self, name: str, *, actor: str, force: bool,
@@ -63,48 +128,53 @@ class Operator:
         if force and not (reason and reason.strip()):
             raise InvalidBody("force: true needs a reason")
         async with self._lock:
-            candidate = self._mirror.candidates.get(name)
-            if candidate is None:
-                raise NotFound(f"no candidate named {name!r}")
+            candidate = self._candidate(name)
             verdict, verdict_id, reasons = await self._verdict(name)
             if verdict != "PASS" and not force:
-                await self._audit(actor, "promote_refused", name, verdict, verdict_id,
-                                  {"reasons": reasons})
+                await self._sync.record(f"refusing to promote {name}", AuditNote(
+                    actor, "promote_refused", name, {"reasons": reasons, "verdict": verdict},
+                    verdict_id))
+                self._done("promote_refused", name, verdict)
                 raise Conflict(f"promotion of {name} refused: the judge says {verdict} "
                                f"({'; '.join(reasons[:3])}); pass force with a reason "
                                "to override")
-            await self._stop_canary()
             routing = await self._sync.commit(
-                lambda r: r.promoted(Backend(name, candidate.config.url)))
-            await self._audit(actor, "promote", name, verdict, verdict_id,
-                              {"force": force, "reason": reason, "routing": routing.to_dict()})
+                lambda r: r.promoted(Backend(name, candidate.config.url)),
+                audit=lambda new: AuditNote(actor, "promote", name, {
+                    "force": force, "reason": reason, "routing": new.to_dict(),
+                    "verdict": verdict}, verdict_id))
+            await self._stop_driver()  # the promoted routing has no canary
+            self._done("promote", name, verdict)
             return {"routing": routing.to_dict(), "verdict": verdict, "reasons": reasons}
 
     async def rollback(self, *, actor: str, reason: str | None) -> dict[str, Any]:
         async with self._lock:
-            await self._stop_canary()
             if self.routing.previous is None:
                 raise Conflict("there is no previous primary to roll back to")
-            routing = await self._sync.commit(Routing.rolled_back)
-            await self._audit(actor, "rollback", routing.primary.name, None, None,
-                              {"reason": reason, "routing": routing.to_dict()})
+            routing = await self._sync.commit(
+                _rolled_back,
+                audit=lambda new: AuditNote(actor, "rollback", new.primary.name, {
+                    "reason": reason, "routing": new.to_dict(), "verdict": None}))
+            await self._stop_driver()  # the rolled-back routing has no canary
+            self._done("rollback", routing.primary.name)
             return {"routing": routing.to_dict()}
 
     async def start_canary(self, name: str, *, actor: str, steps: tuple[float, ...],
                            interval_s: float) -> dict[str, Any]:
         async with self._lock:
-            candidate = self._mirror.candidates.get(name)
-            if candidate is None:
-                raise NotFound(f"no candidate named {name!r}")
+            candidate = self._candidate(name)
             if self.routing.canary is not None:
                 raise Conflict(f"a canary of {self.routing.canary.backend.name} is running")
             canary = Canary(Backend(name, candidate.config.url), steps, 0, interval_s,
                             time.time())
-            routing = await self._sync.commit(partial(Routing.with_canary, canary=canary))
-            await self._audit(actor, "canary_start", name, None, None,
-                              {"steps": list(steps), "interval_s": interval_s})
+            routing = await self._sync.commit(
+                partial(Routing.with_canary, canary=canary),
+                audit=lambda _: AuditNote(actor, "canary_start", name, {
+                    "steps": list(steps), "interval_s": interval_s, "verdict": None}))
+            await self._stop_driver()
             self._canary_task = asyncio.create_task(self._drive(name, actor),
                                                     name=f"canary-{name}")
+            self._done("canary_start", name)
             return {"routing": routing.to_dict()}
 
     async def abort_canary(self, *, actor: str, reason: str | None) -> dict[str, Any]:
@@ -112,58 +182,79 @@ class Operator:
             canary = self.routing.canary
             if canary is None:
                 raise Conflict("no canary is running")
-            await self._stop_canary()
-            await self._audit(actor, "canary_abort", canary.backend.name, None, None,
-                              {"reason": reason, "percent": canary.percent})
-            return {"routing": self.routing.to_dict()}
+            routing = await self._sync.commit(
+                _without_canary,
+                audit=lambda _: AuditNote(actor, "canary_abort", canary.backend.name, {
+                    "reason": reason, "percent": canary.percent, "verdict": None}))
+            await self._stop_driver()
+            self._done("canary_abort", canary.backend.name)
+            return {"routing": routing.to_dict()}
 
     async def close(self) -> None:
-        await self._stop_canary(clear=False)
+        await self._stop_driver()
 
-    async def _stop_canary(self, clear: bool = True) -> None:
+    async def _stop_driver(self) -> None:
         task, self._canary_task = self._canary_task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if clear and self.routing.canary is not None:
-            await self._sync.commit(partial(Routing.with_canary, canary=None))
 
     async def _drive(self, name: str, actor: str) -> None:
         """One judgement per interval; see rule 3."""
         while (canary := self.routing.canary) is not None and canary.backend.name == name:
             await asyncio.sleep(canary.interval_s)
-            verdict, verdict_id, reasons = await self._verdict(name)
-            async with self._lock:
-                canary = self.routing.canary
-                if canary is None or canary.backend.name != name:
+            try:
+                if await self._judge_step(name, actor):
                     return
-                if verdict == "FAIL":
-                    await self._sync.commit(partial(Routing.with_canary, canary=None))
-                    await self._audit(actor, "canary_rollback", name, verdict, verdict_id,
-                                      {"step": canary.step, "percent": canary.percent,
-                                       "reasons": reasons})
-                    log.warning("canary %s rolled back at %s%%: %s", name, canary.percent,
-                                "; ".join(reasons[:3]))
-                    return
-                if verdict == "INCONCLUSIVE" or verdict == "UNKNOWN":
-                    continue
-                if canary.step + 1 < len(canary.steps):
-                    step = Canary(canary.backend, canary.steps, canary.step + 1,
-                                  canary.interval_s, time.time())
-                    await self._sync.commit(partial(Routing.with_canary, canary=step))
-                    await self._audit(actor, "canary_step", name, verdict, verdict_id,
-                                      {"step": step.step, "percent": step.percent})
-                    continue
-            self._canary_task = None  # promotion below clears the canary itself
-            await self.promote(name, actor=actor, force=False, reason=None)
-            return
+            except ChangeNotStored as exc:
+                log.warning("canary %s: %s; trying again in %.0f s", name, exc,
+                            canary.interval_s)
 
-    async def _audit(self, actor: str, action: str, target: str, verdict: str | None,
-                     verdict_id: int | None, detail: dict[str, Any]) -> None:
-        log.info("admin: %s %s by %s (verdict %s)", action, target, actor, verdict)
+    async def _judge_step(self, name: str, actor: str) -> bool:
+        """One step of rule 3; True when the canary is over (rolled back or promoted)."""
+        verdict, verdict_id, reasons = await self._verdict(name)
+        async with self._lock:
+            canary = self.routing.canary
+            if canary is None or canary.backend.name != name:
+                return True
+            if verdict == "FAIL":
+                await self._sync.commit(_without_canary, audit=lambda _: AuditNote(
+                    actor, "canary_rollback", name, {
+                        "step": canary.step, "percent": canary.percent, "reasons": reasons,
+                        "verdict": verdict}, verdict_id))
+                self._done("canary_rollback", name, verdict)
+                log.warning("canary %s rolled back at %s%%: %s", name, canary.percent,
+                            "; ".join(reasons[:3]))
+                return True
+            if verdict == "INCONCLUSIVE" or verdict == "UNKNOWN":
+                return False
+            if canary.step + 1 < len(canary.steps):
+                step = Canary(canary.backend, canary.steps, canary.step + 1,
+                              canary.interval_s, time.time())
+                await self._sync.commit(partial(Routing.with_canary, canary=step),
+                                        audit=lambda _: AuditNote(actor, "canary_step", name, {
+                                            "step": step.step, "percent": step.percent,
+                                            "verdict": verdict}, verdict_id))
+                self._done("canary_step", name, verdict)
+                return False
+        await self.promote(name, actor=actor, force=False, reason=None)
+        return True
+
+    def _done(self, action: str, target: str, verdict: str | None = None) -> None:
+        log.info("admin: %s %s (verdict %s)", action, target, verdict)
         self._metrics.admin_actions.labels(action).inc()
-        if self._evaluation is not None:
-            await self._evaluation.audit(actor=actor, action=action, target=target,
-                                         detail={**detail, "verdict": verdict},
-                                         verdict_id=verdict_id)
+
+
+def _rolled_back(routing: Routing) -> Routing:
+    return routing.rolled_back()
+
+
+def _without_canary(routing: Routing) -> Routing:
+    return routing.with_canary(None)
+
+
+def _settings(config: CandidateConfig) -> dict[str, Any]:
+    """A candidate's settings for the audit log: no URL (the backend row has it, and it may
+    hold a password), no API key."""
+    return config.model_dump(mode="json", exclude={"url", "api_key"})

@@ -10,6 +10,13 @@ Rules (DESIGN.md invariant 8):
 3. Replicas learn of a change within ``poll_interval_s`` by polling, and at once on
    PostgreSQL through LISTEN/NOTIFY.
 4. Without a database (evaluation disabled) the routing is this process's alone.
+5. Every admin change is stored before it is applied, wholly or not at all: a routing
+   change by compare-and-set with its audit entry in one transaction (``commit``), any
+   other change as its audit entry (``record``). Each store call of a change gets
+   ``store_timeout_s`` (``store_call``); a call that fails or overruns raises
+   ``ChangeNotStored`` (503, counted by reason) and this replica applies nothing. A call
+   that overran is cancelled in the background; if its commit reached the database
+   after all, the replicas adopt the change from there, as any other (rule 3).
 """
 
 from __future__ import annotations
@@ -18,14 +25,22 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import StoreError
-from evaluators._store._routing import ROUTING_CHANNEL, load_routing, save_routing
-from gateway._exceptions import Conflict
+from evaluators._store import BackendRole
+from evaluators._store._routing import (
+    ROUTING_CHANNEL,
+    AuditNote,
+    load_routing,
+    record_change,
+    save_routing,
+)
+from gateway._config import DEFAULT_ADMIN_STORE_TIMEOUT_S
+from gateway._exceptions import ChangeNotStored, Conflict, translate_store_errors
 from gateway._metrics import GatewayMetrics
 from gateway._routing import Routing
 
@@ -33,10 +48,13 @@ __all__ = ["RoutingSync"]
 
 log = logging.getLogger("understudy.routing")
 
+T = TypeVar("T")
+
 
 class RoutingSync:
     def __init__(self, initial: Routing, apply: Callable[[Routing], Awaitable[None]],
-                 metrics: GatewayMetrics, poll_interval_s: float) -> None:
+                 metrics: GatewayMetrics, poll_interval_s: float,
+                 store_timeout_s: float = DEFAULT_ADMIN_STORE_TIMEOUT_S) -> None:
         self._routing = initial
         self._apply_to_state = apply
         self._metrics = metrics
@@ -45,6 +63,8 @@ class RoutingSync:
         self._poller: asyncio.Task[None] | None = None
         self._listener: Any = None  # an asyncpg connection while LISTENing
         self._commit_lock = asyncio.Lock()
+        self._store_timeout_s = store_timeout_s
+        self._abandoned: set[asyncio.Task[Any]] = set()  # store calls that overran (rule 5)
         metrics.routing_version.set(initial.version)
 
     @property
@@ -107,15 +127,65 @@ class RoutingSync:
         if self._listener is not None:
             with contextlib.suppress(Exception):
                 await self._listener.close()
+        await asyncio.gather(*self._abandoned, return_exceptions=True)
 
-    async def commit(self, change: Callable[[Routing], Routing]) -> Routing:
+    async def store_call(self, what: str,
+                         work: Callable[[AsyncEngine], Awaitable[T]]) -> T | None:
+        """Rule 5: one store call of an admin change, within ``store_timeout_s``.
+
+        None without a database (rule 4): the change is this process's alone.
+        """
+        engine = self._engine
+        if engine is None:
+            return None
+        task = asyncio.ensure_future(work(engine))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self._store_timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()  # it unwinds in the background; stop() waits for it
+            self._abandoned.add(task)
+            task.add_done_callback(self._forget)
+            self._metrics.admin_store_failures.labels("timeout").inc()
+            raise ChangeNotStored(
+                f"{what}: the store did not answer within {self._store_timeout_s:g} s; this "
+                "replica applied nothing (if the store took it late after all, every replica "
+                "adopts it from there: GET /admin/v1/routing shows it)", "timeout")
+        try:
+            with translate_store_errors(what):
+                return task.result()
+        except ChangeNotStored as exc:
+            self._metrics.admin_store_failures.labels(exc.reason).inc()
+            raise
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        self._abandoned.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: an overrun call's error was answered with 503
+
+    async def record(self, what: str, audit: AuditNote,
+                     backend: tuple[str, BackendRole, str] | None = None) -> None:
+        """Rule 5: store a change that is not a routing change, before it is applied."""
+        await self.store_call(what, lambda engine: record_change(engine, audit, backend))
+
+    async def commit(self, change: Callable[[Routing], Routing],
+                     audit: Callable[[Routing], AuditNote] | None = None) -> Routing:
+        """Rules 2 and 5: store ``change(current)`` with its audit entry, then serve it."""
         async with self._commit_lock:
-            await self.refresh()
+            await self._adopt_newer(await self.store_call("reading the routing", load_routing))
             current = self._routing
             new = change(current)
-            if self._engine is not None and not await save_routing(
-                    self._engine, new.version, new.to_dict(), expected=current.version):
-                await self.refresh()
+            note = audit(new) if audit is not None else None
+            saved = await self.store_call(
+                f"storing routing version {new.version}",
+                lambda engine: save_routing(engine, new.version, new.to_dict(),
+                                            expected=current.version, audit=note))
+            if saved is False:
+                with contextlib.suppress(ChangeNotStored):
+                    await self._adopt_newer(
+                        await self.store_call("reading the routing", load_routing))
                 raise Conflict("the routing was changed by another replica meanwhile; "
                                "look at it again and retry")
             await self._apply(new)
@@ -127,7 +197,9 @@ class RoutingSync:
     async def refresh(self) -> None:
         if self._engine is None:
             return
-        stored = await load_routing(self._engine)
+        await self._adopt_newer(await load_routing(self._engine))
+
+    async def _adopt_newer(self, stored: tuple[int, dict[str, Any]] | None) -> None:
         if stored is not None and stored[0] > self._routing.version:
             await self._apply(Routing.from_dict(stored[1]))
             log.info("routing: converged on version %d (primary %s)", self._routing.version,

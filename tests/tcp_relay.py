@@ -17,6 +17,8 @@ class TcpRelay:
         self._writers: set[asyncio.StreamWriter] = set()
         self._answers_flow = asyncio.Event()
         self._answers_flow.set()
+        self._flowing = asyncio.Event()  # cleared: a black hole, nothing moves either way
+        self._flowing.set()
         self._stall_after: bytes | None = None
         self.port = 0
         self.connections = 0
@@ -25,6 +27,11 @@ class TcpRelay:
         """Once a client sends ``marker``, hold the server's answers: the server acts on
         the request, the client never hears back."""
         self._stall_after = marker
+
+    def black_hole(self) -> None:
+        """Keep accepting and holding connections, but carry nothing either way: a
+        database that is there and never answers (a dropped route, a silent firewall)."""
+        self._flowing.clear()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port,
@@ -36,16 +43,22 @@ class TcpRelay:
         self._server.close()
         for writer in list(self._writers):
             writer.transport.abort()
+        flowing = self._flowing.is_set()
+        self._flowing.set()  # connections held by a black hole find their sockets aborted
         for task in list(self._pumps):
             task.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
+        if not flowing:
+            self._flowing.clear()
         await self._server.wait_closed()
         self._server = None
 
     async def restore(self) -> None:
         self._stall_after = None
         self._answers_flow.set()
-        await self.start()  # the same port again
+        self._flowing.set()
+        if self._server is None:
+            await self.start()  # the same port again
 
     async def close(self) -> None:
         if self._server is not None:
@@ -54,6 +67,10 @@ class TcpRelay:
     async def _accept(self, client_r: asyncio.StreamReader,
                       client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.add(client_w)
+        await self._flowing.wait()
+        if client_w.transport.is_closing():
+            return
         try:
             upstream_r, upstream_w = await asyncio.open_connection(*self._target)
         except OSError:
@@ -72,6 +89,7 @@ class TcpRelay:
             while data := await source.read(65536):
                 if not upstream:
                     await self._answers_flow.wait()
+                await self._flowing.wait()
                 sink.write(data)
                 if upstream and self._stall_after is not None and self._stall_after in data:
                     self._answers_flow.clear()

@@ -1,22 +1,39 @@
-"""The routing state row that gateway replicas share (one row, id 1, with a version).
+"""The routing state row that gateway replicas share (one row, id 1, with a version), and
+the admin changes written with it.
 
 A replica changes it only from the version it last saw (compare-and-set), so two
 replicas never overwrite each other's change unseen. PostgreSQL replicas are told of a
-change at once (``NOTIFY``); every replica also polls.
+change at once (``NOTIFY``); every replica also polls. A change's audit entry commits in
+the same transaction as the change (``save_routing(..., audit=)``, ``record_change``):
+the store holds both or neither.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from evaluators._store._engine import session_factory
 from evaluators._store._errors import translate_store_errors
-from evaluators._store._schema import Base
+from evaluators._store._queries import append_audit, register_backend
+from evaluators._store._schema import AuditEntry, BackendRole, Base
 
-__all__ = ["ROUTING_CHANNEL", "load_routing", "save_routing"]
+__all__ = ["ROUTING_CHANNEL", "AuditNote", "load_routing", "record_change", "save_routing"]
+
+
+@dataclass(frozen=True, slots=True)
+class AuditNote:
+    """One audit-log entry: who did what to which target, and why."""
+
+    actor: str
+    action: str
+    target: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    verdict_id: int | None = None
 
 ROUTING_CHANNEL = "understudy_routing"
 _ROW_ID = 1
@@ -40,10 +57,11 @@ async def load_routing(engine: AsyncEngine) -> tuple[int, dict[str, Any]] | None
 
 
 async def save_routing(engine: AsyncEngine, version: int, data: dict[str, Any],
-                       expected: int | None) -> bool:
-    """Store ``data`` as ``version`` if the row is still at ``expected`` (None: no row yet).
+                       expected: int | None, audit: AuditNote | None = None) -> bool:
+    """Store ``data`` as ``version`` if the row is still at ``expected`` (None: no row yet),
+    with ``audit`` in the same transaction.
 
-    Returns False when another replica got there first.
+    Returns False when another replica got there first (and writes no audit entry).
     """
     now = datetime.now(UTC)
     with translate_store_errors():
@@ -62,7 +80,29 @@ async def save_routing(engine: AsyncEngine, version: int, data: dict[str, Any],
                     .values(version=version, data=data, updated_at=now))
                 if result.rowcount != 1:
                     return False
+            if audit is not None:
+                await _append(connection, audit, now)
             if connection.dialect.name == "postgresql":
                 await connection.execute(sa.select(sa.func.pg_notify(ROUTING_CHANNEL,
                                                                      str(version))))
     return True
+
+
+async def record_change(engine: AsyncEngine, audit: AuditNote,
+                        backend: tuple[str, BackendRole, str] | None = None) -> None:
+    """Store an admin change that is not a routing change: its audit entry, and the
+    backend it registers (name, role, URL), in one transaction."""
+    with translate_store_errors():
+        async with session_factory(engine)() as session, session.begin():
+            if backend is not None:
+                name, role, url = backend
+                await register_backend(session, name, role=role, url=url)
+            await append_audit(session, actor=audit.actor, action=audit.action,
+                               target=audit.target, detail=audit.detail,
+                               verdict_id=audit.verdict_id)
+
+
+async def _append(connection: AsyncConnection, audit: AuditNote, at: datetime) -> None:
+    await connection.execute(sa.insert(AuditEntry).values(
+        at=at, actor=audit.actor, action=audit.action, target=audit.target,
+        detail=audit.detail, verdict_id=audit.verdict_id))
