@@ -15,14 +15,18 @@ Rules (DESIGN.md invariants 1 and 7):
 1. ``submit`` never blocks and never awaits: it puts the exchange on a multiprocessing
    queue bounded by ``max_pending`` exchanges with ``put_nowait`` (about a microsecond
    on the loop; the queue's feeder thread then pickles it, some 30 us of the GIL here,
-   and writes it to the pipe). When the queue is full, or the pipeline is not running,
-   the exchange is refused and the caller counts it (``reason=sink_full``).
+   and writes it to the pipe). When the queue is full, or the pipeline is not running
+   (nor restarting its child), the exchange is refused and the caller counts it
+   (``reason=sink_full``).
 2. The child reports its counters and its writer's every ``STATS_INTERVAL_S`` on a pipe
-   that a reader on this loop receives; ``stats`` and ``writer_stats`` are the latest.
+   that a reader on this loop receives; ``stats`` and ``writer_stats`` are the latest,
+   summed over every child this pipeline has had.
 3. Every accepted exchange is scored and submitted to the ScoreWriter (which stores it or
    counts its own drop) or counted as dropped: ``scoring_error`` (by the child),
    ``shutdown`` (not scored within ``drain_timeout_s`` at close) or ``process_exit``
-   (the child died while running).
+   (the child died while running). A child that dies takes with it what it had not
+   reported as scored (at most ``STATS_INTERVAL_S`` of work may be counted lost although
+   its writer stored it) and what its writer still held (the writer's ``process_exit``).
 4. ``start`` returns when the child is ready (scorers loaded, writer running) and raises
    :class:`EvaluationProcessError` with the child's reason when it cannot start.
 5. ``close`` stops accepting and tells the child how many exchanges it was sent; the child
@@ -34,6 +38,16 @@ Rules (DESIGN.md invariants 1 and 7):
    sends its daemonic children SIGTERM), within the same bounds.
 7. The child runs niced (``niceness``): on a busy machine the gateway's threads get the
    cores first.
+8. A child that dies while running (killed, crashed) is reaped at once (no zombie) and
+   replaced: state RESTARTING, a fresh queue (the dead child may have held the old
+   one's lock) that accepts within ``max_pending`` meanwhile, a new child after a
+   backoff from ``restart_backoff_s`` doubling per restart in the window, up to
+   ``MAX_RESTART_BACKOFF_S``. At most ``max_restarts`` restarts within
+   ``restart_window_s``: past that the pipeline gives up (FAILED: submit refuses, the
+   queue's exchanges count as ``process_exit``). Every restart is counted (``restarts``).
+9. Held writes: with ``hold_writes`` the child's writer queues but writes nothing until
+   ``release_writes()`` (the owner has reached the store and migrated it); every child
+   started after that writes at once.
 """
 
 from __future__ import annotations
@@ -45,13 +59,15 @@ import logging
 import multiprocessing
 import os
 import queue
-from collections import Counter
-from collections.abc import Iterable
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from types import MappingProxyType
+from typing import TypeVar
 
 from evaluators._exchange import Exchange
 from evaluators._scorers import DEFAULT_SCORERS, ScorerConfig
@@ -61,14 +77,17 @@ from evaluators._scoring_process import (
     ProcessSettings,
     Ready,
     Snapshot,
+    StoreReady,
     run_scoring_process,
 )
 from evaluators._store import StoreConfig
-from evaluators._store._writer import WriterStats
+from evaluators._store._writer import DropReason, WriterState, WriterStats
 
 __all__ = ["EvaluationPipeline", "EvaluationProcessError", "PipelineState", "PipelineStats"]
 
 log = logging.getLogger("understudy.evaluation")
+
+K = TypeVar("K")
 
 DEFAULT_MAX_PENDING = 10_000
 DEFAULT_BATCH_SIZE = 64
@@ -83,6 +102,12 @@ EXIT_GRACE_S = 5.0
 killed (SQLAlchemy's 2 s bound on closing a hung connection, the interpreter's exit)."""
 JOIN_TIMEOUT_S = 5.0
 """How long to wait for a killed child to be reaped."""
+DEFAULT_MAX_RESTARTS = 5
+"""Rule 8: restarts of a dead child allowed within ``DEFAULT_RESTART_WINDOW_S``."""
+DEFAULT_RESTART_WINDOW_S = 600.0
+DEFAULT_RESTART_BACKOFF_S = 0.5
+"""Rule 8: the wait before the first restart in a window; doubled for each further one."""
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 class EvaluationProcessError(RuntimeError):
@@ -92,7 +117,8 @@ class EvaluationProcessError(RuntimeError):
 class PipelineState(enum.Enum):
     NEW = "new"
     RUNNING = "running"
-    FAILED = "failed"  # the child exited on its own: submit refuses, close cleans up
+    RESTARTING = "restarting"  # the child died: a new one is on its way, submit queues
+    FAILED = "failed"  # the child died past the restart budget: submit refuses
     CLOSING = "closing"
     CLOSED = "closed"
 
@@ -103,6 +129,8 @@ class PipelineStats:
     scored: int
     pending: int
     dropped: dict[str, int]
+    restarts: int = 0
+    """Children started to replace one that died (rule 8)."""
 
 
 class EvaluationPipeline:
@@ -113,24 +141,42 @@ class EvaluationPipeline:
                  max_pending: int = DEFAULT_MAX_PENDING, batch_size: int = DEFAULT_BATCH_SIZE,
                  drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                  niceness: int = DEFAULT_NICENESS,
-                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 max_restarts: int = DEFAULT_MAX_RESTARTS,
+                 restart_window_s: float = DEFAULT_RESTART_WINDOW_S,
+                 restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S,
+                 hold_writes: bool = False) -> None:
         self._settings = ProcessSettings(
             store=store, scorers=tuple(scorers), scoring=scoring or ScorerConfig(),
             batch_size=batch_size, drain_timeout_s=drain_timeout_s, niceness=niceness,
             log_level=logging.getLogger().getEffectiveLevel())
         self._max_pending = max_pending
         self._start_timeout_s = start_timeout_s
+        self._max_restarts = max_restarts
+        self._restart_window_s = restart_window_s
+        self._restart_backoff_s = restart_backoff_s
+        self._writes_released = not hold_writes
         self._context = multiprocessing.get_context("spawn")
         self._state = PipelineState.NEW
+        # The current child and its queue (rule 8: both are replaced when it dies).
         self._queue: Queue[Exchange] | None = None
+        self._sent = 0  # exchanges put on the current queue
         self._conn: Connection | None = None
         self._process: BaseProcess | None = None
         self._ready: asyncio.Future[None] | None = None
         self._finished: asyncio.Future[None] | None = None  # the final snapshot, or EOF
-        self._accepted = 0
         self._last: Snapshot | None = None
         self._writer_stats: WriterStats | None = None
-        self._dropped: Counter[str] = Counter()  # counted here, not by the child
+        # Totals of the children that died, and what is counted here, not by a child.
+        self._past_scored = 0
+        self._past_dropped: Counter[str] = Counter()
+        self._past_writer: WriterStats | None = None
+        self._accepted = 0
+        self._dropped: Counter[str] = Counter()
+        self._restarts = 0
+        self._restart_times: deque[float] = deque()
+        self._restarter: asyncio.Task[None] | None = None
+        self._last_failure: str | None = None
 
     @property
     def state(self) -> PipelineState:
@@ -138,25 +184,35 @@ class EvaluationPipeline:
 
     @property
     def pid(self) -> int | None:
-        """The child's process id, once it is started."""
+        """The current child's process id, once one is started."""
         return self._process.pid if self._process is not None else None
+
+    @property
+    def last_failure(self) -> str | None:
+        """Why the last child died or could not be restarted (None: none has)."""
+        return self._last_failure
 
     @property
     def stats(self) -> PipelineStats:
         last = self._last
-        scored = last.scored if last is not None else 0
-        dropped = Counter(last.dropped if last is not None else {})
+        scored = self._past_scored + (last.scored if last is not None else 0)
+        dropped = Counter(self._past_dropped)
+        dropped.update(last.dropped if last is not None else {})
         dropped.update(self._dropped)
         pending = self._accepted - scored - sum(dropped.values())
-        return PipelineStats(self._accepted, scored, max(pending, 0), dict(dropped))
+        return PipelineStats(self._accepted, scored, max(pending, 0), dict(dropped),
+                             self._restarts)
 
     @property
     def writer_stats(self) -> WriterStats | None:
-        """The child's ScoreWriter as it last reported (every ``STATS_INTERVAL_S``)."""
-        return self._writer_stats
+        """The children's ScoreWriters as they last reported (every ``STATS_INTERVAL_S``),
+        summed over every child this pipeline has had."""
+        if self._past_writer is None or self._writer_stats is None:
+            return self._writer_stats or self._past_writer
+        return _sum_writer_stats(self._past_writer, self._writer_stats)
 
     def submit(self, exchange: Exchange) -> bool:
-        if self._state is not PipelineState.RUNNING:
+        if self._state not in (PipelineState.RUNNING, PipelineState.RESTARTING):
             return False
         assert self._queue is not None
         try:
@@ -164,42 +220,30 @@ class EvaluationPipeline:
         except queue.Full:
             return False
         self._accepted += 1
+        self._sent += 1
         return True
+
+    def release_writes(self) -> None:
+        """Rule 9: the store is ready; the child's writer (and every later one's) writes."""
+        if self._writes_released:
+            return
+        self._writes_released = True
+        if self._conn is not None and not self._conn.closed:
+            with contextlib.suppress(OSError):  # a child that died: its successor is told
+                self._conn.send(StoreReady())
 
     async def start(self) -> None:
         if self._state is not PipelineState.NEW:
             raise RuntimeError(f"cannot start a pipeline that is {self._state.value}")
-        loop = asyncio.get_running_loop()
-        self._queue = self._context.Queue(self._max_pending)
-        # What the feeder thread still holds when the child is gone is counted as dropped
-        # (``close``), not waited for at exit, and its broken pipe is no error (as
-        # concurrent.futures does with its call queue).
-        self._queue.cancel_join_thread()
-        self._queue._ignore_epipe = True  # type: ignore[attr-defined]
-        self._conn, child_conn = self._context.Pipe()
-        self._process = self._context.Process(
-            target=run_scoring_process, name="understudy-evaluation",
-            args=(self._settings, self._queue, child_conn, os.getpid()),
-            # Daemonic: a parent that exits without ``close`` sends it SIGTERM (it drains
-            # and exits) before it joins it, instead of waiting on it forever.
-            daemon=True)
-        self._ready = loop.create_future()
-        self._finished = loop.create_future()
-        self._process.start()
-        child_conn.close()  # the child holds the only other end: its EOF is the child's exit
-        loop.add_reader(self._conn.fileno(), self._on_message)
+        self._queue = self._new_queue()
         try:
-            async with asyncio.timeout(self._start_timeout_s):
-                await self._ready
-        except BaseException as exc:
-            await self._stop_process(wait_s=0.0)
+            await self._spawn()
+        except BaseException:
+            self._queue.close()
             self._state = PipelineState.CLOSED
-            if isinstance(exc, TimeoutError):
-                raise EvaluationProcessError(f"the evaluation process was not ready within "
-                                             f"{self._start_timeout_s:g} s") from None
             raise
         self._state = PipelineState.RUNNING
-        log.info("evaluation process %d is scoring", self._process.pid)
+        log.info("evaluation process %d is scoring", self.pid)
 
     async def close(self) -> None:
         """Stop accepting; let the child drain, flush and exit; kill it past its bounds."""
@@ -207,12 +251,21 @@ class EvaluationPipeline:
             self._state = PipelineState.CLOSED
         if self._state in (PipelineState.CLOSING, PipelineState.CLOSED):
             return
+        running = self._state is PipelineState.RUNNING
         self._state = PipelineState.CLOSING
-        assert self._conn is not None
-        with contextlib.suppress(OSError):  # the child may be gone already
-            self._conn.send(Drain(self._accepted))
-        await self._stop_process(
-            wait_s=self._settings.drain_timeout_s + self._settings.store.close_timeout_s)
+        restarter, self._restarter = self._restarter, None
+        if restarter is not None:  # a child on its way is killed by the cancelled spawn
+            restarter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await restarter
+        if running:
+            assert self._conn is not None
+            with contextlib.suppress(OSError):  # the child may be gone already
+                self._conn.send(Drain(self._sent))
+            await self._stop_process(
+                wait_s=self._settings.drain_timeout_s + self._settings.store.close_timeout_s)
+        if self._queue is not None:
+            self._queue.close()
         lost = self.stats.pending
         if lost:
             log.warning("evaluation closed with %d exchanges not scored", lost)
@@ -221,22 +274,66 @@ class EvaluationPipeline:
 
     # -- the child -------------------------------------------------------------------
 
-    async def _stop_process(self, wait_s: float) -> None:
+    def _new_queue(self) -> Queue[Exchange]:
+        exchanges: Queue[Exchange] = self._context.Queue(self._max_pending)
+        # What the feeder thread still holds when the child is gone is counted as dropped
+        # (``close``), not waited for at exit, and its broken pipe is no error (as
+        # concurrent.futures does with its call queue).
+        exchanges.cancel_join_thread()
+        exchanges._ignore_epipe = True  # type: ignore[attr-defined]
+        self._sent = 0
+        return exchanges
+
+    async def _spawn(self) -> None:
+        """Start a child on the current queue; return once it is ready, or raise (the
+        child stopped, the queue kept for the next one)."""
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        self._conn, child_conn = self._context.Pipe()
+        settings = replace(self._settings, hold_writes=not self._writes_released)
+        self._process = self._context.Process(
+            target=run_scoring_process, name="understudy-evaluation",
+            args=(settings, self._queue, child_conn, os.getpid()),
+            # Daemonic: a parent that exits without ``close`` sends it SIGTERM (it drains
+            # and exits) before it joins it, instead of waiting on it forever.
+            daemon=True)
+        self._ready = loop.create_future()
+        self._finished = loop.create_future()
+        self._last = None
+        self._writer_stats = None
+        self._process.start()
+        child_conn.close()  # the child holds the only other end: its EOF is the child's exit
+        loop.add_reader(self._conn.fileno(), self._on_message)
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                await self._ready
+        except BaseException as exc:
+            await self._stop_process(wait_s=0.0,
+                                     kill=isinstance(exc, asyncio.CancelledError))
+            if isinstance(exc, TimeoutError):
+                raise EvaluationProcessError(f"the evaluation process was not ready within "
+                                             f"{self._start_timeout_s:g} s") from None
+            raise
+
+    async def _stop_process(self, wait_s: float, *, kill: bool = False) -> None:
         """Wait ``wait_s`` for the child's last word and ``EXIT_GRACE_S`` for its exit;
-        kill it past that; release the pipe and the queue."""
-        assert self._process is not None and self._queue is not None
-        assert self._finished is not None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(wait_s):
-                await asyncio.shield(self._finished)
+        kill it past that (or at once with ``kill``); release the pipe."""
+        assert self._process is not None and self._finished is not None
         process = self._process
-        await asyncio.to_thread(process.join, EXIT_GRACE_S)
-        if process.exitcode is None:
-            log.error("evaluation process %d did not exit in time: killing it", process.pid)
+        if kill:
             process.kill()
-            await asyncio.to_thread(process.join, JOIN_TIMEOUT_S)
+        else:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await asyncio.shield(self._finished)
+            await asyncio.to_thread(process.join, EXIT_GRACE_S)
+        if process.exitcode is None:
+            if not kill:
+                log.error("evaluation process %d did not exit in time: killing it",
+                          process.pid)
+            process.kill()
+        await asyncio.to_thread(process.join, JOIN_TIMEOUT_S)
         self._detach()
-        self._queue.close()
 
     def _detach(self) -> None:
         assert self._conn is not None
@@ -272,10 +369,98 @@ class EvaluationPipeline:
             "the evaluation process exited before it was ready (its error is above)"))
         _resolve(self._finished)
         if self._state is PipelineState.RUNNING:
-            lost = self.stats.pending
-            log.error("the evaluation process exited unexpectedly; %d exchanges lost", lost)
-            self._dropped["process_exit"] += lost
-            self._state = PipelineState.FAILED
+            self._replace_dead_child()
+
+    def _replace_dead_child(self) -> None:
+        """Rule 8: count what the dead child took with it, and start its successor."""
+        assert self._process is not None and self._queue is not None
+        lost = self.stats.pending
+        self._dropped["process_exit"] += lost
+        self._last_failure = f"the evaluation process {self._process.pid} exited unexpectedly"
+        log.error("%s; %d exchanges lost; restarting it", self._last_failure, lost)
+        self._bury_child()
+        dead, old_queue = self._process, self._queue
+        self._queue = self._new_queue()
+        self._state = PipelineState.RESTARTING
+        self._restarter = asyncio.get_running_loop().create_task(
+            self._restart(dead, old_queue), name="understudy-evaluation-restart")
+
+    def _bury_child(self) -> None:
+        """Fold the dead child's last report into the totals; what its writer still held
+        is lost with it."""
+        if self._last is not None:
+            self._past_scored += self._last.scored
+            self._past_dropped.update(self._last.dropped)
+        writer = self._writer_stats
+        if writer is not None:
+            held = writer.queued_records + writer.held_records
+            dropped: dict[DropReason, int] = dict(writer.dropped)
+            dropped["process_exit"] = dropped.get("process_exit", 0) + held
+            writer = replace(writer, state=WriterState.CLOSED, queued_records=0,
+                             queued_rows=0, held_records=0,
+                             dropped=MappingProxyType(dropped))
+            self._past_writer = (writer if self._past_writer is None
+                                 else _sum_writer_stats(self._past_writer, writer))
+        self._last = None
+        self._writer_stats = None
+
+    async def _restart(self, dead: BaseProcess, old_queue: Queue[Exchange]) -> None:
+        await asyncio.to_thread(dead.join, JOIN_TIMEOUT_S)  # reap it: no zombie
+        old_queue.close()
+        while True:
+            now = time.monotonic()
+            while self._restart_times and now - self._restart_times[0] >= self._restart_window_s:
+                self._restart_times.popleft()
+            if len(self._restart_times) >= self._max_restarts:
+                self._give_up()
+                return
+            await asyncio.sleep(min(self._restart_backoff_s * 2 ** len(self._restart_times),
+                                    MAX_RESTART_BACKOFF_S))
+            self._restart_times.append(time.monotonic())
+            self._restarts += 1
+            try:
+                await self._spawn()
+            except Exception as exc:  # any failure to start is retried, within the budget
+                self._last_failure = str(exc)
+                log.error("restarting the evaluation process failed: %s", exc)
+                continue
+            assert self._finished is not None
+            if self._finished.done():  # it died between its Ready and now
+                self._bury_child()
+                continue
+            self._state = PipelineState.RUNNING
+            self._restarter = None
+            log.warning("evaluation process restarted as %d (restart %d)", self.pid,
+                        self._restarts)
+            return
+
+    def _give_up(self) -> None:
+        assert self._queue is not None
+        self._state = PipelineState.FAILED
+        self._restarter = None
+        self._queue.close()
+        lost = self.stats.pending
+        self._dropped["process_exit"] += lost
+        self._last_failure = (f"{self._max_restarts} restarts within "
+                              f"{self._restart_window_s:g} s: not restarting again "
+                              f"(last: {self._last_failure})")
+        log.error("evaluation process: %s; %d exchanges lost", self._last_failure, lost)
+
+
+def _sum_writer_stats(a: WriterStats, b: WriterStats) -> WriterStats:
+    """Counters summed; the state, queue and last error are ``b``'s (the newer writer)."""
+    return replace(
+        b, submitted=a.submitted + b.submitted, accepted=a.accepted + b.accepted,
+        written_records=a.written_records + b.written_records,
+        written_rows=MappingProxyType(_sum(a.written_rows, b.written_rows)),
+        dropped=MappingProxyType(_sum(a.dropped, b.dropped)),
+        batches=a.batches + b.batches, retries=a.retries + b.retries,
+        last_error=b.last_error or a.last_error,
+        last_error_at=b.last_error_at or a.last_error_at)
+
+
+def _sum(a: Mapping[K, int], b: Mapping[K, int]) -> dict[K, int]:
+    return {key: a.get(key, 0) + b.get(key, 0) for key in {*a, *b}}
 
 
 def _resolve(future: asyncio.Future[None] | None) -> None:

@@ -27,7 +27,10 @@ Theory of operation:
    is queued and exits, as when the parent is gone: it is what a service manager sends
    to every process of the gateway, and what multiprocessing sends its daemonic
    children when the parent exits without closing the pipeline.
-6. The process runs at a lower CPU priority (``niceness``): where cores are scarce, the
+6. Held writes: started with ``hold_writes`` (the gateway has not reached its store yet,
+   or not migrated it), the writer queues within its bounds and writes nothing until
+   the parent sends :class:`StoreReady`.
+7. The process runs at a lower CPU priority (``niceness``): where cores are scarce, the
    scheduler gives them to the gateway first, and evaluation takes what is left (when
    that is too little, its queue fills and the gateway counts ``sink_full``).
 """
@@ -62,6 +65,7 @@ __all__ = [
     "ProcessSettings",
     "Ready",
     "Snapshot",
+    "StoreReady",
     "run_scoring_process",
 ]
 
@@ -82,6 +86,8 @@ class ProcessSettings:
     drain_timeout_s: float
     niceness: int
     log_level: int
+    hold_writes: bool = False
+    """Rule 6: write nothing until :class:`StoreReady`."""
 
 
 # -- messages on the pipe: child -> parent ---------------------------------------------
@@ -112,6 +118,11 @@ class Drain:
     """Exchanges the parent put on the queue since the start, all told."""
 
 
+@dataclass(frozen=True, slots=True)
+class StoreReady:
+    """Rule 6: the store is reachable and its schema current; writing may begin."""
+
+
 def run_scoring_process(settings: ProcessSettings, exchanges: Queue[Exchange],
                         conn: Connection, parent_pid: int) -> None:
     """The child's entry point (a spawned process: nothing is inherited but the args)."""
@@ -136,6 +147,7 @@ class _ScoringProcess:
         self._draining = threading.Event()
         self._expected: int | None = None
         self._deadline = 0.0
+        self._writer: ScoreWriter | None = None
 
     async def serve(self) -> None:
         settings = self._settings
@@ -147,7 +159,9 @@ class _ScoringProcess:
             self._send(Failed(f"{type(exc).__name__}: {exc}"))
             return
         try:
-            async with ScoreWriter(engine, settings.store) as writer:
+            async with ScoreWriter(engine, settings.store,
+                                   hold=settings.hold_writes) as writer:
+                self._writer = writer
                 await self._run(scorers, writer)
             self._send(self._snapshot(writer, final=True))
         finally:
@@ -184,6 +198,10 @@ class _ScoringProcess:
             self._parent_alive = False
             self._start_drain(None)
         else:
+            if isinstance(message, StoreReady):
+                if self._writer is not None:
+                    self._writer.release()
+                return
             if not isinstance(message, Drain):
                 return
             self._start_drain(message.expected)

@@ -13,6 +13,7 @@ import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -46,7 +47,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     evaluation = Evaluation(config) if sink is None and config.evaluation.enabled else None
     if evaluation is not None:
         metrics.registry.register(EvaluationCollector(
-            lambda: evaluation.pipeline_stats, lambda: evaluation.writer_stats))
+            lambda: evaluation.pipeline_stats, lambda: evaluation.writer_stats,
+            lambda: (evaluation.store_status, evaluation.scoring_state)))
     routing = Routing.configured(Backend(config.primary.name, config.primary.url))
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
                     evaluation or sink or MemorySink(config.mirror.sink_capacity))
@@ -91,7 +93,10 @@ async def _upstream_pools(app: web.Application) -> AsyncIterator[None]:
 async def _evaluating(app: web.Application) -> AsyncIterator[None]:
     evaluation = app[STATE].evaluation
     if evaluation is not None:
-        await evaluation.start()
+        # The routing is loaded once the store is reached, which may be after serving
+        # begins (a store outage at start); meanwhile routing changes go to the store.
+        app[SYNC].attach(evaluation.engine)
+        await evaluation.start(on_store=app[SYNC].start)
     try:
         yield
     finally:
@@ -101,11 +106,14 @@ async def _evaluating(app: web.Application) -> AsyncIterator[None]:
 
 async def _routing_sync(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    await app[SYNC].start(state.evaluation.engine if state.evaluation else None)
+    if state.evaluation is None:
+        await app[SYNC].start(None)
     try:
         yield
     finally:
         await state.operator.close()
+        if state.evaluation is not None:
+            await state.evaluation.stop_reaching_store()  # it may start the sync's tasks
         await app[SYNC].stop()
 
 
@@ -124,8 +132,11 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
 
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = {"status": "ok", "primary": state.routing.primary.name,
-            "routing_version": state.routing.version}
+    body: dict[str, Any] = {"status": "ok", "primary": state.routing.primary.name,
+                            "routing_version": state.routing.version}
+    if state.evaluation is not None:  # 200 either way: the proxy itself is serving
+        well, parts = state.evaluation.health()
+        body.update(parts, status="ok" if well else "degraded")
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 

@@ -5,26 +5,45 @@ never in the gateway's: this process keeps only ``submit`` (a bounded, non-block
 the counters the child reports, and an engine of its own for the rare admin work
 (reports, audit entries, backend registration, the routing version).
 
-Lifecycle: ``start`` opens the database (running Alembic's upgrade when ``auto_migrate``,
-so the schema is current before the gateway serves), registers the configured backends
-with their roles, and starts the pipeline, which returns when its process has loaded
-the scorers and started its writer (or raises ``EvaluationProcessError`` with the
-reason); ``stop`` drains the pipeline (its process scores what is queued and flushes its
-writer) and closes the database, in that order. Until ``start`` and after ``stop``,
-``submit`` refuses (the mirror counts ``sink_full``).
+Lifecycle: ``start`` starts the pipeline, which returns when its process has loaded the
+scorers and started its writer (or raises ``EvaluationProcessError`` with the reason),
+and reaches the store alongside; ``stop`` drains the pipeline (its process scores what
+is queued and flushes its writer) and closes the database, in that order. Until
+``start`` and after ``stop``, ``submit`` refuses (the mirror counts ``sink_full``).
+
+The store at start (DESIGN.md invariant 7: a store outage never blocks the proxy):
+1. Reaching the store is one step, retried until it succeeds: Alembic's upgrade (with
+   ``auto_migrate``), registering the configured backends with their roles, then the
+   caller's ``on_store`` (the routing: a restarted replica keeps a promotion).
+2. ``start`` waits for that step at most ``STORE_START_WAIT_S``, then the gateway serves
+   without the store; the step goes on in the background, retried after each failure
+   with a backoff from the store's ``retry_base_s`` doubling to ``retry_max_s`` (with
+   jitter). Every failed attempt is counted, and its reason kept for ``/health``.
+3. Until the step succeeds the scoring child's writer holds what it scores (within its
+   bounds, each drop counted) and writes nothing: a schema not yet migrated never sees
+   a write. When it succeeds the writer flushes what it held.
+4. ``health()`` tells the store's state (``connecting``, ``up``, ``unreachable`` with the
+   reason) and the scoring child's (running, restarting, failed); either not well makes
+   the gateway ``degraded``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import (
     EvaluationPipeline,
     Exchange,
+    PipelineState,
     PipelineStats,
     Report,
     build_report,
@@ -36,9 +55,24 @@ from evaluators._store import WriterStats, append_audit, register_backend
 from evaluators._store._config import masked_url
 from gateway._config import GatewayConfig
 
-__all__ = ["Evaluation"]
+__all__ = ["STORE_START_WAIT_S", "Evaluation", "StoreStatus"]
 
 log = logging.getLogger("understudy.evaluation")
+
+STORE_START_WAIT_S = 2.0
+"""Rule 2: how long ``start`` waits to reach the store before the gateway serves without it
+(a migration of a fresh database fits; a closed port fails at once, a black hole is left
+to the background)."""
+
+StoreState = Literal["connecting", "up", "unreachable"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatus:
+    state: StoreState
+    reason: str | None
+    connect_failures: int
+    """Attempts to reach the store (rule 1) that failed, since the start."""
 
 
 class Evaluation:
@@ -47,6 +81,10 @@ class Evaluation:
         self.config = config.evaluation
         self._engine: AsyncEngine | None = None
         self._pipeline: EvaluationPipeline | None = None
+        self._connector: asyncio.Task[None] | None = None
+        self._store_state: StoreState = "connecting"
+        self._store_reason: str | None = None
+        self._store_failures = 0
 
     @property
     def secondary(self) -> str | None:
@@ -67,6 +105,35 @@ class Evaluation:
     def engine(self) -> AsyncEngine | None:
         return self._engine
 
+    @property
+    def store_status(self) -> StoreStatus:
+        return StoreStatus(self._store_state, self._store_reason, self._store_failures)
+
+    @property
+    def scoring_pid(self) -> int | None:
+        """The scoring child's process id (it changes when a dead child is replaced)."""
+        return self._pipeline.pid if self._pipeline is not None else None
+
+    @property
+    def scoring_state(self) -> PipelineState | None:
+        return self._pipeline.state if self._pipeline is not None else None
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Rule 4: whether the store and the scoring child are well, and what to show."""
+        store = self.store_status
+        pipeline = self._pipeline
+        scoring: dict[str, Any] = {"state": "stopped"}
+        if pipeline is not None:
+            scoring = {"state": pipeline.state.value, "restarts": pipeline.stats.restarts}
+            if pipeline.last_failure is not None:
+                scoring["reason"] = pipeline.last_failure
+        store_body: dict[str, Any] = {"state": store.state,
+                                      "connect_failures": store.connect_failures}
+        if store.state != "up":
+            store_body["reason"] = store.reason or "no answer from the store yet"
+        well = store.state == "up" and scoring["state"] == PipelineState.RUNNING.value
+        return well, {"store": store_body, "scoring": scoring}
+
     async def audit(self, *, actor: str, action: str, target: str, detail: dict[str, Any],
                     verdict_id: int | None) -> None:
         if self._engine is None:
@@ -78,31 +145,83 @@ class Evaluation:
     def submit(self, exchange: Exchange) -> bool:
         return self._pipeline.submit(exchange) if self._pipeline is not None else False
 
-    async def start(self) -> None:
+    async def start(self,
+                    on_store: Callable[[AsyncEngine], Awaitable[None]] | None = None) -> None:
+        """Start scoring and reach the store (rules 1-2); ``on_store`` runs once it is."""
         try:
-            await self._start()
+            await self._start(on_store)
         except BaseException:
             await self.stop()
             raise
 
-    async def _start(self) -> None:
+    async def _start(self, on_store: Callable[[AsyncEngine], Awaitable[None]] | None) -> None:
         config = self.config
+        deadline = asyncio.get_running_loop().time() + STORE_START_WAIT_S
         self._engine = create_engine(config.store)
-        if config.auto_migrate:
-            await upgrade(self._engine)
-        async with session_factory(self._engine)() as session, session.begin():
+        self._pipeline = EvaluationPipeline(config.store, config.scorers, config.scoring,
+                                            max_pending=config.max_pending,
+                                            drain_timeout_s=config.drain_timeout_s,
+                                            hold_writes=True)
+        self._connector = asyncio.create_task(self._reach_store(self._engine, on_store),
+                                              name="understudy-store-connect")
+        await self._pipeline.start()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await asyncio.shield(self._connector)
+        if self._store_state != "up":
+            log.warning("evaluation: serving without the store %s (%s); retrying it in the "
+                        "background", masked_url(config.store.url),
+                        self._store_reason or "no answer yet")
+        log.info("evaluation: scoring into %s", masked_url(config.store.url))
+
+    async def _reach_store(self, engine: AsyncEngine,
+                           on_store: Callable[[AsyncEngine], Awaitable[None]] | None) -> None:
+        """Rules 1-3: migrate, register, ``on_store``; retried until done; then write."""
+        store = self.config.store
+        delay = store.retry_base_s
+        while True:
+            try:
+                if self.config.auto_migrate:
+                    await upgrade(engine)
+                await self._register_configured(engine)
+                if on_store is not None:
+                    await on_store(engine)
+            except Exception as exc:  # StoreError mostly; whatever it is, retried
+                self._store_failures += 1
+                self._store_state = "unreachable"
+                self._store_reason = f"{type(exc).__name__}: {exc}"[:300]
+                pause = delay * random.uniform(0.5, 1.0)  # replicas do not retry in step
+                log.warning("store %s not ready, retrying in %.2f s: %s",
+                            masked_url(store.url), pause, self._store_reason)
+                await asyncio.sleep(pause)
+                delay = min(delay * 2, store.retry_max_s)
+                continue
+            break
+        if self._store_state == "unreachable":
+            log.warning("store %s is back after %d failed attempts: writing what was held",
+                        masked_url(store.url), self._store_failures)
+        self._store_state, self._store_reason = "up", None
+        assert self._pipeline is not None
+        self._pipeline.release_writes()
+
+    async def _register_configured(self, engine: AsyncEngine) -> None:
+        async with session_factory(engine)() as session, session.begin():
             primary = self._gateway_config.primary
             await register_backend(session, primary.name, role="primary", url=primary.url)
             for candidate in self._gateway_config.candidates:
                 await register_backend(session, candidate.name, role=candidate.role,
                                        url=candidate.url)
-        self._pipeline = EvaluationPipeline(config.store, config.scorers, config.scoring,
-                                            max_pending=config.max_pending,
-                                            drain_timeout_s=config.drain_timeout_s)
-        await self._pipeline.start()
-        log.info("evaluation: scoring into %s", masked_url(config.store.url))
+
+    async def stop_reaching_store(self) -> None:
+        """Cancel the background attempts of rule 2 (before what ``on_store`` started stops)."""
+        connector, self._connector = self._connector, None
+        if connector is not None and not connector.done():
+            connector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await connector
 
     async def stop(self) -> None:
+        await self.stop_reaching_store()
         if self._pipeline is not None:
             await self._pipeline.close()
         if self._engine is not None:

@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from evaluators import PipelineStats
+from evaluators import PipelineState, PipelineStats
 from evaluators._store import WriterStats
+from gateway._evaluation import StoreStatus
 
 __all__ = ["ROUTES", "EvaluationCollector", "GatewayMetrics", "Route", "route_of"]
 
@@ -149,13 +150,30 @@ class EvaluationCollector(Collector):
     """
 
     def __init__(self, pipeline: Callable[[], PipelineStats | None],
-                 writer: Callable[[], WriterStats | None]) -> None:
+                 writer: Callable[[], WriterStats | None],
+                 health: Callable[[], tuple[StoreStatus, PipelineState | None]] | None = None,
+                 ) -> None:
         self._pipeline = pipeline
         self._writer = writer
+        self._health = health
 
     def collect(self) -> Iterator[Metric]:
+        if self._health is not None:
+            store, scoring = self._health()
+            yield GaugeMetricFamily("understudy_store_up",
+                                    "1 once the store was reached and migrated, else 0.",
+                                    value=1 if store.state == "up" else 0)
+            yield CounterMetricFamily("understudy_store_connect_failures",
+                                      "Failed attempts to reach the store (migrate, register, "
+                                      "load the routing).", value=store.connect_failures)
+            yield GaugeMetricFamily("understudy_scoring_up",
+                                    "1 while the scoring child runs, else 0.",
+                                    value=1 if scoring is PipelineState.RUNNING else 0)
         pipeline = self._pipeline()
         if pipeline is not None:
+            yield CounterMetricFamily("understudy_scoring_restarts",
+                                      "Scoring children started to replace one that died.",
+                                      value=pipeline.restarts)
             yield CounterMetricFamily("understudy_evaluation_scored",
                                       "Exchanges scored.", value=pipeline.scored)
             yield GaugeMetricFamily("understudy_evaluation_pending",

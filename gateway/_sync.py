@@ -9,7 +9,9 @@ Rules (DESIGN.md invariant 8):
    (409) and this replica adopts the newer routing.
 3. Replicas learn of a change within ``poll_interval_s`` by polling, and at once on
    PostgreSQL through LISTEN/NOTIFY.
-4. Without a database (evaluation disabled) the routing is this process's alone.
+4. Without a database (evaluation disabled) the routing is this process's alone. With
+   one that is not reachable yet (``attach`` before ``start``: a store outage at start),
+   changes go to the database and fail there; none is applied to this replica alone.
 5. Every admin change is stored before it is applied, wholly or not at all: a routing
    change by compare-and-set with its audit entry in one transaction (``commit``), any
    other change as its audit entry (``record``). Each store call of a change gets
@@ -76,6 +78,10 @@ class RoutingSync:
         await self._apply_to_state(routing)
         self._metrics.routing_version.set(routing.version)
         self._metrics.canary_percent.set(routing.canary.percent if routing.canary else 0)
+
+    def attach(self, engine: AsyncEngine | None) -> None:
+        """Rule 4: send changes to ``engine`` before ``start`` has read from it."""
+        self._engine = engine
 
     async def start(self, engine: AsyncEngine | None) -> None:
         self._engine = engine

@@ -20,7 +20,11 @@ Theory of operation:
 5. ``close()`` stops accepting, writes what it holds within ``close_timeout_s``, then
    cancels the task and counts what is left as dropped (``close_timeout``). Cancelling
    a batch on a hung PostgreSQL connection adds SQLAlchemy's bound on closing it (2 s).
-6. Accounting: every submitted record is refused (counted by reason) or accepted; every
+6. Held writes: a writer started with ``hold=True`` accepts records (within the same
+   bounds) but writes nothing until ``release()``: its owner says when the store is
+   reachable and its schema current (a gateway started during a store outage). A writer
+   closed while still held writes nothing and counts what it held (``store_unready``).
+7. Accounting: every submitted record is refused (counted by reason) or accepted; every
    accepted record is written, dropped after acceptance (counted by reason), or still
    held (``queued_records + held_records``).
 
@@ -59,11 +63,15 @@ __all__ = ["DropReason", "ScoreWriter", "WriterState", "WriterStats"]
 log = logging.getLogger("understudy.store")
 
 DropReason = Literal[
-    "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout"
+    "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout",
+    "store_unready", "process_exit",
 ]
 DROP_REASONS: tuple[DropReason, ...] = (
-    "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout"
+    "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout",
+    "store_unready", "process_exit",
 )
+"""``process_exit`` is never counted by a writer itself: the evaluation pipeline counts
+what a writer held when its process died."""
 
 
 class WriterState(enum.Enum):
@@ -100,8 +108,12 @@ class ScoreWriter:
     ``close()``. The engine belongs to the caller and outlives the writer.
     """
 
-    def __init__(self, engine: AsyncEngine, config: StoreConfig | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, config: StoreConfig | None = None, *,
+                 hold: bool = False) -> None:
         self._config = config or StoreConfig()
+        self._released = asyncio.Event()  # rule 6: set when writes may begin
+        if not hold:
+            self._released.set()
         self._inserter = BatchInserter(engine)
         self._queue: deque[Record] = deque()
         self._queued_rows = 0
@@ -132,6 +144,16 @@ class ScoreWriter:
         self._task = asyncio.create_task(self._run(), name="understudy-score-writer")
         self._state = WriterState.RUNNING
 
+    @property
+    def held(self) -> bool:
+        """True while writes wait for ``release()`` (rule 6)."""
+        return not self._released.is_set()
+
+    def release(self) -> None:
+        """Let writing begin (rule 6); a no-op for a writer not held."""
+        self._released.set()
+        self._wake.set()
+
     async def close(self) -> None:
         """Stop accepting, write what is held within ``close_timeout_s``, drop the rest."""
         if self._state is WriterState.NEW:
@@ -153,7 +175,7 @@ class ScoreWriter:
         lost = self._held + len(self._queue)
         if lost:
             log.warning("score writer closed with %d records unwritten", lost)
-            self._dropped["close_timeout"] += lost
+            self._dropped["store_unready" if self.held else "close_timeout"] += lost
             self._held = 0
             self._queue.clear()
             self._queued_rows = self._queued_text = 0
@@ -227,6 +249,12 @@ class ScoreWriter:
 
     async def _run(self) -> None:
         while True:
+            if not self._released.is_set():  # rule 6: hold until released or closing
+                if self._state is not WriterState.RUNNING:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             if not self._queue:
                 if self._state is not WriterState.RUNNING:
                     return

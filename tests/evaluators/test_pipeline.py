@@ -8,6 +8,7 @@ encoder to load), except where a test says otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -128,12 +129,103 @@ async def test_close_counts_what_was_not_scored_in_time(store: StoreConfig) -> N
     assert writer.written_records + sum(writer.dropped.values()) == stats.scored
 
 
-async def test_a_child_that_dies_is_counted_and_refused(pipeline: EvaluationPipeline) -> None:
-    pid = pipeline.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    await eventually(lambda: pipeline.state is PipelineState.FAILED, within_s=10)
-    assert not pipeline.submit(make_exchange("after"))
+def _zombie_children() -> list[int]:
+    """This process's children that exited and were not reaped."""
+    zombies = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            text = status.read_text()
+            if f"\nPPid:\t{os.getpid()}\n" in text and "\nState:\tZ" in text:
+                zombies.append(int(status.parent.name))
+    return zombies
+
+
+async def test_a_child_that_dies_is_reaped_counted_and_restarted(store: StoreConfig) -> None:
+    pipeline = EvaluationPipeline(store, CHEAP_SCORERS, restart_backoff_s=0.05)
+    await pipeline.start()
+    try:
+        for i in range(20):
+            assert pipeline.submit(make_exchange(f"before{i}"))
+        await eventually(lambda: _written(pipeline, 20), within_s=20)
+        first = pipeline.pid
+        assert first is not None
+        # Exchanges the child holds when it dies: it cannot score them in time.
+        for i in range(200):
+            pipeline.submit(make_exchange(f"inflight{i}"))
+        os.kill(first, signal.SIGKILL)
+        await eventually(lambda: pipeline.state is not PipelineState.RUNNING, within_s=10)
+        assert pipeline.submit(make_exchange("while-restarting"))  # queued for the next one
+        await eventually(lambda: pipeline.state is PipelineState.RUNNING, within_s=30)
+        assert pipeline.pid not in (None, first)
+        assert _gone(first) and first not in _zombie_children()
+        stats = pipeline.stats
+        assert stats.restarts == 1
+        assert stats.dropped.get("process_exit", 0) > 0
+        for i in range(20):
+            assert pipeline.submit(make_exchange(f"after{i}"))
+        await eventually(lambda: pipeline.stats.pending == 0, within_s=20)
+        writer = pipeline.writer_stats
+        assert writer is not None
+        # The new child's rows are added to the dead one's, not reset.
+        await eventually(lambda: _written(pipeline, 20 + 21), within_s=20)
+    finally:
+        await pipeline.close()
+    stats = pipeline.stats
+    assert stats.accepted == stats.scored + sum(stats.dropped.values())
+    assert pipeline.last_failure is not None and "exited unexpectedly" in pipeline.last_failure
+
+
+async def test_past_the_restart_budget_it_gives_up(store: StoreConfig) -> None:
+    pipeline = EvaluationPipeline(store, CHEAP_SCORERS, max_restarts=1,
+                                  restart_backoff_s=0.05)
+    await pipeline.start()
+    try:
+        first = pipeline.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await eventually(lambda: pipeline.state is PipelineState.RUNNING
+                         and pipeline.pid != first, within_s=30)
+        second = pipeline.pid
+        assert second is not None
+        os.kill(second, signal.SIGKILL)
+        await eventually(lambda: pipeline.state is PipelineState.FAILED, within_s=10)
+        assert not pipeline.submit(make_exchange("after"))
+        assert pipeline.stats.restarts == 1
+        assert pipeline.last_failure is not None and "restarts within" in pipeline.last_failure
+        await eventually(lambda: not _zombie_children(), within_s=10)
+    finally:
+        await pipeline.close()
+    assert pipeline.state is PipelineState.CLOSED
+
+
+async def test_held_writes_wait_for_the_release(store: StoreConfig) -> None:
+    pipeline = EvaluationPipeline(store, CHEAP_SCORERS, hold_writes=True)
+    await pipeline.start()
+    try:
+        for i in range(10):
+            assert pipeline.submit(make_exchange(f"r{i}"))
+        await eventually(lambda: pipeline.stats.scored == 10, within_s=20)
+        await asyncio.sleep(0.3)
+        writer = pipeline.writer_stats
+        assert writer is not None and writer.written_records == 0
+        assert writer.queued_records == 10
+        pipeline.release_writes()
+        await eventually(lambda: _written(pipeline, 10), within_s=20)
+    finally:
+        await pipeline.close()
+
+
+async def test_close_while_held_counts_what_the_writer_held(store: StoreConfig) -> None:
+    pipeline = EvaluationPipeline(store, CHEAP_SCORERS, hold_writes=True)
+    await pipeline.start()
+    for i in range(5):
+        assert pipeline.submit(make_exchange(f"r{i}"))
+    await eventually(lambda: pipeline.stats.scored == 5, within_s=20)
+    started = time.monotonic()
+    await pipeline.close()
+    assert time.monotonic() - started < store.close_timeout_s  # no wait for a store not ready
+    writer = pipeline.writer_stats
+    assert writer is not None and writer.dropped["store_unready"] == 5
 
 
 PARENT = """
