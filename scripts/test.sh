@@ -17,11 +17,11 @@ echo "test: mypy (strict on the packages)"
 echo "test: pytest"
 .venv/bin/pytest "$@"
 
-native=$(.venv/bin/python -c 'from backends.engine._numerics import blas_kernel; print(blas_kernel())')
+native=$(.venv/bin/python -c 'from backends.engine.model._numerics import blas_kernel; print(blas_kernel())')
 forced=Haswell
 [ "$native" = Haswell ] && forced=Sandybridge
 echo "test: engine exactness under OPENBLAS_CORETYPE=$forced (native kernel: $native)"
 OPENBLAS_CORETYPE=$forced exec .venv/bin/pytest -q \
-    tests/backends/test_engine_linear.py tests/backends/test_engine_kvcache.py \
-    tests/backends/test_engine_model.py tests/backends/test_engine_scheduler.py \
-    tests/backends/test_engine_disagg.py
+    tests/backends/engine/model/test_linear.py tests/backends/engine/kv/test_kvcache.py \
+    tests/backends/engine/model/test_model.py tests/backends/engine/serving/test_scheduler.py \
+    tests/backends/engine/serving/test_disagg.py

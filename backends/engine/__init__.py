@@ -18,17 +18,17 @@ Served behind vLLM's OpenAI API (``understudy engine --role unified``, i.e. ``en
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="-")
 """
 
-from ._blockpool import BlockPool, KVBlock, NoFreeBlocksError, PrefixCacheStats, hash_block
-from ._cli import engine_command
-from ._engine import Engine
-from ._gguf import ModelConfig, default_gguf_path
-from ._kvstore import KVLayout
-from ._model import ForwardChunk, LlamaModel
-from ._request import EngineStats, FinishReason, TokenEvent
-from ._sampling import SamplingParams
-from ._server import RunningEngineServer, build_engine_app, running_engine_server
-from ._server_config import EngineRole, EngineServerConfig
-from ._tokenizer import ChatTokenizer
+from .kv._blockpool import BlockPool, KVBlock, NoFreeBlocksError, PrefixCacheStats, hash_block
+from .kv._store import KVLayout
+from .model._gguf import ModelConfig, default_gguf_path
+from .model._model import ForwardChunk, LlamaModel
+from .model._sampling import SamplingParams
+from .model._tokenizer import ChatTokenizer
+from .serving._cli import engine_command
+from .serving._engine import Engine
+from .serving._request import EngineStats, FinishReason, TokenEvent
+from .serving._server import RunningEngineServer, build_engine_app, running_engine_server
+from .serving._server_config import EngineRole, EngineServerConfig
 
 __all__ = [
     "BlockPool",

@@ -1,4 +1,4 @@
-"""Writing one answer to the wire: pacing, streaming, and injected faults.
+"""Pacing one answer and injecting faults (the bytes are ``backends.openai_wire``'s).
 
 Rules:
 1. Streamed answers send their headers at once (as vLLM's StreamingResponse does), then
@@ -24,36 +24,30 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-from aiohttp import hdrs, web
+from aiohttp import web
 
+from backends.openai_wire import (
+    JSON_CONTENT_TYPE,
+    AnswerWriter,
+    ClientGone,
+    RequestKind,
+    ResponseIdentity,
+    Usage,
+    client_left,
+)
 from backends.sim._config import FaultMode, SimConfig
 from backends.sim._metrics import SimMetrics
-from backends.sim._protocol import (
-    RequestKind,
-    Usage,
-    chat_chunk,
-    completion_chunk,
-    full_response,
-    usage_chunk,
-)
 
-__all__ = ["DISCONNECT_POLL_MAX_S", "AnswerPlan", "AnswerWriter", "ClientGone", "Outcome"]
+__all__ = ["DISCONNECT_POLL_MAX_S", "AnswerPlan", "Outcome", "PacedAnswer"]
 
 DISCONNECT_POLL_MIN_S = 0.005
 DISCONNECT_POLL_MAX_S = 0.1
-SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
-JSON_CONTENT_TYPE = "application/json"
 MID_STREAM_FAULTS: frozenset[FaultMode] = frozenset(
     {"hang_mid_stream", "reset_mid_stream", "malformed_chunks"}
 )
 _MALFORMED_EVENTS = b"data: {not json\n\nthis line has no data field\n\n"
-_DONE = b"data: [DONE]\n\n"
 
 Outcome = Literal["completed", "faulted"]
-
-
-class ClientGone(Exception):
-    """The client closed the connection, or the server is shutting down."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,20 +55,20 @@ class AnswerPlan:
     """One answer, decided before the first byte. A natural stop ends `tokens` with the
     end-of-sequence token "" (counted in completion_tokens, as vLLM counts it)."""
 
-    kind: RequestKind
-    request_id: str
-    created: int
-    model: str
-    fingerprint: str
+    identity: ResponseIdentity
     tokens: tuple[str, ...]
     finish_reason: Literal["stop", "length"]
     usage: Usage
     include_usage: bool
     continuous_usage: bool
 
+    @property
+    def kind(self) -> RequestKind:
+        return self.identity.kind
 
-class AnswerWriter:
-    """Writes one planned answer for one request, applying at most one fault."""
+
+class PacedAnswer:
+    """Writes one planned answer for one request at its pace, applying at most one fault."""
 
     def __init__(
         self,
@@ -89,7 +83,13 @@ class AnswerWriter:
         self._config = config
         self._metrics = metrics
         self._closing = closing
-        self.response: web.StreamResponse | None = None
+        self._writer = AnswerWriter(
+            request,
+            plan.identity,
+            prompt_tokens=plan.usage.prompt_tokens,
+            include_usage=plan.include_usage,
+            continuous_usage=plan.continuous_usage,
+        )
         self._loop = asyncio.get_running_loop()
         self._arrived_at = self._loop.time()
         self._last_token_at = self._arrived_at
@@ -100,8 +100,7 @@ class AnswerWriter:
         deadline = None if seconds is None else loop.time() + seconds
         interval = DISCONNECT_POLL_MIN_S
         while True:
-            transport = self._request.transport
-            if transport is None or transport.is_closing() or self._closing.is_set():
+            if client_left(self._request) or self._closing.is_set():
                 raise ClientGone
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
@@ -120,14 +119,17 @@ class AnswerWriter:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         transport.abort()
 
+    @property
+    def response(self) -> web.StreamResponse | None:
+        """The response, once its headers are sent."""
+        return self._writer.response
+
     async def stream(self, fault: FaultMode) -> Outcome:
-        plan, config = self._plan, self._config
-        resp = web.StreamResponse(headers={hdrs.CONTENT_TYPE: SSE_CONTENT_TYPE})
-        self.response = resp
-        await resp.prepare(self._request)
+        plan, config, writer = self._plan, self._config, self._writer
+        await writer.open_stream()
         await self.pause(config.ttft_ms / 1000)
         if plan.kind == "chat":
-            await self._event(self._chunk(index=None, token="", finish=None))
+            await writer.event(writer.chunk(None))
         fault_at = config.fault_after_chunks if fault in MID_STREAM_FAULTS else None
         last = len(plan.tokens) - 1
         for index, token in enumerate(plan.tokens):
@@ -136,23 +138,13 @@ class AnswerWriter:
             if index == fault_at and await self._mid_stream_fault(fault):
                 return "faulted"
             finish = plan.finish_reason if index == last else None
-            await self._event(self._chunk(index=index, token=token, finish=finish))
+            await writer.event(
+                writer.chunk(token, completion_tokens=index + 1, finish_reason=finish)
+            )
             self._observe_token(index, measured=True)
         if fault_at is not None and fault_at > last and await self._mid_stream_fault(fault):
             return "faulted"
-        if plan.include_usage:
-            await self._event(
-                usage_chunk(
-                    kind=plan.kind,
-                    request_id=plan.request_id,
-                    created=plan.created,
-                    model=plan.model,
-                    usage=plan.usage,
-                    fingerprint=plan.fingerprint,
-                )
-            )
-        await resp.write(_DONE)
-        await resp.write_eof()
+        await writer.end_stream(plan.usage)
         return "faulted" if fault == "malformed_chunks" else "completed"
 
     async def whole(self, fault: FaultMode, body: dict[str, Any]) -> Outcome:
@@ -166,9 +158,7 @@ class AnswerWriter:
             await self.send(body, 200)
             return "completed"
         payload = orjson.dumps(body)
-        stream = web.StreamResponse(headers={hdrs.CONTENT_TYPE: JSON_CONTENT_TYPE})
-        self.response = stream
-        await stream.prepare(self._request)
+        stream = await self._writer.open_stream(JSON_CONTENT_TYPE)
         await stream.write(payload[: len(payload) // 2])
         if fault == "hang_mid_stream":
             await self.pause(None)
@@ -180,22 +170,12 @@ class AnswerWriter:
 
     async def send(self, body: dict[str, Any], status: int) -> None:
         """Write one whole JSON response now."""
-        resp = web.Response(body=orjson.dumps(body), status=status, content_type=JSON_CONTENT_TYPE)
-        self.response = resp
-        await resp.prepare(self._request)
-        await resp.write_eof()
+        await self._writer.send(body, status)
 
     def full_body(self) -> dict[str, Any]:
         plan = self._plan
-        return full_response(
-            kind=plan.kind,
-            request_id=plan.request_id,
-            created=plan.created,
-            model=plan.model,
-            text="".join(plan.tokens),
-            finish_reason=plan.finish_reason,
-            usage=plan.usage,
-            fingerprint=plan.fingerprint,
+        return self._writer.full_body(
+            text="".join(plan.tokens), finish_reason=plan.finish_reason, usage=plan.usage
         )
 
     async def _mid_stream_fault(self, fault: FaultMode) -> bool:
@@ -206,40 +186,8 @@ class AnswerWriter:
         if fault == "reset_mid_stream":
             self.reset()
             return True
-        assert self.response is not None
-        await self.response.write(_MALFORMED_EVENTS)
+        await self._writer.write(_MALFORMED_EVENTS)
         return False
-
-    def _chunk(self, *, index: int | None, token: str, finish: str | None) -> dict[str, Any]:
-        """The chunk of token `index`; None is the chat role chunk that precedes them."""
-        plan = self._plan
-        done = 0 if index is None else index + 1
-        running = (plan.usage.prompt_tokens, done) if plan.continuous_usage else None
-        fingerprint = plan.fingerprint if finish is not None and not plan.include_usage else None
-        if plan.kind == "chat":
-            return chat_chunk(
-                request_id=plan.request_id,
-                created=plan.created,
-                model=plan.model,
-                delta={"role": "assistant", "content": ""} if index is None else {"content": token},
-                finish_reason=finish,
-                first=index is None,
-                running_usage=running,
-                fingerprint=fingerprint,
-            )
-        return completion_chunk(
-            request_id=plan.request_id,
-            created=plan.created,
-            model=plan.model,
-            text=token,
-            finish_reason=finish,
-            running_usage=running,
-            fingerprint=fingerprint,
-        )
-
-    async def _event(self, body: dict[str, Any]) -> None:
-        assert self.response is not None
-        await self.response.write(b"data: " + orjson.dumps(body) + b"\n\n")
 
     def _observe_token(self, index: int, *, measured: bool) -> None:
         """Record a token's latency: as measured when streamed, as planned when whole."""

@@ -9,31 +9,34 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import json
 import math
 import struct
 import time
-import uuid
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler
-from prometheus_client import CONTENT_TYPE_LATEST
 
-from backends.sim._answer import AnswerPlan, AnswerWriter, ClientGone
-from backends.sim._config import FaultMode, SimConfig
-from backends.sim._errors import SimRequestError, error_body, invalid_json
-from backends.sim._metrics import SimMetrics
-from backends.sim._protocol import (
+from backends.openai_wire import (
     SIMULATED_VLLM_VERSION,
+    ClientGone,
+    RequestError,
     RequestKind,
+    ResponseIdentity,
+    ServedModel,
     Usage,
+    decode_body,
     embedding_response,
-    model_list,
+    error_body,
+    install_openai_app,
+    json_response,
+    metrics_response,
+    response_id,
 )
+from backends.sim._answer import AnswerPlan, PacedAnswer
+from backends.sim._config import FaultMode, SimConfig
+from backends.sim._metrics import SimMetrics
 from backends.sim._requests import InferenceRequest, parse_request
 from backends.sim._stats import RecordedRequest, SimStats
 from backends.sim._text import answer_digest, answer_tokens, embedding_vector
@@ -43,13 +46,6 @@ __all__ = ["MAX_REQUEST_BODY_BYTES", "SIM_CONFIG", "SIM_METRICS", "SIM_STATS", "
 MAX_REQUEST_BODY_BYTES = 64 * 1024 * 1024
 # Fault rates are compared as exact fractions, so 0.1 faults exactly 1 request in 10.
 _MAX_RATE_DENOMINATOR = 1_000_000
-# vLLM's request ids are a prefix and 16 hex digits (or the client's X-Request-Id).
-_ID_HEX_DIGITS = 16
-_ID_PREFIXES: dict[RequestKind, str] = {
-    "chat": "chatcmpl-",
-    "completion": "cmpl-",
-    "embedding": "embd-",
-}
 
 
 @dataclass(slots=True)
@@ -87,30 +83,14 @@ def build_app(config: SimConfig) -> web.Application:
         closing=asyncio.Event(), fault_rate=rate, fingerprint=_fingerprint(config)
     )
     app.on_shutdown.append(_on_shutdown)
-    app.middlewares.append(_fastapi_style_http_errors)
+    install_openai_app(app, ServedModel(config.model, config.max_model_len))
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/embeddings", _embeddings)
-    app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/version", _version)
     return app
-
-
-@web.middleware
-async def _fastapi_style_http_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    # Unknown routes and methods answer as FastAPI does: {"detail": "Not Found"}.
-    try:
-        return await handler(request)
-    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return web.Response(
-            body=orjson.dumps({"detail": exc.reason}),
-            status=exc.status,
-            content_type="application/json",
-            headers=headers,
-        )
 
 
 def _fingerprint(config: SimConfig) -> str:
@@ -140,29 +120,12 @@ async def _health(request: web.Request) -> web.StreamResponse:
     return web.Response()
 
 
-async def _models(request: web.Request) -> web.StreamResponse:
-    config = request.app[SIM_CONFIG]
-    body = model_list(
-        model=config.model,
-        created=int(time.time()),
-        max_model_len=config.max_model_len,
-        permission_id=f"modelperm-{uuid.uuid4().hex[:_ID_HEX_DIGITS]}",
-    )
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
-
-
 async def _version(request: web.Request) -> web.StreamResponse:
-    body = orjson.dumps({"version": SIMULATED_VLLM_VERSION})
-    return web.Response(body=body, content_type="application/json")
+    return json_response({"version": SIMULATED_VLLM_VERSION})
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
-    exposition = request.app[SIM_METRICS].exposition()
-    return web.Response(body=exposition, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _error_response(body: dict[str, object], status: int) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+    return metrics_response(request.app[SIM_METRICS].registry)
 
 
 async def _inference(request: web.Request, kind: RequestKind) -> web.StreamResponse:
@@ -170,11 +133,11 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     config, stats, metrics, state = app[SIM_CONFIG], app[SIM_STATS], app[SIM_METRICS], app[_STATE]
     raw = await request.read()
     body: object = None
-    decode_error: SimRequestError | None = None
+    decode_error: RequestError | None = None
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        decode_error = _json_error(raw, exc)
+        body = decode_body(raw)
+    except RequestError as exc:
+        decode_error = exc
     stats.record(RecordedRequest.capture(request.method, request.path, request.headers, body))
     try:
         if decode_error is not None:
@@ -182,15 +145,15 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         parsed = parse_request(
             kind, body, served_model=config.model, max_model_len=config.max_model_len
         )
-    except SimRequestError as exc:
+    except RequestError as exc:
         stats.rejected += 1
-        return _error_response(exc.body(), exc.status)
+        return json_response(exc.body(), exc.status)
 
     plan = _plan(request, parsed, config, state)
     fault = state.draw_fault(config.fault)
     if fault != "none":
         stats.faults_injected += 1
-    writer = AnswerWriter(request, plan, config, metrics, state.closing)
+    writer = PacedAnswer(request, plan, config, metrics, state.closing)
     held_tokens = parsed.prompt_tokens + len(plan.tokens)
     stats.started += 1
     metrics.running.inc()
@@ -213,7 +176,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
 
 
 async def _answer(
-    writer: AnswerWriter,
+    writer: PacedAnswer,
     parsed: InferenceRequest,
     plan: AnswerPlan,
     fault: FaultMode,
@@ -240,24 +203,13 @@ async def _answer(
         for v in vectors
     ]
     body = embedding_response(
-        request_id=plan.request_id,
-        created=plan.created,
-        model=plan.model,
+        request_id=plan.identity.response_id,
+        created=plan.identity.created,
+        model=plan.identity.model,
         embeddings=encoded,
         prompt_tokens=parsed.prompt_tokens,
     )
     return await writer.whole(fault, body)
-
-
-def _json_error(raw: bytes, exc: orjson.JSONDecodeError) -> SimRequestError:
-    # vLLM (FastAPI) reports the standard library's wording, so ask it for the reason.
-    try:
-        json.loads(raw)
-    except json.JSONDecodeError as std:
-        return invalid_json(std.pos, std.msg)
-    except UnicodeDecodeError:
-        pass
-    return invalid_json(exc.pos, exc.msg)
 
 
 def _plan(
@@ -288,13 +240,14 @@ def _plan(
         finish = "stop" if len(tokens) == config.tokens + 1 else "length"
         if config.cached_tokens is not None:
             cached = min(config.cached_tokens, parsed.prompt_tokens)
-    base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:_ID_HEX_DIGITS]
     return AnswerPlan(
-        kind=parsed.kind,
-        request_id=_ID_PREFIXES[parsed.kind] + base_id,
-        created=int(time.time()),
-        model=config.model,
-        fingerprint=state.fingerprint,
+        identity=ResponseIdentity(
+            kind=parsed.kind,
+            response_id=response_id(parsed.kind, request),
+            created=int(time.time()),
+            model=config.model,
+            fingerprint=state.fingerprint,
+        ),
         tokens=tuple(tokens),
         finish_reason=finish,
         usage=Usage(

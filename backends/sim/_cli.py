@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import sys
-from collections.abc import Callable
-
 import click
 from pydantic import ValidationError
 
+from backends.openai_wire import serve_until_signalled
 from backends.sim._config import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_ERROR_STATUS,
@@ -91,29 +87,6 @@ def sim_command(
         )
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_serve(config))
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
-
-
-async def _serve(config: SimConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        async with running_sim(config) as sim:
-            click.echo(f"sim: serving {config.model!r} on {sim.root_url}")
-            sys.stdout.flush()
-            await stop.wait()
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
+    serve_until_signalled(
+        lambda: running_sim(config), lambda sim: f"sim: serving {config.model!r} on {sim.root_url}"
+    )

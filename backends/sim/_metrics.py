@@ -1,11 +1,11 @@
-"""The simulator's Prometheus metrics: vLLM's series (``backends._vllm_metrics``) and a
+"""The simulator's Prometheus metrics: vLLM's series (``backends.openai_wire``) and a
 simulated KV cache behind ``vllm:kv_cache_usage_perc``."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from backends._vllm_metrics import VLLMSeries
+from backends.openai_wire import VLLMSeries
 
 __all__ = ["KV_CACHE_CAPACITY_TOKENS", "SimMetrics"]
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from backends.sim._errors import (
-    SimRequestError,
+from backends.openai_wire import (
+    RequestKind,
+    chat_messages,
+    check_message_role,
+    check_room,
+    completion_prompt,
     invalid_value,
+    is_token_ids,
+    optional_int,
+    request_object,
     schema_error,
-    unknown_model,
+    stream_options,
 )
-from backends.sim._fields import is_token_ids, optional_bool, optional_int
-from backends.sim._protocol import RequestKind
 from backends.sim._text import count_words
 
 __all__ = [
@@ -58,38 +63,11 @@ class InferenceRequest:
 def parse_request(
     kind: RequestKind, body: object, *, served_model: str, max_model_len: int
 ) -> InferenceRequest:
-    """Check a decoded JSON body; raise `SimRequestError` where vLLM answers 4xx."""
-    if not isinstance(body, dict):
-        raise schema_error(
-            "model_attributes_type",
-            "body",
-            "Input should be a valid dictionary or object to extract fields from",
-            body,
-        )
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise unknown_model(model, served_model)
+    """Check a decoded JSON body; raise ``RequestError`` where vLLM answers 4xx."""
+    body = request_object(body, served_model=served_model)
     if kind == "embedding":
         return _parse_embedding(body)
-    stream = optional_bool(body, "stream") or False
-    stream_options = body.get("stream_options")
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise schema_error(
-                "model_type",
-                "body.stream_options",
-                "Input should be a valid dictionary or instance of StreamOptions",
-                stream_options,
-            )
-        if stream_options and not stream:  # vLLM lets an empty object pass
-            raise invalid_value(
-                "Stream options can only be defined when `stream=True`.", param="stream_options"
-            )
-    # Checked against vLLM 0.32: usage is sent only when include_usage is true, and
-    # continuous_usage_stats adds it to every chunk only then.
-    options = stream_options or {}
-    include_usage = bool(options.get("include_usage", False))
-    continuous_usage = include_usage and bool(options.get("continuous_usage_stats", False))
+    options = stream_options(body)
     n = optional_int(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid_value("The simulator answers with one choice.", param="n", value=n)
@@ -119,26 +97,17 @@ def parse_request(
         if "max_tokens" not in body:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         prompt_key, prompt_tokens = _completion_prompt(body)
-    if max_tokens is not None and max_tokens > max_model_len:
-        raise invalid_value(
-            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-            "Please request fewer output tokens.",
-            param="max_tokens",
-            value=max_tokens,
-        )
-    if prompt_tokens >= max_model_len:
-        raise invalid_value(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {prompt_tokens} input tokens. Please reduce the length of the "
-            "input messages.",
-            param="input_tokens",
-            value=prompt_tokens,
-        )
+    check_room(
+        max_tokens=max_tokens,
+        param="max_tokens",
+        prompt_tokens=prompt_tokens,
+        max_model_len=max_model_len,
+    )
     return InferenceRequest(
         kind=kind,
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage=continuous_usage,
+        stream=options.stream,
+        include_usage=options.include_usage,
+        continuous_usage=options.continuous_usage,
         max_tokens=max_tokens,
         prompt_tokens=prompt_tokens,
         prompt_key=prompt_key,
@@ -191,18 +160,9 @@ def _parse_embedding(body: dict[str, Any]) -> InferenceRequest:
 
 
 def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    if "messages" not in body:
-        raise schema_error("missing", "body.messages", "Field required", body)
-    messages = body["messages"]
-    if not isinstance(messages, list):
-        raise schema_error("list_type", "body.messages", "Input should be a valid list", messages)
-    if not messages:
-        raise SimRequestError(
-            "Cannot apply chat template to an empty conversation. Provide at least one message."
-        )
+    messages = chat_messages(body)
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise schema_error("missing", f"body.messages.{index}.role", "Field required", message)
+        check_message_role(index, message)
     return messages
 
 
@@ -222,13 +182,7 @@ def _chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
 
 
 def _completion_prompt(body: dict[str, Any]) -> tuple[object, int]:
-    prompt = body.get("prompt")
-    if prompt is None or prompt == "" or prompt == []:
-        raise invalid_value(
-            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
-        )
-    if isinstance(prompt, list) and len(prompt) == 1 and not is_token_ids(prompt):
-        prompt = prompt[0]  # a batch of one
+    prompt = completion_prompt(body)
     if isinstance(prompt, str):
         return prompt, count_words([prompt])
     if is_token_ids(prompt):

@@ -1,0 +1,382 @@
+"""Moving retained KV blocks between engine nodes over TCP (NIXL's job, on loopback).
+
+Rules
+-----
+1. A node that retains KV (prefill, decode) listens on a KV port.  A pull is one connection:
+   PULL, then the owner's BEGIN, BLOCK..., END -- or ERROR (frames in ``_wire``).
+2. The owner copies blocks out of a leased retained set in a worker thread, at most
+   ``EXPORT_BATCH_BLOCKS`` at a time, while its engine keeps stepping (a retained block never
+   changes, see ``_retention``): a pull never waits for a long prefill step on the owner.  It
+   writes blocks as they come and drains between frames.  The puller imports on its own
+   engine thread, between two of its steps.
+3. The puller trusts nothing it has not checked: every frame's checksum, the layout and count
+   in BEGIN, that the hashes are exactly those of its own prompt at those positions (the
+   chained hash covers every earlier token, so an equal hash is an equal prefix), and -- as the
+   pool imports them -- each block's hash against its tokens and its values being finite.
+   Any failure is a ``KVTransferError`` with a bounded outcome, and the caller recomputes: a
+   failed or expired transfer is slower, never wrong.
+4. Every pull is bounded in time (``DEFAULT_PULL_TIMEOUT_S``, connect included) and in size
+   (the count the puller asked for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..serving._engine_loop import EngineLoop
+from ..serving._metrics import EngineMetrics, PullOutcome
+from ._blockpool import BlockHash, KVBlock, NoFreeBlocksError
+from ._retention import TICKET_BYTES, RetainedKV, UnknownTicketError
+from ._store import KVLayout
+from ._wire import (
+    HASH_BYTES,
+    ErrorCode,
+    FrameKind,
+    KVWireError,
+    PullRequest,
+    decode_begin,
+    decode_block,
+    decode_end,
+    decode_error,
+    decode_pull,
+    encode_begin,
+    encode_block,
+    encode_end,
+    encode_error,
+    encode_pull,
+    frame_header,
+    read_frame,
+    write_frame,
+)
+
+__all__ = [
+    "DEFAULT_PULL_TIMEOUT_S",
+    "EXPORT_BATCH_BLOCKS",
+    "KVSource",
+    "KVTransferError",
+    "KVTransferServer",
+    "TransferFault",
+    "pull_blocks",
+    "pull_missing_blocks",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PULL_TIMEOUT_S = 10.0
+# A connection that has not sent its PULL by then is closed.
+SERVE_REQUEST_TIMEOUT_S = 5.0
+EXPORT_BATCH_BLOCKS = 32
+# The puller's stream buffer: a few blocks, so the socket is read in large pieces.
+_READ_BUFFER_BYTES = 4 * 1024 * 1024
+# Fault injection for tests: corrupt one block's bytes after its checksum, or hang up midway.
+TransferFault = Literal["corrupt", "drop"]
+
+
+class KVTransferError(Exception):
+    """A pull that did not deliver; ``outcome`` says why (a metric label)."""
+
+    def __init__(self, outcome: PullOutcome, message: str) -> None:
+        super().__init__(message)
+        self.outcome: PullOutcome = outcome
+
+
+@dataclass(frozen=True, slots=True)
+class KVSource:
+    """Where retained blocks wait: the owner's KV endpoint, the ticket, the set's extent.
+
+    On the wire (``kv_transfer_params`` of an OpenAI body) it is plain JSON with hex bytes.
+    """
+
+    host: str
+    port: int
+    ticket: bytes
+    num_blocks: int
+    last_block_hash: BlockHash
+
+    @classmethod
+    def retained_at(cls, host: str, port: int, retained: RetainedKV) -> KVSource:
+        return cls(host, port, retained.ticket, retained.num_blocks, retained.last_block_hash)
+
+    def to_params(self, expires_in_s: float | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "ticket": self.ticket.hex(),
+            "num_blocks": self.num_blocks,
+            "last_block_hash": self.last_block_hash.hex(),
+        }
+        if expires_in_s is not None:
+            params["expires_in_s"] = expires_in_s
+        return params
+
+    @classmethod
+    def from_params(cls, params: object) -> KVSource:
+        """Parse ``kv_transfer_params``; ``ValueError`` with the reason if malformed."""
+        if not isinstance(params, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        try:
+            host, port = params["remote_host"], params["remote_port"]
+            ticket = bytes.fromhex(params["ticket"])
+            last = bytes.fromhex(params["last_block_hash"])
+            num_blocks = params["num_blocks"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"kv_transfer_params: missing or malformed {exc}") from None
+        if not isinstance(host, str) or not _is_int(port) or not 0 < port < 65536:
+            raise ValueError("kv_transfer_params: remote_host must be a string, remote_port a port")
+        if not _is_int(num_blocks) or num_blocks < 1:
+            raise ValueError("kv_transfer_params: num_blocks must be a positive integer")
+        if len(ticket) != TICKET_BYTES or len(last) != HASH_BYTES:
+            raise ValueError("kv_transfer_params: ticket or last_block_hash has the wrong length")
+        return cls(host, port, ticket, num_blocks, last)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- the owner's side ------------------------------------------------------------------------
+
+
+class KVTransferServer:
+    """Serves the retained blocks of one engine loop to pulling nodes."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        metrics: EngineMetrics,
+        *,
+        fingerprint: bytes,
+        numerics: bytes | None = None,
+    ) -> None:
+        """``fingerprint``: the model's; ``numerics``: the bits' (default: the engine model's
+        ``Numerics.fingerprint``).  A pull must match both."""
+        self._loop = engine_loop
+        self._metrics = metrics
+        self._fingerprint = fingerprint
+        self._numerics = (
+            engine_loop.engine.model.numerics.fingerprint if numerics is None else numerics
+        )
+        self._layout: KVLayout = engine_loop.engine.pool.layout
+        self._server: asyncio.Server | None = None
+        self.fault: TransferFault | None = None
+        self.host = ""
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port)
+        sockname = self._server.sockets[0].getsockname()
+        self.host, self.port = str(sockname[0]), int(sockname[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(SERVE_REQUEST_TIMEOUT_S):
+                frame = await read_frame(reader)
+            if frame.kind is not FrameKind.PULL:
+                raise _Refusal(ErrorCode.BAD_REQUEST, f"expected PULL, got {frame.kind.name}")
+            await self._send(writer, decode_pull(frame))
+        except _Refusal as refusal:
+            write_frame(writer, FrameKind.ERROR, encode_error(refusal.code, str(refusal)))
+            with contextlib.suppress(OSError):
+                await writer.drain()
+        except (KVWireError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
+            log.info("KV pull connection dropped: %s", exc)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def _send(self, writer: asyncio.StreamWriter, pull: PullRequest) -> None:
+        if pull.fingerprint != self._fingerprint:
+            raise _Refusal(ErrorCode.MODEL_MISMATCH, "the blocks belong to another model")
+        if pull.numerics != self._numerics:
+            raise _Refusal(
+                ErrorCode.NUMERICS_MISMATCH,
+                "the blocks were computed with other bits (BLAS kernel, threads or numpy "
+                "differ; see the 'engine numerics' log line of each node)",
+            )
+        first = await self._export(pull.ticket, pull.start, min(pull.count, EXPORT_BATCH_BLOCKS))
+        write_frame(writer, FrameKind.BEGIN, encode_begin(self._layout, pull.count))
+        sent = 0
+        batch = first
+        while True:
+            for block in batch:
+                self._write_block(writer, block, sent)
+                sent += 1
+                await writer.drain()
+            if sent >= pull.count:
+                break
+            size = min(pull.count - sent, EXPORT_BATCH_BLOCKS)
+            batch = await self._export(pull.ticket, pull.start + sent, size)
+        write_frame(writer, FrameKind.END, encode_end(sent))
+        await writer.drain()
+        self._metrics.served_blocks.inc(sent)
+        if pull.release_after:
+            await self._loop.call(lambda engine: engine.release_retained(pull.ticket))
+
+    async def _export(self, ticket: bytes, start: int, count: int) -> list[KVBlock]:
+        # Off the engine thread: a pull never waits for the owner's step (``_retention``).
+        retention = self._loop.engine.retention
+        try:
+            return await asyncio.to_thread(retention.export, ticket, start, count)
+        except UnknownTicketError:
+            raise _Refusal(ErrorCode.UNKNOWN_TICKET, "no such retained KV (expired?)") from None
+        except IndexError as exc:
+            raise _Refusal(ErrorCode.BAD_RANGE, str(exc)) from None
+
+    def _write_block(self, writer: asyncio.StreamWriter, block: KVBlock, index: int) -> None:
+        payload = encode_block(block)
+        if self.fault == "drop" and index == 1:
+            raise ConnectionAbortedError("fault injection: dropped mid-transfer")
+        if self.fault == "corrupt" and index == 0:
+            corrupted = bytearray(payload)
+            corrupted[-1] ^= 0x01
+            writer.write(frame_header(FrameKind.BLOCK, payload))
+            writer.write(bytes(corrupted))
+            return
+        write_frame(writer, FrameKind.BLOCK, payload)
+
+
+class _Refusal(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- the puller's side -----------------------------------------------------------------------
+
+
+_ERROR_OUTCOMES: dict[ErrorCode | None, PullOutcome] = {
+    ErrorCode.UNKNOWN_TICKET: "unknown_ticket",
+    ErrorCode.MODEL_MISMATCH: "mismatch",
+    ErrorCode.NUMERICS_MISMATCH: "numerics",
+}
+
+
+async def pull_blocks(
+    source: KVSource,
+    start: int,
+    expected: Sequence[BlockHash],
+    *,
+    fingerprint: bytes,
+    numerics: bytes,
+    layout: KVLayout,
+    release_after: bool = False,
+    timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+) -> tuple[list[KVBlock], int]:
+    """Blocks ``start ..`` of ``source``'s set, which must hash to ``expected``; and the bytes
+    received.  Raises ``KVTransferError``."""
+    pull = PullRequest(source.ticket, start, len(expected), fingerprint, numerics, release_after)
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(
+                source.host, source.port, limit=_READ_BUFFER_BYTES
+            )
+            try:
+                payload, flags = encode_pull(pull)
+                write_frame(writer, FrameKind.PULL, payload, flags)
+                await writer.drain()
+                return await _receive(reader, expected, layout)
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+    except TimeoutError:
+        raise KVTransferError("timeout", f"no complete answer within {timeout_s} s") from None
+    except KVWireError as exc:
+        raise KVTransferError(exc.reason, str(exc)) from exc
+    except asyncio.IncompleteReadError:
+        raise KVTransferError("protocol", "the owner hung up mid-transfer") from None
+    except OSError as exc:
+        raise KVTransferError("connection", f"{type(exc).__name__}: {exc}") from exc
+
+
+async def _receive(
+    reader: asyncio.StreamReader, expected: Sequence[BlockHash], layout: KVLayout
+) -> tuple[list[KVBlock], int]:
+    frame = await read_frame(reader)
+    if frame.kind is FrameKind.ERROR:
+        code, message = decode_error(frame)
+        raise KVTransferError(_ERROR_OUTCOMES.get(code, "protocol"), message)
+    if frame.kind is not FrameKind.BEGIN:
+        raise KVTransferError("protocol", f"expected BEGIN, got {frame.kind.name}")
+    their_layout, count = decode_begin(frame)
+    if their_layout != layout:
+        raise KVTransferError("mismatch", f"KV layout {their_layout} != {layout}")
+    if count != len(expected):
+        raise KVTransferError("protocol", f"{count} blocks announced, {len(expected)} asked")
+    blocks: list[KVBlock] = []
+    received = len(frame.payload)
+    while True:
+        frame = await read_frame(reader)
+        received += len(frame.payload)
+        if frame.kind is FrameKind.ERROR:
+            code, message = decode_error(frame)
+            raise KVTransferError(_ERROR_OUTCOMES.get(code, "protocol"), message)
+        if frame.kind is FrameKind.END:
+            if decode_end(frame) != len(blocks) or len(blocks) != count:
+                raise KVTransferError("protocol", "END does not match the blocks sent")
+            return blocks, received
+        if frame.kind is not FrameKind.BLOCK or len(blocks) >= count:
+            raise KVTransferError("protocol", f"unexpected {frame.kind.name} frame")
+        block = decode_block(frame, layout)
+        if block.block_hash != expected[len(blocks)]:
+            raise KVTransferError("mismatch", f"block {len(blocks)} is not this prompt's")
+        blocks.append(block)  # its hash against its tokens: verified by the import
+
+
+async def pull_missing_blocks(
+    engine_loop: EngineLoop,
+    metrics: EngineMetrics,
+    source: KVSource,
+    prompt_hashes: Sequence[BlockHash],
+    *,
+    min_blocks: int = 0,
+    release_after: bool = False,
+    timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+) -> int:
+    """Make the engine hold ``source``'s blocks of this prompt: pull those its cache lacks
+    (if at least ``min_blocks``), import them.  Returns how many blocks were pulled; failures
+    are counted and raised."""
+    engine = engine_loop.engine
+    reusable = min(source.num_blocks, len(prompt_hashes))
+    wanted = prompt_hashes[:reusable]
+    local = len(await engine_loop.call(lambda e: e.pool.lookup(wanted)))
+    if local >= reusable:
+        return 0
+    if reusable - local < min_blocks:
+        metrics.pulled("below_threshold")
+        return 0
+    started = time.perf_counter()
+    try:
+        blocks, size = await pull_blocks(
+            source,
+            local,
+            wanted[local:],
+            fingerprint=engine.pool.seed,
+            numerics=engine.model.numerics.fingerprint,
+            layout=engine.pool.layout,
+            release_after=release_after,
+            timeout_s=timeout_s,
+        )
+        try:
+            await engine_loop.call(lambda e: e.import_kv(blocks, prefix=wanted[:local]))
+        except NoFreeBlocksError as exc:
+            raise KVTransferError("no_room", str(exc)) from exc
+        except ValueError as exc:  # a block whose hash does not match its tokens
+            raise KVTransferError("mismatch", str(exc)) from exc
+    except KVTransferError as exc:
+        metrics.pulled(exc.outcome)
+        raise
+    metrics.pulled("ok", time.perf_counter() - started, len(blocks), size)
+    return len(blocks)

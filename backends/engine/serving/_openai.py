@@ -1,0 +1,292 @@
+"""OpenAI request bodies read into engine requests, refused with the errors vLLM gives.
+
+Rules
+-----
+1. Type errors answer as FastAPI's request validation does (type ``"Bad Request"``,
+   param ``body.<field>``); value errors as vLLM's own checks do (``BadRequestError``, the
+   message ending ``(parameter=..., value=...)``); an unknown model is a 404.  Every refusal is
+   a ``RequestError`` carrying its status: bad input never becomes a 500.
+2. A chat is rendered with the model's own chat template (from the GGUF) and tokenized; a
+   completion prompt is a string or a list of token ids (or a batch of exactly one of those).
+3. ``max_tokens`` (``max_completion_tokens`` first for chat) above ``max_model_len`` is
+   refused; otherwise it is cut to the room the prompt leaves, as vLLM does; unset, chat
+   may use all that room and a completion gets vLLM's default of 16.
+4. Options the engine does not implement (log-probabilities, penalties, n > 1, ...) are refused
+   when set to anything but their neutral value, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+
+from backends.openai_wire import (
+    RequestError,
+    RequestKind,
+    chat_messages,
+    check_message_role,
+    check_room,
+    completion_prompt,
+    invalid_value,
+    is_token_ids,
+    optional_bool,
+    optional_float,
+    optional_int,
+    request_object,
+    schema_error,
+    stream_options,
+)
+
+from ..model._sampling import SamplingParams
+from ..model._tokenizer import ChatTokenizer
+
+__all__ = [
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "MAX_STOP_STRINGS",
+    "GenerationRequest",
+    "parse_generation_request",
+]
+
+# vLLM's CompletionRequest.max_tokens default (the legacy OpenAI API's default too).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Stop strings are searched after every token, so their number and length are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# vLLM treats a temperature below this as greedy decoding.
+_GREEDY_TEMPERATURE = 1e-5
+_DEFAULT_TEMPERATURE = 1.0
+_SEED_MODULUS = 1 << 64
+# Fields accepted only at their neutral values.
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "prompt_logprobs": (None, 0),
+    "suffix": (None, ""),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What the engine and the answer writer need from one request body."""
+
+    kind: RequestKind
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("a generation request needs a prompt")
+
+
+def parse_generation_request(
+    kind: RequestKind,
+    body: object,
+    *,
+    tokenizer: ChatTokenizer,
+    served_model: str,
+    max_model_len: int,
+) -> GenerationRequest:
+    """Check a decoded body and tokenize its prompt; raise ``RequestError`` where vLLM
+    answers 4xx."""
+    if kind == "embedding":
+        raise RequestError("The engine serves no embedding model.", param="model", status=404)
+    body = request_object(body, served_model=served_model)
+    options = stream_options(body)
+    n = optional_int(body, "n")
+    if n not in (None, 1):
+        raise invalid_value("The engine answers with one choice.", param="n", value=n)
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) not in neutral:
+            raise invalid_value(
+                f"`{name}` is not supported by this engine.", param=name, value=body[name]
+            )
+    if kind == "chat":
+        prompt = _chat_prompt(body, tokenizer)
+        max_tokens = optional_int(body, "max_completion_tokens")
+        name = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, name = optional_int(body, "max_tokens"), "max_tokens"
+    else:
+        prompt = _completion_prompt(body, tokenizer)
+        max_tokens, name = optional_int(body, "max_tokens"), "max_tokens"
+        if "max_tokens" not in body:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid_value(
+            f"max_tokens must be at least 1, got {max_tokens}.", param=name, value=max_tokens
+        )
+    check_room(
+        max_tokens=max_tokens, param=name, prompt_tokens=len(prompt), max_model_len=max_model_len
+    )
+    room = max_model_len - len(prompt)
+    params = SamplingParams(
+        max_tokens=room if max_tokens is None else min(max_tokens, room),
+        temperature=_temperature(body),
+        top_p=_top_p(body),
+        top_k=_top_k(body),
+        seed=_seed(body),
+        stop_token_ids=_stop_token_ids(body, tokenizer.vocab_size),
+        ignore_eos=optional_bool(body, "ignore_eos") or False,
+    )
+    return GenerationRequest(
+        kind=kind,
+        prompt_ids=tuple(prompt),
+        params=params,
+        stop=_stop_strings(body),
+        stream=options.stream,
+        include_usage=options.include_usage,
+        continuous_usage=options.continuous_usage,
+    )
+
+
+# -- prompts ---------------------------------------------------------------------------------
+
+
+def _chat_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
+    messages = chat_messages(body)
+    flat = [_chat_message(index, message) for index, message in enumerate(messages)]
+    add_generation_prompt = optional_bool(body, "add_generation_prompt")
+    try:
+        return tokenizer.apply_chat_template(
+            flat, add_generation_prompt=add_generation_prompt is not False
+        )
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        raise invalid_value(f"The chat template failed: {exc}", param="messages") from exc
+
+
+def _chat_message(index: int, message: object) -> dict[str, str]:
+    """One message with its content as plain text (text parts joined by newlines, as vLLM)."""
+    message = check_message_role(index, message)
+    content = message.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise invalid_value(
+                    "Only text content parts are supported by this engine.",
+                    param=f"messages.{index}.content",
+                )
+            if not isinstance(part.get("text"), str):
+                raise schema_error(
+                    "string_type",
+                    f"body.messages.{index}.content.text",
+                    "Input should be a valid string",
+                    part.get("text"),
+                )
+            parts.append(part["text"])
+        text = "\n".join(parts)
+    else:
+        raise schema_error(
+            "string_type",
+            f"body.messages.{index}.content",
+            "Input should be a valid string",
+            content,
+        )
+    return {"role": message["role"], "content": text}
+
+
+def _completion_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
+    prompt = completion_prompt(body)
+    if isinstance(prompt, str) and prompt:
+        return tokenizer.encode(prompt)
+    if is_token_ids(prompt):
+        vocab = tokenizer.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise invalid_value(
+                f"Token id {bad[0]} is out of vocabulary (size {vocab}).",
+                param="prompt",
+                value=bad[0],
+            )
+        return list(prompt)
+    raise invalid_value(
+        "The engine answers one prompt (a string or a list of token ids) per request.",
+        param="prompt",
+    )
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+def _temperature(body: dict[str, Any]) -> float:
+    value = optional_float(body, "temperature")
+    if value is None:
+        return _DEFAULT_TEMPERATURE
+    if value < 0:
+        raise invalid_value(
+            f"temperature must be non-negative, got {value}.", param="temperature", value=value
+        )
+    return 0.0 if value < _GREEDY_TEMPERATURE else value
+
+
+def _top_p(body: dict[str, Any]) -> float:
+    value = optional_float(body, "top_p")
+    if value is None:
+        return 1.0
+    if not 0.0 < value <= 1.0:
+        raise invalid_value(f"top_p must be in (0, 1], got {value}.", param="top_p", value=value)
+    return value
+
+
+def _top_k(body: dict[str, Any]) -> int:
+    value = optional_int(body, "top_k")
+    if value is None or value in (-1, 0):
+        return 0
+    if value < 0:
+        raise invalid_value(
+            f"top_k must be 0 (disable), or at least 1, got {value}.", param="top_k", value=value
+        )
+    return value
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    # vLLM takes any 64-bit seed; numpy's generator wants it unsigned.
+    value = optional_int(body, "seed")
+    return None if value is None else value % _SEED_MODULUS
+
+
+def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise schema_error("string_type", "body.stop", "Input should be a valid string", stop)
+    if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in items):
+        raise invalid_value(
+            f"At most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} "
+            "characters are supported.",
+            param="stop",
+        )
+    return tuple(s for s in items if s)
+
+
+def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise schema_error(
+            "int_type", "body.stop_token_ids", "Input should be a valid integer", ids
+        )
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise invalid_value(f"stop_token_ids must be in [0, {vocab_size}).", param="stop_token_ids")
+    return tuple(ids)

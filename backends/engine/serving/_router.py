@@ -1,0 +1,331 @@
+"""The router: the OpenAI front of prefill and decode nodes (``understudy engine --role router``).
+
+Rules
+-----
+1. The router parses and checks a request as any engine would (same errors, same prompt token
+   ids: it holds the model's tokenizer), hashes the prompt's full blocks, and looks the
+   conversation up in its ``ConversationIndex``.
+2. The policy picks a prefill node and a decode node (``kv._routing``).  The prefill node
+   computes the prompt's full blocks -- reading the conversation's earlier blocks back from the
+   decode node that retains them, when read-back is on -- and answers their
+   ``kv_transfer_params``; the router forwards the client's body to the decode node with those
+   parameters attached, and relays the answer.
+3. The decode node's ``kv_transfer_params`` (the retained prompt + answer of this turn) never
+   reach the client: the router takes them off the finishing chunk (or the whole body, where
+   they become null as on vLLM) and files them for the conversation's next turn.
+4. Failures degrade, never corrupt: a prefill node that fails or times out is counted and the
+   decode node computes the prompt itself; a decode node's error status is relayed as is; one
+   that fails before its headers is a 502 OpenAI-style error, after them an error event and
+   ``[DONE]``.  A client that leaves ends the decode request (the upstream connection closes
+   and the decode node aborts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+from aiohttp import hdrs, web
+from prometheus_client import CollectorRegistry, Counter
+
+from backends.openai_wire import (
+    DONE_EVENT,
+    SSE_CONTENT_TYPE,
+    RequestError,
+    RequestKind,
+    ServedModel,
+    client_left,
+    decode_body,
+    error_body,
+    install_openai_app,
+    json_response,
+    metrics_response,
+    sse_event,
+)
+
+from ..kv._blockpool import hash_blocks
+from ..kv._routing import POLICIES, Cluster, ConversationIndex, KVRecord, RouteJob
+from ..kv._store import DEFAULT_BLOCK_SIZE
+from ..kv._transfer import KVSource
+from ..model._model import LlamaModel
+from ._kv_node import PREFILL_ROUTE
+from ._openai import parse_generation_request
+from ._server_config import EngineServerConfig
+
+__all__ = ["PREFILL_TIMEOUT_S", "ROUTER", "Router", "RouterMetrics", "build_router_app"]
+
+log = logging.getLogger(__name__)
+
+# A prefill of 8k tokens takes tens of seconds on two cores; beyond this, decode recomputes.
+PREFILL_TIMEOUT_S = 300.0
+# The decode node must send its headers within this; then its stream runs as long as it needs.
+DECODE_CONNECT_TIMEOUT_S = 10.0
+MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+_KV_MARKER = b'"kv_transfer_params"'
+
+ReadbackOutcome = Literal["attached", "new", "off"]
+
+
+class RouterMetrics:
+    """The router's own series (bounded: node indexes, a few outcomes)."""
+
+    def __init__(self, num_prefill: int, num_decode: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        routed = Counter(
+            "understudy_router_requests", "Requests by the nodes they were routed to.",
+            ("prefill", "decode"), registry=self.registry,
+        )  # fmt: skip
+        self.routed = [
+            [routed.labels(prefill=str(p), decode=str(d)) for d in range(num_decode)]
+            for p in range(num_prefill)
+        ]
+        readback = Counter(
+            "understudy_router_readback", "Requests by whether a previous turn's KV was attached.",
+            ("outcome",), registry=self.registry,
+        )  # fmt: skip
+        self.readback = {o: readback.labels(outcome=o) for o in ("attached", "new", "off")}
+        self.prefill_failed = Counter(
+            "understudy_router_prefill_failures",
+            "Prefill calls that failed; the decode node computed the prompt.",
+            registry=self.registry,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    job: RouteJob
+    prefill_node: int
+    decode_node: int
+
+
+class Router:
+    """State of one router app: its nodes, its conversations, its policy."""
+
+    def __init__(self, config: EngineServerConfig, model: LlamaModel) -> None:
+        self.config = config
+        self.model = model
+        self.prefill_urls = [url.rstrip("/") for url in config.prefill_urls]
+        self.decode_urls = [url.rstrip("/") for url in config.decode_urls]
+        self.block_size = DEFAULT_BLOCK_SIZE  # every node's (the engine's default)
+        self.cluster = Cluster(len(self.prefill_urls), len(self.decode_urls), self.block_size)
+        self.conversations = ConversationIndex()
+        self.policy = POLICIES[config.routing_policy]()
+        self.metrics = RouterMetrics(len(self.prefill_urls), len(self.decode_urls))
+        self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        self.created = int(time.time())
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router is not running")
+        return self._session
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def route(self, prompt: tuple[int, ...]) -> _Routed:
+        hashes = tuple(hash_blocks(self.model.fingerprint, prompt, self.block_size))
+        record = self.conversations.match(hashes)
+        job = RouteJob(len(prompt), hashes, record, readback=self.config.kv_readback)
+        outcome: ReadbackOutcome = "off" if not self.config.kv_readback else "new"
+        if job.readable_blocks:
+            outcome = "attached"
+        self.metrics.readback[outcome].inc()
+        prefill_node, decode_node = self.policy.choose(job, self.cluster)
+        self.metrics.routed[prefill_node][decode_node].inc()
+        return _Routed(job, prefill_node, decode_node)
+
+    async def prefill(self, routed: _Routed, prompt: tuple[int, ...]) -> dict[str, Any] | None:
+        """Have the prefill node compute the prompt's blocks; their ``kv_transfer_params``, or
+        None (nothing to ship, or the node failed: the decode node computes it all)."""
+        job, node = routed.job, routed.prefill_node
+        if not job.hashes:
+            return None
+        source = job.record.source.to_params() if job.readable_blocks and job.record else None
+        tokens = self.cluster.to_compute(node, job)
+        self.cluster.prefill_started(node, tokens)
+        try:
+            async with self.session.post(
+                self.prefill_urls[node] + PREFILL_ROUTE,
+                json={"prompt_token_ids": list(prompt), "kv_source": source},
+                timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S),
+            ) as response:
+                answer = await response.json() if response.status == 200 else None
+                if answer is None:
+                    log.warning("prefill node %d answered %d", node, response.status)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("prefill node %d failed: %s", node, exc)
+            answer = None
+        finally:
+            self.cluster.prefill_finished(node, tokens, job.hashes)
+        if not isinstance(answer, dict):
+            self.metrics.prefill_failed.inc()
+            return None
+        self.cluster.learn(
+            int(answer.get("computed_tokens", 0)),
+            float(answer.get("compute_s", 0.0)),
+            int(answer.get("pulled_blocks", 0)),
+            float(answer.get("pull_s", 0.0)),
+        )
+        params = answer.get("kv_transfer_params")
+        return params if isinstance(params, dict) else None
+
+    def file(self, routed: _Routed, params: object) -> None:
+        """Keep a decode node's ``kv_transfer_params`` for the conversation's next turn."""
+        try:
+            source = KVSource.from_params(params)
+        except ValueError as exc:
+            log.warning("decode node %d sent bad kv_transfer_params: %s", routed.decode_node, exc)
+            return
+        ttl = params.get("expires_in_s", 0.0) if isinstance(params, dict) else 0.0
+        if not isinstance(ttl, int | float) or ttl <= 0:
+            return
+        self.conversations.add(
+            KVRecord(
+                source=source,
+                prefill_node=routed.prefill_node,
+                decode_node=routed.decode_node,
+                expires_at=time.monotonic() + float(ttl),
+            )
+        )
+
+
+ROUTER = web.AppKey("router", Router)
+
+
+def build_router_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+    """The router of ``config.prefill_urls`` and ``config.decode_urls`` (rule 2)."""
+    app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES)
+    app[ROUTER] = Router(config, model)
+    app.cleanup_ctx.append(_router_session)
+    router = app[ROUTER]
+    install_openai_app(
+        app, ServedModel(config.served_model_name, router.max_model_len, created=router.created)
+    )
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _router_session(app: web.Application) -> AsyncIterator[None]:
+    router = app[ROUTER]
+    await router.start()
+    try:
+        yield
+    finally:
+        await router.close()
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    router = request.app[ROUTER]
+    try:
+        body = decode_body(await request.read())
+        generation = parse_generation_request(
+            kind,
+            body,
+            tokenizer=router.model.tokenizer,
+            served_model=router.config.served_model_name,
+            max_model_len=router.max_model_len,
+        )
+    except RequestError as exc:
+        return json_response(exc.body(), exc.status)
+    assert isinstance(body, dict)  # parse_generation_request refuses anything else
+    routed = router.route(generation.prompt_ids)
+    body["kv_transfer_params"] = await router.prefill(routed, generation.prompt_ids)
+    headers: dict[str, str] = {"Content-Type": "application/json"}
+    if "X-Request-Id" in request.headers:
+        headers["X-Request-Id"] = request.headers["X-Request-Id"]
+    node = routed.decode_node
+    router.cluster.decode_streams[node] += 1
+    try:
+        async with router.session.post(
+            router.decode_urls[node] + request.path,
+            data=orjson.dumps(body),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=DECODE_CONNECT_TIMEOUT_S),
+        ) as upstream:
+            if upstream.status != 200:
+                return web.Response(
+                    body=await upstream.read(),
+                    status=upstream.status,
+                    content_type=upstream.content_type,
+                )
+            if generation.stream:
+                return await _relay_stream(request, upstream, router, routed)
+            answer = await upstream.json()
+            router.file(routed, answer.get("kv_transfer_params"))
+            answer["kv_transfer_params"] = None
+            return json_response(answer)
+    except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
+        if client_left(request):
+            return web.Response()  # nobody to answer; leaving the block ended the decode
+        message = f"decode node {node} failed: {type(exc).__name__}: {exc}"
+        log.warning(message)
+        return json_response(error_body(message, status=502, err_type="BadGatewayError"), 502)
+    finally:
+        router.cluster.decode_streams[node] -= 1
+
+
+async def _relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    router: Router,
+    routed: _Routed,
+) -> web.StreamResponse:
+    """Relay the decode node's events, taking ``kv_transfer_params`` off the finishing one."""
+    response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: SSE_CONTENT_TYPE})
+    await response.prepare(request)
+    event = bytearray()
+    try:
+        async for line in upstream.content:
+            event += line
+            if line not in (b"\n", b"\r\n"):
+                continue
+            if _KV_MARKER in event and event.startswith(b"data: {"):
+                chunk = orjson.loads(bytes(event[len(b"data: ") :]))
+                router.file(routed, chunk.pop("kv_transfer_params", None))
+                event = bytearray(sse_event(chunk))
+            await response.write(bytes(event))
+            event.clear()
+    except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
+        if client_left(request):
+            return response  # leaving the block closes the decode request
+        # After the headers an error is an event, then [DONE], as vLLM ends a failed stream.
+        message = f"decode node {routed.decode_node} failed mid-stream: {type(exc).__name__}"
+        log.warning("%s: %s", message, exc)
+        body = error_body(message, status=502, err_type="BadGatewayError")
+        event = bytearray(sse_event(body) + DONE_EVENT)
+    if event:
+        await response.write(bytes(event))
+    await response.write_eof()
+    return response
+
+
+async def _health(request: web.Request) -> web.StreamResponse:
+    return web.Response(status=200)
+
+
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    return metrics_response(request.app[ROUTER].metrics.registry)

@@ -1,0 +1,89 @@
+"""vLLM's OpenAI wire protocol (0.32, checked against a real server), for every server here.
+
+The simulator (``backends.sim``), the engine's servers and its router (``backends.engine``)
+answer through this package as peers, so a client -- the gateway, its evaluators, the OpenAI
+SDK -- cannot tell them from vLLM, nor one from another, by the bytes:
+
+- requests: ``decode_body``, ``request_object``, ``stream_options``, the typed field readers
+  and ``check_room``, refusing with vLLM's statuses and wording (``RequestError``);
+- answers: the bodies (``_bodies``: chunks, the usage chunk, whole responses, embeddings, the
+  model list) and ``AnswerWriter``, which writes them as a JSON body or an SSE stream;
+- the app: ``install_openai_app`` (FastAPI-style errors, ``/v1/models``), ``serve_app``,
+  ``serve_until_signalled`` (the command line's loop);
+- metrics: ``VLLMSeries``, vLLM's Prometheus series, named and bucketed as vLLM does.
+"""
+
+from ._answer import (
+    DONE_EVENT,
+    JSON_CONTENT_TYPE,
+    SSE_CONTENT_TYPE,
+    AnswerWriter,
+    ClientGone,
+    ResponseIdentity,
+    client_left,
+    json_response,
+    response_id,
+    sse_event,
+)
+from ._app import ServedApp, ServedModel, install_openai_app, serve_app, serve_until_signalled
+from ._bodies import (
+    SIMULATED_VLLM_VERSION,
+    RequestKind,
+    Usage,
+    embedding_response,
+)
+from ._errors import RequestError, error_body, invalid_value, schema_error
+from ._fields import is_token_ids, optional_bool, optional_float, optional_int
+from ._metrics import LABELS, RequestOutcome, VLLMSeries, metrics_response
+from ._requests import (
+    StreamOptions,
+    chat_messages,
+    check_message_role,
+    check_room,
+    completion_prompt,
+    decode_body,
+    request_object,
+    stream_options,
+)
+
+__all__ = [
+    "DONE_EVENT",
+    "JSON_CONTENT_TYPE",
+    "LABELS",
+    "SIMULATED_VLLM_VERSION",
+    "SSE_CONTENT_TYPE",
+    "AnswerWriter",
+    "ClientGone",
+    "RequestError",
+    "RequestKind",
+    "RequestOutcome",
+    "ResponseIdentity",
+    "ServedApp",
+    "ServedModel",
+    "StreamOptions",
+    "Usage",
+    "VLLMSeries",
+    "chat_messages",
+    "check_message_role",
+    "check_room",
+    "client_left",
+    "completion_prompt",
+    "decode_body",
+    "embedding_response",
+    "error_body",
+    "install_openai_app",
+    "invalid_value",
+    "is_token_ids",
+    "json_response",
+    "metrics_response",
+    "optional_bool",
+    "optional_float",
+    "optional_int",
+    "request_object",
+    "response_id",
+    "schema_error",
+    "serve_app",
+    "serve_until_signalled",
+    "sse_event",
+    "stream_options",
+]

@@ -1,0 +1,169 @@
+"""What every server of vLLM's OpenAI API adds to its aiohttp app, and serving one on a socket.
+
+- ``install_openai_app``: the FastAPI-style error middleware (an unknown route or method is
+  ``{"detail": ...}``, a bug a JSON error with status 500, as vLLM's exception handler
+  answers) and ``GET /v1/models`` for the one served model.
+- ``serve_app``: an app on a real socket until the block exits; in-flight answers get
+  ``SHUTDOWN_TIMEOUT_S`` to finish at shutdown.
+- ``serve_until_signalled``: the command line's loop (uvloop where installed) around a running
+  server, until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from ._answer import ID_HEX_DIGITS, json_response
+from ._bodies import model_list
+from ._errors import error_body
+
+__all__ = [
+    "SERVED_MODEL",
+    "SHUTDOWN_TIMEOUT_S",
+    "ServedApp",
+    "ServedModel",
+    "install_openai_app",
+    "serve_app",
+    "serve_until_signalled",
+]
+
+log = logging.getLogger(__name__)
+
+# In-flight answers get this long to finish at shutdown.
+SHUTDOWN_TIMEOUT_S = 5.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The model a server answers for, as ``/v1/models`` lists it."""
+
+    name: str
+    max_model_len: int
+    # When the model card was made; None: at each request, as vLLM does.
+    created: int | None = None
+
+
+SERVED_MODEL = web.AppKey("served_model", ServedModel)
+
+
+def install_openai_app(app: web.Application, model: ServedModel) -> None:
+    """The error middleware and ``GET /v1/models`` for ``model``."""
+    app[SERVED_MODEL] = model
+    app.middlewares.append(_fastapi_style_errors)
+    app.router.add_get("/v1/models", _models)
+
+
+@web.middleware
+async def _fastapi_style_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        response = json_response({"detail": exc.reason}, exc.status)
+        if headers is not None:
+            response.headers.update(headers)
+        return response
+    except web.HTTPException:
+        raise
+    except Exception as exc:
+        log.exception("unexpected error answering %s %s", request.method, request.path)
+        return json_response(error_body(f"{type(exc).__name__}: {exc}", status=500), 500)
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    model = request.app[SERVED_MODEL]
+    return json_response(
+        model_list(
+            model=model.name,
+            created=int(time.time()) if model.created is None else model.created,
+            max_model_len=model.max_model_len,
+            permission_id=f"modelperm-{uuid.uuid4().hex[:ID_HEX_DIGITS]}",
+        )
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ServedApp:
+    """A started server: where it listens and its app."""
+
+    app: web.Application
+    host: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI client's base_url: ``http://host:port/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def root_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@asynccontextmanager
+async def serve_app(
+    app: web.Application, host: str, port: int, *, handler_cancellation: bool = False
+) -> AsyncIterator[ServedApp]:
+    """Serve ``app`` on ``host`` and ``port`` (0 picks a free one) until the block exits."""
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=handler_cancellation,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        yield ServedApp(app=app, host=str(bound_host), port=int(bound_port))
+    finally:
+        await runner.cleanup()
+
+
+Served = TypeVar("Served", bound=ServedApp)
+
+
+def serve_until_signalled(
+    server: Callable[[], AbstractAsyncContextManager[Served]], describe: Callable[[Served], str]
+) -> None:
+    """Run ``server()`` until SIGINT or SIGTERM, printing ``describe(server)`` once it listens."""
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(_serve_until_signalled(server, describe))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+async def _serve_until_signalled(
+    server: Callable[[], AbstractAsyncContextManager[Served]], describe: Callable[[Served], str]
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in _STOP_SIGNALS:
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        async with server() as served:
+            print(describe(served), flush=True)
+            await stop.wait()
+    finally:
+        for signum in _STOP_SIGNALS:
+            loop.remove_signal_handler(signum)

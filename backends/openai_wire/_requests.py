@@ -1,0 +1,144 @@
+"""The checks every server makes on an OpenAI request body, refused as vLLM refuses them.
+
+Each server (the simulator, the engine, the router) reads the fields its answer depends on
+itself; the checks here are the ones vLLM makes before any of that, in the order it makes
+them, so that a bad request gets the same status and body from every server.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ._errors import RequestError, invalid_json, invalid_value, schema_error, unknown_model
+from ._fields import is_token_ids, optional_bool
+
+__all__ = [
+    "StreamOptions",
+    "chat_messages",
+    "check_message_role",
+    "check_room",
+    "completion_prompt",
+    "decode_body",
+    "request_object",
+    "stream_options",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """``stream`` and what ``stream_options`` asks of the stream."""
+
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON body, or the error FastAPI gives for invalid JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        # vLLM (FastAPI) reports the standard library's wording, so ask it for the reason.
+        try:
+            json.loads(raw)
+        except json.JSONDecodeError as std:
+            raise invalid_json(std.pos, std.msg) from exc
+        except UnicodeDecodeError:
+            pass
+        raise invalid_json(exc.pos, exc.msg) from exc
+
+
+def request_object(body: object, *, served_model: str) -> dict[str, Any]:
+    """The body as a JSON object naming the served model (or none)."""
+    if not isinstance(body, dict):
+        raise schema_error(
+            "model_attributes_type",
+            "body",
+            "Input should be a valid dictionary or object to extract fields from",
+            body,
+        )
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise unknown_model(model, served_model)
+    return body
+
+
+def stream_options(body: dict[str, Any]) -> StreamOptions:
+    """``stream`` and ``stream_options``, checked against vLLM 0.32: usage is sent only when
+    include_usage is true, and continuous_usage_stats adds it to every chunk only then."""
+    stream = optional_bool(body, "stream") or False
+    options = body.get("stream_options")
+    if options is None:
+        return StreamOptions(stream=stream, include_usage=False, continuous_usage=False)
+    if not isinstance(options, dict):
+        raise schema_error(
+            "model_type",
+            "body.stream_options",
+            "Input should be a valid dictionary or instance of StreamOptions",
+            options,
+        )
+    if options and not stream:  # vLLM lets an empty object pass
+        raise invalid_value(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    include = bool(options.get("include_usage", False))
+    continuous = include and bool(options.get("continuous_usage_stats", False))
+    return StreamOptions(stream=stream, include_usage=include, continuous_usage=continuous)
+
+
+def check_room(
+    *, max_tokens: int | None, param: str, prompt_tokens: int, max_model_len: int
+) -> None:
+    """Refuse a ``max_tokens`` (named ``param``) or a prompt that the context cannot hold."""
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise invalid_value(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param=param,
+            value=max_tokens,
+        )
+    if prompt_tokens >= max_model_len:
+        raise invalid_value(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_tokens} input tokens. Please reduce the length of the "
+            "input messages.",
+            param="input_tokens",
+            value=prompt_tokens,
+        )
+
+
+def chat_messages(body: dict[str, Any]) -> list[Any]:
+    """A chat body's ``messages``: present, a list, not empty (each checked by the caller)."""
+    if "messages" not in body:
+        raise schema_error("missing", "body.messages", "Field required", body)
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise schema_error("list_type", "body.messages", "Input should be a valid list", messages)
+    if not messages:
+        raise RequestError(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+        )
+    return messages
+
+
+def check_message_role(index: int, message: object) -> dict[str, Any]:
+    """Message ``index`` as an object with a string ``role``."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise schema_error("missing", f"body.messages.{index}.role", "Field required", message)
+    return message
+
+
+def completion_prompt(body: dict[str, Any]) -> object:
+    """A completion's ``prompt``, not empty, a batch of one taken out of its list."""
+    prompt = body.get("prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        raise invalid_value(
+            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
+    if isinstance(prompt, list) and len(prompt) == 1 and not is_token_ids(prompt):
+        return prompt[0]  # a batch of one
+    return prompt
