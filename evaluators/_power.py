@@ -1,0 +1,219 @@
+"""How many samples a decision needs: power calculations for the judge's tests.
+
+An INCONCLUSIVE verdict is useful only with the wait it implies. These functions turn
+the effect observed so far into the number of values per side at which the judge's test
+would show it, at the gates' level, with probability :data:`DEFAULT_POWER`.
+
+Theory of operation:
+1. Per side: every mirrored exchange gives one value of each backend, so the two sides
+   grow together; ``have_per_side`` is the smaller side, and the estimate is for equal
+   sides. alpha = 1 - confidence, two-sided, as the judge's intervals are.
+2. Location (Mann-Whitney, the median shift of per-backend metrics): Noether's formula.
+   With p = P(candidate > baseline) + P(tie)/2 = (1 + delta)/2, delta Cliff's delta,
+   and equal sides,
+       n = (z(1 - alpha/2) + z(power))^2 / (6 * (p - 1/2)^2)
+         = 2 * (z(1 - alpha/2) + z(power))^2 / (3 * delta^2)   per side.
+3. Rates (0/1 metrics, the judge's ``mean_worsening``): the two-proportion formula with
+   the pooled variance under the null,
+       n = (z(1 - alpha/2)*sqrt(2*pbar*(1 - pbar)) + z(power)*sqrt(p1*q1 + p2*q2))^2
+           / (p1 - p2)^2,   pbar = (p1 + p2)/2.
+4. Means (cost's ``mean_ratio``): n = (z(1 - alpha/2) + z(power))^2 * (s1^2 + s2^2) / d^2.
+5. The estimate is never below ``min_samples`` (the gate's floor: a decision needs
+   that many whatever the effect). No observed effect, or an estimate above
+   :data:`MAX_SAMPLES_ESTIMATE`, gives ``needed_per_side = None``: no practical window
+   shows the effect, and the gates decide on the floor alone.
+6. The estimate assumes the observed effect is the true one; early effects are noisy,
+   so it is recomputed at every report, not promised.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Final, Literal
+
+from scipy import stats
+
+from evaluators._statistics import DEFAULT_CONFIDENCE, MIN_COMPARABLE_SAMPLES
+
+__all__ = [
+    "DEFAULT_POWER",
+    "MAX_SAMPLES_ESTIMATE",
+    "SampleSizeEstimate",
+    "samples_needed_for_location",
+    "samples_needed_for_mean",
+    "samples_needed_for_rate",
+]
+
+DEFAULT_POWER: Final = 0.8
+MAX_SAMPLES_ESTIMATE: Final = 10_000_000
+
+PowerTest = Literal["mann_whitney", "two_proportions", "two_means"]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSizeEstimate:
+    """Values per side the observed ``effect`` needs for the test to show it (rules)."""
+
+    test: PowerTest
+    effect: float
+    alpha: float
+    power: float
+    have_per_side: int
+    needed_per_side: int | None
+    more_needed: int | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def samples_needed_for_location(
+    effect_size: float,
+    have_baseline: int,
+    have_candidate: int,
+    *,
+    confidence: float = DEFAULT_CONFIDENCE,
+    power: float = DEFAULT_POWER,
+    min_samples: int = MIN_COMPARABLE_SAMPLES,
+) -> SampleSizeEstimate:
+    """Noether's estimate (rule 2) from Cliff's delta, the judge's ``effect_size``.
+
+    What a platform engineer reads: ``more_needed``, the mirrored requests still to
+    come before a median shift of the size seen so far would be significant, so an
+    INCONCLUSIVE latency verdict says "about N more", not only "not yet".
+    """
+    if not -1.0 <= effect_size <= 1.0:
+        raise ValueError(f"Cliff's delta lies in [-1, 1], got {effect_size}")
+    z = _z_sum(confidence, power)
+    needed = None if effect_size == 0.0 else 2.0 * z**2 / (3.0 * effect_size**2)
+    return _estimate(
+        "mann_whitney",
+        effect_size,
+        needed,
+        have_baseline,
+        have_candidate,
+        confidence,
+        power,
+        min_samples,
+        "Cliff's delta",
+    )
+
+
+def samples_needed_for_rate(
+    baseline_rate: float,
+    candidate_rate: float,
+    have_baseline: int,
+    have_candidate: int,
+    *,
+    confidence: float = DEFAULT_CONFIDENCE,
+    power: float = DEFAULT_POWER,
+    min_samples: int = MIN_COMPARABLE_SAMPLES,
+) -> SampleSizeEstimate:
+    """The two-proportion estimate (rule 3) for a 0/1 metric such as success.
+
+    What a platform engineer reads: how many more requests before an error-rate change
+    of the size seen so far (``effect``, candidate - baseline) would be significant.
+    """
+    for rate in (baseline_rate, candidate_rate):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"a rate lies in [0, 1], got {rate}")
+    _check(confidence, power)
+    z_alpha = float(stats.norm.ppf(1.0 - (1.0 - confidence) / 2.0))
+    z_power = float(stats.norm.ppf(power))
+    diff = candidate_rate - baseline_rate
+    pbar = (baseline_rate + candidate_rate) / 2.0
+    spread = z_alpha * math.sqrt(2.0 * pbar * (1.0 - pbar)) + z_power * math.sqrt(
+        baseline_rate * (1.0 - baseline_rate) + candidate_rate * (1.0 - candidate_rate)
+    )
+    needed = None if diff == 0.0 else spread**2 / diff**2
+    return _estimate(
+        "two_proportions",
+        diff,
+        needed,
+        have_baseline,
+        have_candidate,
+        confidence,
+        power,
+        min_samples,
+        "rate change",
+    )
+
+
+def samples_needed_for_mean(
+    mean_shift: float,
+    std_baseline: float,
+    std_candidate: float,
+    have_baseline: int,
+    have_candidate: int,
+    *,
+    confidence: float = DEFAULT_CONFIDENCE,
+    power: float = DEFAULT_POWER,
+    min_samples: int = MIN_COMPARABLE_SAMPLES,
+) -> SampleSizeEstimate:
+    """The two-means estimate (rule 4) for a metric gated on its mean, such as cost.
+
+    What a platform engineer reads: how many more requests before a change of the mean
+    of the size seen so far (``effect``, candidate - baseline) would be significant.
+    """
+    if std_baseline < 0.0 or std_candidate < 0.0:
+        raise ValueError("standard deviations are not negative")
+    z = _z_sum(confidence, power)
+    needed = None
+    if mean_shift != 0.0:
+        needed = z**2 * (std_baseline**2 + std_candidate**2) / mean_shift**2
+    return _estimate(
+        "two_means",
+        mean_shift,
+        needed,
+        have_baseline,
+        have_candidate,
+        confidence,
+        power,
+        min_samples,
+        "mean change",
+    )
+
+
+def _z_sum(confidence: float, power: float) -> float:
+    _check(confidence, power)
+    return float(stats.norm.ppf(1.0 - (1.0 - confidence) / 2.0) + stats.norm.ppf(power))
+
+
+def _check(confidence: float, power: float) -> None:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    if not 0.0 < power < 1.0:
+        raise ValueError(f"power must lie in (0, 1), got {power}")
+
+
+def _estimate(
+    test: PowerTest,
+    effect: float,
+    needed: float | None,
+    have_baseline: int,
+    have_candidate: int,
+    confidence: float,
+    power: float,
+    min_samples: int,
+    effect_name: str,
+) -> SampleSizeEstimate:
+    """Rules 1 and 5: round up, floor at ``min_samples``, None when out of reach."""
+    if have_baseline < 0 or have_candidate < 0:
+        raise ValueError("sample counts are not negative")
+    have = min(have_baseline, have_candidate)
+    alpha = 1.0 - confidence
+    if needed is None or not math.isfinite(needed) or needed > MAX_SAMPLES_ESTIMATE:
+        why = "no effect observed" if needed is None else "an effect this small"
+        reason = (
+            f"{why} ({effect_name} {effect:.3g}): no practical number of samples "
+            f"shows it; the gates decide once each side has {min_samples}"
+        )
+        return SampleSizeEstimate(test, float(effect), alpha, power, have, None, None, reason)
+    per_side = max(math.ceil(needed - 1e-9), min_samples)
+    more = max(0, per_side - have)
+    reason = (
+        f"{effect_name} {effect:.3g} needs about {per_side} values per side for "
+        f"power {power:g} at alpha {alpha:.2g}; {have} so far, {more} more"
+    )
+    return SampleSizeEstimate(test, float(effect), alpha, power, have, per_side, more, reason)
