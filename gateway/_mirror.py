@@ -22,7 +22,6 @@ import contextlib
 import logging
 import time
 
-import aiohttp
 import orjson
 from multidict import CIMultiDict
 
@@ -30,11 +29,11 @@ from evaluators import Capture, EvaluationSink, Exchange, Observation, observe
 from gateway._budget import MemoryBudget, payload_key
 from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorRequest
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
-from gateway._exceptions import UpstreamError, translate_upstream_errors
+from gateway._exceptions import UpstreamError
 from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, Route
 from gateway._sampler import sampled
-from gateway._upstream import IdleWatchdog, Upstream
+from gateway._upstream import Upstream
 
 __all__ = ["Candidate", "Mirror"]
 
@@ -262,11 +261,13 @@ class Mirror:
         capture = Capture(started=loop.time(), max_bytes=self._capture.max_bytes,
                           max_chunk_times=self._capture.max_chunk_times)
         wall_started = time.time()
+        upstream = candidate.upstream
         try:
-            async with asyncio.timeout(config.request_timeout_s):
-                await _fetch_into(candidate.upstream, request.method, request.raw_path,
-                                  candidate.upstream.credentials(request.headers),
-                                  _candidate_body(item.payload.body, config), capture)
+            async with asyncio.timeout(config.request_timeout_s), \
+                    upstream.call(request.method, request.raw_path,
+                                  upstream.credentials(request.headers),
+                                  _candidate_body(item.payload.body, config), capture) as answer:
+                await upstream.read(answer, capture)
         except UpstreamError as exc:
             capture.error = exc.kind
         except TimeoutError:
@@ -293,34 +294,6 @@ class Mirror:
         else:
             kind = observation.error or f"http_{observation.status // 100}xx"
             self.metrics.mirror_failed.labels(candidate, kind).inc()
-
-
-async def _fetch_into(upstream: Upstream, method: str, raw_path: str,
-                      headers: CIMultiDict[str], body: bytes, capture: Capture) -> None:
-    """Send one request and read its answer into ``capture``, chunk by chunk."""
-    with translate_upstream_errors(upstream.name, "connect"):
-        response = await upstream.send(method, raw_path, headers, body)
-    try:
-        capture.status = response.status
-        capture.streamed = response.content_type == "text/event-stream"
-        with translate_upstream_errors(upstream.name, "stream"):
-            async with asyncio.timeout(None) as deadline:
-                watchdog = IdleWatchdog(deadline, upstream.config.idle_timeout_s)
-                try:
-                    await _drain(response, capture, watchdog)
-                finally:
-                    watchdog.stop()
-    finally:
-        response.close()
-
-
-async def _drain(response: aiohttp.ClientResponse, capture: Capture,
-                 watchdog: IdleWatchdog) -> None:
-    loop = asyncio.get_running_loop()
-    while chunk := await response.content.readany():
-        now = loop.time()
-        watchdog.last_activity = now
-        capture.add_chunk(now, chunk)
 
 
 def _candidate_body(body: bytes, config: CandidateConfig) -> bytes:

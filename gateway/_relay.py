@@ -22,7 +22,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -32,13 +31,12 @@ from gateway._exceptions import (
     RequestTooLarge,
     UpstreamError,
     error_response,
-    translate_upstream_errors,
 )
 from gateway._headers import REQUEST_ID_HEADER, downstream_headers, forwarded_headers
 from gateway._metrics import Route, route_of
 from gateway._sampler import session_key
 from gateway._state import GatewayState
-from gateway._upstream import IdleWatchdog, Upstream
+from gateway._upstream import Upstream
 
 __all__ = ["RequestPlan", "UsageEventFilter", "plan_request", "read_body", "relay"]
 
@@ -216,28 +214,17 @@ async def _forward(request: web.Request, state: GatewayState, upstream: Upstream
                    plan: RequestPlan, headers: CIMultiDict[str], capture: Capture,
                    request_id: str) -> web.StreamResponse:
     capture.backend = upstream.name
-    with translate_upstream_errors(upstream.name, "connect"):
-        up = await upstream.send(request.method, request.raw_path,
-                                 upstream.credentials(headers), plan.body)
-    try:
-        is_sse = up.content_type == "text/event-stream"
-        usage_filter = UsageEventFilter() if plan.injected_usage and is_sse else None
+    async with upstream.call(request.method, request.raw_path, upstream.credentials(headers),
+                             plan.body, capture) as up:
+        usage_filter = UsageEventFilter() if plan.injected_usage and capture.streamed else None
         response = web.StreamResponse(
             status=up.status, reason=up.reason,
             headers=downstream_headers(up.headers, request_id=request_id,
                                        body_rewritten=usage_filter is not None),
         )
-        capture.status = up.status
-        capture.streamed = is_sse
         await response.prepare(request)
         try:
-            with translate_upstream_errors(upstream.name, "stream"):
-                async with asyncio.timeout(None) as deadline:
-                    watchdog = IdleWatchdog(deadline, upstream.config.idle_timeout_s)
-                    try:
-                        await _pump(up, response, capture, watchdog, usage_filter)
-                    finally:
-                        watchdog.stop()
+            await upstream.read(up, capture, response.write, usage_filter)
         except UpstreamError as exc:
             state.metrics.upstream_errors.labels(upstream.name, exc.kind).inc()
             capture.error = exc.kind
@@ -245,28 +232,6 @@ async def _forward(request: web.Request, state: GatewayState, upstream: Upstream
             return response
         await response.write_eof()
         return response
-    finally:
-        up.close()
-
-
-async def _pump(up: aiohttp.ClientResponse, response: web.StreamResponse, capture: Capture,
-                watchdog: IdleWatchdog, usage_filter: UsageEventFilter | None) -> None:
-    loop = asyncio.get_running_loop()
-    reader = up.content
-    while True:
-        chunk = await reader.readany()
-        if not chunk:
-            break
-        now = loop.time()
-        watchdog.last_activity = now
-        capture.add_chunk(now, chunk)
-        if usage_filter is not None:
-            chunk = usage_filter.feed(chunk)
-            if not chunk:
-                continue
-        await response.write(chunk)
-    if usage_filter is not None and (rest := usage_filter.flush()):
-        await response.write(rest)
 
 
 def _abort(request: web.Request) -> None:

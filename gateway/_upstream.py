@@ -1,4 +1,15 @@
-"""One pooled client session per upstream, and the timeouts that bound a call to it.
+"""One pooled client session per upstream, and the one watched read of an answer from it.
+
+The relay (the primary's answer, to the client) and the mirror (a candidate's answer, to
+its Observation) read an upstream the same way, here: ``Upstream.call`` sends and waits
+for the headers, ``Upstream.read`` reads the body chunk by chunk into a ``Capture``.
+
+Rules:
+1. A failure before the response headers is translated as phase ``connect`` (a 502/504
+   while nothing was answered); one while the body is read, or while a chunk is written
+   on, as phase ``stream``. ``call`` always closes the response.
+2. Per chunk ``read`` does only: read a clock, note the time for the idle watchdog, append
+   to the bounded capture, and hand the chunk (through the optional filter) to the writer.
 
 Timeouts, each a named setting of :class:`UpstreamConfig`:
 1. ``connect_timeout_s``: the TCP connect (aiohttp ``sock_connect``).
@@ -11,18 +22,35 @@ Timeouts, each a named setting of :class:`UpstreamConfig`:
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 from yarl import URL
 
 from gateway._config import UpstreamConfig
+from gateway._exceptions import translate_upstream_errors
 from gateway._headers import with_credentials
 
 if TYPE_CHECKING:
     from multidict import CIMultiDict
 
-__all__ = ["IdleWatchdog", "Upstream"]
+    from evaluators import Capture
+
+__all__ = ["ChunkFilter", "IdleWatchdog", "Upstream"]
+
+
+class ChunkFilter(Protocol):
+    """Rewrites the chunks on their way to the writer (the capture keeps them as read)."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What to write for ``chunk``; ``b""`` to write nothing yet."""
+        ...
+
+    def flush(self) -> bytes:
+        """What is still held back once the body has ended."""
+        ...
 
 
 class Upstream:
@@ -79,6 +107,50 @@ class Upstream:
                 allow_redirects=False,
                 compress=False,
             )
+
+    @asynccontextmanager
+    async def call(self, method: str, raw_path: str, headers: CIMultiDict[str], body: bytes,
+                   capture: Capture) -> AsyncIterator[aiohttp.ClientResponse]:
+        """Send the request; yield the response, its status and kind noted in ``capture``."""
+        with translate_upstream_errors(self.name, "connect"):
+            response = await self.send(method, raw_path, headers, body)
+        try:
+            capture.status = response.status
+            capture.streamed = response.content_type == "text/event-stream"
+            yield response
+        finally:
+            response.close()
+
+    async def read(self, response: aiohttp.ClientResponse, capture: Capture,
+                   write: Callable[[bytes], Awaitable[object]] | None = None,
+                   chunk_filter: ChunkFilter | None = None) -> None:
+        """Read the body into ``capture`` as it arrives, each chunk also to ``write``.
+
+        Bounded by the idle timeout; any failure (a failed ``write`` too) raises an
+        ``UpstreamError`` of phase ``stream``.
+        """
+        loop = asyncio.get_running_loop()
+        reader = response.content
+        with translate_upstream_errors(self.name, "stream"):
+            async with asyncio.timeout(None) as deadline:
+                watchdog = IdleWatchdog(deadline, self.config.idle_timeout_s)
+                try:
+                    while chunk := await reader.readany():
+                        now = loop.time()
+                        watchdog.last_activity = now
+                        capture.add_chunk(now, chunk)
+                        if write is None:
+                            continue
+                        if chunk_filter is not None:
+                            chunk = chunk_filter.feed(chunk)
+                            if not chunk:
+                                continue
+                        await write(chunk)
+                    if write is not None and chunk_filter is not None \
+                            and (rest := chunk_filter.flush()):
+                        await write(rest)
+                finally:
+                    watchdog.stop()
 
 
 class IdleWatchdog:
