@@ -1,0 +1,414 @@
+"""Each KV codec's quality on the real model: attention-output error, next-token KL, top-1.
+
+Theory of operation
+-------------------
+1. The model runs here in a plain numpy forward over the engine's own weights (``LlamaModel``'s
+   arrays, its RMS norm and RoPE), without the paged cache: attention must see, per query, a
+   mix of round-tripped and full-precision keys (rule 3), which one ``K^T`` per chunk cannot
+   express.  Its fp32 logits are checked against ``LlamaModel.forward`` on the first prompt
+   (``QualityReport.reference_logit_gap``, ~1e-4: the same arithmetic in another order).
+2. Write-time semantics, as a quantized paged cache has them: every K and V that attention
+   reads went through ``codec.encode`` then ``decode``, the prompt's own included (the engine's
+   prefill reads its K/V back from the cache), in blocks of ``encode_tokens`` consecutive
+   positions, per layer.  A block is encoded whole, as a prefill writes it.
+3. Read-time exceptions, the cache's policy (``_codec`` rule 4): the attention sink (position
+   0) is read raw; with a window ``w``, a query at position ``i`` reads the keys and values of
+   positions ``i - w < j <= i`` at float16 (the precision the window is counted at), the rest
+   through the codec.
+4. Attention-output error, per layer: the fp32 pass gives each layer's queries, keys and values;
+   the last ``queries`` queries attend over the round-tripped K/V (rules 2-3) and over the fp32
+   ones; the error is ``||O_codec - O|| / ||O||`` over those queries and all heads.  Each layer
+   is judged on exact inputs, so this is the codec's error alone, layer by layer.
+5. Next-token KL and top-1: the whole forward runs again with every layer reading round-tripped
+   K/V, so errors compound as in a quantized engine; at the last ``queries`` positions (teacher
+   forcing: the text's own tokens) ``KL(p_fp32 || p_codec)`` in nats and whether the argmax
+   agrees.  This equals decoding those tokens one by one over a quantized cache (causal
+   attention: a position sees only the K/V before it), with rule 2's whole blocks.
+6. Calibration is not evaluation: the E8 key means come from ``CALIBRATION_TEXT``, never from the
+   prompts that are scored.
+7. Bits: a codec's bits per element are measured from its encoded arrays at ``encode_tokens``;
+   at a context of ``L`` tokens the sink costs 32 bits, the window 16, the rest the codec's
+   (``CodecQuality.effective_bits``), and the longest context that fits a KV budget follows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from ...model._model import ForwardChunk, LlamaModel, _rms_norm, _rope
+from .._store import KVLayout, KVStorage
+from ._codec import DEFAULT_ENCODE_TOKENS, DEFAULT_SEED, Float32Array, KVCodec, Role
+from ._e8_codec import E8Codec
+from ._registry import codec_by_name
+from ._texts import CALIBRATION_TEXT, PROMPTS
+
+__all__ = [
+    "DEFAULT_CONFIGS",
+    "CodecQuality",
+    "QualityReport",
+    "capture_kv",
+    "measure_quality",
+    "round_trip",
+    "tune_tau",
+]
+
+DEFAULT_CONFIGS: tuple[tuple[str, int], ...] = (
+    ("fp32", 0),
+    ("fp16", 0),
+    ("fp8", 0),
+    ("fp8", 128),
+    ("kivi-8", 0),
+    ("kivi-8", 128),
+    ("kivi-4", 0),
+    ("kivi-4", 128),
+    ("kivi-2", 0),
+    ("kivi-2", 128),
+    ("e8-2", 0),
+    ("e8-2w", 128),
+)
+"""(codec, window) pairs measured by default: every codec without a window and the lossy ones
+with KIVI's 128-token window (``e8-2w`` is ``e8-2`` with it)."""
+DEFAULT_QUERIES = 128
+SINK_BITS = 32
+WINDOW_BITS = 16
+FP16_BITS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CodecQuality:
+    """One codec at one window, measured over the prompts (see the module comment)."""
+
+    codec: str
+    window_tokens: int
+    bits_per_element: float
+    """Measured from the encoded arrays, scales included (rule 7)."""
+    elements_per_token: int
+    """K and V elements one token holds in the cache: layers x 2 x kv_heads x head_dim."""
+    attention_error_per_layer: tuple[float, ...]
+    kl_nats: float
+    top1: float
+    positions: int
+    """Positions the KL and top-1 are averaged over (all prompts)."""
+
+    @property
+    def attention_error(self) -> float:
+        """The attention-output relative error, mean over layers."""
+        return float(np.mean(self.attention_error_per_layer))
+
+    def effective_bits(self, context_tokens: int) -> float:
+        """Bits per element of a whole context: sink, window and the rest (rule 7)."""
+        if context_tokens < 1:
+            raise ValueError("a context holds at least one token")
+        window = min(self.window_tokens, context_tokens - 1)
+        coded = context_tokens - 1 - window
+        total = SINK_BITS + window * WINDOW_BITS + coded * self.bits_per_element
+        return total / context_tokens
+
+    def kv_bytes(self, context_tokens: int) -> float:
+        return self.effective_bits(context_tokens) * self.elements_per_token * context_tokens / 8
+
+    def longest_context(self, budget_bytes: int) -> int:
+        """The most tokens whose K/V fit ``budget_bytes`` (0 if not even the sink fits)."""
+        budget_bits = 8 * budget_bytes / self.elements_per_token
+        fixed = SINK_BITS + self.window_tokens * WINDOW_BITS
+        if budget_bits < SINK_BITS:
+            return 0
+        if budget_bits <= fixed:
+            return 1 + int((budget_bits - SINK_BITS) // WINDOW_BITS)
+        return 1 + self.window_tokens + int((budget_bits - fixed) // self.bits_per_element)
+
+    def compression_vs_fp16(self, context_tokens: int) -> float:
+        return FP16_BITS / self.effective_bits(context_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class QualityReport:
+    """What ``measure_quality`` measured, codec by codec."""
+
+    prompt_tokens: tuple[int, ...]
+    queries: int
+    encode_tokens: int
+    reference_logit_gap: float
+    """Largest |logit| difference of this module's fp32 forward from ``LlamaModel.forward``."""
+    results: tuple[CodecQuality, ...]
+    seconds: float
+    key_mean_norms: tuple[float, ...] = field(default=())
+    """Norm of each layer's calibrated key mean, averaged over heads (what centring removes)."""
+
+
+def round_trip(
+    codec: KVCodec, x: Float32Array, role: Role, encode_tokens: int = DEFAULT_ENCODE_TOKENS
+) -> Float32Array:
+    """``x`` [tokens, kv_heads, head_dim] encoded and decoded block by block (rule 2)."""
+    out = np.empty_like(x)
+    for start in range(0, x.shape[0], encode_tokens):
+        part = np.ascontiguousarray(x[start : start + encode_tokens])
+        out[start : start + encode_tokens] = codec.decode(codec.encode(part, role))
+    return out
+
+
+def _attention(
+    q: Float32Array,
+    first: int,
+    k: Float32Array,
+    v: Float32Array,
+    far: tuple[Float32Array, Float32Array] | None,
+    window: int,
+) -> Float32Array:
+    """Causal attention of queries ``q`` [n, heads, d] at positions ``first ..`` (rule 3).
+
+    ``k``, ``v``: [first + n, kv_heads, d] at full precision; ``far``: their round trips, read
+    outside the sink and the window (None: all full precision).  Returns [n, heads * d].
+    """
+    n, heads, dim = q.shape
+    tokens, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    rows = q.reshape(n, kv_heads, group, dim).transpose(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+    pos_q = np.repeat(np.arange(first, first + n), group)[:, None]
+    pos_k = np.arange(tokens)[None, :]
+    if far is None:
+        scores = rows @ k.transpose(1, 2, 0)
+    else:
+        near_k, near_v = k, v
+        if window:
+            near_k = k.astype(np.float16).astype(np.float32)
+            near_v = v.astype(np.float16).astype(np.float32)
+            near_k[0], near_v[0] = k[0], v[0]
+        near = (pos_q - pos_k < window) | (pos_k == 0)
+        scores = np.where(near, rows @ near_k.transpose(1, 2, 0), rows @ far[0].transpose(1, 2, 0))
+    scores = np.where(pos_k <= pos_q, scores, -np.inf).astype(np.float32)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    if far is None:
+        out = scores @ v.transpose(1, 0, 2)
+    else:
+        out = (scores * near) @ near_v.transpose(1, 0, 2)
+        out += (scores * ~near) @ far[1].transpose(1, 0, 2)
+    result = out.reshape(kv_heads, n, group, dim).transpose(1, 0, 2, 3).reshape(n, heads * dim)
+    return np.asarray(result, dtype=np.float32)
+
+
+ReadKV = Callable[[int, Float32Array, Float32Array], tuple[Float32Array, Float32Array]]
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One forward: logits of the last rows, and per layer K, V, the last queries and outputs."""
+
+    logits: Float32Array
+    keys: list[Float32Array]
+    values: list[Float32Array]
+    queries: list[Float32Array]
+    outputs: list[Float32Array]
+
+
+def _forward(
+    model: LlamaModel,
+    ids: Sequence[int],
+    *,
+    read: ReadKV | None = None,
+    window: int = 0,
+    last: int = 1,
+    capture: bool = False,
+) -> _Pass:
+    """The model over ``ids`` (rule 1); attention reads ``read(layer, k, v)`` (rules 2-3)."""
+    cfg = model.config
+    tokens = len(ids)
+    heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_end = heads * dim
+    k_end = q_end + kv_heads * dim
+    inter = cfg.intermediate_size
+    x = np.array(model.embed[np.asarray(ids, dtype=np.intp)], dtype=np.float32)
+    cos = model.rope_cos[:tokens][:, None, :]
+    sin = model.rope_sin[:tokens][:, None, :]
+    run = _Pass(np.zeros(0, dtype=np.float32), [], [], [], [])
+    for layer in range(cfg.num_layers):
+        h = _rms_norm(x, model.attn_norm[layer], cfg.rms_norm_eps)
+        qkv = h @ model.w_qkv[layer]
+        q = _rope(qkv[:, :q_end].reshape(tokens, heads, dim), cos, sin)
+        k = _rope(qkv[:, q_end:k_end].reshape(tokens, kv_heads, dim), cos, sin)
+        v = np.ascontiguousarray(qkv[:, k_end:].reshape(tokens, kv_heads, dim))
+        far = None if read is None else read(layer, k, v)
+        attn = _attention(q, 0, k, v, far, window)
+        if capture:
+            run.keys.append(k)
+            run.values.append(v)
+            run.queries.append(q[tokens - last :].copy())
+            run.outputs.append(attn[tokens - last :].copy())
+        x += attn @ model.w_o[layer]
+        h = _rms_norm(x, model.ffn_norm[layer], cfg.rms_norm_eps)
+        gate_up = h @ model.w_gate_up[layer]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        x += (gate / (1.0 + np.exp(-gate)) * up) @ model.w_down[layer]
+    final = _rms_norm(x[tokens - last :], model.final_norm, cfg.rms_norm_eps)
+    run.logits = final @ model.lm_head
+    return run
+
+
+def _engine_logits(model: LlamaModel, ids: Sequence[int], last: int) -> Float32Array:
+    """The engine's own logits of the last ``last`` positions (for rule 1's check)."""
+    layout = KVLayout.for_model(model.config)
+    blocks = -(-len(ids) // layout.block_size)
+    storage = KVStorage(layout, blocks + 1)
+    table = tuple(range(1, blocks + 1))
+    head, tail = list(ids[: len(ids) - last]), list(ids[len(ids) - last :])
+    if head:
+        model.forward([ForwardChunk(tuple(head), 0, table, logits="none")], storage)
+    (logits,) = model.forward([ForwardChunk(tuple(tail), len(head), table, logits="all")], storage)
+    return logits
+
+
+def capture_kv(
+    model: LlamaModel, ids: Sequence[int]
+) -> tuple[list[Float32Array], list[Float32Array]]:
+    """Each layer's fp32 keys and values ([tokens, kv_heads, head_dim]) over ``ids``."""
+    run = _forward(model, ids, capture=True)
+    return run.keys, run.values
+
+
+def key_means(keys: Sequence[Float32Array]) -> list[Float32Array]:
+    """Each layer's key mean per head, the sink excluded (it is kept raw, rule 3)."""
+    return [np.ascontiguousarray(k[1:].mean(axis=0), dtype=np.float32) for k in keys]
+
+
+def tune_tau(
+    keys: Sequence[Float32Array],
+    values: Sequence[Float32Array],
+    taus: Sequence[float],
+    *,
+    seed: int = DEFAULT_SEED,
+) -> dict[float, float]:
+    """Relative RMS round-trip error of E8 over these K/V (centred keys) for each ``tau``."""
+    means = key_means(keys)
+    errors: dict[float, float] = {}
+    for tau in taus:
+        err = total = 0.0
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            codec = E8Codec(layer=layer, seed=seed, key_mean=means[layer], tau=tau)
+            for x, role, offset in ((k, "key", means[layer]), (v, "value", 0.0)):
+                body = x[1:]
+                back = round_trip(codec, body, role)  # type: ignore[arg-type]
+                err += float(np.square(back - body).sum())
+                total += float(np.square(body - offset).sum())
+        errors[tau] = float(np.sqrt(err / total))
+    return errors
+
+
+def _log_softmax(logits: Float32Array) -> npt.NDArray[np.float64]:
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    out: npt.NDArray[np.float64] = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return out
+
+
+@dataclass(slots=True)
+class _Tally:
+    layer_errors: list[list[float]] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    agree: list[bool] = field(default_factory=list)
+
+
+def measure_quality(
+    model: LlamaModel,
+    *,
+    configs: Sequence[tuple[str, int]] = DEFAULT_CONFIGS,
+    prompts: Sequence[str] = PROMPTS,
+    max_tokens: int | None = None,
+    queries: int = DEFAULT_QUERIES,
+    encode_tokens: int = DEFAULT_ENCODE_TOKENS,
+    seed: int = DEFAULT_SEED,
+    progress: Callable[[str], None] | None = None,
+) -> QualityReport:
+    """Measure every ``(codec, window)`` of ``configs`` on ``prompts`` (see the module comment).
+
+    ``max_tokens`` cuts each prompt; ``queries``: the last positions scored per prompt.
+    """
+    started = time.perf_counter()
+    say = progress or (lambda _: None)
+    cfg = model.config
+    layers = cfg.num_layers
+    calibration_keys, _ = capture_kv(model, model.tokenizer.encode(CALIBRATION_TEXT))
+    means = key_means(calibration_keys)
+    per_layer_codecs = {
+        name: [codec_by_name(name, layer=i, seed=seed, key_mean=means[i]) for i in range(layers)]
+        for name, _ in configs
+    }
+    tallies = {config: _Tally() for config in configs}
+    prompt_tokens: list[int] = []
+    gap = 0.0
+    for number, text in enumerate(prompts):
+        ids = model.tokenizer.encode(text)[:max_tokens]
+        if len(ids) <= queries:
+            raise ValueError(f"prompt {number} has {len(ids)} tokens, not more than {queries}")
+        prompt_tokens.append(len(ids))
+        first = len(ids) - queries
+        reference = _forward(model, ids, last=queries, capture=True)
+        if number == 0:
+            engine = _engine_logits(model, ids, queries)
+            gap = float(np.abs(engine - reference.logits).max())
+        ref_logp = _log_softmax(reference.logits)
+        for config in configs:
+            name, window = config
+            codecs = per_layer_codecs[name]
+            tally = tallies[config]
+
+            def read(
+                layer: int, k: Float32Array, v: Float32Array
+            ) -> tuple[Float32Array, Float32Array]:
+                codec = codecs[layer]  # noqa: B023 -- used within this iteration only
+                return (
+                    round_trip(codec, k, "key", encode_tokens),
+                    round_trip(codec, v, "value", encode_tokens),
+                )
+
+            errors = []
+            for layer in range(layers):
+                k, v = reference.keys[layer], reference.values[layer]
+                out = _attention(reference.queries[layer], first, k, v, read(layer, k, v), window)
+                exact = reference.outputs[layer]
+                errors.append(float(np.linalg.norm(out - exact) / np.linalg.norm(exact)))
+            tally.layer_errors.append(errors)
+            run = _forward(model, ids, read=read, window=window, last=queries)
+            logp = _log_softmax(run.logits)
+            kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
+            tally.kl.extend(float(value) for value in kl)
+            tally.agree.extend(
+                bool(a == b) for a, b in zip(ref_logp.argmax(-1), logp.argmax(-1), strict=True)
+            )
+            say(
+                f"prompt {number} ({len(ids)} tokens) {name} w{window}: attention error "
+                f"{np.mean(errors):.4f}, KL {kl.mean():.5f}"
+            )
+    elements = layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    results = tuple(
+        CodecQuality(
+            codec=name,
+            window_tokens=window,
+            bits_per_element=per_layer_codecs[name][0].bits_per_element(
+                cfg.num_kv_heads, cfg.head_dim, encode_tokens
+            ),
+            elements_per_token=elements,
+            attention_error_per_layer=tuple(
+                float(e) for e in np.mean(tallies[(name, window)].layer_errors, axis=0)
+            ),
+            kl_nats=float(np.mean(tallies[(name, window)].kl)),
+            top1=float(np.mean(tallies[(name, window)].agree)),
+            positions=len(tallies[(name, window)].kl),
+        )
+        for name, window in configs
+    )
+    return QualityReport(
+        prompt_tokens=tuple(prompt_tokens),
+        queries=queries,
+        encode_tokens=encode_tokens,
+        reference_logit_gap=gap,
+        results=results,
+        seconds=time.perf_counter() - started,
+        key_mean_norms=tuple(float(np.linalg.norm(m, axis=1).mean()) for m in means),
+    )

@@ -1,0 +1,75 @@
+"""Every KV codec by name (``CODECS``) and ``codec_by_name``, the one way to build one.
+
+Registry names and what the cache does with them: ``e8-2w`` is ``e8-2`` with a 128-token
+full-precision window (``window_tokens``), a read-time policy of the cache; the KIVI codecs
+carry KIVI's own 128-token window.  The benchmark measures every codec with and without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from ._codec import DEFAULT_SEED, CodecSpec, Float32Array, KVCodec
+from ._e8_codec import E8Codec
+from ._float import Float8Codec, Float16Codec, Float32Codec
+from ._kivi import KIVI_WINDOW, KiviCodec
+
+__all__ = ["CODECS", "E8_WINDOW", "codec_by_name"]
+
+E8_WINDOW = 128
+"""Recent tokens ``e8-2w`` keeps at full precision (KIVI's window)."""
+
+
+def _e8(window: int, name: str) -> CodecSpec:
+    return CodecSpec(
+        name,
+        f"E8 lattice, 2 bits/dim + a float16 scale per token-head, Hadamard-rotated"
+        f"{f', {window}-token window' if window else ''}",
+        lambda layer, seed, key_mean: E8Codec(
+            layer=layer, seed=seed, key_mean=key_mean, window_tokens=window, name=name
+        ),
+    )
+
+
+def _kivi(bits: int) -> CodecSpec:
+    return CodecSpec(
+        f"kivi-{bits}",
+        f"KIVI {bits}-bit asymmetric, keys per channel, values per token (group 32)",
+        lambda layer, seed, key_mean: KiviCodec(bits, window_tokens=KIVI_WINDOW),
+    )
+
+
+CODECS: Mapping[str, CodecSpec] = MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (
+            CodecSpec("fp32", "float32, the reference", lambda *_: Float32Codec()),
+            CodecSpec("fp16", "IEEE float16", lambda *_: Float16Codec()),
+            CodecSpec("fp8", "float8 e4m3, a float32 scale per head", lambda *_: Float8Codec()),
+            _kivi(8),
+            _kivi(4),
+            _kivi(2),
+            _e8(0, "e8-2"),
+            _e8(E8_WINDOW, "e8-2w"),
+        )
+    }
+)
+"""Every codec by name, from the least lossy to the most."""
+
+
+def codec_by_name(
+    name: str,
+    *,
+    layer: int = 0,
+    seed: int = DEFAULT_SEED,
+    key_mean: Float32Array | None = None,
+) -> KVCodec:
+    """The codec ``name`` for ``layer``: ``seed`` and ``key_mean`` [kv_heads, head_dim] (the
+    layer's calibrated key mean) matter to the codecs that rotate or centre (E8); the others
+    ignore them.  Unknown names raise ``KeyError`` naming the known ones."""
+    try:
+        spec = CODECS[name]
+    except KeyError:
+        raise KeyError(f"unknown KV codec {name!r} (known: {', '.join(CODECS)})") from None
+    return spec.build(layer, seed, key_mean)

@@ -1,0 +1,348 @@
+"""The KV codec family: one suite that every codec passes, then the E8 lattice on its own.
+
+Bounds are for the codec's own error on synthetic blocks of 32 tokens x 3 heads x 64 dims
+(the model's shape): Gaussian data, and heavy-tailed data with outlier channels (what post-RoPE
+keys look like).  The real model's numbers are ``bench/kvquant.py``'s; one slow test runs the
+quality measurement on a short prompt to keep that path working.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+import pytest
+import scipy.linalg
+
+import backends.engine.kv.codecs as codecs_package
+from backends.engine import LlamaModel
+from backends.engine.kv.codecs import CODECS, EncodedBlock, KVCodec, codec_by_name
+from backends.engine.kv.codecs._e8 import (
+    CODEBOOK_NORM2,
+    CODEBOOK_SIZE,
+    e8_codebook,
+    nearest_d8,
+    nearest_e8,
+    nearest_in_codebook_brute_force,
+)
+from backends.engine.kv.codecs._e8_codec import hadamard_transform
+from backends.engine.kv.codecs._float import FP8_MAX
+from backends.engine.kv.codecs._kivi import pack_codes, unpack_codes
+from backends.engine.kv.codecs._quality import _attention, measure_quality, round_trip
+
+Float32Array = npt.NDArray[np.float32]
+SHAPE = (32, 3, 64)
+NAMES = list(CODECS)
+ROLES = ("key", "value")
+
+# Upper bounds on the relative RMS round-trip error: (Gaussian, outlier channels).
+ERROR_BOUNDS: dict[str, tuple[float, float]] = {
+    "fp32": (0.0, 0.0),
+    "fp16": (5e-4, 5e-4),
+    "fp8": (0.03, 0.03),
+    "kivi-8": (0.01, 0.01),
+    "kivi-4": (0.1, 0.13),
+    "kivi-2": (0.42, 0.6),
+    "e8-2": (0.32, 0.3),
+    "e8-2w": (0.32, 0.3),
+}
+# (low, high) of the measured bits per element at 32 tokens per block.
+BITS: dict[str, tuple[float, float]] = {
+    "fp32": (32.0, 32.0),
+    "fp16": (16.0, 16.0),
+    "fp8": (8.0, 8.1),
+    "kivi-8": (9.0, 9.0),
+    "kivi-4": (5.0, 5.0),
+    "kivi-2": (3.0, 3.0),
+    "e8-2": (2.25, 2.25),
+    "e8-2w": (2.25, 2.25),
+}
+WINDOWS = {"kivi-8": 128, "kivi-4": 128, "kivi-2": 128, "e8-2w": 128}
+
+
+def gaussian(seed: int = 0, shape: tuple[int, int, int] = SHAPE) -> Float32Array:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def outliers(seed: int = 1, shape: tuple[int, int, int] = SHAPE) -> Float32Array:
+    """Student-t (3 degrees of freedom) with four channels per head 12x larger and an offset."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_t(3, size=shape).astype(np.float32)
+    channels = rng.choice(shape[2], size=4, replace=False)
+    x[:, :, channels] *= 12.0
+    x += rng.standard_normal(shape[1:]).astype(np.float32)[None] * 2.0
+    return x
+
+
+def relative_error(restored: Float32Array, x: Float32Array) -> float:
+    return float(np.sqrt(np.square(restored - x).sum() / np.square(x).sum()))
+
+
+@pytest.fixture(params=NAMES)
+def codec(request: pytest.FixtureRequest) -> KVCodec:
+    return codec_by_name(request.param)
+
+
+def test_exported_members() -> None:
+    assert codecs_package.__all__ == [
+        "CODECS",
+        "CodecQuality",
+        "EncodedBlock",
+        "KVCodec",
+        "QualityReport",
+        "Role",
+        "codec_by_name",
+        "measure_quality",
+    ]
+
+
+def test_registry_names_and_unknown_name() -> None:
+    assert NAMES == ["fp32", "fp16", "fp8", "kivi-8", "kivi-4", "kivi-2", "e8-2", "e8-2w"]
+    with pytest.raises(KeyError, match="e8-2"):
+        codec_by_name("e8-3")
+
+
+# --- the shared suite: every codec ------------------------------------------------------------
+
+
+def test_is_a_kv_codec_with_its_name_and_window(codec: KVCodec) -> None:
+    assert isinstance(codec, KVCodec)
+    assert codec.name in CODECS
+    assert codec.window_tokens == WINDOWS.get(codec.name, 0)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_shapes_and_dtypes(codec: KVCodec, role: str) -> None:
+    x = gaussian()
+    encoded = codec.encode(x, role)  # type: ignore[arg-type]
+    assert isinstance(encoded, EncodedBlock)
+    assert encoded.codec == codec.name and encoded.role == role and encoded.shape == SHAPE
+    restored = codec.decode(encoded)
+    assert restored.dtype == np.float32 and restored.shape == SHAPE
+    assert np.isfinite(restored).all()
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("data", ["gaussian", "outliers"])
+def test_round_trip_error_within_bound(codec: KVCodec, role: str, data: str) -> None:
+    x = gaussian() if data == "gaussian" else outliers()
+    error = relative_error(codec.decode(codec.encode(x, role)), x)  # type: ignore[arg-type]
+    bound = ERROR_BOUNDS[codec.name][0 if data == "gaussian" else 1]
+    assert error <= bound
+
+
+def test_bits_per_element_measured_in_range(codec: KVCodec) -> None:
+    low, high = BITS[codec.name]
+    bits = codec.bits_per_element(3, 64, 32)
+    assert low <= bits <= high
+    encoded = codec.encode(gaussian(), "key")
+    assert codec.nbytes(encoded) == encoded.nbytes
+    assert encoded.nbytes == encoded.codes.nbytes + encoded.scales.nbytes + encoded.zeros.nbytes
+
+
+def test_size_does_not_depend_on_content(codec: KVCodec) -> None:
+    sizes = {codec.nbytes(codec.encode(x, "value")) for x in (gaussian(), outliers())}
+    sizes.add(codec.nbytes(codec.encode(np.zeros(SHAPE, dtype=np.float32), "value")))
+    assert len(sizes) == 1
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_encoding_is_deterministic(codec: KVCodec, role: str) -> None:
+    x = outliers()
+    first = codec.encode(x, role)  # type: ignore[arg-type]
+    again = codec_by_name(codec.name).encode(x.copy(), role)  # type: ignore[arg-type]
+    for a, b in ((first.codes, again.codes), (first.scales, again.scales)):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    assert first.zeros.tobytes() == again.zeros.tobytes()
+    assert codec.decode(first).tobytes() == codec.decode(again).tobytes()
+
+
+def test_zero_block_and_odd_token_counts(codec: KVCodec) -> None:
+    zeros = np.zeros((16, 3, 64), dtype=np.float32)
+    assert np.array_equal(codec.decode(codec.encode(zeros, "key")), zeros)
+    one = gaussian(shape=(1, 3, 64))
+    assert codec.decode(codec.encode(one, "value")).shape == (1, 3, 64)
+
+
+def test_rejects_bad_blocks_and_foreign_blocks(codec: KVCodec) -> None:
+    with pytest.raises(ValueError):
+        codec.encode(gaussian().astype(np.float64), "key")
+    with pytest.raises(ValueError):
+        codec.encode(gaussian()[0], "key")
+    with pytest.raises(ValueError):
+        codec.encode(gaussian(), "query")  # type: ignore[arg-type]
+    other = codec_by_name("fp16" if codec.name != "fp16" else "fp8")
+    with pytest.raises(ValueError, match="cannot be decoded"):
+        codec.decode(other.encode(gaussian(), "key"))
+
+
+def softmax_attention(q: Float32Array, k: Float32Array, v: Float32Array) -> Float32Array:
+    """Plain causal attention: q [n, heads, d] at the last n positions of k, v [t, kv, d]."""
+    n, heads, dim = q.shape
+    tokens, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    out = np.zeros((n, heads, dim), dtype=np.float64)
+    for i in range(n):
+        position = tokens - n + i
+        for head in range(heads):
+            kv = head // group
+            scores = k[: position + 1, kv] @ q[i, head]
+            weights = np.exp(scores - scores.max())
+            out[i, head] = (weights / weights.sum()) @ v[: position + 1, kv]
+    return out.reshape(n, heads * dim).astype(np.float32)
+
+
+def test_attention_over_the_codec_is_attention_over_decoded_kv(codec: KVCodec) -> None:
+    """The quality harness's attention through the codec = decode, then plain attention."""
+    rng = np.random.default_rng(7)
+    k, v = outliers(3, (64, 3, 64)), gaussian(4, (64, 3, 64))
+    q = (rng.standard_normal((8, 9, 64)) * 0.05).astype(np.float32)
+    k_read, v_read = round_trip(codec, k, "key", 32), round_trip(codec, v, "value", 32)
+    decoded = np.concatenate(
+        [codec.decode(codec.encode(np.ascontiguousarray(k[i : i + 32]), "key")) for i in (0, 32)]
+    )
+    assert np.array_equal(k_read, decoded)
+    # The sink (position 0) is read raw; nothing else is exempt without a window.
+    k_expected, v_expected = k_read.copy(), v_read.copy()
+    k_expected[0], v_expected[0] = k[0], v[0]
+    harness = _attention(q, 56, k, v, (k_read, v_read), window=0)
+    plain = softmax_attention(q, k_expected, v_expected)
+    np.testing.assert_allclose(harness, plain, rtol=2e-4, atol=2e-5)
+    exact = softmax_attention(q, k, v)
+    error = float(np.linalg.norm(plain - exact) / np.linalg.norm(exact))
+    assert error <= 2.0 * max(ERROR_BOUNDS[codec.name])
+
+
+def test_window_reads_recent_tokens_at_full_precision(codec: KVCodec) -> None:
+    k, v = outliers(3, (64, 3, 64)), gaussian(4, (64, 3, 64))
+    q = (np.random.default_rng(8).standard_normal((4, 9, 64)) * 0.05).astype(np.float32)
+    k_read, v_read = round_trip(codec, k, "key"), round_trip(codec, v, "value")
+    wide = _attention(q, 60, k, v, (k_read, v_read), window=64)
+    exact = _attention(q, 60, k, v, None, window=0)
+    np.testing.assert_allclose(wide, exact, rtol=2e-3, atol=2e-3)  # float16 window
+
+
+def test_fp8_range_is_e4m3fn() -> None:
+    finfo = ml_dtypes.finfo(ml_dtypes.float8_e4m3fn)  # type: ignore[no-untyped-call]
+    assert float(finfo.max) == FP8_MAX
+    x = gaussian() * 1e4
+    codec = codec_by_name("fp8")
+    assert relative_error(codec.decode(codec.encode(x, "key")), x) <= 0.03
+
+
+# --- bit packing --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_round_trip_and_size(bits: int) -> None:
+    codes = np.random.default_rng(bits).integers(0, 1 << bits, size=1001).astype(np.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.nbytes == -(-1001 * bits // 8)
+    assert np.array_equal(unpack_codes(packed, bits, 1001), codes)
+
+
+# --- the E8 lattice ------------------------------------------------------------------------------
+
+
+def is_e8_point(points: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
+    """All coordinates integers or all half-integers, and an even sum."""
+    doubled = np.rint(points * 2)
+    on_grid = np.abs(points * 2 - doubled).max(axis=1) < 1e-9
+    parity = np.remainder(doubled, 2)
+    same_coset = (parity == parity[:, :1]).all(axis=1)
+    even_sum = np.remainder(np.rint(points.sum(axis=1)), 2) == 0
+    result: npt.NDArray[np.bool_] = on_grid & same_coset & even_sum
+    return result
+
+
+def test_codebook_size_symmetry_and_points() -> None:
+    book = e8_codebook()
+    assert len(book) == CODEBOOK_SIZE == 56_881
+    points = book.points
+    assert is_e8_point(points).all()
+    assert (np.square(points).sum(axis=1) <= CODEBOOK_NORM2 + 1e-9).all()
+    assert np.array_equal(book.index_of(points), np.arange(CODEBOOK_SIZE))
+    assert (book.index_of(-points) >= 0).all()
+    shells = np.unique(np.rint(np.square(points).sum(axis=1)), return_counts=True)
+    assert shells[0].tolist() == [0, 2, 4, 6, 8, 10]
+    assert shells[1].tolist() == [1, 240, 2160, 6720, 17520, 30240]
+
+
+def test_nearest_d8_and_e8_are_lattice_points() -> None:
+    x = np.random.default_rng(11).standard_normal((5000, 8)) * 3
+    d8 = nearest_d8(x)
+    assert np.array_equal(d8, np.rint(d8)) and (np.remainder(d8.sum(axis=1), 2) == 0).all()
+    assert is_e8_point(nearest_e8(x)).all()
+
+
+def test_nearest_e8_is_nearest() -> None:
+    """Against every lattice point near each vector.  ``base``, a D8 point, is within ~2.6 of
+    x's nearest point (covering radius 1, plus rounding and the parity step), so that point is
+    ``base`` plus an E8 point of norm^2 <= 8, both cosets included."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((300, 8)) * 2
+    found = nearest_e8(x)
+    book = e8_codebook().points
+    near = book[np.square(book).sum(axis=1) <= 8 + 1e-9]
+    base = np.rint(x)
+    base[np.remainder(base.sum(axis=1), 2) == 1, 0] += 1
+    for row in range(x.shape[0]):
+        best = np.square(base[row] + near - x[row]).sum(axis=1).min()
+        assert np.square(found[row] - x[row]).sum() <= best + 1e-9
+
+
+def test_codebook_encoding_matches_brute_force() -> None:
+    """Inside the ball the nearest point is exact; outside, shrink-and-descend finds the
+    brute-force nearest codebook point."""
+    rng = np.random.default_rng(13)
+    book = e8_codebook()
+    x = np.concatenate([rng.standard_normal((600, 8)) * 0.8, rng.standard_normal((600, 8)) * 1.4])
+    chosen = book.points[book.encode(x)]
+    brute = nearest_in_codebook_brute_force(x, book)
+    np.testing.assert_allclose(
+        np.square(chosen - x).sum(axis=1), np.square(brute - x).sum(axis=1), atol=1e-9
+    )
+
+
+def test_hadamard_transform_is_scipy_hadamard() -> None:
+    x = gaussian()
+    np.testing.assert_allclose(
+        hadamard_transform(x), x @ (scipy.linalg.hadamard(64) / 8.0), atol=1e-5
+    )
+    np.testing.assert_allclose(hadamard_transform(hadamard_transform(x)), x, atol=1e-5)
+
+
+def test_e8_key_mean_and_seed() -> None:
+    x = outliers()
+    mean = x.mean(axis=0)
+    plain = codec_by_name("e8-2")
+    centred = codec_by_name("e8-2", key_mean=mean)
+    assert relative_error(centred.decode(centred.encode(x, "key")), x) < relative_error(
+        plain.decode(plain.encode(x, "key")), x
+    )
+    # Values are never centred; the seed and the layer change the rotation.
+    assert np.array_equal(centred.encode(x, "value").codes, plain.encode(x, "value").codes)
+    other = codec_by_name("e8-2", layer=1)
+    assert not np.array_equal(other.encode(x, "key").codes, plain.encode(x, "key").codes)
+
+
+# --- the real model -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_quality_on_the_real_model(engine_model: LlamaModel) -> None:
+    report = measure_quality(
+        engine_model,
+        configs=(("fp32", 0), ("fp16", 0), ("e8-2", 0), ("e8-2w", 128)),
+        prompts=("The quick brown fox jumps over the lazy dog. " * 12,),
+        max_tokens=96,
+        queries=32,
+    )
+    assert report.reference_logit_gap < 1e-3
+    by_name = {q.codec: q for q in report.results}
+    assert by_name["fp32"].kl_nats < 1e-9 and by_name["fp32"].top1 == 1.0
+    assert max(by_name["fp32"].attention_error_per_layer) < 1e-6
+    assert by_name["fp16"].attention_error < 1e-3
+    assert len(by_name["e8-2"].attention_error_per_layer) == engine_model.config.num_layers
+    assert by_name["e8-2w"].attention_error < by_name["e8-2"].attention_error
+    assert by_name["e8-2"].longest_context(64 << 20) > 7 * by_name["fp16"].longest_context(64 << 20)
