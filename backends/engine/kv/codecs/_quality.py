@@ -319,6 +319,7 @@ def measure_quality(
     *,
     configs: Sequence[tuple[str, int]] = DEFAULT_CONFIGS,
     prompts: Sequence[str] = PROMPTS,
+    max_prompts: int | None = None,
     max_tokens: int | None = None,
     queries: int = DEFAULT_QUERIES,
     encode_tokens: int = DEFAULT_ENCODE_TOKENS,
@@ -327,7 +328,8 @@ def measure_quality(
 ) -> QualityReport:
     """Measure every ``(codec, window)`` of ``configs`` on ``prompts`` (see the module comment).
 
-    ``max_tokens`` cuts each prompt; ``queries``: the last positions scored per prompt.
+    ``max_prompts`` takes the first prompts only, ``max_tokens`` cuts each; ``queries``: the
+    last positions scored per prompt.
     """
     started = time.perf_counter()
     say = progress or (lambda _: None)
@@ -342,7 +344,7 @@ def measure_quality(
     tallies = {config: _Tally() for config in configs}
     prompt_tokens: list[int] = []
     gap = 0.0
-    for number, text in enumerate(prompts):
+    for number, text in enumerate(prompts[:max_prompts]):
         ids = model.tokenizer.encode(text)[:max_tokens]
         if len(ids) <= queries:
             raise ValueError(f"prompt {number} has {len(ids)} tokens, not more than {queries}")

@@ -1,0 +1,238 @@
+"""Quantized KV codecs on the real model, side by side in one run.
+
+    .venv/bin/python bench/kvquant.py [--quick] [--prompts N] [--tokens N] [--queries N]
+                                      [--budget-mib 64] [--context 1536] [--threads 1]
+
+SmolLM2-135M (the reference engine's weights) reads ordinary prose (three paragraphs written
+into ``backends.engine.kv.codecs``, ~420-450 tokens each) once in fp32 and once per codec with its
+keys and values round-tripped through the codec, every layer, in blocks of 32 tokens (the
+write-time semantics of a quantized paged cache; the attention-sink token is read raw).  Each
+codec is measured without a window and, for the lossy ones, with KIVI's 128-token window read
+at float16 (``e8-2w`` is ``e8-2`` with it).  Per codec:
+
+  bits      bits per element measured from the encoded arrays (codes, scales, zeros).
+  bits@L    the whole context's bits at ``--context`` tokens: sink 32, window 16, rest ``bits``.
+  x fp16    16 / bits@L: the compression against an fp16 cache.
+  attn err  attention-output relative error, ||O_codec - O|| / ||O|| of the last ``--queries``
+            queries of each layer over round-tripped K/V, mean over layers (and the worst).
+  KL, top1  next-token KL(p_fp32 || p_codec) in nats and argmax agreement at the last
+            ``--queries`` positions of each prompt, with every layer reading round-tripped K/V.
+  ctx@MiB   the longest context whose K/V fit ``--budget-mib`` (from the true bits).
+
+Targets (issue 14): e8-2 at >= 7x vs fp16 with attn err <= 0.38 and top-1 >= 82%; e8-2w
+attn err <= 0.10 at <= 3.4 bits.  The report says which were met, on what was measured.
+Bounded: the prompts and tokens are fixed by the options (``--quick``: one prompt of 256
+tokens, 64 scored positions, about a minute on two cores).
+
+Results go to stdout and to bench/results/kvquant.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from backends.engine import LlamaModel  # noqa: E402
+from backends.engine.kv.codecs import CodecQuality, QualityReport, measure_quality  # noqa: E402
+
+RESULTS_PATH = REPO_ROOT / "bench" / "results" / "kvquant.json"
+DEFAULT_BUDGET_MIB = 64
+DEFAULT_CONTEXT = 1536
+FULL = {"prompts": None, "tokens": None, "queries": 128}
+QUICK = {"prompts": 1, "tokens": 256, "queries": 64}
+TARGET_E8_COMPRESSION = 7.0
+TARGET_E8_ATTENTION = 0.38
+TARGET_E8_TOP1 = 0.82
+TARGET_E8W_ATTENTION = 0.10
+TARGET_E8W_BITS = 3.4
+
+
+def label(result: CodecQuality) -> str:
+    if result.window_tokens == 0 or result.codec.endswith("w"):
+        return result.codec
+    return f"{result.codec} +w{result.window_tokens}"
+
+
+def rows(report: QualityReport, context: int, budget: int) -> list[dict[str, Any]]:
+    fp16 = next((r for r in report.results if r.codec == "fp16" and r.window_tokens == 0), None)
+    fp16_context = fp16.longest_context(budget) if fp16 else None
+    out = []
+    for result in report.results:
+        longest = result.longest_context(budget)
+        out.append(
+            {
+                "codec": label(result),
+                "registry_name": result.codec,
+                "window_tokens": result.window_tokens,
+                "bits_per_element": result.bits_per_element,
+                "bits_at_context": result.effective_bits(context),
+                "compression_vs_fp16": result.compression_vs_fp16(context),
+                "attention_error": result.attention_error,
+                "attention_error_worst_layer": max(result.attention_error_per_layer),
+                "attention_error_per_layer": list(result.attention_error_per_layer),
+                "kl_nats": result.kl_nats,
+                "top1": result.top1,
+                "positions": result.positions,
+                "longest_context": longest,
+                "longest_context_vs_fp16": longest / fp16_context if fp16_context else None,
+            }
+        )
+    return out
+
+
+def targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {row["codec"]: row for row in table}
+    checks: list[dict[str, Any]] = []
+    e8, e8w = by.get("e8-2"), by.get("e8-2w")
+    if e8:
+        checks += [
+            {
+                "what": "e8-2 compression vs fp16 >= 7x",
+                "measured": e8["compression_vs_fp16"],
+                "met": e8["compression_vs_fp16"] >= TARGET_E8_COMPRESSION,
+            },
+            {
+                "what": "e8-2 attention error <= 0.38",
+                "measured": e8["attention_error"],
+                "met": e8["attention_error"] <= TARGET_E8_ATTENTION,
+            },
+            {
+                "what": "e8-2 top-1 >= 82%",
+                "measured": e8["top1"],
+                "met": e8["top1"] >= TARGET_E8_TOP1,
+            },
+        ]
+    if e8w:
+        checks += [
+            {
+                "what": "e8-2w attention error <= 0.10",
+                "measured": e8w["attention_error"],
+                "met": e8w["attention_error"] <= TARGET_E8W_ATTENTION,
+            },
+            {
+                "what": "e8-2w bits at the context <= 3.4",
+                "measured": e8w["bits_at_context"],
+                "met": e8w["bits_at_context"] <= TARGET_E8W_BITS,
+            },
+        ]
+    return checks
+
+
+def render(result: dict[str, Any]) -> None:
+    setup = result["setup"]
+    context, budget_mib = setup["context"], setup["budget_mib"]
+    table = Table(
+        title=(
+            f"KV codecs on SmolLM2-135M: {len(setup['prompt_tokens'])} prompt(s) of "
+            f"{setup['prompt_tokens']} tokens, last {setup['queries']} positions scored"
+        )
+    )
+    columns = (
+        "codec",
+        "window",
+        "bits",
+        f"bits@{context}",
+        "x fp16",
+        "attn err",
+        "worst layer",
+        "KL nats",
+        "top-1",
+        f"ctx@{budget_mib}MiB",
+        "x fp16 ctx",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column == "codec" else "right")
+    for row in result["codecs"]:
+        table.add_row(
+            row["codec"],
+            str(row["window_tokens"]),
+            f"{row['bits_per_element']:.3f}",
+            f"{row['bits_at_context']:.3f}",
+            f"{row['compression_vs_fp16']:.2f}",
+            f"{row['attention_error']:.4f}",
+            f"{row['attention_error_worst_layer']:.4f}",
+            f"{row['kl_nats']:.5f}",
+            f"{100 * row['top1']:.1f}%",
+            str(row["longest_context"]),
+            "-"
+            if row["longest_context_vs_fp16"] is None
+            else f"{row['longest_context_vs_fp16']:.2f}",
+        )
+    console = Console(width=200)
+    console.print(table)
+    console.print(
+        f"fp32 forward here vs the engine's LlamaModel.forward: max |logit gap| "
+        f"{setup['reference_logit_gap']:.2e}; encode unit {setup['encode_tokens']} tokens; "
+        f"{setup['seconds']:.0f} s; BLAS threads {setup['threads']}"
+    )
+    for check in result["targets"]:
+        mark = "met " if check["met"] else "MISS"
+        console.print(f"  {mark} {check['what']}: measured {check['measured']:.4f}", markup=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="one prompt of 256 tokens")
+    parser.add_argument("--prompts", type=int, help="how many of the prompts")
+    parser.add_argument("--tokens", type=int, help="cut each prompt to this many tokens")
+    parser.add_argument("--queries", type=int, help="positions scored per prompt")
+    parser.add_argument("--budget-mib", type=int, default=DEFAULT_BUDGET_MIB)
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="for bits@L")
+    parser.add_argument("--threads", type=int, default=1, help="BLAS threads (1: a shared box)")
+    args = parser.parse_args(argv)
+    plan: dict[str, Any] = dict(QUICK if args.quick else FULL)
+    for key in ("prompts", "tokens", "queries"):
+        if getattr(args, key) is not None:
+            plan[key] = getattr(args, key)
+
+    model = LlamaModel.load()
+    with threadpool_limits(args.threads, "blas"):
+        report = measure_quality(
+            model,
+            max_prompts=plan["prompts"],
+            max_tokens=plan["tokens"],
+            queries=plan["queries"],
+            progress=lambda line: print(f"  {time.strftime('%H:%M:%S')} {line}", flush=True),
+        )
+    model.close()
+    budget = args.budget_mib << 20
+    table = rows(report, args.context, budget)
+    result = {
+        "setup": {
+            "quick": args.quick,
+            "prompt_tokens": list(report.prompt_tokens),
+            "queries": report.queries,
+            "encode_tokens": report.encode_tokens,
+            "context": args.context,
+            "budget_mib": args.budget_mib,
+            "reference_logit_gap": report.reference_logit_gap,
+            "seconds": report.seconds,
+            "threads": args.threads,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "key_mean_norms": list(report.key_mean_norms),
+        },
+        "codecs": table,
+        "targets": targets(table),
+    }
+    render(result)
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
