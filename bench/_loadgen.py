@@ -28,7 +28,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,54 +130,56 @@ def _bodies(spec: dict[str, Any]) -> tuple[bytes, bytes]:
     return json.dumps(measured).encode(), json.dumps(warm).encode()
 
 
-async def run(spec: dict[str, Any]) -> dict[str, Any]:
-    url = spec["url"].rstrip("/") + "/v1/chat/completions"
+def open_session(spec: dict[str, Any]) -> aiohttp.ClientSession:
+    """The one session of a run: a connection per worker, each request bounded."""
     concurrency = int(spec["concurrency"])
-    per_worker = int(spec["requests_per_worker"])
-    duration_s = float(spec["duration_s"])
-    stagger_s = float(spec.get("stagger_s", 0.0))
-    body, warm_body = _bodies(spec)
-    once = _stream_once if spec["mode"] == "stream" else _small_once
-    cpu_pids: dict[str, list[int]] = spec.get("cpu_pids", {})
-    tally = Tally()
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
     timeout = aiohttp.ClientTimeout(total=float(spec["request_timeout_s"]))
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        warm = Tally()
-        await asyncio.gather(*(_small_once(session, url, warm_body, warm)
-                               for _ in range(concurrency)))
-        if warm.errors:
-            return {"error": f"warm-up failed: {warm.error_samples}"}
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
-        loop = asyncio.get_running_loop()
-        stop_at = loop.time() + duration_s
 
-        async def worker(index: int) -> None:
-            if stagger_s:
-                await asyncio.sleep(stagger_s * index / concurrency)
-            for _ in range(per_worker):
-                if loop.time() >= stop_at:
-                    return
-                try:
-                    await once(session, url, body, tally)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    tally.fail(f"{type(exc).__name__}: {exc}")
+async def warm_up(session: aiohttp.ClientSession, url: str, bodies: list[bytes]) -> str | None:
+    """One short request per body, all at once (rule 2); what failed, or None."""
+    warm = Tally()
+    await asyncio.gather(*(_small_once(session, url, body, warm) for body in bodies))
+    return f"warm-up failed: {warm.error_samples}" if warm.errors else None
 
-        before = {name: cpu_ticks_split(pids) for name, pids in cpu_pids.items()}
-        machine_before = machine_ticks()
-        own_before = time.process_time()
-        started = time.perf_counter()
-        tasks = [asyncio.ensure_future(worker(i)) for i in range(concurrency)]
-        _done, pending = await asyncio.wait(tasks, timeout=float(spec["deadline_s"]))
-        elapsed = time.perf_counter() - started
-        own_cpu = time.process_time() - own_before
-        machine_after = machine_ticks()
-        after = {name: cpu_ticks_split(pids) for name, pids in cpu_pids.items()}
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    ticks = {name: sum(after[name]) - sum(before[name]) for name in before}
-    user_ticks = {name: after[name][0] - before[name][0] for name in before}
+
+async def measure(spec: dict[str, Any], tally: Tally,
+                  send: Callable[[int, int], Awaitable[None]]) -> dict[str, Any]:
+    """The measured phase: each worker calls ``send(worker, sequence)`` in a closed loop,
+    bounded by rules 1 and 5; the figures it counted in ``tally``, with the CPU (rule 3)."""
+    concurrency = int(spec["concurrency"])
+    per_worker = int(spec["requests_per_worker"])
+    stagger_s = float(spec.get("stagger_s", 0.0))
+    cpu_pids: dict[str, list[int]] = spec.get("cpu_pids", {})
+    loop = asyncio.get_running_loop()
+    stop_at = loop.time() + float(spec["duration_s"])
+
+    async def worker(index: int) -> None:
+        if stagger_s:
+            await asyncio.sleep(stagger_s * index / concurrency)
+        for sequence in range(per_worker):
+            if loop.time() >= stop_at:
+                return
+            try:
+                await send(index, sequence)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                tally.fail(f"{type(exc).__name__}: {exc}")
+
+    before = {name: cpu_ticks_split(pids) for name, pids in cpu_pids.items()}
+    machine_before = machine_ticks()
+    own_before = time.process_time()
+    started = time.perf_counter()
+    tasks = [asyncio.ensure_future(worker(i)) for i in range(concurrency)]
+    _done, pending = await asyncio.wait(tasks, timeout=float(spec["deadline_s"]))
+    elapsed = time.perf_counter() - started
+    own_cpu = time.process_time() - own_before
+    machine_after = machine_ticks()
+    after = {name: cpu_ticks_split(pids) for name, pids in cpu_pids.items()}
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     busy = machine_after[0] - machine_before[0]
     total = machine_after[1] - machine_before[1]
     return {
@@ -191,12 +193,27 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         "events_per_s": tally.events / elapsed if elapsed else 0.0,
         "ttft_s": summary(tally.ttft),
         "e2e_s": summary(tally.e2e),
-        "cpu_ticks": ticks,
-        "cpu_user_ticks": user_ticks,
+        "cpu_ticks": {name: sum(after[name]) - sum(before[name]) for name in before},
+        "cpu_user_ticks": {name: after[name][0] - before[name][0] for name in before},
         "loadgen_cpu_s": own_cpu,
         "machine_busy_s": busy / CLOCK_TICKS,
         "machine_capacity_s": total / CLOCK_TICKS,
     }
+
+
+async def run(spec: dict[str, Any]) -> dict[str, Any]:
+    url = spec["url"].rstrip("/") + "/v1/chat/completions"
+    body, warm_body = _bodies(spec)
+    once = _stream_once if spec["mode"] == "stream" else _small_once
+    tally = Tally()
+    async with open_session(spec) as session:
+        if failed := await warm_up(session, url, [warm_body] * int(spec["concurrency"])):
+            return {"error": failed}
+
+        async def send(_worker: int, _sequence: int) -> None:
+            await once(session, url, body, tally)
+
+        return await measure(spec, tally, send)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

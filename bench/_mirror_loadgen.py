@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _loadgen import Tally, _small_once, _stream_once, summary
-from _procs import CLOCK_TICKS, cpu_ticks, machine_ticks
+from _loadgen import Tally, _stream_once, measure, open_session, warm_up
+from _procs import CLOCK_TICKS
 
 _PROMPT = "Tell me about relays, briefly."
 _PAD_WORD = "mirror "
@@ -81,89 +79,40 @@ async def _sample_rss(pid: int, interval_s: float, peak: dict[str, int]) -> None
 
 async def run(spec: dict[str, Any]) -> dict[str, Any]:
     url = spec["url"].rstrip("/") + "/v1/chat/completions"
-    concurrency = int(spec["concurrency"])
-    per_worker = int(spec["requests_per_worker"])
-    duration_s = float(spec["duration_s"])
-    stagger_s = float(spec.get("stagger_s", 0.0))
-    cpu_pids: dict[str, list[int]] = spec.get("cpu_pids", {})
     rss_pid: int | None = spec.get("rss_pid")
     unique = bool(spec.get("unique", True))
     tally = Tally()
     sent_bytes = 0
-    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
-    timeout = aiohttp.ClientTimeout(total=float(spec["request_timeout_s"]))
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with open_session(spec) as session:
         run_tag = f"{time.time_ns():x}"  # differs between phases and between runs
-        warm = Tally()
-        await asyncio.gather(*(_small_once(session, url, warm_body(spec, f"{run_tag}-{i}"
-                                                                 if unique else "same"), warm)
-                               for i in range(concurrency)))
-        if warm.errors:
-            return {"error": f"warm-up failed: {warm.error_samples}"}
+        if failed := await warm_up(session, url, [
+                warm_body(spec, f"{run_tag}-{i}" if unique else "same")
+                for i in range(int(spec["concurrency"]))]):
+            return {"error": failed}
 
-        loop = asyncio.get_running_loop()
-        stop_at = loop.time() + duration_s
-
-        async def worker(index: int) -> None:
+        async def send(worker: int, sequence: int) -> None:
             nonlocal sent_bytes
-            if stagger_s:
-                await asyncio.sleep(stagger_s * index / concurrency)
-            for sequence in range(per_worker):
-                if loop.time() >= stop_at:
-                    return
-                body = chat_body(spec, f"{run_tag}-{index}-{sequence}" if unique else "same")
-                sent_bytes += len(body)
-                try:
-                    await _stream_once(session, url, body, tally)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    tally.fail(f"{type(exc).__name__}: {exc}")
+            body = chat_body(spec, f"{run_tag}-{worker}-{sequence}" if unique else "same")
+            sent_bytes += len(body)
+            await _stream_once(session, url, body, tally)
 
         rss_before = read_status_kib(rss_pid) if rss_pid else {}
         peak: dict[str, int] = {}
         sampler = (asyncio.ensure_future(
             _sample_rss(rss_pid, float(spec.get("rss_interval_s", 0.05)), peak))
             if rss_pid else None)
-        before = {name: cpu_ticks(pids) for name, pids in cpu_pids.items()}
-        machine_before = machine_ticks()
-        own_before = time.process_time()
-        started = time.perf_counter()
-        tasks = [asyncio.ensure_future(worker(i)) for i in range(concurrency)]
-        _done, pending = await asyncio.wait(tasks, timeout=float(spec["deadline_s"]))
-        elapsed = time.perf_counter() - started
-        own_cpu = time.process_time() - own_before
-        machine_after = machine_ticks()
-        after = {name: cpu_ticks(pids) for name, pids in cpu_pids.items()}
+        result = await measure(spec, tally, send)
         rss_after = read_status_kib(rss_pid) if rss_pid else {}
         if sampler is not None:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    ticks = {name: after[name] - before[name] for name in before}
-    busy = machine_after[0] - machine_before[0]
-    total = machine_after[1] - machine_before[1]
-    result: dict[str, Any] = {
-        "elapsed_s": elapsed,
-        "ok": tally.ok,
-        "errors": tally.errors,
-        "error_samples": tally.error_samples,
-        "cut_by_deadline": len(pending),
-        "events": tally.events,
+    result.update({
         "sent_bytes": sent_bytes,
-        "rps": tally.ok / elapsed if elapsed else 0.0,
-        "events_per_s": tally.events / elapsed if elapsed else 0.0,
-        "ttft_s": summary(tally.ttft),
-        "e2e_s": summary(tally.e2e),
         # Every completed request's, so that percentiles can be taken over several runs.
         "ttft_samples_ms": [round(v * 1000, 2) for v in tally.ttft],
         "e2e_samples_ms": [round(v * 1000, 1) for v in tally.e2e],
-        "cpu_ticks": ticks,
         "clock_ticks": CLOCK_TICKS,
-        "loadgen_cpu_s": own_cpu,
-        "machine_busy_s": busy / CLOCK_TICKS,
-        "machine_capacity_s": total / CLOCK_TICKS,
-    }
+    })
     if rss_pid:
         result["rss"] = {
             "before_kib": rss_before.get("VmRSS"), "hwm_before_kib": rss_before.get("VmHWM"),

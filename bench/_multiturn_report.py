@@ -12,6 +12,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _loadgen import percentile
 from _multiturn_cluster import Reply
+from _report import div, num, render_table
 
 __all__ = [
     "BIDIR",
@@ -73,10 +74,6 @@ def _stats(values: list[float]) -> dict[str, Any]:
     return {"n": len(values), "p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def summarise_depth(depth: dict[str, Any]) -> dict[str, Any]:
     turns = [TurnResult(**t) for t in depth["turns"]]
     ok = {(t.system, t.session, t.turn): t for t in turns if t.error is None}
@@ -101,8 +98,8 @@ def summarise_depth(depth: dict[str, Any]) -> dict[str, Any]:
             if (RECOMPUTE, t.session, t.turn) in ok and t.ttft_s
         ]
         if RECOMPUTE in systems and BIDIR in systems:
-            entry["ratio_p50"] = _ratio(entry[RECOMPUTE]["p50"], entry[BIDIR]["p50"])
-            entry["ratio_p99"] = _ratio(entry[RECOMPUTE]["p99"], entry[BIDIR]["p99"])
+            entry["ratio_p50"] = div(entry[RECOMPUTE]["p50"], entry[BIDIR]["p50"])
+            entry["ratio_p99"] = div(entry[RECOMPUTE]["p99"], entry[BIDIR]["p99"])
             entry["ratio_paired_median"] = statistics.median(paired) if paired else None
         entry["history_tokens"] = sorted({history(t) for r in rows.values() for t in r})
         buckets[label] = entry
@@ -164,20 +161,6 @@ def summarise_policy(run: dict[str, Any]) -> dict[str, Any]:
 # --- printing -----------------------------------------------------------------------------------
 
 
-def _num(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
-    ]
-    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
-
 def counts(values: dict[str, float]) -> str:
     return " ".join(f"{k}:{v:.0f}" for k, v in sorted(values.items())) or "-"
 
@@ -202,11 +185,11 @@ def depth_report(depth: dict[str, Any], summary: dict[str, Any]) -> str:
         tokens = entry["history_tokens"]
         row = [label, f"{tokens[0]}-{tokens[-1]}" if tokens else "-"]
         for s in systems:
-            row += [str(entry[s]["n"]), _num(entry[s]["p50"]), _num(entry[s]["p99"])]
+            row += [str(entry[s]["n"]), num(entry[s]["p50"], 2), num(entry[s]["p99"], 2)]
         row += [
-            _num(entry.get("ratio_p50"), 1) + "x",
-            _num(entry.get("ratio_p99"), 1) + "x",
-            _num(entry.get("ratio_paired_median"), 1) + "x",
+            num(entry.get("ratio_p50"), 1) + "x",
+            num(entry.get("ratio_p99"), 1) + "x",
+            num(entry.get("ratio_paired_median"), 1) + "x",
         ]
         rows.append(row)
     names = {
@@ -215,7 +198,7 @@ def depth_report(depth: dict[str, Any], summary: dict[str, Any]) -> str:
         PREFIX: "(c) unified, prefix caching",
     }
     lines = [
-        _table(
+        render_table(
             "depth: TTFT in s per turn, by the history length (prompt tokens) of the turn; "
             "ratios of (a) over (b)",
             header,
@@ -226,7 +209,7 @@ def depth_report(depth: dict[str, Any], summary: dict[str, Any]) -> str:
     target = summary["target"]
     state = {True: "PASS", False: "MISS", None: "NOT MEASURED (no turn in that bucket)"}
     lines.append(
-        f"target: {target['what']}: measured {_num(target['value'], 1)}x  {state[target['met']]}"
+        f"target: {target['what']}: measured {num(target['value'], 1)}x  {state[target['met']]}"
     )
     pulls = depth["pulls"]
     share = summary["transfer_share"]
@@ -286,12 +269,12 @@ def policies_report(runs: dict[str, Any], plan: dict[str, Any]) -> str:
             [
                 policy,
                 str(s["all"]["n"]),
-                _num(s["all"]["p50"]),
-                _num(s["all"]["p99"]),
-                _num(s["heavy"]["p50"]),
-                _num(s["heavy"]["p99"]),
-                _num(s["light"]["p50"]),
-                _num(s["waves_s"], 1),
+                num(s["all"]["p50"], 2),
+                num(s["all"]["p99"], 2),
+                num(s["heavy"]["p50"], 2),
+                num(s["heavy"]["p99"], 2),
+                num(s["light"]["p50"], 2),
+                num(s["waves_s"], 1),
                 counts(s["routed"].get("prefill", {})),
                 counts(
                     {
@@ -310,16 +293,16 @@ def policies_report(runs: dict[str, Any], plan: dict[str, Any]) -> str:
         "turns; per node (by index): requests and read-backs from the router, prompt tokens "
         "each prefill node computed (prefix-cache misses), waves only"
     )
-    lines = [_table(title, header, rows)]
+    lines = [render_table(title, header, rows)]
     base = summaries.get("kv-aware")
     for policy, s in summaries.items():
         if base is None or policy == "kv-aware":
             continue
         lines.append(
-            f"{policy} / kv-aware: TTFT p50 {_num(_ratio(s['all']['p50'], base['all']['p50']))}x, "
-            f"p99 {_num(_ratio(s['all']['p99'], base['all']['p99']))}x, heavy p50 "
-            f"{_num(_ratio(s['heavy']['p50'], base['heavy']['p50']))}x, waves time "
-            f"{_num(_ratio(s['waves_s'], base['waves_s']))}x"
+            f"{policy} / kv-aware: TTFT p50 {num(div(s['all']['p50'], base['all']['p50']), 2)}x, "
+            f"p99 {num(div(s['all']['p99'], base['all']['p99']), 2)}x, heavy p50 "
+            f"{num(div(s['heavy']['p50'], base['heavy']['p50']), 2)}x, waves time "
+            f"{num(div(s['waves_s'], base['waves_s']), 2)}x"
         )
     for policy, s in summaries.items():
         pulls = "; ".join(

@@ -1,5 +1,5 @@
-"""The processes a benchmark runs: the simulator, the gateway, nginx, the reference engine,
-the real vLLM; and their CPU.
+"""The harness every benchmark runs on: the code under test, the processes (the simulator,
+the gateway, nginx, the reference engine, the real vLLM, the load generator) and their CPU.
 
 Rules:
 1. The code under test is copied at the start of a run (``snapshot_code``) and every
@@ -18,8 +18,10 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -29,27 +31,38 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from backends.vllm import VLLMProfile, VLLMServer, VLLMServerError, model_dir
 
 __all__ = [
     "CLOCK_TICKS",
+    "LOADGEN_SCRIPT",
+    "REPO_ROOT",
     "Child",
+    "LoadGen",
+    "children_of",
     "code_revision",
     "cpu_ticks",
     "cpu_ticks_split",
+    "export_code",
     "find_nginx",
     "free_port",
+    "git_commit",
+    "loadgen_result",
     "machine_ticks",
     "nginx_version",
     "process_tree",
+    "run_loadgens",
     "snapshot_code",
+    "spawn",
     "start_bare_relay",
     "start_engine",
     "start_gateway",
     "start_nginx",
     "start_sim",
     "start_vllm",
+    "wait_http",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -128,6 +141,22 @@ def code_revision(paths: tuple[str, ...] = _CODE_DIRS) -> str:
     return f"{commit}{' + uncommitted edits' if dirty else ''}"
 
 
+def git_commit(rev: str) -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def export_code(workdir: Path, rev: str) -> Path:
+    """``snapshot_code`` from a commit: the same folders, as ``rev`` has them."""
+    code = workdir / "code"
+    code.mkdir()
+    archive = subprocess.run(["git", "archive", rev, "--", *_CODE_DIRS], cwd=REPO_ROOT,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
+    return code
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -161,7 +190,7 @@ def machine_ticks() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
-def _children_of(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -179,13 +208,13 @@ def process_tree(pid: int) -> list[int]:
     """``pid`` and all its descendants alive now (vLLM's API server, engine core, helpers)."""
     tree, todo = [pid], [pid]
     while todo:
-        children = _children_of(todo.pop())
+        children = children_of(todo.pop())
         tree += children
         todo += children
     return tree
 
 
-def _wait_http(child: Child, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_http(child: Child, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -204,7 +233,7 @@ def _wait_http(child: Child, url: str, timeout_s: float = READY_TIMEOUT_S) -> No
                        f"{child.log_tail()}")
 
 
-def _spawn(name: str, argv: list[str], workdir: Path, code: Path, *,
+def spawn(name: str, argv: list[str], workdir: Path, code: Path, *,
            cwd: Path | None = None) -> Child:
     """Start ``argv`` in ``code`` (``python -m`` puts the cwd first on sys.path), or in
     ``cwd`` with ``code`` first on PYTHONPATH; it logs to ``workdir/NAME.log``."""
@@ -226,7 +255,7 @@ def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, token
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
             "--port", "0", "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
             "--tokens", str(tokens)]
-    child = _spawn(name, argv, workdir, code)
+    child = spawn(name, argv, workdir, code)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and not child.url:
         if match := _SIM_LINE.search(child.log.read_bytes()):
@@ -238,7 +267,7 @@ def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, token
     if not child.url:
         child.stop()
         raise RuntimeError(f"simulator did not start:\n{child.log_tail()}")
-    _wait_http(child, child.url + "/health")
+    wait_http(child, child.url + "/health")
     return child
 
 
@@ -254,9 +283,9 @@ def start_gateway(workdir: Path, code: Path, primary_url: str) -> Child:
     run_dir.mkdir()
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
             "--primary", primary_url, "--host", "127.0.0.1", "--port", str(port)]
-    child = _spawn("gateway", argv, run_dir, code, cwd=run_dir)
+    child = spawn("gateway", argv, run_dir, code, cwd=run_dir)
     child.url = f"http://127.0.0.1:{port}"
-    _wait_http(child, child.url + "/health")
+    wait_http(child, child.url + "/health")
     return child
 
 
@@ -265,9 +294,9 @@ def start_bare_relay(workdir: Path, primary_url: str) -> Child:
     port = free_port()
     script = Path(__file__).resolve().parent / "_bare_relay.py"
     argv = [sys.executable, str(script), "--primary", primary_url, "--port", str(port)]
-    child = _spawn("aiohttp", argv, workdir, workdir)
+    child = spawn("aiohttp", argv, workdir, workdir)
     child.url = f"http://127.0.0.1:{port}"
-    _wait_http(child, child.url + "/health")
+    wait_http(child, child.url + "/health")
     return child
 
 
@@ -281,11 +310,13 @@ def nginx_version(binary: str) -> str:
     return (out.stderr or out.stdout).strip().removeprefix("nginx version: ")
 
 
+# One worker, no buffering, upstream keepalive; with a candidate, ``mirror`` to it through
+# an internal location with its own timeouts.
 _NGINX_CONF = """\
 worker_processes 1;
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
-events {{ worker_connections 4096; }}
+events {{ worker_connections 8192; }}
 http {{
     access_log off;
     client_body_temp_path {prefix}/tmp/body;
@@ -295,41 +326,72 @@ http {{
     scgi_temp_path {prefix}/tmp/scgi;
     keepalive_requests 100000;
     upstream primary {{
-        server {upstream};
+        server {primary};
         keepalive 256;
         keepalive_requests 100000;
     }}
+{candidate_upstream}
     server {{
         listen 127.0.0.1:{port};
         location / {{
+{mirror}
             proxy_pass http://primary;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
             proxy_read_timeout 120s;
         }}
+{mirror_location}
     }}
 }}
 """
 
+_NGINX_CANDIDATE = """\
+    upstream candidate {{
+        server {candidate};
+        keepalive 256;
+        keepalive_requests 100000;
+    }}"""
 
-def start_nginx(workdir: Path, binary: str, primary_url: str) -> Child:
-    """nginx ``proxy_pass`` to ``primary_url``: one worker, no buffering, upstream keepalive."""
-    prefix = workdir / "nginx"
+_NGINX_MIRROR = """\
+            mirror /mirror;
+            mirror_request_body on;"""
+
+_NGINX_MIRROR_LOCATION = """\
+        location = /mirror {{
+            internal;
+            proxy_pass http://candidate$request_uri;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_connect_timeout {timeout}s;
+            proxy_send_timeout {timeout}s;
+            proxy_read_timeout {timeout}s;
+        }}"""
+
+
+def start_nginx(workdir: Path, binary: str, primary_url: str, *, name: str = "nginx",
+                candidate_url: str | None = None, mirror_timeout_s: int = 5) -> Child:
+    """nginx ``proxy_pass`` to ``primary_url``, and ``mirror`` to ``candidate_url`` if given."""
+    prefix = workdir / name
     (prefix / "tmp").mkdir(parents=True, exist_ok=True)
     port = free_port()
     conf = prefix / "nginx.conf"
-    conf.write_text(_NGINX_CONF.format(prefix=prefix, port=port,
-                                       upstream=primary_url.removeprefix("http://")))
+    conf.write_text(_NGINX_CONF.format(
+        prefix=prefix, port=port, primary=primary_url.removeprefix("http://"),
+        candidate_upstream=_NGINX_CANDIDATE.format(
+            candidate=candidate_url.removeprefix("http://")) if candidate_url else "",
+        mirror=_NGINX_MIRROR if candidate_url else "",
+        mirror_location=(_NGINX_MIRROR_LOCATION.format(timeout=mirror_timeout_s)
+                         if candidate_url else "")))
     argv = [binary, "-e", str(prefix / "error.log"), "-p", str(prefix), "-c", str(conf),
             "-g", "daemon off;"]
-    child = _spawn("nginx", argv, workdir, workdir)
+    child = spawn(name, argv, workdir, workdir)
     child.url = f"http://127.0.0.1:{port}"
-    _wait_http(child, child.url + "/health")
-    child.extra_pids = _children_of(child.pid)  # the worker(s)
+    wait_http(child, child.url + "/health")
+    child.extra_pids = children_of(child.pid)  # the worker(s)
     if not child.extra_pids:
         child.stop()
-        raise RuntimeError("nginx started without a worker process")
+        raise RuntimeError(f"{name} started without a worker process")
     return child
 
 
@@ -341,9 +403,9 @@ def start_engine(workdir: Path, code: Path, *, name: str = "engine") -> Child:
         sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "engine",
         "--role", "unified", "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    child = _spawn(name, argv, workdir, code)
+    child = spawn(name, argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
-    _wait_http(child, child.url + "/health", ENGINE_READY_TIMEOUT_S)
+    wait_http(child, child.url + "/health", ENGINE_READY_TIMEOUT_S)
     return child
 
 
@@ -360,3 +422,69 @@ def start_vllm(workdir: Path, *, max_model_len: int) -> VLLMServer:
         server.stop()
         raise RuntimeError(f"vLLM did not start: {exc}") from exc
     return server
+
+
+# --- the load generator --------------------------------------------------------------------
+# bench/_loadgen.py (and _mirror_loadgen.py) run as processes of their own: a spec as JSON in,
+# one line of JSON out (the last line of stdout), ``{"error": ...}`` when it failed.
+
+LOADGEN_SCRIPT = Path(__file__).resolve().parent / "_loadgen.py"
+
+
+def loadgen_result(returncode: int | None, out: str, err: str) -> dict[str, Any]:
+    """The result a load generator printed, or a RuntimeError that says why there is none."""
+    lines = out.strip().splitlines()
+    if returncode != 0 or not lines:
+        raise RuntimeError(f"load generator failed ({returncode}):\n{err[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    if "error" in result:
+        raise RuntimeError(f"load generator: {result['error']}")
+    return result
+
+
+def run_loadgens(script: Path, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One load generator per spec, all at once; their results in the same order."""
+    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(spec)], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for spec in specs]
+    results = []
+    for proc, spec in zip(procs, specs, strict=True):
+        try:
+            out, err = proc.communicate(timeout=float(spec["deadline_s"]) + 90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append(loadgen_result(proc.returncode, out, err))
+    return results
+
+
+class LoadGen:
+    """A load generator kept for the whole run (``--serve``: one spec a line on stdin)."""
+
+    def __init__(self, workdir: Path, script: Path = LOADGEN_SCRIPT) -> None:
+        self._log = (workdir / "loadgen.log").open("wb")
+        self._proc = subprocess.Popen([sys.executable, str(script), "--serve"], cwd=REPO_ROOT,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True)
+
+    def run(self, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(spec) + "\n")
+        self._proc.stdin.flush()
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            tail = Path(self._log.name).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"load generator gave no result within {timeout_s:.0f} s:\n{tail}")
+        return loadgen_result(0, line, "")
+
+    def close(self) -> None:
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        self._log.close()

@@ -61,7 +61,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _engine_rounds import LABELS, SERVERS, STREAMS, Plan, Server, run_rounds
 from _procs import (
-    REPO_ROOT,
     Child,
     code_revision,
     process_tree,
@@ -69,10 +68,11 @@ from _procs import (
     start_engine,
     start_vllm,
 )
+from _report import RESULTS_DIR, loadavg, median, num, write_results
 
 from backends.vllm import VLLMServer, vllm_python
 
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "engine.json"
+RESULTS_PATH = RESULTS_DIR / "engine.json"
 
 DEFAULT_ROUNDS = 3
 DEFAULT_LENGTHS = (512, 2048, 4096)
@@ -106,12 +106,12 @@ def summarise(plan: Plan, samples: list[dict[str, Any]]) -> list[dict[str, Any]]
             for r in by_round.values()
             if len(r) == 2 and r["vllm"]["value"] > 0
         ]
-        ratio = statistics.median(ratios) if ratios else None
+        ratio = median(ratios)
         row: dict[str, Any] = {
             **asdict(metric),
             "target_text": metric.target_text,
-            "engine": statistics.median(values["engine"]) if values["engine"] else None,
-            "vllm": statistics.median(values["vllm"]) if values["vllm"] else None,
+            "engine": median(values["engine"]),
+            "vllm": median(values["vllm"]),
             "ratio": ratio,
             "ratios": ratios,
             "rounds_measured": len(ratios),
@@ -124,7 +124,7 @@ def summarise(plan: Plan, samples: list[dict[str, Any]]) -> list[dict[str, Any]]
                     for r in by_round.values()
                     if name in r and r[name].get("tokens_per_step") is not None
                 ]
-                row[f"{name}_tokens_per_step"] = statistics.median(steps) if steps else None
+                row[f"{name}_tokens_per_step"] = median(steps)
         rows.append(row)
     return rows
 
@@ -171,7 +171,7 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]], samples: list[dict[
             lines.append(
                 f"{row['title']}: decode tokens per server step (arrival bursts), "
                 + ", ".join(
-                    f"{LABELS[n]} {_num(row.get(f'{n}_tokens_per_step'), 2)}" for n in SERVERS
+                    f"{LABELS[n]} {num(row.get(f'{n}_tokens_per_step'), 2)}" for n in SERVERS
                 )
             )
     lines.append(
@@ -192,10 +192,6 @@ def report(meta: dict[str, Any], rows: list[dict[str, Any]], samples: list[dict[
     if errors:
         lines.append(f"errors: {len(errors)} measurements failed (see the JSON)")
     return "\n".join(lines)
-
-
-def _num(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _cached_text(values: list[int | None]) -> str:
@@ -249,10 +245,6 @@ def vllm_threads(server: VLLMServer) -> str:
 
 
 # --- main -------------------------------------------------------------------------------
-
-
-def _loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -322,7 +314,7 @@ def _run(stack: ExitStack, plan: Plan) -> int:
         f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
         f"{'quick' if plan.quick else 'full'} mode: {plan.rounds} round(s), TTFT at "
         f"{', '.join(map(str, plan.lengths))} fresh tokens, decode {plan.decode_tokens} tokens "
-        f"(1 and {STREAMS} streams); load average {_loadavg()}"
+        f"(1 and {STREAMS} streams); load average {loadavg()}"
     )
     log(
         "threads: "
@@ -367,20 +359,16 @@ def _run(stack: ExitStack, plan: Plan) -> int:
         "vllm_threads": vllm_threads(vllm),
         "engine_start_line": engine_line[-1] if engine_line else None,
         "wall_s": time.monotonic() - began,
-        "loadavg_end": _loadavg(),
+        "loadavg_end": loadavg(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     log("")
     log(report(meta, rows, samples))
     log(
-        f"\nwall time {meta['wall_s']:.0f} s, load average {_loadavg()} "
+        f"\nwall time {meta['wall_s']:.0f} s, load average {loadavg()} "
         f"(1, 5, 15 min; {os.cpu_count()} busy cores = {os.cpu_count()}.0)"
     )
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(
-        json.dumps({"meta": meta, "summary": rows, "samples": samples}, indent=2)
-    )
-    log(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    log(write_results(RESULTS_PATH, {"meta": meta, "summary": rows, "samples": samples}))
     return 0
 
 

@@ -70,8 +70,6 @@ import json
 import math
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,21 +84,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _loadgen import percentile
 from _mirror_loadgen import read_status_kib
 from _procs import (
-    _CODE_DIRS,
     CLOCK_TICKS,
-    REPO_ROOT,
     Child,
-    _children_of,
-    _spawn,
-    _wait_http,
+    code_revision,
     cpu_ticks,
+    export_code,
     find_nginx,
     free_port,
+    git_commit,
     nginx_version,
+    process_tree,
+    run_loadgens,
     snapshot_code,
+    spawn,
+    start_nginx,
+    wait_http,
 )
+from _report import RESULTS_DIR, div, load_figures, median, num, render_table, write_results
 
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "mirror.json"
+RESULTS_PATH = RESULTS_DIR / "mirror.json"
 LOADGEN = Path(__file__).resolve().parent / "_mirror_loadgen.py"
 SIM_MODEL = "sim-model"
 KiB = 1024
@@ -166,7 +168,7 @@ def spawn_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
             "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
             "--tokens", str(TOKENS), "--max-model-len", str(SIM_MAX_MODEL_LEN), *extra]
-    child = _spawn(name, argv, workdir, code)
+    child = spawn(name, argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
     return child
 
@@ -191,7 +193,7 @@ def spawn_gateway(workdir: Path, code: Path, name: str, primary_url: str,
     config.write_text("\n".join(lines))
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
             "--config", str(config)]
-    child = _spawn(name, argv, workdir, code)
+    child = spawn(name, argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
     return child
 
@@ -199,94 +201,13 @@ def spawn_gateway(workdir: Path, code: Path, name: str, primary_url: str,
 def ready(*children: Child) -> None:
     """Wait until each child answers /health (imports take seconds on a busy machine)."""
     for child in children:
-        _wait_http(child, child.url + "/health", READY_TIMEOUT_S)
+        wait_http(child, child.url + "/health", READY_TIMEOUT_S)
 
 
 def candidate_entry(name: str, url: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "url": url, "sample_rate": 1.0, "sampling_unit": "request",
             "max_concurrency": CANDIDATE_CONCURRENCY,
             "first_byte_timeout_s": STALL_FIRST_BYTE_TIMEOUT_S, **extra}
-
-
-_NGINX_CONF = """\
-worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/tmp/body;
-    proxy_temp_path {prefix}/tmp/proxy;
-    fastcgi_temp_path {prefix}/tmp/fastcgi;
-    uwsgi_temp_path {prefix}/tmp/uwsgi;
-    scgi_temp_path {prefix}/tmp/scgi;
-    keepalive_requests 100000;
-    upstream primary {{
-        server {primary};
-        keepalive 256;
-        keepalive_requests 100000;
-    }}
-{candidate_upstream}
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-{mirror}
-            proxy_pass http://primary;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_read_timeout 120s;
-        }}
-{mirror_location}
-    }}
-}}
-"""
-
-_NGINX_CANDIDATE = """\
-    upstream candidate {{
-        server {candidate};
-        keepalive 256;
-        keepalive_requests 100000;
-    }}"""
-
-_NGINX_MIRROR_LOCATION = """\
-        location = /mirror {{
-            internal;
-            proxy_pass http://candidate$request_uri;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_connect_timeout {timeout}s;
-            proxy_send_timeout {timeout}s;
-            proxy_read_timeout {timeout}s;
-        }}"""
-
-
-def start_nginx_mirror(workdir: Path, binary: str, name: str, primary_url: str,
-                       candidate_url: str | None) -> Child:
-    """nginx ``proxy_pass`` to the primary, ``mirror`` to ``candidate_url`` if given."""
-    prefix = workdir / name
-    (prefix / "tmp").mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    mirrored = candidate_url is not None
-    conf = prefix / "nginx.conf"
-    conf.write_text(_NGINX_CONF.format(
-        prefix=prefix, port=port, primary=primary_url.removeprefix("http://"),
-        candidate_upstream=_NGINX_CANDIDATE.format(
-            candidate=candidate_url.removeprefix("http://")) if candidate_url else "",
-        mirror=("            mirror /mirror;\n            mirror_request_body on;"
-                if mirrored else ""),
-        mirror_location=(_NGINX_MIRROR_LOCATION.format(timeout=NGINX_MIRROR_TIMEOUT_S)
-                         if mirrored else "")))
-    argv = [binary, "-e", str(prefix / "error.log"), "-p", str(prefix), "-c", str(conf),
-            "-g", "daemon off;"]
-    child = _spawn(name, argv, workdir, workdir)
-    child.url = f"http://127.0.0.1:{port}"
-    _wait_http(child, child.url + "/health")
-    child.extra_pids = _children_of(child.pid)
-    if not child.extra_pids:
-        child.stop()
-        raise RuntimeError(f"{name} started without a worker process")
-    return child
 
 
 def scrape(child: Child) -> dict[str, float]:
@@ -329,29 +250,7 @@ def mirror_counts(metrics: dict[str, float]) -> dict[str, float]:
 # --- running ---------------------------------------------------------------------------
 
 def run_loadgen(spec: dict[str, Any]) -> dict[str, Any]:
-    return run_loadgens([spec])[0]
-
-
-def run_loadgens(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One load generator per spec, all at once; their results in the same order."""
-    procs = [subprocess.Popen([sys.executable, str(LOADGEN), json.dumps(spec)], cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for spec in specs]
-    results = []
-    for proc, spec in zip(procs, specs, strict=True):
-        try:
-            out, err = proc.communicate(timeout=float(spec["deadline_s"]) + 90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        lines = out.strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"load generator failed ({proc.returncode}):\n{err[-2000:]}")
-        result: dict[str, Any] = json.loads(lines[-1])
-        if "error" in result:
-            raise RuntimeError(f"load generator: {result['error']}")
-        results.append(result)
-    return results
+    return run_loadgens(LOADGEN, [spec])[0]
 
 
 def derive(result: dict[str, Any]) -> dict[str, Any]:
@@ -359,18 +258,9 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
     relay_ticks = result["cpu_ticks"].get("relay")
     relay_s = relay_ticks / CLOCK_TICKS if relay_ticks is not None else None
     events = result["events"]
-
-    def ms(summary: dict[str, Any], key: str) -> float | None:
-        value = summary.get(key)
-        return None if value is None else value * 1000
-
     return {
-        "ok": result["ok"], "errors": result["errors"], "cut": result["cut_by_deadline"],
-        "error_samples": result["error_samples"], "elapsed_s": elapsed,
-        "rps": result["rps"], "chunks_per_s": result["events_per_s"], "events": events,
+        **load_figures(result),
         "ttft_samples_ms": result["ttft_samples_ms"], "e2e_samples_ms": result["e2e_samples_ms"],
-        "ttft_p50_ms": ms(result["ttft_s"], "p50"), "ttft_p99_ms": ms(result["ttft_s"], "p99"),
-        "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
         "cpu_us_per_chunk": relay_s / events * 1e6 if relay_s is not None and events else None,
         "relay_cpu_pct": relay_s / elapsed * 100 if relay_s is not None and elapsed else None,
         "sims_cpu_pct": result["cpu_ticks"].get("sims", 0) / CLOCK_TICKS / elapsed * 100
@@ -421,7 +311,7 @@ def run_rounds(plan: Plan, relays: dict[str, Child], sims: list[Child],
             time.sleep(SETTLE_S)
             relay = relays[target]
             if target.startswith("gw-"):
-                relay.extra_pids = descendants(relay.pid)  # e.g. a scoring process
+                relay.extra_pids = process_tree(relay.pid)[1:]  # e.g. a scoring process
             candidate = candidate_sim(target, sims)
             before = sim_outcomes(candidate) if candidate else {}
             figures = derive(run_loadgen(stream_spec(plan, relay.url, relay, sims)))
@@ -443,21 +333,13 @@ def run_side_by_side(plan: Plan, none: Child, stalled: Child,
     gateways = {"gw-none": none, "gw-stalled": stalled}
     specs = [{**stream_spec(plan, g.url, g, sims), "concurrency": STREAMS // 2}
              for g in gateways.values()]
-    results = run_loadgens(specs)
+    results = run_loadgens(LOADGEN, specs)
     out = {}
     for (name, gateway), result in zip(gateways.items(), results, strict=True):
         figures = derive(result)
         figures.update(drain(gateway, figures, plan.drain_timeout_s))
         out[name] = figures
     return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``: their CPU is the gateway's too."""
-    found = []
-    for child in _children_of(pid):
-        found += [child, *descendants(child)]
-    return found
 
 
 def candidate_sim(target: str, sims: list[Child]) -> Child | None:
@@ -519,15 +401,15 @@ def drain(gateway: Child, figures: dict[str, Any], timeout_s: float) -> dict[str
 def brief(f: dict[str, Any]) -> str:
     errors = f" ERRORS {f['errors']} cut {f['cut']} {f['error_samples'][:1]}" \
         if f["errors"] or f["cut"] else ""
-    return (f"{f['rps']:6.1f} req/s  ttft p50 {_num(f['ttft_p50_ms'], 1)} "
-            f"p99 {_num(f['ttft_p99_ms'], 1)}  e2e p50 {_num(f['e2e_p50_ms'], 0)} "
-            f"p99 {_num(f['e2e_p99_ms'], 0)} ms  cpu {_num(f['cpu_us_per_chunk'], 1)} µs/chunk"
-            f"  relay {_num(f['relay_cpu_pct'], 0)}% sims {_num(f['sims_cpu_pct'], 0)}% "
-            f"client {_num(f['loadgen_cpu_pct'], 0)}% machine {_num(f['machine_busy_pct'], 0)}%"
+    return (f"{f['rps']:6.1f} req/s  ttft p50 {num(f['ttft_p50_ms'], 1)} "
+            f"p99 {num(f['ttft_p99_ms'], 1)}  e2e p50 {num(f['e2e_p50_ms'], 0)} "
+            f"p99 {num(f['e2e_p99_ms'], 0)} ms  cpu {num(f['cpu_us_per_chunk'], 1)} µs/chunk"
+            f"  relay {num(f['relay_cpu_pct'], 0)}% sims {num(f['sims_cpu_pct'], 0)}% "
+            f"client {num(f['loadgen_cpu_pct'], 0)}% machine {num(f['machine_busy_pct'], 0)}%"
             + (f"  then {f['drain_s']:.1f} s to finish"
                + (f" ({f['scoring_backlog']:.0f} exchanges left to score)"
                   if f["scoring_backlog"] else "")
-               + f": {_num(f['cpu_us_per_chunk_all'], 1)} µs/chunk in all"
+               + f": {num(f['cpu_us_per_chunk_all'], 1)} µs/chunk in all"
                + ("" if f["drain_settled"] else " (NOT settled)")
                if "drain_s" in f else "") + errors)
 
@@ -554,7 +436,7 @@ def run_memory(gateways: dict[str, Child], plan: Plan,
     warm_requests = plan.memory_warm_requests
     out["warm_requests"] = warm_requests
     for label, gateway in gateways.items():
-        gateway.extra_pids = descendants(gateway.pid)
+        gateway.extra_pids = process_tree(gateway.pid)[1:]
         started = read_status_kib(gateway.pid)
         spec = {"url": gateway.url, "model": SIM_MODEL, "concurrency": RSS_STREAMS,
                 "requests_per_worker": math.ceil(warm_requests / RSS_STREAMS),
@@ -602,28 +484,19 @@ _FIGURES = ("rps", "chunks_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "
             "sims_cpu_pct", "loadgen_cpu_pct", "machine_busy_pct")
 
 
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def ratio(rounds: list[dict[str, dict[str, Any]]], target: str, base: str,
           key: str) -> float | None:
     """Median over rounds of target/base for ``key``, each taken within its round."""
     if not rounds or target not in rounds[0] or base not in rounds[0]:
         return None
-    return _median([r[target][key] / r[base][key] if r[target].get(key) and r[base].get(key)
+    return median([r[target][key] / r[base][key] if r[target].get(key) and r[base].get(key)
                     else None for r in rounds])
 
 
 def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     order = [t for t in TARGETS if rounds and t in rounds[0]]
     medians: dict[str, dict[str, Any]] = {
-        t: {k: _median([r[t].get(k) for r in rounds]) for k in _FIGURES} for t in order}
+        t: {k: median([r[t].get(k) for r in rounds]) for k in _FIGURES} for t in order}
     for t in order:
         medians[t]["errors"] = sum(r[t]["errors"] + r[t]["cut"] for r in rounds)
         medians[t]["requests"] = sum(r[t]["ok"] for r in rounds)
@@ -641,7 +514,7 @@ def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
                                "rps", "cpu_us_per_chunk", "cpu_us_per_chunk_all")}
     pooled = {t: pooled_percentiles([r[t] for r in rounds]) for t in order}
     pooled_ratios = {
-        t: {k: _div(pooled[t][k], pooled[base][k]) for k in pooled[t]}
+        t: {k: div(pooled[t][k], pooled[base][k]) for k in pooled[t]}
         for t in order if (base := "gw-none" if t.startswith("gw-") else "nginx-none") != t
         and base in pooled}
     return {"order": order, "medians": medians, "vs_none": ratios, "pooled": pooled,
@@ -662,17 +535,17 @@ def summarise_pairs(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any] | 
         return None
     medians: dict[str, dict[str, Any]] = {}
     for name in ("gw-none", "gw-stalled"):
-        medians[name] = {k: _median([p[name].get(k) for p in pairs]) for k in _FIGURES}
+        medians[name] = {k: median([p[name].get(k) for p in pairs]) for k in _FIGURES}
         medians[name]["errors"] = sum(p[name]["errors"] + p[name]["cut"] for p in pairs)
         medians[name]["requests"] = sum(p[name]["ok"] for p in pairs)
-    ratios = {key: _median([p["gw-stalled"][key] / p["gw-none"][key]
+    ratios = {key: median([p["gw-stalled"][key] / p["gw-none"][key]
                             if p["gw-stalled"].get(key) and p["gw-none"].get(key) else None
                             for p in pairs])
               for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "rps",
                           "cpu_us_per_chunk_all")}
     pooled = {name: pooled_percentiles([p[name] for p in pairs])
               for name in ("gw-none", "gw-stalled")}
-    pooled_ratios = {k: _div(pooled["gw-stalled"][k], pooled["gw-none"][k])
+    pooled_ratios = {k: div(pooled["gw-stalled"][k], pooled["gw-none"][k])
                      for k in pooled["gw-none"]}
     return {"medians": medians, "vs_none": ratios, "pooled": pooled,
             "pooled_vs_none": pooled_ratios,
@@ -717,10 +590,10 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
     lines = []
     if (r := ratios.get("gw-healthy")) is not None:
         lines.append(f"gateway CPU/chunk healthy/none, during the phase only (scoring on): "
-                     f"{_num(r['cpu_us_per_chunk'], 3)}")
+                     f"{num(r['cpu_us_per_chunk'], 3)}")
     if (r := ratios.get("gw-healthy-noeval")) is not None:
         lines.append(f"gateway CPU/chunk healthy/none with evaluation off (mirroring alone): "
-                     f"{_num(r['cpu_us_per_chunk_all'], 3)}")
+                     f"{num(r['cpu_us_per_chunk_all'], 3)}")
     for target in ("gw-none", "nginx-none"):
         if target in summary["per_round_ttft_p99"]:
             values = summary["per_round_ttft_p99"][target]
@@ -730,24 +603,12 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
     if "nginx-stalled" in medians and "nginx-none" in medians:
         none, stalled = summary["pooled"]["nginx-none"], summary["pooled"]["nginx-stalled"]
         lines.append(f"nginx with a mirror that never answers: median TTFT "
-                     f"{_num(none['ttft_p50_ms'])} -> {_num(stalled['ttft_p50_ms'])} ms, "
-                     f"throughput x{_num(ratios['nginx-stalled']['rps'], 3)}")
+                     f"{num(none['ttft_p50_ms'])} -> {num(stalled['ttft_p50_ms'])} ms, "
+                     f"throughput x{num(ratios['nginx-stalled']['rps'], 3)}")
     return lines
 
 
 # --- printing --------------------------------------------------------------------------
-
-def _num(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
 
 def latency_report(summary: dict[str, Any], rounds: int) -> str:
     header = ["target", "req/s", "chunks/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99",
@@ -758,14 +619,14 @@ def latency_report(summary: dict[str, Any], rounds: int) -> str:
     for t in summary["order"]:
         m, pooled = summary["medians"][t], summary["pooled"][t]
         r = summary["vs_none"].get(t)
-        rows.append([t, _num(m["rps"]), _num(m["chunks_per_s"], 0), _num(pooled["ttft_p50_ms"]),
-                     _num(pooled["ttft_p99_ms"]), _num(pooled["e2e_p50_ms"], 0),
-                     _num(pooled["e2e_p99_ms"], 0), str(m["errors"]),
-                     _num(m["cpu_us_per_chunk"]), _num(m["cpu_us_per_chunk_all"]),
-                     _num(m["drain_s"]), _num(m["relay_cpu_pct"], 0), _num(m["sims_cpu_pct"], 0),
-                     _num(m["loadgen_cpu_pct"], 0), _num(m["machine_busy_pct"], 0),
-                     *([_num(r["ttft_p99_ms"], 3), _num(r["e2e_p99_ms"], 3), _num(r["rps"], 3),
-                        _num(r["cpu_us_per_chunk"], 2), _num(r["cpu_us_per_chunk_all"], 2)]
+        rows.append([t, num(m["rps"]), num(m["chunks_per_s"], 0), num(pooled["ttft_p50_ms"]),
+                     num(pooled["ttft_p99_ms"]), num(pooled["e2e_p50_ms"], 0),
+                     num(pooled["e2e_p99_ms"], 0), str(m["errors"]),
+                     num(m["cpu_us_per_chunk"]), num(m["cpu_us_per_chunk_all"]),
+                     num(m["drain_s"]), num(m["relay_cpu_pct"], 0), num(m["sims_cpu_pct"], 0),
+                     num(m["loadgen_cpu_pct"], 0), num(m["machine_busy_pct"], 0),
+                     *([num(r["ttft_p99_ms"], 3), num(r["e2e_p99_ms"], 3), num(r["rps"], 3),
+                        num(r["cpu_us_per_chunk"], 2), num(r["cpu_us_per_chunk_all"], 2)]
                        if r else ["1", "1", "1", "1", "1"])])
     return render_table(
         f"primary as the client sees it: {STREAMS} streams x {TOKENS} chunks "
@@ -780,9 +641,9 @@ def latency_report(summary: dict[str, Any], rounds: int) -> str:
 def rounds_report(rounds: list[dict[str, dict[str, Any]]]) -> str:
     header = ["round", "target", "req/s", "TTFT p50", "TTFT p99", "e2e p99", "µs/chunk",
               "+after", "machine %", "errors"]
-    rows = [[str(i), t, _num(f["rps"]), _num(f["ttft_p50_ms"]), _num(f["ttft_p99_ms"]),
-             _num(f["e2e_p99_ms"], 0), _num(f["cpu_us_per_chunk"]),
-             _num(f.get("cpu_us_per_chunk_all")), _num(f["machine_busy_pct"], 0),
+    rows = [[str(i), t, num(f["rps"]), num(f["ttft_p50_ms"]), num(f["ttft_p99_ms"]),
+             num(f["e2e_p99_ms"], 0), num(f["cpu_us_per_chunk"]),
+             num(f.get("cpu_us_per_chunk_all")), num(f["machine_busy_pct"], 0),
              str(f["errors"] + f["cut"])]
             for i, r in enumerate(rounds, 1) for t, f in r.items()]
     return render_table("per round", header, rows)
@@ -791,10 +652,10 @@ def rounds_report(rounds: list[dict[str, dict[str, Any]]]) -> str:
 def side_by_side_report(pair: dict[str, Any], rounds: int) -> str:
     header = ["gateway", "req/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "errors",
               "µs/chunk", "+after"]
-    rows = [[name, _num(m["rps"]), _num(pair["pooled"][name]["ttft_p50_ms"]),
-             _num(pair["pooled"][name]["ttft_p99_ms"]), _num(pair["pooled"][name]["e2e_p50_ms"], 0),
-             _num(pair["pooled"][name]["e2e_p99_ms"], 0), str(m["errors"]),
-             _num(m["cpu_us_per_chunk"]), _num(m["cpu_us_per_chunk_all"])]
+    rows = [[name, num(m["rps"]), num(pair["pooled"][name]["ttft_p50_ms"]),
+             num(pair["pooled"][name]["ttft_p99_ms"]), num(pair["pooled"][name]["e2e_p50_ms"], 0),
+             num(pair["pooled"][name]["e2e_p99_ms"], 0), str(m["errors"]),
+             num(m["cpu_us_per_chunk"]), num(m["cpu_us_per_chunk_all"])]
             for name, m in pair["medians"].items()]
     r, p = pair["vs_none"], pair["pooled_vs_none"]
     per_round = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in pair["per_round_ttft_p99"])
@@ -802,18 +663,18 @@ def side_by_side_report(pair: dict[str, Any], rounds: int) -> str:
                          f"streams each, {rounds} round(s); ms, percentiles over all rounds' "
                          "requests", header, rows)
             + f"\nstalled/none, medians of within-round ratios [over all requests]: TTFT p50 "
-              f"x{_num(r['ttft_p50_ms'], 3)} [{_num(p['ttft_p50_ms'], 3)}]  p99 "
-              f"x{_num(r['ttft_p99_ms'], 3)} [{_num(p['ttft_p99_ms'], 3)}]  e2e p99 "
-              f"x{_num(r['e2e_p99_ms'], 3)} [{_num(p['e2e_p99_ms'], 3)}]  throughput "
-              f"x{_num(r['rps'], 3)}  CPU/chunk "
-              f"x{_num(r['cpu_us_per_chunk_all'], 3)}; TTFT p99 of each round, none/stalled: "
+              f"x{num(r['ttft_p50_ms'], 3)} [{num(p['ttft_p50_ms'], 3)}]  p99 "
+              f"x{num(r['ttft_p99_ms'], 3)} [{num(p['ttft_p99_ms'], 3)}]  e2e p99 "
+              f"x{num(r['e2e_p99_ms'], 3)} [{num(p['e2e_p99_ms'], 3)}]  throughput "
+              f"x{num(r['rps'], 3)}  CPU/chunk "
+              f"x{num(r['cpu_us_per_chunk_all'], 3)}; TTFT p99 of each round, none/stalled: "
               f"{per_round}")
 
 
 def mirroring_report(counts: dict[str, dict[str, float]]) -> str:
     names = list(counts)
     keys = sorted({k for c in counts.values() for k in c})
-    rows = [[key, *(_num(counts[n].get(key), 1 if key == "rss_mib" else 0) for n in names)]
+    rows = [[key, *(num(counts[n].get(key), 1 if key == "rss_mib" else 0) for n in names)]
             for key in keys]
     return render_table("gateways' /metrics after the rounds (summed over candidates; "
                         "rss_mib from /proc)", ["counter", *names], rows)
@@ -830,14 +691,14 @@ def memory_report(memory: dict[str, Any]) -> str:
             continue
         m = e["metrics"]
         rows.append([label, str(e["ok"]), str(e["errors"] + e["cut"] + e["warm_errors"]),
-                     _num(e["sent_bytes"] / MiB, 0),
-                     _num(e["sent_bytes"] / memory["budget_bytes"], 1),
-                     _num(e["rss_started_kib"] / KiB), _num(e["rss_before_kib"] / KiB),
-                     _num(e["rss_peak_kib"] / KiB), _num(e["rss_end_kib"] / KiB),
-                     _num(e["growth_bytes"] / MiB), _num(e["growth_from_start_bytes"] / MiB),
-                     _num(m.get("memory_budget_used_bytes", 0) / MiB, 2),
-                     _num(m.get("mirror_queued"), 0), _num(m.get("dropped:budget"), 0),
-                     _num(m.get("dropped:buffer_full"), 0), _num(m.get("dropped:dedup"), 0)])
+                     num(e["sent_bytes"] / MiB, 0),
+                     num(e["sent_bytes"] / memory["budget_bytes"], 1),
+                     num(e["rss_started_kib"] / KiB), num(e["rss_before_kib"] / KiB),
+                     num(e["rss_peak_kib"] / KiB), num(e["rss_end_kib"] / KiB),
+                     num(e["growth_bytes"] / MiB), num(e["growth_from_start_bytes"] / MiB),
+                     num(m.get("memory_budget_used_bytes", 0) / MiB, 2),
+                     num(m.get("mirror_queued"), 0), num(m.get("dropped:budget"), 0),
+                     num(m.get("dropped:buffer_full"), 0), num(m.get("dropped:dedup"), 0)])
     text = render_table(
         f"memory: budget {memory['budget_bytes'] / MiB:.0f} MiB, buffers {RSS_BUFFER_ITEMS} "
         f"items / {RSS_BUFFER_BYTES / MiB:.0f} MiB, {memory['streams']} streams of "
@@ -857,32 +718,6 @@ def memory_report(memory: dict[str, Any]) -> str:
 
 
 # --- main ------------------------------------------------------------------------------
-
-def code_revision() -> str:
-    def git(*argv: str) -> str:
-        out = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                             check=False)
-        return out.stdout.strip()
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "gateway", "evaluators", "backends")
-    return f"{commit}{' + uncommitted edits' if dirty else ''}"
-
-
-def git_commit(rev: str) -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip()
-
-
-def export_code(workdir: Path, rev: str) -> Path:
-    """``snapshot_code`` from a commit: the same folders, as ``rev`` has them."""
-    code = workdir / "code"
-    code.mkdir()
-    archive = subprocess.run(["git", "archive", rev, "--", *_CODE_DIRS], cwd=REPO_ROOT,
-                             capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
-    return code
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -950,8 +785,9 @@ def main() -> int:
             if nginx is None:
                 continue
             sim = candidates[target.split("-")[1]]
-            relays[target] = started(start_nginx_mirror(workdir, nginx, target, primary.url,
-                                                        sim.url if sim else None))
+            relays[target] = started(start_nginx(
+                workdir, nginx, primary.url, name=target, candidate_url=sim.url if sim else None,
+                mirror_timeout_s=NGINX_MIRROR_TIMEOUT_S))
         rounds, pairs = run_rounds(plan, relays, [primary, healthy, stalled], log)
         side_by_side = summarise_pairs(pairs)
         gateways = [name for name in GATEWAYS if name in relays]
@@ -992,19 +828,19 @@ def main() -> int:
           "brackets: ratios of the percentiles over all rounds' requests):")
     for target, r in summary["vs_none"].items():
         p = summary["pooled_vs_none"][target]
-        print(f"  {target:17s} TTFT p50 x{_num(r['ttft_p50_ms'], 2)} "
-              f"[{_num(p['ttft_p50_ms'], 2)}]  p99 x{_num(r['ttft_p99_ms'], 2)} "
-              f"[{_num(p['ttft_p99_ms'], 2)}]  e2e p50 x{_num(r['e2e_p50_ms'], 2)}  p99 "
-              f"x{_num(r['e2e_p99_ms'], 2)} [{_num(p['e2e_p99_ms'], 2)}]  "
-              f"throughput x{_num(r['rps'], 3)}  "
-              f"CPU/chunk x{_num(r['cpu_us_per_chunk'], 2)}"
-              + (f" (x{_num(r['cpu_us_per_chunk_all'], 2)} with what it did after)"
+        print(f"  {target:17s} TTFT p50 x{num(r['ttft_p50_ms'], 2)} "
+              f"[{num(p['ttft_p50_ms'], 2)}]  p99 x{num(r['ttft_p99_ms'], 2)} "
+              f"[{num(p['ttft_p99_ms'], 2)}]  e2e p50 x{num(r['e2e_p50_ms'], 2)}  p99 "
+              f"x{num(r['e2e_p99_ms'], 2)} [{num(p['e2e_p99_ms'], 2)}]  "
+              f"throughput x{num(r['rps'], 3)}  "
+              f"CPU/chunk x{num(r['cpu_us_per_chunk'], 2)}"
+              + (f" (x{num(r['cpu_us_per_chunk_all'], 2)} with what it did after)"
                  if r["cpu_us_per_chunk_all"] is not None else ""))
     print()
     print("targets:")
     for v in checks:
         value = v["value"]
-        shown = str(value) if isinstance(value, int) else _num(value, 3)
+        shown = str(value) if isinstance(value, int) else num(value, 3)
         state = {True: "PASS", False: "MISS", None: "NOT MEASURED"}[v["met"]]
         print(f"  {state:5s} {v['target']:66s} measured {shown}"
               f"{' ' + v['unit'] if v['unit'] else ''}")
@@ -1018,13 +854,10 @@ def main() -> int:
             "itl_ms": ITL_MS, "candidate_concurrency": CANDIDATE_CONCURRENCY,
             "nginx_mirror_timeout_s": NGINX_MIRROR_TIMEOUT_S, "wall_s": wall,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps({"meta": meta, "rounds": rounds, "summary": summary,
-                                        "side_by_side": {"rounds": pairs,
-                                                         "summary": side_by_side},
-                                        "gateway_metrics": counts, "memory": memory,
-                                        "targets": checks}, indent=2))
-    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    print(write_results(RESULTS_PATH, {
+        "meta": meta, "rounds": rounds, "summary": summary,
+        "side_by_side": {"rounds": pairs, "summary": side_by_side},
+        "gateway_metrics": counts, "memory": memory, "targets": checks}))
     return 0
 
 

@@ -101,9 +101,9 @@ from _multiturn_report import (
     summarise_depth,
 )
 from _multiturn_workload import SessionScript
-from _procs import CLOCK_TICKS, REPO_ROOT, code_revision, cpu_ticks, machine_ticks, snapshot_code
+from _procs import CLOCK_TICKS, code_revision, cpu_ticks, machine_ticks, snapshot_code
+from _report import RESULTS_DIR, loadavg, write_results
 
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
 ENGINE_ARGS = ["--max-model-len", "8192", "--kv-gib", "1"]
 POLICIES = ("kv-aware", "affinity", "round-robin")
 
@@ -457,10 +457,6 @@ def brief(r: TurnResult) -> str:
 # --- main ---------------------------------------------------------------------------------------
 
 
-def _loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -503,7 +499,7 @@ def main() -> int:
     )
     log(
         f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
-        f"{'quick' if args.quick else 'full'} mode, load average {_loadavg()}, code {revision} "
+        f"{'quick' if args.quick else 'full'} mode, load average {loadavg()}, code {revision} "
         "(copied at start)"
     )
     log(
@@ -583,16 +579,13 @@ def main() -> int:
         "plan": asdict(plan),
         "engine_args": ENGINE_ARGS,
         "wall_s": wall,
-        "loadavg_end": _loadavg(),
+        "loadavg_end": loadavg(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     print()
     print_report(saved)
-    print(f"wall time {wall:.0f} s, load average {_loadavg()} (1, 5, 15 min; 2 cores = 2.0)")
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"multiturn-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(saved, indent=2))
-    print(f"results: {path.relative_to(REPO_ROOT)}")
+    print(f"wall time {wall:.0f} s, load average {loadavg()} (1, 5, 15 min; 2 cores = 2.0)")
+    print(write_results(RESULTS_DIR / f"multiturn-{time.strftime('%Y%m%d-%H%M%S')}.json", saved))
     return 0
 
 

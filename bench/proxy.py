@@ -34,8 +34,6 @@ import argparse
 import json
 import os
 import platform
-import select
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +49,8 @@ from _procs import (
     CLOCK_TICKS,
     REPO_ROOT,
     Child,
+    LoadGen,
+    code_revision,
     find_nginx,
     nginx_version,
     snapshot_code,
@@ -59,10 +59,11 @@ from _procs import (
     start_nginx,
     start_sim,
 )
+from _report import RESULTS_DIR, load_figures, loadavg, median, num, render_table, signed
+from _report import write_results as write_json
 
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "proxy.json"
-PROFILE_PATH = REPO_ROOT / "bench" / "results" / "gateway-pyspy.txt"
-LOADGEN = Path(__file__).resolve().parent / "_loadgen.py"
+RESULTS_PATH = RESULTS_DIR / "proxy.json"
+PROFILE_PATH = RESULTS_DIR / "gateway-pyspy.txt"
 SIM_MODEL = "sim-model"
 
 TARGET_THROUGHPUT_RATIO = 0.98
@@ -135,41 +136,6 @@ def scenarios(quick: bool, rounds: int | None, burst: bool) -> list[Scenario]:
 
 # --- running ---------------------------------------------------------------------------
 
-class LoadGen:
-    """The load generator process (bench/_loadgen.py --serve), kept for the whole run."""
-
-    def __init__(self, workdir: Path) -> None:
-        self._log = (workdir / "loadgen.log").open("wb")
-        self._proc = subprocess.Popen([sys.executable, str(LOADGEN), "--serve"], cwd=REPO_ROOT,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._log, text=True)
-
-    def run(self, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._proc.stdin.write(json.dumps(spec) + "\n")
-        self._proc.stdin.flush()
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
-        line = self._proc.stdout.readline() if ready else ""
-        if not line:
-            self.close()
-            tail = Path(self._log.name).read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"load generator gave no result within {timeout_s:.0f} s:\n{tail}")
-        result: dict[str, Any] = json.loads(line)
-        if "error" in result:
-            raise RuntimeError(f"load generator: {result['error']}")
-        return result
-
-    def close(self) -> None:
-        if self._proc.stdin is not None and not self._proc.stdin.closed:
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(5)
-        self._log.close()
-
-
 def run_loadgen(loadgen: LoadGen, scenario: Scenario, url: str,
                 cpu_pids: dict[str, list[int]], client_usage: bool) -> dict[str, Any]:
     spec = {
@@ -194,18 +160,8 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
     relay_user_s = result["cpu_user_ticks"].get("relay", 0) / CLOCK_TICKS
     sim_s = ticks.get("sim", 0) / CLOCK_TICKS
     events = result["events"]
-
-    def ms(summary: dict[str, Any], key: str) -> float | None:
-        value = summary.get(key)
-        return None if value is None else value * 1000
-
     return {
-        "ok": result["ok"], "errors": result["errors"], "cut": result["cut_by_deadline"],
-        "error_samples": result["error_samples"],
-        "elapsed_s": elapsed, "rps": result["rps"], "chunks_per_s": result["events_per_s"],
-        "events": events,
-        "ttft_p50_ms": ms(result["ttft_s"], "p50"), "ttft_p99_ms": ms(result["ttft_s"], "p99"),
-        "e2e_p50_ms": ms(result["e2e_s"], "p50"), "e2e_p99_ms": ms(result["e2e_s"], "p99"),
+        **load_figures(result),
         "relay_cpu_us_per_chunk": (relay_s / events * 1e6) if relay_s is not None and events
         else None,
         "relay_user_us_per_chunk": (relay_user_s / events * 1e6)
@@ -283,7 +239,7 @@ def _brief(scenario: Scenario, f: dict[str, Any]) -> str:
         if cpu is not None else ""
     lat = (f"ttft p50 {f['ttft_p50_ms']:.2f} p99 {f['ttft_p99_ms']:.2f} ms"
            if scenario.mode == "stream" and f["ttft_p50_ms"] is not None
-           else f"p50 {_num(f['e2e_p50_ms'], 3)} p99 {_num(f['e2e_p99_ms'], 3)} ms")
+           else f"p50 {num(f['e2e_p50_ms'], 3)} p99 {num(f['e2e_p99_ms'], 3)} ms")
     errors = f" ERRORS {f['errors']} cut {f['cut']}" if f["errors"] or f["cut"] else ""
     return f"{f['rps']:8.1f} req/s  {lat}{cpu_text}{errors}"
 
@@ -297,13 +253,8 @@ _FIGURES = ("rps", "chunks_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "
 _DELTAS = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def summarise(order: list[str], rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    medians = {t: {k: _median([r[t][k] for r in rounds]) for k in _FIGURES} for t in order}
+    medians = {t: {k: median([r[t][k] for r in rounds]) for k in _FIGURES} for t in order}
     for t in order:
         medians[t]["errors"] = sum(r[t]["errors"] + r[t]["cut"] for r in rounds)
     vs_direct: dict[str, dict[str, float | None]] = {}
@@ -311,11 +262,11 @@ def summarise(order: list[str], rounds: list[dict[str, dict[str, Any]]]) -> dict
         if t == "direct":
             continue
         entry: dict[str, float | None] = {
-            "throughput_ratio": _median([r[t]["rps"] / r["direct"]["rps"]
+            "throughput_ratio": median([r[t]["rps"] / r["direct"]["rps"]
                                          if r["direct"]["rps"] else None for r in rounds]),
         }
         for key in _DELTAS:
-            entry[f"added_{key}"] = _median([
+            entry[f"added_{key}"] = median([
                 r[t][key] - r["direct"][key]
                 if r[t][key] is not None and r["direct"][key] is not None else None
                 for r in rounds])
@@ -324,7 +275,7 @@ def summarise(order: list[str], rounds: list[dict[str, dict[str, Any]]]) -> dict
     def cpu_ratio(target: str, base: str) -> float | None:
         if target not in order or base not in order:
             return None
-        return _median([
+        return median([
             r[target]["relay_cpu_us_per_chunk"] / r[base]["relay_cpu_us_per_chunk"]
             if r[target]["relay_cpu_us_per_chunk"] and r[base]["relay_cpu_us_per_chunk"]
             else None for r in rounds])
@@ -360,38 +311,11 @@ def targets(stream: dict[str, Any], nginx_present: bool) -> list[dict[str, Any]]
 
 # --- printing --------------------------------------------------------------------------
 
-def _num(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _signed(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:+.{digits}f}"
-
-
 _PLAIN = False  # --plain: set once by main before anything is printed
 
 
-def render_table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    try:
-        if _PLAIN:
-            raise ImportError("--plain")
-        from rich.console import Console  # type: ignore[import-not-found,unused-ignore]
-        from rich.table import Table  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-        lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-        lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-        return "\n".join(lines)
-    table = Table(title=title)
-    for h in header:
-        table.add_column(h, justify="right")
-    for r in rows:
-        table.add_row(*r)
-    console = Console(width=260, record=True)
-    with console.capture() as capture:
-        console.print(table)
-    return str(capture.get()).rstrip()
+def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    return render_table(title, header, rows, rich=not _PLAIN)
 
 
 def scenario_report(result: dict[str, Any]) -> str:
@@ -408,28 +332,28 @@ def scenario_report(result: dict[str, Any]) -> str:
     for t in result["targets"]:
         m = summary["medians"][t]
         d = summary["vs_direct"].get(t, {})
-        row = [t, _num(m["rps"])]
+        row = [t, num(m["rps"])]
         if stream:
-            row += [_num(m["chunks_per_s"], 0), _num(m["ttft_p50_ms"], 2),
-                    _num(m["ttft_p99_ms"], 2), _signed(d.get("added_ttft_p50_ms")),
-                    _signed(d.get("added_ttft_p99_ms"))]
-        row += [_num(m["e2e_p50_ms"], 2 if stream else 3), _num(m["e2e_p99_ms"], 2 if stream
+            row += [num(m["chunks_per_s"], 0), num(m["ttft_p50_ms"], 2),
+                    num(m["ttft_p99_ms"], 2), signed(d.get("added_ttft_p50_ms")),
+                    signed(d.get("added_ttft_p99_ms"))]
+        row += [num(m["e2e_p50_ms"], 2 if stream else 3), num(m["e2e_p99_ms"], 2 if stream
                                                                   else 3),
-                _signed(d.get("added_e2e_p50_ms"), 2 if stream else 3),
-                _signed(d.get("added_e2e_p99_ms"), 2 if stream else 3),
-                _num(d.get("throughput_ratio"), 3) if d else "1",
-                _num(m["relay_cpu_us_per_chunk"]), _num(m["relay_user_us_per_chunk"]),
-                _num(m["relay_sys_us_per_chunk"]),
-                _num(summary["cpu_vs_nginx"].get(t), 2) if t in summary["cpu_vs_nginx"]
+                signed(d.get("added_e2e_p50_ms"), 2 if stream else 3),
+                signed(d.get("added_e2e_p99_ms"), 2 if stream else 3),
+                num(d.get("throughput_ratio"), 3) if d else "1",
+                num(m["relay_cpu_us_per_chunk"]), num(m["relay_user_us_per_chunk"]),
+                num(m["relay_sys_us_per_chunk"]),
+                num(summary["cpu_vs_nginx"].get(t), 2) if t in summary["cpu_vs_nginx"]
                 else ("1" if t == "nginx" else "-"),
-                _num(m["relay_cpu_pct"]),
-                _num(m["sim_cpu_pct"]), _num(m["loadgen_cpu_pct"]),
-                _num(m["machine_busy_pct"]), str(m["errors"])]
+                num(m["relay_cpu_pct"]),
+                num(m["sim_cpu_pct"]), num(m["loadgen_cpu_pct"]),
+                num(m["machine_busy_pct"]), str(m["errors"])]
         rows.append(row)
     title = (f"{sc['key']}: {sc['title']} — medians of {sc['rounds']} alternating round(s); "
              "times in ms; + = minus direct in the same round; relay CPU split into user "
              "and kernel time; CPU % of one core")
-    text = render_table(title, header, rows)
+    text = _table(title, header, rows)
     if summary["gateway_cpu_vs_nginx"] is not None:
         text += (f"\ngateway CPU per {unit} / nginx CPU per {unit}: "
                  f"{summary['gateway_cpu_vs_nginx']:.2f}x")
@@ -448,12 +372,12 @@ def rounds_report(result: dict[str, Any]) -> str:
         for t in result["targets"]:
             f = r[t]
             key = "ttft" if stream else "e2e"
-            rows.append([str(index), t, _num(f["rps"]), _num(f[f"{key}_p50_ms"], 2 if stream
+            rows.append([str(index), t, num(f["rps"]), num(f[f"{key}_p50_ms"], 2 if stream
                                                                else 3),
-                         _num(f[f"{key}_p99_ms"], 2 if stream else 3),
-                         _num(f["relay_cpu_us_per_chunk"]), str(f["errors"] + f["cut"])])
+                         num(f[f"{key}_p99_ms"], 2 if stream else 3),
+                         num(f["relay_cpu_us_per_chunk"]), str(f["errors"] + f["cut"])])
     what = "TTFT" if stream else "latency"
-    return render_table(f"{sc['key']} per round ({what} ms; relay CPU µs per "
+    return _table(f"{sc['key']} per round ({what} ms; relay CPU µs per "
                         f"{'chunk' if stream else 'request'})", header, rows)
 
 
@@ -558,22 +482,6 @@ def _frame_name(frame: str) -> str:
 
 # --- main ------------------------------------------------------------------------------
 
-def _loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def code_revision() -> str:
-    """The commit under test, and whether the packages under test had local edits."""
-    def git(*argv: str) -> str:
-        out = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                             check=False)
-        return out.stdout.strip()
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "gateway", "evaluators", "backends",
-                "migrations")
-    return f"{commit}{' + uncommitted edits' if dirty else ''}"
-
-
 def main() -> int:
     with ExitStack() as stack:
         return _main(stack)
@@ -612,7 +520,7 @@ def _main(stack: ExitStack) -> int:
     version = nginx_version(nginx) if nginx else None
     print("understudy bench/proxy.py — direct vs gateway vs nginx proxy_pass, one run")
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
-          f"{'quick' if args.quick else 'full'} mode, load average {_loadavg()}")
+          f"{'quick' if args.quick else 'full'} mode, load average {loadavg()}")
     if nginx:
         print(f"nginx: {version} ({nginx}), 1 worker, proxy_buffering off, upstream keepalive")
     else:
@@ -647,12 +555,12 @@ def _main(stack: ExitStack) -> int:
     print()
     print_report(results, verdicts)
     wall = time.monotonic() - began
-    print(f"\nwall time {wall:.0f} s, load average {_loadavg()} (1, 5, 15 min; 2 cores = 2.0)")
+    print(f"\nwall time {wall:.0f} s, load average {loadavg()} (1, 5, 15 min; 2 cores = 2.0)")
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(),
             "mode": "quick" if args.quick else "full", "nginx": version,
             "code": revision, "bare_aiohttp": not args.no_aiohttp,
             "client_usage": args.client_usage, "burst": args.burst, "wall_s": wall,
-            "loadavg_end": _loadavg(),
+            "loadavg_end": loadavg(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_results(meta, results, verdicts, None)
 
@@ -683,10 +591,10 @@ def print_report(results: dict[str, Any], verdicts: list[dict[str, Any]]) -> Non
             state = {True: "PASS", False: "MISS",
                      None: "NOT MEASURED (no nginx in this run)"}[v["met"]]
             value = v["value"]
-            shown = value if isinstance(value, int) else _num(value, 3)
+            shown = value if isinstance(value, int) else num(value, 3)
             print(f"  {state:5s}  {v['target']:45s} measured {shown}")
         stream_vs = results["stream"]["summary"]["vs_direct"]["gateway"]
-        print(f"  info   gateway - direct p99 TTFT: {_signed(stream_vs['added_ttft_p99_ms'])} ms"
+        print(f"  info   gateway - direct p99 TTFT: {signed(stream_vs['added_ttft_p99_ms'])} ms"
               " (no target; p99 on 2 shared cores is noisy)")
 
 
@@ -707,11 +615,9 @@ def reprint(path: Path) -> int:
 
 def write_results(meta: dict[str, Any], results: dict[str, Any],
                   verdicts: list[dict[str, Any]], profile_text: str | None) -> None:
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps({"meta": meta, "scenarios": results,
-                                        "targets": verdicts, "profile": profile_text},
-                                       indent=2))
-    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    print(write_json(RESULTS_PATH, {"meta": meta, "scenarios": results,
+                                    "targets": verdicts, "profile": profile_text}))
+
 
 if __name__ == "__main__":
     sys.exit(main())

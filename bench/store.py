@@ -60,11 +60,12 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-import asyncpg  # type: ignore[import-untyped]  # noqa: E402
+import asyncpg  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-from _procs import start_sim  # noqa: E402
+from _procs import LOADGEN_SCRIPT, loadgen_result, start_sim  # noqa: E402
+from _report import RESULTS_DIR, write_results  # noqa: E402
 
 from evaluators import DEFAULT_SCORERS, Exchange, Observation, Usage  # noqa: E402
 from evaluators._store import (  # noqa: E402
@@ -76,7 +77,7 @@ from evaluators._store import (  # noqa: E402
 from gateway import STATE, build_app, load_config, make_runner  # noqa: E402
 from gateway._evaluation import Evaluation  # noqa: E402
 
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "store.json"
+RESULTS_PATH = RESULTS_DIR / "store.json"
 TARGET_SCORE_ROWS_PER_S = 10_000
 TARGET_TTFT_P99_RATIO = 1.05
 """Proxy TTFT p99 with evaluation saturated over idle (reported, not gated on: this
@@ -210,7 +211,6 @@ async def sqlite_round(requests: int) -> dict[str, Any]:
 
 # --- the proxy, with evaluation idle and saturated ----------------------------------------
 
-LOADGEN = REPO_ROOT / "bench" / "_loadgen.py"
 SIM_MODEL = "sim-model"
 STREAM_TTFT_MS, STREAM_ITL_MS, STREAM_TOKENS = 20.0, 20.0, 32
 STREAM_CONCURRENCY = 32
@@ -225,16 +225,10 @@ async def _loadgen(url: str, requests_per_worker: int) -> dict[str, Any]:
         "stagger_s": answer_s, "client_usage": False, "cpu_pids": {},
     }
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(LOADGEN), json.dumps(spec), cwd=REPO_ROOT,
+        sys.executable, str(LOADGEN_SCRIPT), json.dumps(spec), cwd=REPO_ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
-    lines = out.decode().strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"load generator failed ({proc.returncode}):\n{err.decode()[-2000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    if "error" in result:
-        raise RuntimeError(f"load generator: {result['error']}")
-    return result
+    return loadgen_result(proc.returncode, out.decode(), err.decode())
 
 
 async def _flood(evaluation: Evaluation, records: list[tuple[Exchange, list[Score]]],
@@ -493,9 +487,7 @@ def main() -> int:
                         help="a PostgreSQL URL allowed to CREATE/DROP DATABASE")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    print(write_results(RESULTS_PATH, result))
     return 0 if result["target"]["passed"] else 1
 
 
