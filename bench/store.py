@@ -68,7 +68,7 @@ from _procs import LOADGEN_SCRIPT, loadgen_result, start_sim  # noqa: E402
 from _report import RESULTS_DIR, write_results  # noqa: E402
 
 from evaluators import DEFAULT_SCORERS, Exchange, Observation, Usage  # noqa: E402
-from evaluators._store import (  # noqa: E402
+from evaluators.store import (  # noqa: E402
     ScoreWriter,
     StoreConfig,
     create_engine,

@@ -1,6 +1,9 @@
-"""Observations of backend answers and, built on them, the scores, the judge and the store."""
+"""Observations of backend answers and, built on them, the scores, the judge and its report.
 
-from evaluators._embedding import SentenceEncoder
+The store (schema, batched writer, queries, shared routing state) is the public
+subpackage :mod:`evaluators.store`.
+"""
+
 from evaluators._exchange import EvaluationSink, Exchange, MemorySink
 from evaluators._gates import Gates, MetricGate, Outcome
 from evaluators._judge import MetricSamples, MetricVerdict, Verdict, judge
@@ -11,65 +14,35 @@ from evaluators._pipeline import (
     PipelineState,
     PipelineStats,
 )
-from evaluators._price import CostModel, GpuHourPrice, PriceModel, TokenPrice, session_costs
 from evaluators._report import Report, build_report
-from evaluators._score import METRICS, MetricSpec, Score, Scorer, score_exchange
-from evaluators._scorers import DEFAULT_SCORERS, SCORERS, ScorerConfig, build_scorers
-from evaluators._statistics import Comparison, compare_samples, summarize_pairwise
-from evaluators._store import (
-    ScoreWriter,
-    StoreConfig,
-    StoreError,
-    create_engine,
-    downgrade,
-    session_factory,
-    upgrade,
-)
+from evaluators._score import METRICS, Score, Scorer
+from evaluators._scorers import DEFAULT_SCORERS, SCORERS, ScorerConfig
 
 __all__ = [
     "DEFAULT_SCORERS",
     "METRICS",
     "SCORERS",
     "Capture",
-    "Comparison",
-    "CostModel",
     "EvaluationPipeline",
     "EvaluationProcessError",
     "EvaluationSink",
     "Exchange",
     "Gates",
-    "GpuHourPrice",
     "MemorySink",
     "MetricGate",
     "MetricSamples",
-    "MetricSpec",
     "MetricVerdict",
     "Observation",
     "Outcome",
     "PipelineState",
     "PipelineStats",
-    "PriceModel",
     "Report",
     "Score",
-    "ScoreWriter",
     "Scorer",
     "ScorerConfig",
-    "SentenceEncoder",
-    "StoreConfig",
-    "StoreError",
-    "TokenPrice",
     "Usage",
     "Verdict",
     "build_report",
-    "build_scorers",
-    "compare_samples",
-    "create_engine",
-    "downgrade",
     "judge",
     "observe",
-    "score_exchange",
-    "session_costs",
-    "session_factory",
-    "summarize_pairwise",
-    "upgrade",
 ]

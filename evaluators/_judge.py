@@ -93,7 +93,7 @@ class MetricSamples:
 @dataclass(frozen=True, slots=True)
 class MetricVerdict:
     metric: str
-    verdict: Outcome
+    outcome: Outcome
     gated: bool
     reasons: tuple[str, ...]
     checks: tuple[Check, ...]
@@ -102,7 +102,7 @@ class MetricVerdict:
     def to_dict(self) -> dict[str, Any]:
         return {
             "metric": self.metric,
-            "verdict": self.verdict.value,
+            "verdict": self.outcome.value,
             "gated": self.gated,
             "reasons": list(self.reasons),
             "checks": [check.to_dict() for check in self.checks],
@@ -112,7 +112,7 @@ class MetricVerdict:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    verdict: Outcome
+    outcome: Outcome
     reasons: tuple[str, ...]
     metrics: tuple[MetricVerdict, ...]
 
@@ -124,7 +124,7 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "verdict": self.verdict.value,
+            "verdict": self.outcome.value,
             "reasons": list(self.reasons),
             "metrics": [metric.to_dict() for metric in self.metrics],
         }
@@ -155,7 +155,7 @@ def judge(
     gated = [v for v in verdicts if v.gated]
     if not gated:
         return Verdict(Outcome.INCONCLUSIVE, ("no gated metric to judge",), tuple(verdicts))
-    overall = max((v.verdict for v in gated), key=SEVERITY.__getitem__)
+    overall = max((v.outcome for v in gated), key=SEVERITY.__getitem__)
     reasons = tuple(
         f"{v.metric}: {check.reason}"
         for v in gated

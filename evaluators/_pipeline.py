@@ -80,8 +80,8 @@ from evaluators._scoring_process import (
     StoreReady,
     run_scoring_process,
 )
-from evaluators._store import StoreConfig
-from evaluators._store._writer import DropReason, WriterState, WriterStats
+from evaluators.store import StoreConfig
+from evaluators.store._writer import DropReason, WriterState, WriterStats
 
 __all__ = ["EvaluationPipeline", "EvaluationProcessError", "PipelineState", "PipelineStats"]
 

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from evaluators._gates import Gates
 from evaluators._judge import MetricSamples, Verdict, judge
 from evaluators._score import METRICS
-from evaluators._store import Samples, load_samples, record_verdict
+from evaluators.store import StoredSamples, load_samples, record_verdict
 
 __all__ = ["Report", "build_report"]
 
@@ -51,8 +51,8 @@ class Report:
         }
 
 
-def _metric_samples(stored: dict[str, Samples],
-                    floor: dict[str, Samples]) -> dict[str, MetricSamples]:
+def _metric_samples(stored: dict[str, StoredSamples],
+                    floor: dict[str, StoredSamples]) -> dict[str, MetricSamples]:
     out: dict[str, MetricSamples] = {}
     for metric, (candidate, primary) in stored.items():
         spec = METRICS.get(metric)
@@ -77,7 +77,7 @@ async def build_report(session: AsyncSession, candidate: str, gates: Gates, *,
     verdict_id = None
     if record and stored:
         verdict_id = await record_verdict(
-            session, candidate=candidate, verdict=verdict.verdict.value,
+            session, candidate=candidate, verdict=verdict.outcome.value,
             reasons=verdict.reasons, statistics=verdict.to_dict(), window_start=since,
             window_end=datetime.now(UTC))
     return Report(candidate=candidate, secondary=secondary, since=since,

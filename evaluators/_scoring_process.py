@@ -55,8 +55,8 @@ from multiprocessing.queues import Queue
 from evaluators._exchange import Exchange
 from evaluators._score import Score, Scorer, score_exchange
 from evaluators._scorers import ScorerConfig, build_scorers
-from evaluators._store import ScoreWriter, StoreConfig, create_engine
-from evaluators._store._writer import WriterStats
+from evaluators.store import ScoreWriter, StoreConfig, create_engine
+from evaluators.store._writer import WriterStats
 
 __all__ = [
     "STATS_INTERVAL_S",

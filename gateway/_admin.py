@@ -8,7 +8,7 @@ Rules:
    start).
 2. Bodies are validated with pydantic; every error is an OpenAI-style JSON body with the
    right 4xx, never a 500 or a traceback. The token never reaches a log.
-3. Changes take effect without a restart: the handlers hand them to the ``Operator``,
+3. Changes take effect without a restart: the handlers hand them to the ``Promoter``,
    which stores each before it applies it to the live gateway, wholly or not at all.
    When the store cannot take a change in time the answer is 503 (``ChangeNotStored``,
    OpenAI-style JSON with the reason) and nothing was applied.
@@ -45,6 +45,8 @@ from gateway._exceptions import (
 )
 from gateway._mirror import Candidate
 from gateway._openapi import Operation, openapi_document
+from gateway._promotion import RoutingChange
+from gateway._routing import Routing
 from gateway._state import GatewayState
 
 __all__ = ["ADMIN_STATE", "admin_openapi", "build_admin_app", "check_admin_binding"]
@@ -159,11 +161,22 @@ class RoutingView(BaseModel):
     previous: BackendView | None
     canary: CanaryView | None
 
+    @classmethod
+    def of(cls, routing: Routing) -> RoutingView:
+        return cls.model_validate(routing.to_dict())
+
 
 class ActionResult(BaseModel):
     routing: RoutingView
     verdict: str | None = None
     reasons: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, change: RoutingChange) -> ActionResult:
+        judgement = change.judgement
+        return cls(routing=RoutingView.of(change.routing),
+                   verdict=judgement.label if judgement is not None else None,
+                   reasons=list(judgement.reasons) if judgement is not None else [])
 
 
 class ReportBody(BaseModel):
@@ -260,7 +273,7 @@ async def get_candidate(request: web.Request) -> web.Response:
 
 async def add_candidate(request: web.Request) -> web.Response:
     config = await _body(request, CandidateConfig)
-    candidate = await request.app[ADMIN_STATE].operator.add_candidate(config)
+    candidate = await request.app[ADMIN_STATE].promoter.add_candidate(config)
     log.info("admin: candidate %s added (%s)", config.name, config.url)
     return _json(CandidateView.of(candidate), status=201)
 
@@ -273,21 +286,21 @@ async def update_candidate(request: web.Request) -> web.Response:
         config = CandidateConfig.model_validate({**candidate.config.model_dump(), **changes})
     except ValidationError as exc:
         raise InvalidBody(str(exc)) from None
-    candidate = await request.app[ADMIN_STATE].operator.update_candidate(
+    candidate = await request.app[ADMIN_STATE].promoter.update_candidate(
         candidate.name, config, changes)
     log.info("admin: candidate %s updated: %s", candidate.name, sorted(changes))
     return _json(CandidateView.of(candidate))
 
 
 async def pause_candidate(request: web.Request) -> web.Response:
-    operator = request.app[ADMIN_STATE].operator
-    return _json(CandidateView.of(await operator.pause_candidate(_candidate(request).name,
+    promoter = request.app[ADMIN_STATE].promoter
+    return _json(CandidateView.of(await promoter.pause_candidate(_candidate(request).name,
                                                                  paused=True)))
 
 
 async def resume_candidate(request: web.Request) -> web.Response:
-    operator = request.app[ADMIN_STATE].operator
-    return _json(CandidateView.of(await operator.pause_candidate(_candidate(request).name,
+    promoter = request.app[ADMIN_STATE].promoter
+    return _json(CandidateView.of(await promoter.pause_candidate(_candidate(request).name,
                                                                  paused=False)))
 
 
@@ -314,42 +327,42 @@ def _window_start(window_s: str | None) -> datetime | None:
 
 
 async def get_routing(request: web.Request) -> web.Response:
-    return _json(RoutingView.model_validate(request.app[ADMIN_STATE].routing.to_dict()))
+    return _json(RoutingView.of(request.app[ADMIN_STATE].routing))
 
 
 async def promote(request: web.Request) -> web.Response:
     body = await _body(request, PromoteBody)
     name = request.match_info["name"]
-    result = await request.app[ADMIN_STATE].operator.promote(
+    change = await request.app[ADMIN_STATE].promoter.promote(
         name, actor=body.actor, force=body.force, reason=body.reason)
-    return _json(ActionResult.model_validate(result))
+    return _json(ActionResult.of(change))
 
 
 async def rollback(request: web.Request) -> web.Response:
     body = await _body(request, RollbackBody)
-    result = await request.app[ADMIN_STATE].operator.rollback(actor=body.actor,
+    change = await request.app[ADMIN_STATE].promoter.rollback(actor=body.actor,
                                                               reason=body.reason)
-    return _json(ActionResult.model_validate(result))
+    return _json(ActionResult.of(change))
 
 
 async def start_canary(request: web.Request) -> web.Response:
     body = await _body(request, CanaryBody)
-    result = await request.app[ADMIN_STATE].operator.start_canary(
+    change = await request.app[ADMIN_STATE].promoter.start_canary(
         request.match_info["name"], actor=body.actor, steps=tuple(body.steps),
         interval_s=body.interval_s)
-    return _json(ActionResult.model_validate(result), status=202)
+    return _json(ActionResult.of(change), status=202)
 
 
 async def stop_canary(request: web.Request) -> web.Response:
     body = await _body(request, RollbackBody)
-    result = await request.app[ADMIN_STATE].operator.abort_canary(actor=body.actor,
+    change = await request.app[ADMIN_STATE].promoter.abort_canary(actor=body.actor,
                                                                   reason=body.reason)
-    return _json(ActionResult.model_validate(result))
+    return _json(ActionResult.of(change))
 
 
 async def remove_candidate(request: web.Request) -> web.Response:
     candidate = _candidate(request)
-    await request.app[ADMIN_STATE].operator.remove_candidate(candidate.name)
+    await request.app[ADMIN_STATE].promoter.remove_candidate(candidate.name)
     log.info("admin: candidate %s removed", candidate.name)
     return _json(Deleted(deleted=candidate.name))
 

@@ -24,7 +24,7 @@ from gateway._config import GatewayConfig
 from gateway._evaluation import Evaluation
 from gateway._metrics import EvaluationCollector, GatewayMetrics
 from gateway._mirror import Mirror
-from gateway._promotion import Operator
+from gateway._promotion import Promoter
 from gateway._relay import relay
 from gateway._routing import Backend, Routing, Upstreams
 from gateway._state import GatewayState, RecentObservations
@@ -35,7 +35,6 @@ __all__ = ["STATE", "build_app", "make_runner", "run", "serve"]
 log = logging.getLogger("understudy.gateway")
 
 STATE = web.AppKey("state", GatewayState)
-SYNC = web.AppKey("routing_sync", RoutingSync)
 
 
 def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.Application:
@@ -53,23 +52,21 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
                     evaluation or sink or MemorySink(config.mirror.sink_capacity))
 
-    async def serve_routing(new: Routing) -> None:
-        app[STATE].routing = new
+    async def stop_mirroring_primary(new: Routing) -> None:
         if new.primary.name in mirror.candidates:  # a primary is not its own candidate
             await mirror.remove_candidate(new.primary.name)
 
-    sync = RoutingSync(routing, serve_routing, metrics, config.admin.routing_poll_interval_s,
-                       config.admin.store_timeout_s)
-    app[SYNC] = sync
+    sync = RoutingSync(routing, stop_mirroring_primary, metrics,
+                       config.admin.routing_poll_interval_s, config.admin.store_timeout_s)
     app[STATE] = GatewayState(
         config=config,
         metrics=metrics,
-        routing=routing,
+        sync=sync,
         upstreams=Upstreams(config.primary),
         observations=RecentObservations(config.capture.recent_observations),
         mirror=mirror,
         evaluation=evaluation,
-        operator=Operator(sync, mirror, metrics, evaluation),
+        promoter=Promoter(sync, mirror, metrics, evaluation),
     )
     # Entered in this order, left in reverse: the mirror drains into evaluation, which
     # flushes into the store, before the pools close.
@@ -95,8 +92,8 @@ async def _evaluating(app: web.Application) -> AsyncIterator[None]:
     if evaluation is not None:
         # The routing is loaded once the store is reached, which may be after serving
         # begins (a store outage at start); meanwhile routing changes go to the store.
-        app[SYNC].attach(evaluation.engine)
-        await evaluation.start(on_store=app[SYNC].start)
+        app[STATE].sync.attach(evaluation.engine)
+        await evaluation.start(on_store=app[STATE].sync.start)
     try:
         yield
     finally:
@@ -107,14 +104,14 @@ async def _evaluating(app: web.Application) -> AsyncIterator[None]:
 async def _routing_sync(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     if state.evaluation is None:
-        await app[SYNC].start(None)
+        await app[STATE].sync.start(None)
     try:
         yield
     finally:
-        await state.operator.close()
+        await state.promoter.close()
         if state.evaluation is not None:
             await state.evaluation.stop_reaching_store()  # it may start the sync's tasks
-        await app[SYNC].stop()
+        await state.sync.stop()
 
 
 async def _mirroring(app: web.Application) -> AsyncIterator[None]:

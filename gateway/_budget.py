@@ -30,7 +30,8 @@ class Payload:
     refs: int = 0
 
     @property
-    def charge(self) -> int:
+    def charged_bytes(self) -> int:
+        """What holding it costs the budget: its body and the bookkeeping around it."""
         return len(self.body) + PAYLOAD_OVERHEAD_BYTES
 
 
@@ -61,7 +62,7 @@ class MemoryBudget:
         payload = self._payloads.get(key)
         if payload is None:
             payload = Payload(key, body)
-            if not self.charge(payload.charge):
+            if not self.charge(payload.charged_bytes):
                 return None
             self._payloads[key] = payload
         payload.refs += 1
@@ -73,7 +74,7 @@ class MemoryBudget:
         payload.refs -= 1
         if payload.refs == 0:
             del self._payloads[payload.key]
-            self.release(payload.charge)
+            self.release(payload.charged_bytes)
 
     def charge(self, nbytes: int) -> bool:
         if self.used + nbytes > self.limit:

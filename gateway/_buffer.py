@@ -22,9 +22,18 @@ from multidict import CIMultiDict
 
 from gateway._budget import MemoryBudget, Payload
 
-__all__ = ["BufferClosed", "CandidateBuffer", "MirrorItem", "MirrorRequest", "OfferOutcome"]
+__all__ = [
+    "BufferClosed",
+    "BufferRefusal",
+    "CandidateBuffer",
+    "MirrorItem",
+    "MirrorRequest",
+    "OfferOutcome",
+]
 
-OfferOutcome = Literal["queued", "dedup", "buffer_full", "budget", "closed"]
+BufferRefusal = Literal["dedup", "buffer_full", "budget"]
+"""Why a buffer refused an offer; each is also a mirror drop reason."""
+OfferOutcome = Literal["queued", "closed", BufferRefusal]
 
 
 @dataclass(frozen=True, slots=True)

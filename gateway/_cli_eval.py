@@ -12,9 +12,15 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from evaluators import Report, build_report, create_engine, downgrade, session_factory, upgrade
-from evaluators._store import current_revision
-from evaluators._store._config import masked_url
+from evaluators import Report, build_report
+from evaluators.store import (
+    create_engine,
+    current_revision,
+    downgrade,
+    masked_url,
+    session_factory,
+    upgrade,
+)
 from gateway._config import GatewayConfig, load_config
 
 __all__ = ["db", "report"]

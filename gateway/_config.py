@@ -28,7 +28,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig, StoreConfig
+from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig
+from evaluators.store import StoreConfig
 
 __all__ = [
     "MIN_ADMIN_TOKEN_LENGTH",

@@ -47,12 +47,16 @@ from evaluators import (
     PipelineStats,
     Report,
     build_report,
+)
+from evaluators.store import (
+    WriterStats,
+    append_audit,
     create_engine,
+    masked_url,
+    register_backend,
     session_factory,
     upgrade,
 )
-from evaluators._store import WriterStats, append_audit, register_backend
-from evaluators._store._config import masked_url
 from gateway._config import GatewayConfig
 
 __all__ = ["STORE_START_WAIT_S", "Evaluation", "StoreStatus"]

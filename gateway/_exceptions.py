@@ -15,7 +15,7 @@
         └── UpstreamBroken       502  the answer was cut or malformed mid-stream
 
 Every error renders as an OpenAI-style JSON body, so clients' SDKs raise their usual types.
-The store's errors (``evaluators.StoreError``) become ``ChangeNotStored`` in
+The store's errors (``evaluators.store.StoreError``) become ``ChangeNotStored`` in
 ``translate_store_errors``, the one place the admin API meets them.
 """
 
@@ -30,7 +30,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import ContentLengthError, TransferEncodingError
 
-from evaluators._store import StoreError, StoreRejected
+from evaluators.store import StoreError, StoreRejected
 
 __all__ = [
     "ChangeNotStored",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from evaluators import EvaluationSink, Exchange, Observation
 from gateway._budget import MemoryBudget
+from gateway._metrics import MirrorDropReason
 
 __all__ = ["Joiner", "observation_charge"]
 
@@ -24,7 +25,7 @@ __all__ = ["Joiner", "observation_charge"]
 OBSERVATION_OVERHEAD_BYTES = 1024
 BYTES_PER_CHUNK_GAP = 32
 
-DropCallback = Callable[[str, str], None]
+DropCallback = Callable[[str, MirrorDropReason], None]
 JoinCallback = Callable[[Exchange], None]
 
 
@@ -102,7 +103,7 @@ class Joiner:
             return
         entry.waiting[candidate] = (observation, charge)
 
-    def abandon(self, request_id: str, candidate: str, reason: str) -> None:
+    def abandon(self, request_id: str, candidate: str, reason: MirrorDropReason) -> None:
         entry = self._pending.get(request_id)
         if entry is None or candidate not in entry.expected:
             return
@@ -142,7 +143,8 @@ class Joiner:
             self._budget.release(charge)
         del self._pending[request_id]
 
-    def _drop_entry(self, request_id: str, entry: _Pending, reason: str) -> None:
+    def _drop_entry(self, request_id: str, entry: _Pending,
+                    reason: MirrorDropReason) -> None:
         for candidate in entry.expected:
             self._on_drop(candidate, reason)
         entry.expected.clear()

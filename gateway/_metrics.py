@@ -8,22 +8,37 @@ so several gateways in one process (tests) do not collide.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from evaluators import PipelineState, PipelineStats
-from evaluators._store import WriterStats
+from evaluators.store import WriterStats
+from gateway._buffer import BufferRefusal
+from gateway._config import MirroredRoute
 from gateway._evaluation import StoreStatus
 
-__all__ = ["ROUTES", "EvaluationCollector", "GatewayMetrics", "Route", "route_of"]
-
-Route = Literal[
-    "chat_completions", "completions", "embeddings", "models", "other", "health", "metrics"
+__all__ = [
+    "ROUTES",
+    "EvaluationCollector",
+    "GatewayMetrics",
+    "MirrorDropReason",
+    "Route",
+    "route_of",
 ]
-ROUTES: Final = ("chat_completions", "completions", "embeddings", "models", "other")
+
+Route = Literal[MirroredRoute, "health", "metrics"]
+ROUTES: Final[tuple[MirroredRoute, ...]] = get_args(MirroredRoute)
+"""The routes a request can be forwarded on (the gateway's own are not)."""
+
+MirrorDropReason = Literal[
+    BufferRefusal, "route", "canary", "not_sampled", "paused", "shutdown", "removed",
+    "internal", "join_timeout", "sink_full",
+]
+"""Why a request was not mirrored to, or not evaluated for, a candidate: the ``reason``
+label of ``understudy_mirror_dropped``."""
 
 _ROUTE_BY_PATH: Final[dict[str, Route]] = {
     "/v1/chat/completions": "chat_completions",

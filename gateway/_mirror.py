@@ -4,9 +4,10 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
 1. ``offer`` is the only part on the hot path. Per candidate it does a route check, a
    hash for sampling, and ``CandidateBuffer.offer`` — O(1), no await, no I/O.
 2. Every request that reaches ``offer`` ends, for each candidate, counted exactly once:
-   dropped with a reason (``route``, ``canary``, ``not_sampled``, ``paused``, ``dedup``,
-   ``buffer_full``, ``budget``, ``shutdown``, ``join_timeout``, ``sink_full``) or
-   joined and handed to the evaluation sink.
+   dropped with a reason (``MirrorDropReason``: ``route``, ``canary``, ``not_sampled``,
+   ``paused``, ``dedup``, ``buffer_full``, ``budget``, ``shutdown``, ``removed``,
+   ``internal``, ``join_timeout``, ``sink_full``) or joined and handed to the evaluation
+   sink.
 3. A candidate's workers (``max_concurrency`` of them) replay requests streaming, and
    record the candidate's Observation exactly as the relay records the primary's, so
    candidate TTFT and inter-token latency are measured.
@@ -31,7 +32,7 @@ from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorReq
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
 from gateway._exceptions import UpstreamError
 from gateway._join import Joiner
-from gateway._metrics import GatewayMetrics, Route
+from gateway._metrics import GatewayMetrics, MirrorDropReason, Route
 from gateway._sampler import sampled
 from gateway._upstream import Upstream
 
@@ -56,7 +57,7 @@ class Candidate:
         self.workers: set[asyncio.Task[None]] = set()
         self.idle: set[asyncio.Task[None]] = set()
         self.in_flight = 0
-        self.stop_reason = "shutdown"  # what a cancelled replay is counted as
+        self.stop_reason: MirrorDropReason = "shutdown"  # what a cancelled replay counts as
 
     def reconfigure(self, config: CandidateConfig) -> None:
         """Apply a new config of the same name and URL (rate, concurrency, buffer, ...)."""
@@ -123,7 +124,7 @@ class Mirror:
             else:
                 self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome)
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: MirrorDropReason) -> None:
         """Count a request that no candidate gets, for every candidate."""
         for name in self.candidates:
             self._count_drop(name, reason)
@@ -196,7 +197,7 @@ class Mirror:
         self.joiner.close()
 
     async def _stop_candidate(self, candidate: Candidate, drain_timeout_s: float,
-                              reason: str) -> None:
+                              reason: MirrorDropReason) -> None:
         candidate.stop_reason = reason
         for item_request_id in self._close_buffer(candidate):
             self.joiner.abandon(item_request_id, candidate.name, reason)
@@ -278,7 +279,7 @@ class Mirror:
 
     # -- accounting -----------------------------------------------------------------
 
-    def _count_drop(self, candidate: str, reason: str) -> None:
+    def _count_drop(self, candidate: str, reason: MirrorDropReason) -> None:
         self.metrics.mirror_dropped.labels(candidate, reason).inc()
 
     def _count_join(self, exchange: Exchange) -> None:

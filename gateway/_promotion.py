@@ -24,11 +24,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
-from evaluators._store import BackendRole
-from evaluators._store._routing import AuditNote
+from evaluators import Outcome
+from evaluators.store import AuditNote, BackendRole
 from gateway._config import CandidateConfig
 from gateway._evaluation import Evaluation
 from gateway._exceptions import ChangeNotStored, Conflict, InvalidBody, NotFound
@@ -37,16 +38,41 @@ from gateway._mirror import Candidate, Mirror
 from gateway._routing import Backend, Canary, Routing
 from gateway._sync import RoutingSync
 
-__all__ = ["Operator"]
+__all__ = ["NO_VERDICT", "Judgement", "Promoter", "RoutingChange"]
 
 log = logging.getLogger("understudy.promotion")
 
 ADMIN_ACTOR = "admin"
 """The actor of candidate changes (their bodies name none)."""
+NO_VERDICT: Final = "UNKNOWN"
+"""How a judgement without an outcome (evaluation disabled, store not attached) is shown in
+answers and audit entries."""
 
 
-class Operator:
-    """Carries out every admin change on the live gateway (rules 2 and 4)."""
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """What the judge said of a candidate when a change was decided."""
+
+    outcome: Outcome | None  # None: there was nothing to judge with
+    verdict_id: int | None
+    reasons: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return self.outcome.value if self.outcome is not None else NO_VERDICT
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingChange:
+    """A routing change as stored and applied, with the judgement that allowed it (if any)."""
+
+    routing: Routing
+    judgement: Judgement | None = None
+
+
+class Promoter:
+    """Carries out every admin change on the live gateway: candidates, promotion, rollback,
+    the canary (rules 2 and 4)."""
 
     def __init__(self, sync: RoutingSync, mirror: Mirror, metrics: GatewayMetrics,
                  evaluation: Evaluation | None) -> None:
@@ -113,27 +139,28 @@ class Operator:
 
     # -- routing ------------------------------------------------------------------------
 
-    async def _verdict(self, name: str) -> tuple[str, int | None, list[str]]:
+    async def _judge(self, name: str) -> Judgement:
         evaluation = self._evaluation
         if evaluation is None:
-            return "UNKNOWN", None, ["evaluation is disabled: no verdict"]
+            return Judgement(None, None, ("evaluation is disabled: no verdict",))
         report = await self._sync.store_call(f"judging {name}",
                                              lambda _: evaluation.report(name))
         if report is None:  # the store is not attached: nothing to judge with
-            return "UNKNOWN", None, ["the store is not attached: no verdict"]
-        return report.verdict.verdict.value, report.verdict_id, list(report.verdict.reasons)
+            return Judgement(None, None, ("the store is not attached: no verdict",))
+        return Judgement(report.verdict.outcome, report.verdict_id, report.verdict.reasons)
 
     async def promote(self, name: str, *, actor: str, force: bool,
-                      reason: str | None) -> dict[str, Any]:
+                      reason: str | None) -> RoutingChange:
         if force and not (reason and reason.strip()):
             raise InvalidBody("force: true needs a reason")
         async with self._lock:
             candidate = self._candidate(name)
-            verdict, verdict_id, reasons = await self._verdict(name)
-            if verdict != "PASS" and not force:
+            judgement = await self._judge(name)
+            verdict, reasons = judgement.label, list(judgement.reasons)
+            if judgement.outcome is not Outcome.PASS and not force:
                 await self._sync.record(f"refusing to promote {name}", AuditNote(
                     actor, "promote_refused", name, {"reasons": reasons, "verdict": verdict},
-                    verdict_id))
+                    judgement.verdict_id))
                 self._done("promote_refused", name, verdict)
                 raise Conflict(f"promotion of {name} refused: the judge says {verdict} "
                                f"({'; '.join(reasons[:3])}); pass force with a reason "
@@ -142,12 +169,12 @@ class Operator:
                 lambda r: r.promoted(Backend(name, candidate.config.url)),
                 audit=lambda new: AuditNote(actor, "promote", name, {
                     "force": force, "reason": reason, "routing": new.to_dict(),
-                    "verdict": verdict}, verdict_id))
+                    "verdict": verdict}, judgement.verdict_id))
             await self._stop_driver()  # the promoted routing has no canary
             self._done("promote", name, verdict)
-            return {"routing": routing.to_dict(), "verdict": verdict, "reasons": reasons}
+            return RoutingChange(routing, judgement)
 
-    async def rollback(self, *, actor: str, reason: str | None) -> dict[str, Any]:
+    async def rollback(self, *, actor: str, reason: str | None) -> RoutingChange:
         async with self._lock:
             if self.routing.previous is None:
                 raise Conflict("there is no previous primary to roll back to")
@@ -157,10 +184,10 @@ class Operator:
                     "reason": reason, "routing": new.to_dict(), "verdict": None}))
             await self._stop_driver()  # the rolled-back routing has no canary
             self._done("rollback", routing.primary.name)
-            return {"routing": routing.to_dict()}
+            return RoutingChange(routing)
 
     async def start_canary(self, name: str, *, actor: str, steps: tuple[float, ...],
-                           interval_s: float) -> dict[str, Any]:
+                           interval_s: float) -> RoutingChange:
         async with self._lock:
             candidate = self._candidate(name)
             if self.routing.canary is not None:
@@ -175,9 +202,9 @@ class Operator:
             self._canary_task = asyncio.create_task(self._drive(name, actor),
                                                     name=f"canary-{name}")
             self._done("canary_start", name)
-            return {"routing": routing.to_dict()}
+            return RoutingChange(routing)
 
-    async def abort_canary(self, *, actor: str, reason: str | None) -> dict[str, Any]:
+    async def abort_canary(self, *, actor: str, reason: str | None) -> RoutingChange:
         async with self._lock:
             canary = self.routing.canary
             if canary is None:
@@ -188,7 +215,7 @@ class Operator:
                     "reason": reason, "percent": canary.percent, "verdict": None}))
             await self._stop_driver()
             self._done("canary_abort", canary.backend.name)
-            return {"routing": routing.to_dict()}
+            return RoutingChange(routing)
 
     async def close(self) -> None:
         await self._stop_driver()
@@ -213,21 +240,23 @@ class Operator:
 
     async def _judge_step(self, name: str, actor: str) -> bool:
         """One step of rule 3; True when the canary is over (rolled back or promoted)."""
-        verdict, verdict_id, reasons = await self._verdict(name)
+        judgement = await self._judge(name)
+        verdict, verdict_id, reasons = judgement.label, judgement.verdict_id, judgement.reasons
         async with self._lock:
             canary = self.routing.canary
             if canary is None or canary.backend.name != name:
                 return True
-            if verdict == "FAIL":
+            if judgement.outcome is Outcome.FAIL:
                 await self._sync.commit(_without_canary, audit=lambda _: AuditNote(
                     actor, "canary_rollback", name, {
-                        "step": canary.step, "percent": canary.percent, "reasons": reasons,
+                        "step": canary.step, "percent": canary.percent,
+                        "reasons": list(reasons),
                         "verdict": verdict}, verdict_id))
                 self._done("canary_rollback", name, verdict)
                 log.warning("canary %s rolled back at %s%%: %s", name, canary.percent,
                             "; ".join(reasons[:3]))
                 return True
-            if verdict == "INCONCLUSIVE" or verdict == "UNKNOWN":
+            if judgement.outcome in (Outcome.INCONCLUSIVE, None):
                 return False
             if canary.step + 1 < len(canary.steps):
                 step = Canary(canary.backend, canary.steps, canary.step + 1,

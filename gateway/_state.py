@@ -10,8 +10,9 @@ from gateway._config import GatewayConfig
 from gateway._evaluation import Evaluation
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
-from gateway._promotion import Operator
+from gateway._promotion import Promoter
 from gateway._routing import Routing, Upstreams
+from gateway._sync import RoutingSync
 
 __all__ = ["GatewayState", "RecentObservations"]
 
@@ -42,9 +43,15 @@ class RecentObservations:
 class GatewayState:
     config: GatewayConfig
     metrics: GatewayMetrics
-    routing: Routing  # replaced whole, never mutated: the relay reads it once per request
+    sync: RoutingSync  # holds the routing: the one place it lives
     upstreams: Upstreams
     observations: RecentObservations
     mirror: Mirror
     evaluation: Evaluation | None  # None: exchanges go to a sink the caller gave
-    operator: Operator
+    promoter: Promoter
+
+    @property
+    def routing(self) -> Routing:
+        """The routing now served (``RoutingSync.routing``): replaced whole, never mutated;
+        the relay reads it once per request."""
+        return self.sync.routing

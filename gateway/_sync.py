@@ -1,5 +1,8 @@
 """RoutingSync: every replica of the gateway converges on the same routing.
 
+This replica's routing is held here and nowhere else: the relay reads ``routing`` (through
+``GatewayState.routing``) once per request, and a change replaces it whole.
+
 Rules (DESIGN.md invariant 8):
 1. The database holds the routing with a version; the highest version wins. A replica
    that starts adopts the stored routing (a restarted replica keeps a promotion) or,
@@ -29,14 +32,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from evaluators import StoreError
-from evaluators._store import BackendRole
-from evaluators._store._routing import (
-    ROUTING_CHANNEL,
+from evaluators.store import (
     AuditNote,
+    BackendRole,
+    RoutingListener,
+    StoreError,
+    listen_for_routing,
     load_routing,
     record_change,
     save_routing,
@@ -54,16 +57,22 @@ T = TypeVar("T")
 
 
 class RoutingSync:
-    def __init__(self, initial: Routing, apply: Callable[[Routing], Awaitable[None]],
+    """The routing this replica serves (``routing``), and how it changes (the rules above).
+
+    ``on_change`` runs after each new routing is in place (the mirror stops mirroring to a
+    backend that became the primary).
+    """
+
+    def __init__(self, initial: Routing, on_change: Callable[[Routing], Awaitable[None]],
                  metrics: GatewayMetrics, poll_interval_s: float,
                  store_timeout_s: float = DEFAULT_ADMIN_STORE_TIMEOUT_S) -> None:
         self._routing = initial
-        self._apply_to_state = apply
+        self._on_change = on_change
         self._metrics = metrics
         self._poll_interval_s = poll_interval_s
         self._engine: AsyncEngine | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._listener: Any = None  # an asyncpg connection while LISTENing
+        self._listener: RoutingListener | None = None
         self._commit_lock = asyncio.Lock()
         self._store_timeout_s = store_timeout_s
         self._abandoned: set[asyncio.Task[Any]] = set()  # store calls that overran (rule 5)
@@ -71,11 +80,12 @@ class RoutingSync:
 
     @property
     def routing(self) -> Routing:
+        """The one snapshot this replica serves (replaced whole, never mutated)."""
         return self._routing
 
     async def _apply(self, routing: Routing) -> None:
         self._routing = routing
-        await self._apply_to_state(routing)
+        await self._on_change(routing)
         self._metrics.routing_version.set(routing.version)
         self._metrics.canary_percent.set(routing.canary.percent if routing.canary else 0)
 
@@ -100,8 +110,11 @@ class RoutingSync:
         if stored is not None:
             await self._adopt(engine, Routing.from_dict(stored[1]))
         self._poller = asyncio.create_task(self._poll(), name="routing-poll")
-        if engine.dialect.name == "postgresql":
-            await self._listen(engine)
+        try:
+            self._listener = await listen_for_routing(engine, self._notified)
+        except StoreError as exc:
+            log.warning("routing: LISTEN unavailable (%s); polling every %.1fs", exc,
+                        self._poll_interval_s)
 
     async def _adopt(self, engine: AsyncEngine, stored: Routing) -> None:
         """Rule 1: join the stored history, unless the configured primary changed."""
@@ -131,8 +144,7 @@ class RoutingSync:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
         if self._listener is not None:
-            with contextlib.suppress(Exception):
-                await self._listener.close()
+            await self._listener.close()
         await asyncio.gather(*self._abandoned, return_exceptions=True)
 
     async def store_call(self, what: str,
@@ -219,15 +231,6 @@ class RoutingSync:
             except StoreError as exc:  # the database is away: keep serving what we have
                 log.warning("routing: cannot read the routing state: %s", exc)
 
-    async def _listen(self, engine: AsyncEngine) -> None:
-        dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        try:
-            self._listener = await asyncpg.connect(dsn)
-            await self._listener.add_listener(ROUTING_CHANNEL, self._notified)
-        except (OSError, asyncpg.PostgresError) as exc:
-            log.warning("routing: LISTEN unavailable (%s); polling every %.1fs", exc,
-                        self._poll_interval_s)
-
-    def _notified(self, *_: Any) -> None:
+    def _notified(self) -> None:
         task = asyncio.get_running_loop().create_task(self.refresh())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())

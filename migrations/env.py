@@ -1,14 +1,14 @@
 """Alembic environment for understudy's store; async-capable, one URL for both backends.
 
 Two ways in:
-1. From code (``evaluators._store.upgrade``/``downgrade``): the caller passes a live
+1. From code (``evaluators.store.upgrade``/``downgrade``): the caller passes a live
    connection in ``config.attributes["connection"]`` and env.py migrates on it.
 2. From the ``alembic`` CLI (``alembic.ini`` at the repository root): the URL comes from
    ``-x url=...``, else ``UNDERSTUDY_STORE__URL``, else ``sqlalchemy.url`` in the ini;
    env.py makes an async engine and runs the migrations inside ``run_sync``.
 Offline mode (``alembic upgrade head --sql``) renders SQL for the URL's dialect.
 Online, on PostgreSQL, the migration holds an advisory lock (``MIGRATION_LOCK_KEY``, see
-``evaluators/_store/_migrate.py``) so that replicas started together migrate one by one.
+``evaluators/store/_migrate.py``) so that replicas started together migrate one by one.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
-from evaluators._store._engine import create_engine
-from evaluators._store._migrate import lock_for_migration
-from evaluators._store._schema import Base
+from evaluators.store import Base, create_engine, lock_for_migration
 
 config = context.config
 target_metadata = Base.metadata

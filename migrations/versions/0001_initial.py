@@ -15,7 +15,7 @@ down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# Frozen copies of the types in evaluators/_store/_schema.py as they were at this revision.
+# Frozen copies of the types in evaluators/store/_schema.py as they were at this revision.
 big_key = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 name = sa.String(200)
 utc = sa.DateTime(timezone=True)

@@ -58,7 +58,7 @@ def test_a_slower_candidate_fails_on_the_median_shift() -> None:
     rng = _rng(1)
     samples = MetricSamples(candidate=_latency(rng, 300, 1.3), baseline=_latency(rng, 300))
     verdict = _one(TTFT_METRIC, samples)
-    assert verdict.verdict is Outcome.FAIL
+    assert verdict.outcome is Outcome.FAIL
     assert _check(verdict, TTFT_METRIC, "median_shift") is Outcome.FAIL
     shift = verdict.metric(TTFT_METRIC).checks[0]
     assert shift.value is not None and shift.value > 0.2  # worse by ~30%
@@ -69,7 +69,7 @@ def test_an_equal_candidate_passes() -> None:
     rng = _rng(2)
     samples = MetricSamples(candidate=_latency(rng, 400), baseline=_latency(rng, 400))
     verdict = _one(TTFT_METRIC, samples)
-    assert verdict.verdict is Outcome.PASS, verdict.reasons
+    assert verdict.outcome is Outcome.PASS, verdict.reasons
     assert verdict.reasons == ("all 1 gated metrics pass",)
 
 
@@ -77,7 +77,7 @@ def test_a_faster_candidate_passes_on_a_lower_is_better_metric() -> None:
     rng = _rng(3)
     samples = MetricSamples(candidate=_latency(rng, 300, 0.7), baseline=_latency(rng, 300))
     verdict = _one(TTFT_METRIC, samples)
-    assert verdict.verdict is Outcome.PASS, verdict.reasons
+    assert verdict.outcome is Outcome.PASS, verdict.reasons
     assert verdict.metric(TTFT_METRIC).statistics is not None
 
 
@@ -86,7 +86,7 @@ def test_direction_decides_what_worse_means() -> None:
     baseline = rng.normal(30.0, 3.0, 300)
     faster = MetricSamples(candidate=rng.normal(36.0, 3.0, 300), baseline=baseline)
     slower = MetricSamples(candidate=rng.normal(24.0, 3.0, 300), baseline=baseline)
-    assert _one(TPS, faster).verdict is Outcome.PASS
+    assert _one(TPS, faster).outcome is Outcome.PASS
     assert _check(_one(TPS, slower), TPS, "median_shift") is Outcome.FAIL
 
 
@@ -98,7 +98,7 @@ def test_a_variance_increase_under_the_same_median_fails() -> None:
     verdict = _one(ITL, samples)
     assert _check(verdict, ITL, "median_shift") is Outcome.PASS
     assert _check(verdict, ITL, "std_ratio") is Outcome.FAIL
-    assert verdict.verdict is Outcome.FAIL
+    assert verdict.outcome is Outcome.FAIL
 
 
 def test_a_heavier_tail_fails_on_the_p99_ratio() -> None:
@@ -108,16 +108,16 @@ def test_a_heavier_tail_fails_on_the_p99_ratio() -> None:
     verdict = _one(TTFT_METRIC, MetricSamples(candidate=candidate, baseline=_latency(rng, 1000)))
     assert _check(verdict, TTFT_METRIC, "tail_ratio") is Outcome.FAIL
     assert _check(verdict, TTFT_METRIC, "median_shift") is not Outcome.FAIL
-    assert verdict.verdict is Outcome.FAIL
+    assert verdict.outcome is Outcome.FAIL
 
 
 def test_sparse_data_is_inconclusive_even_when_it_looks_good() -> None:
     rng = _rng(7)
     samples = MetricSamples(candidate=_latency(rng, 12, 0.5), baseline=_latency(rng, 12))
     verdict = _one(TTFT_METRIC, samples)
-    assert verdict.verdict is Outcome.INCONCLUSIVE
+    assert verdict.outcome is Outcome.INCONCLUSIVE
     metric = verdict.metric(TTFT_METRIC)
-    assert metric.verdict is Outcome.INCONCLUSIVE
+    assert metric.outcome is Outcome.INCONCLUSIVE
     assert "too few samples" in metric.reasons[0]
     assert metric.statistics is not None  # still exposed
 
@@ -126,8 +126,8 @@ def test_min_samples_is_configurable_per_metric() -> None:
     rng = _rng(8)
     samples = MetricSamples(candidate=_latency(rng, 40), baseline=_latency(rng, 40))
     strict = Gates(metrics={ITL: MetricGate(min_samples=50, max_shift_ratio=0.1)})
-    assert _one(ITL, samples, strict).verdict is Outcome.INCONCLUSIVE
-    assert _one(ITL, samples, Gates(min_samples=20)).verdict is not Outcome.INCONCLUSIVE
+    assert _one(ITL, samples, strict).outcome is Outcome.INCONCLUSIVE
+    assert _one(ITL, samples, Gates(min_samples=20)).outcome is not Outcome.INCONCLUSIVE
 
 
 def test_a_failure_outranks_an_inconclusive_metric() -> None:
@@ -137,7 +137,7 @@ def test_a_failure_outranks_an_inconclusive_metric() -> None:
         ITL: MetricSamples(candidate=_latency(rng, 300, 1.5), baseline=_latency(rng, 300)),
     }
     verdict = judge(samples, Gates(), DIRECTIONS)
-    assert verdict.verdict is Outcome.FAIL
+    assert verdict.outcome is Outcome.FAIL
     assert any(r.startswith(f"{TTFT_METRIC}: too few samples") for r in verdict.reasons)
     assert any(r.startswith(f"{ITL}: ") for r in verdict.reasons)
 
@@ -150,7 +150,7 @@ def test_significant_but_tolerable_worsening_is_marginal() -> None:
     check = verdict.metric(ITL).checks[0]
     assert check.name == "median_shift" and check.significant
     assert check.outcome is Outcome.MARGINAL
-    assert verdict.verdict is Outcome.MARGINAL
+    assert verdict.outcome is Outcome.MARGINAL
 
 
 def test_a_result_within_the_marginal_band_is_marginal() -> None:
@@ -164,7 +164,7 @@ def test_semantic_similarity_below_the_minimum_fails() -> None:
     rng = _rng(12)
     values = rng.beta(7, 3, 200)  # mean 0.7
     verdict = _one(SEMANTIC_SIMILARITY_METRIC, MetricSamples(candidate=values))
-    assert verdict.verdict is Outcome.FAIL
+    assert verdict.outcome is Outcome.FAIL
 
 
 def test_cost_ratio_gate() -> None:
@@ -173,7 +173,7 @@ def test_cost_ratio_gate() -> None:
     dearer = MetricSamples(candidate=rng.gamma(2.0, 0.0013, 400), baseline=baseline)
     same = MetricSamples(candidate=rng.gamma(2.0, 0.001, 400), baseline=baseline)
     assert _check(_one(COST, dearer), COST, "mean_ratio") is Outcome.FAIL
-    assert _one(COST, same).verdict is Outcome.PASS
+    assert _one(COST, same).outcome is Outcome.PASS
 
 
 def test_error_rate_increase_gate() -> None:
@@ -198,26 +198,26 @@ def test_candidate_at_the_noise_floor_is_not_flagged() -> None:
     rng = _rng(16)
     samples = MetricSamples(candidate=rng.beta(40, 2, 300), noise_floor=rng.beta(40, 2, 200))
     verdict = _one(SEMANTIC_SIMILARITY_METRIC, samples)
-    assert verdict.verdict is Outcome.PASS, verdict.reasons
+    assert verdict.outcome is Outcome.PASS, verdict.reasons
 
 
 def test_a_noisy_primary_relaxes_the_minimum_to_the_floor() -> None:
     rng = _rng(17)
     candidate = rng.beta(8, 2, 300)  # ~0.80, below 0.85
     alone = _one(SEMANTIC_SIMILARITY_METRIC, MetricSamples(candidate=candidate))
-    assert alone.verdict is Outcome.FAIL
+    assert alone.outcome is Outcome.FAIL
     floor = rng.beta(8, 2, 200)  # the primary's own replica agrees no better
     relaxed = _one(
         SEMANTIC_SIMILARITY_METRIC, MetricSamples(candidate=candidate, noise_floor=floor)
     )
-    assert relaxed.verdict is not Outcome.FAIL, relaxed.reasons
+    assert relaxed.outcome is not Outcome.FAIL, relaxed.reasons
     assert "relaxed" in relaxed.metric(SEMANTIC_SIMILARITY_METRIC).reasons[0]
 
 
 def test_a_floor_that_is_the_only_gate_needs_enough_samples() -> None:
     rng = _rng(18)
     samples = MetricSamples(candidate=rng.beta(9, 1, 300), noise_floor=rng.beta(9, 1, 10))
-    assert _one(TOKEN_F1, samples).verdict is Outcome.INCONCLUSIVE
+    assert _one(TOKEN_F1, samples).outcome is Outcome.INCONCLUSIVE
 
 
 def test_ungated_metrics_do_not_count() -> None:
@@ -228,7 +228,7 @@ def test_ungated_metrics_do_not_count() -> None:
     }
     verdict = judge(samples, Gates(), DIRECTIONS)
     assert all(not m.gated for m in verdict.metrics)
-    assert verdict.verdict is Outcome.INCONCLUSIVE
+    assert verdict.outcome is Outcome.INCONCLUSIVE
     assert verdict.reasons == ("no gated metric to judge",)
 
 
@@ -236,8 +236,8 @@ def test_a_required_metric_without_samples_is_inconclusive() -> None:
     rng = _rng(20)
     samples = {ITL: MetricSamples(candidate=_latency(rng, 300), baseline=_latency(rng, 300))}
     verdict = judge(samples, Gates(required_metrics=(TTFT_METRIC,)), DIRECTIONS)
-    assert verdict.metric(TTFT_METRIC).verdict is Outcome.INCONCLUSIVE
-    assert verdict.verdict is Outcome.INCONCLUSIVE
+    assert verdict.metric(TTFT_METRIC).outcome is Outcome.INCONCLUSIVE
+    assert verdict.outcome is Outcome.INCONCLUSIVE
 
 
 def test_verdict_to_dict_is_plain_json_and_deterministic() -> None:

@@ -18,14 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from evaluators import (
-    EvaluationPipeline,
-    EvaluationProcessError,
-    PipelineState,
-    StoreConfig,
-    upgrade,
-)
+from evaluators import EvaluationPipeline, EvaluationProcessError, PipelineState
 from evaluators._scoring_process import STATS_INTERVAL_S
+from evaluators.store import StoreConfig, upgrade
 from tests.evaluators.test_store import make_exchange
 from tests.fixtures_db import sqlite_url
 from tests.utils import eventually
@@ -230,7 +225,8 @@ async def test_close_while_held_counts_what_the_writer_held(store: StoreConfig) 
 
 PARENT = """
 import asyncio, sys
-from evaluators import EvaluationPipeline, StoreConfig
+from evaluators import EvaluationPipeline
+from evaluators.store import StoreConfig
 
 async def main():
     pipeline = EvaluationPipeline(StoreConfig(url=sys.argv[1]), ("latency",))
@@ -261,7 +257,8 @@ async def test_the_child_exits_when_its_parent_is_killed(store: StoreConfig) -> 
 
 FORGETFUL_PARENT = """
 import asyncio, sys
-from evaluators import EvaluationPipeline, StoreConfig
+from evaluators import EvaluationPipeline
+from evaluators.store import StoreConfig
 
 PIPELINES = []  # still referenced at exit: its pipe to the child stays open
 

@@ -20,11 +20,10 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, func, inspect, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-import evaluators._store as store
 from evaluators import Exchange, Observation, Usage
-from evaluators._store import (
+from evaluators.store import (
     AuditEntry,
-    Backend,
+    BackendRow,
     Base,
     ExchangeRow,
     ObservationRow,
@@ -32,7 +31,7 @@ from evaluators._store import (
     ScoreWriter,
     StoreConfig,
     StoreRejected,
-    Verdict,
+    VerdictRow,
     WriterState,
     WriterStateError,
     append_audit,
@@ -47,7 +46,7 @@ from evaluators._store import (
     session_factory,
     upgrade,
 )
-from evaluators._store._rows import itl_stats
+from evaluators.store._rows import itl_stats
 from tests.utils import eventually
 
 STORE_TABLES = {"backends", "exchanges", "observations", "scores", "verdicts", "audit_log"}
@@ -133,19 +132,7 @@ async def written(writer: ScoreWriter, records: int) -> None:
     await eventually(lambda: writer.stats.written_records >= records, within_s=10)
 
 
-# -- the public surface and the config -----------------------------------------------------
-
-
-def test_exported_names() -> None:
-    assert set(store.__all__) == {
-        "DEFAULT_STORE_URL", "AuditEntry", "Backend", "BackendRole", "Base",
-        "CandidateSummary", "DropReason", "ExchangeRow", "ObservationRow", "Samples",
-        "ScoreLike", "ScoreRow", "ScoreWriter", "StoreConfig", "StoreError", "StoreRejected",
-        "StoreUnavailable", "Verdict", "WriterState", "WriterStateError", "WriterStats",
-        "append_audit", "create_engine", "current_revision", "downgrade", "head_revision",
-        "list_candidates", "load_samples", "record_verdict", "register_backend",
-        "session_factory", "upgrade",
-    }
+# -- the config ----------------------------------------------------------------------------
 
 
 def test_config_picks_the_async_driver_and_hides_the_password() -> None:
@@ -265,7 +252,7 @@ async def test_writer_round_trip_shares_the_primary_observation(engine: AsyncEng
     assert exchanges[1].prompt_hash is None
     assert exchanges[0].started_at == datetime.fromtimestamp(1_700_000_000, UTC)
 
-    backends = {b.id: b for b in await rows(engine, Backend, Backend.name)}
+    backends = {b.id: b for b in await rows(engine, BackendRow, BackendRow.name)}
     assert sorted((b.name, b.role) for b in backends.values()) == [
         ("cand-a", "candidate"), ("cand-b", "candidate"), ("primary", "primary")]
 
@@ -438,7 +425,7 @@ async def test_register_backend_creates_then_updates(engine: AsyncEngine) -> Non
     async with factory() as session, session.begin():
         again = await register_backend(session, "b", role="primary", url="http://b")
     assert first == again
-    (backend,) = await rows(engine, Backend)
+    (backend,) = await rows(engine, BackendRow)
     assert (backend.role, backend.url) == ("primary", "http://b")
 
 
@@ -454,7 +441,7 @@ async def test_verdict_and_audit_commit_together(engine: AsyncEngine) -> None:
         audit_id = await append_audit(session, actor="alice", action="promote",
                                       target="cand-a", detail={"from": "primary"},
                                       verdict_id=verdict_id)
-    (verdict,) = await rows(engine, Verdict)
+    (verdict,) = await rows(engine, VerdictRow)
     assert verdict.id == verdict_id
     assert (verdict.verdict, verdict.reasons) == ("pass", ["ttft within 5%"])
     assert verdict.statistics == {"ttft": {"p_value": 0.3, "n": 120}}

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from evaluators._store import (
+from evaluators.store import (
     ExchangeRow,
     ObservationRow,
     ScoreRow,

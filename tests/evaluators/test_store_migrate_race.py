@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 
 import asyncpg
 
-from evaluators._store import current_revision, head_revision
+from evaluators.store import current_revision, head_revision
 from tests.fixtures_db import PG_ADMIN_URL
 
 REPLICAS = 4
@@ -25,7 +25,7 @@ RACE_TIMEOUT_S = 90
 
 _REPLICA = """
 import asyncio, sys
-from evaluators._store import create_engine, register_backend, session_factory, upgrade
+from evaluators.store import create_engine, register_backend, session_factory, upgrade
 
 async def main(url):
     engine = create_engine(url)

@@ -18,7 +18,7 @@ import asyncpg
 import openai
 from sqlalchemy.engine import make_url
 
-from evaluators import upgrade
+from evaluators.store import upgrade
 from tests.tcp_relay import TcpRelay
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import sqlalchemy as sa
 
-from evaluators import create_engine
+from evaluators.store import create_engine
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 LOOSE_GATES = {"min_samples": 8, "max_median_shift_ratio": 3.0, "max_std_ratio": 10.0,

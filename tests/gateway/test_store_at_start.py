@@ -16,9 +16,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from evaluators import create_engine, session_factory, upgrade
-from evaluators._store import ExchangeRow
-from evaluators._store._routing import load_routing
+from evaluators.store import ExchangeRow, create_engine, load_routing, session_factory, upgrade
 from gateway._evaluation import STORE_START_WAIT_S
 from tests.tcp_relay import TcpRelay
 from tests.utils import RunningGateway, eventually, free_port, run_gateway, run_sim

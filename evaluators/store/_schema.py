@@ -39,13 +39,13 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
     "AuditEntry",
-    "Backend",
     "BackendRole",
+    "BackendRow",
     "Base",
     "ExchangeRow",
     "ObservationRow",
     "ScoreRow",
-    "Verdict",
+    "VerdictRow",
 ]
 
 BackendRole = Literal["primary", "candidate", "secondary"]
@@ -92,7 +92,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON()}
 
 
-class Backend(Base):
+class BackendRow(Base):
     """A deployment answers are compared across; registered on first sight."""
 
     __tablename__ = "backends"
@@ -177,7 +177,7 @@ class ScoreRow(Base):
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
-class Verdict(Base):
+class VerdictRow(Base):
     """The judge's decision on a candidate over a window, with the numbers behind it."""
 
     __tablename__ = "verdicts"

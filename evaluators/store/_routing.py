@@ -3,26 +3,38 @@ the admin changes written with it.
 
 A replica changes it only from the version it last saw (compare-and-set), so two
 replicas never overwrite each other's change unseen. PostgreSQL replicas are told of a
-change at once (``NOTIFY``); every replica also polls. A change's audit entry commits in
+change at once (``NOTIFY`` here, ``listen_for_routing`` on their side); every replica also
+polls. A change's audit entry commits in
 the same transaction as the change (``save_routing(..., audit=)``, ``record_change``):
 the store holds both or neither.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from evaluators._store._engine import session_factory
-from evaluators._store._errors import translate_store_errors
-from evaluators._store._queries import append_audit, register_backend
-from evaluators._store._schema import AuditEntry, BackendRole, Base
+from evaluators.store._engine import session_factory
+from evaluators.store._errors import StoreUnavailable, translate_store_errors
+from evaluators.store._queries import append_audit, register_backend
+from evaluators.store._schema import AuditEntry, BackendRole, Base
 
-__all__ = ["ROUTING_CHANNEL", "AuditNote", "load_routing", "record_change", "save_routing"]
+__all__ = [
+    "ROUTING_CHANNEL",
+    "AuditNote",
+    "RoutingListener",
+    "listen_for_routing",
+    "load_routing",
+    "record_change",
+    "save_routing",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +118,37 @@ async def _append(connection: AsyncConnection, audit: AuditNote, at: datetime) -
     await connection.execute(sa.insert(AuditEntry).values(
         at=at, actor=audit.actor, action=audit.action, target=audit.target,
         detail=audit.detail, verdict_id=audit.verdict_id))
+
+
+class RoutingListener:
+    """A connection of its own that LISTENs for stored routing versions; ``close`` ends it."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._connection.close()
+
+
+async def listen_for_routing(engine: AsyncEngine,
+                             on_change: Callable[[], None]) -> RoutingListener | None:
+    """Call ``on_change`` each time a replica stores a routing version (``NOTIFY``).
+
+    None where the database cannot notify (SQLite: its replicas poll). A LISTEN that cannot
+    be set up raises :class:`StoreUnavailable`. The password leaves the engine's URL only
+    for the driver's connect, never for a log.
+    """
+    if engine.dialect.name != "postgresql":
+        return None
+    dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    try:
+        connection = await asyncpg.connect(dsn)
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise StoreUnavailable(f"LISTEN: {type(exc).__name__}: {exc}"[:300]) from exc
+    try:
+        await connection.add_listener(ROUTING_CHANNEL, lambda *_: on_change())
+    except (OSError, asyncpg.PostgresError) as exc:
+        await RoutingListener(connection).close()
+        raise StoreUnavailable(f"LISTEN: {type(exc).__name__}: {exc}"[:300]) from exc
+    return RoutingListener(connection)

@@ -1,5 +1,6 @@
 """The evaluation store: schema (made by Alembic only), the batched ScoreWriter, the
-report's queries. PostgreSQL through asyncpg or SQLite through aiosqlite; one URL picks.
+report's queries, and the routing state that gateway replicas share. PostgreSQL through
+asyncpg or SQLite through aiosqlite; one URL picks.
 
     engine = create_engine(config)            # the caller owns it: dispose() at shutdown
     await upgrade(config.url)                 # Alembic, programmatically
@@ -7,50 +8,69 @@ report's queries. PostgreSQL through asyncpg or SQLite through aiosqlite; one UR
         writer.submit(exchange, scores)       # never blocks; False = dropped and counted
     async with session_factory(engine)() as session, session.begin():
         samples = await load_samples(session, "candidate-a")
+    await save_routing(engine, 2, data, expected=1, audit=note)   # compare-and-set
+    listener = await listen_for_routing(engine, on_change)        # PostgreSQL's NOTIFY
+
+Everything a caller outside the store needs is exported here; its modules are private.
 """
 
-from evaluators._store._config import DEFAULT_STORE_URL, StoreConfig
-from evaluators._store._engine import create_engine, session_factory
-from evaluators._store._errors import (
+from evaluators.store._config import DEFAULT_STORE_URL, StoreConfig, masked_url
+from evaluators.store._engine import create_engine, session_factory
+from evaluators.store._errors import (
     StoreError,
     StoreRejected,
     StoreUnavailable,
     WriterStateError,
 )
-from evaluators._store._migrate import current_revision, downgrade, head_revision, upgrade
-from evaluators._store._queries import (
+from evaluators.store._migrate import (
+    current_revision,
+    downgrade,
+    head_revision,
+    lock_for_migration,
+    upgrade,
+)
+from evaluators.store._queries import (
     CandidateSummary,
-    Samples,
+    StoredSamples,
     append_audit,
     list_candidates,
     load_samples,
     record_verdict,
     register_backend,
 )
-from evaluators._store._rows import ScoreLike
-from evaluators._store._schema import (
+from evaluators.store._routing import (
+    AuditNote,
+    RoutingListener,
+    listen_for_routing,
+    load_routing,
+    record_change,
+    save_routing,
+)
+from evaluators.store._rows import ScoreLike
+from evaluators.store._schema import (
     AuditEntry,
-    Backend,
     BackendRole,
+    BackendRow,
     Base,
     ExchangeRow,
     ObservationRow,
     ScoreRow,
-    Verdict,
+    VerdictRow,
 )
-from evaluators._store._writer import DropReason, ScoreWriter, WriterState, WriterStats
+from evaluators.store._writer import DropReason, ScoreWriter, WriterState, WriterStats
 
 __all__ = [
     "DEFAULT_STORE_URL",
     "AuditEntry",
-    "Backend",
+    "AuditNote",
     "BackendRole",
+    "BackendRow",
     "Base",
     "CandidateSummary",
     "DropReason",
     "ExchangeRow",
     "ObservationRow",
-    "Samples",
+    "RoutingListener",
     "ScoreLike",
     "ScoreRow",
     "ScoreWriter",
@@ -58,7 +78,8 @@ __all__ = [
     "StoreError",
     "StoreRejected",
     "StoreUnavailable",
-    "Verdict",
+    "StoredSamples",
+    "VerdictRow",
     "WriterState",
     "WriterStateError",
     "WriterStats",
@@ -68,9 +89,15 @@ __all__ = [
     "downgrade",
     "head_revision",
     "list_candidates",
+    "listen_for_routing",
+    "load_routing",
     "load_samples",
+    "lock_for_migration",
+    "masked_url",
+    "record_change",
     "record_verdict",
     "register_backend",
+    "save_routing",
     "session_factory",
     "upgrade",
 ]

@@ -27,8 +27,8 @@ from sqlalchemy import JSON, Dialect, Table, TextClause, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from evaluators._store._rows import Record, Row
-from evaluators._store._schema import Backend, BackendRole, ExchangeRow, ObservationRow, ScoreRow
+from evaluators.store._rows import Record, Row
+from evaluators.store._schema import BackendRole, BackendRow, ExchangeRow, ObservationRow, ScoreRow
 
 __all__ = ["TABLES", "BatchInserter"]
 
@@ -50,7 +50,7 @@ class BatchInserter:
         self._engine = engine
         dialect = engine.dialect
         make = _insert_family(dialect.name)
-        self._backends = make(dialect, _table(Backend), ("name",))
+        self._backends = make(dialect, _table(BackendRow), ("name",))
         self._exchanges = make(dialect, _table(ExchangeRow), ("request_id",))
         self._observations = make(dialect, _table(ObservationRow), ("exchange_id", "backend_id"))
         self._scores = make(dialect, _table(ScoreRow), ("exchange_id", "candidate_id", "metric"))
@@ -121,7 +121,7 @@ class BatchInserter:
         if len(self._backend_ids) + len(wanted) > MAX_CACHED_BACKENDS:
             self._backend_ids.clear()
             wanted = needed
-        table = _table(Backend)
+        table = _table(BackendRow)
         async with self._engine.begin() as connection:
             await self._backends.insert(
                 connection, [{"name": name, "role": role} for name, role in wanted.items()]

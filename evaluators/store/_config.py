@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-__all__ = ["DEFAULT_STORE_URL", "StoreConfig"]
+__all__ = ["DEFAULT_STORE_URL", "StoreConfig", "masked_url"]
 
 MiB = 1024 * 1024
 

@@ -43,20 +43,20 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Literal
+from typing import Literal, get_args
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators._exchange import Exchange
-from evaluators._store._bulk import TABLES, BatchInserter
-from evaluators._store._config import StoreConfig
-from evaluators._store._errors import (
+from evaluators.store._bulk import TABLES, BatchInserter
+from evaluators.store._config import StoreConfig
+from evaluators.store._errors import (
     StoreRejected,
     StoreUnavailable,
     WriterStateError,
     translate_store_errors,
 )
-from evaluators._store._rows import InvalidRecord, Record, ScoreLike, build_record
+from evaluators.store._rows import InvalidRecord, Record, ScoreLike, build_record
 
 __all__ = ["DropReason", "ScoreWriter", "WriterState", "WriterStats"]
 
@@ -66,10 +66,7 @@ DropReason = Literal[
     "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout",
     "store_unready", "process_exit",
 ]
-DROP_REASONS: tuple[DropReason, ...] = (
-    "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout",
-    "store_unready", "process_exit",
-)
+DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
 """``process_exit`` is never counted by a writer itself: the evaluation pipeline counts
 what a writer held when its process died."""
 

@@ -17,12 +17,12 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from evaluators._store._errors import StoreRejected, translate_store_errors
-from evaluators._store._schema import AuditEntry, Backend, BackendRole, ScoreRow, Verdict
+from evaluators.store._errors import StoreRejected, translate_store_errors
+from evaluators.store._schema import AuditEntry, BackendRole, BackendRow, ScoreRow, VerdictRow
 
 __all__ = [
     "CandidateSummary",
-    "Samples",
+    "StoredSamples",
     "append_audit",
     "list_candidates",
     "load_samples",
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 
-class Samples(NamedTuple):
+class StoredSamples(NamedTuple):
     """One metric's values for a candidate: ``candidate, primary = samples``.
 
     Each list holds the known (non-NULL) values in the order they were scored; a
@@ -56,25 +56,25 @@ class CandidateSummary:
 
 async def load_samples(session: AsyncSession, candidate: str,
                        metrics: Collection[str] | None = None,
-                       since: datetime | None = None) -> dict[str, Samples]:
+                       since: datetime | None = None) -> dict[str, StoredSamples]:
     """Every stored value of ``candidate``'s metrics (all, or those named) since ``since``."""
     query = (
         select(ScoreRow.metric, ScoreRow.candidate_value, ScoreRow.primary_value)
-        .join(Backend, Backend.id == ScoreRow.candidate_id)
-        .where(Backend.name == candidate)
+        .join(BackendRow, BackendRow.id == ScoreRow.candidate_id)
+        .where(BackendRow.name == candidate)
         .order_by(ScoreRow.metric, ScoreRow.created_at, ScoreRow.id)
     )
     if metrics is not None:
         query = query.where(ScoreRow.metric.in_(list(metrics)))
     if since is not None:
         query = query.where(ScoreRow.created_at >= _aware(since))
-    samples: dict[str, Samples] = {}
+    samples: dict[str, StoredSamples] = {}
     with translate_store_errors():
         result = await session.execute(query)
         for metric, candidate_value, primary_value in result:
             found = samples.get(metric)
             if found is None:
-                found = samples[metric] = Samples([], [])
+                found = samples[metric] = StoredSamples([], [])
             if candidate_value is not None:
                 found.candidate.append(candidate_value)
             if primary_value is not None:
@@ -91,11 +91,11 @@ async def list_candidates(session: AsyncSession) -> list[CandidateSummary]:
         .subquery()
     )
     query = (
-        select(Backend.name, Backend.role, Backend.url, counts.c.metric, counts.c.n,
+        select(BackendRow.name, BackendRow.role, BackendRow.url, counts.c.metric, counts.c.n,
                counts.c["last"])
-        .outerjoin(counts, counts.c.candidate_id == Backend.id)
-        .where((Backend.role != "primary") | counts.c.n.is_not(None))
-        .order_by(Backend.name, counts.c.metric)
+        .outerjoin(counts, counts.c.candidate_id == BackendRow.id)
+        .where((BackendRow.role != "primary") | counts.c.n.is_not(None))
+        .order_by(BackendRow.name, counts.c.metric)
     )
     with translate_store_errors():
         rows = (await session.execute(query)).all()
@@ -123,17 +123,17 @@ async def register_backend(session: AsyncSession, name: str, *, role: BackendRol
     values = {"name": name, "role": role, "url": url}
     keep_url = url is not None  # an update that names no URL keeps the stored one
     if dialect == "postgresql":
-        pg = postgresql.insert(Backend).values(values)
+        pg = postgresql.insert(BackendRow).values(values)
         statement: Any = pg.on_conflict_do_update(
-            index_elements=[Backend.name], set_=_backend_changes(pg.excluded, keep_url))
+            index_elements=[BackendRow.name], set_=_backend_changes(pg.excluded, keep_url))
     elif dialect == "sqlite":
-        lite = sqlite.insert(Backend).values(values)
+        lite = sqlite.insert(BackendRow).values(values)
         statement = lite.on_conflict_do_update(
-            index_elements=[Backend.name], set_=_backend_changes(lite.excluded, keep_url))
+            index_elements=[BackendRow.name], set_=_backend_changes(lite.excluded, keep_url))
     else:
         raise StoreRejected(f"no upsert for the {dialect} dialect")
     with translate_store_errors():
-        backend_id = await session.scalar(statement.returning(Backend.id))
+        backend_id = await session.scalar(statement.returning(BackendRow.id))
     if backend_id is None:
         raise StoreRejected(f"backend {name!r} was not registered")
     return int(backend_id)
@@ -155,10 +155,11 @@ async def record_verdict(session: AsyncSession, *, candidate: str, verdict: str,
     ``reasons`` and ``statistics`` must be JSON-serialisable.
     """
     with translate_store_errors():
-        candidate_id = await session.scalar(select(Backend.id).where(Backend.name == candidate))
+        candidate_id = await session.scalar(
+            select(BackendRow.id).where(BackendRow.name == candidate))
         if candidate_id is None:
             raise StoreRejected(f"unknown backend {candidate!r}")
-        row = Verdict(candidate_id=candidate_id, verdict=verdict, reasons=list(reasons),
+        row = VerdictRow(candidate_id=candidate_id, verdict=verdict, reasons=list(reasons),
                       statistics=dict(statistics), window_start=window_start,
                       window_end=window_end, created_at=datetime.now(UTC))
         session.add(row)

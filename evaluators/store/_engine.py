@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 from sqlalchemy.pool import StaticPool
 
-from evaluators._store._config import StoreConfig
+from evaluators.store._config import StoreConfig
 
 __all__ = ["create_engine", "session_factory"]
 

@@ -29,8 +29,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from evaluators._store._engine import create_engine
-from evaluators._store._errors import StoreError, translate_store_errors
+from evaluators.store._engine import create_engine
+from evaluators.store._errors import StoreError, translate_store_errors
 
 __all__ = [
     "MIGRATION_LOCK_KEY",

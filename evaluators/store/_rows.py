@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from evaluators._exchange import Exchange
 from evaluators._observation import Observation
-from evaluators._store._schema import NAME_LENGTH, REQUEST_ID_LENGTH
+from evaluators.store._schema import NAME_LENGTH, REQUEST_ID_LENGTH
 
 __all__ = ["InvalidRecord", "Record", "ScoreLike", "build_record", "itl_stats"]
 
