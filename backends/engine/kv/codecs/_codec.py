@@ -12,8 +12,8 @@ Rules every codec keeps
 3. The size of a block is measured, never declared: ``EncodedBlock.nbytes`` sums the arrays it
    holds, and ``bits_per_element`` divides that by the elements.  The shape and the codec's name
    are not counted: a paged cache knows them from its layout, once for all blocks.  Per-layer
-   constants (E8's key mean and rotation signs) are not counted either: they are a few KB per
-   model, the same for every block and every sequence.
+   constants (E8's key mean, key scale and rotation signs) are not counted either: they are a
+   few KB per model, the same for every block and every sequence.
 4. A codec is a write-time transform of one block.  What a cache keeps at full precision beside
    it -- the attention-sink token (position 0) and a recent window of ``window_tokens`` tokens
    -- is the cache's read-time policy, not the codec's: the codec states the window it was
@@ -147,10 +147,11 @@ def measured_bits_per_element(
 class CodecSpec:
     """A registry entry: how to build the codec named ``name`` for one layer.
 
-    ``build(layer, seed, key_mean)``: ``key_mean`` [kv_heads, head_dim] (or None) is the
-    layer's calibrated key mean, used by codecs that centre keys; others ignore it and the seed.
+    ``build(layer, seed, key_mean, key_scale)``: ``key_mean`` and ``key_scale`` [kv_heads,
+    head_dim] (or None) are the layer's calibrated key mean and per-channel key multipliers,
+    used by codecs that centre and weigh keys (E8); others ignore them and the seed.
     """
 
     name: str
     summary: str
-    build: Callable[[int, int, Float32Array | None], KVCodec]
+    build: Callable[[int, int, Float32Array | None, Float32Array | None], KVCodec]

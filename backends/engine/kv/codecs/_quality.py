@@ -24,8 +24,8 @@ Theory of operation
    forcing: the text's own tokens) ``KL(p_fp32 || p_codec)`` in nats and whether the argmax
    agrees.  This equals decoding those tokens one by one over a quantized cache (causal
    attention: a position sees only the K/V before it), with rule 2's whole blocks.
-6. Calibration is not evaluation: the E8 key means come from ``CALIBRATION_TEXT``, never from the
-   prompts that are scored.
+6. Calibration is not evaluation: the E8 key means and key scales come from
+   ``CALIBRATION_TEXT``, never from the prompts that are scored.
 7. Bits: a codec's bits per element are measured from its encoded arrays at ``encode_tokens``;
    at a context of ``L`` tokens the sink costs 32 bits, the window 16, the rest the codec's
    (``CodecQuality.effective_bits``), and the longest context that fits a KV budget follows.
@@ -43,7 +43,7 @@ import numpy.typing as npt
 from ...model._model import ForwardChunk, LlamaModel, _rms_norm, _rope
 from .._store import KVLayout, KVStorage
 from ._codec import DEFAULT_ENCODE_TOKENS, DEFAULT_SEED, Float32Array, KVCodec, Role
-from ._e8_codec import E8Codec
+from ._e8_codec import E8Codec, key_scale_from
 from ._registry import codec_by_name
 from ._texts import CALIBRATION_TEXT, PROMPTS
 
@@ -51,6 +51,7 @@ __all__ = [
     "DEFAULT_CONFIGS",
     "CodecQuality",
     "QualityReport",
+    "calibrate",
     "capture_kv",
     "measure_quality",
     "round_trip",
@@ -272,6 +273,23 @@ def capture_kv(
     return run.keys, run.values
 
 
+def calibrate(model: LlamaModel) -> tuple[list[Float32Array], list[Float32Array]]:
+    """Per layer, the key mean and the key scale (``_e8_codec`` rules 1-2) over
+    ``CALIBRATION_TEXT`` (rule 6), the sink excluded."""
+    cfg = model.config
+    ids = model.tokenizer.encode(CALIBRATION_TEXT)
+    run = _forward(model, ids, last=len(ids), capture=True)
+    means = key_means(run.keys)
+    group = cfg.num_heads // cfg.num_kv_heads
+    scales = []
+    for layer in range(cfg.num_layers):
+        queries = run.queries[layer][1:].reshape(-1, cfg.num_kv_heads, group, cfg.head_dim)
+        query_power = np.square(queries).mean(axis=0).sum(axis=1)
+        key_power = np.square(run.keys[layer][1:] - means[layer]).mean(axis=0)
+        scales.append(key_scale_from(query_power, key_power))
+    return means, scales
+
+
 def key_means(keys: Sequence[Float32Array]) -> list[Float32Array]:
     """Each layer's key mean per head, the sink excluded (it is kept raw, rule 3)."""
     return [np.ascontiguousarray(k[1:].mean(axis=0), dtype=np.float32) for k in keys]
@@ -335,10 +353,12 @@ def measure_quality(
     say = progress or (lambda _: None)
     cfg = model.config
     layers = cfg.num_layers
-    calibration_keys, _ = capture_kv(model, model.tokenizer.encode(CALIBRATION_TEXT))
-    means = key_means(calibration_keys)
+    means, key_scales = calibrate(model)
     per_layer_codecs = {
-        name: [codec_by_name(name, layer=i, seed=seed, key_mean=means[i]) for i in range(layers)]
+        name: [
+            codec_by_name(name, layer=i, seed=seed, key_mean=means[i], key_scale=key_scales[i])
+            for i in range(layers)
+        ]
         for name, _ in configs
     }
     tallies = {config: _Tally() for config in configs}

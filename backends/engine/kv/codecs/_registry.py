@@ -26,8 +26,13 @@ def _e8(window: int, name: str) -> CodecSpec:
         name,
         f"E8 lattice, 2 bits/dim + a float16 scale per token-head, Hadamard-rotated"
         f"{f', {window}-token window' if window else ''}",
-        lambda layer, seed, key_mean: E8Codec(
-            layer=layer, seed=seed, key_mean=key_mean, window_tokens=window, name=name
+        lambda layer, seed, key_mean, key_scale: E8Codec(
+            layer=layer,
+            seed=seed,
+            key_mean=key_mean,
+            key_scale=key_scale,
+            window_tokens=window,
+            name=name,
         ),
     )
 
@@ -36,7 +41,7 @@ def _kivi(bits: int) -> CodecSpec:
     return CodecSpec(
         f"kivi-{bits}",
         f"KIVI {bits}-bit asymmetric, keys per channel, values per token (group 32)",
-        lambda layer, seed, key_mean: KiviCodec(bits, window_tokens=KIVI_WINDOW),
+        lambda *_: KiviCodec(bits, window_tokens=KIVI_WINDOW),
     )
 
 
@@ -64,12 +69,14 @@ def codec_by_name(
     layer: int = 0,
     seed: int = DEFAULT_SEED,
     key_mean: Float32Array | None = None,
+    key_scale: Float32Array | None = None,
 ) -> KVCodec:
-    """The codec ``name`` for ``layer``: ``seed`` and ``key_mean`` [kv_heads, head_dim] (the
-    layer's calibrated key mean) matter to the codecs that rotate or centre (E8); the others
-    ignore them.  Unknown names raise ``KeyError`` naming the known ones."""
+    """The codec ``name`` for ``layer``: ``seed``, ``key_mean`` and ``key_scale`` [kv_heads,
+    head_dim] (the layer's calibrated key mean and per-channel key multipliers) matter to the
+    codecs that rotate, centre and weigh (E8); the others ignore them.  Unknown names raise
+    ``KeyError`` naming the known ones."""
     try:
         spec = CODECS[name]
     except KeyError:
         raise KeyError(f"unknown KV codec {name!r} (known: {', '.join(CODECS)})") from None
-    return spec.build(layer, seed, key_mean)
+    return spec.build(layer, seed, key_mean, key_scale)

@@ -25,7 +25,7 @@ from backends.engine.kv.codecs._e8 import (
     nearest_e8,
     nearest_in_codebook_brute_force,
 )
-from backends.engine.kv.codecs._e8_codec import hadamard_transform
+from backends.engine.kv.codecs._e8_codec import hadamard_transform, key_scale_from
 from backends.engine.kv.codecs._float import FP8_MAX
 from backends.engine.kv.codecs._kivi import pack_codes, unpack_codes
 from backends.engine.kv.codecs._quality import _attention, measure_quality, round_trip
@@ -324,6 +324,30 @@ def test_e8_key_mean_and_seed() -> None:
     assert np.array_equal(centred.encode(x, "value").codes, plain.encode(x, "value").codes)
     other = codec_by_name("e8-2", layer=1)
     assert not np.array_equal(other.encode(x, "key").codes, plain.encode(x, "key").codes)
+
+
+def test_e8_key_scale_moves_the_error_to_where_queries_are_small() -> None:
+    """With multipliers from query and key powers, the score error ``q . dk`` shrinks."""
+    rng = np.random.default_rng(14)
+    x = gaussian(15, (64, 3, 64))
+    query_power = np.ones((3, 64), dtype=np.float32)
+    query_power[:, :8] = 100.0  # queries live in the first 8 channels
+    key_power = np.square(x).mean(axis=0)
+    scale = key_scale_from(query_power, key_power, power=0.25)
+    assert np.allclose(np.log(scale).mean(axis=1), 0.0, atol=1e-5)
+    q = (rng.standard_normal((500, 3, 64)) * np.sqrt(query_power)).astype(np.float32)
+
+    def score_error(codec: KVCodec) -> float:
+        dk = codec.decode(codec.encode(x, "key")) - x
+        return float(np.square(np.einsum("qhd,thd->qth", q, dk)).mean())
+
+    weighted = codec_by_name("e8-2", key_scale=scale)
+    assert score_error(weighted) < 0.6 * score_error(codec_by_name("e8-2"))
+    assert np.array_equal(  # values are never weighted
+        weighted.encode(x, "value").codes, codec_by_name("e8-2").encode(x, "value").codes
+    )
+    with pytest.raises(ValueError, match="positive"):
+        codec_by_name("e8-2", key_scale=np.zeros((3, 64), dtype=np.float32))
 
 
 # --- the real model -------------------------------------------------------------------------------
