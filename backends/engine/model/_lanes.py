@@ -20,20 +20,33 @@ Theory of operation -- the engine owns the bits, not the kernel
 4. Weights are made contiguous before they are looked up, so a shape (inner, cols) names the
    call completely and the lane maps stay few: the model's five weight shapes, one ``q @ K^T``
    shape per attention tile, one ``P @ V`` shape.
+5. The engine's own threads share a product by columns, each thread one fixed part (the cuts
+   depend only on the width and the thread count), while OpenBLAS runs each call on one
+   thread (``Numerics`` sets it): two OpenBLAS threads would split a call's rows into tails and
+   leave few good lanes in small calls (on Haswell none below 48 rows).
 
 The cost is the padding lanes: on Haswell half of each call, and a decode step's few rows ride in
-a call of 12-48 rows.  ``Numerics`` (``_numerics``) takes this path only where the kernel's own
+a call of 12 rows.  ``Numerics`` (``_numerics``) takes this path only where the kernel's own
 products are not row-independent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
+from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
 
-__all__ = ["CALL_ROWS", "REFERENCE_ROWS", "Product", "RowLanes", "rows_are_independent"]
+__all__ = [
+    "CALL_ROWS",
+    "REFERENCE_ROWS",
+    "ColumnSplitter",
+    "Product",
+    "RowLanes",
+    "rows_are_independent",
+]
 
 Float32Array = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.intp]
@@ -44,75 +57,127 @@ CALL_ROWS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 192)
 """Call sizes a lane-mapped product may use, smallest first (probed when first needed)."""
 REFERENCE_ROWS = 96
 """Rows of the call whose lane 0 defines a row's bits (rule 3)."""
+_COLUMN_ALIGN = 16  # column parts start at multiples of a kernel's column unroll
 _PROBES = 2
 _PROBE_SEED = 20261202
 
 
 class _LaneMap:
-    """Good lanes of each call size for one contiguous weight shape (rule 3)."""
+    """Good lanes of each call size for one weight shape and layout (rule 3).
 
-    __slots__ = ("_good", "_probes", "_reference")
+    Lanes are a property of the call's shape, but the reference bits are those of one weight:
+    every call size is probed with the weight the map was made with (held, not copied).
+    """
+
+    __slots__ = ("_good", "_probes", "_reference", "_weight")
 
     def __init__(self, weight: Float32Array) -> None:
         rng = np.random.default_rng(_PROBE_SEED)
+        self._weight = weight
         self._probes = rng.standard_normal((_PROBES, weight.shape[0]), dtype=np.float32)
         self._reference = np.stack(
             [(np.tile(probe, (REFERENCE_ROWS, 1)) @ weight)[0] for probe in self._probes]
         )
         self._good: dict[int, IntArray] = {}
 
-    def lanes(self, rows: int, weight: Float32Array) -> IntArray:
+    def lanes(self, rows: int) -> IntArray:
         """Lanes of a ``rows``-row call that reproduce the reference bits."""
         good = self._good.get(rows)
         if good is None:
             keep = np.ones(rows, dtype=np.bool_)
             for probe, reference in zip(self._probes, self._reference, strict=True):
-                out = np.tile(probe, (rows, 1)) @ weight
+                out = np.tile(probe, (rows, 1)) @ self._weight
                 keep &= (out == reference).all(axis=1)
             good = np.flatnonzero(keep)
             self._good[rows] = good
         return good
 
-    def call_for(self, count: int, weight: Float32Array) -> tuple[int, IntArray]:
+    def call_for(self, count: int) -> tuple[int, IntArray]:
         """The smallest call size with room for ``count`` rows, else the roomiest."""
         best: tuple[int, IntArray] | None = None
         for rows in CALL_ROWS:
-            good = self.lanes(rows, weight)
+            good = self.lanes(rows)
             if good.size >= count:
                 return rows, good
             if good.size and (best is None or good.size >= best[1].size):
                 best = (rows, good)
         if best is None:
-            raise RuntimeError(f"no call size reproduces the reference for {weight.shape}")
+            raise RuntimeError(f"no call size reproduces the reference for {self._weight.shape}")
         return best
 
 
+class ColumnSplitter(Protocol):
+    """Threads that share a product's column parts (``_linear.TileWorkers``)."""
+
+    threads: int
+
+    def run(self, work: Callable[[int, int], None], tiles: int) -> None: ...
+
+
 class RowLanes:
-    """Lane-mapped products (rule 3); one per model, used from the engine thread."""
+    """Lane-mapped products (rule 3); one per model, used from the engine thread.
 
-    __slots__ = ("_maps",)
+    ``workers`` share each product by columns: the columns are cut into one fixed part per
+    thread (rule 5), each part a product of its own with its own lane maps.
+    """
 
-    def __init__(self) -> None:
-        self._maps: dict[tuple[int, int], _LaneMap] = {}
+    __slots__ = ("_maps", "_workers")
+
+    def __init__(self, workers: ColumnSplitter | None = None) -> None:
+        if workers is not None and workers.threads > 1 and _openblas_threads() > 1:
+            # Concurrent calls into a multi-threaded OpenBLAS share its buffers (rule 5).
+            raise ValueError("columns are shared among threads only with OpenBLAS on one thread")
+        self._maps: dict[tuple[int, int, tuple[int, ...]], _LaneMap] = {}
+        self._workers = workers
 
     def matmul(self, x: Float32Array, weight: Float32Array) -> Float32Array:
         """``x @ weight`` for ``x`` [rows, inner], each row in a lane of the reference."""
         weight = np.ascontiguousarray(weight)
-        inner, cols = weight.shape
-        lane_map = self._maps.get((inner, cols))
-        if lane_map is None:
-            lane_map = self._maps[(inner, cols)] = _LaneMap(weight)
-        count = x.shape[0]
+        count, cols = x.shape[0], weight.shape[1]
         out = np.empty((count, cols), dtype=np.float32)
-        done = 0
+        cuts = _column_cuts(cols, 1 if self._workers is None else self._workers.threads)
+
+        def parts(first: int, last: int) -> None:
+            for part in range(first, last):
+                lo, hi = cuts[part], cuts[part + 1]
+                self._part(x, weight[:, lo:hi], out[:, lo:hi])
+
+        if self._workers is None or len(cuts) < 3:
+            parts(0, len(cuts) - 1)
+        else:
+            self._workers.run(parts, len(cuts) - 1)
+        return out
+
+    def _part(self, x: Float32Array, weight: Float32Array, out: Float32Array) -> None:
+        inner, cols = weight.shape
+        key = (inner, cols, weight.strides)
+        lane_map = self._maps.get(key)
+        if lane_map is None:
+            lane_map = self._maps[key] = _LaneMap(weight)
+        count, done = x.shape[0], 0
         while done < count:
-            rows, good = lane_map.call_for(count - done, weight)
+            rows, good = lane_map.call_for(count - done)
             take = good[: min(good.size, count - done)]
             call = np.zeros((rows, inner), dtype=np.float32)
             call[take] = x[done : done + take.size]
             out[done : done + take.size] = (call @ weight)[take]
             done += take.size
-        return out
+
+
+def _openblas_threads() -> int:
+    counts = [
+        int(info["num_threads"])
+        for info in threadpool_info()
+        if info.get("internal_api") == "openblas"
+    ]
+    return max(counts, default=1)
+
+
+def _column_cuts(cols: int, threads: int) -> list[int]:
+    """Cuts of ``cols`` into up to ``threads`` parts, at multiples of ``_COLUMN_ALIGN``."""
+    parts = max(1, min(threads, cols // _COLUMN_ALIGN))
+    cuts = [cols * part // parts // _COLUMN_ALIGN * _COLUMN_ALIGN for part in range(parts)]
+    return [*cuts, cols]
 
 
 _CHECK_ROWS = (4, 5, 7, 8, 13, 16, 17, 33, 70, 130)

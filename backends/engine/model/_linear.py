@@ -29,10 +29,10 @@ More rows go to the packed path in one plain ``x @ W``, which also keeps the oth
 copy is then a small part of the work).  Rules 1-3 rest on OpenBLAS's blocking, so
 ``LinearPlan.for_weight`` checks them on the weight itself: where a row from the tiled product
 differs in any bit from the same row in a large product, the plan sends every row count to the
-packed path.  It then checks that the path kept gives a row the same bits in every batch
-(``_lanes.rows_are_independent``); where the kernel's packed path does not (OpenBLAS's Haswell
-sgemm, also picked on Zen), the plan maps rows to lanes (``_lanes``): exact on any kernel, at the
-cost of padding lanes.
+packed path.  ``_numerics`` then checks that the path kept gives a row the same bits in every
+batch; where the kernel's packed path does not (OpenBLAS's Haswell sgemm, also picked on Zen),
+every plan maps rows to lanes (``with_lanes``, ``_lanes``): exact on any kernel, at the cost of
+padding lanes.
 
 4. The tiles of a tiled product may be shared among the threads of a ``TileWorkers`` (numpy's
    matmul releases the GIL): each thread runs rules 1-3 on its own contiguous run of tiles,
@@ -48,7 +48,6 @@ processes with ``OPENBLAS_NUM_THREADS=1``.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,7 +59,7 @@ import numpy.typing as npt
 from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
 
 from ._attention import MIN_GEMM_ROWS
-from ._lanes import RowLanes, rows_are_independent
+from ._lanes import RowLanes
 
 __all__ = [
     "FEW_ROWS",
@@ -160,9 +159,11 @@ class TileWorkers:
                 future.result()
 
     def close(self) -> None:
-        """Stop the pooled threads (waits for products in flight); idempotent."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        """Stop the pooled threads (waits for products in flight); idempotent.  Later products
+        run every share on the caller, in the same parts (the bits do not change)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 LinearPath = Literal["tiled", "packed", "lanes"]
@@ -187,36 +188,24 @@ class LinearPlan:
         return "tiled" if self.few_rows_tiled else "packed"
 
     @classmethod
-    def for_weight(
-        cls,
-        weight: Float32Array,
-        lanes: RowLanes | None = None,
-        *,
-        check_cols: int | None = None,
-        workers: TileWorkers | None = None,
-    ) -> LinearPlan:
-        """The fastest plan for ``weight`` that keeps a row's bits independent of its batch.
-
-        The tiled product is kept only if it is bitwise the packed one; the kernel's own paths
-        only if ``rows_are_independent`` holds for them on ``weight[:, :check_cols]``; else the
-        plan maps rows to lanes (``lanes``, when given).
-        """
+    def for_weight(cls, weight: Float32Array) -> LinearPlan:
+        """The kernel's fastest plan for ``weight``: the tiled product for few rows only where
+        it is bitwise the packed one (``_numerics`` then checks rows stay independent)."""
         inner, cols = weight.shape
         plan = cls(packed_k_blocks(inner), few_rows_tiled=cols % TILE == 0)
-        if plan.few_rows_tiled:
-            rng = np.random.default_rng(_CHECK_SEED)
-            large = rng.standard_normal((_CHECK_LARGE, inner), dtype=np.float32)
-            expected = large @ weight
-            for rows in _CHECK_ROWS:
-                if not np.array_equal(plan._tiled(large[:rows], weight, None), expected[:rows]):
-                    plan = cls(plan.k_blocks, few_rows_tiled=False)
-                    break
-        if lanes is None:
+        if not plan.few_rows_tiled:
             return plan
-        checked = weight if check_cols is None else weight[:, :check_cols]
-        if rows_are_independent(functools.partial(plan, workers=workers), checked):
-            return plan
-        return cls(plan.k_blocks, few_rows_tiled=False, lanes=lanes)
+        rng = np.random.default_rng(_CHECK_SEED)
+        large = rng.standard_normal((_CHECK_LARGE, inner), dtype=np.float32)
+        expected = large @ weight
+        for rows in _CHECK_ROWS:
+            if not np.array_equal(plan._tiled(large[:rows], weight, None), expected[:rows]):
+                return cls(plan.k_blocks, few_rows_tiled=False)
+        return plan
+
+    def with_lanes(self, lanes: RowLanes) -> LinearPlan:
+        """This plan with every product lane-mapped (``_lanes``)."""
+        return LinearPlan(self.k_blocks, few_rows_tiled=False, lanes=lanes)
 
     def __call__(
         self, x: Float32Array, weight: Float32Array, workers: TileWorkers | None = None

@@ -8,9 +8,11 @@ a batch (``_attention`` rules 1-4).  Rules 1 and 3 ask every product to keep a r
 independent of the rows beside it, which OpenBLAS's kernels do or do not do by kernel type.
 
 1. At load every product kind is checked on the model's own weights and on the attention shapes
-   (``_lanes.rows_are_independent``).  A kind whose kernel path passes keeps it (the fast path);
-   one that fails is lane-mapped (``_lanes``), which keeps the promise on any kernel at the cost
-   of padding lanes.  The path chosen is checked again, so ``exact`` is measured, not assumed.
+   (``_lanes.rows_are_independent``).  Where the kernel's own paths pass, they are kept (the
+   fast path).  Where any fails, every product is lane-mapped (``_lanes``), which keeps the
+   promise on any kernel at the cost of padding lanes, and this process's OpenBLAS is set to
+   one thread (the engine's own threads share each product by columns).  The paths chosen
+   are checked again, so ``exact`` is measured, not assumed.
 2. The choice is logged in one line: the kernel, its threads, each product kind's path, and
    whether the promise holds.
 3. Bits are the same across processes only with the same kernel, thread count, numpy and
@@ -24,15 +26,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_info, threadpool_limits  # type: ignore[import-untyped]
 
 from ._attention import KEY_CHUNK, QUERY_TILE, attend
-from ._lanes import RowLanes, rows_are_independent
+from ._lanes import Product, RowLanes, rows_are_independent
 from ._linear import LinearPlan, TileWorkers, blas_threads
 
 __all__ = ["Numerics", "blas_kernel"]
@@ -61,6 +63,7 @@ class Numerics:
 
     kernel: str
     threads: int
+    """Threads the engine computes with (OpenBLAS's own count at load)."""
     plans: Mapping[str, LinearPlan]
     """One plan per weight kind."""
     attention_lanes: RowLanes | None
@@ -77,30 +80,26 @@ class Numerics:
         head_dim: int,
         workers: TileWorkers,
     ) -> Numerics:
-        """Pick and check a path per product kind for ``weights`` (one layer's, by kind)."""
-        lanes = RowLanes()
-        plans = {
-            kind: LinearPlan.for_weight(weight, lanes, check_cols=_PROBE_COLS, workers=workers)
-            for kind, weight in weights.items()
-        }
+        """Pick and check the product paths for ``weights`` (one layer's, by kind)."""
+        threads = blas_threads()
+        plans = {kind: LinearPlan.for_weight(weight) for kind, weight in weights.items()}
         attention = _attention_probes(head_dim)
-        native = all(rows_are_independent(np.matmul, w) for w in attention)
-        attention_lanes = None if native else lanes
-        exact = all(
-            rows_are_independent(
-                functools.partial(plans[kind], workers=workers), weights[kind][:, :_PROBE_COLS]
-            )
-            for kind in plans
-        ) and (native or all(rows_are_independent(lanes.matmul, w) for w in attention))
+        lanes: RowLanes | None = None
+        if not _independent(plans, weights, None, attention, workers):
+            # Rule 1: one path for every product.  Rule 5 of ``_lanes``: the engine's threads
+            # share a product by columns while OpenBLAS runs each call on one thread.
+            threadpool_limits(limits=1, user_api="blas")
+            lanes = RowLanes(workers)
+            plans = {kind: plan.with_lanes(lanes) for kind, plan in plans.items()}
         numerics = cls(
             kernel=blas_kernel(),
-            threads=blas_threads(),
+            threads=threads,
             plans=plans,
-            attention_lanes=attention_lanes,
-            exact=exact,
-            fingerprint=_fingerprint(plans, weights, attention_lanes, head_dim, workers),
+            attention_lanes=lanes,
+            exact=_independent(plans, weights, lanes, attention, workers),
+            fingerprint=_fingerprint(plans, weights, lanes, head_dim, workers),
         )
-        level = logging.INFO if exact else logging.WARNING
+        level = logging.INFO if numerics.exact else logging.WARNING
         log.log(level, "%s", numerics.describe())
         return numerics
 
@@ -114,6 +113,23 @@ class Numerics:
             f"linear {paths}; attention {attention}; bitwise batch and prefix-reuse "
             f"promise {promise}; fingerprint {self.fingerprint[:6].hex()}"
         )
+
+
+def _independent(
+    plans: Mapping[str, LinearPlan],
+    weights: Mapping[str, Float32Array],
+    lanes: RowLanes | None,
+    attention: Sequence[Float32Array],
+    workers: TileWorkers,
+) -> bool:
+    """Whether every product, as these paths run it, keeps rows independent."""
+    attend_product: Product = np.matmul if lanes is None else lanes.matmul
+    return all(
+        rows_are_independent(
+            functools.partial(plans[kind], workers=workers), weights[kind][:, :_PROBE_COLS]
+        )
+        for kind in plans
+    ) and all(rows_are_independent(attend_product, weight) for weight in attention)
 
 
 def _attention_probes(head_dim: int) -> list[Float32Array]:

@@ -47,9 +47,11 @@ def test_k_blocks_follow_openblas_blocking() -> None:
 def test_few_rows_equal_rows_of_a_large_product(inner: int, cols: int) -> None:
     rng = np.random.default_rng(inner * cols)
     weight = rng.standard_normal((inner, cols), dtype=np.float32) * np.float32(0.05)
-    plan = LinearPlan.for_weight(weight, RowLanes())
+    plan = LinearPlan.for_weight(weight)
     if _skylakex():
         assert plan.path == "tiled"
+    if not rows_are_independent(plan, weight):  # Haswell: the engine lane-maps every product
+        plan = plan.with_lanes(RowLanes())
     large = rng.standard_normal((100, inner), dtype=np.float32)
     expected = plan(large, weight)
     if plan.path != "lanes":
@@ -66,13 +68,26 @@ def test_lane_mapped_rows_do_not_depend_on_their_batch(inner: int, cols: int) ->
     """The path kept for kernels that break row independence keeps it on every kernel."""
     rng = np.random.default_rng(inner + 3 * cols)
     weight = rng.standard_normal((inner, cols), dtype=np.float32)
-    lanes = RowLanes()
-    assert rows_are_independent(lanes.matmul, weight)
     x = rng.standard_normal((300, inner), dtype=np.float32)
-    whole = lanes.matmul(x, weight)
-    np.testing.assert_allclose(whole, x @ weight, rtol=1e-4, atol=1e-3)
-    for lo, hi in ((0, 1), (5, 9), (17, 130), (299, 300), (100, 300)):
-        assert lanes.matmul(x[lo:hi], weight).tobytes() == whole[lo:hi].tobytes(), (lo, hi)
+    workers = TileWorkers(3)
+    with threadpool_limits(limits=1, user_api="blas"):  # as the engine runs lane-mapped
+        lanes = RowLanes(workers)
+        assert rows_are_independent(lanes.matmul, weight)
+        whole = lanes.matmul(x, weight)
+        np.testing.assert_allclose(whole, x @ weight, rtol=1e-4, atol=1e-3)
+        for lo, hi in ((0, 1), (5, 9), (17, 130), (299, 300), (100, 300)):
+            assert lanes.matmul(x[lo:hi], weight).tobytes() == whole[lo:hi].tobytes(), (lo, hi)
+        workers.close()  # the same parts, on the caller alone: the same bits
+        assert lanes.matmul(x[5:9], weight).tobytes() == whole[5:9].tobytes()
+
+
+def test_columns_are_shared_only_with_one_blas_thread() -> None:
+    workers = TileWorkers(2)
+    try:
+        with threadpool_limits(limits=2, user_api="blas"), pytest.raises(ValueError):
+            RowLanes(workers)
+    finally:
+        workers.close()
 
 
 def test_widths_off_the_tile_take_the_plain_product() -> None:
