@@ -16,7 +16,7 @@ __all__ = ["PULL_OUTCOMES", "EngineMetrics", "PullOutcome", "RefusalReason", "Re
 
 # Why a valid request was refused before reaching the engine (ours; vLLM has no such series).
 RefusalReason = Literal["overloaded", "stopped", "failed"]
-_REFUSALS: tuple[RefusalReason, ...] = ("overloaded", "stopped", "failed")
+_REFUSALS: tuple[RefusalReason, ...] = get_args(RefusalReason)
 # How a pull of KV blocks from another node ended; anything but "ok" means recompute
 # ("below_threshold": too few blocks were missing to be worth a transfer).
 PullOutcome = Literal[
