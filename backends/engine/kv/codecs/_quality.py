@@ -23,7 +23,12 @@ Theory of operation
    K/V, so errors compound as in a quantized engine; at the last ``queries`` positions (teacher
    forcing: the text's own tokens) ``KL(p_fp32 || p_codec)`` in nats and whether the argmax
    agrees.  This equals decoding those tokens one by one over a quantized cache (causal
-   attention: a position sees only the K/V before it), with rule 2's whole blocks.
+   attention: a position sees only the K/V before it), with rule 2's whole blocks.  With
+   ``semantics="decode"`` the positions before the scored ones are computed at full precision
+   (a prefill that attends over its exact K/V, as KIVI's does, and only then stores them
+   encoded): the scored positions read every K/V through the codec, but the prompt's hidden
+   states carry no codec error.  ``write`` is what an engine whose prefill reads its K/V back
+   from an encoded cache gets; ``decode`` is the lower bound of the loss.
 6. Calibration is not evaluation: the E8 key means and key scales come from
    ``CALIBRATION_TEXT``, never from the prompts that are scored.
 7. Bits: a codec's bits per element are measured from its encoded arrays at ``encode_tokens``;
@@ -36,6 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +57,7 @@ __all__ = [
     "DEFAULT_CONFIGS",
     "CodecQuality",
     "QualityReport",
+    "Semantics",
     "calibrate",
     "capture_kv",
     "measure_quality",
@@ -75,6 +82,9 @@ DEFAULT_CONFIGS: tuple[tuple[str, int], ...] = (
 """(codec, window) pairs measured by default: every codec without a window and the lossy ones
 with KIVI's 128-token window (``e8-2w`` is ``e8-2`` with it)."""
 DEFAULT_QUERIES = 128
+Semantics = Literal["write", "decode"]
+"""Rule 5: ``write``, every read goes through the codec, the prompt's own included; ``decode``,
+the prompt before the scored positions is computed at full precision (KIVI's prefill)."""
 SINK_BITS = 32
 WINDOW_BITS = 16
 FP16_BITS = 16
@@ -134,6 +144,7 @@ class QualityReport:
     prompt_tokens: tuple[int, ...]
     queries: int
     encode_tokens: int
+    semantics: Semantics
     reference_logit_gap: float
     """Largest |logit| difference of this module's fp32 forward from ``LlamaModel.forward``."""
     results: tuple[CodecQuality, ...]
@@ -160,11 +171,14 @@ def _attention(
     v: Float32Array,
     far: tuple[Float32Array, Float32Array] | None,
     window: int,
+    exact_before: int = 0,
 ) -> Float32Array:
     """Causal attention of queries ``q`` [n, heads, d] at positions ``first ..`` (rule 3).
 
     ``k``, ``v``: [first + n, kv_heads, d] at full precision; ``far``: their round trips, read
-    outside the sink and the window (None: all full precision).  Returns [n, heads * d].
+    outside the sink and the window (None: all full precision); queries at positions before
+    ``exact_before`` read everything at full precision (rule 5's prefill semantics).
+    Returns [n, heads * d].
     """
     n, heads, dim = q.shape
     tokens, kv_heads, _ = k.shape
@@ -180,7 +194,7 @@ def _attention(
             near_k = k.astype(np.float16).astype(np.float32)
             near_v = v.astype(np.float16).astype(np.float32)
             near_k[0], near_v[0] = k[0], v[0]
-        near = (pos_q - pos_k < window) | (pos_k == 0)
+        near = (pos_q - pos_k < window) | (pos_k == 0) | (pos_q < exact_before)
         scores = np.where(near, rows @ near_k.transpose(1, 2, 0), rows @ far[0].transpose(1, 2, 0))
     scores = np.where(pos_k <= pos_q, scores, -np.inf).astype(np.float32)
     scores -= scores.max(axis=-1, keepdims=True)
@@ -215,6 +229,7 @@ def _forward(
     *,
     read: ReadKV | None = None,
     window: int = 0,
+    exact_before: int = 0,
     last: int = 1,
     capture: bool = False,
 ) -> _Pass:
@@ -236,7 +251,7 @@ def _forward(
         k = _rope(qkv[:, q_end:k_end].reshape(tokens, kv_heads, dim), cos, sin)
         v = np.ascontiguousarray(qkv[:, k_end:].reshape(tokens, kv_heads, dim))
         far = None if read is None else read(layer, k, v)
-        attn = _attention(q, 0, k, v, far, window)
+        attn = _attention(q, 0, k, v, far, window, exact_before)
         if capture:
             run.keys.append(k)
             run.values.append(v)
@@ -342,6 +357,7 @@ def measure_quality(
     queries: int = DEFAULT_QUERIES,
     encode_tokens: int = DEFAULT_ENCODE_TOKENS,
     seed: int = DEFAULT_SEED,
+    semantics: Semantics = "write",
     progress: Callable[[str], None] | None = None,
 ) -> QualityReport:
     """Measure every ``(codec, window)`` of ``configs`` on ``prompts`` (see the module comment).
@@ -396,7 +412,10 @@ def measure_quality(
                 exact = reference.outputs[layer]
                 errors.append(float(np.linalg.norm(out - exact) / np.linalg.norm(exact)))
             tally.layer_errors.append(errors)
-            run = _forward(model, ids, read=read, window=window, last=queries)
+            exact_before = first if semantics == "decode" else 0
+            run = _forward(
+                model, ids, read=read, window=window, exact_before=exact_before, last=queries
+            )
             logp = _log_softmax(run.logits)
             kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
             tally.kl.extend(float(value) for value in kl)
@@ -429,6 +448,7 @@ def measure_quality(
         prompt_tokens=tuple(prompt_tokens),
         queries=queries,
         encode_tokens=encode_tokens,
+        semantics=semantics,
         reference_logit_gap=gap,
         results=results,
         seconds=time.perf_counter() - started,

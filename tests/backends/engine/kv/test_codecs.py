@@ -230,6 +230,18 @@ def test_fp8_range_is_e4m3fn() -> None:
     assert relative_error(codec.decode(codec.encode(x, "key")), x) <= 0.03
 
 
+def test_decode_semantics_reads_exactly_before_the_scored_positions() -> None:
+    codec = codec_by_name("kivi-2")
+    k, v = outliers(3, (64, 3, 64)), gaussian(4, (64, 3, 64))
+    q = (np.random.default_rng(9).standard_normal((8, 9, 64)) * 0.05).astype(np.float32)
+    far = (round_trip(codec, k, "key"), round_trip(codec, v, "value"))
+    mixed = _attention(q, 56, k, v, far, window=0, exact_before=60)
+    exact = _attention(q, 56, k, v, None, window=0)
+    encoded = _attention(q, 56, k, v, far, window=0)
+    np.testing.assert_allclose(mixed[:4], exact[:4], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mixed[4:], encoded[4:], rtol=1e-5, atol=1e-6)
+
+
 # --- bit packing --------------------------------------------------------------------------------
 
 
