@@ -91,6 +91,11 @@ class ServerConfig(_Section):
     shutdown_timeout_s: float = Field(DEFAULT_SHUTDOWN_TIMEOUT_S, ge=0)
 
 
+HeaderName = Annotated[str, Field(min_length=1, max_length=128,
+                                  pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")]
+"""An HTTP field name (RFC 9110 token)."""
+
+
 class UpstreamConfig(_Section):
     """One backend the gateway talks to. ``url`` is the server root (``/v1`` is stripped)."""
 
@@ -131,6 +136,8 @@ class CandidateConfig(UpstreamConfig):
     buffer_bytes: int = Field(DEFAULT_BUFFER_BYTES, gt=0)
     request_timeout_s: float = Field(DEFAULT_CANDIDATE_REQUEST_TIMEOUT_S, gt=0)
     forward_credentials: bool = False
+    # Client headers this candidate receives besides the allow-list (see _headers.py).
+    forward_headers: tuple[HeaderName, ...] = ()
     model: str | None = None  # rewrite the request's "model" for this candidate
     # JSON fields merged into each mirrored request body (e.g. {"temperature": 0.8}).
     overrides: Annotated[dict[str, JsonValue], WithJsonSchema({"type": "object"})] = Field(
@@ -143,7 +150,10 @@ class CandidateConfig(UpstreamConfig):
 class MirrorConfig(_Section):
     memory_budget_bytes: int = Field(DEFAULT_MEMORY_BUDGET, ge=0)
     routes: tuple[MirroredRoute, ...] = DEFAULT_MIRRORED_ROUTES
-    session_header: str = "X-Session-Id"
+    session_header: HeaderName = "X-Session-Id"
+    # Client headers every candidate receives besides content type, accept, request id
+    # and the session header; credentials only with a candidate's forward_credentials.
+    forward_headers: tuple[HeaderName, ...] = ()
     join_timeout_s: float = Field(DEFAULT_JOIN_TIMEOUT_S, gt=0)
     drain_timeout_s: float = Field(DEFAULT_MIRROR_DRAIN_TIMEOUT_S, ge=0)
     sink_capacity: int = Field(DEFAULT_SINK_CAPACITY, gt=0)

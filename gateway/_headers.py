@@ -3,6 +3,14 @@
 Hop-by-hop headers, and any header named in ``Connection``, describe one connection and
 are never forwarded in either direction. ``Content-Length`` is recomputed by the
 transport whenever the relay may change the body.
+
+The primary receives the client's request as sent (it is the service the client called).
+A candidate receives only an allow-list (DESIGN.md, security defaults): the content
+type, ``Accept``, the request id, the session header and the configured extras
+(``[mirror].forward_headers``, a candidate's ``forward_headers``); the client's
+credentials only when the candidate has ``forward_credentials``. A header nobody named —
+``X-Auth-Token``, ``X-Goog-Api-Key``, ``OpenAI-Organization``, a custom auth header —
+never reaches a candidate.
 """
 
 from __future__ import annotations
@@ -12,8 +20,11 @@ from collections.abc import Iterable
 from multidict import CIMultiDict, CIMultiDictProxy
 
 __all__ = [
+    "CANDIDATE_HEADERS",
     "CREDENTIAL_HEADERS",
     "REQUEST_ID_HEADER",
+    "allowed_only",
+    "candidate_allow_list",
     "downstream_headers",
     "forwarded_headers",
     "with_credentials",
@@ -33,6 +44,19 @@ _REQUEST_RECOMPUTED = frozenset({"host", "content-length"})
 _RESPONSE_RECOMPUTED = frozenset({"content-length"})
 
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key"})
+CANDIDATE_HEADERS = frozenset({"content-type", "accept", REQUEST_ID_HEADER.lower()})
+"""What every candidate receives of a client's headers, besides the session header."""
+
+
+def candidate_allow_list(session_header: str, extras: Iterable[str], *,
+                         credentials: bool) -> frozenset[str]:
+    """The headers (lower-case) a candidate may receive of a client's request."""
+    allowed = CANDIDATE_HEADERS | {session_header.lower()} | {h.lower() for h in extras}
+    return allowed | CREDENTIAL_HEADERS if credentials else allowed
+
+
+def allowed_only(headers: CIMultiDict[str], allowed: frozenset[str]) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() in allowed)
 
 
 def _connection_tokens(headers: CIMultiDictProxy[str]) -> frozenset[str]:

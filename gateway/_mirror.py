@@ -11,7 +11,8 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
 3. A candidate's workers (``max_concurrency`` of them) replay requests streaming, and
    record the candidate's Observation exactly as the relay records the primary's, so
    candidate TTFT and inter-token latency are measured.
-4. Credentials are not sent to a candidate unless it is configured to receive them.
+4. A candidate receives only an allow-list of the client's headers (``_headers.py``);
+   credentials only when it is configured to receive them.
 5. Stopping: buffers close (queued items dropped as ``shutdown``), in-flight replays get
    ``drain_timeout_s`` to finish, the rest are cancelled; afterwards the budget is zero.
 """
@@ -31,6 +32,7 @@ from gateway._budget import MemoryBudget, payload_key
 from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorRequest
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
 from gateway._exceptions import UpstreamError
+from gateway._headers import candidate_allow_list
 from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, MirrorDropReason, Route
 from gateway._sampler import sampled
@@ -47,10 +49,13 @@ JOIN_SWEEP_INTERVAL_S = 1.0
 class Candidate:
     """One candidate deployment: its config, connection pool, buffer and workers."""
 
-    def __init__(self, config: CandidateConfig, budget: MemoryBudget) -> None:
+    def __init__(self, config: CandidateConfig, budget: MemoryBudget,
+                 mirror: MirrorConfig | None = None) -> None:
         self.config = config
         self.name = config.name
-        self.upstream = Upstream(config, forward_credentials=config.forward_credentials)
+        self._mirror = mirror or MirrorConfig()
+        self.upstream = Upstream(config, forward_credentials=config.forward_credentials,
+                                 allowed_headers=self._allowed_headers(config))
         self.buffer = CandidateBuffer(config.name, config.buffer_items, config.buffer_bytes,
                                       budget)
         self.paused = False
@@ -66,8 +71,15 @@ class Candidate:
         self.config = config
         self.upstream.config = config
         self.upstream.forward_credentials = config.forward_credentials
+        self.upstream.allowed_headers = self._allowed_headers(config)
         self.buffer.max_items = config.buffer_items
         self.buffer.max_bytes = config.buffer_bytes
+
+
+    def _allowed_headers(self, config: CandidateConfig) -> frozenset[str]:
+        return candidate_allow_list(
+            self._mirror.session_header, (*self._mirror.forward_headers, *config.forward_headers),
+            credentials=config.forward_credentials)
 
 
 class Mirror:
@@ -80,7 +92,7 @@ class Mirror:
         self._capture = capture
         self._routes: frozenset[str] = frozenset(config.routes)
         self.candidates: dict[str, Candidate] = {
-            c.name: Candidate(c, self.budget) for c in candidates
+            c.name: Candidate(c, self.budget, config) for c in candidates
         }
         self.joiner = Joiner(self.budget, sink, config.join_timeout_s,
                              on_drop=self._count_drop, on_join=self._count_join)
@@ -169,7 +181,7 @@ class Mirror:
     async def add_candidate(self, config: CandidateConfig) -> Candidate:
         if config.name in self.candidates:
             raise ValueError(f"candidate {config.name!r} exists")
-        candidate = Candidate(config, self.budget)
+        candidate = Candidate(config, self.budget, self.config)
         await self._start_candidate(candidate)
         self.candidates[config.name] = candidate
         return candidate

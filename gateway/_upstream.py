@@ -31,7 +31,7 @@ from yarl import URL
 
 from gateway._config import UpstreamConfig
 from gateway._exceptions import translate_upstream_errors
-from gateway._headers import with_credentials
+from gateway._headers import allowed_only, with_credentials
 
 if TYPE_CHECKING:
     from multidict import CIMultiDict
@@ -56,9 +56,12 @@ class ChunkFilter(Protocol):
 class Upstream:
     """A backend the gateway forwards to, with its own connection pool."""
 
-    def __init__(self, config: UpstreamConfig, *, forward_credentials: bool = True) -> None:
+    def __init__(self, config: UpstreamConfig, *, forward_credentials: bool = True,
+                 allowed_headers: frozenset[str] | None = None) -> None:
         self.config = config
         self.forward_credentials = forward_credentials
+        # None: every forwarded header (the primary); else only these (a candidate).
+        self.allowed_headers = allowed_headers
         self.name = config.name
         self._base = URL(config.url)
         self._session: aiohttp.ClientSession | None = None
@@ -86,7 +89,9 @@ class Upstream:
         return self._session
 
     def credentials(self, headers: CIMultiDict[str]) -> CIMultiDict[str]:
-        """``headers`` with this upstream's credential policy applied."""
+        """``headers`` with this upstream's header allow-list and credential policy applied."""
+        if self.allowed_headers is not None:
+            headers = allowed_only(headers, self.allowed_headers)
         key = self.config.api_key
         return with_credentials(headers, forward_client_credentials=self.forward_credentials,
                                 api_key=key.get_secret_value() if key is not None else None)
