@@ -21,8 +21,10 @@ from aiohttp import web
 from evaluators import EvaluationSink, MemorySink
 from gateway._admin import build_admin_app, check_admin_binding
 from gateway._config import GatewayConfig
+from gateway._connections import ConnectionGuard, GatewayRunner
 from gateway._evaluation import Evaluation
-from gateway._metrics import EvaluationCollector, GatewayMetrics
+from gateway._exceptions import HeadersTooLarge, error_response
+from gateway._metrics import EvaluationCollector, GatewayMetrics, route_of
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
 from gateway._relay import relay
@@ -51,6 +53,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     routing = Routing.configured(Backend(config.primary.name, config.primary.url))
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
                     evaluation or sink or MemorySink(config.mirror.sink_capacity))
+    if evaluation is not None:
+        evaluation.attach_traffic(mirror.traffic)
 
     async def stop_mirroring_primary(new: Routing) -> None:
         if new.primary.name in mirror.candidates:  # a primary is not its own candidate
@@ -124,7 +128,14 @@ async def _mirroring(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
-    return await relay(request, request.app[STATE])
+    state = request.app[STATE]
+    limit = state.config.server.max_header_bytes
+    if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) > limit:
+        state.metrics.rejected.labels("headers_too_large").inc()
+        state.metrics.requests.labels(route_of(request.path), "431").inc()
+        return error_response(HeadersTooLarge(
+            f"request headers exceed the limit of {limit} bytes in all"))
+    return await relay(request, state)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -143,10 +154,16 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    """The runner every gateway is served by (CLI and tests alike)."""
-    config = app[STATE].config
-    return web.AppRunner(
+    """The runner every gateway is served by (CLI and tests alike); its client
+    connections are bounded as ``_connections.py`` says."""
+    state = app[STATE]
+    config = state.config
+    closed = state.metrics.connections_closed
+    guard = ConnectionGuard(config.server, lambda reason: closed.labels(reason).inc())
+    state.metrics.connections_open.set_function(lambda: guard.open)
+    return GatewayRunner(
         app,
+        guard,
         handler_cancellation=True,  # a client that goes away cancels its upstream call
         shutdown_timeout=config.server.shutdown_timeout_s,
         access_log=None,

@@ -56,6 +56,19 @@ DEFAULT_ADMIN_STORE_TIMEOUT_S = 5.0
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 8 * MiB
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+"""How long a client has to send a request's headers, from its first byte (slowloris)."""
+DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+"""Idle keep-alive connections are closed after this; above the 60 s of common load
+balancers, so the balancer, not the gateway, ends an idle pooled connection."""
+DEFAULT_MAX_CLIENT_CONNECTIONS = 4096
+DEFAULT_MAX_CONNECTIONS_PER_IP = 1024
+"""High enough for a load balancer or a load generator on one address; a flood from one
+host still leaves room for the others."""
+DEFAULT_MAX_HEADER_BYTES = 32 * KiB
+"""All of a request's header names and values together (nginx's 4 x 8 KiB buffers)."""
+DEFAULT_MAX_HEADER_FIELD_BYTES = 8 * KiB
+DEFAULT_MAX_HEADER_COUNT = 100
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 120.0
 DEFAULT_IDLE_TIMEOUT_S = 60.0
@@ -89,6 +102,15 @@ class ServerConfig(_Section):
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
     shutdown_timeout_s: float = Field(DEFAULT_SHUTDOWN_TIMEOUT_S, ge=0)
+    # Client connection bounds (gateway/_connections.py); each exceeding is counted in
+    # understudy_connections_closed{reason} and the connection closed.
+    header_timeout_s: float = Field(DEFAULT_HEADER_TIMEOUT_S, gt=0)
+    keepalive_timeout_s: float = Field(DEFAULT_KEEPALIVE_TIMEOUT_S, gt=0)
+    max_connections: int = Field(DEFAULT_MAX_CLIENT_CONNECTIONS, gt=0)
+    max_connections_per_ip: int = Field(DEFAULT_MAX_CONNECTIONS_PER_IP, gt=0)
+    max_header_bytes: int = Field(DEFAULT_MAX_HEADER_BYTES, gt=0)
+    max_header_field_bytes: int = Field(DEFAULT_MAX_HEADER_FIELD_BYTES, gt=0)
+    max_header_count: int = Field(DEFAULT_MAX_HEADER_COUNT, gt=0)
 
 
 HeaderName = Annotated[str, Field(min_length=1, max_length=128,

@@ -3,6 +3,7 @@
     GatewayError                 (status_hint: the HTTP status it becomes)
     ├── RequestError             the client's request cannot be forwarded or done
     │   ├── RequestTooLarge      413
+    │   ├── HeadersTooLarge      431  the request's headers exceed max_header_bytes
     │   ├── Unauthorized         401  admin API: missing or wrong bearer token
     │   ├── NotFound             404  admin API: no such candidate or route
     │   ├── Conflict             409  admin API: the action does not fit the state
@@ -15,12 +16,15 @@
         └── UpstreamBroken       502  the answer was cut or malformed mid-stream
 
 Every error renders as an OpenAI-style JSON body, so clients' SDKs raise their usual types.
+An upstream error's message names the upstream, never its address, and never quotes what
+it sent (those go to the log).
 The store's errors (``evaluators.store.StoreError``) become ``ChangeNotStored`` in
 ``translate_store_errors``, the one place the admin API meets them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import ClassVar, Literal
@@ -37,6 +41,7 @@ __all__ = [
     "ChangeNotStoredReason",
     "Conflict",
     "GatewayError",
+    "HeadersTooLarge",
     "InvalidBody",
     "NotFound",
     "RequestError",
@@ -51,6 +56,8 @@ __all__ = [
     "translate_store_errors",
     "translate_upstream_errors",
 ]
+
+log = logging.getLogger("understudy.upstream")
 
 UpstreamErrorKind = Literal[
     "connect", "connect_timeout", "first_byte_timeout", "idle_timeout", "reset", "protocol"
@@ -69,6 +76,10 @@ class RequestError(GatewayError):
 
 class RequestTooLarge(RequestError):
     status_hint = 413
+
+
+class HeadersTooLarge(RequestError):
+    status_hint = 431
 
 
 class Unauthorized(RequestError):
@@ -174,8 +185,10 @@ def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]
             kind = "first_byte_timeout" if phase == "connect" else "idle_timeout"
         raise UpstreamTimeout(f"upstream {upstream} timed out ({kind})", kind, upstream) from exc
     except aiohttp.ClientConnectorError as exc:
-        raise UpstreamUnreachable(f"upstream {upstream} is unreachable: {exc.os_error}",
-                                  "connect", upstream) from exc
+        # The client hears the upstream's name, never its address or the OS's words.
+        log.warning("upstream %s is unreachable: %s", upstream, exc.os_error)
+        raise UpstreamUnreachable(f"upstream {upstream} is unreachable", "connect",
+                                  upstream) from exc
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
             ConnectionResetError) as exc:
         kind = "connect" if phase == "connect" else "reset"
@@ -186,5 +199,7 @@ def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]
         raise UpstreamBroken(f"upstream {upstream} sent a broken body",
                              "reset" if cut else "protocol", upstream) from exc
     except aiohttp.ClientResponseError as exc:
-        raise UpstreamBroken(f"upstream {upstream} sent an invalid response: {exc.message}",
-                             "protocol", upstream) from exc
+        # exc.message may quote the upstream's raw bytes: logged (cut), never sent on.
+        log.warning("upstream %s sent an invalid response: %.200r", upstream, exc.message)
+        raise UpstreamBroken(f"upstream {upstream} sent an invalid response", "protocol",
+                             upstream) from exc

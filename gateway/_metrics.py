@@ -80,6 +80,16 @@ class GatewayMetrics:
             "understudy_upstream_errors", "Failures talking to an upstream, by kind.",
             ["upstream", "kind"], registry=r,
         )
+        self.connections_closed = Counter(
+            "understudy_connections_closed",
+            "Client connections the gateway closed because a bound was exceeded, by reason "
+            "(max_connections, max_connections_per_ip, header_timeout, keepalive_timeout, "
+            "headers_too_large, bad_request).",
+            ["reason"], registry=r,
+        )
+        self.connections_open = Gauge(
+            "understudy_connections_open", "Client connections admitted now.", registry=r
+        )
         self.rejected = Counter(
             "understudy_requests_rejected", "Requests refused before forwarding, by reason.",
             ["reason"], registry=r,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import aiohttp
 
-from tests.utils import eventually, run_gateway, run_sim
+from tests.utils import eventually, free_port, run_gateway, run_sim
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
 SECRET_HEADERS = {
@@ -54,3 +56,129 @@ async def test_candidates_receive_only_allowed_headers() -> None:
         assert "X-Tenant" not in trusted_got  # plain's extra is plain's alone
         for name in ("X-Auth-Token", "X-Goog-Api-Key", "OpenAI-Organization", "X-Acme-Auth"):
             assert name not in trusted_got, name
+
+
+# -- item 6: slowloris and connection bounds ----------------------------------------------
+
+async def _trickler(port: int, seconds: float) -> float | None:
+    """Send one header byte a second; the time the gateway closed the connection."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for byte in b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"[: int(seconds)]:
+            writer.write(bytes([byte]))
+            try:
+                await writer.drain()
+                if await asyncio.wait_for(reader.read(1), 1.0) == b"":
+                    return loop.time() - started
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                return loop.time() - started
+        return None
+    finally:
+        writer.close()
+
+
+async def test_slowloris_connections_are_closed_while_requests_are_served() -> None:
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_gateway(primary.url, server={"header_timeout_s": 2.0}) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        trickle = [asyncio.create_task(_trickler(port, 8)) for _ in range(50)]
+        await asyncio.sleep(0.5)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(5):  # served throughout
+                async with session.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.3)
+        closed_after = await asyncio.gather(*trickle)
+        assert all(t is not None and t < 4.0 for t in closed_after), closed_after
+        assert gw.metric("understudy_connections_closed_total", reason="header_timeout") == 50
+        await eventually(lambda: gw.metric("understudy_connections_open") == 0)
+
+
+async def test_connection_limits_answer_503_json_and_count() -> None:
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_gateway(primary.url, server={"max_connections_per_ip": 3}) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503")
+        assert json.loads(body)["error"]["type"] == "server_busy"
+        assert gw.metric("understudy_connections_closed_total",
+                         reason="max_connections_per_ip") == 1
+        for _, w in held:
+            w.close()
+        await eventually(lambda: gw.metric("understudy_connections_open") == 0)
+        assert (await _post(gw.url, {})).status == 200
+
+
+async def test_idle_keepalive_connections_are_closed_and_counted() -> None:
+    async with run_sim() as primary, \
+            run_gateway(primary.url, server={"keepalive_timeout_s": 0.5}) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await reader.readuntil(b"}")
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        assert gw.metric("understudy_connections_closed_total", reason="keepalive_timeout") == 1
+
+
+# -- item 10: header bounds answer OpenAI-style JSON -----------------------------------------
+
+async def test_many_headers_totalling_over_the_bound_answer_431_json() -> None:
+    async with run_sim() as primary, run_gateway(primary.url) as gw:
+        headers = {f"X-Pad-{i}": "v" * 1000 for i in range(40)}
+        async with aiohttp.ClientSession() as session, \
+                session.post(gw.url + "/v1/chat/completions", json=CHAT, headers=headers) as r:
+            assert r.status == 431
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+        assert primary.stats.requests_seen == 0
+        assert gw.metric("understudy_requests_rejected_total", reason="headers_too_large") == 1
+
+
+async def test_aiohttp_own_header_errors_are_openai_json() -> None:
+    async with run_sim() as primary, run_gateway(primary.url) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        for headers in ({"X-Big": "v" * 20_000}, {f"X-Pad-{i}": "v" * 1000 for i in range(100)}):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            writer.write(f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{lines}\r\n".encode())
+            answer = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.split(b" ", 2)[1] == b"431", head
+            assert b"application/json" in head
+            assert json.loads(body)["error"]["code"] == 431
+        assert gw.metric("understudy_connections_closed_total", reason="headers_too_large") == 2
+
+
+async def test_502_names_the_upstream_not_its_address_nor_its_bytes() -> None:
+    port = free_port()  # nothing listens there
+    async with run_gateway(f"http://127.0.0.1:{port}") as gw:
+        response = await _post(gw.url, {})
+        assert response.status == 502
+        async with aiohttp.ClientSession() as session, \
+                session.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
+            body = await r.json()
+        assert body["error"]["type"] == "upstream_error"
+        assert "127.0.0.1" not in body["error"]["message"] and str(port) not in str(body)
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Secret-Inside: 10.0.0.7\x00\x01\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+    async with server, run_gateway(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}") as gw:
+        async with aiohttp.ClientSession() as session, \
+                session.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 502
+            text = await r.text()
+        assert "10.0.0.7" not in text and "Secret" not in text

@@ -1,0 +1,198 @@
+"""Bounds on the gateway's client connections, kept where aiohttp reads them.
+
+Rules (issue 12: slowloris, floods, oversized headers):
+1. A connection beyond ``server.max_connections`` in all, or beyond
+   ``server.max_connections_per_ip`` from one address, is answered 503 (OpenAI-style
+   JSON, ``Connection: close``) and closed at once, before anything of it is parsed.
+2. A request's headers must arrive whole within ``server.header_timeout_s`` of its first
+   byte (for a connection's first request: of the connection's start); else the
+   connection is closed. One timer per request, armed on its first byte and cancelled
+   when its handler starts: nothing per chunk, so the relay's hot path pays nothing.
+3. An idle keep-alive connection is closed after ``server.keepalive_timeout_s``
+   (aiohttp's own timer; aiohttp arms it at a connection's start too).
+4. aiohttp's own answers to requests it cannot parse (a header line over
+   ``max_header_field_bytes``, more than ``max_header_count`` headers, bad framing) are
+   OpenAI-style JSON; header overflows answer 431. The total of a request's header bytes
+   (``max_header_bytes``) is checked by the proxy route before it forwards (``_app.py``).
+5. Each bound exceeded is counted once in ``understudy_connections_closed{reason}``;
+   ``understudy_connections_open`` is the number admitted now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from gateway._config import ServerConfig
+
+__all__ = ["ConnectionClose", "ConnectionGuard", "GatewayRunner", "openai_error_body"]
+
+ConnectionClose = Literal[
+    "max_connections", "max_connections_per_ip", "header_timeout", "keepalive_timeout",
+    "headers_too_large", "bad_request",
+]
+"""Why the gateway closed a client connection: the ``reason`` label of
+``understudy_connections_closed``."""
+
+
+def openai_error_body(message: str, error_type: str, code: int) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": error_type, "param": None,
+                                   "code": code}})
+
+
+_BUSY = openai_error_body("too many connections; retry later", "server_busy", 503)
+_BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: " + str(len(_BUSY)).encode()
+                  + b"\r\n\r\n" + _BUSY)
+
+
+class ConnectionGuard:
+    """Counts admitted connections, in all and per client address (rule 1)."""
+
+    __slots__ = ("_per_ip", "closed", "config", "open")
+
+    def __init__(self, config: ServerConfig, closed: Callable[[ConnectionClose], None]) -> None:
+        self.config = config
+        self.closed = closed  # counts one closing, by reason
+        self.open = 0
+        self._per_ip: Counter[str] = Counter()
+
+    def admit(self, ip: str) -> ConnectionClose | None:
+        """Take a slot for a connection from ``ip``; the reason when there is none."""
+        if self.open >= self.config.max_connections:
+            return "max_connections"
+        if self._per_ip[ip] >= self.config.max_connections_per_ip:
+            return "max_connections_per_ip"
+        self.open += 1
+        self._per_ip[ip] += 1
+        return None
+
+    def release(self, ip: str) -> None:
+        self.open -= 1
+        self._per_ip[ip] -= 1
+        if self._per_ip[ip] <= 0:
+            del self._per_ip[ip]
+
+
+class _GuardedHandler(RequestHandler):
+    """aiohttp's protocol with the bounds of rules 1, 2 and 4 and the counting of 3."""
+
+    __slots__ = ("_admitted", "_guard", "_header_deadline", "_ip")
+
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._ip = ""
+        self._admitted = False
+        self._header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        self._ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        refusal = self._guard.admit(self._ip)
+        if refusal is not None:
+            self._guard.closed(refusal)
+            assert isinstance(transport, asyncio.WriteTransport)
+            transport.write(_BUSY_RESPONSE)
+            self.force_close()  # closes the transport once the answer is flushed
+            return
+        self._admitted = True
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm_header_deadline()
+        if self._admitted:
+            self._admitted = False
+            self._guard.release(self._ip)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_deadline is None and not self._request_in_progress:
+            self._arm_header_deadline()  # the first byte of the next request
+        super().data_received(data)
+
+    async def _handle_request(
+        self, request: BaseRequest, start_time: float | None,
+        request_handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]],
+    ) -> tuple[web.StreamResponse, bool]:
+        self._disarm_header_deadline()
+        return await super()._handle_request(request, start_time, request_handler)
+
+    def _arm_header_deadline(self) -> None:
+        self._header_deadline = self._loop.call_later(self._guard.config.header_timeout_s,
+                                                      self._header_deadline_passed)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_deadline = None
+        if self._request_in_progress or self._messages or self._force_close:
+            return  # the headers did arrive; the handler has them or will
+        self._guard.closed("header_timeout")
+        self.force_close()
+
+    def _process_keepalive(self) -> None:
+        open_before = not self._force_close
+        super()._process_keepalive()
+        if open_before and self._force_close:
+            self._guard.closed("keepalive_timeout")
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's own error answers, as OpenAI-style JSON (rule 4)."""
+        if isinstance(exc, HttpProcessingError):
+            overflow = isinstance(exc, LineTooLong) or "Too many headers" in str(exc)
+            status = 431 if overflow else status
+            self._guard.closed("headers_too_large" if overflow else "bad_request")
+            text = ("request header fields too large" if overflow
+                    else "malformed HTTP request")
+            error_type = "invalid_request_error"
+        else:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            text, error_type = "internal error of the gateway", "internal_error"
+        if request.writer.output_size > 0:
+            raise ConnectionError("the answer had begun; it cannot become an error")
+        response = web.Response(status=status, body=openai_error_body(text, error_type, status),
+                                content_type="application/json")
+        response.force_close()
+        return response
+
+
+class _GuardedServer(web.Server):
+    guard: ConnectionGuard
+
+    def __call__(self) -> RequestHandler:
+        return _GuardedHandler(self, self.guard, loop=self._loop, **self._kwargs)
+
+
+class GatewayRunner(web.AppRunner):
+    """An AppRunner whose connections are bounded by ``guard`` (the rules above)."""
+
+    def __init__(self, app: web.Application, guard: ConnectionGuard, **kwargs: Any) -> None:
+        config = guard.config
+        super().__init__(app, keepalive_timeout=config.keepalive_timeout_s,
+                         max_field_size=config.max_header_field_bytes,
+                         max_line_size=config.max_header_field_bytes,
+                         max_headers=config.max_header_count, **kwargs)
+        self.guard = guard
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # aiohttp builds the Server itself; only its protocol factory differs here.
+        server.__class__ = _GuardedServer
+        assert isinstance(server, _GuardedServer)
+        server.guard = self.guard
+        return server
