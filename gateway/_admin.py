@@ -34,6 +34,7 @@ from gateway._config import (
     AdminConfig,
     CandidateConfig,
 )
+from gateway._destinations import RefusedDestination, check_candidate_url, masked_url
 from gateway._exceptions import (
     Conflict,
     GatewayError,
@@ -98,7 +99,7 @@ class CandidateView(BaseModel):
     @classmethod
     def of(cls, candidate: Candidate) -> CandidateView:
         c = candidate.config
-        return cls(name=c.name, url=c.url, role=c.role, sample_rate=c.sample_rate,
+        return cls(name=c.name, url=masked_url(c.url), role=c.role, sample_rate=c.sample_rate,
                    sampling_unit=c.sampling_unit, max_concurrency=c.max_concurrency,
                    buffer_items=c.buffer_items, buffer_bytes=c.buffer_bytes,
                    forward_credentials=c.forward_credentials, model=c.model,
@@ -231,6 +232,20 @@ def _candidate(request: web.Request) -> Candidate:
     return candidate
 
 
+async def _check_destination(request: web.Request, state: GatewayState, url: str) -> None:
+    """Refuse a candidate URL at a metadata, service or own address (_destinations.py)."""
+    own = {state.config.server.port, state.config.admin.port or 0}
+    own |= {int(a[1]) for r in state.listeners for a in r.addresses if isinstance(a, tuple)}
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    if isinstance(sockname, tuple):
+        own.add(int(sockname[1]))
+    try:
+        await check_candidate_url(url, own_ports=own - {0}, listen_host=state.config.server.host,
+                                  allowed=state.config.admin.allowed_candidate_hosts)
+    except RefusedDestination as exc:
+        raise InvalidBody(f"url: {exc}") from None
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -273,8 +288,10 @@ async def get_candidate(request: web.Request) -> web.Response:
 
 async def add_candidate(request: web.Request) -> web.Response:
     config = await _body(request, CandidateConfig)
-    candidate = await request.app[ADMIN_STATE].promoter.add_candidate(config)
-    log.info("admin: candidate %s added (%s)", config.name, config.url)
+    state = request.app[ADMIN_STATE]
+    await _check_destination(request, state, config.url)
+    candidate = await state.promoter.add_candidate(config)
+    log.info("admin: candidate %s added (%s)", config.name, masked_url(config.url))
     return _json(CandidateView.of(candidate), status=201)
 
 

@@ -22,6 +22,7 @@ from evaluators import EvaluationSink, MemorySink
 from gateway._admin import build_admin_app, check_admin_binding
 from gateway._config import GatewayConfig
 from gateway._connections import ConnectionGuard, GatewayRunner
+from gateway._destinations import masked_url
 from gateway._evaluation import Evaluation
 from gateway._exceptions import HeadersTooLarge, error_response
 from gateway._metrics import EvaluationCollector, GatewayMetrics, route_of
@@ -161,13 +162,15 @@ def make_runner(app: web.Application) -> web.AppRunner:
     closed = state.metrics.connections_closed
     guard = ConnectionGuard(config.server, lambda reason: closed.labels(reason).inc())
     state.metrics.connections_open.set_function(lambda: guard.open)
-    return GatewayRunner(
+    runner = GatewayRunner(
         app,
         guard,
         handler_cancellation=True,  # a client that goes away cancels its upstream call
         shutdown_timeout=config.server.shutdown_timeout_s,
         access_log=None,
     )
+    state.listeners.append(runner)
+    return runner
 
 
 async def serve(
@@ -192,9 +195,10 @@ async def serve(
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else config.server.port
         log.info("understudy gateway on http://%s:%s -> primary %s",
-                 config.server.host, port, config.primary.url)
+                 config.server.host, port, masked_url(config.primary.url))
         if config.admin.port is not None:
             admin_runner = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
+            app[STATE].listeners.append(admin_runner)
             await admin_runner.setup()
             await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
             log.info("understudy admin API on http://%s:%s/admin/v1", config.admin.host,

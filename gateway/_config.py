@@ -122,7 +122,7 @@ class UpstreamConfig(_Section):
     """One backend the gateway talks to. ``url`` is the server root (``/v1`` is stripped)."""
 
     name: str = "primary"
-    url: str = "http://127.0.0.1:8000"
+    url: str = Field("http://127.0.0.1:8000", repr=False)  # may hold a password
     api_key: SecretStr | None = None
     connect_timeout_s: float = Field(DEFAULT_CONNECT_TIMEOUT_S, gt=0)
     first_byte_timeout_s: float = Field(DEFAULT_FIRST_BYTE_TIMEOUT_S, gt=0)
@@ -150,7 +150,7 @@ class CandidateConfig(UpstreamConfig):
     """A deployment under test: it receives a sample of the primary's traffic."""
 
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    url: str
+    url: str = Field(..., repr=False)  # may hold a password
     sample_rate: float = Field(1.0, ge=0.0, le=1.0)
     sampling_unit: Literal["request", "session"] = "session"
     max_concurrency: int = Field(DEFAULT_CANDIDATE_CONCURRENCY, gt=0, le=1024)
@@ -207,6 +207,9 @@ class AdminConfig(_Section):
     routing_poll_interval_s: float = Field(DEFAULT_ROUTING_POLL_S, gt=0)
     # Each store call of an admin change gets this long; then the change is refused (503).
     store_timeout_s: float = Field(DEFAULT_ADMIN_STORE_TIMEOUT_S, gt=0, le=300)
+    # "host" or "host:port" a candidate added through the API may use although it is a
+    # refused destination (gateway/_destinations.py: metadata, own ports, service ports).
+    allowed_candidate_hosts: tuple[str, ...] = ()
 
     @field_validator("token")
     @classmethod

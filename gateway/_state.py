@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from aiohttp import web
 
 from evaluators import Capture, Observation, observe
 from gateway._config import GatewayConfig
@@ -49,6 +51,9 @@ class GatewayState:
     mirror: Mirror
     evaluation: Evaluation | None  # None: exchanges go to a sink the caller gave
     promoter: Promoter
+
+    listeners: list[web.BaseRunner] = field(default_factory=list)
+    """The runners serving this gateway: their ports are its own (no candidate there)."""
 
     @property
     def routing(self) -> Routing:

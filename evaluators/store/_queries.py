@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from evaluators.store._config import masked_url
 from evaluators.store._errors import StoreRejected, translate_store_errors
 from evaluators.store._schema import AuditEntry, BackendRole, BackendRow, ScoreRow, VerdictRow
 
@@ -120,7 +121,8 @@ async def register_backend(session: AsyncSession, name: str, *, role: BackendRol
     start together) neither collide on the unique name nor overwrite a URL with nothing.
     """
     dialect = session.get_bind().dialect.name
-    values = {"name": name, "role": role, "url": url}
+    # A URL's password is never stored: the row describes the backend, it routes nothing.
+    values = {"name": name, "role": role, "url": masked_url(url) if url else url}
     keep_url = url is not None  # an update that names no URL keeps the stored one
     if dialect == "postgresql":
         pg = postgresql.insert(BackendRow).values(values)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import tempfile
 from typing import Any
 
 import aiohttp
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from tests.utils import eventually, free_port, run_gateway, run_sim
 
@@ -182,3 +186,64 @@ async def test_502_names_the_upstream_not_its_address_nor_its_bytes() -> None:
             assert r.status == 502
             text = await r.text()
         assert "10.0.0.7" not in text and "Secret" not in text
+
+
+# -- item 9: SSRF and secrets in URLs ----------------------------------------------------
+
+async def test_admin_refuses_metadata_service_and_own_destinations(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with run_sim() as primary, run_sim() as cand, \
+            run_gateway(primary.url, admin={"allowed_candidate_hosts": ["127.0.0.1:6379"]}) as gw, \
+            aiohttp.ClientSession() as session:
+        gw_port = gw.url.rsplit(":", 1)[1]
+        admin_port = gw.admin_url.split(":")[2].split("/")[0]
+        refused = [
+            "http://169.254.169.254/latest", "http://[fe80::1]:8000", "http://100.100.100.200",
+            "http://metadata.google.internal", "http://[::ffff:169.254.169.254]:80",
+            "http://127.0.0.1:5432", "http://localhost:3306", "http://10.0.0.5:5672",
+            f"http://127.0.0.1:{gw_port}", f"http://localhost:{admin_port}",
+            "http://0.0.0.0:8000",
+        ]
+        for i, url in enumerate(refused):
+            async with session.post(gw.admin_url + "/candidates",
+                                    json={"name": f"c{i}", "url": url}) as r:
+                assert r.status == 422, url
+                assert (await r.json())["error"]["type"] == "invalid_request_error"
+        assert gw.state.mirror.candidates == {}
+        # A loopback sim on an ordinary port, and an allowed service port, are fine; the
+        # password is masked in the answer, the list and the log.
+        secret_url = cand.url.replace("http://", "http://user:hunter2@")
+        for name, url in (("sim", secret_url), ("allowed", "http://127.0.0.1:6379")):
+            async with session.post(gw.admin_url + "/candidates",
+                                    json={"name": name, "url": url}) as r:
+                assert r.status == 201, await r.text()
+                assert "hunter2" not in await r.text()
+        async with session.get(gw.admin_url + "/candidates") as r:
+            listed = await r.text()
+        assert "hunter2" not in listed and "user:***@" in listed
+    assert "hunter2" not in caplog.text
+
+
+def test_backends_rows_never_hold_a_password() -> None:
+    async def main() -> list[str | None]:
+        from sqlalchemy import select
+
+        from evaluators.store import StoreConfig, create_engine, upgrade
+        from evaluators.store._queries import register_backend
+        from evaluators.store._schema import BackendRow
+        with tempfile.TemporaryDirectory() as tmp:
+            config = StoreConfig(url=f"sqlite+aiosqlite:///{tmp}/s.db")
+            await upgrade(config.url)
+            engine = create_engine(config)
+            try:
+                async with engine.begin() as conn, AsyncSession(bind=conn) as session:
+                    await register_backend(session, "c", role="candidate",
+                                           url="http://u:hunter2@10.0.0.1:8000")
+                    await session.commit()
+                async with engine.connect() as conn:
+                    return list((await conn.execute(select(BackendRow.url))).scalars())
+            finally:
+                await engine.dispose()
+
+    assert asyncio.run(main()) == ["http://u:***@10.0.0.1:8000"]
