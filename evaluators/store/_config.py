@@ -6,7 +6,9 @@ things. Every bound of the writer is named here and exceeding it is a counted dr
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -45,6 +47,12 @@ class StoreConfig(BaseModel):
     url: str = Field(DEFAULT_STORE_URL, repr=False)
     store_prompts: bool = False
     store_answers: bool = False
+    # Session keys are stored as keyed hashes (_hash_key.py) unless this is set.
+    store_session_keys: bool = False
+    # The HMAC key for session keys and prompt hashes; else read from (or created in)
+    # hash_key_file, by default $XDG_STATE_HOME/understudy/hash.key.
+    hash_key: SecretStr | None = Field(None, repr=False)
+    hash_key_file: Path | None = None
     queue_rows: int = Field(DEFAULT_QUEUE_ROWS, gt=0)
     queue_text_chars: int = Field(DEFAULT_QUEUE_TEXT_CHARS, ge=0)
     batch_rows: int = Field(DEFAULT_BATCH_ROWS, gt=0)

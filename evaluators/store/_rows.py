@@ -14,7 +14,6 @@ Rules:
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import math
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 
 from evaluators._exchange import Exchange
 from evaluators._observation import Observation
+from evaluators.store._hash_key import SESSION_KEY_PREFIX, keyed_digest
 from evaluators.store._schema import NAME_LENGTH, REQUEST_ID_LENGTH
 
 __all__ = ["InvalidRecord", "Record", "ScoreLike", "build_record", "itl_stats"]
@@ -71,10 +71,17 @@ class Record:
 
 
 def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: bytes | str | None,
-                 store_prompts: bool, store_answers: bool, queued_at: float) -> Record:
-    """Rows for ``exchange`` and ``scores``; raises InvalidRecord if they cannot be stored."""
+                 store_prompts: bool, store_answers: bool, queued_at: float,
+                 hash_key: bytes, store_session_keys: bool = False) -> Record:
+    """Rows for ``exchange`` and ``scores``; raises InvalidRecord if they cannot be stored.
+
+    The session key and the prompt's hash are keyed hashes (``_hash_key.py``) unless
+    ``store_session_keys``; the prompt's text is kept only with ``store_prompts``.
+    """
     _identity("request_id", exchange.request_id, REQUEST_ID_LENGTH)
     _identity("session_key", exchange.session_key, NAME_LENGTH)
+    session_key = exchange.session_key if store_session_keys else (
+        SESSION_KEY_PREFIX + keyed_digest(hash_key, exchange.session_key.encode()))
     _identity("candidate", exchange.candidate, NAME_LENGTH)
     primary, candidate = exchange.primary, exchange.candidate_observation
     _identity("primary backend", primary.backend, NAME_LENGTH)
@@ -84,7 +91,7 @@ def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: byt
     prompt_hash: str | None = None
     if prompt is not None:
         raw = prompt.encode() if isinstance(prompt, str) else prompt
-        prompt_hash = hashlib.sha256(raw).hexdigest()
+        prompt_hash = keyed_digest(hash_key, raw)
         if store_prompts:
             prompt_text = prompt if isinstance(prompt, str) else raw.decode(errors="replace")
     primary_row = observation_row(primary, store_answers=store_answers)
@@ -95,7 +102,7 @@ def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: byt
     return Record(
         exchange={
             "request_id": exchange.request_id,
-            "session_key": exchange.session_key,
+            "session_key": session_key,
             "route": exchange.route[:ROUTE_LENGTH],
             "model": _cut(primary.model or candidate.model, NAME_LENGTH),
             "started_at": _utc(primary.started_at),

@@ -56,6 +56,7 @@ from evaluators.store._errors import (
     WriterStateError,
     translate_store_errors,
 )
+from evaluators.store._hash_key import load_hash_key
 from evaluators.store._rows import InvalidRecord, Record, ScoreLike, build_record
 
 __all__ = ["DropReason", "ScoreWriter", "WriterState", "WriterStats"]
@@ -112,6 +113,7 @@ class ScoreWriter:
         if not hold:
             self._released.set()
         self._inserter = BatchInserter(engine)
+        self._hash_key = b""  # read at start
         self._queue: deque[Record] = deque()
         self._queued_rows = 0
         self._queued_text = 0
@@ -138,6 +140,7 @@ class ScoreWriter:
     async def start(self) -> None:
         if self._state is not WriterState.NEW:
             raise WriterStateError(f"cannot start a writer that is {self._state.value}")
+        self._hash_key = load_hash_key(self._config)  # may create its file: at start
         self._task = asyncio.create_task(self._run(), name="understudy-score-writer")
         self._state = WriterState.RUNNING
 
@@ -205,7 +208,8 @@ class ScoreWriter:
             record = build_record(exchange, scores, prompt=prompt,
                                   store_prompts=config.store_prompts,
                                   store_answers=config.store_answers,
-                                  queued_at=time.monotonic())
+                                  queued_at=time.monotonic(), hash_key=self._hash_key,
+                                  store_session_keys=config.store_session_keys)
         except InvalidRecord as exc:
             self._dropped["invalid"] += 1
             self._note_error(f"invalid record: {exc}")

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from pydantic import SecretStr
 from sqlalchemy import Connection, func, inspect, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -46,6 +47,7 @@ from evaluators.store import (
     session_factory,
     upgrade,
 )
+from evaluators.store._hash_key import keyed_digest, load_hash_key
 from evaluators.store._rows import itl_stats
 from tests.utils import eventually
 
@@ -229,6 +231,31 @@ async def test_sqlite_engine_uses_wal_and_a_busy_timeout(tmp_path: Any) -> None:
 # -- the writer ------------------------------------------------------------------------------
 
 
+async def test_session_keys_and_prompts_are_stored_as_keyed_hashes(
+        engine: AsyncEngine, tmp_path: Path) -> None:
+    base = quick_config(engine)
+    key_file = tmp_path / "state" / "hash.key"
+    hashed = base.model_copy(update={"hash_key_file": key_file})
+    async with ScoreWriter(engine, hashed) as writer:
+        assert writer.submit(make_exchange("h1", "cand-a", session_key="u:bob@example.com"),
+                             SCORES, prompt=b'{"user":"bob@example.com"}')
+        await written(writer, 1)
+    key = key_file.read_bytes().strip()
+    assert len(key) == 64 and (key_file.stat().st_mode & 0o777) == 0o600
+    assert load_hash_key(hashed) == key  # read back, not made anew
+    clear = base.model_copy(update={"store_session_keys": True, "hash_key": SecretStr("k" * 32)})
+    async with ScoreWriter(engine, clear) as writer:
+        assert writer.submit(make_exchange("h2", "cand-a", session_key="u:bob@example.com"),
+                             SCORES, prompt=b"p")
+        await written(writer, 1)
+    exchanges = {e.request_id: e for e in await rows(engine, ExchangeRow, ExchangeRow.request_id)}
+    assert exchanges["h1"].session_key == "k:" + keyed_digest(key, b"u:bob@example.com")
+    assert "bob" not in (exchanges["h1"].session_key + str(exchanges["h1"].prompt))
+    assert exchanges["h1"].prompt_hash == keyed_digest(key, b'{"user":"bob@example.com"}')
+    assert exchanges["h2"].session_key == "u:bob@example.com"  # store_session_keys
+    assert exchanges["h2"].prompt_hash == keyed_digest(b"k" * 32, b"p")
+
+
 async def test_writer_round_trip_shares_the_primary_observation(engine: AsyncEngine) -> None:
     primary = make_observation("r1", "primary", usage=Usage(12, 5, 8), gaps=(0.01, 0.03))
     async with ScoreWriter(engine, quick_config(engine)) as writer:
@@ -246,8 +273,12 @@ async def test_writer_round_trip_shares_the_primary_observation(engine: AsyncEng
     assert stats.written_rows["scores"] == 5
 
     exchanges = await rows(engine, ExchangeRow, ExchangeRow.request_id)
+    key = load_hash_key(quick_config(engine))
+    # Never in clear (issue 12 item 8): keyed hashes, equal for equal sessions.
     assert [(e.request_id, e.session_key) for e in exchanges] == [
-        ("r1", "session-1"), ("r2", "session-2")]
+        ("r1", "k:" + keyed_digest(key, b"session-1")),
+        ("r2", "k:" + keyed_digest(key, b"session-2"))]
+    assert exchanges[0].prompt_hash == keyed_digest(key, b"{}")
     assert exchanges[0].prompt is None and len(exchanges[0].prompt_hash or "") == 64
     assert exchanges[1].prompt_hash is None
     assert exchanges[0].started_at == datetime.fromtimestamp(1_700_000_000, UTC)
