@@ -186,7 +186,9 @@ def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]
         raise UpstreamTimeout(f"upstream {upstream} timed out ({kind})", kind, upstream) from exc
     except aiohttp.ClientConnectorError as exc:
         # The client hears the upstream's name, never its address or the OS's words.
-        log.warning("upstream %s is unreachable: %s", upstream, exc.os_error)
+        # Debug: a candidate that is down would log once per mirrored request; the
+        # metrics count these (understudy_upstream_errors, understudy_mirror_failed).
+        log.debug("upstream %s is unreachable: %s", upstream, exc.os_error)
         raise UpstreamUnreachable(f"upstream {upstream} is unreachable", "connect",
                                   upstream) from exc
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
@@ -200,6 +202,6 @@ def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]
                              "reset" if cut else "protocol", upstream) from exc
     except aiohttp.ClientResponseError as exc:
         # exc.message may quote the upstream's raw bytes: logged (cut), never sent on.
-        log.warning("upstream %s sent an invalid response: %.200r", upstream, exc.message)
+        log.debug("upstream %s sent an invalid response: %.200r", upstream, exc.message)
         raise UpstreamBroken(f"upstream {upstream} sent an invalid response", "protocol",
                              upstream) from exc
