@@ -49,10 +49,12 @@ _FINGERPRINT_SEED = 20261203
 
 def blas_kernel() -> str:
     """The OpenBLAS kernel type numpy runs with (``OPENBLAS_CORETYPE`` forces another)."""
-    kernels = sorted(
-        str(info.get("architecture"))
-        for info in threadpool_info()
-        if info.get("internal_api") == "openblas"
+    kernels = sorted(  # numpy and scipy each load an OpenBLAS; both pick the same kernel
+        {
+            str(info.get("architecture"))
+            for info in threadpool_info()
+            if info.get("internal_api") == "openblas"
+        }
     )
     return "+".join(kernels) or "unknown"
 
