@@ -27,11 +27,15 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ._store import KVLayout, KVStorage
+
+if TYPE_CHECKING:
+    from ._paged_codec import PagedCodec
 
 __all__ = [
     "BlockHash",
@@ -109,7 +113,8 @@ class KVBlock:
     """One cached block, as exported to (or imported from) another node.
 
     ``data``: [layers, 2, kv_heads, block_size, head_dim] float32 (axis 1: K then V), keys in the
-    Hugging Face rotary layout.  ``block_id`` is the id on the exporting node (informative).
+    Hugging Face rotary layout -- or, from a pool with a codec, the packed encoded block (uint8,
+    ``PagedCodec.export``).  ``block_id`` is the id on the exporting node (informative).
     """
 
     block_id: int
@@ -117,13 +122,18 @@ class KVBlock:
     parent_hash: BlockHash
     token_ids: tuple[int, ...]
     extra_keys: tuple[ExtraKey, ...]
-    data: Float32Array = field(repr=False)
+    data: npt.NDArray[Any] = field(repr=False)
+
+    @property
+    def encoded(self) -> bool:
+        return self.data.dtype == np.uint8
 
     def verify(self) -> None:
-        """Raise ``ValueError`` unless the hash matches the tokens and the data is finite."""
+        """Raise ``ValueError`` unless the hash matches the tokens and the data is finite
+        (packed blocks are checked as they are decoded)."""
         if hash_block(self.parent_hash, self.token_ids, self.extra_keys) != self.block_hash:
             raise ValueError(f"KV block {self.block_id}: hash does not match its tokens")
-        if not np.isfinite(self.data).all():
+        if not self.encoded and not np.isfinite(self.data).all():
             raise ValueError(f"KV block {self.block_id}: non-finite values")
 
 
@@ -156,7 +166,7 @@ class CachedBlock:
     token_ids: tuple[int, ...]
     extra_keys: tuple[ExtraKey, ...]
 
-    def with_data(self, block_id: int, data: Float32Array) -> KVBlock:
+    def with_data(self, block_id: int, data: npt.NDArray[Any]) -> KVBlock:
         """The exported form of this block, holding ``data``."""
         return KVBlock(
             block_id, self.block_hash, self.parent_hash, self.token_ids, self.extra_keys, data
@@ -187,14 +197,18 @@ class BlockPool:
         *,
         seed: BlockHash = b"",
         enable_prefix_caching: bool = True,
+        codec: PagedCodec | None = None,
     ) -> None:
+        """``codec``: complete blocks are stored encoded (None: raw float32, fp32); the hash
+        chain then starts from ``H(seed, codec fingerprint)``, so blocks of different codecs
+        never match (rule 2)."""
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.seed = seed
+        self.seed = seed if codec is None else hash_block(seed, (), (codec.fingerprint,))
         self.enable_prefix_caching = enable_prefix_caching
-        self.storage = KVStorage(layout, num_blocks + 1)
+        self.storage = KVStorage(layout, num_blocks + 1, codec)
         self._refs = [0] * (num_blocks + 1)
         self._free: OrderedDict[int, None] = OrderedDict(
             (b, None) for b in range(1, num_blocks + 1)
@@ -212,15 +226,38 @@ class BlockPool:
         *,
         seed: BlockHash = b"",
         enable_prefix_caching: bool = True,
+        codec: PagedCodec | None = None,
+        raw_blocks: int = 0,
     ) -> BlockPool:
-        """As many blocks as ``kv_limit_bytes`` pays for (the null block included)."""
-        num_blocks = kv_limit_bytes // layout.bytes_per_block - 1
+        """As many blocks as ``kv_limit_bytes`` pays for (the null block included).
+
+        With a codec a block costs its true encoded bytes, after ``raw_blocks`` (one per running
+        sequence) are paid for raw with a raw sink row each: the block being filled."""
+        block_bytes = layout.bytes_per_block if codec is None else codec.block_bytes
+        reserved = 0 if codec is None else raw_blocks * (layout.bytes_per_block + codec.sink_bytes)
+        num_blocks = (kv_limit_bytes - reserved) // block_bytes - 1
         if num_blocks < 1:
             raise ValueError(
-                f"kv_limit_bytes={kv_limit_bytes} holds fewer than 2 blocks of "
-                f"{layout.bytes_per_block} bytes"
+                f"kv_limit_bytes={kv_limit_bytes} holds fewer than 2 blocks of {block_bytes} bytes"
             )
-        return cls(layout, num_blocks, seed=seed, enable_prefix_caching=enable_prefix_caching)
+        return cls(
+            layout,
+            num_blocks,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            codec=codec,
+        )
+
+    @property
+    def codec(self) -> PagedCodec | None:
+        return self.storage.codec
+
+    @property
+    def bytes_per_token(self) -> float:
+        """True bytes of a complete block's K and V per token, all layers."""
+        if self.storage.codec is None:
+            return self.layout.bytes_per_block / self.layout.block_size
+        return self.storage.codec.bytes_per_token()
 
     @property
     def block_size(self) -> int:
@@ -334,7 +371,9 @@ class BlockPool:
             entry = self._cached.get(block)
             if entry is None:
                 raise KeyError(f"block {block} is not a cached block")
-            exported.append(entry.with_data(block, self.storage.read_block(block)))
+            codec = self.storage.codec
+            data = self.storage.read_block(block) if codec is None else codec.export(block)
+            exported.append(entry.with_data(block, data))
         return exported
 
     def import_blocks(self, blocks: Sequence[KVBlock], *, keep: Sequence[int] = ()) -> list[int]:
@@ -345,9 +384,16 @@ class BlockPool:
         blocks among ``blocks``, and the cached blocks ``keep`` (the prefix they extend), are
         held while the others are allocated, so the import never evicts what it needs.
         """
+        codec = self.storage.codec
         for kv_block in blocks:
             kv_block.verify()
-            if kv_block.data.shape != self.layout.block_shape:
+            if kv_block.encoded != (codec is not None):
+                raise ValueError("KV blocks of another codec")
+            if codec is not None:
+                first = kv_block.parent_hash == self.seed
+                if kv_block.data.size != codec.packed_bytes(first):
+                    raise ValueError(f"a packed KV block of {kv_block.data.size} bytes")
+            elif kv_block.data.shape != self.layout.block_shape:
                 raise ValueError(
                     f"KV block shape {kv_block.data.shape} != {self.layout.block_shape}"
                 )
@@ -367,7 +413,10 @@ class BlockPool:
                     ids.append(existing)
                     continue
                 (block,) = self.allocate(1)
-                self.storage.write_block(block, kv_block.data.astype(np.float32, copy=False))
+                if codec is None:
+                    self.storage.write_block(block, kv_block.data.astype(np.float32, copy=False))
+                else:
+                    self._load_encoded(block, kv_block)
                 self.register(
                     block,
                     kv_block.block_hash,
@@ -380,3 +429,15 @@ class BlockPool:
         finally:
             self.release(held)
         return ids
+
+    def _load_encoded(self, block: int, kv_block: KVBlock) -> None:
+        codec = self.storage.codec
+        assert codec is not None
+        try:
+            decoded = codec.load(block, kv_block.data, kv_block.parent_hash == self.seed)
+        except ValueError:
+            self.release([block])
+            raise
+        for layer, (k, v) in enumerate(decoded):
+            self.storage.keys[layer][:, block] = k
+            self.storage.values[layer][:, block] = v

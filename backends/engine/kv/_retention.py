@@ -183,8 +183,10 @@ class KVRetention:
             held.leases += 1
         try:
             storage = self.pool.storage
+            # With a codec the encoded block, packed: retention holds what the cache holds.
+            read = storage.read_block if storage.codec is None else storage.codec.export
             return [
-                entry.with_data(block, storage.read_block(block))
+                entry.with_data(block, read(block))
                 for block, entry in zip(
                     held.block_ids[start : start + count],
                     held.entries[start : start + count],

@@ -32,6 +32,7 @@ from typing import Any, Literal
 from ..serving._engine_loop import EngineLoop
 from ..serving._metrics import EngineMetrics, PullOutcome
 from ._blockpool import BlockHash, KVBlock, NoFreeBlocksError
+from ._paged_codec import PagedCodec
 from ._retention import TICKET_BYTES, RetainedKV, UnknownTicketError
 from ._store import KVLayout
 from ._wire import (
@@ -153,15 +154,18 @@ class KVTransferServer:
         *,
         fingerprint: bytes,
         numerics: bytes | None = None,
+        codec: bytes | None = None,
     ) -> None:
         """``fingerprint``: the model's; ``numerics``: the bits' (default: the engine model's
-        ``Numerics.fingerprint``).  A pull must match both."""
+        ``Numerics.fingerprint``); ``codec``: the KV codec's (default: the engine's).  A pull
+        must match all three."""
         self._loop = engine_loop
         self._metrics = metrics
         self._fingerprint = fingerprint
         self._numerics = (
             engine_loop.engine.model.numerics.fingerprint if numerics is None else numerics
         )
+        self._codec = engine_loop.engine.kv_codec_fingerprint if codec is None else codec
         self._layout: KVLayout = engine_loop.engine.pool.layout
         self._server: asyncio.Server | None = None
         self.fault: TransferFault | None = None
@@ -204,6 +208,12 @@ class KVTransferServer:
                 ErrorCode.NUMERICS_MISMATCH,
                 "the blocks were computed with other bits (BLAS kernel, threads or numpy "
                 "differ; see the 'engine numerics' log line of each node)",
+            )
+        if pull.codec != self._codec:
+            raise _Refusal(
+                ErrorCode.CODEC_MISMATCH,
+                f"the blocks are stored by another KV codec (this node: "
+                f"{self._loop.engine.kv_codec}); nodes exchange blocks of one codec only",
             )
         first = await self._export(pull.ticket, pull.start, min(pull.count, EXPORT_BATCH_BLOCKS))
         write_frame(writer, FrameKind.BEGIN, encode_begin(self._layout, pull.count))
@@ -260,6 +270,7 @@ _ERROR_OUTCOMES: dict[ErrorCode | None, PullOutcome] = {
     ErrorCode.UNKNOWN_TICKET: "unknown_ticket",
     ErrorCode.MODEL_MISMATCH: "mismatch",
     ErrorCode.NUMERICS_MISMATCH: "numerics",
+    ErrorCode.CODEC_MISMATCH: "codec",
 }
 
 
@@ -273,10 +284,15 @@ async def pull_blocks(
     layout: KVLayout,
     release_after: bool = False,
     timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+    codec: bytes = bytes(HASH_BYTES),
+    packed_sizes: tuple[int, ...] | None = None,
 ) -> tuple[list[KVBlock], int]:
     """Blocks ``start ..`` of ``source``'s set, which must hash to ``expected``; and the bytes
-    received.  Raises ``KVTransferError``."""
-    pull = PullRequest(source.ticket, start, len(expected), fingerprint, numerics, release_after)
+    received.  ``codec``/``packed_sizes``: the puller's KV codec fingerprint and the sizes of
+    its packed blocks (None: fp32).  Raises ``KVTransferError``."""
+    pull = PullRequest(
+        source.ticket, start, len(expected), fingerprint, numerics, release_after, codec
+    )
     try:
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_connection(
@@ -286,7 +302,7 @@ async def pull_blocks(
                 payload, flags = encode_pull(pull)
                 write_frame(writer, FrameKind.PULL, payload, flags)
                 await writer.drain()
-                return await _receive(reader, expected, layout)
+                return await _receive(reader, expected, layout, packed_sizes)
             finally:
                 writer.close()
                 with contextlib.suppress(OSError):
@@ -302,7 +318,10 @@ async def pull_blocks(
 
 
 async def _receive(
-    reader: asyncio.StreamReader, expected: Sequence[BlockHash], layout: KVLayout
+    reader: asyncio.StreamReader,
+    expected: Sequence[BlockHash],
+    layout: KVLayout,
+    packed_sizes: tuple[int, ...] | None = None,
 ) -> tuple[list[KVBlock], int]:
     frame = await read_frame(reader)
     if frame.kind is FrameKind.ERROR:
@@ -329,7 +348,7 @@ async def _receive(
             return blocks, received
         if frame.kind is not FrameKind.BLOCK or len(blocks) >= count:
             raise KVTransferError("protocol", f"unexpected {frame.kind.name} frame")
-        block = decode_block(frame, layout)
+        block = decode_block(frame, layout, packed_sizes)
         if block.block_hash != expected[len(blocks)]:
             raise KVTransferError("mismatch", f"block {len(blocks)} is not this prompt's")
         blocks.append(block)  # its hash against its tokens: verified by the import
@@ -363,9 +382,11 @@ async def pull_missing_blocks(
             source,
             local,
             wanted[local:],
-            fingerprint=engine.pool.seed,
+            fingerprint=engine.model.fingerprint,
             numerics=engine.model.numerics.fingerprint,
             layout=engine.pool.layout,
+            codec=engine.kv_codec_fingerprint,
+            packed_sizes=_packed_sizes(engine.pool.codec),
             release_after=release_after,
             timeout_s=timeout_s,
         )
@@ -380,3 +401,7 @@ async def pull_missing_blocks(
         raise
     metrics.pulled("ok", time.perf_counter() - started, len(blocks), size)
     return len(blocks)
+
+
+def _packed_sizes(codec: PagedCodec | None) -> tuple[int, ...] | None:
+    return None if codec is None else (codec.packed_bytes(False), codec.packed_bytes(True))

@@ -14,11 +14,13 @@ A pull is one connection: the puller sends PULL; the owner answers BEGIN, one BL
 END -- or ERROR instead of any of them.
 
     PULL   ticket (16) | start u32 | count u32 | model fingerprint (32) |
-           numerics fingerprint (32: the BLAS paths' bits, ``_numerics``)
+           numerics fingerprint (32: the BLAS paths' bits, ``_numerics``) |
+           codec fingerprint (32: the KV codec and its calibration, zeros for fp32)
     BEGIN  layers u16 | kv_heads u16 | head_dim u16 | block_size u16 | count u32
     BLOCK  block hash (32) | parent hash (32) | tokens u16 | extra keys u8 | extra keys |
            token ids (i32 x tokens) | K/V (f32, the exchange layout [layers, 2, kv_heads,
-           block_size, head_dim])
+           block_size, head_dim]; with a KV codec the packed encoded block instead,
+           ``PagedCodec.export``, of one of the sizes the puller's codec expects)
     END    count u32
     ERROR  code u8 | utf-8 message
 
@@ -73,7 +75,7 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 RELEASE_AFTER = 0x01
 
 _HEADER = struct.Struct("<4sBBHIQ")
-_PULL = struct.Struct(f"<{TICKET_BYTES}sII{HASH_BYTES}s{HASH_BYTES}s")
+_PULL = struct.Struct(f"<{TICKET_BYTES}sII{HASH_BYTES}s{HASH_BYTES}s{HASH_BYTES}s")
 _BEGIN = struct.Struct("<HHHHI")
 _BLOCK_HEAD = struct.Struct(f"<{HASH_BYTES}s{HASH_BYTES}sHB")
 _EXTRA_HEAD = struct.Struct("<cH")
@@ -96,6 +98,7 @@ class ErrorCode(enum.IntEnum):
     BAD_REQUEST = 4
     UNAVAILABLE = 5
     NUMERICS_MISMATCH = 6  # same model, other bits (another BLAS kernel, threads, numpy)
+    CODEC_MISMATCH = 7  # same model and bits, blocks stored by another KV codec
 
 
 class KVWireError(Exception):
@@ -121,6 +124,7 @@ class PullRequest:
     fingerprint: bytes
     numerics: bytes
     release_after: bool = False
+    codec: bytes = bytes(HASH_BYTES)
 
 
 # -- frames ----------------------------------------------------------------------------------
@@ -169,14 +173,16 @@ def _exact(payload: bytes, layout: struct.Struct, what: str) -> tuple[Any, ...]:
 
 def encode_pull(pull: PullRequest) -> tuple[bytes, int]:
     """Payload and flags of a PULL frame."""
-    payload = _PULL.pack(pull.ticket, pull.start, pull.count, pull.fingerprint, pull.numerics)
+    payload = _PULL.pack(
+        pull.ticket, pull.start, pull.count, pull.fingerprint, pull.numerics, pull.codec
+    )
     return payload, RELEASE_AFTER if pull.release_after else 0
 
 
 def decode_pull(frame: Frame) -> PullRequest:
-    ticket, start, count, fingerprint, numerics = _exact(frame.payload, _PULL, "PULL")
+    ticket, start, count, fingerprint, numerics, codec = _exact(frame.payload, _PULL, "PULL")
     return PullRequest(
-        ticket, start, count, fingerprint, numerics, bool(frame.flags & RELEASE_AFTER)
+        ticket, start, count, fingerprint, numerics, bool(frame.flags & RELEASE_AFTER), codec
     )
 
 
@@ -237,12 +243,17 @@ def encode_block(block: KVBlock) -> bytes:
     )
     extras = b"".join(_encode_extra(key) for key in block.extra_keys)
     tokens = np.asarray(block.token_ids, dtype="<i4").tobytes()
-    data = np.ascontiguousarray(block.data, dtype="<f4").tobytes()
+    dtype = np.uint8 if block.encoded else np.dtype("<f4")
+    data = np.ascontiguousarray(block.data, dtype=dtype).tobytes()
     return b"".join((head, extras, tokens, data))
 
 
-def decode_block(frame: Frame, layout: KVLayout) -> KVBlock:
-    """A BLOCK frame's block; its hash is not checked here (``KVBlock.verify`` does)."""
+def decode_block(
+    frame: Frame, layout: KVLayout, packed_sizes: tuple[int, ...] | None = None
+) -> KVBlock:
+    """A BLOCK frame's block; its hash is not checked here (``KVBlock.verify`` does).
+
+    ``packed_sizes``: the sizes a packed block of the puller's codec may have (None: fp32)."""
     payload = frame.payload
     if len(payload) < _BLOCK_HEAD.size:
         raise KVWireError("protocol", "short BLOCK payload")
@@ -262,17 +273,22 @@ def decode_block(frame: Frame, layout: KVLayout) -> KVBlock:
             extras.append(data if tag == b"b" else int(data) if tag == b"i" else data.decode())
         except ValueError as exc:
             raise KVWireError("protocol", f"bad BLOCK extra key: {exc}") from exc
-    data_bytes = layout.bytes_per_block
-    if len(payload) != offset + 4 * num_tokens + data_bytes:
+    data_bytes = len(payload) - offset - 4 * num_tokens
+    if data_bytes not in (packed_sizes or (layout.bytes_per_block,)):
         raise KVWireError("protocol", f"BLOCK payload of {len(payload)} bytes")
     tokens = np.frombuffer(payload, dtype="<i4", count=num_tokens, offset=offset)
     offset += 4 * num_tokens
-    values = np.frombuffer(payload, dtype="<f4", offset=offset).reshape(layout.block_shape)
+    values: np.ndarray[Any, Any]
+    if packed_sizes is None:
+        values = np.frombuffer(payload, dtype="<f4", offset=offset).reshape(layout.block_shape)
+        values = values.astype(np.float32, copy=False)
+    else:
+        values = np.frombuffer(payload, dtype=np.uint8, offset=offset)
     return KVBlock(
         block_id=-1,
         block_hash=bytes(block_hash),
         parent_hash=bytes(parent_hash),
         token_ids=tuple(int(t) for t in tokens),
         extra_keys=tuple(extras),
-        data=values.astype(np.float32, copy=False),
+        data=values,
     )

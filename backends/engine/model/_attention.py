@@ -41,11 +41,25 @@ the tile.  ``_numerics`` checks them on the model's own shapes when the model lo
 fail, both products here take ``lanes`` (``_lanes``: each row in a lane that reproduces one
 reference), which restores rule 1 on any kernel, and decode runs each query through ``attend``.
 Processes exchange KV blocks only when their numerics fingerprints agree.
+
+5. With a KV codec (``kv._paged_codec``) the stored keys and values of a complete block are its
+   decoded version, and a query reads its OWN block raw (KIVI's full-precision residual).  A
+   prefill tile holds queries of several blocks, and the one call must give each row the bits a
+   lone decode of it gives, so every row takes the same steps, ``OwnBlocks``: scores over the
+   stored keys; its own block's scores recomputed over the raw keys (a product of those 16
+   columns alone) and written over theirs; the softmax over the span; the own block's
+   probabilities taken out (their columns zeroed, so the stored own-block values add exact
+   zeros to ``P @ V``) and multiplied by the raw values in a product of their own, added after
+   the ``KEY_CHUNK`` products.  What is stored in the own block therefore never reaches a row,
+   raw (decode, its block not yet complete) or decoded (prefill, sealed by this call) alike.
+   Without a codec (fp32) none of this runs.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +70,7 @@ __all__ = [
     "KEY_CHUNK",
     "MIN_GEMM_ROWS",
     "QUERY_TILE",
+    "OwnBlocks",
     "attend",
     "attend_decode",
     "blockwise_scores_exact",
@@ -77,6 +92,20 @@ many scores, one KV head at a time, so that the softmax's passes over them run i
 _ROW_ALIGN = 16  # rows of a block are a multiple of OpenBLAS's sgemm row unroll (speed only)
 _PROBE_ROWS = (4, 5, 7, 8, 13, 16, 17, 33, 70)
 _PROBE_SEED = 20260601
+
+
+@dataclass(frozen=True, slots=True)
+class OwnBlocks:
+    """The raw K/V of the blocks a chunk's queries lie in (rule 5).
+
+    ``keys_t``: [kv_heads, head_dim, n * block_size]; ``values``: [kv_heads, n * block_size,
+    head_dim]; ``first``: the index of the first of these blocks in the sequence.
+    """
+
+    keys_t: Float32Array
+    values: Float32Array
+    first: int
+    block_size: int
 
 
 def key_span(end_position: int) -> int:
@@ -111,6 +140,7 @@ def attend(
     keys_t: Float32Array,
     values: Float32Array,
     lanes: RowLanes | None = None,
+    own: OwnBlocks | None = None,
 ) -> Float32Array:
     """Attention output for queries at positions ``start .. start+n``.
 
@@ -125,6 +155,7 @@ def attend(
     fresh array that size would be page-faulted in for every tile.  A row's bits do not depend on
     the block it is computed in (rule 1), so the output is the same as for one product per tile.
     ``lanes``: run both products lane-mapped (``_lanes``), on kernels that break rule 1.
+    ``own``: the raw blocks of the queries, read in place of the stored ones (rule 5).
     """
     n, kv_heads, group, head_dim = q.shape
     end = start + n
@@ -160,8 +191,13 @@ def attend(
                     np.matmul(q_tile[head, first:last], head_keys, out=scores)
                 else:
                     scores[...] = lanes.matmul(q_tile[head, first:last], head_keys)
+                correct = None
+                if own is not None:
+                    segments = _own_segments(own, lo, hi, start, group, row_lo, first, last, count)
+                    q_block = q_tile[head, first:last]
+                    correct = _own_scores(scores, q_block, own, head, segments, lanes)
                 np.copyto(scores[:, tile_start:], -np.inf, where=mask[first:last])
-                acc = _softmax_times_values(scores, values[head], span, lanes)
+                acc = _softmax_times_values(scores, values[head], span, lanes, correct)
                 kept = min(last, count) - first
                 if kept > 0:
                     out[head, row_lo + first : row_lo + first + kept] = acc[:kept]
@@ -180,25 +216,99 @@ def _row_blocks(rows: int, span: int) -> list[int]:
     return cuts
 
 
+_Segment = tuple[int, int, int]  # rows [a, b) of a row block, and their own block's index
+
+
+def _own_segments(
+    own: OwnBlocks,
+    lo: int,
+    hi: int,
+    start: int,
+    group: int,
+    row_lo: int,
+    first: int,
+    last: int,
+    count: int,
+) -> list[_Segment]:
+    """The rows ``[first, min(last, count))`` of a tile (queries ``lo .. hi``) cut by own block."""
+    bs = own.block_size
+    segments = []
+    for block in range(lo // bs, (hi - 1) // bs + 1):
+        a = (max(block * bs, lo) - lo) * group
+        b = (min((block + 1) * bs, hi) - lo) * group
+        a, b = max(a, first), min(b, last, count)
+        if a < b:
+            segments.append((a - first, b - first, block))
+    return segments
+
+
+def _product(lanes: RowLanes | None) -> Callable[[Float32Array, Float32Array], Float32Array]:
+    return np.matmul if lanes is None else lanes.matmul
+
+
+def _own_scores(
+    scores: Float32Array,
+    q_rows: Float32Array,
+    own: OwnBlocks,
+    head: int,
+    segments: list[_Segment],
+    lanes: RowLanes | None,
+) -> Callable[[Float32Array], Float32Array]:
+    """Write each segment's scores over its raw own block (rule 5); the correction to apply
+    once the scores are exponentiated (``_softmax_times_values``).  ``q_rows``: the queries of
+    ``scores``' rows."""
+    product = _product(lanes)
+    bs = own.block_size
+
+    def columns(block: int) -> slice:
+        return slice(block * bs, (block + 1) * bs)
+
+    def local(block: int) -> slice:
+        return slice((block - own.first) * bs, (block - own.first + 1) * bs)
+
+    for a, b, block in segments:
+        keys = np.ascontiguousarray(own.keys_t[head, :, local(block)])
+        scores[a:b, columns(block)] = product(pad_rows(q_rows[a:b]), keys)[: b - a]
+
+    def correct(weights: Float32Array) -> Float32Array:
+        out = np.zeros((weights.shape[0], own.values.shape[-1]), dtype=np.float32)
+        for a, b, block in segments:
+            taken = np.ascontiguousarray(weights[a:b, columns(block)])
+            weights[a:b, columns(block)] = 0.0
+            values = np.ascontiguousarray(own.values[head, local(block)])
+            out[a:b] = product(pad_rows(taken), values)[: b - a]
+        return out
+
+    return correct
+
+
 def _softmax_times_values(
-    scores: Float32Array, values: Float32Array, span: int, lanes: RowLanes | None = None
+    scores: Float32Array,
+    values: Float32Array,
+    span: int,
+    lanes: RowLanes | None = None,
+    correct: Callable[[Float32Array], Float32Array] | None = None,
 ) -> Float32Array:
     """softmax(scores) @ values[..., :span, :], rows normalised after the product.
 
     ``scores``: [..., rows, span] (masked entries -inf), consumed in place; ``values``:
     [..., >= span, head_dim] (2-D where ``lanes`` maps the products).  Every reduction runs over
-    exactly ``span`` keys (rules 2 and 3).
+    exactly ``span`` keys (rules 2 and 3).  ``correct``: takes the own blocks' weights out of
+    the exponentiated scores and gives their product with the raw values (rule 5), added last.
     """
-    product = np.matmul if lanes is None else lanes.matmul
+    product = _product(lanes)
     peak = scores.max(axis=-1, keepdims=True)
     np.subtract(scores, peak, out=scores)
     np.exp(scores, out=scores)
     denom = scores.sum(axis=-1, keepdims=True)
+    own = None if correct is None else correct(scores)
     first = min(KEY_CHUNK, span)
     acc: Float32Array = product(scores[..., :first], values[..., :first, :])
     for chunk in range(KEY_CHUNK, span, KEY_CHUNK):
         stop = min(chunk + KEY_CHUNK, span)
         acc += product(scores[..., chunk:stop], values[..., chunk:stop, :])
+    if own is not None:
+        acc += own
     np.divide(acc, denom, out=acc)
     return acc
 
@@ -208,6 +318,7 @@ def attend_decode(
     positions: npt.NDArray[np.intp],
     key_blocks: Float32Array,
     values: Float32Array,
+    own: tuple[Float32Array, Float32Array, int] | None = None,
 ) -> Float32Array:
     """Attention of one query per sequence, for sequences whose queries share a tile.
 
@@ -219,6 +330,8 @@ def attend_decode(
     the same: the scores are products over ``head_dim`` (one FMA chain per score, rule 3), made
     block by block straight into their columns (no copy of the keys into one ``K^T``), and
     ``P @ V`` has the shapes ``attend`` gives it.
+    ``own``: ``(K^T [seqs, kv_heads, head_dim, block_size], V [seqs, kv_heads, block_size,
+    head_dim], block_size)``, each query's own block raw (rule 5), taken as ``attend`` takes it.
     """
     seqs, kv_heads, group, head_dim = q.shape
     blocks, block_size = key_blocks.shape[2], key_blocks.shape[4]
@@ -230,12 +343,44 @@ def attend_decode(
     scores = np.empty((seqs, kv_heads, padded, span), dtype=np.float32)
     split = np.reshape(scores, (seqs, kv_heads, padded, blocks, block_size), copy=False)
     np.matmul(q_tile, key_blocks, out=split.transpose(0, 1, 3, 2, 4))
+    correct = None
+    if own is not None:
+        correct = _own_decode(scores, q_tile[:, :, 0], positions, own)
     mask = np.zeros((seqs, 1, padded, QUERY_TILE), dtype=np.bool_)
     offsets = (positions - tile_start)[:, None, None, None]
     np.greater(np.arange(QUERY_TILE), offsets, out=mask[:, :, :group])
     np.copyto(scores[..., tile_start:], -np.inf, where=mask)
-    acc = _softmax_times_values(scores, values, span)
+    acc = _softmax_times_values(scores, values, span, correct=correct)
     return acc[:, :, :group]
+
+
+def _own_decode(
+    scores: Float32Array,
+    q_rows: Float32Array,
+    positions: npt.NDArray[np.intp],
+    own: tuple[Float32Array, Float32Array, int],
+) -> Callable[[Float32Array], Float32Array]:
+    """``_own_scores`` for one query per sequence: the same products, one per sequence and head
+    (``scores`` [seqs, kv_heads, rows, span], ``q_rows`` [seqs, kv_heads, rows, head_dim])."""
+    keys_t, values, bs = own
+    blocks = (positions // bs).tolist()
+    for seq, block in enumerate(blocks):
+        cols = slice(block * bs, (block + 1) * bs)
+        for head in range(scores.shape[1]):
+            keys = np.ascontiguousarray(keys_t[seq, head])
+            scores[seq, head, :, cols] = np.matmul(q_rows[seq, head], keys)
+
+    def correct(weights: Float32Array) -> Float32Array:
+        out = np.zeros((*weights.shape[:-1], values.shape[-1]), dtype=np.float32)
+        for seq, block in enumerate(blocks):
+            cols = slice(block * bs, (block + 1) * bs)
+            for head in range(weights.shape[1]):
+                taken = np.ascontiguousarray(weights[seq, head, :, cols])
+                weights[seq, head, :, cols] = 0.0
+                out[seq, head] = np.matmul(taken, np.ascontiguousarray(values[seq, head]))
+        return out
+
+    return correct
 
 
 def blockwise_scores_exact(head_dim: int, block_size: int) -> bool:

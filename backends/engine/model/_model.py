@@ -34,6 +34,7 @@ import numpy.typing as npt
 from ..kv._store import NULL_BLOCK, KVStorage
 from ._attention import (
     MIN_GEMM_ROWS,
+    OwnBlocks,
     attend,
     attend_decode,
     key_span,
@@ -280,6 +281,82 @@ class LlamaModel:
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
 
+    def _attend(
+        self, layer: int, plan: _Plan, q: Float32Array, kv: KVStorage, attn: Float32Array
+    ) -> None:
+        """Attention of every row over raw K/V (fp32: no codec)."""
+        cfg = self.config
+        kv_heads, head_dim = cfg.num_kv_heads, cfg.head_dim
+        group, width = cfg.num_heads // kv_heads, cfg.num_heads * head_dim
+        lanes = self.numerics.attention_lanes
+        for members, tables in plan.decode_groups:
+            if lanes is None:
+                key_blocks, values = kv.gather_group(layer, tables)
+                q_group = q[members].reshape(members.size, kv_heads, group, head_dim)
+                out = attend_decode(q_group, plan.positions[members], key_blocks, values)
+                attn[members] = out.reshape(members.size, width)
+                continue
+            for member, table in zip(members, tables, strict=True):
+                keys_t, values = kv.gather(layer, table)
+                q_one = q[member : member + 1].reshape(1, kv_heads, group, head_dim)
+                out = attend(q_one, int(plan.positions[member]), keys_t, values, lanes)
+                attn[member] = out.reshape(width)
+        for lo, hi, table in plan.prefills:
+            keys_t, values = kv.gather(layer, table)
+            q_seq = q[lo:hi].reshape(hi - lo, kv_heads, group, head_dim)
+            out = attend(q_seq, int(plan.positions[lo]), keys_t, values, lanes)
+            attn[lo:hi] = out.reshape(hi - lo, width)
+
+    def _attend_coded(
+        self, layer: int, plan: _Plan, q: Float32Array, kv: KVStorage, attn: Float32Array
+    ) -> None:
+        """Attention with a KV codec: the blocks this call completes are sealed (encoded, read
+        back decoded), each query's own block is read raw (``_attention`` rule 5)."""
+        cfg = self.config
+        kv_heads, head_dim = cfg.num_kv_heads, cfg.head_dim
+        group, width = cfg.num_heads // kv_heads, cfg.num_heads * head_dim
+        bs = kv.layout.block_size
+        lanes = self.numerics.attention_lanes
+        row_blocks, offsets = plan.slots
+        # The raw own blocks, copied before this call's complete blocks are sealed.
+        own_prefill = []
+        for lo, hi, _ in plan.prefills:
+            heads_of_blocks = offsets[lo:hi] == 0
+            heads_of_blocks[0] = True
+            keys_t, values = kv.gather(layer, row_blocks[lo:hi][heads_of_blocks])
+            first = int(plan.positions[lo]) // bs
+            own_prefill.append(OwnBlocks(keys_t, values, first, bs))
+        own_decode = []
+        for members, _ in plan.decode_groups:
+            ids = row_blocks[members]
+            own_decode.append(
+                (
+                    np.ascontiguousarray(kv.keys[layer][:, ids].transpose(1, 0, 2, 3)),
+                    np.ascontiguousarray(kv.values[layer][:, ids].transpose(1, 0, 2, 3)),
+                )
+            )
+        sealed = offsets[: plan.total] == bs - 1
+        kv.seal(layer, row_blocks[: plan.total][sealed], plan.positions[: plan.total][sealed] < bs)
+        for (members, tables), (own_k, own_v) in zip(plan.decode_groups, own_decode, strict=True):
+            positions = plan.positions[members]
+            if lanes is None:
+                key_blocks, values = kv.gather_group(layer, tables)
+                q_group = q[members].reshape(members.size, kv_heads, group, head_dim)
+                out = attend_decode(q_group, positions, key_blocks, values, (own_k, own_v, bs))
+                attn[members] = out.reshape(members.size, width)
+                continue
+            for index, (member, table) in enumerate(zip(members, tables, strict=True)):
+                keys_t, values = kv.gather(layer, table)
+                q_one = q[member : member + 1].reshape(1, kv_heads, group, head_dim)
+                own = OwnBlocks(own_k[index], own_v[index], int(positions[index]) // bs, bs)
+                out = attend(q_one, int(positions[index]), keys_t, values, lanes, own)
+                attn[member] = out.reshape(width)
+        for (lo, hi, table), own in zip(plan.prefills, own_prefill, strict=True):
+            keys_t, values = kv.gather(layer, table)
+            q_seq = q[lo:hi].reshape(hi - lo, kv_heads, group, head_dim)
+            out = attend(q_seq, int(plan.positions[lo]), keys_t, values, lanes, own)
+            attn[lo:hi] = out.reshape(hi - lo, width)
+
     def forward(self, chunks: Sequence[ForwardChunk], kv: KVStorage) -> list[Float32Array]:
         """Run ``chunks`` (one per sequence), writing their K/V; logits per chunk as requested.
 
@@ -294,12 +371,10 @@ class LlamaModel:
         cos = self.rope_cos[plan.positions][:, None, :]
         sin = self.rope_sin[plan.positions][:, None, :]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        group = heads // kv_heads
         q_end = heads * head_dim
         k_end = q_end + kv_heads * head_dim
         inter = cfg.intermediate_size
         plans, workers = self.plans, self.workers
-        lanes = self.numerics.attention_lanes
         with np.errstate(over="ignore"):
             for layer in range(cfg.num_layers):
                 h = _rms_norm(x, self.attn_norm[layer], cfg.rms_norm_eps)
@@ -309,23 +384,10 @@ class LlamaModel:
                 v = qkv[:, k_end:].reshape(rows, kv_heads, head_dim)
                 kv.write(layer, plan.slots, k[:total], v[:total])
                 attn = np.zeros((rows, heads * head_dim), dtype=np.float32)
-                for members, tables in plan.decode_groups:
-                    if lanes is None:
-                        key_blocks, values = kv.gather_group(layer, tables)
-                        q_group = q[members].reshape(members.size, kv_heads, group, head_dim)
-                        out = attend_decode(q_group, plan.positions[members], key_blocks, values)
-                        attn[members] = out.reshape(members.size, heads * head_dim)
-                        continue
-                    for member, table in zip(members, tables, strict=True):
-                        keys_t, values = kv.gather(layer, table)
-                        q_one = q[member : member + 1].reshape(1, kv_heads, group, head_dim)
-                        out = attend(q_one, int(plan.positions[member]), keys_t, values, lanes)
-                        attn[member] = out.reshape(heads * head_dim)
-                for lo, hi, table in plan.prefills:
-                    keys_t, values = kv.gather(layer, table)
-                    q_seq = q[lo:hi].reshape(hi - lo, kv_heads, group, head_dim)
-                    out = attend(q_seq, int(plan.positions[lo]), keys_t, values, lanes)
-                    attn[lo:hi] = out.reshape(hi - lo, heads * head_dim)
+                if kv.codec is not None:
+                    self._attend_coded(layer, plan, q, kv, attn)
+                else:
+                    self._attend(layer, plan, q, kv, attn)
                 x += plans.o(attn, self.w_o[layer], workers)
                 h = _rms_norm(x, self.ffn_norm[layer], cfg.rms_norm_eps)
                 gate_up = plans.gate_up(h, self.w_gate_up[layer], workers)

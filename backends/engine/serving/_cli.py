@@ -9,7 +9,9 @@ from pydantic import ValidationError
 
 from backends.openai_wire import serve_until_signalled
 
+from ..kv._paged_codec import ENGINE_CODECS
 from ..model._model import LlamaModel
+from ._engine import DEFAULT_KV_CODEC
 from ._server import running_engine_server
 from ._server_config import (
     DEFAULT_ENGINE_HOST,
@@ -69,6 +71,11 @@ _DEFAULT_KV_GIB = 1.0
     show_default=True, help="prefill: read a history's KV back only if it saves this many tokens.",
 )  # fmt: skip
 @click.option(
+    "--kv-codec", default=DEFAULT_KV_CODEC, show_default=True, metavar="|".join(ENGINE_CODECS),
+    help="unified/prefill/decode: how complete KV blocks are stored (a query's own block and the "
+    "sink token stay fp32; no recent window: e8-2w is not built).",
+)  # fmt: skip
+@click.option(
     "--prefill", "prefill_urls", multiple=True, metavar="URL",
     help="router: a prefill node's root URL (repeat for several).",
 )  # fmt: skip
@@ -101,6 +108,7 @@ def engine_command(
     decode_urls: tuple[str, ...],
     routing_policy: RoutingPolicyName,
     kv_readback: bool,
+    kv_codec: str,
 ) -> None:
     """Serve the reference engine (SmolLM2 in numpy) with vLLM's OpenAI API."""
     try:
@@ -121,6 +129,7 @@ def engine_command(
             decode_urls=decode_urls,
             routing_policy=routing_policy,
             kv_readback=kv_readback,
+            kv_codec=kv_codec,
         )
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -25,6 +25,10 @@ Rules
    after it finishes, under a ticket on its last event (``_retention``), for another node to
    pull with ``export_retained``.  When blocks run short, retained sets are reclaimed, oldest
    first, before any running request is preempted.
+8. With a KV codec other than fp32 (``kv_codec``), complete blocks are stored encoded and read
+   back decoded, a query's own block raw (``kv._paged_codec``, ``_attention`` rule 5); the pool
+   is sized by the codec's true bytes per block.  Drafts (rule 5) are off: a rejected draft that
+   completed a block would have sealed it with tokens that are not the sequence's.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..kv._blockpool import BlockHash, BlockPool, ExtraKey, KVBlock, NoFreeBlocksError, hash_blocks
+from ..kv._paged_codec import PagedCodec
 from ..kv._retention import KVRetention, RetainedKV
 from ..kv._store import DEFAULT_BLOCK_SIZE, KVLayout
+from ..kv.codecs._quality import calibrate
 from ..model._attention import MIN_GEMM_ROWS
 from ..model._model import ForwardChunk, LlamaModel
 from ..model._sampling import SamplingParams, sample_token
@@ -48,6 +54,7 @@ from ._request import EngineStats, FinishReason, Request, TokenEvent
 from ._speculation import propose_drafts
 
 __all__ = [
+    "DEFAULT_KV_CODEC",
     "DEFAULT_KV_LIMIT_BYTES",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
@@ -56,6 +63,7 @@ __all__ = [
 ]
 
 DEFAULT_KV_LIMIT_BYTES = 1 << 30
+DEFAULT_KV_CODEC = "fp32"
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # At most this share of the KV pool is held for other nodes to pull (a set must fit in it
@@ -93,16 +101,26 @@ class Engine:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         speculative_tokens: int = MIN_GEMM_ROWS - 1,
         retained_kv_share: float = DEFAULT_RETAINED_KV_SHARE,
+        kv_codec: str = DEFAULT_KV_CODEC,
+        kv_calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None = None,
     ) -> None:
+        """``kv_codec``: how complete KV blocks are stored (rule 8); ``kv_calibration``: E8's
+        per-layer key means and scales (``kv.codecs.calibrate(model)``, run here when None)."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_batched_tokens >= max_num_seqs >= 1")
         self.model = model
+        layout = KVLayout.for_model(model.config, block_size)
+        codec = _paged_codec(kv_codec, model, layout, kv_calibration)
         self.pool = BlockPool.for_memory(
-            KVLayout.for_model(model.config, block_size),
+            layout,
             kv_limit_bytes,
             seed=model.fingerprint,
             enable_prefix_caching=enable_prefix_caching,
+            codec=codec,
+            raw_blocks=max_num_seqs,
         )
+        if codec is not None:
+            speculative_tokens = 0
         self.retention = KVRetention(self.pool, int(self.pool.num_blocks * retained_kv_share))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -112,6 +130,17 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._ids = itertools.count()
+
+    @property
+    def kv_codec(self) -> str:
+        codec = self.pool.codec
+        return "fp32" if codec is None else codec.name
+
+    @property
+    def kv_codec_fingerprint(self) -> bytes:
+        """What a node pulling this engine's blocks must match (zeros for fp32)."""
+        codec = self.pool.codec
+        return bytes(32) if codec is None else codec.fingerprint
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -179,7 +208,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            len(self._running), len(self._waiting), self.pool.stats(), self.retention.num_blocks
+            len(self._running),
+            len(self._waiting),
+            self.pool.stats(),
+            self.retention.num_blocks,
+            self.pool.bytes_per_token,
         )
 
     # -- KV exchange (disaggregation) --------------------------------------------------------
@@ -430,3 +463,25 @@ class Engine:
             self.pool.release(request.block_table)
             del self._requests[request.request_id]
         return events
+
+
+def _paged_codec(
+    name: str,
+    model: LlamaModel,
+    layout: KVLayout,
+    calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None,
+) -> PagedCodec | None:
+    if name == "fp32":
+        return None
+    if calibration is None and name.startswith("e8"):
+        calibration = calibrate(model)
+    means, scales = calibration if calibration is not None else (None, None)
+    return PagedCodec(
+        name,
+        num_layers=layout.num_layers,
+        kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        key_means=means,
+        key_scales=scales,
+    )

@@ -76,7 +76,8 @@ class KVNode:
         pool = engine_loop.engine.pool
         self.seed: bytes = pool.seed
         self.block_size = pool.block_size
-        self.server = KVTransferServer(engine_loop, metrics, fingerprint=self.seed)
+        model_fingerprint = engine_loop.engine.model.fingerprint
+        self.server = KVTransferServer(engine_loop, metrics, fingerprint=model_fingerprint)
 
     def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         return hash_blocks(self.seed, token_ids, self.block_size)

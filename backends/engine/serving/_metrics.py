@@ -28,6 +28,7 @@ PullOutcome = Literal[
     "timeout",
     "mismatch",
     "numerics",
+    "codec",
     "no_room",
     "below_threshold",
 ]
@@ -71,6 +72,11 @@ class EngineMetrics(VLLMSeries):
             "understudy_kv_retained_blocks", "KV blocks held for other nodes to pull.",
             LABELS, registry=reg,
         ).labels(**labels)  # fmt: skip
+        self.kv_bytes_per_token = Gauge(
+            "understudy_kv_bytes_per_token",
+            "True bytes of KV per cached token (all layers, K and V) under the engine's codec.",
+            LABELS, registry=reg,
+        ).labels(**labels)  # fmt: skip
         self._seen_queries = 0
         self._seen_hits = 0
 
@@ -80,6 +86,7 @@ class EngineMetrics(VLLMSeries):
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv.usage)
         self.retained_blocks.set(stats.num_retained_blocks)
+        self.kv_bytes_per_token.set(stats.kv_bytes_per_token)
         if stats.kv.queries >= self._seen_queries:
             self.prefix_queries.inc(stats.kv.queries - self._seen_queries)
             self.prefix_hits.inc(max(0, stats.kv.hits - self._seen_hits))

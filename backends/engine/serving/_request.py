@@ -43,6 +43,7 @@ class EngineStats:
     num_waiting: int
     kv: PrefixCacheStats
     num_retained_blocks: int = 0
+    kv_bytes_per_token: float = 0.0
 
 
 @dataclass(slots=True, eq=False)

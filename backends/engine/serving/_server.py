@@ -131,6 +131,7 @@ def _engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Applicatio
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+        kv_codec=config.kv_codec,
     )
     # Every accepted request must fit in the pool on its own, or the engine could not run it.
     max_model_len = min(

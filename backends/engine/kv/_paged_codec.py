@@ -1,0 +1,247 @@
+"""A KV codec applied to the paged cache: complete blocks encoded, read back decoded.
+
+Rules
+-----
+1. ``fp32`` is today's cache and takes no part here: the engine holds no ``PagedCodec`` for it,
+   so its code path is exactly the one without codecs.
+2. A block is encoded, layer by layer, the moment its last position is written (``seal``): the
+   forward pass that completes it encodes it before attention reads it, so every query after it
+   -- in the same prefill call or any later one -- reads the same decoded block.  The encoded
+   bytes are the block's content from then on: what the prefix cache reuses, retention holds,
+   ``export`` packs for another node and ``load`` decodes from one.
+3. The attention-sink token (position 0, the first row of a sequence's first block) is kept raw
+   beside its block's codes and written back over the decoded row.
+4. The decoded copy lives in the float32 ``KVStorage`` the model reads, so a decode step decodes
+   nothing: a block is decoded once, when it is sealed or imported.  A query's own block, still
+   being filled, is read raw (KIVI's full-precision residual group); ``_attention`` keeps the
+   rows of one prefill tile independent of which blocks their neighbours see.
+5. Sizes are measured from the encoded arrays (``kv.codecs`` rule 3): ``block_bytes`` is one
+   complete block, all layers, K and V; a first block adds ``sink_bytes``.
+6. Every array a codec returns for a block has a shape and dtype fixed by the block's shape (the
+   codec tests hold every codec to it), so a packed block is a plain concatenation, unpacked by
+   the schema measured when the codec is built.
+7. ``fingerprint`` names the codec and its calibration constants: nodes exchange blocks only
+   when theirs agree, and the prefix-cache hash chain of a codec starts from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .codecs import EncodedBlock, KVCodec, Role, codec_by_name
+
+__all__ = ["ENGINE_CODECS", "PagedCodec"]
+
+Float32Array = npt.NDArray[np.float32]
+UInt8Array = npt.NDArray[np.uint8]
+
+ENGINE_CODECS: tuple[str, ...] = ("fp32", "fp16", "fp8", "kivi-8", "kivi-4", "kivi-2", "e8-2")
+"""Codecs the engine serves.  ``e8-2w`` and KIVI's 128-token window (blocks within the last 128
+tokens read raw) are not built: in the engine only a query's own block is read raw."""
+
+_ROLES: tuple[Role, Role] = ("key", "value")
+_PROBE_SEED = 14
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _parts(block: EncodedBlock) -> tuple[_Part, _Part, _Part]:
+    return (
+        _Part(block.codes.shape, block.codes.dtype),
+        _Part(block.scales.shape, block.scales.dtype),
+        _Part(block.zeros.shape, block.zeros.dtype),
+    )
+
+
+class PagedCodec:
+    """One codec per layer over blocks of ``block_size`` tokens, and the encoded blocks."""
+
+    __slots__ = (
+        "_encoded",
+        "_schema",
+        "_sinks",
+        "block_bytes",
+        "block_size",
+        "codecs",
+        "fingerprint",
+        "head_dim",
+        "kv_heads",
+        "layer_bytes",
+        "name",
+        "sink_bytes",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        key_means: Sequence[Float32Array] | None = None,
+        key_scales: Sequence[Float32Array] | None = None,
+    ) -> None:
+        if name == "fp32":
+            raise ValueError("fp32 is the cache without a codec (no PagedCodec)")
+        if name not in ENGINE_CODECS:
+            raise ValueError(
+                f"the engine does not serve KV codec {name!r} (served: {', '.join(ENGINE_CODECS)};"
+                " windowed variants such as e8-2w are not built)"
+            )
+        self.name = name
+        self.block_size = block_size
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.codecs: list[KVCodec] = [
+            codec_by_name(
+                name,
+                layer=layer,
+                key_mean=None if key_means is None else key_means[layer],
+                key_scale=None if key_scales is None else key_scales[layer],
+            )
+            for layer in range(num_layers)
+        ]
+        digest = hashlib.sha256(b"understudy.kv-codec.v1\x00" + name.encode() + b"\x00")
+        for constants in (key_means, key_scales):
+            for array in constants or ():
+                digest.update(np.ascontiguousarray(array, dtype="<f4").tobytes())
+            digest.update(b"\x01")
+        self.fingerprint = digest.digest()
+        probe = np.random.default_rng(_PROBE_SEED).standard_normal(
+            (block_size, kv_heads, head_dim), dtype=np.float32
+        )
+        self._schema = [_parts(self.codecs[0].encode(probe, role)) for role in _ROLES]
+        self.layer_bytes = sum(part.nbytes for parts in self._schema for part in parts)
+        self.block_bytes = self.layer_bytes * num_layers
+        self.sink_bytes = num_layers * 2 * kv_heads * head_dim * 4
+        self._encoded: dict[int, list[bytes]] = {}
+        self._sinks: dict[int, Float32Array] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.codecs)
+
+    def bytes_per_token(self) -> float:
+        """True bytes of a complete block per token, all layers, K and V."""
+        return self.block_bytes / self.block_size
+
+    def packed_bytes(self, first: bool) -> int:
+        """Bytes of a packed block (``export``): a first block carries its raw sink row."""
+        return self.block_bytes + (self.sink_bytes if first else 0)
+
+    # -- one layer of one block ------------------------------------------------------------
+
+    def seal(
+        self,
+        layer: int,
+        block: int,
+        keys_t: Float32Array,
+        values: Float32Array,
+        first: bool,
+    ) -> tuple[Float32Array, Float32Array]:
+        """Encode one layer of a complete block (``keys_t`` [kv_heads, head_dim, block_size],
+        ``values`` [kv_heads, block_size, head_dim], as stored); its decoded K^T and V."""
+        codec = self.codecs[layer]
+        k = np.ascontiguousarray(keys_t.transpose(2, 0, 1))
+        v = np.ascontiguousarray(values.transpose(1, 0, 2))
+        blobs = []
+        for x, role in ((k, "key"), (v, "value")):
+            encoded = codec.encode(x, role)  # type: ignore[arg-type]
+            blobs += [encoded.codes.tobytes(), encoded.scales.tobytes(), encoded.zeros.tobytes()]
+        layers = self._encoded.get(block)
+        if layers is None or len(layers) != self.num_layers:
+            layers = self._encoded[block] = [b""] * self.num_layers
+        layers[layer] = b"".join(blobs)
+        if first:
+            sink = self._sinks.setdefault(
+                block, np.zeros((self.num_layers, 2, self.kv_heads, self.head_dim), np.float32)
+            )
+            sink[layer, 0] = k[0]
+            sink[layer, 1] = v[0]
+        elif layer == 0:
+            self._sinks.pop(block, None)
+        return self._decode_layer(layer, layers[layer], block if first else None)
+
+    def _decode_layer(
+        self, layer: int, blob: bytes, sink_block: int | None
+    ) -> tuple[Float32Array, Float32Array]:
+        codec = self.codecs[layer]
+        shape = (self.block_size, self.kv_heads, self.head_dim)
+        offset = 0
+        out = []
+        for role, parts in zip(_ROLES, self._schema, strict=True):
+            arrays = []
+            for part in parts:
+                count = int(np.prod(part.shape))
+                array = np.frombuffer(blob, dtype=part.dtype, count=count, offset=offset)
+                arrays.append(array.reshape(part.shape))
+                offset += part.nbytes
+            encoded = EncodedBlock(self.name, role, shape, arrays[0], arrays[1], arrays[2])
+            out.append(np.ascontiguousarray(codec.decode(encoded), dtype=np.float32))
+        k, v = out
+        if sink_block is not None:
+            sink = self._sinks[sink_block]
+            k[0] = sink[layer, 0]
+            v[0] = sink[layer, 1]
+        keys_t = np.ascontiguousarray(k.transpose(1, 2, 0))
+        return keys_t, np.ascontiguousarray(v.transpose(1, 0, 2))
+
+    # -- whole blocks (prefix cache, retention, transfer) ----------------------------------
+
+    def export(self, block: int) -> UInt8Array:
+        """The packed block: every layer's K and V arrays, then the raw sink row if first."""
+        layers = self._encoded.get(block)
+        if layers is None or not all(layers):
+            raise KeyError(f"block {block} has not been encoded")
+        parts = [*layers]
+        sink = self._sinks.get(block)
+        if sink is not None:
+            parts.append(sink.astype("<f4").tobytes())
+        return np.frombuffer(b"".join(parts), dtype=np.uint8)
+
+    def load(
+        self, block: int, packed: UInt8Array, first: bool
+    ) -> list[tuple[Float32Array, Float32Array]]:
+        """Take a packed block as ``block``'s content; every layer's decoded K^T and V.
+
+        ``ValueError`` if its size is not this codec's (for a first block or not) or it decodes
+        to non-finite values."""
+        data = np.ascontiguousarray(packed, dtype=np.uint8).tobytes()
+        if len(data) != self.packed_bytes(first):
+            raise ValueError(
+                f"a packed {self.name} block of {len(data)} bytes, expected "
+                f"{self.packed_bytes(first)}"
+            )
+        step = self.layer_bytes
+        layers = [data[i * step : (i + 1) * step] for i in range(self.num_layers)]
+        self._encoded[block] = layers
+        if first:
+            sink = np.frombuffer(data, dtype="<f4", offset=self.block_bytes)
+            self._sinks[block] = sink.reshape(
+                self.num_layers, 2, self.kv_heads, self.head_dim
+            ).astype(np.float32)
+        else:
+            self._sinks.pop(block, None)
+        decoded = [
+            self._decode_layer(layer, blob, block if first else None)
+            for layer, blob in enumerate(layers)
+        ]
+        for k, v in decoded:
+            if not (np.isfinite(k).all() and np.isfinite(v).all()):
+                raise ValueError(f"a packed {self.name} block decodes to non-finite values")
+        return decoded

@@ -1,0 +1,240 @@
+"""KV codecs in the engine's paged cache: attention reads decoded blocks and its own block raw,
+and prefix reuse, chunked prefill and the disaggregated transfer keep the tokens bitwise.
+
+One suite parametrised over the codecs the engine serves.  Engine tests are slow here (a step
+of SmolLM2 in numpy), so prompts are a few dozen tokens and answers a dozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from backends.engine import Engine, LlamaModel, SamplingParams
+from backends.engine.kv._paged_codec import ENGINE_CODECS, PagedCodec
+from backends.engine.kv._transfer import KVSource, KVTransferServer
+from backends.engine.kv.codecs._quality import calibrate
+from backends.engine.model._attention import OwnBlocks, attend, attend_decode
+from backends.engine.serving._server_config import EngineServerConfig
+
+from . import test_transfer
+from .test_transfer import KV_LIMIT, Node, _pull, _pull_fails, _retain
+
+start_node = test_transfer.start_node  # the fixture: engines stepped by loops, stopped at teardown
+
+CODED = [name for name in ENGINE_CODECS if name != "fp32"]
+EXACT_CODECS = ("fp8", "kivi-4", "e8-2")
+BS = 16
+HEADS, GROUP, DIM = 3, 3, 64
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 4 + "What does the fox do?"
+
+
+# -- attention through the paged cache -------------------------------------------------------
+
+
+def _codec(name: str) -> PagedCodec:
+    return PagedCodec(name, num_layers=1, kv_heads=HEADS, head_dim=DIM, block_size=BS)
+
+
+def _sealed(codec: PagedCodec, keys_t: np.ndarray, values: np.ndarray, blocks: int):  # type: ignore[no-untyped-def]
+    """Stored K^T/V with every block decoded (sink raw), as the cache holds complete blocks."""
+    stored_k, stored_v = keys_t.copy(), values.copy()
+    for block in range(blocks):
+        cols = slice(block * BS, (block + 1) * BS)
+        k, v = codec.seal(0, block + 1, keys_t[:, :, cols], values[:, cols], block == 0)
+        stored_k[:, :, cols], stored_v[:, cols] = k, v
+    return stored_k, stored_v
+
+
+@pytest.mark.parametrize("name", CODED)
+def test_attention_reads_decoded_blocks_and_its_own_block_raw(name: str) -> None:
+    rng = np.random.default_rng(3)
+    tokens = 128
+    q = rng.standard_normal((tokens, HEADS, GROUP, DIM), dtype=np.float32) * np.float32(0.125)
+    keys_t = rng.standard_normal((HEADS, DIM, tokens), dtype=np.float32)
+    values = rng.standard_normal((HEADS, tokens, DIM), dtype=np.float32)
+    codec = _codec(name)
+    stored_k, stored_v = _sealed(codec, keys_t, values, tokens // BS)
+    own = OwnBlocks(keys_t, values, 0, BS)
+    out = attend(q, 0, stored_k, stored_v, own=own)
+    for position in (0, 5, 16, 47, 100, 127):
+        own_block = position // BS
+        k = stored_k.astype(np.float64)
+        v = stored_v.astype(np.float64)
+        cols = slice(own_block * BS, (own_block + 1) * BS)
+        k[:, :, cols], v[:, cols] = keys_t[:, :, cols], values[:, cols]
+        assert np.array_equal(stored_k[:, :, 0], keys_t[:, :, 0])  # the sink stays raw
+        scores = np.einsum("hgd,hdt->hgt", q[position].astype(np.float64), k[:, :, : position + 1])
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        expected = np.einsum("hgt,htd->hgd", weights, v[:, : position + 1])
+        np.testing.assert_allclose(out[position], expected, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2"])
+def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
+    """Rows of one prefill tile see different versions of a block, yet each row's output is the
+    one decode gives it, where its own block is not sealed yet (``_attention`` rule 5)."""
+    rng = np.random.default_rng(4)
+    tokens = 128
+    q = rng.standard_normal((tokens, HEADS, GROUP, DIM), dtype=np.float32) * np.float32(0.125)
+    keys_t = rng.standard_normal((HEADS, DIM, tokens), dtype=np.float32)
+    values = rng.standard_normal((HEADS, tokens, DIM), dtype=np.float32)
+    codec = _codec(name)
+    sealed_k, sealed_v = _sealed(codec, keys_t, values, tokens // BS)
+    prefill = attend(q, 0, sealed_k, sealed_v, own=OwnBlocks(keys_t, values, 0, BS))
+    for position in (3, 20, 33, 95, 126):
+        block = position // BS
+        cols = slice(block * BS, (block + 1) * BS)
+        # At decode time the own block is raw in the store and later blocks are not written.
+        stored_k, stored_v = sealed_k.copy(), sealed_v.copy()
+        stored_k[:, :, cols], stored_v[:, cols] = keys_t[:, :, cols], values[:, cols]
+        stored_k[:, :, position + 1 :], stored_v[:, position + 1 :] = 0.0, 0.0
+        own_k = np.ascontiguousarray(stored_k[None, :, :, cols])
+        own_v = np.ascontiguousarray(stored_v[None, :, cols])
+        key_blocks = stored_k.reshape(HEADS, DIM, tokens // BS, BS).transpose(0, 2, 1, 3)[None]
+        out = attend_decode(
+            q[position : position + 1],
+            np.array([position]),
+            np.ascontiguousarray(key_blocks),
+            stored_v[None],
+            (own_k, own_v, BS),
+        )
+        assert np.array_equal(out[0], prefill[position])
+        lone = attend(
+            q[position : position + 1],
+            position,
+            stored_k,
+            stored_v,
+            own=OwnBlocks(own_k[0], own_v[0], block, BS),
+        )
+        assert np.array_equal(lone[0], prefill[position])
+
+
+@pytest.mark.parametrize("name", CODED)
+def test_a_packed_block_round_trips_and_its_size_is_measured(name: str) -> None:
+    rng = np.random.default_rng(5)
+    codec = _codec(name)
+    keys_t = rng.standard_normal((HEADS, DIM, BS), dtype=np.float32)
+    values = rng.standard_normal((HEADS, BS, DIM), dtype=np.float32)
+    for first in (False, True):
+        k, v = codec.seal(0, 1, keys_t, values, first)
+        packed = codec.export(1)
+        assert packed.size == codec.packed_bytes(first)
+        other = _codec(name)
+        ((k2, v2),) = other.load(7, packed, first)
+        assert np.array_equal(k, k2) and np.array_equal(v, v2)
+    assert codec.block_bytes < HEADS * DIM * BS * 2 * 4
+
+
+def test_fp32_and_windowed_codecs_are_not_paged_codecs() -> None:
+    with pytest.raises(ValueError, match="e8-2w"):
+        _codec("e8-2w")
+    with pytest.raises(ValueError, match="fp32"):
+        _codec("fp32")
+    with pytest.raises(ValueError, match="windowed"):
+        EngineServerConfig(kv_codec="e8-2w")
+    with pytest.raises(ValueError, match="router"):
+        EngineServerConfig(
+            role="router", kv_codec="fp8", prefill_urls=("http://a",), decode_urls=("http://b",)
+        )
+    assert EngineServerConfig().kv_codec == "fp32"
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def calibration(engine_model: LlamaModel):  # type: ignore[no-untyped-def]
+    return calibrate(engine_model)
+
+
+def _engine(model: LlamaModel, name: str, calibration, **kwargs: int) -> Engine:  # type: ignore[no-untyped-def]
+    return Engine(model, KV_LIMIT, kv_codec=name, kv_calibration=calibration, **kwargs)
+
+
+def _run(engine: Engine, prompt: list[int], seed: int | None = None) -> list[tuple[int, float]]:
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0 if seed is None else 0.8, seed=seed, ignore_eos=True
+    )
+    engine.add_request("r", prompt, params)
+    out: list[tuple[int, float]] = []
+    while engine.has_unfinished_requests():
+        out += [(e.token_id, e.logprob) for e in engine.step() if e.request_id == "r"]
+    return out
+
+
+@pytest.mark.parametrize("name", EXACT_CODECS)
+def test_unified_prefix_cached_and_chunked_prefill_are_bitwise_equal(
+    engine_model: LlamaModel,
+    calibration,
+    name: str,  # type: ignore[no-untyped-def]
+) -> None:
+    prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
+    unified = _engine(engine_model, name, calibration)
+    fresh = _run(unified, prompt)
+    assert _run(unified, prompt) == fresh  # prefix-cached
+    assert unified.pool.stats().hits > 0
+    chunked = _engine(engine_model, name, calibration, max_num_batched_tokens=20, max_num_seqs=4)
+    assert _run(chunked, prompt) == fresh
+    assert _run(unified, prompt, seed=7) == _run(chunked, prompt, seed=7)
+    assert unified.pool.bytes_per_token < Engine(engine_model, KV_LIMIT).pool.bytes_per_token
+
+
+# -- the disaggregated transfer --------------------------------------------------------------
+
+
+async def _served(node: Node) -> KVTransferServer:
+    server = KVTransferServer(node.loop, node.metrics, fingerprint=node.engine.model.fingerprint)
+    await server.start("127.0.0.1", 0)
+    return server
+
+
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2"])
+async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
+    engine_model: LlamaModel,
+    calibration,  # type: ignore[no-untyped-def]
+    start_node: Callable[[Engine], Node],
+    name: str,
+) -> None:
+    prompt = engine_model.tokenizer.encode(PROMPT_TEXT)[:33]
+    sizes = {}
+    for codec in ("fp32", name):
+        owner = start_node(_engine(engine_model, codec, calibration))
+        server = await _served(owner)
+        try:
+            retained = await _retain(owner, prompt)
+            puller = start_node(_engine(engine_model, codec, calibration))
+            source = KVSource.retained_at(server.host, server.port, retained)
+            assert await _pull(puller, source, prompt) == 2
+            sizes[codec] = puller.sample("understudy_kv_pulled_bytes_total")
+        finally:
+            await server.close()
+        if codec == name:
+            answer = await puller.loop.call(lambda e: _run(e, prompt))
+            assert answer == _run(_engine(engine_model, name, calibration), prompt)
+            assert puller.engine.pool.stats().hits == 32
+    assert sizes[name] < sizes["fp32"] / 4
+    print(f"{name}: {sizes[name]:.0f} bytes on the wire, fp32 {sizes['fp32']:.0f}")
+
+
+async def test_a_node_refuses_blocks_of_another_codec_and_counts_it(
+    engine_model: LlamaModel,
+    calibration,  # type: ignore[no-untyped-def]
+    start_node: Callable[[Engine], Node],
+) -> None:
+    prompt = engine_model.tokenizer.encode(PROMPT_TEXT)[:33]
+    owner = start_node(_engine(engine_model, "kivi-4", calibration))
+    server = await _served(owner)
+    try:
+        retained = await _retain(owner, prompt)
+        puller = start_node(_engine(engine_model, "fp8", calibration))
+        source = KVSource.retained_at(server.host, server.port, retained)
+        assert await _pull_fails(puller, source, prompt) == "codec"
+    finally:
+        await server.close()
+    assert puller.pulls() == {"codec": 1}
+    answer = await puller.loop.call(lambda e: _run(e, prompt))
+    assert answer == _run(_engine(engine_model, "fp8", calibration), prompt)
