@@ -15,6 +15,7 @@ from evaluators._pipeline import (
     PipelineStats,
 )
 from evaluators._report import Report, build_report
+from evaluators._sample_bias import turn_depth_bucket
 from evaluators._score import METRICS, Score, Scorer
 from evaluators._scorers import DEFAULT_SCORERS, SCORERS, ScorerConfig
 
@@ -45,4 +46,5 @@ __all__ = [
     "build_report",
     "judge",
     "observe",
+    "turn_depth_bucket",
 ]

@@ -18,12 +18,17 @@ __all__ = ["EvaluationSink", "Exchange", "MemorySink"]
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
+    """``turn_depth``: assistant messages before the request's last (chat; None for other
+    routes); ``prompt_bytes``: the size of the request body the gateway forwarded."""
+
     request_id: str
     session_key: str
     route: str
     candidate: str
     primary: Observation
     candidate_observation: Observation
+    turn_depth: int | None = None
+    prompt_bytes: int | None = None
 
 
 class EvaluationSink(Protocol):

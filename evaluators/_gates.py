@@ -41,6 +41,7 @@ from evaluators._statistics import (
     Comparison,
     PairwiseSummary,
 )
+from evaluators._strata import StratifiedComparison
 
 __all__ = [
     "CACHE_PREFIX",
@@ -270,6 +271,22 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
             evidence = _Evidence(x, None, None, c.variance_increased)
             checks.append(_graded("std_ratio", label, evidence, gate.max_std_ratio, band))
     return checks
+
+
+def stratified_shift_check(
+    s: StratifiedComparison, gate: MetricGate, band: float, basis: str
+) -> Check:
+    """Rule 2's median-shift check on a shift estimated within strata (judge rule 6)."""
+    hib = s.higher_is_better
+    low, high = _orient_shift(s.relative_ci_low, s.relative_ci_high, hib)
+    x = None if s.relative_shift is None else _worse(s.relative_shift, hib)
+    evidence = _Evidence(x, low, high, s.significantly_worse)
+    p = "n/a" if s.p_value is None else f"{s.p_value:.3g}"
+    label = (f"median change toward worse {basis.removeprefix('primary ')}, relative to "
+             f"the primary's (van Elteren p={p})")
+    if gate.max_shift_ratio is None:
+        raise ValueError("the gate has no median-shift check")
+    return _graded("median_shift", label, evidence, gate.max_shift_ratio, band, True)
 
 
 def pairwise_checks(

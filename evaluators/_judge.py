@@ -37,6 +37,25 @@ Rules:
 5. The candidate's verdict is the worst over gated metrics, FAIL > INCONCLUSIVE >
    MARGINAL > PASS; with no gated metric it is INCONCLUSIVE. Every reason that is not a
    pass is listed, prefixed with its metric.
+6. Like with like (DESIGN.md, "a mirror is not production's conditions"): a per-backend
+   metric that carries its :class:`LoadConditions` (the latencies) is compared
+   - with the noise-floor replica's own values (``replica``: a replica of the primary
+     mirrored at the candidate's rate, so at its load share and cache warmth) when that
+     replica has the gate's minimum of values;
+   - else with the primary's, within concurrency bins (van Elteren, ``_matching.py``),
+     and for TTFT within concurrency x cache strata (prompt length x cached share): the
+     median-shift check reads that stratified shift, the tail and spread checks the
+     pooled values (they only flag worse, which a lighter load cannot fake). No stratum
+     held by both sides, or fewer matched values than the gate's minimum, is
+     INCONCLUSIVE with the reason;
+   - pooled as in rule 2 when no concurrency was recorded on either side (old rows).
+7. Every INCONCLUSIVE metric carries ``samples_needed`` (``_power.py``): the values per
+   side at which the effect seen so far would be significant at the gates' confidence
+   with probability :data:`ESTIMATE_POWER` (the count at which the verdict is as likely
+   as not to turn), floored at the gate's minimum; the verdict's
+   ``more_samples_needed`` is the largest of the more-needed counts.
+8. A sample-bias check (``_sample_bias.py``) that refuses makes the verdict
+   INCONCLUSIVE ("sample skew: ..."); a flagged skew is listed among the reasons.
 """
 
 from __future__ import annotations
@@ -50,10 +69,20 @@ from evaluators._gates import (
     SEVERITY,
     Check,
     Gates,
+    MetricGate,
     Outcome,
     backend_checks,
     pairwise_checks,
+    stratified_shift_check,
 )
+from evaluators._matching import DEFAULT_CONCURRENCY_EDGES, cache_strata
+from evaluators._power import (
+    SampleSizeEstimate,
+    samples_needed_for_location,
+    samples_needed_for_mean,
+    samples_needed_for_rate,
+)
+from evaluators._sample_bias import SampleBias
 from evaluators._score import Direction
 from evaluators._statistics import (
     DEFAULT_SEED,
@@ -64,8 +93,45 @@ from evaluators._statistics import (
     compare_samples,
     summarize_pairwise,
 )
+from evaluators._strata import StratifiedComparison, bin_labels, compare_strata
 
-__all__ = ["Check", "MetricSamples", "MetricVerdict", "Outcome", "Verdict", "judge"]
+__all__ = [
+    "ESTIMATE_POWER",
+    "Check",
+    "LoadConditions",
+    "MetricSamples",
+    "MetricVerdict",
+    "Outcome",
+    "Verdict",
+    "judge",
+]
+
+ESTIMATE_POWER = 0.5
+"""Rule 7: the power ``samples_needed`` is computed for. At 0.5 the estimate is the count
+at which the test is as likely as not to show the effect seen so far, the count a
+platform engineer should expect the verdict to turn at; about twice it gives power 0.8."""
+SAMPLE_BIAS_METRIC = "sample.bias"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConditions:
+    """What each value of a per-backend metric was measured under (rule 6), aligned with
+    ``MetricSamples.candidate`` and ``.baseline``; None where not recorded. ``cache``
+    asks for cache strata as well (TTFT)."""
+
+    candidate_concurrency: tuple[int | None, ...]
+    baseline_concurrency: tuple[int | None, ...]
+    candidate_prompt_tokens: tuple[int | None, ...] = ()
+    candidate_cached_tokens: tuple[int | None, ...] = ()
+    baseline_prompt_tokens: tuple[int | None, ...] = ()
+    baseline_cached_tokens: tuple[int | None, ...] = ()
+    cache: bool = False
+
+    @property
+    def recorded(self) -> bool:
+        """Concurrency is known for some values of each side."""
+        return any(c is not None for c in self.candidate_concurrency) and any(
+            c is not None for c in self.baseline_concurrency)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +146,21 @@ class MetricSamples:
     candidate: Samples
     baseline: Samples | None = None
     noise_floor: Samples | None = None
+    conditions: LoadConditions | None = None
+    replica: Samples | None = None
+    """A per-backend metric's values on the noise-floor replica mirrored at the
+    candidate's rate (rule 6)."""
 
     def __post_init__(self) -> None:
         if self.baseline is not None and self.noise_floor is not None:
             raise ValueError("a noise floor applies to pairwise metrics (baseline=None) only")
+        if self.baseline is None and (self.conditions is not None or self.replica is not None):
+            raise ValueError("conditions and a replica apply to per-backend metrics only")
+        c, baseline = self.conditions, self.baseline
+        if c is not None and baseline is not None and (
+                len(c.candidate_concurrency) != len(self.candidate)
+                or len(c.baseline_concurrency) != len(baseline)):
+            raise ValueError("conditions must be aligned with the values")
 
     @property
     def pairwise(self) -> bool:
@@ -98,15 +175,24 @@ class MetricVerdict:
     reasons: tuple[str, ...]
     checks: tuple[Check, ...]
     statistics: Comparison | PairwiseSummary | None
+    basis: str = "primary"
+    """What the candidate was compared with (rule 6): ``primary``, ``primary at matched
+    load``, ``primary at matched load and cache`` or ``replica at the same rate``."""
+    matched: StratifiedComparison | None = None
+    samples_needed: SampleSizeEstimate | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "metric": self.metric,
             "verdict": self.outcome.value,
             "gated": self.gated,
+            "basis": self.basis,
             "reasons": list(self.reasons),
             "checks": [check.to_dict() for check in self.checks],
             "statistics": None if self.statistics is None else self.statistics.to_dict(),
+            "matched": None if self.matched is None else self.matched.to_dict(),
+            "samples_needed": (None if self.samples_needed is None
+                               else self.samples_needed.to_dict()),
         }
 
 
@@ -115,6 +201,9 @@ class Verdict:
     outcome: Outcome
     reasons: tuple[str, ...]
     metrics: tuple[MetricVerdict, ...]
+    more_samples_needed: int | None = None
+    """Rule 7: the most further values per side an INCONCLUSIVE metric needs (None: no
+    metric is inconclusive for want of samples, or none can tell)."""
 
     def metric(self, name: str) -> MetricVerdict:
         for verdict in self.metrics:
@@ -126,6 +215,7 @@ class Verdict:
         return {
             "verdict": self.outcome.value,
             "reasons": list(self.reasons),
+            "more_samples_needed": self.more_samples_needed,
             "metrics": [metric.to_dict() for metric in self.metrics],
         }
 
@@ -136,6 +226,7 @@ def judge(
     directions: Mapping[str, Direction],
     *,
     seed: int = DEFAULT_SEED,
+    sample_bias: SampleBias | None = None,
 ) -> Verdict:
     """Judge one candidate over one window; see the module's rules."""
     names = sorted(set(samples) | set(gates.required_metrics))
@@ -152,9 +243,16 @@ def judge(
         verdicts.append(
             _judge_metric(name, metric_samples, gates, direction == "higher", metric_seed)
         )
+    if sample_bias is not None and sample_bias.skew:
+        verdicts.append(_sample_bias_verdict(sample_bias))
     gated = [v for v in verdicts if v.gated]
+    more = [v.samples_needed.more_needed for v in gated
+            if v.outcome is Outcome.INCONCLUSIVE and v.samples_needed is not None
+            and v.samples_needed.more_needed is not None]
+    more_needed = max(more) if more else None
     if not gated:
-        return Verdict(Outcome.INCONCLUSIVE, ("no gated metric to judge",), tuple(verdicts))
+        return Verdict(Outcome.INCONCLUSIVE, ("no gated metric to judge",), tuple(verdicts),
+                       more_needed)
     overall = max((v.outcome for v in gated), key=SEVERITY.__getitem__)
     reasons = tuple(
         f"{v.metric}: {check.reason}"
@@ -164,7 +262,23 @@ def judge(
     )
     if overall is Outcome.PASS:
         reasons = (f"all {len(gated)} gated metrics pass",)
-    return Verdict(overall, reasons, tuple(verdicts))
+    if sample_bias is not None and sample_bias.skew and not sample_bias.refuse:
+        reasons += tuple(f"{SAMPLE_BIAS_METRIC}: sample skew flagged: {r}"
+                         for r in sample_bias.reasons)
+    return Verdict(overall, reasons, tuple(verdicts), more_needed)
+
+
+def _sample_bias_verdict(bias: SampleBias) -> MetricVerdict:
+    """Rule 8: a refusal is a gated INCONCLUSIVE; a flag alone is shown, not gated."""
+    if bias.refuse:
+        reason = "sample skew: " + "; ".join(bias.reasons)
+        check = Check("sample_bias", Outcome.INCONCLUSIVE, bias.ks_statistic, None, None,
+                      None, True, reason)
+        return MetricVerdict(SAMPLE_BIAS_METRIC, Outcome.INCONCLUSIVE, True, (reason,),
+                             (check,), None, basis="all traffic")
+    reason = "sample skew flagged: " + "; ".join(bias.reasons)
+    return MetricVerdict(SAMPLE_BIAS_METRIC, Outcome.PASS, False, (reason,), (), None,
+                         basis="all traffic")
 
 
 def _judge_metric(
@@ -173,23 +287,118 @@ def _judge_metric(
     if samples.baseline is None:
         return _judge_pairwise(name, samples, gates, higher, seed)
     gate = gates.gate_for(name, pairwise=False)
-    n_c, n_b = len(samples.candidate), len(samples.baseline)
+    need = gates.min_samples_for(gate)
+    baseline, basis, side = samples.baseline, "primary", "primary"
+    replica = samples.replica
+    if replica is not None and len(replica) >= need:
+        baseline, basis, side = replica, "replica at the same rate", "replica"
+    n_c, n_b = len(samples.candidate), len(baseline)
     statistics = None
     if min(n_c, n_b) >= MIN_COMPARABLE_SAMPLES:
         statistics = compare_samples(
-            samples.baseline,
+            baseline,
             samples.candidate,
             confidence=gates.confidence,
             higher_is_better=higher,
             seed=seed,
         )
     if not gate.has_backend_checks:
-        return _ungated(name, statistics)
-    need = gates.min_samples_for(gate)
+        return _ungated(name, statistics, basis)
+    conditions = samples.conditions
+    if basis == "primary" and conditions is not None and conditions.recorded:
+        return _judge_matched(name, samples, conditions, gates, gate, higher, statistics)
     if statistics is None or min(n_c, n_b) < need:
-        return _inconclusive(name, f"candidate {n_c}, primary {n_b}", need, statistics)
+        estimate = _estimate(gates, gate, statistics, None, n_b, n_c, need)
+        return _inconclusive(name, f"candidate {n_c}, {side} {n_b}", need, statistics,
+                             basis=basis, estimate=estimate)
     checks = backend_checks(statistics, gate, gates.marginal_band)
-    return _verdict(name, checks, statistics)
+    return _verdict(name, checks, statistics, basis)
+
+
+def _judge_matched(
+    name: str, samples: MetricSamples, conditions: LoadConditions, gates: Gates,
+    gate: MetricGate, higher: bool, statistics: Comparison | None,
+) -> MetricVerdict:
+    """Rule 6's second case: the median shift within concurrency (and cache) strata."""
+    assert samples.baseline is not None
+    need = gates.min_samples_for(gate)
+    basis = "primary at matched load" + (" and cache" if conditions.cache else "")
+    c_labels, c_values = _condition_labels(
+        samples.candidate, conditions.candidate_concurrency,
+        conditions.candidate_prompt_tokens, conditions.candidate_cached_tokens,
+        conditions.cache)
+    b_labels, b_values = _condition_labels(
+        samples.baseline, conditions.baseline_concurrency,
+        conditions.baseline_prompt_tokens, conditions.baseline_cached_tokens,
+        conditions.cache)
+    matched = None
+    if c_values and b_values:
+        matched = compare_strata(b_values, b_labels, c_values, c_labels,
+                                 higher_is_better=higher, confidence=gates.confidence)
+    n_c, n_b = len(samples.candidate), len(samples.baseline)
+    if matched is None or not matched.comparable:
+        why = matched.reason if matched is not None else "no value with a recorded load"
+        reason = f"not comparable at matched load: {why}"
+        estimate = _estimate(gates, gate, statistics, None, n_b, n_c, need)
+        check = Check("matched_load", Outcome.INCONCLUSIVE, None, None, None, None, False,
+                      reason)
+        return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,),
+                             statistics, basis, matched, estimate)
+    m_c, m_b = matched.n_candidate_matched, matched.n_baseline_matched
+    if statistics is None or min(m_c, m_b) < need:
+        estimate = _estimate(gates, gate, statistics, matched, m_b, m_c, need)
+        return _inconclusive(name, f"at matched load: candidate {m_c}, primary {m_b}", need,
+                             statistics, basis=basis, matched=matched, estimate=estimate)
+    checks = []
+    if gate.max_shift_ratio is not None:
+        checks.append(stratified_shift_check(matched, gate, gates.marginal_band, basis))
+    rest = gate.model_copy(update={"max_shift_ratio": None})
+    checks += backend_checks(statistics, rest, gates.marginal_band)
+    verdict = _verdict(name, checks, statistics, basis)
+    return MetricVerdict(verdict.metric, verdict.outcome, True, verdict.reasons,
+                         verdict.checks, statistics, basis, matched)
+
+
+def _condition_labels(
+    values: Samples, concurrency: tuple[int | None, ...], prompt: tuple[int | None, ...],
+    cached: tuple[int | None, ...], cache: bool,
+) -> tuple[list[str], list[float]]:
+    """Each value with a known concurrency, labelled by its bin (and cache stratum)."""
+    keep = [i for i, c in enumerate(concurrency) if c is not None]
+    loads = bin_labels([float(concurrency[i] or 0) for i in keep], DEFAULT_CONCURRENCY_EDGES)
+    labels = [f"concurrency {label}" for label in loads]
+    if cache and len(prompt) == len(concurrency) == len(cached):
+        strata = cache_strata([prompt[i] for i in keep], [cached[i] for i in keep])
+        labels = [f"{a}, {b}" for a, b in zip(labels, strata, strict=True)]
+    return labels, [float(values[i]) for i in keep]
+
+
+def _estimate(
+    gates: Gates, gate: MetricGate, statistics: Comparison | None,
+    matched: StratifiedComparison | None, n_b: int, n_c: int, need: int,
+) -> SampleSizeEstimate | None:
+    """Rule 7 for the test that decides the metric's gate."""
+    if statistics is None:
+        return None
+    conf, power = gates.confidence, ESTIMATE_POWER
+    if gate.max_mean_worsening is not None:
+        return samples_needed_for_rate(
+            _unit(statistics.mean_baseline), _unit(statistics.mean_candidate), n_b, n_c,
+            confidence=conf, power=power, min_samples=need)
+    if gate.max_mean_ratio is not None:
+        return samples_needed_for_mean(
+            statistics.mean_candidate - statistics.mean_baseline, statistics.std_baseline,
+            statistics.std_candidate, n_b, n_c, confidence=conf, power=power,
+            min_samples=need)
+    effect = statistics.effect_size
+    if matched is not None and matched.effect_size is not None:
+        effect = matched.effect_size
+    return samples_needed_for_location(_unit(effect, -1.0), n_b, n_c, confidence=conf,
+                                       power=power, min_samples=need)
+
+
+def _unit(x: float, low: float = 0.0) -> float:
+    return min(1.0, max(low, x))
 
 
 def _judge_pairwise(
@@ -225,19 +434,25 @@ def _judge_pairwise(
 
 
 def _verdict(
-    name: str, checks: list[Check], statistics: Comparison | PairwiseSummary
+    name: str, checks: list[Check], statistics: Comparison | PairwiseSummary,
+    basis: str = "primary",
 ) -> MetricVerdict:
     outcome = max((c.outcome for c in checks), key=SEVERITY.__getitem__, default=Outcome.PASS)
     reasons = tuple(c.reason for c in checks)
-    return MetricVerdict(name, outcome, True, reasons, tuple(checks), statistics)
+    return MetricVerdict(name, outcome, True, reasons, tuple(checks), statistics, basis)
 
 
 def _inconclusive(
-    name: str, counts: str, need: int, statistics: Comparison | PairwiseSummary | None
+    name: str, counts: str, need: int, statistics: Comparison | PairwiseSummary | None,
+    *, basis: str = "primary", matched: StratifiedComparison | None = None,
+    estimate: SampleSizeEstimate | None = None,
 ) -> MetricVerdict:
     reason = f"too few samples ({counts}; {need} needed each)"
+    if estimate is not None and estimate.needed_per_side is not None:
+        reason += f"; about {estimate.needed_per_side} per side for the effect seen so far"
     check = Check("samples", Outcome.INCONCLUSIVE, None, float(need), None, None, False, reason)
-    return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,), statistics)
+    return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,), statistics,
+                         basis, matched, estimate)
 
 
 def _missing(name: str) -> MetricVerdict:
@@ -246,6 +461,7 @@ def _missing(name: str) -> MetricVerdict:
     return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,), None)
 
 
-def _ungated(name: str, statistics: Comparison | PairwiseSummary | None) -> MetricVerdict:
+def _ungated(name: str, statistics: Comparison | PairwiseSummary | None,
+             basis: str = "primary") -> MetricVerdict:
     reason = "not gated: statistics only"
-    return MetricVerdict(name, Outcome.PASS, False, (reason,), (), statistics)
+    return MetricVerdict(name, Outcome.PASS, False, (reason,), (), statistics, basis)

@@ -9,6 +9,8 @@ Rules:
    ``cached_tokens`` only with ``--enable-prompt-tokens-details``.
 2. A capture cut at its byte bound still yields timings and byte counts; fields that
    could only come from the lost bytes are unknown and ``truncated`` says so.
+3. ``concurrency`` is the gateway's count of requests in flight at this backend when
+   this one was sent, this one included (the load it ran under); None when not counted.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Capture:
     truncated: bool = False
     ended: float | None = None
     error: str | None = None
+    concurrency: int | None = None
 
     def add_chunk(self, now: float, chunk: bytes) -> None:
         if len(self.chunk_times) < self.max_chunk_times:
@@ -95,6 +98,7 @@ class Observation:
     bytes: int
     truncated: bool
     error: str | None
+    concurrency: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -126,6 +130,7 @@ def observe(capture: Capture, *, request_id: str, backend: str, route: str,
         bytes=capture.total_bytes,
         truncated=capture.truncated,
         error=capture.error,
+        concurrency=capture.concurrency,
     )
 
 

@@ -8,25 +8,60 @@ Rules:
    difference counts only beyond that floor.
 3. The judge's arithmetic (bootstraps) runs in a worker thread; every report is recorded
    as a verdict row.
+4. Conditions (the judge's rule 6): the latency metrics are loaded with the concurrency,
+   prompt and cached tokens of each observation. When the secondary is mirrored at the
+   candidate's rate (``replica_at_same_rate``) its own latencies are the baseline;
+   otherwise the judge compares at matched load. ``conditions`` shows, per latency
+   metric, each backend's latency-vs-concurrency curve, and for TTFT the comparison
+   within cache strata and each backend's cache hit rate side by side.
+5. Sample bias: the evaluated requests' prompt sizes (body bytes over
+   :data:`BYTES_PER_TOKEN_ESTIMATE`, binned as the gateway bins all traffic), routes,
+   streamed flags and turn depths are compared with the gateway's histograms of all
+   traffic and of the drops (``traffic_counts``); at most :data:`MAX_SEEN_VALUES` seen
+   values are expanded from the histograms (counts scaled down past that, shares kept).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from evaluators._gates import Gates
-from evaluators._judge import MetricSamples, Verdict, judge
+from evaluators._judge import LoadConditions, MetricSamples, Verdict, judge
+from evaluators._matching import cache_hit_rate, compare_within_cache_strata, load_curve
+from evaluators._sample_bias import SampleBias, check_sample_bias, turn_depth_bucket
 from evaluators._score import METRICS
-from evaluators.store import StoredSamples, load_samples, record_verdict
+from evaluators.store import (
+    TRAFFIC_SEEN,
+    ConditionedSamples,
+    EvaluatedRequests,
+    StoredSamples,
+    TrafficCount,
+    load_conditioned_samples,
+    load_evaluated_requests,
+    load_samples,
+    load_traffic,
+    record_verdict,
+)
 
-__all__ = ["Report", "build_report"]
+__all__ = ["BYTES_PER_TOKEN_ESTIMATE", "CONDITIONED_METRICS", "Report", "build_report"]
 
 _DIRECTIONS = {name: spec.direction for name, spec in METRICS.items()}
+CONDITIONED_METRICS: Final = (
+    "latency.ttft_s", "latency.itl_mean_s", "latency.itl_p99_s", "latency.e2e_s",
+)  # fmt: skip
+"""The per-backend metrics judged at matched load (rule 4)."""
+CACHE_METRIC: Final = "latency.ttft_s"
+BYTES_PER_TOKEN_ESTIMATE: Final = 4
+"""Rule 5: the gateway's estimate of prompt tokens from body bytes (``gateway/_traffic.py``)."""
+MAX_SEEN_VALUES: Final = 200_000
+UNSAMPLED: Final = "not_sampled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +73,8 @@ class Report:
     samples: dict[str, int]
     verdict: Verdict
     verdict_id: int | None
+    conditions: dict[str, Any] = field(default_factory=dict)
+    sample_bias: SampleBias | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,32 +85,148 @@ class Report:
             "samples": self.samples,
             "verdict_id": self.verdict_id,
             **self.verdict.to_dict(),
+            "conditions": self.conditions,
+            "sample_bias": None if self.sample_bias is None else self.sample_bias.to_dict(),
         }
 
 
-def _metric_samples(stored: dict[str, StoredSamples],
-                    floor: dict[str, StoredSamples]) -> dict[str, MetricSamples]:
+def _metric_samples(stored: dict[str, StoredSamples], floor: dict[str, StoredSamples],
+                    conditioned: dict[str, ConditionedSamples],
+                    replica: bool) -> dict[str, MetricSamples]:
     out: dict[str, MetricSamples] = {}
     for metric, (candidate, primary) in stored.items():
         spec = METRICS.get(metric)
         if spec is None or not candidate:  # never measured (e.g. cost without prices)
             continue
+        noise = floor.get(metric)
         if spec.kind == "per_backend":
-            out[metric] = MetricSamples(candidate=candidate, baseline=primary)
+            c = conditioned.get(metric)
+            if c is None or not c.candidate:
+                out[metric] = MetricSamples(candidate=candidate, baseline=primary)
+                continue
+            out[metric] = MetricSamples(
+                candidate=c.candidate, baseline=c.primary,
+                replica=noise.candidate if replica and noise and noise.candidate else None,
+                conditions=LoadConditions(
+                    tuple(c.candidate_concurrency), tuple(c.primary_concurrency),
+                    tuple(c.candidate_prompt_tokens), tuple(c.candidate_cached_tokens),
+                    tuple(c.primary_prompt_tokens), tuple(c.primary_cached_tokens),
+                    cache=metric == CACHE_METRIC))
         else:
-            noise = floor.get(metric)
             out[metric] = MetricSamples(candidate=candidate,
                                         noise_floor=noise.candidate if noise else None)
     return out
 
 
+def _estimated_tokens(prompt_bytes: int) -> int:
+    """The gateway's size bucket: estimated tokens rounded down to a power of two."""
+    tokens = prompt_bytes // BYTES_PER_TOKEN_ESTIMATE
+    return 0 if tokens <= 0 else 1 << (tokens.bit_length() - 1)
+
+
+def _expand(counts: Mapping[str, int], limit: int) -> list[str]:
+    """Each value repeated as counted, scaled down to at most ``limit`` values in all."""
+    total = sum(counts.values())
+    scale = min(1.0, limit / total) if total else 1.0
+    return [value for value, n in sorted(counts.items())
+            for _ in range(max(1, round(n * scale)) if n else 0)]
+
+
+def _sample_bias(evaluated: EvaluatedRequests,
+                 traffic: Sequence[TrafficCount]) -> SampleBias | None:
+    """Rule 5; None when the gateway recorded no traffic (or nothing was evaluated)."""
+    seen: dict[str, Counter[str]] = defaultdict(Counter)
+    drops: Counter[tuple[str, str]] = Counter()
+    for c in traffic:
+        if c.outcome == TRAFFIC_SEEN:
+            seen[c.dimension][c.value] += c.count
+        elif c.dimension == "size" and c.outcome != UNSAMPLED:
+            drops[(c.outcome, c.value)] += c.count
+    sizes = [b for b in evaluated.prompt_bytes if b is not None]
+    if not seen.get("size") or not sizes:
+        return None
+    seen_tokens = [float(v) for v in _expand(seen["size"], MAX_SEEN_VALUES)]
+    known = [i for i, b in enumerate(evaluated.prompt_bytes) if b is not None]
+    features = {
+        "route": [evaluated.route[i] for i in known],
+        "streamed": ["yes" if evaluated.streamed[i] else "no" for i in known],
+        "turn_depth": [turn_depth_bucket(evaluated.turn_depth[i]) for i in known],
+    }
+    seen_features = {name: _expand(seen[name], MAX_SEEN_VALUES) for name in features}
+    drop_list = [(reason, float(value)) for (reason, value), n in sorted(drops.items())
+                 for _ in range(min(n, MAX_SEEN_VALUES))]
+    return check_sample_bias(
+        seen_tokens, [float(_estimated_tokens(b)) for b in sizes],
+        seen_features={k: v for k, v in seen_features.items() if v},
+        evaluated_features={k: v for k, v in features.items() if seen_features[k]},
+        drops=drop_list)
+
+
+def _conditions(conditioned: dict[str, ConditionedSamples],
+                replica: dict[str, ConditionedSamples], replica_name: str | None,
+                gates: Gates) -> dict[str, Any]:
+    """Rule 4's display: load curves per backend, cache strata and hit rates."""
+    out: dict[str, Any] = {"load_curves": {}, "cache": None}
+    for metric in CONDITIONED_METRICS:
+        c = conditioned.get(metric)
+        if c is None:
+            continue
+        curves: dict[str, Any] = {}
+        for backend, values, loads in (("candidate", c.candidate, c.candidate_concurrency),
+                                       ("primary", c.primary, c.primary_concurrency)):
+            known = [(v, k) for v, k in zip(values, loads, strict=True) if k is not None]
+            if known:
+                curves[backend] = load_curve([v for v, _ in known],
+                                             [float(k) for _, k in known]).to_dict()
+        r = replica.get(metric)
+        if r is not None and replica_name is not None:
+            known = [(v, k) for v, k in zip(r.candidate, r.candidate_concurrency, strict=True)
+                     if k is not None]
+            if known:
+                curves[f"replica {replica_name}"] = load_curve(
+                    [v for v, _ in known], [float(k) for _, k in known]).to_dict()
+        out["load_curves"][metric] = curves
+    ttft = conditioned.get(CACHE_METRIC)
+    e2e = conditioned.get("latency.e2e_s") or ttft
+    if ttft is not None and ttft.candidate and ttft.primary:
+        strata = compare_within_cache_strata(
+            ttft.primary, ttft.primary_prompt_tokens, ttft.primary_cached_tokens,
+            ttft.candidate, ttft.candidate_prompt_tokens, ttft.candidate_cached_tokens,
+            confidence=gates.confidence)
+        out["cache"] = {"ttft_within_cache_strata": strata.to_dict()}
+    if e2e is not None:
+        out.setdefault("cache", None)
+        hit = {
+            "candidate": cache_hit_rate(e2e.candidate_prompt_tokens,
+                                        e2e.candidate_cached_tokens).to_dict(),
+            "primary": cache_hit_rate(e2e.primary_prompt_tokens,
+                                      e2e.primary_cached_tokens).to_dict(),
+        }
+        out["cache"] = {**(out["cache"] or {}), "hit_rates": hit}
+    return out
+
+
 async def build_report(session: AsyncSession, candidate: str, gates: Gates, *,
                        secondary: str | None = None, since: datetime | None = None,
-                       record: bool = True) -> Report:
+                       record: bool = True, replica_at_same_rate: bool = False) -> Report:
     stored = await load_samples(session, candidate, since=since)
     floor = await load_samples(session, secondary, since=since) if secondary else {}
-    samples = _metric_samples(stored, floor)
-    verdict = await asyncio.to_thread(judge, samples, gates, _DIRECTIONS)
+    conditioned = await load_conditioned_samples(session, candidate, CONDITIONED_METRICS,
+                                                 since=since)
+    replica = (await load_conditioned_samples(session, secondary, CONDITIONED_METRICS,
+                                              since=since)
+               if secondary and secondary != candidate else {})
+    evaluated = await load_evaluated_requests(session, candidate, since=since)
+    traffic = await load_traffic(session, candidate, since=since)
+    use_replica = replica_at_same_rate and secondary is not None and secondary != candidate
+
+    def work() -> tuple[Verdict, SampleBias | None, dict[str, Any]]:
+        samples = _metric_samples(stored, floor, conditioned, use_replica)
+        bias = _sample_bias(evaluated, traffic)
+        verdict = judge(samples, gates, _DIRECTIONS, sample_bias=bias)
+        return verdict, bias, _conditions(conditioned, replica, secondary, gates)
+
+    verdict, bias, conditions = await asyncio.to_thread(work)
     verdict_id = None
     if record and stored:
         verdict_id = await record_verdict(
@@ -83,4 +236,5 @@ async def build_report(session: AsyncSession, candidate: str, gates: Gates, *,
     return Report(candidate=candidate, secondary=secondary, since=since,
                   generated_at=datetime.now(UTC),
                   samples={m: len(s.candidate) for m, s in stored.items()},
-                  verdict=verdict, verdict_id=verdict_id)
+                  verdict=verdict, verdict_id=verdict_id, conditions=conditions,
+                  sample_bias=bias)

@@ -138,9 +138,12 @@ class SampleBias:
         return out
 
 
-def turn_depth_bucket(depth: int, edges: Sequence[int] = DEFAULT_TURN_DEPTH_EDGES) -> str:
-    """The categorical turn-depth feature ("[2, 4)" for the 2nd and 3rd user turns)."""
-    return bin_labels([depth], edges)[0]
+def turn_depth_bucket(
+    depth: int | None, edges: Sequence[int] = DEFAULT_TURN_DEPTH_EDGES
+) -> str:
+    """The categorical turn-depth feature ("[2, 4)" for the 2nd and 3rd user turns);
+    ``"none"`` for a request without turns (not a chat)."""
+    return "none" if depth is None else bin_labels([depth], edges)[0]
 
 
 def check_sample_bias(

@@ -190,6 +190,12 @@ class ReportBody(BaseModel):
     reasons: list[str]
     samples: dict[str, int]
     metrics: list[dict[str, Any]]
+    more_samples_needed: int | None = None
+    """About how many more values per side the INCONCLUSIVE metrics need to decide."""
+    conditions: dict[str, Any] = {}
+    """Each backend's latency-vs-concurrency curve; TTFT within cache strata; hit rates."""
+    sample_bias: dict[str, Any] | None = None
+    """The evaluated requests against all traffic seen: skew, drops by reason and size."""
 
 
 # -- plumbing ---------------------------------------------------------------------------

@@ -54,6 +54,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     routing = Routing.configured(Backend(config.primary.name, config.primary.url))
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
                     evaluation or sink or MemorySink(config.mirror.sink_capacity))
+    if evaluation is not None:
+        evaluation.attach_traffic(mirror.traffic)
 
     async def stop_mirroring_primary(new: Routing) -> None:
         if new.primary.name in mirror.candidates:  # a primary is not its own candidate

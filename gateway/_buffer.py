@@ -50,6 +50,8 @@ class MirrorRequest:
     raw_path: str
     headers: CIMultiDict[str]
     offered_at: float
+    prompt_bytes: int = 0
+    turn_depth: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

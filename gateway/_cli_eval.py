@@ -152,3 +152,66 @@ def _print(result: Report) -> None:
                       f"[{_VERDICT_STYLE.get(verdict, '')}]{verdict}[/]", _fmt(candidate),
                       _fmt(baseline), shift, _fmt(tail))
     console.print(table)
+    _print_conditions(console, data)
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def _print_conditions(console: Console, data: dict[str, Any]) -> None:
+    """Like with like: matched-load comparisons, load curves, cache, sample bias, estimate."""
+    matched = Table(title="latency at matched load (what the verdict reads)")
+    for column in ("metric", "compared with", "n cand / base", "shift [CI]", "p", "strata"):
+        matched.add_column(column)
+    for metric in data["metrics"]:
+        m = metric.get("matched")
+        if metric.get("basis", "primary") == "primary" or (
+                m is None and not metric["metric"].startswith("latency.")):
+            continue
+        stats = m or metric.get("statistics") or {}
+        n = (f"{stats.get('n_candidate_matched', stats.get('n_candidate'))} / "
+             f"{stats.get('n_baseline_matched', stats.get('n_baseline'))}")
+        shift = (f"{_pct(stats.get('relative_shift'))} [{_pct(stats.get('relative_ci_low'))}, "
+                 f"{_pct(stats.get('relative_ci_high'))}]")
+        strata = "-" if m is None else m["reason"]
+        matched.add_row(metric["metric"], metric["basis"], n, shift,
+                        _fmt(stats.get("p_value")), strata)
+    if matched.row_count:
+        console.print(matched)
+    curves = Table(title="latency vs concurrency (median per load; slope s per request "
+                   "in flight)")
+    for column in ("metric", "backend", "points (load: median)", "slope [CI]"):
+        curves.add_column(column)
+    for metric, by_backend in data["conditions"].get("load_curves", {}).items():
+        for backend, curve in by_backend.items():
+            points = ", ".join(f"{p['concurrency']}: {p['median']:.3g}"
+                               for p in curve["points"][:8])
+            slope = ("-" if curve["slope"] is None else
+                     f"{curve['slope']:.3g} [{curve['slope_ci_low']:.3g}, "
+                     f"{curve['slope_ci_high']:.3g}]")
+            curves.add_row(metric, backend, points, slope)
+    if curves.row_count:
+        console.print(curves)
+    cache = data["conditions"].get("cache") or {}
+    if cache.get("hit_rates"):
+        hits = Table(title="prefix-cache hit rate (cached / prompt tokens)")
+        for column in ("backend", "hit rate", "requests known / unknown"):
+            hits.add_column(column)
+        for backend, hit in cache["hit_rates"].items():
+            hits.add_row(backend, _fmt(hit["hit_rate"]), f"{hit['known']} / {hit['unknown']}")
+        console.print(hits)
+    strata = cache.get("ttft_within_cache_strata")
+    if strata:
+        console.print(f"TTFT within cache strata: {_pct(strata['relative_shift'])} "
+                      f"(p={_fmt(strata['p_value'])}; {strata['reason']})")
+    bias = data.get("sample_bias")
+    if bias:
+        flag = "REFUSED" if bias["refuse"] else "SKEW" if bias["skew"] else "ok"
+        console.print(f"sample bias: [bold]{flag}[/] ({bias['n_evaluated']} evaluated of "
+                      f"{bias['n_seen']} seen; drops {bias['drops_by_reason'] or 'none'})")
+        for reason in bias["reasons"]:
+            console.print(f"  - {reason}")
+    if data.get("more_samples_needed") is not None:
+        console.print(f"samples: about {data['more_samples_needed']} more per side for the "
+                      "inconclusive metrics to decide")

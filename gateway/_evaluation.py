@@ -22,7 +22,10 @@ The store at start (DESIGN.md invariant 7: a store outage never blocks the proxy
 3. Until the step succeeds the scoring child's writer holds what it scores (within its
    bounds, each drop counted) and writes nothing: a schema not yet migrated never sees
    a write. When it succeeds the writer flushes what it held.
-4. ``health()`` tells the store's state (``connecting``, ``up``, ``unreachable`` with the
+4. All traffic seen and dropped (``_traffic.py``'s histograms, attached by the app) is
+   added to the store every ``TRAFFIC_FLUSH_INTERVAL_S`` while it is up, before each
+   report, and at stop; a flush that fails gives its counts back to the tally.
+5. ``health()`` tells the store's state (``connecting``, ``up``, ``unreachable`` with the
    reason) and the scoring child's (running, restarting, failed); either not well makes
    the gateway ``degraded``.
 """
@@ -49,15 +52,18 @@ from evaluators import (
     build_report,
 )
 from evaluators.store import (
+    StoreError,
     WriterStats,
     append_audit,
     create_engine,
     masked_url,
+    record_traffic,
     register_backend,
     session_factory,
     upgrade,
 )
 from gateway._config import GatewayConfig
+from gateway._traffic import TRAFFIC_FLUSH_INTERVAL_S, TrafficTally
 
 __all__ = ["STORE_START_WAIT_S", "Evaluation", "StoreStatus"]
 
@@ -89,6 +95,31 @@ class Evaluation:
         self._store_state: StoreState = "connecting"
         self._store_reason: str | None = None
         self._store_failures = 0
+        self._traffic: TrafficTally | None = None
+        self._flusher: asyncio.Task[None] | None = None
+
+    def attach_traffic(self, traffic: TrafficTally) -> None:
+        """Rule 4: the tally of all traffic whose counts this evaluation stores."""
+        self._traffic = traffic
+
+    async def flush_traffic(self) -> None:
+        """Rule 4: add the tally's counts to the store (given back if that fails)."""
+        if self._traffic is None or self._engine is None or self._store_state != "up":
+            return
+        counts = self._traffic.drain()
+        if not counts:
+            return
+        try:
+            async with session_factory(self._engine)() as session, session.begin():
+                await record_traffic(session, counts)
+        except (StoreError, OSError) as exc:
+            self._traffic.restore(counts)
+            log.warning("traffic counts not stored, kept for the next flush: %s", exc)
+
+    async def _flush_traffic_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(TRAFFIC_FLUSH_INTERVAL_S)
+            await self.flush_traffic()
 
     @property
     def secondary(self) -> str | None:
@@ -168,6 +199,8 @@ class Evaluation:
                                             hold_writes=True)
         self._connector = asyncio.create_task(self._reach_store(self._engine, on_store),
                                               name="understudy-store-connect")
+        self._flusher = asyncio.create_task(self._flush_traffic_periodically(),
+                                            name="understudy-traffic-flush")
         await self._pipeline.start()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline):
@@ -226,6 +259,12 @@ class Evaluation:
 
     async def stop(self) -> None:
         await self.stop_reaching_store()
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            await self.flush_traffic()
         if self._pipeline is not None:
             await self._pipeline.close()
         if self._engine is not None:
@@ -239,9 +278,21 @@ class Evaluation:
             await register_backend(session, name, role="secondary" if role == "secondary"
                                    else "candidate", url=url)
 
+    def _replica_at_same_rate(self, candidate: str) -> bool:
+        """Whether the noise-floor replica is mirrored as ``candidate`` is (same sample
+        rate and unit): then its latency is measured at the candidate's load share."""
+        by_name = {c.name: c for c in self._gateway_config.candidates}
+        replica, mine = by_name.get(self.secondary or ""), by_name.get(candidate)
+        return (replica is not None and mine is not None and replica is not mine
+                and (replica.sample_rate, replica.sampling_unit)
+                == (mine.sample_rate, mine.sampling_unit))
+
     async def report(self, candidate: str, since: datetime | None = None) -> Report:
         if self._engine is None:
             raise RuntimeError("evaluation is not running")
+        await self.flush_traffic()
         async with session_factory(self._engine)() as session, session.begin():
             return await build_report(session, candidate, self.config.gates,
-                                      secondary=self.secondary, since=since)
+                                      secondary=self.secondary, since=since,
+                                      replica_at_same_rate=self._replica_at_same_rate(
+                                          candidate))

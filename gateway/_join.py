@@ -25,7 +25,8 @@ __all__ = ["Joiner", "observation_charge"]
 OBSERVATION_OVERHEAD_BYTES = 1024
 BYTES_PER_CHUNK_GAP = 32
 
-DropCallback = Callable[[str, MirrorDropReason], None]
+DropCallback = Callable[[str, MirrorDropReason, int | None], None]
+"""(candidate, reason, the request's prompt bytes)."""
 JoinCallback = Callable[[Exchange], None]
 
 
@@ -39,6 +40,8 @@ class _Pending:
     created: float
     session_key: str
     route: str
+    prompt_bytes: int | None = None
+    turn_depth: int | None = None
     expected: set[str] = field(default_factory=set)
     primary: Observation | None = None
     primary_charge: int = 0
@@ -62,10 +65,12 @@ class Joiner:
         return request_id in self._pending
 
     def expect(self, request_id: str, candidate: str, session_key: str, route: str,
-               now: float) -> None:
+               now: float, *, prompt_bytes: int | None = None,
+               turn_depth: int | None = None) -> None:
         entry = self._pending.get(request_id)
         if entry is None:
-            entry = self._pending[request_id] = _Pending(now, session_key, route)
+            entry = self._pending[request_id] = _Pending(now, session_key, route,
+                                                         prompt_bytes, turn_depth)
         entry.expected.add(candidate)
 
     def primary(self, observation: Observation) -> None:
@@ -98,7 +103,7 @@ class Joiner:
         charge = observation_charge(observation)
         if not self._budget.charge(charge):
             entry.expected.discard(candidate)
-            self._on_drop(candidate, "budget")
+            self._on_drop(candidate, "budget", entry.prompt_bytes)
             self._retire_if_done(observation.request_id, entry)
             return
         entry.waiting[candidate] = (observation, charge)
@@ -110,7 +115,7 @@ class Joiner:
         entry.expected.discard(candidate)
         if candidate in entry.waiting:
             self._budget.release(entry.waiting.pop(candidate)[1])
-        self._on_drop(candidate, reason)
+        self._on_drop(candidate, reason, entry.prompt_bytes)
         self._retire_if_done(request_id, entry)
 
     def expire(self, now: float) -> int:
@@ -128,11 +133,12 @@ class Joiner:
         entry.expected.discard(candidate)
         assert entry.primary is not None
         exchange = Exchange(request_id, entry.session_key, entry.route, candidate,
-                            entry.primary, observation)
+                            entry.primary, observation, turn_depth=entry.turn_depth,
+                            prompt_bytes=entry.prompt_bytes)
         if self._sink.submit(exchange):
             self._on_join(exchange)
         else:
-            self._on_drop(candidate, "sink_full")
+            self._on_drop(candidate, "sink_full", entry.prompt_bytes)
 
     def _retire_if_done(self, request_id: str, entry: _Pending) -> None:
         if entry.expected:
@@ -146,6 +152,6 @@ class Joiner:
     def _drop_entry(self, request_id: str, entry: _Pending,
                     reason: MirrorDropReason) -> None:
         for candidate in entry.expected:
-            self._on_drop(candidate, reason)
+            self._on_drop(candidate, reason, entry.prompt_bytes)
         entry.expected.clear()
         self._retire_if_done(request_id, entry)

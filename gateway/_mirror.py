@@ -36,6 +36,7 @@ from gateway._headers import candidate_allow_list
 from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, MirrorDropReason, Route
 from gateway._sampler import sampled
+from gateway._traffic import TrafficTally, turn_depth
 from gateway._upstream import Upstream
 
 __all__ = ["Candidate", "Mirror"]
@@ -97,6 +98,7 @@ class Mirror:
         self.joiner = Joiner(self.budget, sink, config.join_timeout_s,
                              on_drop=self._count_drop, on_join=self._count_join)
         self._sweeper: asyncio.Task[None] | None = None
+        self.traffic = TrafficTally()  # all traffic seen, and the drops, by prompt size
         metrics.budget_limit.set(config.memory_budget_bytes)
         metrics.budget_used.set_function(lambda: self.budget.used)
 
@@ -114,27 +116,33 @@ class Mirror:
             self.skip("route")
             return
         now = time.monotonic()
+        depth = turn_depth(payload)
+        size = len(body)
+        self.traffic.seen(route, payload is not None and payload.get("stream") is True, depth,
+                          size)
         request: MirrorRequest | None = None
         key = b""
         for candidate in self.candidates.values():
             config = candidate.config
             unit_key = session if config.sampling_unit == "session" else request_id
             if candidate.paused:
-                self._count_drop(candidate.name, "paused")
+                self._count_drop(candidate.name, "paused", size)
                 continue
             if not sampled(candidate.name, unit_key, config.sample_rate):
-                self._count_drop(candidate.name, "not_sampled")
+                self._count_drop(candidate.name, "not_sampled", size)
                 continue
             if request is None:
                 request = MirrorRequest(request_id, session, route, method, raw_path,
-                                        headers, now)
+                                        headers, now, size, depth)
                 key = payload_key(method, raw_path, body)
             outcome = candidate.buffer.offer(request, key, body)
             if outcome == "queued":
                 self.metrics.mirror_queued.labels(candidate.name).inc()
-                self.joiner.expect(request_id, candidate.name, session, route, now)
+                self.joiner.expect(request_id, candidate.name, session, route, now,
+                                   prompt_bytes=size, turn_depth=depth)
             else:
-                self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome)
+                self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome,
+                                 size)
 
     def skip(self, reason: MirrorDropReason) -> None:
         """Count a request that no candidate gets, for every candidate."""
@@ -272,7 +280,8 @@ class Mirror:
         request = item.request
         loop = asyncio.get_running_loop()
         capture = Capture(started=loop.time(), max_bytes=self._capture.max_bytes,
-                          max_chunk_times=self._capture.max_chunk_times)
+                          max_chunk_times=self._capture.max_chunk_times,
+                          concurrency=candidate.in_flight)  # this replay included
         wall_started = time.time()
         upstream = candidate.upstream
         try:
@@ -291,8 +300,11 @@ class Mirror:
 
     # -- accounting -----------------------------------------------------------------
 
-    def _count_drop(self, candidate: str, reason: MirrorDropReason) -> None:
+    def _count_drop(self, candidate: str, reason: MirrorDropReason,
+                    prompt_bytes: int | None = None) -> None:
         self.metrics.mirror_dropped.labels(candidate, reason).inc()
+        if prompt_bytes is not None:
+            self.traffic.dropped(candidate, reason, prompt_bytes)
 
     def _count_join(self, exchange: Exchange) -> None:
         self.metrics.mirror_joined.labels(exchange.candidate).inc()

@@ -14,6 +14,9 @@ Rules (DESIGN.md invariant 8):
    each interval the judge looks at the candidate: FAIL rolls the canary back at once,
    INCONCLUSIVE holds the step, PASS or MARGINAL moves to the next step; passing the last
    step (100 %) promotes. A step the store cannot take is tried again next interval.
+   Each step is judged on the scores since it began (``step_started_at``), never on the
+   whole stored window: what an earlier step (or a mirror before it) measured does not
+   vouch for this one.
 4. Routing changes go through ``RoutingSync.commit``, which makes them the replicas' state
    too. One lock orders every change of this replica, candidates' included.
 """
@@ -25,6 +28,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Final
 
@@ -139,23 +143,25 @@ class Promoter:
 
     # -- routing ------------------------------------------------------------------------
 
-    async def _judge(self, name: str) -> Judgement:
+    async def _judge(self, name: str, since: float | None = None) -> Judgement:
+        """The judge on ``name``'s scores (those since ``since``, a wall-clock time)."""
         evaluation = self._evaluation
         if evaluation is None:
             return Judgement(None, None, ("evaluation is disabled: no verdict",))
+        window = None if since is None else datetime.fromtimestamp(since, UTC)
         report = await self._sync.store_call(f"judging {name}",
-                                             lambda _: evaluation.report(name))
+                                             lambda _: evaluation.report(name, window))
         if report is None:  # the store is not attached: nothing to judge with
             return Judgement(None, None, ("the store is not attached: no verdict",))
         return Judgement(report.verdict.outcome, report.verdict_id, report.verdict.reasons)
 
     async def promote(self, name: str, *, actor: str, force: bool,
-                      reason: str | None) -> RoutingChange:
+                      reason: str | None, since: float | None = None) -> RoutingChange:
         if force and not (reason and reason.strip()):
             raise InvalidBody("force: true needs a reason")
         async with self._lock:
             candidate = self._candidate(name)
-            judgement = await self._judge(name)
+            judgement = await self._judge(name, since)
             verdict, reasons = judgement.label, list(judgement.reasons)
             if judgement.outcome is not Outcome.PASS and not force:
                 await self._sync.record(f"refusing to promote {name}", AuditNote(
@@ -240,7 +246,9 @@ class Promoter:
 
     async def _judge_step(self, name: str, actor: str) -> bool:
         """One step of rule 3; True when the canary is over (rolled back or promoted)."""
-        judgement = await self._judge(name)
+        current = self.routing.canary
+        since = current.step_started_at if current is not None else None
+        judgement = await self._judge(name, since)
         verdict, verdict_id, reasons = judgement.label, judgement.verdict_id, judgement.reasons
         async with self._lock:
             canary = self.routing.canary
@@ -267,7 +275,7 @@ class Promoter:
                                             "verdict": verdict}, verdict_id))
                 self._done("canary_step", name, verdict)
                 return False
-        await self.promote(name, actor=actor, force=False, reason=None)
+        await self.promote(name, actor=actor, force=False, reason=None, since=since)
         return True
 
     def _done(self, action: str, target: str, verdict: str | None = None) -> None:

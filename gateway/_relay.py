@@ -214,6 +214,21 @@ async def _forward(request: web.Request, state: GatewayState, upstream: Upstream
                    plan: RequestPlan, headers: CIMultiDict[str], capture: Capture,
                    request_id: str) -> web.StreamResponse:
     capture.backend = upstream.name
+    in_flight = state.in_flight
+    in_flight[upstream.name] += 1
+    capture.concurrency = in_flight[upstream.name]
+    try:
+        return await _relay_answer(request, state, upstream, plan, headers, capture,
+                                   request_id)
+    finally:
+        in_flight[upstream.name] -= 1
+        if not in_flight[upstream.name]:
+            del in_flight[upstream.name]
+
+
+async def _relay_answer(request: web.Request, state: GatewayState, upstream: Upstream,
+                        plan: RequestPlan, headers: CIMultiDict[str], capture: Capture,
+                        request_id: str) -> web.StreamResponse:
     async with upstream.call(request.method, request.raw_path, upstream.credentials(headers),
                              plan.body, capture) as up:
         usage_filter = UsageEventFilter() if plan.injected_usage and capture.streamed else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -51,6 +51,9 @@ class GatewayState:
     mirror: Mirror
     evaluation: Evaluation | None  # None: exchanges go to a sink the caller gave
     promoter: Promoter
+    in_flight: Counter[str] = field(default_factory=Counter)
+    """Requests the relay has in flight per backend (the load each request is sent under);
+    a backend's entry goes when its count returns to 0, so it holds the busy ones only."""
 
     listeners: list[web.BaseRunner] = field(default_factory=list)
     """The runners serving this gateway: their ports are its own (no candidate there)."""

@@ -18,17 +18,19 @@ EXPORTED: dict[str, str] = {
     "evaluators": """
         DEFAULT_SCORERS METRICS SCORERS Capture EvaluationPipeline EvaluationProcessError
         EvaluationSink Exchange Gates MemorySink MetricGate MetricSamples MetricVerdict
-        Observation Outcome PipelineState PipelineStats Report Score Scorer ScorerConfig Usage
-        Verdict build_report judge observe
+        Observation Outcome PipelineState PipelineStats Report Score Scorer ScorerConfig
+        Usage Verdict build_report judge observe turn_depth_bucket
     """,
     "evaluators.store": """
-        DEFAULT_STORE_URL AuditEntry AuditNote BackendRole BackendRow Base CandidateSummary
-        DropReason ExchangeRow ObservationRow RoutingListener ScoreLike ScoreRow ScoreWriter
-        StoreConfig StoreError StoreRejected StoreUnavailable StoredSamples VerdictRow
-        WriterState WriterStateError WriterStats append_audit create_engine current_revision
-        downgrade head_revision list_candidates listen_for_routing load_routing load_samples
-        lock_for_migration masked_url record_change record_verdict register_backend
-        save_routing session_factory upgrade
+        DEFAULT_STORE_URL TRAFFIC_SEEN AuditEntry AuditNote BackendRole BackendRow Base
+        CandidateSummary ConditionedSamples DropReason EvaluatedRequests ExchangeRow
+        ObservationRow RoutingListener ScoreLike ScoreRow ScoreWriter StoreConfig
+        StoreError StoreRejected StoreUnavailable StoredSamples TrafficCount
+        TrafficCountRow VerdictRow WriterState WriterStateError WriterStats append_audit
+        create_engine current_revision downgrade head_revision list_candidates
+        listen_for_routing load_conditioned_samples load_evaluated_requests load_routing
+        load_samples load_traffic lock_for_migration masked_url record_change
+        record_traffic record_verdict register_backend save_routing session_factory upgrade
     """,
 }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,8 +78,13 @@ class PacedAnswer:
         config: SimConfig,
         metrics: SimMetrics,
         closing: asyncio.Event,
+        *,
+        load: Callable[[], int] = lambda: 1,
+        prefill_s: float = 0.0,
     ) -> None:
         self._request = request
+        self._load = load
+        self._prefill_s = prefill_s
         self._plan = plan
         self._config = config
         self._metrics = metrics
@@ -127,14 +133,14 @@ class PacedAnswer:
     async def stream(self, fault: FaultMode) -> Outcome:
         plan, config, writer = self._plan, self._config, self._writer
         await writer.open_stream()
-        await self.pause(config.ttft_ms / 1000)
+        await self.pause(self._ttft_s())
         if plan.kind == "chat":
             await writer.event(writer.chunk(None))
         fault_at = config.fault_after_chunks if fault in MID_STREAM_FAULTS else None
         last = len(plan.tokens) - 1
         for index, token in enumerate(plan.tokens):
             if index > 0:
-                await self.pause(config.itl_ms / 1000)
+                await self.pause(self._itl_s())
             if index == fault_at and await self._mid_stream_fault(fault):
                 return "faulted"
             finish = plan.finish_reason if index == last else None
@@ -149,9 +155,8 @@ class PacedAnswer:
 
     async def whole(self, fault: FaultMode, body: dict[str, Any]) -> Outcome:
         """Answer with one JSON body (non-streamed completions and embeddings)."""
-        config = self._config
-        decode_s = config.itl_ms / 1000 * max(0, len(self._plan.tokens) - 1)
-        await self.pause(config.ttft_ms / 1000 + decode_s)
+        decode_s = self._itl_s() * max(0, len(self._plan.tokens) - 1)
+        await self.pause(self._ttft_s() + decode_s)
         for index in range(len(self._plan.tokens)):
             self._observe_token(index, measured=False)
         if fault not in MID_STREAM_FAULTS:
@@ -200,6 +205,16 @@ class PacedAnswer:
             self._metrics.itl.observe(now - self._last_token_at if measured else planned)
         self._last_token_at = now
         self._metrics.generation_tokens.inc()
+
+    def _ttft_s(self) -> float:
+        """The load model's TTFT: base, plus per other request in flight, plus prefill."""
+        config = self._config
+        others = max(0, self._load() - 1)
+        return (config.ttft_ms + config.ttft_per_inflight_ms * others) / 1000 + self._prefill_s
+
+    def _itl_s(self) -> float:
+        config = self._config
+        return (config.itl_ms + config.itl_per_inflight_ms * max(0, self._load() - 1)) / 1000
 
     def elapsed(self) -> float:
         return self._loop.time() - self._arrived_at

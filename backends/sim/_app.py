@@ -12,10 +12,12 @@ import hashlib
 import math
 import struct
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
 
+import orjson
 from aiohttp import web
 
 from backends.openai_wire import (
@@ -37,7 +39,7 @@ from backends.openai_wire import (
 from backends.sim._answer import AnswerPlan, PacedAnswer
 from backends.sim._config import FaultMode, SimConfig
 from backends.sim._metrics import SimMetrics
-from backends.sim._requests import InferenceRequest, parse_request
+from backends.sim._requests import InferenceRequest, chat_prompt_tokens, parse_request
 from backends.sim._stats import RecordedRequest, SimStats
 from backends.sim._text import answer_digest, answer_tokens, embedding_vector
 
@@ -55,6 +57,27 @@ class _SimState:
     fingerprint: str
     fault_draws: int = 0
     sample_nonce: int = 0
+    in_flight: int = 0  # inference requests being answered now (the load model)
+    # The prefix cache (``cache="prefix"``): digests of message prefixes seen, with their
+    # token counts, least recently used first; at most ``prefix_cache_entries``.
+    prefixes: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
+
+    def cached_prefix_tokens(self, messages: list[dict[str, object]], capacity: int) -> int:
+        """Tokens of the longest message prefix seen before; then remember every prefix."""
+        cached = 0
+        digest = hashlib.blake2b(digest_size=16)
+        for k, message in enumerate(messages, start=1):
+            digest.update(orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+            key = digest.copy().digest()
+            if key in self.prefixes:
+                self.prefixes.move_to_end(key)
+                if k < len(messages):  # the whole prompt is not a prefix of itself
+                    cached = self.prefixes[key]
+            else:
+                self.prefixes[key] = chat_prompt_tokens(messages[:k])
+                while len(self.prefixes) > capacity:
+                    self.prefixes.popitem(last=False)
+        return cached
 
     def draw_fault(self, fault: FaultMode) -> FaultMode:
         """The k-th draw faults iff floor(k * rate) > floor((k - 1) * rate)."""
@@ -153,7 +176,11 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
     fault = state.draw_fault(config.fault)
     if fault != "none":
         stats.faults_injected += 1
-    writer = PacedAnswer(request, plan, config, metrics, state.closing)
+    state.in_flight += 1
+    uncached = parsed.prompt_tokens - (plan.usage.cached_tokens or 0)
+    writer = PacedAnswer(request, plan, config, metrics, state.closing,
+                         load=lambda: state.in_flight,
+                         prefill_s=config.prefill_ms_per_token / 1000 * max(0, uncached))
     held_tokens = parsed.prompt_tokens + len(plan.tokens)
     stats.started += 1
     metrics.running.inc()
@@ -168,6 +195,7 @@ async def _inference(request: web.Request, kind: RequestKind) -> web.StreamRespo
         writer.reset()  # a no-op when the client left; drops it when the server closes
     finally:
         # CancelledError (a runner with handler_cancellation) also ends here, cancelled.
+        state.in_flight -= 1
         metrics.running.dec()
         metrics.hold_tokens(-held_tokens)
         stats.count_outcome(outcome)
@@ -238,7 +266,14 @@ def _plan(
         # The answer's words, then the end-of-sequence token, unless max_tokens cuts it.
         tokens = [*answer_tokens(digest, min(cap, config.tokens)), ""][:cap]
         finish = "stop" if len(tokens) == config.tokens + 1 else "length"
-        if config.cached_tokens is not None:
+        if config.cache == "prefix" and parsed.kind == "chat" and isinstance(
+            parsed.prompt_key, list
+        ):
+            cached = min(
+                state.cached_prefix_tokens(parsed.prompt_key, config.prefix_cache_entries),
+                parsed.prompt_tokens,
+            )
+        elif config.cached_tokens is not None:
             cached = min(config.cached_tokens, parsed.prompt_tokens)
     return AnswerPlan(
         identity=ResponseIdentity(

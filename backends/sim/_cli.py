@@ -18,6 +18,7 @@ from backends.sim._config import (
     DEFAULT_TTFT_MS,
     FAULT_MODES,
     FaultMode,
+    PrefixCacheMode,
     SimConfig,
 )
 from backends.sim._server import running_sim
@@ -33,6 +34,22 @@ __all__ = ["sim_command"]
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Served model name.")
 @click.option("--ttft-ms", default=DEFAULT_TTFT_MS, show_default=True, type=float)
 @click.option("--itl-ms", default=DEFAULT_ITL_MS, show_default=True, type=float)
+@click.option(
+    "--ttft-per-inflight-ms", default=0.0, show_default=True, type=float,
+    help="Load model: TTFT added per other request in flight.",
+)  # fmt: skip
+@click.option(
+    "--itl-per-inflight-ms", default=0.0, show_default=True, type=float,
+    help="Load model: inter-token time added per other request in flight.",
+)  # fmt: skip
+@click.option(
+    "--prefill-ms-per-token", default=0.0, show_default=True, type=float,
+    help="TTFT added per prompt token not served from the prefix cache.",
+)  # fmt: skip
+@click.option(
+    "--cache", type=click.Choice(["off", "prefix"]), default="off", show_default=True,
+    help="prefix: cached_tokens from the longest chat-message prefix seen before.",
+)  # fmt: skip
 @click.option(
     "--tokens", default=DEFAULT_ANSWER_TOKENS, show_default=True, type=int,
     help="Answer length before max_tokens caps it.",
@@ -59,6 +76,10 @@ def sim_command(
     model: str,
     ttft_ms: float,
     itl_ms: float,
+    ttft_per_inflight_ms: float,
+    itl_per_inflight_ms: float,
+    prefill_ms_per_token: float,
+    cache: PrefixCacheMode,
     tokens: int,
     cached_tokens: int | None,
     variant: str,
@@ -76,6 +97,10 @@ def sim_command(
             model=model,
             ttft_ms=ttft_ms,
             itl_ms=itl_ms,
+            ttft_per_inflight_ms=ttft_per_inflight_ms,
+            itl_per_inflight_ms=itl_per_inflight_ms,
+            prefill_ms_per_token=prefill_ms_per_token,
+            cache=cache,
             tokens=tokens,
             cached_tokens=cached_tokens,
             variant=variant,

@@ -24,6 +24,7 @@ __all__ = [
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "MESSAGE_OVERHEAD_TOKENS",
     "InferenceRequest",
+    "chat_prompt_tokens",
     "parse_request",
 ]
 
@@ -91,7 +92,7 @@ def parse_request(
         if max_tokens is None:
             max_tokens = optional_int(body, "max_tokens", minimum=1)
         prompt_key: object = _chat_messages(body)
-        prompt_tokens = _chat_prompt_tokens(body["messages"])
+        prompt_tokens = chat_prompt_tokens(body["messages"])
     else:
         max_tokens = optional_int(body, "max_tokens", minimum=1)
         if "max_tokens" not in body:
@@ -166,7 +167,8 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """The prompt tokens of ``messages`` as the simulator counts them."""
     texts: list[str] = []
     for message in messages:
         content = message.get("content")

@@ -16,20 +16,84 @@ from typing import Any, NamedTuple
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
 from evaluators.store._config import masked_url
 from evaluators.store._errors import StoreRejected, translate_store_errors
-from evaluators.store._schema import AuditEntry, BackendRole, BackendRow, ScoreRow, VerdictRow
+from evaluators.store._schema import (
+    AuditEntry,
+    BackendRole,
+    BackendRow,
+    ExchangeRow,
+    ObservationRow,
+    ScoreRow,
+    TrafficCountRow,
+    VerdictRow,
+)
 
 __all__ = [
+    "TRAFFIC_SEEN",
     "CandidateSummary",
+    "ConditionedSamples",
+    "EvaluatedRequests",
     "StoredSamples",
+    "TrafficCount",
     "append_audit",
     "list_candidates",
+    "load_conditioned_samples",
+    "load_evaluated_requests",
     "load_samples",
+    "load_traffic",
+    "record_traffic",
     "record_verdict",
     "register_backend",
 ]
+
+TRAFFIC_SEEN = "seen"
+"""The outcome of ``traffic_counts`` rows that count all traffic (candidate "")."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficCount:
+    """One histogram cell of ``traffic_counts``: ``count`` requests in the window that
+    starts at ``window_start`` (seconds since the epoch). ``candidate`` is "" for all
+    traffic (``outcome`` :data:`TRAFFIC_SEEN`); a drop's outcome is its reason."""
+
+    window_start: int
+    candidate: str
+    outcome: str
+    dimension: str
+    value: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionedSamples:
+    """One per-backend metric's values, each with the conditions it was measured under.
+
+    The candidate's lists are aligned with each other, the primary's likewise; a value
+    the backend did not report (concurrency, tokens) is None.
+    """
+
+    candidate: list[float] = field(default_factory=list)
+    candidate_concurrency: list[int | None] = field(default_factory=list)
+    candidate_prompt_tokens: list[int | None] = field(default_factory=list)
+    candidate_cached_tokens: list[int | None] = field(default_factory=list)
+    primary: list[float] = field(default_factory=list)
+    primary_concurrency: list[int | None] = field(default_factory=list)
+    primary_prompt_tokens: list[int | None] = field(default_factory=list)
+    primary_cached_tokens: list[int | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluatedRequests:
+    """The requests scored for a candidate: what the sample-bias check compares with
+    all traffic. Aligned lists, one entry per exchange."""
+
+    prompt_bytes: list[int | None] = field(default_factory=list)
+    route: list[str] = field(default_factory=list)
+    streamed: list[bool] = field(default_factory=list)
+    turn_depth: list[int | None] = field(default_factory=list)
 
 
 class StoredSamples(NamedTuple):
@@ -81,6 +145,118 @@ async def load_samples(session: AsyncSession, candidate: str,
             if primary_value is not None:
                 found.primary.append(primary_value)
     return samples
+
+
+async def load_conditioned_samples(
+    session: AsyncSession, candidate: str, metrics: Collection[str],
+    since: datetime | None = None,
+) -> dict[str, ConditionedSamples]:
+    """``metrics`` of ``candidate`` since ``since``, each value with the concurrency and
+    the prompt and cached tokens of the observation it came from (the candidate's, or the
+    primary's: the exchange's observation by a backend whose role is primary)."""
+    cand_obs, prim_obs, prim_backend = (
+        aliased(ObservationRow), aliased(ObservationRow), aliased(BackendRow))
+    query = (
+        select(ScoreRow.metric, ScoreRow.candidate_value, ScoreRow.primary_value,
+               cand_obs.concurrency, cand_obs.prompt_tokens, cand_obs.cached_tokens,
+               prim_obs.concurrency, prim_obs.prompt_tokens, prim_obs.cached_tokens)
+        .join(BackendRow, BackendRow.id == ScoreRow.candidate_id)
+        .join(cand_obs, (cand_obs.exchange_id == ScoreRow.exchange_id)
+              & (cand_obs.backend_id == ScoreRow.candidate_id))
+        .join(prim_obs, (prim_obs.exchange_id == ScoreRow.exchange_id)
+              & (prim_obs.backend_id != ScoreRow.candidate_id))
+        .join(prim_backend, (prim_backend.id == prim_obs.backend_id)
+              & (prim_backend.role == "primary"))
+        .where(BackendRow.name == candidate, ScoreRow.metric.in_(list(metrics)))
+        .order_by(ScoreRow.metric, ScoreRow.created_at, ScoreRow.id)
+    )
+    if since is not None:
+        query = query.where(ScoreRow.created_at >= _aware(since))
+    out: dict[str, ConditionedSamples] = {}
+    with translate_store_errors():
+        result = await session.execute(query)
+        for metric, c_value, p_value, c_conc, c_prompt, c_cached, p_conc, p_prompt, p_cached \
+                in result:
+            found = out.setdefault(metric, ConditionedSamples())
+            if c_value is not None:
+                found.candidate.append(c_value)
+                found.candidate_concurrency.append(c_conc)
+                found.candidate_prompt_tokens.append(c_prompt)
+                found.candidate_cached_tokens.append(c_cached)
+            if p_value is not None:
+                found.primary.append(p_value)
+                found.primary_concurrency.append(p_conc)
+                found.primary_prompt_tokens.append(p_prompt)
+                found.primary_cached_tokens.append(p_cached)
+    return out
+
+
+async def load_evaluated_requests(session: AsyncSession, candidate: str,
+                                  since: datetime | None = None) -> EvaluatedRequests:
+    """Each exchange scored for ``candidate`` since ``since``: its prompt size, route,
+    turn depth and whether the candidate's answer was streamed."""
+    scored = select(ScoreRow.exchange_id).join(
+        BackendRow, BackendRow.id == ScoreRow.candidate_id).where(BackendRow.name == candidate)
+    if since is not None:
+        scored = scored.where(ScoreRow.created_at >= _aware(since))
+    query = (
+        select(ExchangeRow.prompt_bytes, ExchangeRow.route, ObservationRow.streamed,
+               ExchangeRow.turn_depth)
+        .join(ObservationRow, ObservationRow.exchange_id == ExchangeRow.id)
+        .join(BackendRow, (BackendRow.id == ObservationRow.backend_id)
+              & (BackendRow.name == candidate))
+        .where(ExchangeRow.id.in_(scored.distinct().scalar_subquery()))
+        .order_by(ExchangeRow.id)
+    )
+    out = EvaluatedRequests()
+    with translate_store_errors():
+        for prompt_bytes, route, streamed, depth in await session.execute(query):
+            out.prompt_bytes.append(prompt_bytes)
+            out.route.append(route)
+            out.streamed.append(bool(streamed))
+            out.turn_depth.append(depth)
+    return out
+
+
+async def record_traffic(session: AsyncSession, counts: Sequence[TrafficCount]) -> None:
+    """Add ``counts`` to the ``traffic_counts`` histograms (an upsert that adds)."""
+    if not counts:
+        return
+    dialect = session.get_bind().dialect.name
+    rows = [{"window_start": datetime.fromtimestamp(c.window_start, UTC),
+             "candidate": c.candidate, "outcome": c.outcome, "dimension": c.dimension,
+             "value": c.value, "count": c.count} for c in counts]
+    keys = ["window_start", "candidate", "outcome", "dimension", "value"]
+    if dialect == "postgresql":
+        pg = postgresql.insert(TrafficCountRow)
+        statement: Any = pg.on_conflict_do_update(
+            index_elements=keys, set_={"count": TrafficCountRow.count + pg.excluded.count})
+    elif dialect == "sqlite":
+        lite = sqlite.insert(TrafficCountRow)
+        statement = lite.on_conflict_do_update(
+            index_elements=keys, set_={"count": TrafficCountRow.count + lite.excluded.count})
+    else:
+        raise StoreRejected(f"no upsert for the {dialect} dialect")
+    with translate_store_errors():
+        await session.execute(statement, rows)
+
+
+async def load_traffic(session: AsyncSession, candidate: str,
+                       since: datetime | None = None) -> list[TrafficCount]:
+    """All traffic seen, and ``candidate``'s drops, in the windows that start at or after
+    ``since``'s window (a window is counted whole)."""
+    query = select(TrafficCountRow.window_start, TrafficCountRow.candidate,
+                   TrafficCountRow.outcome, TrafficCountRow.dimension, TrafficCountRow.value,
+                   TrafficCountRow.count).where(
+        TrafficCountRow.candidate.in_(["", candidate]))
+    if since is not None:
+        query = query.where(TrafficCountRow.window_start >= _aware(since).replace(
+            second=0, microsecond=0))
+    with translate_store_errors():
+        rows = (await session.execute(query)).all()
+    return [TrafficCount(int(_aware(w).timestamp()) if isinstance(w, datetime)
+                         else int(_parse_time(w).timestamp()), c, o, d, v, int(n))
+            for w, c, o, d, v, n in rows]
 
 
 async def list_candidates(session: AsyncSession) -> list[CandidateSummary]:

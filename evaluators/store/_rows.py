@@ -108,6 +108,8 @@ def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: byt
             "started_at": _utc(primary.started_at),
             "prompt_hash": prompt_hash,
             "prompt": prompt_text,
+            "prompt_bytes": exchange.prompt_bytes,
+            "turn_depth": exchange.turn_depth,
         },
         primary_backend=primary.backend,
         primary=primary_row,
@@ -145,6 +147,7 @@ def observation_row(observation: Observation, *, store_answers: bool) -> Row:
         "error": _cut(observation.error, ERROR_CHARS),
         "answer": observation.text if store_answers else None,
         "tool_calls": (list(observation.tool_calls) or None) if store_answers else None,
+        "concurrency": observation.concurrency,
     }
 
 

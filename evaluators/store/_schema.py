@@ -45,6 +45,7 @@ __all__ = [
     "ExchangeRow",
     "ObservationRow",
     "ScoreRow",
+    "TrafficCountRow",
     "VerdictRow",
 ]
 
@@ -120,6 +121,10 @@ class ExchangeRow(Base):
     started_at: Mapped[datetime]
     prompt_hash: Mapped[str | None] = mapped_column(String(64))
     prompt: Mapped[str | None] = mapped_column(Text)
+    prompt_bytes: Mapped[int | None] = mapped_column(Integer)
+    """The request body's size as forwarded (the sample-bias check's prompt size)."""
+    turn_depth: Mapped[int | None] = mapped_column(Integer)
+    """Assistant messages before the request's last; NULL for other routes than chat."""
 
 
 class ObservationRow(Base):
@@ -151,6 +156,9 @@ class ObservationRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
     answer: Mapped[str | None] = mapped_column(Text)
     tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    concurrency: Mapped[int | None] = mapped_column(Integer)
+    """Requests the gateway had in flight at this backend when it sent this one, this one
+    included: the load the latency was measured under (NULL: not counted)."""
 
 
 class ScoreRow(Base):
@@ -175,6 +183,29 @@ class ScoreRow(Base):
     candidate_value: Mapped[float | None] = mapped_column(Float)
     primary_value: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+class TrafficCountRow(Base):
+    """All traffic the gateway saw, and what it dropped, as per-window histograms.
+
+    One row per (window, candidate, outcome, dimension, value) holding a count; replicas
+    add to it (an upsert), so its size is bounded by windows x buckets, never by requests.
+    ``candidate`` is "" for all traffic (``outcome`` "seen"); a drop names its candidate
+    and its reason as the outcome.
+    """
+
+    __tablename__ = "traffic_counts"
+    __table_args__ = (
+        UniqueConstraint("window_start", "candidate", "outcome", "dimension", "value"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntKey, primary_key=True)
+    window_start: Mapped[datetime]
+    candidate: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    outcome: Mapped[str] = mapped_column(String(32))
+    dimension: Mapped[str] = mapped_column(String(16))
+    value: Mapped[str] = mapped_column(String(64))
+    count: Mapped[int] = mapped_column(BigInteger)
 
 
 class VerdictRow(Base):

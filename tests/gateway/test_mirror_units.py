@@ -141,7 +141,7 @@ def _joiner(limit: int = 1 << 20) -> tuple[Joiner, MemoryBudget, MemorySink, lis
     budget = MemoryBudget(limit)
     sink = MemorySink(100)
     drops: list[tuple[str, str]] = []
-    joiner = Joiner(budget, sink, 10.0, on_drop=lambda c, r: drops.append((c, r)),
+    joiner = Joiner(budget, sink, 10.0, on_drop=lambda c, r, _: drops.append((c, r)),
                     on_join=lambda e: None)
     return joiner, budget, sink, drops
 

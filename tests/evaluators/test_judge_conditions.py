@@ -1,0 +1,110 @@
+"""The judge's rules 6-8 (like with like, samples needed, sample bias) on in-memory values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from evaluators import Gates, MetricSamples, Outcome, judge
+from evaluators._judge import ESTIMATE_POWER, LoadConditions
+from evaluators._sample_bias import check_sample_bias
+
+TTFT = "latency.ttft_s"
+DIRECTIONS = {TTFT: "lower"}
+
+
+def _quantiles(n: int, scale: float = 1.0) -> np.ndarray:
+    """n evenly spread quantiles of a lognormal: a sample with no sampling noise."""
+    return scale * stats.lognorm.ppf((np.arange(n) + 0.5) / n, 0.5) * 0.05
+
+
+def test_load_mismatch_pooled_looks_faster_matched_does_not() -> None:
+    rng = np.random.default_rng(1)
+    # Latency grows 3 ms per request in flight; the primary runs at 1..16, the
+    # candidate (a tenth of the traffic) at 1..2.
+    primary_load = rng.integers(1, 17, 400)
+    candidate_load = rng.integers(1, 3, 200)
+    primary = 0.02 + 0.003 * primary_load + rng.normal(0, 0.002, 400)
+    candidate = 0.02 + 0.003 * candidate_load + rng.normal(0, 0.002, 200)
+    pooled = judge({TTFT: MetricSamples(candidate, primary)}, Gates(min_samples=20),
+                   DIRECTIONS).metric(TTFT)
+    conditions = LoadConditions(tuple(int(x) for x in candidate_load),
+                                tuple(int(x) for x in primary_load))
+    matched = judge({TTFT: MetricSamples(candidate, primary, conditions=conditions)},
+                    Gates(min_samples=20), DIRECTIONS).metric(TTFT)
+    assert pooled.statistics is not None and pooled.statistics.relative_shift is not None
+    assert pooled.statistics.relative_shift < -0.3 and pooled.statistics.p_value < 1e-6
+    assert matched.basis == "primary at matched load"
+    assert matched.matched is not None and matched.matched.comparable
+    assert matched.matched.p_value is not None and matched.matched.p_value > 0.01
+    assert matched.outcome is Outcome.PASS
+
+
+def test_no_load_in_common_is_inconclusive_with_the_reason() -> None:
+    conditions = LoadConditions((1,) * 30, (40,) * 30)
+    verdict = judge({TTFT: MetricSamples(_quantiles(30), _quantiles(30), conditions=conditions)},
+                    Gates(min_samples=10), DIRECTIONS)
+    metric = verdict.metric(TTFT)
+    assert metric.outcome is Outcome.INCONCLUSIVE
+    assert metric.reasons[0].startswith("not comparable at matched load")
+
+
+def test_replica_at_the_same_rate_is_the_baseline() -> None:
+    conditions = LoadConditions((1,) * 30, (40,) * 30)
+    samples = MetricSamples(_quantiles(30), _quantiles(30, 3.0), conditions=conditions,
+                            replica=_quantiles(30))
+    metric = judge({TTFT: samples}, Gates(min_samples=10), DIRECTIONS).metric(TTFT)
+    assert metric.basis == "replica at the same rate" and metric.outcome is Outcome.PASS
+
+
+def test_cache_strata_separate_a_cold_cache_from_a_slow_engine() -> None:
+    # Warm requests (90 % cached) take 10 ms, cold ones 50 ms, on both backends; the
+    # candidate saw half its requests cold, the primary none of the later turns cold.
+    warm, cold = _quantiles(40, 0.2), _quantiles(40, 1.0)
+    primary = np.concatenate([warm, cold[:10]])
+    candidate = np.concatenate([warm[::2], cold[::2]])
+    p_cached = (900,) * 40 + (0,) * 10
+    c_cached = (900,) * 20 + (0,) * 20
+    conditions = LoadConditions((1,) * 40, (1,) * 50, (1000,) * 40, c_cached,
+                                (1000,) * 50, p_cached, cache=True)
+    metric = judge({TTFT: MetricSamples(candidate, primary, conditions=conditions)},
+                   Gates(min_samples=10), DIRECTIONS).metric(TTFT)
+    assert metric.basis == "primary at matched load and cache"
+    assert metric.matched is not None and metric.matched.comparable
+    assert not metric.matched.significantly_worse
+    pooled = judge({TTFT: MetricSamples(candidate, primary)}, Gates(min_samples=10),
+                   DIRECTIONS).metric(TTFT)
+    assert pooled.outcome is Outcome.FAIL
+
+
+@pytest.mark.parametrize("shift", [1.15, 1.25])
+def test_inconclusive_estimate_is_within_a_factor_of_two_of_the_turn(shift: float) -> None:
+    """Rule 7: the samples an INCONCLUSIVE verdict asks for are about where it turns."""
+    gates = Gates(min_samples=12, max_std_ratio=None, max_ttft_p99_ratio=None)
+
+    def verdict(n: int):  # type: ignore[no-untyped-def]
+        return judge({TTFT: MetricSamples(_quantiles(n, shift), _quantiles(n))}, gates,
+                     DIRECTIONS)
+
+    early = verdict(10)
+    assert early.outcome is Outcome.INCONCLUSIVE
+    estimate = early.metric(TTFT).samples_needed
+    assert estimate is not None and estimate.needed_per_side is not None
+    assert estimate.power == ESTIMATE_POWER
+    assert early.more_samples_needed == estimate.needed_per_side - 10
+    turn = next(n for n in range(12, 4000, 4) if verdict(n).outcome is Outcome.FAIL)
+    print(f"shift x{shift}: estimate {estimate.needed_per_side} per side at n=10, "
+          f"the verdict turns to FAIL at n={turn}")
+    assert turn / 2 <= estimate.needed_per_side <= 2 * turn
+
+
+def test_refused_sample_is_inconclusive_for_sample_skew() -> None:
+    seen = [50.0] * 200 + [2000.0] * 200
+    evaluated = [50.0] * 100 + [2000.0] * 5
+    bias = check_sample_bias(seen, evaluated, drops=[("buffer_full", 2000.0)] * 195)
+    assert bias.refuse
+    samples = {TTFT: MetricSamples(_quantiles(105), _quantiles(105))}
+    verdict = judge(samples, Gates(min_samples=10), DIRECTIONS, sample_bias=bias)
+    assert verdict.outcome is Outcome.INCONCLUSIVE
+    assert any(r.startswith("sample.bias: sample skew") for r in verdict.reasons)

@@ -1,0 +1,251 @@
+"""The judge compares like with like, end to end (issue 13): simulators whose latency grows
+with their requests in flight, mirrored through the real gateway on 127.0.0.1, scored and
+stored in SQLite, judged over the admin endpoint.
+
+Each test is bounded: a few hundred short requests at most, over loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.utils import RunningGateway, eventually, run_gateway, run_sim
+
+# The load model both backends share in the like-for-like tests: TTFT grows by 10 ms and
+# each inter-token gap by 1 ms per other request in flight. Latencies are tens of ms so
+# that the test process's own event-loop lag (the sims and the gateway share it, on a
+# busy machine) stays small beside them.
+LOAD = {"ttft_ms": 30.0, "ttft_per_inflight_ms": 10.0, "itl_ms": 5.0,
+        "itl_per_inflight_ms": 1.0, "tokens": 6}
+SCORERS = ["reliability", "latency", "cache"]
+PHASES = ((1, 120), (2, 120), (8, 120), (16, 240))
+"""(clients in flight, requests): closed-loop phases, so the primary runs at each load."""
+
+
+def _evaluation(tmp_path: Any, min_samples: int = 10) -> dict[str, Any]:
+    return {"enabled": True, "scorers": SCORERS,
+            "store": {"url": f"sqlite+aiosqlite:///{tmp_path / 'u.db'}"},
+            "gates": {"min_samples": min_samples}}
+
+
+def _written(gw: RunningGateway, records: int) -> bool:
+    evaluation = gw.state.evaluation
+    assert evaluation is not None
+    stats = evaluation.writer_stats
+    return stats is not None and stats.written_records >= records
+
+
+async def _chat(http: aiohttp.ClientSession, gw: RunningGateway,
+                messages: list[dict[str, str]], session: str) -> str:
+    body = {"model": "sim-model", "messages": messages, "stream": True, "user": session}
+    text = []
+    async with http.post(gw.base_url + "/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"content":"' in line:
+                text.append(line.split(b'"content":"')[1].split(b'"')[0].decode())
+    return "".join(text)
+
+
+async def _phases(http: aiohttp.ClientSession, gw: RunningGateway,
+                  phases: tuple[tuple[int, int], ...] = PHASES) -> int:
+    """Closed-loop load: in each phase ``clients`` clients send ``n`` requests in all."""
+    sent = 0
+    for clients, n in phases:
+        queue = list(range(sent, sent + n))
+        await asyncio.gather(*(_client(http, gw, queue) for _ in range(clients)))
+        sent += n
+    return sent
+
+
+async def _client(http: aiohttp.ClientSession, gw: RunningGateway, queue: list[int]) -> None:
+    while queue:
+        i = queue.pop()
+        await _chat(http, gw, [{"role": "user", "content": f"question {i}"}], f"s{i}")
+
+
+async def _report(http: aiohttp.ClientSession, gw: RunningGateway, name: str) -> dict[str, Any]:
+    async with http.get(f"{gw.admin_url}/candidates/{name}/report") as resp:
+        assert resp.status == 200, await resp.text()
+        report: dict[str, Any] = await resp.json()
+    return report
+
+
+def _metric(report: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = {m["metric"]: m for m in report["metrics"]}[name]
+    return found
+
+
+async def _mirrored(gw: RunningGateway, candidate: str,
+                    traffic: Callable[[], Awaitable[int]]) -> None:
+    await traffic()
+    joined = gw.metric("understudy_mirror_joined_total", candidate=candidate)
+    await eventually(lambda: _written(gw, int(joined)), within_s=60)
+
+
+async def test_identical_candidate_at_ten_percent_is_not_judged_faster(tmp_path: Any) -> None:
+    async with run_sim(**LOAD) as primary, run_sim(**LOAD) as candidate, \
+            run_gateway(primary.url, candidates=[
+                {"name": "twin", "url": candidate.url, "sample_rate": 0.1,
+                 "sampling_unit": "request"}],
+                evaluation=_evaluation(tmp_path)) as gw, aiohttp.ClientSession() as http:
+        await _mirrored(gw, "twin", lambda: _phases(http, gw))
+        report = await _report(http, gw, "twin")
+    ttft = _metric(report, "latency.ttft_s")
+    pooled, matched = ttft["statistics"], ttft["matched"]
+    print(f"identical at 10%: pooled TTFT shift {pooled['relative_shift']:+.1%} "
+          f"(p={pooled['p_value']:.2g}); matched {matched['relative_shift']:+.1%} "
+          f"(p={matched['p_value']:.2g}), verdict {ttft['verdict']} on {ttft['basis']}")
+    # Pooled, the twin looks much faster: it ran at a tenth of the primary's load.
+    assert pooled["relative_shift"] < -0.3 and pooled["p_value"] < 0.01
+    # At matched load it is not faster.
+    assert ttft["basis"] == "primary at matched load and cache"
+    assert matched["comparable"]
+    assert not (matched["shift_ci_high"] < 0.0), matched
+    assert matched["relative_shift"] > -0.1
+    curves = report["conditions"]["load_curves"]["latency.ttft_s"]
+    assert curves["primary"]["slope"] > 0.001  # ~3 ms per request in flight
+    assert {"candidate", "primary"} <= set(curves)
+    printed = (await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "gateway.cli", "report", "twin", "--db",
+                         _evaluation(tmp_path)["store"]["url"]],
+        capture_output=True, text=True, check=True)).stdout
+    print(printed)
+    assert "latency at matched load" in printed and "latency vs concurrency" in printed
+
+
+async def test_truly_faster_candidate_is_judged_faster_at_equal_load(tmp_path: Any) -> None:
+    faster = {**LOAD, "ttft_ms": 10.0, "ttft_per_inflight_ms": 5.0}
+    async with run_sim(**LOAD) as primary, run_sim(**faster) as candidate, \
+            run_gateway(primary.url, candidates=[
+                {"name": "quick", "url": candidate.url, "sample_rate": 0.1,
+                 "sampling_unit": "request"}],
+                evaluation=_evaluation(tmp_path)) as gw, aiohttp.ClientSession() as http:
+        await _mirrored(gw, "quick", lambda: _phases(http, gw))
+        report = await _report(http, gw, "quick")
+    ttft = _metric(report, "latency.ttft_s")
+    matched = ttft["matched"]
+    print(f"faster at 10%: matched TTFT shift {matched['relative_shift']:+.1%} "
+          f"(p={matched['p_value']:.2g}), verdict {ttft['verdict']}")
+    assert matched["comparable"] and matched["shift_ci_high"] < 0.0
+    assert ttft["verdict"] == "PASS"
+
+
+async def test_cold_cache_candidate_is_compared_within_cache_strata(tmp_path: Any) -> None:
+    # Two-turn conversations: a first turn of varied length, then a one-word follow-up.
+    # The primary saw every first turn, so its second turns are served from its prefix
+    # cache; the candidate, mirrored 30 % of requests, mostly missed the first turn.
+    cached = {"ttft_ms": 2.0, "itl_ms": 0.5, "tokens": 4, "cache": "prefix",
+              "prefill_ms_per_token": 0.4}
+    sessions = 120
+    async with run_sim(**cached) as primary, run_sim(**cached) as candidate, \
+            run_gateway(primary.url, candidates=[
+                {"name": "cold", "url": candidate.url, "sample_rate": 0.3,
+                 "sampling_unit": "request"}],
+                evaluation=_evaluation(tmp_path)) as gw, aiohttp.ClientSession() as http:
+
+        async def conversations() -> int:
+            words = random.Random(7)
+            for s in range(sessions):
+                text = " ".join(f"w{words.randrange(1000)}" for _ in range(words.randrange(
+                    30, 200)))
+                messages = [{"role": "user", "content": f"s{s} {text}"}]
+                answer = await _chat(http, gw, messages, f"session-{s}")
+                messages += [{"role": "assistant", "content": answer},
+                             {"role": "user", "content": "more"}]
+                await _chat(http, gw, messages, f"session-{s}")
+            return 2 * sessions
+
+        await _mirrored(gw, "cold", conversations)
+        report = await _report(http, gw, "cold")
+    ttft = _metric(report, "latency.ttft_s")
+    pooled, matched = ttft["statistics"], ttft["matched"]
+    hit = report["conditions"]["cache"]["hit_rates"]
+    print(f"cold cache: pooled TTFT shift {pooled['relative_shift']:+.1%} "
+          f"(p={pooled['p_value']:.2g}); within cache strata {matched['relative_shift']:+.1%} "
+          f"(p={matched['p_value']:.2g}); hit rates candidate "
+          f"{hit['candidate']['hit_rate']:.2f}, primary {hit['primary']['hit_rate']:.2f}")
+    assert hit["candidate"]["hit_rate"] < hit["primary"]["hit_rate"]
+    assert pooled["relative_shift"] > 0.2 and pooled["p_value"] < 0.01  # looks slower
+    assert matched["comparable"]
+    assert any("cached" in s["label"] and s["comparable"] for s in matched["strata"])
+    assert not matched["shift_ci_low"] > 0.0, matched  # not slower like for like
+    strata = report["conditions"]["cache"]["ttft_within_cache_strata"]
+    assert strata["comparable"]
+
+
+WAVES = 16
+
+
+async def test_byte_bounded_buffer_dropping_long_prompts_flags_a_skew(tmp_path: Any) -> None:
+    async with run_sim(ttft_ms=1, itl_ms=0.5, tokens=4) as primary, \
+            run_sim(ttft_ms=10, itl_ms=1, tokens=4) as candidate, \
+            run_gateway(primary.url, candidates=[
+                {"name": "narrow", "url": candidate.url, "max_concurrency": 2,
+                 "buffer_bytes": 4000, "buffer_items": 64}],
+                evaluation=_evaluation(tmp_path)) as gw, aiohttp.ClientSession() as http:
+
+        async def mixed() -> int:
+            shapes = random.Random(3)
+
+            async def one(i: int) -> None:
+                long = shapes.random() < 0.5
+                words = 300 if long else 5
+                content = f"q{i} " + " ".join("word" for _ in range(words))
+                await _chat(http, gw, [{"role": "user", "content": content}], f"s{i}")
+
+            for wave in range(WAVES):
+                await asyncio.gather(*(one(wave * 16 + i) for i in range(16)))
+                await asyncio.sleep(0.05)
+            return WAVES * 16
+
+        await _mirrored(gw, "narrow", mixed)
+        report = await _report(http, gw, "narrow")
+    bias = report["sample_bias"]
+    assert bias is not None and bias["ks_statistic"] is not None, bias
+    print(f"byte-bounded buffer: seen median {bias['median_seen']}, evaluated median "
+          f"{bias['median_evaluated']}, KS D {bias['ks_statistic']:.2f} "
+          f"(p={bias['ks_p_value']:.2g}); drops {bias['drops_by_reason']}; "
+          f"verdict {report['verdict']}: {bias['reasons']}")
+    assert bias["skew"], bias["reasons"]
+    assert bias["drops_by_reason"].get("buffer_full", 0) > 0
+    # The long prompts were dropped first: their bucket is under-represented.
+    longest = max(bias["buckets"], key=lambda b: b["seen"] and float(
+        b["prompt_tokens"].strip("[<>=").split(",")[0]))
+    assert longest["evaluated_share"] < longest["seen_share"]
+    assert longest["drop_rate"] > 0.5
+    reasons = " ".join(report["reasons"])
+    assert "sample skew" in reasons
+
+
+@pytest.mark.parametrize("rate", [0.1])
+async def test_replica_at_the_same_rate_is_the_latency_baseline(tmp_path: Any,
+                                                                rate: float) -> None:
+    async with run_sim(**LOAD) as primary, run_sim(**LOAD) as twin, \
+            run_sim(**LOAD) as replica, \
+            run_gateway(primary.url, candidates=[
+                {"name": "twin", "url": twin.url, "sample_rate": rate,
+                 "sampling_unit": "request"},
+                {"name": "replica", "url": replica.url, "sample_rate": rate,
+                 "sampling_unit": "request", "role": "secondary"}],
+                evaluation=_evaluation(tmp_path, min_samples=10)) as gw, \
+            aiohttp.ClientSession() as http:
+        await _mirrored(gw, "twin", lambda: _phases(http, gw, ((4, 200), (12, 200))))
+        await eventually(lambda: _written(gw, int(
+            gw.metric("understudy_mirror_joined_total", candidate="twin")
+            + gw.metric("understudy_mirror_joined_total", candidate="replica"))), within_s=60)
+        report = await _report(http, gw, "twin")
+    ttft = _metric(report, "latency.ttft_s")
+    print(f"against the replica: TTFT shift {ttft['statistics']['relative_shift']:+.1%} "
+          f"(p={ttft['statistics']['p_value']:.2g}), verdict {ttft['verdict']}")
+    assert ttft["basis"] == "replica at the same rate"
+    assert ttft["statistics"]["hl_ci_low"] <= 0.0 <= ttft["statistics"]["hl_ci_high"] or abs(
+        ttft["statistics"]["relative_shift"]) < 0.25
