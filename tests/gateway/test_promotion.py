@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -185,6 +186,8 @@ async def _stream_text(client: openai.AsyncOpenAI, prompt: str) -> str:
 
 
 async def test_canary_steps_up_and_promotes_or_rolls_back(tmp_path: Any) -> None:
+    """Each step is judged on the scores since it began: traffic keeps flowing meanwhile
+    (the sessions the canary does not serve are mirrored to it and scored)."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"
     async with run_sim(ttft_ms=1, itl_ms=0, tokens=6) as primary, \
             run_sim(ttft_ms=1, itl_ms=0, tokens=6) as good, \
@@ -193,25 +196,45 @@ async def test_canary_steps_up_and_promotes_or_rolls_back(tmp_path: Any) -> None
                                                  {"name": "bad", "url": bad.url}],
                         evaluation=_evaluation(url)) as gw, \
             aiohttp.ClientSession() as http:
-        await _traffic(gw, 12)
-        await eventually(lambda: _scored(gw, 24))
-        status, body = await _post(http, gw.admin_url + "/candidates/bad/canary",
-                                   {"steps": [10, 100], "interval_s": 0.3})
-        assert status == 202 and body["routing"]["canary"]["percent"] == 10
-        status, body = await _post(http, gw.admin_url + "/candidates/good/canary",
-                                   {"steps": [50, 100], "interval_s": 0.3})
-        assert status == 409  # one canary at a time
-        await eventually(lambda: gw.state.routing.canary is None, within_s=10)
-        assert gw.state.routing.primary.name == "primary"  # the bad canary rolled back
 
-        status, body = await _post(http, gw.admin_url + "/candidates/good/canary",
-                                   {"steps": [50, 100], "interval_s": 0.3})
-        assert status == 202
-        await eventually(lambda: gw.state.routing.primary.name == "good", within_s=10)
-        assert gw.metric("understudy_canary_percent") == 0
+        async def steady() -> None:
+            for round_ in range(1000):
+                await _traffic(gw, 4, tag=f"r{round_}")
+
+        background = asyncio.create_task(steady())
+        try:
+            await eventually(lambda: _scored(gw, 24))
+            status, body = await _post(http, gw.admin_url + "/candidates/bad/canary",
+                                       {"steps": [10, 100], "interval_s": 1.0})
+            assert status == 202 and body["routing"]["canary"]["percent"] == 10
+            status, body = await _post(http, gw.admin_url + "/candidates/good/canary",
+                                       {"steps": [50, 100], "interval_s": 1.0})
+            assert status == 409  # one canary at a time
+            await eventually(lambda: gw.state.routing.canary is None, within_s=20)
+            assert gw.state.routing.primary.name == "primary"  # the bad canary rolled back
+
+            status, body = await _post(http, gw.admin_url + "/candidates/good/canary",
+                                       {"steps": [50, 100], "interval_s": 1.0})
+            assert status == 202
+            await eventually(lambda: gw.state.routing.primary.name == "good", within_s=30)
+            assert gw.metric("understudy_canary_percent") == 0
+        finally:
+            background.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await background
     actions = [a for a, _, _ in await _audit(url)]
     assert actions == ["canary_start", "canary_rollback", "canary_start", "canary_step",
                        "promote"]
+    steps = [d for a, _, d in await _audit(url) if a in ("canary_step", "promote")]
+    assert all(d["verdict"] in ("PASS", "MARGINAL") for d in steps)
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as connection:
+            windows = (await connection.execute(sa.text(
+                "SELECT window_start FROM verdicts WHERE window_start IS NOT NULL"))).all()
+    finally:
+        await engine.dispose()
+    assert len(windows) >= 3  # every canary judgement had its step's window
 
 
 async def test_canary_validation() -> None:

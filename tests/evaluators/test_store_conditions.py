@@ -1,0 +1,77 @@
+"""The store's side of issue 13: the conditions each value was measured under, the
+evaluated requests, and the all-traffic histograms (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from evaluators import Score
+from evaluators.store import (
+    TRAFFIC_SEEN,
+    ScoreWriter,
+    TrafficCount,
+    create_engine,
+    downgrade,
+    load_conditioned_samples,
+    load_evaluated_requests,
+    load_traffic,
+    record_traffic,
+    session_factory,
+    upgrade,
+)
+from tests.evaluators.test_store import make_exchange, make_observation, quick_config, written
+
+
+@pytest.fixture
+async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
+    """An engine on a migrated, empty database; migrated back down afterwards."""
+    await upgrade(db_url)
+    engine = create_engine(db_url)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+        await downgrade(db_url, "base")
+
+
+async def test_conditions_are_stored_and_loaded_with_their_values(engine: AsyncEngine) -> None:
+    config = quick_config(engine)
+    async with ScoreWriter(engine, config) as writer:
+        for i in range(3):
+            rid = f"r{i}"
+            primary = dataclasses.replace(make_observation(rid, "primary"), concurrency=8 + i)
+            candidate = dataclasses.replace(make_observation(rid, "cand-a"), concurrency=1)
+            exchange = dataclasses.replace(
+                make_exchange(rid, primary=primary), candidate_observation=candidate,
+                prompt_bytes=100 * (i + 1), turn_depth=i)
+            assert writer.submit(exchange, [Score("latency.ttft_s", 0.1 + i, 0.2 + i)])
+        await written(writer, 3)
+    async with session_factory(engine)() as session:
+        loaded = await load_conditioned_samples(session, "cand-a", ["latency.ttft_s"])
+        evaluated = await load_evaluated_requests(session, "cand-a")
+    ttft = loaded["latency.ttft_s"]
+    assert ttft.candidate == [0.1, 1.1, 2.1] and ttft.primary == [0.2, 1.2, 2.2]
+    assert ttft.candidate_concurrency == [1, 1, 1] and ttft.primary_concurrency == [8, 9, 10]
+    assert ttft.primary_prompt_tokens == [12, 12, 12]
+    assert ttft.candidate_cached_tokens == [None, None, None]  # unknown stays unknown
+    assert evaluated.prompt_bytes == [100, 200, 300] and evaluated.turn_depth == [0, 1, 2]
+    assert evaluated.streamed == [True, True, True]
+
+
+async def test_traffic_counts_add_up_across_flushes(engine: AsyncEngine) -> None:
+    window = 1_764_633_600  # a whole minute
+    first = [TrafficCount(window, "", TRAFFIC_SEEN, "size", "64", 3),
+             TrafficCount(window, "cand-a", "buffer_full", "size", "512", 2)]
+    second = [TrafficCount(window, "", TRAFFIC_SEEN, "size", "64", 4),
+              TrafficCount(window, "cand-b", "buffer_full", "size", "512", 9)]
+    for counts in (first, second):
+        async with session_factory(engine)() as session, session.begin():
+            await record_traffic(session, counts)
+    async with session_factory(engine)() as session:
+        loaded = sorted(await load_traffic(session, "cand-a"), key=lambda c: c.outcome)
+    assert loaded == [TrafficCount(window, "cand-a", "buffer_full", "size", "512", 2),
+                      TrafficCount(window, "", TRAFFIC_SEEN, "size", "64", 7)]
