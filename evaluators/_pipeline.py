@@ -20,7 +20,9 @@ Rules (DESIGN.md invariants 1 and 7):
    (``reason=sink_full``).
 2. The child reports its counters and its writer's every ``STATS_INTERVAL_S`` on a pipe
    that a reader on this loop receives; ``stats`` and ``writer_stats`` are the latest,
-   summed over every child this pipeline has had.
+   summed over every child this pipeline has had. The child scores in batches of at
+   most ``batch_size`` (what was queued when it took the last one); ``stats`` has the
+   batches, the last one's size and the queue's depth, for the gateway's metrics.
 3. Every accepted exchange is scored and submitted to the ScoreWriter (which stores it or
    counts its own drop) or counted as dropped: ``scoring_error`` (by the child),
    ``shutdown`` (not scored within ``drain_timeout_s`` at close) or ``process_exit``
@@ -72,6 +74,7 @@ from typing import TypeVar
 from evaluators._exchange import Exchange
 from evaluators._scorers import DEFAULT_SCORERS, ScorerConfig
 from evaluators._scoring_process import (
+    MAX_BATCH_SIZE,
     Drain,
     Failed,
     ProcessSettings,
@@ -91,6 +94,7 @@ K = TypeVar("K")
 
 DEFAULT_MAX_PENDING = 10_000
 DEFAULT_BATCH_SIZE = 64
+"""The most exchanges the child scores together (at most ``MAX_BATCH_SIZE``)."""
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 DEFAULT_NICENESS = 10
 """Added to the child's nice value: a CPU share about a tenth of the gateway's when they
@@ -131,6 +135,13 @@ class PipelineStats:
     dropped: dict[str, int]
     restarts: int = 0
     """Children started to replace one that died (rule 8)."""
+    batches: int = 0
+    """Batches the children scored (rule 2)."""
+    batch_size: int = 0
+    """Exchanges in the batch the child took last (0 before the first)."""
+    queue_depth: int = 0
+    """Exchanges on the queue, not yet taken by the child (``pending`` also counts those
+    it is scoring)."""
 
 
 class EvaluationPipeline:
@@ -146,6 +157,8 @@ class EvaluationPipeline:
                  restart_window_s: float = DEFAULT_RESTART_WINDOW_S,
                  restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S,
                  hold_writes: bool = False) -> None:
+        if not 1 <= batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(f"batch_size must be in 1..{MAX_BATCH_SIZE}")
         self._settings = ProcessSettings(
             store=store, scorers=tuple(scorers), scoring=scoring or ScorerConfig(),
             batch_size=batch_size, drain_timeout_s=drain_timeout_s, niceness=niceness,
@@ -169,6 +182,7 @@ class EvaluationPipeline:
         self._writer_stats: WriterStats | None = None
         # Totals of the children that died, and what is counted here, not by a child.
         self._past_scored = 0
+        self._past_batches = 0
         self._past_dropped: Counter[str] = Counter()
         self._past_writer: WriterStats | None = None
         self._accepted = 0
@@ -199,9 +213,20 @@ class EvaluationPipeline:
         dropped = Counter(self._past_dropped)
         dropped.update(last.dropped if last is not None else {})
         dropped.update(self._dropped)
-        pending = self._accepted - scored - sum(dropped.values())
-        return PipelineStats(self._accepted, scored, max(pending, 0), dict(dropped),
-                             self._restarts)
+        pending = max(self._accepted - scored - sum(dropped.values()), 0)
+        batches = self._past_batches + (last.batches if last is not None else 0)
+        return PipelineStats(self._accepted, scored, pending, dict(dropped),
+                             self._restarts, batches,
+                             last.last_batch_size if last is not None else 0,
+                             self._queue_depth(pending))
+
+    def _queue_depth(self, pending: int) -> int:
+        if self._queue is None or self._state in (PipelineState.FAILED, PipelineState.CLOSED):
+            return 0
+        try:
+            return min(self._queue.qsize(), pending)
+        except NotImplementedError:  # macOS has no sem_getvalue
+            return pending
 
     @property
     def writer_stats(self) -> WriterStats | None:
@@ -390,6 +415,7 @@ class EvaluationPipeline:
         is lost with it."""
         if self._last is not None:
             self._past_scored += self._last.scored
+            self._past_batches += self._last.batches
             self._past_dropped.update(self._last.dropped)
         writer = self._writer_stats
         if writer is not None:

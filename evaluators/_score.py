@@ -9,25 +9,33 @@ Rules every scorer keeps:
    ``candidate`` and ``primary`` is ``None``.
 3. Every metric a scorer emits is listed in :data:`METRICS` with its direction, so that the
    judge knows whether a larger value is better without knowing the scorer.
+4. A scorer may also score many exchanges in one call (:class:`BatchScorer`), for work
+   that is cheaper together (the sentence encoder's). Only a scorer whose scores of one
+   exchange do not depend on the others may: :func:`score_batch` runs the batch scorers
+   first, then every other scorer exchange by exchange in order, so a stateful scorer
+   (the throughput window) sees the same sequence as with :func:`score_exchange`, and
+   every exchange gets the scores it would get alone.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from evaluators._exchange import Exchange
 
 __all__ = [
     "METRICS",
+    "BatchScorer",
     "Direction",
     "MetricKind",
     "MetricSpec",
     "Score",
     "Scorer",
+    "score_batch",
     "score_exchange",
 ]
 
@@ -56,6 +64,14 @@ class Scorer(Protocol):
     def name(self) -> str: ...
 
     def score(self, exchange: Exchange) -> list[Score]: ...
+
+
+@runtime_checkable
+class BatchScorer(Scorer, Protocol):
+    """A scorer that also scores a batch at once (rule 4); ``score_batch(xs)[i]`` equals
+    ``score(xs[i])`` within float rounding."""
+
+    def score_batch(self, exchanges: Sequence[Exchange]) -> list[list[Score]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +125,34 @@ def score_exchange(exchange: Exchange, scorers: Iterable[Scorer]) -> list[Score]
     for scorer in scorers:
         scores.extend(scorer.score(exchange))
     return scores
+
+
+def score_batch(exchanges: Sequence[Exchange],
+                scorers: Sequence[Scorer]) -> list[list[Score] | Exception]:
+    """Every score of every scorer for each exchange, as :func:`score_exchange` gives them
+    one at a time (rule 4); an exchange whose scoring raised gets the exception instead.
+
+    A batch scorer that raises on the batch is asked again exchange by exchange, so one
+    bad exchange costs only its own scores.
+    """
+    batched: dict[int, list[list[Score]]] = {}
+    for position, scorer in enumerate(scorers):
+        if isinstance(scorer, BatchScorer) and len(exchanges) > 1:
+            try:
+                each = scorer.score_batch(exchanges)
+            except Exception:  # retried one by one below, which reports it
+                continue
+            if len(each) == len(exchanges):
+                batched[position] = each
+    results: list[list[Score] | Exception] = []
+    for i, exchange in enumerate(exchanges):
+        try:
+            scores: list[Score] = []
+            for position, scorer in enumerate(scorers):
+                done = batched.get(position)
+                scores.extend(done[i] if done is not None else scorer.score(exchange))
+        except Exception as exc:  # the caller counts it (scoring_error)
+            results.append(exc)
+        else:
+            results.append(scores)
+    return results

@@ -201,6 +201,18 @@ class EvaluationCollector(Collector):
                                       value=pipeline.restarts)
             yield CounterMetricFamily("understudy_evaluation_scored",
                                       "Exchanges scored.", value=pipeline.scored)
+            yield CounterMetricFamily("understudy_scoring_exchanges",
+                                      "Exchanges the scoring child scored (its throughput: "
+                                      "rate() of this).", value=pipeline.scored)
+            yield CounterMetricFamily("understudy_scoring_batches",
+                                      "Batches the scoring child scored.",
+                                      value=pipeline.batches)
+            yield GaugeMetricFamily("understudy_scoring_batch_size",
+                                    "Exchanges in the batch the scoring child took last.",
+                                    value=pipeline.batch_size)
+            yield GaugeMetricFamily("understudy_scoring_queue_depth",
+                                    "Exchanges queued for the scoring child, not yet taken.",
+                                    value=pipeline.queue_depth)
             yield GaugeMetricFamily("understudy_evaluation_pending",
                                     "Exchanges waiting to be scored.", value=pipeline.pending)
             dropped = CounterMetricFamily("understudy_evaluation_dropped",

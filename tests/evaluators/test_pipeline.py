@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from evaluators import EvaluationPipeline, EvaluationProcessError, PipelineState
-from evaluators._scoring_process import STATS_INTERVAL_S
+from evaluators._pipeline import DEFAULT_BATCH_SIZE
+from evaluators._scoring_process import MAX_BATCH_SIZE, STATS_INTERVAL_S
 from evaluators.store import StoreConfig, upgrade
 from tests.evaluators.test_store import make_exchange
 from tests.fixtures_db import sqlite_url
@@ -70,12 +71,21 @@ async def test_scores_and_stores_in_a_child_process(pipeline: EvaluationPipeline
     await eventually(lambda: _written(pipeline, 50), within_s=20)
     stats = pipeline.stats
     assert (stats.accepted, stats.scored, stats.pending, stats.dropped) == (50, 50, 0, {})
+    # drained in batches of what was queued, each at most the pipeline's batch size
+    assert 1 <= stats.batches <= 50 and 1 <= stats.batch_size <= DEFAULT_BATCH_SIZE
+    assert stats.queue_depth == 0
     writer = pipeline.writer_stats
     assert writer is not None and writer.written_rows["scores"] > 0
     pid = pipeline.pid
     await pipeline.close()
     assert pipeline.state is PipelineState.CLOSED and _gone(pid)
     assert not pipeline.submit(make_exchange("late"))
+
+
+def test_batch_size_is_bounded(store: StoreConfig) -> None:
+    for size in (0, MAX_BATCH_SIZE + 1):
+        with pytest.raises(ValueError, match="batch_size"):
+            EvaluationPipeline(store, CHEAP_SCORERS, batch_size=size)
 
 
 async def test_submit_refuses_before_start(store: StoreConfig) -> None:

@@ -104,6 +104,10 @@ async def test_the_gateway_serves_while_its_store_is_unreachable_at_start(
                 # Scored, held by the writer, not written anywhere yet.
                 await eventually(lambda: gw.metric("understudy_evaluation_scored_total") >= 10,
                                  within_s=20)
+                assert gw.metric("understudy_scoring_exchanges_total") >= 10
+                assert gw.metric("understudy_scoring_batches_total") >= 1
+                assert gw.metric("understudy_scoring_batch_size") >= 1
+                assert gw.metric("understudy_scoring_queue_depth") >= 0
                 assert _written(gw) == 0
 
                 if outage == "black_hole":
