@@ -231,9 +231,15 @@ class BlockPool:
     ) -> BlockPool:
         """As many blocks as ``kv_limit_bytes`` pays for (the null block included).
 
-        With a codec a block costs its true encoded bytes, after ``raw_blocks`` (one per running
-        sequence) are paid for raw with a raw sink row each: the block being filled."""
-        block_bytes = layout.bytes_per_block if codec is None else codec.block_bytes
+        With a codec a block costs what it holds resident: its encoded bytes and, until the
+        float32 store becomes a bounded cache of decoded blocks, its decoded copy too (so a codec
+        bounds memory like fp32 and does not yet buy more blocks); ``raw_blocks`` (one per
+        running sequence) are paid for with a raw sink row each: the block being filled."""
+        block_bytes = (
+            layout.bytes_per_block
+            if codec is None
+            else layout.bytes_per_block + codec.block_bytes
+        )
         reserved = 0 if codec is None else raw_blocks * (layout.bytes_per_block + codec.sink_bytes)
         num_blocks = (kv_limit_bytes - reserved) // block_bytes - 1
         if num_blocks < 1:
