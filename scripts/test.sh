@@ -23,5 +23,6 @@ forced=Haswell
 echo "test: engine exactness under OPENBLAS_CORETYPE=$forced (native kernel: $native)"
 OPENBLAS_CORETYPE=$forced exec .venv/bin/pytest -q \
     tests/backends/engine/model/test_linear.py tests/backends/engine/kv/test_kvcache.py \
+    tests/backends/engine/kv/test_paged_codec.py \
     tests/backends/engine/model/test_model.py tests/backends/engine/serving/test_scheduler.py \
     tests/backends/engine/serving/test_disagg.py
