@@ -18,6 +18,7 @@ from pydantic import (
     Field,
     JsonValue,
     SecretStr,
+    ValidationError,
     WithJsonSchema,
     field_validator,
 )
@@ -133,7 +134,11 @@ class UpstreamConfig(_Section):
     @classmethod
     def _root_url(cls, url: str) -> str:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"upstream url must start with http:// or https://, got {url!r}")
+            # The URL itself may carry a password: name only its scheme.
+            scheme = url.partition("://")[0] if "://" in url else ""
+            raise ValueError(
+                f"upstream url must start with http:// or https://, got scheme {scheme[:16]!r}"
+            )
         url = url.rstrip("/")
         return url.removesuffix("/v1")
 
@@ -269,7 +274,16 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     environment = EnvSettingsSource(GatewayConfig)()
     if token := os.environ.get(ADMIN_TOKEN_ENV):
         environment = _deep_merge(environment, {"admin": {"token": token}})
-    return GatewayConfig(**_deep_merge(_deep_merge(data, environment), overrides or {}))
+    merged = _deep_merge(_deep_merge(data, environment), overrides or {})
+    # BaseSettings takes keys such as ``_env_file`` as options of its own, past
+    # ``extra="forbid"``: they are unknown keys here like any other.
+    options = [key for key in merged if key.startswith("_")]
+    if options:
+        raise ValidationError.from_exception_data(
+            GatewayConfig.__name__,
+            [{"type": "extra_forbidden", "loc": (key,), "input": merged[key]} for key in options],
+        )
+    return GatewayConfig(**merged)
 
 
 _CANDIDATE_FLAG_KEYS = {

@@ -4,11 +4,10 @@ Property: it returns a config or raises pydantic's ``ValidationError`` (what the
 into "invalid configuration: ..."), never another type, and the message never holds a
 secret value (API keys, the admin token, a URL's password).
 
-Known defects (found here; strict xfail, so a fix turns them into failures to drop the
-mark): top-level keys that are ``BaseSettings.__init__`` options (``_env_file``,
-``_secrets_dir``, ``_cli_parse_args``, ...) bypass ``extra="forbid"`` (a bad value raises
-TypeError, a traceback through the CLI); and the URL validator quotes the URL, password
-included, when its scheme is not http(s).
+Defects found here and fixed: top-level keys that are ``BaseSettings.__init__`` options
+(``_env_file``, ``_secrets_dir``, ``_cli_parse_args``, ...) bypassed ``extra="forbid"`` (a bad
+value raised TypeError, a traceback through the CLI); and the URL validator quoted the URL,
+password included, when its scheme was not http(s).
 """
 
 from __future__ import annotations
@@ -187,11 +186,6 @@ def test_the_toml_writer_round_trips() -> None:
     assert tomllib.loads(to_toml(document)) == document
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a top-level key naming a BaseSettings option is "
-    "passed to its __init__, past extra='forbid'",
-)
 @pytest.mark.parametrize("line", ["_env_file = 5", "_env_prefix = 5", "_cli_parse_args = true"])
 def test_settings_options_are_refused_as_unknown_keys(tmp_path: Path, line: str) -> None:
     path = tmp_path / "c.toml"
@@ -200,11 +194,6 @@ def test_settings_options_are_refused_as_unknown_keys(tmp_path: Path, line: str)
         load_config(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="UpstreamConfig._root_url quotes the URL, password "
-    "included, when the scheme is not http(s)",
-)
 @pytest.mark.parametrize("section", ["[primary]", '[[candidates]]\nname = "a"'])
 def test_a_url_password_is_not_echoed(tmp_path: Path, section: str) -> None:
     path = tmp_path / "c.toml"
