@@ -114,3 +114,8 @@ def test_a_failing_exchange_costs_only_its_own_scores() -> None:
     results = score_batch(exchanges, scorers)
     assert isinstance(results[1], RuntimeError)
     assert results[0] == results[2] == [Score("quality.exact_match", 1.0, None)]
+
+
+def test_encoder_batches_are_bounded_in_padded_tokens() -> None:
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        SentenceEncoder(max_batch_tokens=0)
