@@ -11,6 +11,10 @@ Rules:
    could only come from the lost bytes are unknown and ``truncated`` says so.
 3. ``concurrency`` is the gateway's count of requests in flight at this backend when
    this one was sent, this one included (the load it ran under); None when not counted.
+4. TTFT and e2e count from ``sent`` (the moment the gateway sends the request upstream)
+   when it is set, so the primary's (whose capture starts when the client's request
+   arrives, before its body is read) and a candidate's measure the backend alike; the
+   gateway's own Prometheus histograms keep counting from ``started``.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Capture:
     ended: float | None = None
     error: str | None = None
     concurrency: int | None = None
+    sent: float | None = None
 
     def add_chunk(self, now: float, chunk: bytes) -> None:
         if len(self.chunk_times) < self.max_chunk_times:
@@ -110,6 +115,7 @@ def observe(capture: Capture, *, request_id: str, backend: str, route: str,
     """Turn a finished capture into an Observation (parses the kept bytes once)."""
     times = capture.chunk_times
     first = times[0] if times else None
+    origin = capture.sent if capture.sent is not None else capture.started
     gaps = tuple(b - a for a, b in itertools.pairwise(times))
     parsed = _parse_body(capture)
     return Observation(
@@ -119,9 +125,9 @@ def observe(capture: Capture, *, request_id: str, backend: str, route: str,
         status=capture.status,
         streamed=capture.streamed,
         started_at=wall_started,
-        ttft_s=(first - capture.started) if first is not None else None,
+        ttft_s=(first - origin) if first is not None else None,
         chunk_gaps_s=gaps,
-        e2e_s=(capture.ended - capture.started) if capture.ended is not None else None,
+        e2e_s=(capture.ended - origin) if capture.ended is not None else None,
         usage=parsed.usage,
         finish_reason=parsed.finish_reason,
         text=parsed.text,
