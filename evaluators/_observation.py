@@ -15,6 +15,10 @@ Rules:
    when it is set, so the primary's (whose capture starts when the client's request
    arrives, before its body is read) and a candidate's measure the backend alike; the
    gateway's own Prometheus histograms keep counting from ``started``.
+5. Nothing on the wire is trusted: a field of an unexpected type is skipped as if absent, a
+   tool call's index is honoured only below ``MAX_TOOL_CALLS``, and a truncated capture keeps
+   the last ``CAPTURE_TAIL_BYTES`` bytes (where the usage and finish reason are), whatever
+   the reads' sizes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ from typing import Any
 import orjson
 
 __all__ = ["Capture", "Observation", "Usage", "observe"]
+
+MAX_TOOL_CALLS = 128
+"""Most tool calls an answer's observation keeps (a delta's index beyond it is ignored)."""
+CAPTURE_TAIL_BYTES = 16 * 1024
+"""Bytes a truncated capture keeps from the end of the answer (rule 5)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +74,7 @@ class Capture:
     headers_at: float | None = None
     chunk_times: list[float] = field(default_factory=list)
     body: bytearray = field(default_factory=bytearray)
-    tail: list[bytes] = field(default_factory=list)
+    tail: bytearray = field(default_factory=bytearray)
     total_bytes: int = 0
     truncated: bool = False
     ended: float | None = None
@@ -77,11 +86,13 @@ class Capture:
         if len(self.chunk_times) < self.max_chunk_times:
             self.chunk_times.append(now)
         self.total_bytes += len(chunk)
-        if len(self.body) + len(chunk) <= self.max_bytes:
-            self.body += chunk
+        if not self.truncated and len(self.body) + len(chunk) <= self.max_bytes:
+            self.body += chunk  # the body is the answer's first bytes, never a later piece
         else:
             self.truncated = True
-            self.tail = [*self.tail[-1:], chunk]
+            self.tail += chunk
+            if len(self.tail) > CAPTURE_TAIL_BYTES:
+                del self.tail[: len(self.tail) - CAPTURE_TAIL_BYTES]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +198,7 @@ def _parse_sse(capture: Capture, parsed: _Parsed) -> None:
             _absorb_chunk(event, parsed, pieces)
     if capture.truncated:
         # Only the tail survived: usage and finish reason may be there, the text is partial.
-        for event in _sse_events(b"".join(capture.tail).partition(b"\n")[2]):
+        for event in _sse_events(bytes(capture.tail).partition(b"\n")[2]):
             if isinstance(event, dict):
                 _absorb_chunk(event, parsed, [])
         parsed.text = None
@@ -201,7 +212,7 @@ def _absorb_chunk(event: dict[str, Any], parsed: _Parsed, pieces: list[str]) -> 
     usage = Usage.from_json(event.get("usage"))
     if usage is not None:
         parsed.usage = usage
-    for choice in event.get("choices") or ():
+    for choice in _list(event.get("choices")):
         if not isinstance(choice, dict):
             continue
         if choice.get("finish_reason"):
@@ -210,27 +221,45 @@ def _absorb_chunk(event: dict[str, Any], parsed: _Parsed, pieces: list[str]) -> 
         if isinstance(delta, dict):
             if isinstance(delta.get("content"), str):
                 pieces.append(delta["content"])
-            for call in delta.get("tool_calls") or ():
+            for call in _list(delta.get("tool_calls")):
                 _merge_tool_call_delta(parsed.tool_calls, call)
         elif isinstance(choice.get("text"), str):
             pieces.append(choice["text"])
 
 
 def _merge_tool_call_delta(calls: list[dict[str, Any]], delta: Any) -> None:
+    """Rule 5: the wire's index and types are checked, never trusted."""
     if not isinstance(delta, dict):
         return
-    index = delta.get("index", len(calls))
+    index = _int_or_none(delta.get("index", len(calls)))
+    if index is None or not 0 <= index < MAX_TOOL_CALLS:
+        return
     while len(calls) <= index:
         calls.append({"name": "", "arguments": ""})
-    function = delta.get("function") or {}
-    calls[index]["name"] += function.get("name") or ""
-    calls[index]["arguments"] += function.get("arguments") or ""
+    name, arguments = _function_parts(delta.get("function"))
+    calls[index]["name"] += name
+    calls[index]["arguments"] += arguments
+
+
+def _function_parts(function: Any) -> tuple[str, str]:
+    """A tool call's ``function`` name and arguments; "" for what is missing or not a string."""
+    if not isinstance(function, dict):
+        return "", ""
+    name, arguments = function.get("name"), function.get("arguments")
+    return (
+        name if isinstance(name, str) else "",
+        arguments if isinstance(arguments, str) else "",
+    )
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
 
 
 def _absorb_completion(doc: dict[str, Any], parsed: _Parsed) -> None:
     parsed.model = doc.get("model") if isinstance(doc.get("model"), str) else None
     parsed.usage = Usage.from_json(doc.get("usage"))
-    choices = doc.get("choices") or []
+    choices = _list(doc.get("choices"))
     if not choices or not isinstance(choices[0], dict):
         return
     choice = choices[0]
@@ -240,10 +269,10 @@ def _absorb_completion(doc: dict[str, Any], parsed: _Parsed) -> None:
     if isinstance(message, dict):
         content = message.get("content")
         parsed.text = content if isinstance(content, str) else None
-        for call in message.get("tool_calls") or ():
-            function = call.get("function") or {} if isinstance(call, dict) else {}
-            parsed.tool_calls.append({"name": function.get("name") or "",
-                                      "arguments": function.get("arguments") or ""})
+        for call in _list(message.get("tool_calls"))[:MAX_TOOL_CALLS]:
+            name, arguments = _function_parts(call.get("function") if isinstance(call, dict)
+                                              else None)
+            parsed.tool_calls.append({"name": name, "arguments": arguments})
     elif isinstance(choice.get("text"), str):
         parsed.text = choice["text"]
 

@@ -113,6 +113,8 @@ class UsageEventFilter:
 
     def feed(self, chunk: bytes) -> bytes:
         if self._done:
+            if self._pending:  # what followed the usage event in its read goes first
+                chunk, self._pending = self._pending + chunk, b""
             return chunk
         data = self._pending + chunk if self._pending else chunk
         cut = data.rfind(b"\n\n")

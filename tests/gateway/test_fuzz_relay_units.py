@@ -8,10 +8,10 @@ Properties:
    reordered or held back after ``flush``).
 3. Arbitrary bytes never raise.
 
-Known defect (found here; strict xfail, so a fix turns these into failures to drop the
-mark): once the usage event is seen the filter passes later chunks straight through but
-keeps the bytes that followed the usage event in the same read (``_pending``) until
-``flush``, so they reach the client last, out of order (see the reproducer below).
+Defect found here and fixed: once the usage event was seen the filter passed later chunks
+straight through but kept the bytes that followed the usage event in the same read
+(``_pending``) until ``flush``, so they reached the client last, out of order (the reproducer
+below).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import itertools
 from typing import Any
 
 import orjson
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -122,12 +121,6 @@ def _filtered(chunks: list[bytes]) -> bytes:
 _cuts = st.lists(st.integers(0, 1 << 16), max_size=60)
 
 
-_PENDING_REORDERED = (
-    "UsageEventFilter keeps the bytes after the usage event in the same read "
-    "until flush(): they reach the client after everything else"
-)
-
-
 @FUZZ
 @given(pair=stream_pairs(), cuts=_cuts)
 def test_client_sees_the_stream_without_usage_when_cut_up_to_the_usage_event(
@@ -141,7 +134,6 @@ def test_client_sees_the_stream_without_usage_when_cut_up_to_the_usage_event(
     assert _filtered([*head, upstream[end:]]) == client
 
 
-@pytest.mark.xfail(strict=True, reason=_PENDING_REORDERED)
 @FUZZ
 @given(pair=stream_pairs(), cuts=_cuts)
 def test_client_sees_the_stream_without_usage_whatever_the_split(
@@ -152,7 +144,6 @@ def test_client_sees_the_stream_without_usage_whatever_the_split(
     assert _filtered(_splits(upstream, cuts)) == client
 
 
-@pytest.mark.xfail(strict=True, reason=_PENDING_REORDERED)
 @FUZZ
 @given(pair=stream_pairs(), cuts=_cuts)
 def test_byte_by_byte_and_whole_agree(pair: tuple[bytes, bytes], cuts: list[int]) -> None:
@@ -204,7 +195,6 @@ def test_arbitrary_bytes_never_raise(data: bytes, cuts: list[int]) -> None:
     assert isinstance(out, bytes)
 
 
-@pytest.mark.xfail(strict=True, reason=_PENDING_REORDERED)
 def test_reproducer_bytes_after_the_usage_event_stay_in_order() -> None:
     terminal = b'data: {"choices":[{"finish_reason":"stop"}]}\n\n'
     usage = b'data: {"choices":[],"usage":{}}\n\n'
