@@ -16,7 +16,9 @@ Rules (DESIGN.md invariant 8):
    step (100 %) promotes. A step the store cannot take is tried again next interval.
    Each step is judged on the scores since it began (``step_started_at``), never on the
    whole stored window: what an earlier step (or a mirror before it) measured does not
-   vouch for this one.
+   vouch for this one.  The 100 % step serves every session live, so nothing is mirrored
+   to compare: it is judged on the scores since the last step below 100 % began
+   (``Canary.judged_since``).
 4. Routing changes go through ``RoutingSync.commit``, which makes them the replicas' state
    too. One lock orders every change of this replica, candidates' included.
 """
@@ -247,7 +249,7 @@ class Promoter:
     async def _judge_step(self, name: str, actor: str) -> bool:
         """One step of rule 3; True when the canary is over (rolled back or promoted)."""
         current = self.routing.canary
-        since = current.step_started_at if current is not None else None
+        since = current.judged_since if current is not None else None
         judgement = await self._judge(name, since)
         verdict, verdict_id, reasons = judgement.label, judgement.verdict_id, judgement.reasons
         async with self._lock:
@@ -267,8 +269,7 @@ class Promoter:
             if judgement.outcome in (Outcome.INCONCLUSIVE, None):
                 return False
             if canary.step + 1 < len(canary.steps):
-                step = Canary(canary.backend, canary.steps, canary.step + 1,
-                              canary.interval_s, time.time())
+                step = canary.next_step(time.time())
                 await self._sync.commit(partial(Routing.with_canary, canary=step),
                                         audit=lambda _: AuditNote(actor, "canary_step", name, {
                                             "step": step.step, "percent": step.percent,

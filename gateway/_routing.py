@@ -45,21 +45,36 @@ class Canary:
     step: int
     interval_s: float
     step_started_at: float  # wall clock (time.time()) when the current step began
+    # When the last step below 100 % began: at 100 % every session is served live by the
+    # canary and nothing is mirrored to compare, so that step is judged on the scores since
+    # then (None: the canary started at 100 %).
+    measured_since: float | None = None
 
     @property
     def percent(self) -> float:
         return self.steps[self.step]
 
+    @property
+    def judged_since(self) -> float | None:
+        """The start of the scores this step is judged on (``_promotion`` rule 3)."""
+        return self.step_started_at if self.percent < 100 else self.measured_since
+
+    def next_step(self, now: float) -> Canary:
+        measured = self.step_started_at if self.percent < 100 else self.measured_since
+        return Canary(self.backend, self.steps, self.step + 1, self.interval_s, now, measured)
+
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend.to_dict(), "steps": list(self.steps),
                 "step": self.step, "percent": self.percent, "interval_s": self.interval_s,
-                "step_started_at": self.step_started_at}
+                "step_started_at": self.step_started_at, "measured_since": self.measured_since}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Canary:
         backend = data["backend"]
+        measured = data.get("measured_since")
         return cls(Backend(backend["name"], backend["url"]), tuple(data["steps"]),
-                   int(data["step"]), float(data["interval_s"]), float(data["step_started_at"]))
+                   int(data["step"]), float(data["interval_s"]), float(data["step_started_at"]),
+                   None if measured is None else float(measured))
 
 
 @dataclass(frozen=True, slots=True)

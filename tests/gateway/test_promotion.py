@@ -12,6 +12,7 @@ import openai
 import sqlalchemy as sa
 
 from evaluators.store import create_engine
+from gateway._routing import Backend, Canary
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 LOOSE_GATES = {"min_samples": 8, "max_median_shift_ratio": 3.0, "max_std_ratio": 10.0,
@@ -270,3 +271,15 @@ async def test_a_restart_keeps_a_promotion_unless_the_configured_primary_changed
         async with run_gateway(other.url, evaluation=_evaluation(url)) as gw:
             assert gw.state.routing.primary.url == other.url  # a new configured primary wins
             assert gw.state.routing.version == 3 and gw.state.routing.previous is None
+
+
+def test_the_full_step_is_judged_on_the_scores_since_the_last_mirrored_step() -> None:
+    """At 100 % nothing is mirrored: judging that step on its own window would hold forever."""
+    canary = Canary(Backend("good", "http://127.0.0.1:9"), (10.0, 50.0, 100.0), 0, 1.0, 100.0)
+    assert canary.judged_since == 100.0
+    half = canary.next_step(200.0)
+    assert half.judged_since == 200.0
+    full = half.next_step(300.0)
+    assert full.percent == 100.0 and full.judged_since == 200.0
+    assert Canary.from_dict(full.to_dict()) == full
+    assert Canary(canary.backend, (100.0,), 0, 1.0, 5.0).judged_since is None  # whole window
