@@ -1,6 +1,6 @@
-"""The gateway and the evaluators export exactly the names pinned here (as httpx's
+"""Each package exports exactly the names pinned here (as httpx's
 ``tests/test_exported_members.py``): a change to a public surface is a change to this file.
-The ``backends`` packages are pinned in ``tests/backends/test_exported_members.py``.
+Subpackages that only group a package's private modules export nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +12,29 @@ import pytest
 
 # Sorted, as each package's ``__all__`` is (ruff's RUF022).
 EXPORTED: dict[str, str] = {
+    "backends.openai_wire": """
+        DONE_EVENT JSON_CONTENT_TYPE LABELS SIMULATED_VLLM_VERSION SSE_CONTENT_TYPE AnswerWriter
+        ClientGone RequestError RequestKind RequestOutcome ResponseIdentity ServedApp
+        ServedModel StreamOptions Usage VLLMSeries chat_messages check_message_role check_room
+        client_left completion_prompt decode_body embedding_response error_body
+        install_openai_app invalid_value is_token_ids json_response metrics_response
+        optional_bool optional_float optional_int request_object response_id schema_error
+        serve_app serve_until_signalled sse_event stream_options
+    """,
+    "backends.sim": """
+        MAX_RECORDED_REQUESTS SIM_STATS FaultMode RecordedRequest RunningSim SimConfig SimStats
+        build_app running_sim sim_command
+    """,
+    "backends.engine": """
+        BlockPool ChatTokenizer Engine EngineRole EngineServerConfig EngineStats FinishReason
+        ForwardChunk KVBlock KVLayout LlamaModel ModelConfig NoFreeBlocksError
+        PrefixCacheStats RunningEngineServer SamplingParams TokenEvent build_engine_app
+        default_gguf_path engine_command hash_block running_engine_server
+    """,
+    "backends.vllm": """
+        VLLMProfile VLLMServer VLLMServerError command default_vllm_home environment model_dir
+        vllm_python
+    """,
     "gateway": """
         STATE GatewayConfig build_app load_config make_runner run serve
     """,
@@ -33,6 +56,8 @@ EXPORTED: dict[str, str] = {
         record_traffic record_verdict register_backend save_routing session_factory upgrade
     """,
 }
+# Subpackages that group a package's private modules; they export nothing of their own.
+INTERNAL_SUBPACKAGES = ("backends.engine.model", "backends.engine.kv", "backends.engine.serving")
 
 
 @pytest.mark.parametrize("name", sorted(EXPORTED))
@@ -44,9 +69,18 @@ def test_all_is_pinned(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(EXPORTED))
 def test_every_public_name_is_exported(name: str) -> None:
     module = importlib.import_module(name)
-    public = {
+    assert _public_names(module) == set(module.__all__)
+
+
+def _public_names(module: types.ModuleType) -> set[str]:
+    return {
         member
         for member, value in vars(module).items()
         if not member.startswith("_") and not isinstance(value, types.ModuleType)
     }
-    assert public == set(module.__all__)
+
+
+@pytest.mark.parametrize("name", INTERNAL_SUBPACKAGES)
+def test_internal_subpackages_export_nothing(name: str) -> None:
+    module = importlib.import_module(name)
+    assert not hasattr(module, "__all__") and not _public_names(module)

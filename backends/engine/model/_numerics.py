@@ -26,18 +26,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from threadpoolctl import threadpool_info, threadpool_limits  # type: ignore[import-untyped]
 
+from ..kv._store import DEFAULT_BLOCK_SIZE
 from ._attention import KEY_CHUNK, QUERY_TILE, attend
 from ._lanes import Product, RowLanes, rows_are_independent
 from ._linear import LinearPlan, TileWorkers, blas_threads
 
-__all__ = ["Numerics", "blas_kernel"]
+__all__ = ["Numerics", "attention_rows_independent", "blas_kernel"]
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,8 @@ class Numerics:
         """Pick and check the product paths for ``weights`` (one layer's, by kind)."""
         threads = blas_threads()
         plans = {kind: LinearPlan.for_weight(weight) for kind, weight in weights.items()}
-        attention = _attention_probes(head_dim)
         lanes: RowLanes | None = None
-        if not _independent(plans, weights, None, attention, workers):
+        if not _independent(plans, weights, None, head_dim, workers):
             # Rule 1: one path for every product.  Rule 5 of ``_lanes``: the engine's threads
             # share a product by columns while OpenBLAS runs each call on one thread.
             threadpool_limits(limits=1, user_api="blas")
@@ -98,7 +98,7 @@ class Numerics:
             threads=threads,
             plans=plans,
             attention_lanes=lanes,
-            exact=_independent(plans, weights, lanes, attention, workers),
+            exact=_independent(plans, weights, lanes, head_dim, workers),
             fingerprint=_fingerprint(plans, weights, lanes, head_dim, workers),
         )
         level = logging.INFO if numerics.exact else logging.WARNING
@@ -121,27 +121,37 @@ def _independent(
     plans: Mapping[str, LinearPlan],
     weights: Mapping[str, Float32Array],
     lanes: RowLanes | None,
-    attention: Sequence[Float32Array],
+    head_dim: int,
     workers: TileWorkers,
 ) -> bool:
     """Whether every product, as these paths run it, keeps rows independent."""
-    attend_product: Product = np.matmul if lanes is None else lanes.matmul
     return all(
         rows_are_independent(
             functools.partial(plans[kind], workers=workers), weights[kind][:, :_PROBE_COLS]
         )
         for kind in plans
-    ) and all(rows_are_independent(attend_product, weight) for weight in attention)
+    ) and attention_rows_independent(head_dim, lanes)
 
 
 def _attention_probes(head_dim: int) -> list[Float32Array]:
-    """Weights of the attention products' shapes: ``q @ K^T`` over a few tiles, ``P @ V``."""
+    """Weights of the attention products' shapes: ``q @ K^T`` over a few tiles, ``P @ V``,
+    and a KV codec's own-block corrections (scores over one raw block, its ``P @ V``)."""
     rng = np.random.default_rng(_FINGERPRINT_SEED)
-    return [
-        rng.standard_normal((head_dim, 3 * QUERY_TILE), dtype=np.float32),
-        rng.standard_normal((KEY_CHUNK, head_dim), dtype=np.float32),
-        rng.standard_normal((QUERY_TILE, head_dim), dtype=np.float32),
+    shapes = [
+        (head_dim, 3 * QUERY_TILE),
+        (KEY_CHUNK, head_dim),
+        (QUERY_TILE, head_dim),
+        (head_dim, DEFAULT_BLOCK_SIZE),
+        (DEFAULT_BLOCK_SIZE, head_dim),
     ]
+    return [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+
+
+def attention_rows_independent(head_dim: int, lanes: RowLanes | None = None) -> bool:
+    """Whether the attention products keep rows independent: the kernel's own (``lanes``
+    None) or lane-mapped ones."""
+    product: Product = np.matmul if lanes is None else lanes.matmul
+    return all(rows_are_independent(product, weight) for weight in _attention_probes(head_dim))
 
 
 def _fingerprint(

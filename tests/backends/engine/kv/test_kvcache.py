@@ -13,7 +13,8 @@ from backends.engine import BlockPool, KVBlock, KVLayout, NoFreeBlocksError, has
 from backends.engine.kv._blockpool import hash_blocks
 from backends.engine.kv._store import NULL_BLOCK, KVStorage
 from backends.engine.model._attention import QUERY_TILE, attend, attend_decode
-from backends.engine.model._lanes import RowLanes, rows_are_independent
+from backends.engine.model._lanes import RowLanes
+from backends.engine.model._numerics import attention_rows_independent
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 SEED = b"model-fingerprint"
@@ -129,7 +130,7 @@ def test_decode_attention_over_a_group_is_a_lone_prefill_query(block_size: int) 
     span = 2 * QUERY_TILE
     per_seq = span // block_size
     storage = KVStorage(layout, 1 + 3 * per_seq)
-    if _attention_rows_independent() and block_size % 16 == 0:
+    if attention_rows_independent(64) and block_size % 16 == 0:
         assert storage.blockwise_scores  # SkylakeX-like kernels: blocks of 16 columns are exact
     rng = np.random.default_rng(block_size)
     positions = np.array([QUERY_TILE, QUERY_TILE + 57, span - 1], dtype=np.intp)
@@ -144,7 +145,7 @@ def test_decode_attention_over_a_group_is_a_lone_prefill_query(block_size: int) 
     q = rng.standard_normal((3, 3, 3, 64), dtype=np.float32)
     key_blocks, values = storage.gather_group(1, tables)
     together = attend_decode(q, positions, key_blocks, values)
-    native = _attention_rows_independent()
+    native = attention_rows_independent(64)
     lanes = RowLanes()
     for seq, last in enumerate(positions):
         keys_t, vals = storage.gather(1, tables[seq])
@@ -159,14 +160,6 @@ def test_decode_attention_over_a_group_is_a_lone_prefill_query(block_size: int) 
         assert in_chunk.tobytes() == lone.tobytes(), seq
         np.testing.assert_allclose(lone, alone, rtol=1e-4, atol=1e-5)
 
-
-def _attention_rows_independent() -> bool:
-    rng = np.random.default_rng(1)
-    shapes = [(64, 3 * QUERY_TILE), (256, 64), (QUERY_TILE, 64)]
-    return all(
-        rows_are_independent(np.matmul, rng.standard_normal(shape, dtype=np.float32))
-        for shape in shapes
-    )
 
 
 def test_pool_size_from_memory_limit() -> None:

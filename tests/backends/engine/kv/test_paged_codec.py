@@ -17,7 +17,8 @@ from backends.engine.kv._paged_codec import ENGINE_CODECS, PagedCodec
 from backends.engine.kv._transfer import KVSource, KVTransferServer
 from backends.engine.kv.codecs._quality import calibrate
 from backends.engine.model._attention import OwnBlocks, attend, attend_decode
-from backends.engine.model._lanes import RowLanes, rows_are_independent
+from backends.engine.model._lanes import RowLanes
+from backends.engine.model._numerics import attention_rows_independent
 from backends.engine.serving._server_config import EngineServerConfig
 
 from . import test_transfer
@@ -87,7 +88,7 @@ def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
     sealed_k, sealed_v = _sealed(codec, keys_t, values, tokens // BS)
     # Where this kernel's own products break row independence (Haswell), the engine lane-maps
     # them and decodes each query through ``attend``: check that path instead.
-    lanes = None if _attention_rows_independent() else RowLanes()
+    lanes = None if attention_rows_independent(64) else RowLanes()
     prefill = attend(q, 0, sealed_k, sealed_v, lanes, own=OwnBlocks(keys_t, values, 0, BS))
     for position in (3, 20, 33, 95, 126):
         block = position // BS
@@ -118,14 +119,6 @@ def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
         )
         assert np.array_equal(lone[0], prefill[position])
 
-
-def _attention_rows_independent() -> bool:
-    rng = np.random.default_rng(1)
-    shapes = [(64, 384), (256, 64), (128, 64), (DIM, BS), (BS, DIM)]
-    return all(
-        rows_are_independent(np.matmul, rng.standard_normal(shape, dtype=np.float32))
-        for shape in shapes
-    )
 
 
 @pytest.mark.parametrize("name", CODED)

@@ -351,39 +351,30 @@ async def test_blocks_of_another_prompt_are_a_mismatch(
     assert puller.pulls() == {"mismatch": 1}
 
 
-async def test_an_owner_of_another_model_is_a_mismatch(
-    owner: Owner, start_puller: Callable[[], Node], history: list[int]
+@pytest.mark.parametrize("other", ["model", "numerics"])
+async def test_an_owner_of_another_model_or_other_numerics_is_refused_and_counted(
+    owner: Owner, start_puller: Callable[[], Node], history: list[int], other: str
 ) -> None:
+    """Another model, or the same one computed with other bits (another BLAS kernel on the
+    owner): refused and counted, never a silent difference."""
     retained = await _retain(owner.node, history)
-    stranger = KVTransferServer(owner.node.loop, owner.node.metrics, fingerprint=bytes(32))
+    pool = owner.node.engine.pool
+    stranger = (
+        KVTransferServer(owner.node.loop, owner.node.metrics, fingerprint=bytes(32))
+        if other == "model"
+        else KVTransferServer(
+            owner.node.loop, owner.node.metrics, fingerprint=pool.seed, numerics=bytes(32)
+        )
+    )
+    outcome = "mismatch" if other == "model" else "numerics"
     await stranger.start("127.0.0.1", 0)
     try:
         source = KVSource.retained_at(stranger.host, stranger.port, retained)
         puller = start_puller()
-        assert await _pull_fails(puller, source, history) == "mismatch"
+        assert await _pull_fails(puller, source, history) == outcome
     finally:
         await stranger.close()
-    assert puller.pulls() == {"mismatch": 1}
-    assert owner.node.sample("understudy_kv_served_blocks_total") == 0
-
-
-async def test_an_owner_with_other_numerics_is_refused_and_counted(
-    owner: Owner, start_puller: Callable[[], Node], history: list[int]
-) -> None:
-    """Same model, other bits (another BLAS kernel on the owner): never a silent difference."""
-    retained = await _retain(owner.node, history)
-    pool = owner.node.engine.pool
-    other = KVTransferServer(
-        owner.node.loop, owner.node.metrics, fingerprint=pool.seed, numerics=bytes(32)
-    )
-    await other.start("127.0.0.1", 0)
-    try:
-        source = KVSource.retained_at(other.host, other.port, retained)
-        puller = start_puller()
-        assert await _pull_fails(puller, source, history) == "numerics"
-    finally:
-        await other.close()
-    assert puller.pulls() == {"numerics": 1}
+    assert puller.pulls() == {outcome: 1}
     assert owner.node.sample("understudy_kv_served_blocks_total") == 0
 
 
