@@ -14,7 +14,14 @@ from evaluators._pipeline import (
     PipelineState,
     PipelineStats,
 )
-from evaluators._report import Report, build_report
+from evaluators._report import (
+    Report,
+    ReportInputs,
+    build_report,
+    judge_inputs,
+    load_report_inputs,
+    record_report,
+)
 from evaluators._sample_bias import turn_depth_bucket
 from evaluators._score import METRICS, Score, Scorer
 from evaluators._scorers import DEFAULT_SCORERS, SCORERS, ScorerConfig
@@ -38,6 +45,7 @@ __all__ = [
     "PipelineState",
     "PipelineStats",
     "Report",
+    "ReportInputs",
     "Score",
     "Scorer",
     "ScorerConfig",
@@ -45,6 +53,9 @@ __all__ = [
     "Verdict",
     "build_report",
     "judge",
+    "judge_inputs",
+    "load_report_inputs",
     "observe",
+    "record_report",
     "turn_depth_bucket",
 ]

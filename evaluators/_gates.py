@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_MAX_COST_RATIO",
     "DEFAULT_MAX_E2E_P99_RATIO",
     "DEFAULT_MAX_ERROR_RATE_INCREASE",
+    "DEFAULT_MAX_JUDGED_EXCHANGES",
     "DEFAULT_MAX_MEDIAN_SHIFT_RATIO",
     "DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO",
     "DEFAULT_MAX_STD_RATIO",
@@ -88,6 +89,9 @@ DEFAULT_MAX_COST_RATIO: Final = 1.10
 DEFAULT_MAX_ERROR_RATE_INCREASE: Final = 0.01
 DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO: Final = 0.02
 DEFAULT_MARGINAL_BAND: Final = 0.05
+DEFAULT_MAX_JUDGED_EXCHANGES: Final = 2000
+"""A judgement reads the newest this many scored exchanges of its window at most: the
+bootstraps cost ~2 ms per value and metric on one core, so ~4 s at this bound."""
 
 
 class MetricGate(BaseModel):
@@ -132,6 +136,8 @@ class Gates(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     min_samples: int = Field(default=DEFAULT_MIN_SAMPLES, ge=MIN_COMPARABLE_SAMPLES)
+    max_judged_exchanges: int = Field(default=DEFAULT_MAX_JUDGED_EXCHANGES,
+                                      ge=MIN_COMPARABLE_SAMPLES)
     confidence: float = Field(default=DEFAULT_CONFIDENCE, gt=0.0, lt=1.0)
     max_median_shift_ratio: float | None = Field(default=DEFAULT_MAX_MEDIAN_SHIFT_RATIO, ge=0.0)
     max_std_ratio: float | None = Field(default=DEFAULT_MAX_STD_RATIO, ge=1.0)

@@ -19,11 +19,17 @@ Rules:
    streamed flags and turn depths are compared with the gateway's histograms of all
    traffic and of the drops (``traffic_counts``); at most :data:`MAX_SEEN_VALUES` seen
    values are expanded from the histograms (counts scaled down past that, shares kept).
+6. A judgement reads at most the newest ``gates.max_judged_exchanges`` scored exchanges
+   of its window (the window's start moves later, and the report says so), so its cost
+   is bounded however long traffic has flowed. Its three steps are separate calls (read,
+   judge, record) so a caller bounds each store step on its own: the statistics take
+   seconds on thousands of values, the reads and the write far less.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,10 +53,20 @@ from evaluators.store import (
     load_evaluated_requests,
     load_samples,
     load_traffic,
+    newest_scores_start,
     record_verdict,
 )
 
-__all__ = ["BYTES_PER_TOKEN_ESTIMATE", "CONDITIONED_METRICS", "Report", "build_report"]
+__all__ = [
+    "BYTES_PER_TOKEN_ESTIMATE",
+    "CONDITIONED_METRICS",
+    "Report",
+    "ReportInputs",
+    "build_report",
+    "judge_inputs",
+    "load_report_inputs",
+    "record_report",
+]
 
 _DIRECTIONS = {name: spec.direction for name, spec in METRICS.items()}
 CONDITIONED_METRICS: Final = (
@@ -75,12 +91,15 @@ class Report:
     verdict_id: int | None
     conditions: dict[str, Any] = field(default_factory=dict)
     sample_bias: SampleBias | None = None
+    capped_at: int | None = None
+    """Rule 6: the cap on scored exchanges, where it moved ``since`` later."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "candidate": self.candidate,
             "noise_floor_from": self.secondary,
             "since": self.since.isoformat() if self.since else None,
+            "newest_exchanges_only": self.capped_at,
             "generated_at": self.generated_at.isoformat(),
             "samples": self.samples,
             "verdict_id": self.verdict_id,
@@ -206,35 +225,81 @@ def _conditions(conditioned: dict[str, ConditionedSamples],
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ReportInputs:
+    """Rule 6: what a judgement reads from the store, read at once (no statistics)."""
+
+    candidate: str
+    secondary: str | None
+    since: datetime | None
+    """The window's start: the one asked for, or later where the cap (rule 6) moved it."""
+    capped: bool
+    stored: dict[str, StoredSamples]
+    floor: dict[str, StoredSamples]
+    conditioned: dict[str, ConditionedSamples]
+    replica: dict[str, ConditionedSamples]
+    evaluated: EvaluatedRequests
+    traffic: list[TrafficCount]
+
+
+async def load_report_inputs(session: AsyncSession, candidate: str, gates: Gates, *,
+                             secondary: str | None = None,
+                             since: datetime | None = None) -> ReportInputs:
+    """Rule 6's reads: the newest ``gates.max_judged_exchanges`` scored exchanges at most."""
+    cap_start = await newest_scores_start(session, candidate, list(METRICS),
+                                          gates.max_judged_exchanges)
+    capped = cap_start is not None and (since is None or cap_start > since)
+    if capped:
+        since = cap_start
+    use_floor = secondary is not None and secondary != candidate
+    return ReportInputs(
+        candidate=candidate, secondary=secondary, since=since, capped=capped,
+        stored=await load_samples(session, candidate, since=since),
+        floor=await load_samples(session, secondary, since=since) if secondary else {},
+        conditioned=await load_conditioned_samples(session, candidate, CONDITIONED_METRICS,
+                                                   since=since),
+        replica=(await load_conditioned_samples(session, secondary, CONDITIONED_METRICS,
+                                                since=since)
+                 if use_floor and secondary else {}),
+        evaluated=await load_evaluated_requests(session, candidate, since=since),
+        traffic=await load_traffic(session, candidate, since=since))
+
+
+def judge_inputs(inputs: ReportInputs, gates: Gates, *,
+                 replica_at_same_rate: bool = False) -> Report:
+    """Rule 3: the statistics over ``inputs`` (CPU-bound: call it in a worker thread)."""
+    secondary = inputs.secondary
+    use_replica = replica_at_same_rate and secondary is not None and secondary != inputs.candidate
+    samples = _metric_samples(inputs.stored, inputs.floor, inputs.conditioned, use_replica)
+    bias = _sample_bias(inputs.evaluated, inputs.traffic)
+    verdict = judge(samples, gates, _DIRECTIONS, sample_bias=bias)
+    conditions = _conditions(inputs.conditioned, inputs.replica, secondary, gates)
+    return Report(candidate=inputs.candidate, secondary=secondary, since=inputs.since,
+                  generated_at=datetime.now(UTC),
+                  samples={m: len(s.candidate) for m, s in inputs.stored.items()},
+                  verdict=verdict, verdict_id=None, conditions=conditions,
+                  sample_bias=bias,
+                  capped_at=gates.max_judged_exchanges if inputs.capped else None)
+
+
+async def record_report(session: AsyncSession, report: Report) -> Report:
+    """Rule 3: ``report`` as a verdict row; the report with its ``verdict_id``."""
+    if not report.samples:
+        return report
+    verdict = report.verdict
+    verdict_id = await record_verdict(
+        session, candidate=report.candidate, verdict=verdict.outcome.value,
+        reasons=verdict.reasons, statistics=verdict.to_dict(), window_start=report.since,
+        window_end=report.generated_at)
+    return dataclasses.replace(report, verdict_id=verdict_id)
+
+
 async def build_report(session: AsyncSession, candidate: str, gates: Gates, *,
                        secondary: str | None = None, since: datetime | None = None,
                        record: bool = True, replica_at_same_rate: bool = False) -> Report:
-    stored = await load_samples(session, candidate, since=since)
-    floor = await load_samples(session, secondary, since=since) if secondary else {}
-    conditioned = await load_conditioned_samples(session, candidate, CONDITIONED_METRICS,
-                                                 since=since)
-    replica = (await load_conditioned_samples(session, secondary, CONDITIONED_METRICS,
-                                              since=since)
-               if secondary and secondary != candidate else {})
-    evaluated = await load_evaluated_requests(session, candidate, since=since)
-    traffic = await load_traffic(session, candidate, since=since)
-    use_replica = replica_at_same_rate and secondary is not None and secondary != candidate
-
-    def work() -> tuple[Verdict, SampleBias | None, dict[str, Any]]:
-        samples = _metric_samples(stored, floor, conditioned, use_replica)
-        bias = _sample_bias(evaluated, traffic)
-        verdict = judge(samples, gates, _DIRECTIONS, sample_bias=bias)
-        return verdict, bias, _conditions(conditioned, replica, secondary, gates)
-
-    verdict, bias, conditions = await asyncio.to_thread(work)
-    verdict_id = None
-    if record and stored:
-        verdict_id = await record_verdict(
-            session, candidate=candidate, verdict=verdict.outcome.value,
-            reasons=verdict.reasons, statistics=verdict.to_dict(), window_start=since,
-            window_end=datetime.now(UTC))
-    return Report(candidate=candidate, secondary=secondary, since=since,
-                  generated_at=datetime.now(UTC),
-                  samples={m: len(s.candidate) for m, s in stored.items()},
-                  verdict=verdict, verdict_id=verdict_id, conditions=conditions,
-                  sample_bias=bias)
+    """Read, judge (in a worker thread) and, with ``record``, record: in one session."""
+    inputs = await load_report_inputs(session, candidate, gates, secondary=secondary,
+                                      since=since)
+    report = await asyncio.to_thread(judge_inputs, inputs, gates,
+                                     replica_at_same_rate=replica_at_same_rate)
+    return await record_report(session, report) if record else report

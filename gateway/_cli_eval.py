@@ -141,6 +141,10 @@ def _print(result: Report) -> None:
                   + floor)
     for reason in data["reasons"]:
         console.print(f"  - {reason}")
+    if result.capped_at is not None and result.since is not None:
+        console.print(f"  (judged the newest {result.capped_at} scored exchanges, since "
+                      f"{result.since:%Y-%m-%d %H:%M:%S} UTC: raise max_judged_exchanges "
+                      "to read more)")
     table = Table(title=f"{result.candidate} against the primary")
     for column in ("metric", "n", "verdict", "candidate", "primary / floor",
                    "relative shift [98% CI]", "tail ratio"):

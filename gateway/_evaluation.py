@@ -49,7 +49,10 @@ from evaluators import (
     PipelineState,
     PipelineStats,
     Report,
-    build_report,
+    ReportInputs,
+    judge_inputs,
+    load_report_inputs,
+    record_report,
 )
 from evaluators.store import (
     StoreError,
@@ -287,12 +290,28 @@ class Evaluation:
                 and (replica.sample_rate, replica.sampling_unit)
                 == (mine.sample_rate, mine.sampling_unit))
 
-    async def report(self, candidate: str, since: datetime | None = None) -> Report:
+    async def read(self, candidate: str, since: datetime | None = None) -> ReportInputs:
+        """A judgement's store reads (``evaluators._report`` rule 6), traffic flushed first."""
         if self._engine is None:
             raise RuntimeError("evaluation is not running")
         await self.flush_traffic()
         async with session_factory(self._engine)() as session, session.begin():
-            return await build_report(session, candidate, self.config.gates,
-                                      secondary=self.secondary, since=since,
-                                      replica_at_same_rate=self._replica_at_same_rate(
-                                          candidate))
+            return await load_report_inputs(session, candidate, self.config.gates,
+                                            secondary=self.secondary, since=since)
+
+    async def judge(self, inputs: ReportInputs) -> Report:
+        """The statistics over ``inputs``, in a worker thread; nothing is stored."""
+        return await asyncio.to_thread(
+            judge_inputs, inputs, self.config.gates,
+            replica_at_same_rate=self._replica_at_same_rate(inputs.candidate))
+
+    async def record(self, report: Report) -> Report:
+        """``report`` stored as a verdict row."""
+        if self._engine is None:
+            raise RuntimeError("evaluation is not running")
+        async with session_factory(self._engine)() as session, session.begin():
+            return await record_report(session, report)
+
+    async def report(self, candidate: str, since: datetime | None = None) -> Report:
+        """Read, judge and record, unbounded (the admin report endpoint and the CLI)."""
+        return await self.record(await self.judge(await self.read(candidate, since)))

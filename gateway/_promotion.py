@@ -10,6 +10,9 @@ Rules (DESIGN.md invariant 8):
    rule 5): its audit entry (who, when, what, and the verdict at that moment) commits
    with it, and when the store cannot take it in time the answer is 503 and this replica
    is as it was. Without a store (evaluation disabled) changes are applied and logged.
+   Judging is three steps: the reads and the verdict's write are each one store call
+   within ``store_timeout_s``; the statistics between them run in a worker thread, their
+   cost bounded by the gates' ``max_judged_exchanges`` (the newest scored exchanges).
 3. A canary moves live sessions to a candidate step by step (session-consistent). After
    each interval the judge looks at the candidate: FAIL rolls the canary back at once,
    INCONCLUSIVE holds the step, PASS or MARGINAL moves to the next step; passing the last
@@ -151,10 +154,14 @@ class Promoter:
         if evaluation is None:
             return Judgement(None, None, ("evaluation is disabled: no verdict",))
         window = None if since is None else datetime.fromtimestamp(since, UTC)
-        report = await self._sync.store_call(f"judging {name}",
-                                             lambda _: evaluation.report(name, window))
-        if report is None:  # the store is not attached: nothing to judge with
+        inputs = await self._sync.store_call(f"reading {name}'s scores",
+                                             lambda _: evaluation.read(name, window))
+        if inputs is None:  # the store is not attached: nothing to judge with
             return Judgement(None, None, ("the store is not attached: no verdict",))
+        judged = await evaluation.judge(inputs)  # statistics: bounded by the gates' cap
+        report = await self._sync.store_call(f"recording the verdict on {name}",
+                                             lambda _: evaluation.record(judged))
+        report = judged if report is None else report
         return Judgement(report.verdict.outcome, report.verdict_id, report.verdict.reasons)
 
     async def promote(self, name: str, *, actor: str, force: bool,

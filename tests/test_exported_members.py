@@ -41,8 +41,9 @@ EXPORTED: dict[str, str] = {
     "evaluators": """
         DEFAULT_SCORERS METRICS SCORERS Capture EvaluationPipeline EvaluationProcessError
         EvaluationSink Exchange Gates MemorySink MetricGate MetricSamples MetricVerdict
-        Observation Outcome PipelineState PipelineStats Report Score Scorer ScorerConfig
-        Usage Verdict build_report judge observe turn_depth_bucket
+        Observation Outcome PipelineState PipelineStats Report ReportInputs Score Scorer
+        ScorerConfig Usage Verdict build_report judge judge_inputs load_report_inputs
+        observe record_report turn_depth_bucket
     """,
     "evaluators.store": """
         DEFAULT_STORE_URL TRAFFIC_SEEN AuditEntry AuditNote BackendRole BackendRow Base
@@ -52,7 +53,8 @@ EXPORTED: dict[str, str] = {
         TrafficCountRow VerdictRow WriterState WriterStateError WriterStats append_audit
         create_engine current_revision downgrade head_revision list_candidates
         listen_for_routing load_conditioned_samples load_evaluated_requests load_routing
-        load_samples load_traffic lock_for_migration masked_url record_change
+        load_samples load_traffic lock_for_migration masked_url newest_scores_start
+        record_change
         record_traffic record_verdict register_backend save_routing session_factory upgrade
     """,
 }

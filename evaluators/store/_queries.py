@@ -44,6 +44,7 @@ __all__ = [
     "load_evaluated_requests",
     "load_samples",
     "load_traffic",
+    "newest_scores_start",
     "record_traffic",
     "record_verdict",
     "register_backend",
@@ -145,6 +146,27 @@ async def load_samples(session: AsyncSession, candidate: str,
             if primary_value is not None:
                 found.primary.append(primary_value)
     return samples
+
+
+async def newest_scores_start(session: AsyncSession, candidate: str,
+                              metrics: Collection[str], newest: int) -> datetime | None:
+    """The time from which no metric of ``candidate`` has more than ``newest`` values:
+    the latest of each metric's ``newest``-th newest score time; None while every metric
+    has fewer (one index range read per metric, however many rows are stored)."""
+    starts = []
+    with translate_store_errors():
+        for metric in metrics:
+            query = (
+                select(ScoreRow.created_at)
+                .join(BackendRow, BackendRow.id == ScoreRow.candidate_id)
+                .where(BackendRow.name == candidate, ScoreRow.metric == metric)
+                .order_by(ScoreRow.created_at.desc(), ScoreRow.id.desc())
+                .offset(newest - 1).limit(1)
+            )
+            found = (await session.execute(query)).scalar_one_or_none()
+            if found is not None:
+                starts.append(_aware(found))
+    return max(starts) if starts else None
 
 
 async def load_conditioned_samples(

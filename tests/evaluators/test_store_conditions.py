@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from evaluators import Score
+from evaluators import Gates, Score, build_report
 from evaluators.store import (
     TRAFFIC_SEEN,
     ScoreWriter,
@@ -75,3 +75,23 @@ async def test_traffic_counts_add_up_across_flushes(engine: AsyncEngine) -> None
         loaded = sorted(await load_traffic(session, "cand-a"), key=lambda c: c.outcome)
     assert loaded == [TrafficCount(window, "cand-a", "buffer_full", "size", "512", 2),
                       TrafficCount(window, "", TRAFFIC_SEEN, "size", "64", 7)]
+
+
+async def test_a_judgement_reads_the_newest_exchanges_up_to_the_cap(engine: AsyncEngine) -> None:
+    """``evaluators._report`` rule 6: however many scores are stored, a report reads the
+    newest ``max_judged_exchanges`` and says the cap moved its window's start."""
+    config = quick_config(engine)
+    async with ScoreWriter(engine, config) as writer:
+        for i in range(45):
+            rid = f"r{i}"
+            assert writer.submit(make_exchange(rid), [Score("latency.ttft_s", float(i), 1.0)])
+            await written(writer, i + 1)  # one by one: each its own created_at
+    capped = Gates(max_judged_exchanges=30)
+    async with session_factory(engine)() as session:
+        report = await build_report(session, "cand-a", capped, record=False)
+        uncapped = await build_report(session, "cand-a", Gates(), record=False)
+    assert report.samples == {"latency.ttft_s": 30} and report.capped_at == 30
+    assert report.since is not None and report.to_dict()["newest_exchanges_only"] == 30
+    stats = report.to_dict()["metrics"][0]["statistics"]
+    assert stats["median_candidate"] == 29.5  # the newest 30: 15..44
+    assert uncapped.samples == {"latency.ttft_s": 45} and uncapped.capped_at is None
