@@ -6,7 +6,7 @@ bidirectional KV, and the router's policies under a load that makes sticky sessi
 A session is what an agent loop sends: a shared system prompt describing tools (~330 tokens),
 a task, then turn after turn the model's own answer (greedy, small ``max_tokens``) and a "tool
 result" user message (log lines, JSON records or a metrics table of a few hundred tokens,
-``_multiturn_workload``), so the history grows by ~500 tokens a turn.
+``workload``), so the history grows by ~500 tokens a turn.
 
 Part 1, depth (one run, side by side; every system keeps its own conversation state):
   (a) recompute   ``--role unified --no-prefix-caching``: every turn prefills the whole history
@@ -80,6 +80,8 @@ from typing import Any
 
 import aiohttp
 
+from workload import SessionScript
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _multiturn_cluster import (
     ChatError,
@@ -100,7 +102,6 @@ from _multiturn_report import (
     print_report,
     summarise_depth,
 )
-from _multiturn_workload import SessionScript
 from _procs import CLOCK_TICKS, code_revision, cpu_ticks, machine_ticks, snapshot_code
 from _report import RESULTS_DIR, loadavg, write_results
 

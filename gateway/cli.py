@@ -16,6 +16,7 @@ from gateway._app import run
 from gateway._cli_admin import ADMIN_COMMANDS
 from gateway._cli_eval import db, report
 from gateway._config import load_config, parse_candidate_flag
+from workload import load_command
 
 __all__ = ["main"]
 
@@ -77,6 +78,7 @@ main.add_command(sim_command)
 main.add_command(engine_command)
 main.add_command(db)
 main.add_command(report)
+main.add_command(load_command)
 for command in ADMIN_COMMANDS:
     main.add_command(command)
 if __name__ == "__main__":

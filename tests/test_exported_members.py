@@ -57,6 +57,11 @@ EXPORTED: dict[str, str] = {
         record_change
         record_traffic record_verdict register_backend save_routing session_factory upgrade
     """,
+    "workload": """
+        DEFAULT_SESSION_HEADER SYSTEM_PROMPT TOOLS DepthStats OnTurn ReplaySpec SessionScript
+        TrafficRecord TurnResult WorkloadSpec WorkloadSummary load_command read_records
+        replay_workload run_workload summary_table tool_result
+    """,
 }
 # Subpackages that group a package's private modules; they export nothing of their own.
 INTERNAL_SUBPACKAGES = ("backends.engine.model", "backends.engine.kv", "backends.engine.serving")

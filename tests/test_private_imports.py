@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROOTS = ("backends", "gateway", "evaluators", "bench", "tests", "migrations")
+ROOTS = ("backends", "gateway", "evaluators", "workload", "bench", "tests", "migrations")
 # Packages whose modules must import no one else's privates (see the module comment).
-ASSERTED = ("backends.", "gateway.", "evaluators.", "migrations.")
+ASSERTED = ("backends.", "gateway.", "evaluators.", "workload.", "migrations.")
 
 
 def package_of(module: str) -> str:

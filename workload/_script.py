@@ -1,6 +1,6 @@
-"""The synthetic agentic conversations bench/multiturn.py sends: a system prompt describing
-tools, a task, then "tool results" (log lines, JSON records, metric tables) appended turn after
-turn behind the model's own answers.
+"""The synthetic agentic conversations ``understudy load`` and bench/multiturn.py send: a
+system prompt describing tools, a task, then "tool results" (log lines, JSON records, metric
+tables) appended turn after turn behind the model's own answers.
 
 Rules:
 1. Everything is drawn from ``random.Random(seed)``: the same seed gives the same texts, byte
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 __all__ = [
     "CHARS_PER_TOKEN",
     "SYSTEM_PROMPT",
+    "TOOLS",
     "SessionScript",
     "tool_result",
 ]
@@ -59,6 +60,33 @@ _TOOLS = (
     ),
     ("http_probe", "Probe an HTTP endpoint from a region.", {"url": "string", "region": "string"}),
 )
+
+
+_JSON_TYPES = {"integer": "integer"}
+
+
+def _tool_definitions() -> tuple[dict[str, object], ...]:
+    """The same tools as OpenAI ``tools`` entries (function definitions), for servers that
+    render them into the prompt or answer with ``tool_calls``."""
+    out: list[dict[str, object]] = []
+    for name, what, params in _TOOLS:
+        properties = {
+            key: {"type": _JSON_TYPES.get(kind, "string"), "description": kind}
+            for key, kind in params.items()
+        }
+        out.append({
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": what,
+                "parameters": {"type": "object", "properties": properties,
+                               "required": list(params)},
+            },
+        })
+    return tuple(out)
+
+
+TOOLS = _tool_definitions()
 
 
 def _system_prompt() -> str:

@@ -1,0 +1,94 @@
+"""``understudy load``: the workload generator (or a recorded replay) from the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import click
+import openai
+from pydantic import ValidationError
+from rich.console import Console
+
+from workload._driver import run_workload
+from workload._replay import replay_workload
+from workload._spec import DEFAULT_SESSION_HEADER, ReplaySpec, WorkloadSpec, WorkloadSummary
+from workload._summary import summary_table
+
+__all__ = ["load_command"]
+
+QUIET_LOGGERS = ("httpx", "httpx2", "openai")
+
+
+@click.command("load")
+@click.option("--url", required=True, help="OpenAI-compatible server: a root "
+              "(http://127.0.0.1:8080) or a base URL ending in /v1.")
+@click.option("--sessions", type=int, default=8, show_default=True)
+@click.option("--turns", type=int, default=4, show_default=True, help="Turns per session.")
+@click.option("--rate", type=float, default=1.0, show_default=True,
+              help="Session arrivals per second (Poisson).")
+@click.option("--think-s", type=float, default=1.0, show_default=True,
+              help="Mean think time between turns (uniform within ±50%).")
+@click.option("--duration-s", type=float, default=300.0, show_default=True,
+              help="No session or turn starts after this; in-flight turns get --drain-s.")
+@click.option("--drain-s", type=float, default=30.0, show_default=True)
+@click.option("--concurrency", type=int, default=16, show_default=True,
+              help="Sessions (or replayed requests) in flight at most.")
+@click.option("--model", help="Model name (default: the first the server lists; "
+              "with --replay: the recorded one).")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--tool-choice", type=click.Choice(["auto", "none", "omit"]), default="auto",
+              show_default=True, help="Send the tools with this tool_choice, or omit them.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--session-header", default=DEFAULT_SESSION_HEADER, show_default=True)
+@click.option("--timeout-s", type=float, default=300.0, show_default=True,
+              help="Per request.")
+@click.option("--replay", "replay_path", type=click.Path(exists=True, dir_okay=False,
+              path_type=Path), help="Send a recorded JSONL (the gateway's [record]) instead, "
+              "with its original relative timing.")
+@click.option("--speed", type=float, default=1.0, show_default=True,
+              help="With --replay: time runs this many times faster.")
+@click.option("--max-requests", type=int, default=None, help="With --replay: at most this "
+              "many records.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", help="Bearer key (env OPENAI_API_KEY).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def load_command(url: str, sessions: int, turns: int, rate: float, think_s: float,
+                 duration_s: float, drain_s: float, concurrency: int, model: str | None,
+                 max_tokens: int, tool_choice: str, seed: int, session_header: str,
+                 timeout_s: float, replay_path: Path | None, speed: float,
+                 max_requests: int | None, api_key: str | None, as_json: bool) -> None:
+    """Drive agentic multi-turn sessions (or a recorded replay) against URL."""
+    for name in QUIET_LOGGERS:  # a line per request would bury the summary
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        if replay_path is not None:
+            replay = ReplaySpec.model_validate(dict(
+                speed=speed, duration_s=duration_s, concurrency=concurrency, model=model,
+                session_header=session_header, request_timeout_s=timeout_s, drain_s=drain_s,
+                **({"max_requests": max_requests} if max_requests is not None else {})))
+            summary = asyncio.run(replay_workload(replay_path, url, spec=replay,
+                                                  api_key=api_key))
+        else:
+            spec = WorkloadSpec.model_validate(dict(
+                sessions=sessions, turns=turns, rate=rate, think_s=think_s,
+                duration_s=duration_s, drain_s=drain_s, concurrency=concurrency, model=model,
+                max_tokens=max_tokens, tool_choice=tool_choice, seed=seed,
+                session_header=session_header, request_timeout_s=timeout_s))
+            summary = asyncio.run(run_workload(spec, url, api_key=api_key))
+    except ValidationError as exc:
+        raise click.UsageError(str(exc)) from exc
+    except (ValueError, RuntimeError, openai.OpenAIError) as exc:
+        # A file that is not a recording; a server that cannot be reached or lists no model.
+        raise click.ClickException(str(exc)) from exc
+    _print(summary, as_json)
+    if summary.turns == 0 or summary.errors == summary.turns:
+        raise SystemExit(1)
+
+
+def _print(summary: WorkloadSummary, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(summary.to_json()))
+    else:
+        Console().print(summary_table(summary))

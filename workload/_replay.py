@@ -1,0 +1,147 @@
+"""Recorded traffic sent again with its original relative timing.
+
+The file is JSON lines, one request each, as the gateway's ``[record]`` section writes them:
+``{"offset_s": 1.25, "route": "/v1/chat/completions", "session": "9f2c...", "body": {...}}``.
+
+Rules:
+1. At most ``max_requests`` records are read; a line that is not such a record is an error
+   naming its line number (a wrong file fails loudly, not as an empty replay).
+2. Records are sent in offset order, each at ``(offset_s - first offset) / speed`` after the
+   replay began, whatever the answers' speed: an open loop, as production is. At most
+   ``concurrency`` are in flight; a record whose send time is at or past ``duration_s`` is
+   not sent, nor one on a route this client cannot send (both counted in ``not_sent``).
+3. A record's session key goes out in ``session_header``, so a gateway samples the replayed
+   sessions as it sampled the recorded ones. Its turn depth is the assistant messages in
+   its body.
+4. Requests still in flight ``drain_s`` after the last send time are cancelled and recorded
+   as ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from workload._call import ReplayRoute, open_client, send
+from workload._driver import OnTurn, result_of
+from workload._spec import ReplaySpec, TurnResult, WorkloadSummary
+from workload._summary import summarize
+
+__all__ = ["REPLAY_ROUTES", "TrafficRecord", "read_records", "replay_workload"]
+
+REPLAY_ROUTES: Final[dict[str, ReplayRoute]] = {
+    "/v1/chat/completions": "chat_completions",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficRecord:
+    offset_s: float
+    route: str
+    body: dict[str, Any]
+    session: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.offset_s >= 0:  # also refuses NaN
+            raise ValueError(f"offset_s must be >= 0, got {self.offset_s}")
+
+    @property
+    def turn(self) -> int:
+        messages = self.body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+
+
+def read_records(path: Path, max_requests: int) -> list[TrafficRecord]:
+    """Rule 1: the first ``max_requests`` records of ``path``, in offset order."""
+    records: list[TrafficRecord] = []
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if len(records) >= max_requests:
+                break
+            if not line.strip():
+                continue
+            try:
+                records.append(_record(json.loads(line)))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{path}:{number}: not a traffic record ({exc})") from exc
+    records.sort(key=lambda r: r.offset_s)
+    return records
+
+
+def _record(doc: Any) -> TrafficRecord:
+    if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
+        raise ValueError("expected an object with a 'body' object")
+    session = doc.get("session")
+    return TrafficRecord(float(doc["offset_s"]), str(doc["route"]), doc["body"],
+                         session if isinstance(session, str) else None)
+
+
+async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None = None,
+                          api_key: str | None = None, on_turn: OnTurn | None = None
+                          ) -> WorkloadSummary:
+    """Send the records of ``path`` to ``base_url`` as rules 1-4 say."""
+    spec = spec or ReplaySpec()
+    records = read_records(path, spec.max_requests)
+    client = open_client(base_url, api_key, spec.request_timeout_s)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    results: list[TurnResult] = []
+    slots = asyncio.Semaphore(spec.concurrency)
+    not_sent = 0
+
+    def record(result: TurnResult) -> None:
+        results.append(result)
+        if on_turn is not None:
+            on_turn(result)
+
+    async def one(index: int, item: TrafficRecord, route: ReplayRoute) -> None:
+        body = dict(item.body)
+        if spec.model is not None:
+            body["model"] = spec.model
+        session = item.session or f"replay-{index}"
+        headers = {spec.session_header: session}
+        async with slots:
+            started_s = loop.time() - started
+            try:
+                answer = await send(client, route, body, headers, spec.request_timeout_s)
+            except asyncio.CancelledError:
+                record(TurnResult(session, item.turn, started_s, None,
+                                  loop.time() - started - started_s, error="cancelled"))
+                raise
+        record(result_of(answer, session, item.turn, started_s))
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        first = records[0].offset_s if records else 0.0
+        last_at = 0.0
+        for index, item in enumerate(records):  # rule 2
+            at = (item.offset_s - first) / spec.speed
+            route = REPLAY_ROUTES.get(item.route)
+            if at >= spec.duration_s or route is None:
+                not_sent += 1
+                continue
+            delay = started + at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            last_at = at
+            tasks.append(asyncio.create_task(one(index, item, route)))
+        if tasks:
+            drain_until = started + last_at + spec.drain_s  # rule 4
+            _, late = await asyncio.wait(tasks, timeout=max(0.0, drain_until - loop.time()))
+            for task in late:
+                task.cancel()
+            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    raise outcome
+    finally:
+        for task in tasks:
+            task.cancel()
+        await client.close()
+    return summarize(results, loop.time() - started, not_sent)
