@@ -53,7 +53,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
             lambda: (evaluation.store_status, evaluation.scoring_state)))
     routing = Routing.configured(Backend(config.primary.name, config.primary.url))
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
-                    evaluation or sink or MemorySink(config.mirror.sink_capacity))
+                    evaluation or sink or MemorySink(config.mirror.sink_capacity),
+                    record=config.record)
     if evaluation is not None:
         evaluation.attach_traffic(mirror.traffic)
 

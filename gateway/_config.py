@@ -40,6 +40,7 @@ __all__ = [
     "EvaluationConfig",
     "GatewayConfig",
     "MirrorConfig",
+    "RecordConfig",
     "ServerConfig",
     "UpstreamConfig",
     "load_config",
@@ -89,6 +90,10 @@ MirroredRoute = Literal["chat_completions", "completions", "embeddings", "models
 DEFAULT_ROUTING_POLL_S = 1.0
 DEFAULT_EVALUATION_PENDING = 10_000
 DEFAULT_EVALUATION_DRAIN_S = 10.0
+DEFAULT_RECORD_MAX_BYTES = 256 * MiB
+DEFAULT_RECORD_QUEUE_ITEMS = 1024
+DEFAULT_RECORD_QUEUE_BYTES = 16 * MiB
+DEFAULT_RECORD_DRAIN_TIMEOUT_S = 5.0
 DEFAULT_MIRRORED_ROUTES: tuple[MirroredRoute, ...] = (
     "chat_completions", "completions", "embeddings",
 )
@@ -186,6 +191,20 @@ class MirrorConfig(_Section):
     sink_capacity: int = Field(DEFAULT_SINK_CAPACITY, gt=0)
 
 
+class RecordConfig(_Section):
+    """A sample of the traffic written to a JSON-lines file that ``understudy load --replay``
+    sends again (gateway/_record.py); off unless ``path`` is set. Headers are never
+    written; message contents only with ``prompts = true``."""
+
+    path: Path | None = None
+    sample_rate: float = Field(1.0, ge=0.0, le=1.0)  # by session: a conversation is whole
+    prompts: bool = False
+    max_bytes: int = Field(DEFAULT_RECORD_MAX_BYTES, gt=0)  # the file's size bound
+    queue_items: int = Field(DEFAULT_RECORD_QUEUE_ITEMS, gt=0)
+    queue_bytes: int = Field(DEFAULT_RECORD_QUEUE_BYTES, gt=0)
+    drain_timeout_s: float = Field(DEFAULT_RECORD_DRAIN_TIMEOUT_S, ge=0)
+
+
 class EvaluationConfig(_Section):
     """Scoring of joined exchanges, the store they go to, and the judge's gates."""
 
@@ -243,6 +262,7 @@ class GatewayConfig(BaseSettings):
     candidates: tuple[CandidateConfig, ...] = ()
     admin: AdminConfig = AdminConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
+    record: RecordConfig = RecordConfig()
 
     @field_validator("candidates")
     @classmethod

@@ -25,6 +25,7 @@ __all__ = [
     "EvaluationCollector",
     "GatewayMetrics",
     "MirrorDropReason",
+    "RecordDropReason",
     "Route",
     "route_of",
 ]
@@ -39,6 +40,10 @@ MirrorDropReason = Literal[
 ]
 """Why a request was not mirrored to, or not evaluated for, a candidate: the ``reason``
 label of ``understudy_mirror_dropped``."""
+
+RecordDropReason = Literal["queue_full", "max_bytes", "not_json", "write_error", "shutdown"]
+"""Why a request sampled for the ``[record]`` file was not written: the ``reason`` label of
+``understudy_record_dropped``."""
 
 _ROUTE_BY_PATH: Final[dict[str, Route]] = {
     "/v1/chat/completions": "chat_completions",
@@ -160,6 +165,15 @@ class GatewayMetrics:
             "understudy_admin_store_failures",
             "Admin changes refused with 503, unapplied, because the store could not take "
             "them, by reason (timeout, unavailable, rejected).",
+            ["reason"], registry=r,
+        )
+        self.record_written = Counter(
+            "understudy_record_written", "Requests written to the [record] file.", registry=r,
+        )
+        self.record_dropped = Counter(
+            "understudy_record_dropped",
+            "Requests sampled for the [record] file but not written, by reason (queue_full, "
+            "max_bytes, not_json, write_error, shutdown).",
             ["reason"], registry=r,
         )
 

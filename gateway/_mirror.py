@@ -15,6 +15,9 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
    credentials only when it is configured to receive them.
 5. Stopping: buffers close (queued items dropped as ``shutdown``), in-flight replays get
    ``drain_timeout_s`` to finish, the rest are cancelled; afterwards the budget is zero.
+6. With ``[record]`` on, ``offer`` also hands each request to the ``TrafficRecorder``
+   (``_record.py``: O(1), no await) before any candidate is considered, and the mirror
+   counts as active without candidates, so the relay offers it every request.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ from multidict import CIMultiDict
 from evaluators import Capture, EvaluationSink, Exchange, Observation, observe
 from gateway._budget import MemoryBudget, payload_key
 from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorRequest
-from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
+from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig, RecordConfig
 from gateway._exceptions import UpstreamError
 from gateway._headers import candidate_allow_list
 from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, MirrorDropReason, Route
+from gateway._record import TrafficRecorder
 from gateway._sampler import sampled
 from gateway._traffic import TrafficTally, turn_depth
 from gateway._upstream import Upstream
@@ -85,7 +89,8 @@ class Candidate:
 
 class Mirror:
     def __init__(self, config: MirrorConfig, candidates: tuple[CandidateConfig, ...],
-                 capture: CaptureConfig, metrics: GatewayMetrics, sink: EvaluationSink) -> None:
+                 capture: CaptureConfig, metrics: GatewayMetrics, sink: EvaluationSink,
+                 record: RecordConfig | None = None) -> None:
         self.config = config
         self.budget = MemoryBudget(config.memory_budget_bytes)
         self.metrics = metrics
@@ -99,12 +104,15 @@ class Mirror:
                              on_drop=self._count_drop, on_join=self._count_join)
         self._sweeper: asyncio.Task[None] | None = None
         self.traffic = TrafficTally()  # all traffic seen, and the drops, by prompt size
+        self.recorder = (TrafficRecorder(record, metrics)
+                         if record is not None and record.path is not None else None)
         metrics.budget_limit.set(config.memory_budget_bytes)
         metrics.budget_used.set_function(lambda: self.budget.used)
 
     @property
     def active(self) -> bool:
-        return bool(self.candidates)
+        """Whether the relay offers requests here (rule 6)."""
+        return bool(self.candidates) or self.recorder is not None
 
     # -- hot path -------------------------------------------------------------------
 
@@ -112,6 +120,8 @@ class Mirror:
               headers: CIMultiDict[str], body: bytes,
               payload: dict[str, object] | None, request_id: str, session: str) -> None:
         """Queue the request for every candidate that samples it. Never awaits."""
+        if self.recorder is not None:
+            self.recorder.offer(route, raw_path, body, session)
         if route not in self._routes:
             self.skip("route")
             return
@@ -159,6 +169,8 @@ class Mirror:
     # -- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.recorder is not None:
+            await self.recorder.start()
         for candidate in self.candidates.values():
             await self._start_candidate(candidate)
         self._sweeper = asyncio.create_task(self._sweep(), name="mirror-join-sweeper")
@@ -215,6 +227,8 @@ class Mirror:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         self.joiner.close()
+        if self.recorder is not None:
+            await self.recorder.stop()
 
     async def _stop_candidate(self, candidate: Candidate, drain_timeout_s: float,
                               reason: MirrorDropReason) -> None:

@@ -1,0 +1,243 @@
+"""Recording a sample of the traffic to a JSON-lines file, for ``understudy load --replay``.
+
+Each line: ``{"offset_s": 1.25, "route": "/v1/chat/completions", "session": "<pseudonym>",
+"body": {...}}``, ``offset_s`` in seconds since the recording began.
+
+Rules:
+1. Off unless ``[record] path`` is set. Requests on the replayable routes (chat/completions,
+   completions, embeddings) that reach the mirror are sampled by session key
+   (``sampled("record", session, sample_rate)``), so a recorded conversation is whole.
+   Requests the canary serves do not reach the mirror and are not recorded.
+2. The hot path only appends (time, path, body, session) to a bounded queue of
+   ``queue_items`` items and ``queue_bytes`` body bytes; when full the request is dropped
+   and counted (``understudy_record_dropped{reason="queue_full"}``). Nothing is awaited.
+3. A writer task parses, redacts and writes in a worker thread, in batches, off the loop.
+4. No header is ever written. The route is the path without its query (a query may carry
+   a key). The session key and the body's ``user`` are written as keyed hashes under a key
+   drawn at start, never raw (a ``user`` is often an e-mail address): stable within one
+   file, meaningless outside it.
+5. Message contents, tool-call arguments, completion prompts and embedding inputs are
+   written only with ``prompts = true``; otherwise each of their texts is replaced by filler
+   of the same length (so a replay keeps the prompt sizes) and token ids by zeros. Tool
+   definitions and sampling parameters are written as sent.
+6. The file holds at most ``max_bytes``: a line that would pass the bound is not written,
+   counted as ``max_bytes``. An existing file is moved to ``<path>.1`` at start.
+7. Stopping: the writer gets ``drain_timeout_s`` to write what is queued; what is left is
+   counted as ``shutdown``; then the file is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Final
+
+import orjson
+
+from gateway._config import RecordConfig
+from gateway._metrics import GatewayMetrics, RecordDropReason, Route
+from gateway._sampler import sampled
+
+__all__ = ["RECORDED_ROUTES", "TrafficRecorder", "redact"]
+
+log = logging.getLogger("understudy.record")
+
+RECORDED_ROUTES: Final[frozenset[Route]] = frozenset(
+    {"chat_completions", "completions", "embeddings"})
+WRITE_BATCH: Final = 256
+"""Lines parsed and written per trip to the worker thread, at most."""
+FILLER: Final = (
+    "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+    "incididunt ut labore et dolore magna aliqua ut enim ad minim veniam quis nostrud "
+)
+_KEPT_KEYS: Final = frozenset({"role", "type", "id", "tool_call_id"})
+"""Message fields that are structure, not text, and stay as sent (rule 5)."""
+_SAMPLER_NAME: Final = "record"
+
+
+def _filler(length: int) -> str:
+    return (FILLER * (length // len(FILLER) + 1))[:length]
+
+
+def _redacted(value: Any, key: str = "") -> Any:
+    if key in _KEPT_KEYS:
+        return value
+    if isinstance(value, str):
+        return _filler(len(value))
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return 0
+    if isinstance(value, list):
+        return [_redacted(item) for item in value]
+    if isinstance(value, dict):
+        out = {k: _redacted(v, k) for k, v in value.items()}
+        function = value.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            out["function"]["name"] = function["name"]  # which tool: structure, not text
+        return out
+    return value
+
+
+def redact(body: dict[str, Any]) -> dict[str, Any]:
+    """Rule 5: ``body`` with its prompt texts replaced by filler of the same length."""
+    out = dict(body)
+    for key in ("messages", "prompt", "input"):
+        if key in out:
+            out[key] = _redacted(out[key])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    at: float  # monotonic
+    path: str
+    body: bytes
+    session: str
+
+
+class TrafficRecorder:
+    """Rules 1-7: one per gateway app, started and stopped with the mirror."""
+
+    def __init__(self, config: RecordConfig, metrics: GatewayMetrics) -> None:
+        if config.path is None:
+            raise ValueError("a recorder needs [record] path")
+        self.config = config
+        self.path: Path = config.path
+        self._metrics = metrics
+        self._queue: deque[_Pending] = deque()
+        self._queued_bytes = 0
+        self._wake = asyncio.Event()
+        self._key = os.urandom(32)
+        self._started = time.monotonic()
+        self._file: IO[bytes] | None = None
+        self._size = 0
+        self._lock = threading.Lock()  # the file between the writer thread and close
+        self._writer: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- hot path -------------------------------------------------------------------
+
+    def offer(self, route: Route, raw_path: str, body: bytes, session: str) -> None:
+        """Rule 2: O(1), never awaits."""
+        if route not in RECORDED_ROUTES or self._closing:
+            return
+        if not sampled(_SAMPLER_NAME, session, self.config.sample_rate):
+            return
+        if (len(self._queue) >= self.config.queue_items
+                or self._queued_bytes + len(body) > self.config.queue_bytes):
+            self._drop("queue_full")
+            return
+        self._queue.append(_Pending(time.monotonic(), raw_path, body, session))
+        self._queued_bytes += len(body)
+        self._wake.set()
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._file = await asyncio.to_thread(self._open)
+        self._started = time.monotonic()
+        self._writer = asyncio.create_task(self._write_loop(), name="record-writer")
+
+    async def stop(self) -> None:
+        """Rule 7."""
+        self._closing = True
+        self._wake.set()
+        if self._writer is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._writer), self.config.drain_timeout_s)
+            except TimeoutError:
+                self._writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._writer
+        while self._queue:
+            self._queued_bytes -= len(self._queue.popleft().body)
+            self._drop("shutdown")
+        await asyncio.to_thread(self._close)
+
+    def _open(self) -> IO[bytes]:
+        if self.path.exists() and self.path.stat().st_size > 0:
+            self.path.replace(self.path.with_name(self.path.name + ".1"))
+        return self.path.open("wb")
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    # -- writer ---------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
+            self._queued_bytes -= sum(len(item.body) for item in batch)
+            written, dropped = await asyncio.to_thread(self._write, batch)
+            self._metrics.record_written.inc(written)
+            for reason, count in dropped.items():
+                self._drop(reason, count)
+
+    def _write(self, batch: list[_Pending]) -> tuple[int, Counter[RecordDropReason]]:
+        """Rule 3, in a worker thread: parse, redact, bound (rule 6), write."""
+        dropped: Counter[RecordDropReason] = Counter()
+        lines: list[bytes] = []
+        for item in batch:
+            line = self._line(item)
+            if line is None:
+                dropped["not_json"] += 1
+            elif self._size + len(line) > self.config.max_bytes:
+                dropped["max_bytes"] += 1
+            else:
+                lines.append(line)
+                self._size += len(line)
+        with self._lock:
+            if self._file is None:
+                dropped["shutdown"] += len(lines)
+                return 0, dropped
+            try:
+                self._file.write(b"".join(lines))
+                self._file.flush()
+            except OSError:
+                log.exception("writing the traffic record %s failed", self.path)
+                dropped["write_error"] += len(lines)
+                return 0, dropped
+        return len(lines), dropped
+
+    def _line(self, item: _Pending) -> bytes | None:
+        try:
+            body = orjson.loads(item.body)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(body, dict):
+            return None
+        if isinstance(body.get("user"), str):
+            body["user"] = self._pseudonym(body["user"])  # rule 4
+        if not self.config.prompts:
+            body = redact(body)
+        doc = {
+            "offset_s": round(max(0.0, item.at - self._started), 6),
+            "route": item.path.partition("?")[0],
+            "session": self._pseudonym(item.session),
+            "body": body,
+        }
+        return orjson.dumps(doc) + b"\n"
+
+    def _pseudonym(self, value: str) -> str:
+        return hashlib.blake2b(value.encode(), digest_size=12, key=self._key).hexdigest()
+
+    def _drop(self, reason: RecordDropReason, count: int = 1) -> None:
+        self._metrics.record_dropped.labels(reason).inc(count)

@@ -1,0 +1,157 @@
+"""``run_workload`` and ``understudy load`` against the simulator, directly and through a
+real gateway (real sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import defaultdict
+from typing import Any
+
+from click.testing import CliRunner
+
+from backends.sim import RecordedRequest
+from gateway.cli import main
+from tests.utils import run_gateway, run_sim
+from workload import TurnResult, WorkloadSpec, run_workload
+
+FAST = {"ttft_ms": 5.0, "itl_ms": 1.0, "tokens": 8}
+
+
+def _by_session(requests: list[RecordedRequest]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for request in requests:
+        if request.path.endswith("/chat/completions"):
+            assert isinstance(request.body, dict)
+            out[request.headers["x-session-id"]].append(request.body)
+    for bodies in out.values():
+        bodies.sort(key=lambda b: len(b["messages"]))
+    return out
+
+
+def _assert_growing_histories(bodies: list[dict[str, Any]], turns: int) -> None:
+    assert len(bodies) == turns
+    for earlier, later in zip(bodies, bodies[1:], strict=False):
+        old, new = earlier["messages"], later["messages"]
+        assert new[: len(old)] == old  # the history is carried whole
+        assistant, result = new[len(old):]
+        assert assistant["role"] == "assistant" and assistant["content"]
+        assert result["role"] == "user" and result["content"].startswith("Tool result (")
+    for body in bodies:
+        assert body["messages"][0]["role"] == "system"
+        assert {t["function"]["name"] for t in body["tools"]} >= {"search_logs", "run_query"}
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+async def test_turns_carry_answers_and_tool_results() -> None:
+    seen: list[TurnResult] = []
+    async with run_sim(**FAST) as sim:
+        spec = WorkloadSpec(sessions=3, turns=3, rate=50, think_s=0.02, duration_s=30)
+        summary = await run_workload(spec, sim.url, on_turn=seen.append)
+        histories = _by_session(list(sim.stats.requests))
+    assert summary.turns == 9 and summary.errors == 0 and summary.sessions_completed == 3
+    assert sorted(seen, key=lambda r: r.started_s) == list(summary.results)
+    assert len(histories) == 3
+    for bodies in histories.values():
+        _assert_growing_histories(bodies, 3)
+    for depth in summary.by_depth:
+        assert depth.turns == 3 and depth.ttft_p50_s is not None
+    prompts = [d.prompt_tokens_mean or 0 for d in summary.by_depth]
+    assert prompts == sorted(prompts) and prompts[0] < prompts[-1]
+
+
+async def test_through_a_gateway_sessions_are_sampled_whole() -> None:
+    async with run_sim(**FAST) as primary, run_sim(**FAST) as candidate:
+        half = [{"name": "cand", "url": candidate.url, "sample_rate": 0.5}]
+        async with run_gateway(primary.url, candidates=half) as gateway:
+            spec = WorkloadSpec(sessions=8, turns=3, rate=100, think_s=0.02, duration_s=30)
+            summary = await run_workload(spec, gateway.base_url)
+            await asyncio.sleep(0.3)  # the mirror's replays finish off the hot path
+        seen_primary = _by_session(list(primary.stats.requests))
+        seen_candidate = _by_session(list(candidate.stats.requests))
+    assert summary.turns == 24 and summary.errors == 0
+    assert len(seen_primary) == 8
+    for bodies in seen_primary.values():
+        _assert_growing_histories(bodies, 3)
+    # Session-consistent sampling by the header: a mirrored session is mirrored whole.
+    assert 0 < len(seen_candidate) < 8
+    for session, bodies in seen_candidate.items():
+        assert [b["messages"] for b in bodies] == [b["messages"] for b in seen_primary[session]]
+
+
+async def test_poisson_arrivals_and_think_time_bounds() -> None:
+    spec = WorkloadSpec(sessions=12, turns=3, rate=20, think_s=0.15, duration_s=30, seed=7)
+    async with run_sim(**FAST) as sim:
+        summary = await run_workload(spec, sim.url)
+    assert summary.errors == 0
+    gaps = random.Random(spec.seed)
+    expected, at = [], 0.0
+    for index in range(spec.sessions):
+        at += gaps.expovariate(spec.rate) if index else 0.0
+        expected.append(at)
+    turns: dict[str, list[TurnResult]] = defaultdict(list)
+    for result in summary.results:
+        turns[result.session].append(result)
+    firsts = sorted(min(r.started_s for r in rs) for rs in turns.values())
+    for got, want in zip(firsts, expected, strict=True):
+        assert want - 0.005 <= got <= want + 0.15  # an arrival is never early, rarely late
+    for results in turns.values():
+        results.sort(key=lambda r: r.turn)
+        for done, after in zip(results, results[1:], strict=False):
+            think = after.started_s - (done.started_s + done.e2e_s)
+            assert 0.5 * spec.think_s - 0.005 <= think <= 1.5 * spec.think_s + 0.15
+
+
+async def test_concurrency_bound() -> None:
+    spec = WorkloadSpec(sessions=6, turns=2, rate=1000, think_s=0.0, concurrency=2,
+                        duration_s=30)
+    async with run_sim(ttft_ms=60, itl_ms=1, tokens=4) as sim:
+        summary = await run_workload(spec, sim.url)
+    assert summary.turns == 12 and summary.errors == 0
+    spans: dict[str, tuple[float, float]] = {}
+    for r in summary.results:
+        start, end = spans.get(r.session, (r.started_s, r.started_s + r.e2e_s))
+        spans[r.session] = (min(start, r.started_s), max(end, r.started_s + r.e2e_s))
+    for start, _ in spans.values():
+        overlapping = sum(1 for s, e in spans.values() if s <= start < e)
+        assert overlapping <= 2
+
+
+async def test_duration_bound_and_drain() -> None:
+    loop = asyncio.get_running_loop()
+    async with run_sim(**FAST) as sim:
+        spec = WorkloadSpec(sessions=200, turns=4, rate=40, think_s=0.1, duration_s=0.5)
+        summary = await run_workload(spec, sim.url)
+    assert summary.not_sent > 0 and summary.errors == 0
+    assert all(r.started_s < 0.5 for r in summary.results)
+    async with run_sim(ttft_ms=5000, tokens=4) as slow:
+        spec = WorkloadSpec(sessions=2, turns=2, rate=100, think_s=0, duration_s=0.2,
+                            drain_s=0.3)
+        began = loop.time()
+        summary = await run_workload(spec, slow.url)
+        took = loop.time() - began
+    assert took < 2.0  # 0.2 s of arrivals, 0.3 s of drain: not the 5 s answers
+    assert summary.turns == 2 and {r.error for r in summary.results} == {"cancelled"}
+
+
+async def test_cli_json_and_table() -> None:
+    async with run_sim(**FAST) as sim:
+        args = ["load", "--url", sim.url, "--sessions", "2", "--turns", "2", "--rate", "50",
+                "--think-s", "0.01", "--duration-s", "20"]
+        as_json = await asyncio.to_thread(CliRunner().invoke, main, [*args, "--json"])
+        table = await asyncio.to_thread(CliRunner().invoke, main, args)
+    assert as_json.exit_code == 0, as_json.output
+    doc = json.loads(as_json.output.strip().splitlines()[-1])
+    assert doc["turns"] == 4 and doc["errors"] == 0 and len(doc["by_depth"]) == 2
+    assert table.exit_code == 0, table.output
+    assert "TTFT" in table.output and "2 sessions (2 completed), 4 turns, 0 errors" in table.output
+
+
+async def test_cli_unreachable_server_is_a_clear_error() -> None:
+    from tests.utils import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    result = await asyncio.to_thread(CliRunner().invoke, main, ["load", "--url", url,
+                                                                 "--timeout-s", "5"])
+    assert result.exit_code == 1 and "Error:" in result.output
