@@ -5,7 +5,8 @@ Rules:
    in constant time; missing, empty or wrong → 401. An empty or blank configured token is
    no token, and one shorter than ``MIN_ADMIN_TOKEN_LENGTH`` is refused when the config is
    read. With no token the API refuses to listen on a non-loopback address (checked at
-   start).
+   start). The scorecard page's static files (``_scorecard.py``) hold no data and are
+   served without it; the data they fetch is behind it like every other route.
 2. Bodies are validated with pydantic; every error is an OpenAI-style JSON body with the
    right 4xx, never a 500 or a traceback. The token never reaches a log.
 3. Changes take effect without a restart: the handlers hand them to the ``Promoter``,
@@ -48,6 +49,13 @@ from gateway._mirror import Candidate
 from gateway._openapi import Operation, openapi_document
 from gateway._promotion import RoutingChange
 from gateway._routing import Routing
+from gateway._scorecard import (
+    Distributions,
+    TrafficSeries,
+    distributions,
+    scorecard_files,
+    traffic_series,
+)
 from gateway._state import GatewayState
 
 __all__ = ["ADMIN_STATE", "admin_openapi", "build_admin_app", "check_admin_binding"]
@@ -265,10 +273,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                             content_type="application/json")
 
 
-def _auth(token: str | None) -> Middleware:
+def _auth(token: str | None, open_paths: frozenset[str] = frozenset()) -> Middleware:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token is not None:
+        if token is not None and request.path not in open_paths:
             scheme, _, provided = request.headers.get("Authorization", "").partition(" ")
             provided = provided.strip()
             # compare_digest even for an empty value, so its timing tells nothing either.
@@ -335,6 +343,17 @@ async def candidate_report(request: web.Request) -> web.Response:
     since = _window_start(request.query.get("window_s"))
     report = await evaluation.report(candidate.name, since)
     return web.Response(body=orjson.dumps(report.to_dict()), content_type="application/json")
+
+
+async def candidate_distributions(request: web.Request) -> web.Response:
+    candidate = _candidate(request)
+    since = _window_start(request.query.get("window_s"))
+    return _json(await distributions(request.app[ADMIN_STATE], candidate.name, since))
+
+
+async def get_traffic(request: web.Request) -> web.Response:
+    since = _window_start(request.query.get("window_s"))
+    return _json(await traffic_series(request.app[ADMIN_STATE], since))
 
 
 def _window_start(window_s: str | None) -> datetime | None:
@@ -419,6 +438,13 @@ OPERATIONS: list[tuple[Operation, Handler]] = [
                body=RollbackBody, response=ActionResult), stop_canary),
     (Operation("GET", "/candidates/{name}/report", "Judge a candidate over its stored scores "
                "(optional query window_s)", response=ReportBody), candidate_report),
+    (Operation("GET", "/candidates/{name}/distributions", "Latency quantiles (CDF) and "
+               "quality histograms of a candidate, the primary and the noise floor, from the "
+               "newest stored scores (optional query window_s)", response=Distributions),
+     candidate_distributions),
+    (Operation("GET", "/traffic", "Requests seen and mirror drops by candidate and reason "
+               "per minute (optional query window_s, default an hour, at most a day)",
+               response=TrafficSeries), get_traffic),
 ]
 
 
@@ -431,8 +457,10 @@ def admin_openapi() -> dict[str, Any]:
 
 def build_admin_app(state: GatewayState) -> web.Application:
     token = state.config.admin.token  # never empty: AdminConfig makes a blank one None
+    page = scorecard_files()
     app = web.Application(
-        middlewares=[_errors, _auth(token.get_secret_value() if token is not None else None)],
+        middlewares=[_errors, _auth(token.get_secret_value() if token is not None else None,
+                                    frozenset(page))],
         client_max_size=MAX_ADMIN_BODY_BYTES,
     )
     app[ADMIN_STATE] = state
@@ -444,6 +472,15 @@ def build_admin_app(state: GatewayState) -> web.Application:
     app.router.add_get(PREFIX + "/openapi.json", openapi)
     for op, handler in OPERATIONS:
         app.router.add_route(op.method, PREFIX + op.path, handler)
+    for path, (body, headers) in page.items():
+        app.router.add_get(path, _static(body, headers))
     return app
+
+
+def _static(body: bytes, headers: dict[str, str]) -> Handler:
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(body=body, headers=headers)
+
+    return handler
 
 
