@@ -1,0 +1,141 @@
+"""The gateway's ``[record]`` file: credentials never, prompts only when configured, the size
+and queue bounds counted (real gateway, real simulator, real sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gateway._record import redact
+from tests.utils import eventually, run_gateway, run_sim
+
+SECRET_KEY = "sk-live-credential-0123456789"
+SECRET_PROMPT = "the launch code is PURPLE-ELEPHANT-42"
+E_MAIL = "alice@example.com"
+
+
+def _chat(turn: int) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": SECRET_PROMPT},
+    ]
+    for i in range(turn):
+        messages += [
+            {"role": "assistant", "content": f"answer {i}",
+             "tool_calls": [{"id": f"call-{i}", "type": "function",
+                             "function": {"name": "search_logs", "arguments": '{"q": "x"}'}}]},
+            {"role": "tool", "tool_call_id": f"call-{i}", "content": f"result {i} {SECRET_PROMPT}"},
+        ]
+    return {"model": "sim-model", "messages": messages, "max_tokens": 4, "user": E_MAIL}
+
+
+async def _send(url: str, turns: int, session: str = E_MAIL) -> None:
+    headers = {"Authorization": f"Bearer {SECRET_KEY}", "X-Session-Id": session,
+               "Cookie": f"sid={SECRET_KEY}", "X-Api-Key": SECRET_KEY}
+    async with aiohttp.ClientSession() as client:
+        for turn in range(turns):
+            async with client.post(f"{url}/v1/chat/completions?api-key={SECRET_KEY}",
+                                   json=_chat(turn), headers=headers) as response:
+                assert response.status == 200
+                await response.read()
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def test_recording_redacts_prompts_and_writes_no_credentials(tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    async with run_sim(tokens=4) as sim, run_gateway(sim.url, record={"path": str(path)}) as gw:
+        await _send(gw.url, 3)
+        await eventually(lambda: gw.metric("understudy_record_written_total") == 3)
+    text = path.read_text()
+    for secret in (SECRET_KEY, SECRET_PROMPT, "PURPLE", E_MAIL, "Bearer", "answer 0"):
+        assert secret not in text
+    lines = _lines(path)
+    assert [line["route"] for line in lines] == ["/v1/chat/completions"] * 3
+    assert len({line["session"] for line in lines}) == 1  # one pseudonym per session
+    offsets = [line["offset_s"] for line in lines]
+    assert offsets == sorted(offsets) and offsets[0] >= 0
+    sent, recorded = _chat(2), lines[2]["body"]
+    assert recorded["user"] != E_MAIL and recorded["max_tokens"] == 4
+    for original, kept in zip(sent["messages"], recorded["messages"], strict=True):
+        assert kept["role"] == original["role"]
+        assert len(kept["content"]) == len(original["content"])  # sizes survive for replay
+    assert recorded["messages"][2]["tool_calls"][0]["function"]["name"] == "search_logs"
+    assert recorded["messages"][3]["tool_call_id"] == "call-0"
+
+
+async def test_recording_keeps_prompts_when_configured(tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    config = {"path": str(path), "prompts": True}
+    async with run_sim(tokens=4) as sim, run_gateway(sim.url, record=config) as gw:
+        await _send(gw.url, 2)
+        await eventually(lambda: gw.metric("understudy_record_written_total") == 2)
+    text = path.read_text()
+    assert SECRET_PROMPT in text
+    for secret in (SECRET_KEY, E_MAIL, "Bearer", "sid="):
+        assert secret not in text
+    assert _lines(path)[1]["body"]["messages"] == _chat(1)["messages"]
+
+
+async def test_size_bound_exceeded_is_counted(tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    async with run_sim(tokens=4) as sim, \
+            run_gateway(sim.url, record={"path": str(path), "max_bytes": 2000}) as gw:
+        await _send(gw.url, 6)
+        await eventually(lambda: gw.metric("understudy_record_written_total")
+                         + gw.metric("understudy_record_dropped_total", reason="max_bytes") == 6)
+        written = gw.metric("understudy_record_written_total")
+    assert 0 < written < 6
+    assert path.stat().st_size <= 2000 and len(_lines(path)) == written
+
+
+async def test_full_queue_drops_are_counted(tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    async with run_sim(tokens=4) as sim, \
+            run_gateway(sim.url, record={"path": str(path), "queue_bytes": 10}) as gw:
+        await _send(gw.url, 3)
+        assert gw.metric("understudy_record_dropped_total", reason="queue_full") == 3
+    assert path.read_text() == ""
+
+
+async def test_sampling_by_session_records_whole_sessions(tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    config = {"path": str(path), "sample_rate": 0.5}
+    async with run_sim(tokens=4) as sim, run_gateway(sim.url, record=config) as gw:
+        for index in range(12):
+            await _send(gw.url, 2, session=f"session-{index}")
+        await eventually(lambda: gw.metric("understudy_record_written_total") > 0)
+        await gw.state.mirror.stop()  # drains the writer: everything sampled is written
+    sessions: dict[str, int] = {}
+    for line in _lines(path):
+        sessions[line["session"]] = sessions.get(line["session"], 0) + 1
+    assert 0 < len(sessions) < 12 and set(sessions.values()) == {2}
+
+
+async def test_an_existing_recording_is_kept_as_dot_one(tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    path.write_text('{"old": true}\n')
+    async with run_sim(tokens=4) as sim, run_gateway(sim.url, record={"path": str(path)}) as gw:
+        await _send(gw.url, 1)
+        await eventually(lambda: gw.metric("understudy_record_written_total") == 1)
+    assert (tmp_path / "traffic.jsonl.1").read_text() == '{"old": true}\n'
+    assert len(_lines(path)) == 1
+
+
+def test_redact_keeps_structure_and_sizes() -> None:
+    body = {"model": "m", "prompt": "secret words", "input": [[101, 2023]],
+            "messages": [{"role": "user", "name": "Alice",
+                          "content": [{"type": "text", "text": "hello there"}]}],
+            "tools": [{"type": "function", "function": {"name": "t", "description": "d"}}]}
+    out = redact(body)
+    assert out["model"] == "m" and out["tools"] == body["tools"]
+    assert len(out["prompt"]) == len("secret words") and "secret" not in out["prompt"]
+    assert out["input"] == [[0, 0]]
+    part = out["messages"][0]["content"][0]
+    assert part["type"] == "text" and len(part["text"]) == 11 and "hello" not in part["text"]
+    assert out["messages"][0]["name"] != "Alice"
