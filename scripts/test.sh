@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/setup-vllm.sh
 scripts/setup-deploy.sh
+scripts/setup-browser.sh
 scripts/start-postgres.sh
 echo "test: ruff"
 .venv/bin/ruff check .
