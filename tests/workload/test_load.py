@@ -4,6 +4,7 @@ real gateway (real sockets on 127.0.0.1)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 from collections import defaultdict
@@ -32,7 +33,7 @@ def _by_session(requests: list[RecordedRequest]) -> dict[str, list[dict[str, Any
 
 def _assert_growing_histories(bodies: list[dict[str, Any]], turns: int) -> None:
     assert len(bodies) == turns
-    for earlier, later in zip(bodies, bodies[1:], strict=False):
+    for earlier, later in itertools.pairwise(bodies):
         old, new = earlier["messages"], later["messages"]
         assert new[: len(old)] == old  # the history is carried whole
         assistant, result = new[len(old):]
@@ -98,7 +99,7 @@ async def test_poisson_arrivals_and_think_time_bounds() -> None:
         assert want - 0.005 <= got <= want + 0.15  # an arrival is never early, rarely late
     for results in turns.values():
         results.sort(key=lambda r: r.turn)
-        for done, after in zip(results, results[1:], strict=False):
+        for done, after in itertools.pairwise(results):
             think = after.started_s - (done.started_s + done.e2e_s)
             assert 0.5 * spec.think_s - 0.005 <= think <= 1.5 * spec.think_s + 0.15
 
