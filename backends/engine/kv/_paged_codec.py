@@ -20,8 +20,11 @@ Rules
 6. Every array a codec returns for a block has a shape and dtype fixed by the block's shape (the
    codec tests hold every codec to it), so a packed block is a plain concatenation, unpacked by
    the schema measured when the codec is built.
-7. ``fingerprint`` names the codec and its calibration constants: nodes exchange blocks only
-   when theirs agree, and the prefix-cache hash chain of a codec starts from it.
+7. ``fingerprint`` names the codec -- for a mixed plan (``_plan``) every layer's key and value
+   codec -- and the calibration constants: nodes exchange blocks only when theirs agree, and the
+   prefix-cache hash chain of a codec starts from it.  A uniform plan has its codec's.
+8. A plan gives each layer and role its own codec, so each layer has its own schema and size;
+   a packed block is the layers' blobs in order, each its K arrays then its V arrays.
 """
 
 from __future__ import annotations
@@ -34,16 +37,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._plan import ENGINE_CODECS, KVPlan
 from .codecs import EncodedBlock, KVCodec, Role, codec_by_name
 
 __all__ = ["ENGINE_CODECS", "PagedCodec"]
 
 Float32Array = npt.NDArray[np.float32]
 UInt8Array = npt.NDArray[np.uint8]
-
-ENGINE_CODECS: tuple[str, ...] = ("fp32", "fp16", "fp8", "kivi-8", "kivi-4", "kivi-2", "e8-2")
-"""Codecs the engine serves.  ``e8-2w`` and KIVI's 128-token window (blocks within the last 128
-tokens read raw) are not built: in the engine only a query's own block is read raw."""
 
 _ROLES: tuple[Role, Role] = ("key", "value")
 _PROBE_SEED = 14
@@ -68,7 +68,7 @@ def _parts(block: EncodedBlock) -> tuple[_Part, _Part, _Part]:
 
 
 class PagedCodec:
-    """One codec per layer over blocks of ``block_size`` tokens, and the encoded blocks."""
+    """A codec per layer and role over blocks of ``block_size`` tokens, and the encoded blocks."""
 
     __slots__ = (
         "_encoded",
@@ -82,12 +82,13 @@ class PagedCodec:
         "kv_heads",
         "layer_bytes",
         "name",
+        "plan",
         "sink_bytes",
     )
 
     def __init__(
         self,
-        name: str,
+        codec: str | KVPlan,
         *,
         num_layers: int,
         kv_heads: int,
@@ -96,27 +97,46 @@ class PagedCodec:
         key_means: Sequence[Float32Array] | None = None,
         key_scales: Sequence[Float32Array] | None = None,
     ) -> None:
-        if name == "fp32":
-            raise ValueError("fp32 is the cache without a codec (no PagedCodec)")
-        if name not in ENGINE_CODECS:
+        """``codec``: one served codec for every layer and role, or a plan (rule 8)."""
+        if isinstance(codec, str):
+            if codec not in ENGINE_CODECS:
+                raise ValueError(
+                    f"the engine does not serve KV codec {codec!r} (served: "
+                    f"{', '.join(ENGINE_CODECS)}; windowed variants such as e8-2w are not built)"
+                )
+            codec = KVPlan.uniform(codec, num_layers)
+        if codec.num_layers != num_layers:
             raise ValueError(
-                f"the engine does not serve KV codec {name!r} (served: {', '.join(ENGINE_CODECS)};"
-                " windowed variants such as e8-2w are not built)"
+                f"a KV plan of {codec.num_layers} layers for a {num_layers}-layer model"
             )
-        self.name = name
+        if codec.uniform_codec == "fp32":
+            raise ValueError("fp32 is the cache without a codec (no PagedCodec)")
+        self.plan = codec
+        self.name = codec.name
         self.block_size = block_size
         self.kv_heads = kv_heads
         self.head_dim = head_dim
-        self.codecs: list[KVCodec] = [
-            codec_by_name(
-                name,
-                layer=layer,
-                key_mean=None if key_means is None else key_means[layer],
-                key_scale=None if key_scales is None else key_scales[layer],
-            )
-            for layer in range(num_layers)
+        built: dict[tuple[int, str], KVCodec] = {}
+        for layer, names in enumerate(codec.layers):
+            for name in (names.key, names.value):
+                built[layer, name] = codec_by_name(
+                    name,
+                    layer=layer,
+                    key_mean=None if key_means is None else key_means[layer],
+                    key_scale=None if key_scales is None else key_scales[layer],
+                )
+        self.codecs: list[tuple[KVCodec, KVCodec]] = [
+            (built[layer, names.key], built[layer, names.value])
+            for layer, names in enumerate(codec.layers)
         ]
-        digest = hashlib.sha256(b"understudy.kv-codec.v1\x00" + name.encode() + b"\x00")
+        uniform = codec.uniform_codec
+        if uniform is not None:
+            digest = hashlib.sha256(b"understudy.kv-codec.v1\x00" + uniform.encode() + b"\x00")
+        else:
+            digest = hashlib.sha256(b"understudy.kv-plan.v1\x00")
+            for names in codec.layers:
+                digest.update(f"{names.key},{names.value};".encode())
+            digest.update(b"\x00")
         for constants in (key_means, key_scales):
             for array in constants or ():
                 digest.update(np.ascontiguousarray(array, dtype="<f4").tobytes())
@@ -125,9 +145,20 @@ class PagedCodec:
         probe = np.random.default_rng(_PROBE_SEED).standard_normal(
             (block_size, kv_heads, head_dim), dtype=np.float32
         )
-        self._schema = [_parts(self.codecs[0].encode(probe, role)) for role in _ROLES]
-        self.layer_bytes = sum(part.nbytes for parts in self._schema for part in parts)
-        self.block_bytes = self.layer_bytes * num_layers
+        schemas: dict[tuple[str, Role], tuple[_Part, _Part, _Part]] = {}
+        self._schema: list[list[tuple[_Part, _Part, _Part]]] = []
+        for pair in self.codecs:
+            layer_schema = []
+            for role, role_codec in zip(_ROLES, pair, strict=True):
+                if (role_codec.name, role) not in schemas:
+                    schemas[role_codec.name, role] = _parts(role_codec.encode(probe, role))
+                layer_schema.append(schemas[role_codec.name, role])
+            self._schema.append(layer_schema)
+        self.layer_bytes = [
+            sum(part.nbytes for parts in layer_schema for part in parts)
+            for layer_schema in self._schema
+        ]
+        self.block_bytes = sum(self.layer_bytes)
         self.sink_bytes = num_layers * 2 * kv_heads * head_dim * 4
         self._encoded: dict[int, list[bytes]] = {}
         self._sinks: dict[int, Float32Array] = {}
@@ -156,12 +187,11 @@ class PagedCodec:
     ) -> tuple[Float32Array, Float32Array]:
         """Encode one layer of a complete block (``keys_t`` [kv_heads, head_dim, block_size],
         ``values`` [kv_heads, block_size, head_dim], as stored); its decoded K^T and V."""
-        codec = self.codecs[layer]
         k = np.ascontiguousarray(keys_t.transpose(2, 0, 1))
         v = np.ascontiguousarray(values.transpose(1, 0, 2))
         blobs = []
-        for x, role in ((k, "key"), (v, "value")):
-            encoded = codec.encode(x, role)  # type: ignore[arg-type]
+        for x, role, codec in zip((k, v), _ROLES, self.codecs[layer], strict=True):
+            encoded = codec.encode(x, role)
             blobs += [encoded.codes.tobytes(), encoded.scales.tobytes(), encoded.zeros.tobytes()]
         layers = self._encoded.get(block)
         if layers is None or len(layers) != self.num_layers:
@@ -180,19 +210,20 @@ class PagedCodec:
     def _decode_layer(
         self, layer: int, blob: bytes, sink_block: int | None
     ) -> tuple[Float32Array, Float32Array]:
-        codec = self.codecs[layer]
         shape = (self.block_size, self.kv_heads, self.head_dim)
         offset = 0
         out = []
-        for role, parts in zip(_ROLES, self._schema, strict=True):
+        for role, parts, codec in zip(_ROLES, self._schema[layer], self.codecs[layer], strict=True):
             arrays = []
             for part in parts:
                 count = int(np.prod(part.shape))
                 array = np.frombuffer(blob, dtype=part.dtype, count=count, offset=offset)
                 arrays.append(array.reshape(part.shape))
                 offset += part.nbytes
-            encoded = EncodedBlock(self.name, role, shape, arrays[0], arrays[1], arrays[2])
-            out.append(np.ascontiguousarray(codec.decode(encoded), dtype=np.float32))
+            encoded = EncodedBlock(codec.name, role, shape, arrays[0], arrays[1], arrays[2])
+            decoded = np.ascontiguousarray(codec.decode(encoded), dtype=np.float32)
+            # fp32 in a plan decodes to a view of the stored bytes; the sink is written over it.
+            out.append(decoded if decoded.flags.writeable else decoded.copy())
         k, v = out
         if sink_block is not None:
             sink = self._sinks[sink_block]
@@ -227,8 +258,8 @@ class PagedCodec:
                 f"a packed {self.name} block of {len(data)} bytes, expected "
                 f"{self.packed_bytes(first)}"
             )
-        step = self.layer_bytes
-        layers = [data[i * step : (i + 1) * step] for i in range(self.num_layers)]
+        ends = np.cumsum(self.layer_bytes).tolist()
+        layers = [data[end - size : end] for end, size in zip(ends, self.layer_bytes, strict=True)]
         self._encoded[block] = layers
         if first:
             sink = np.frombuffer(data, dtype="<f4", offset=self.block_bytes)

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from backends.openai_wire import serve_until_signalled
 
 from ..kv._paged_codec import ENGINE_CODECS
+from ..kv._plan import KVPlan
 from ..model._model import LlamaModel
 from ._engine import DEFAULT_KV_CODEC
 from ._server import running_engine_server
@@ -76,6 +77,11 @@ _DEFAULT_KV_GIB = 1.0
     "sink token stay fp32; no recent window: e8-2w is not built).",
 )  # fmt: skip
 @click.option(
+    "--kv-plan", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+    help="unified/prefill/decode: a JSON file naming a codec per layer for keys and for values "
+    "(written by plan-kv); exclusive with --kv-codec.",
+)  # fmt: skip
+@click.option(
     "--prefill", "prefill_urls", multiple=True, metavar="URL",
     help="router: a prefill node's root URL (repeat for several).",
 )  # fmt: skip
@@ -109,6 +115,7 @@ def engine_command(
     routing_policy: RoutingPolicyName,
     kv_readback: bool,
     kv_codec: str,
+    kv_plan: Path | None,
 ) -> None:
     """Serve the reference engine (SmolLM2 in numpy) with vLLM's OpenAI API."""
     try:
@@ -130,9 +137,15 @@ def engine_command(
             routing_policy=routing_policy,
             kv_readback=kv_readback,
             kv_codec=kv_codec,
+            kv_plan=kv_plan,
         )
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
+    if kv_plan is not None:
+        try:
+            KVPlan.load(kv_plan)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
     try:
         model = LlamaModel.load(config.gguf_path)
     except (OSError, ValueError) as exc:

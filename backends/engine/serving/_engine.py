@@ -25,7 +25,8 @@ Rules
    after it finishes, under a ticket on its last event (``_retention``), for another node to
    pull with ``export_retained``.  When blocks run short, retained sets are reclaimed, oldest
    first, before any running request is preempted.
-8. With a KV codec other than fp32 (``kv_codec``), complete blocks are stored encoded and read
+8. With a KV codec other than fp32 (``kv_codec``: a codec's name, or a ``KVPlan`` naming one
+   per layer for keys and one for values), complete blocks are stored encoded and read
    back decoded, a query's own block raw (``kv._paged_codec``, ``_attention`` rule 5); the pool
    is sized by the codec's true bytes per block.  Drafts (rule 5) are off: a rejected draft that
    completed a block would have sealed it with tokens that are not the sequence's.
@@ -44,6 +45,7 @@ import numpy.typing as npt
 
 from ..kv._blockpool import BlockHash, BlockPool, ExtraKey, KVBlock, NoFreeBlocksError, hash_blocks
 from ..kv._paged_codec import PagedCodec
+from ..kv._plan import KVPlan
 from ..kv._retention import KVRetention, RetainedKV
 from ..kv._store import DEFAULT_BLOCK_SIZE, KVLayout
 from ..kv.codecs._quality import calibrate
@@ -101,7 +103,7 @@ class Engine:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         speculative_tokens: int = MIN_GEMM_ROWS - 1,
         retained_kv_share: float = DEFAULT_RETAINED_KV_SHARE,
-        kv_codec: str = DEFAULT_KV_CODEC,
+        kv_codec: str | KVPlan = DEFAULT_KV_CODEC,
         kv_calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None = None,
     ) -> None:
         """``kv_codec``: how complete KV blocks are stored (rule 8); ``kv_calibration``: E8's
@@ -466,14 +468,15 @@ class Engine:
 
 
 def _paged_codec(
-    name: str,
+    name: str | KVPlan,
     model: LlamaModel,
     layout: KVLayout,
     calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None,
 ) -> PagedCodec | None:
-    if name == "fp32":
+    names = {name} if isinstance(name, str) else {*name.keys, *name.values}
+    if names == {"fp32"}:
         return None
-    if calibration is None and name.startswith("e8"):
+    if calibration is None and any(n.startswith("e8") for n in names):
         calibration = calibrate(model)
     means, scales = calibration if calibration is not None else (None, None)
     return PagedCodec(

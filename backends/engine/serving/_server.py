@@ -39,6 +39,7 @@ from backends.openai_wire import (
     serve_app,
 )
 
+from ..kv._plan import KVPlan
 from ..model._model import LlamaModel
 from ._answer import EngineAnswer
 from ._engine import Engine
@@ -131,7 +132,7 @@ def _engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Applicatio
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-        kv_codec=config.kv_codec,
+        kv_codec=config.kv_codec if config.kv_plan is None else KVPlan.load(config.kv_plan),
     )
     # Every accepted request must fit in the pool on its own, or the engine could not run it.
     max_model_len = min(

@@ -77,6 +77,8 @@ class EngineServerConfig(BaseModel):
     kv_limit_bytes: int = Field(default=DEFAULT_KV_LIMIT_BYTES, ge=MIN_KV_LIMIT_BYTES)
     # How complete KV blocks are stored (``kv._paged_codec``); fp32 is the raw cache.
     kv_codec: str = DEFAULT_KV_CODEC
+    # A file naming a codec per layer for K and V (``kv._plan``), read when the server starts.
+    kv_plan: Path | None = None
     # Off: every prompt is computed from scratch (the "recompute every turn" baseline).
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(default=None, ge=2)
@@ -111,8 +113,10 @@ class EngineServerConfig(BaseModel):
     def _role_needs(self) -> EngineServerConfig:
         if self.role == "router" and not (self.prefill_urls and self.decode_urls):
             raise ValueError("the router needs at least one prefill and one decode node")
-        if self.role == "router" and self.kv_codec != DEFAULT_KV_CODEC:
-            raise ValueError("the router holds no KV: give --kv-codec to its nodes")
+        if self.role == "router" and (self.kv_codec != DEFAULT_KV_CODEC or self.kv_plan):
+            raise ValueError("the router holds no KV: give --kv-codec or --kv-plan to its nodes")
+        if self.kv_plan is not None and self.kv_codec != DEFAULT_KV_CODEC:
+            raise ValueError("--kv-plan and --kv-codec are exclusive (a uniform plan is a codec)")
         if self.role != "router" and (self.prefill_urls or self.decode_urls):
             raise ValueError("only the router takes prefill and decode nodes")
         if self.role in ("prefill", "decode") and not self.enable_prefix_caching:

@@ -1,7 +1,8 @@
 """KV codecs in the engine's paged cache: attention reads decoded blocks and its own block raw,
 and prefix reuse, chunked prefill and the disaggregated transfer keep the tokens bitwise.
 
-One suite parametrised over the codecs the engine serves.  Engine tests are slow here (a step
+One suite parametrised over the codecs the engine serves, and a mixed plan (a codec per layer
+for keys and one for values, ``MIXED``) as one more codec.  Engine tests are slow here (a step
 of SmolLM2 in numpy), so prompts are a few dozen tokens and answers a dozen.
 """
 
@@ -14,6 +15,7 @@ import pytest
 
 from backends.engine import Engine, LlamaModel, SamplingParams
 from backends.engine.kv._paged_codec import ENGINE_CODECS, PagedCodec
+from backends.engine.kv._plan import KVPlan
 from backends.engine.kv._transfer import KVSource, KVTransferServer
 from backends.engine.kv.codecs._quality import calibrate
 from backends.engine.model._attention import OwnBlocks, attend, attend_decode
@@ -26,8 +28,9 @@ from .test_transfer import KV_LIMIT, Node, _pull, _pull_fails, _retain
 
 start_node = test_transfer.start_node  # the fixture: engines stepped by loops, stopped at teardown
 
-CODED = [name for name in ENGINE_CODECS if name != "fp32"]
-EXACT_CODECS = ("fp8", "kivi-4", "e8-2")
+MIXED = "mixed"
+CODED = [*(name for name in ENGINE_CODECS if name != "fp32"), MIXED]
+EXACT_CODECS = ("fp8", "kivi-4", "e8-2", MIXED)
 BS = 16
 HEADS, GROUP, DIM = 3, 3, 64
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 4 + "What does the fox do?"
@@ -36,8 +39,24 @@ PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 4 + "What does t
 # -- attention through the paged cache -------------------------------------------------------
 
 
+def mixed_plan(num_layers: int) -> KVPlan:
+    """Keys and values of each layer by different codecs, layers differing (fp32 among them)."""
+    keys = ("kivi-4", "fp8", "e8-2", "fp32")
+    values = ("e8-2", "kivi-2", "fp16", "kivi-8")
+    return KVPlan.of(
+        [keys[i % len(keys)] for i in range(num_layers)],
+        [values[i % len(values)] for i in range(num_layers)],
+    )
+
+
+def _plan_or_name(name: str, num_layers: int) -> str | KVPlan:
+    return mixed_plan(num_layers) if name == MIXED else name
+
+
 def _codec(name: str) -> PagedCodec:
-    return PagedCodec(name, num_layers=1, kv_heads=HEADS, head_dim=DIM, block_size=BS)
+    return PagedCodec(
+        _plan_or_name(name, 1), num_layers=1, kv_heads=HEADS, head_dim=DIM, block_size=BS
+    )
 
 
 def _sealed(codec: PagedCodec, keys_t: np.ndarray, values: np.ndarray, blocks: int):  # type: ignore[no-untyped-def]
@@ -75,7 +94,7 @@ def test_attention_reads_decoded_blocks_and_its_own_block_raw(name: str) -> None
         np.testing.assert_allclose(out[position], expected, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["kivi-4", "e8-2"])
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED])
 def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
     """Rows of one prefill tile see different versions of a block, yet each row's output is the
     one decode gives it, where its own block is not sealed yet (``_attention`` rule 5)."""
@@ -160,7 +179,8 @@ def calibration(engine_model: LlamaModel):  # type: ignore[no-untyped-def]
 
 
 def _engine(model: LlamaModel, name: str, calibration, **kwargs: int) -> Engine:  # type: ignore[no-untyped-def]
-    return Engine(model, KV_LIMIT, kv_codec=name, kv_calibration=calibration, **kwargs)
+    plan = _plan_or_name(name, model.config.num_layers)
+    return Engine(model, KV_LIMIT, kv_codec=plan, kv_calibration=calibration, **kwargs)
 
 
 def _run(engine: Engine, prompt: list[int], seed: int | None = None) -> list[tuple[int, float]]:
@@ -200,7 +220,7 @@ async def _served(node: Node) -> KVTransferServer:
     return server
 
 
-@pytest.mark.parametrize("name", ["kivi-4", "e8-2"])
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED])
 async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
     engine_model: LlamaModel,
     calibration,  # type: ignore[no-untyped-def]
@@ -224,25 +244,32 @@ async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
             answer = await puller.loop.call(lambda e: _run(e, prompt))
             assert answer == _run(_engine(engine_model, name, calibration), prompt)
             assert puller.engine.pool.stats().hits == 32
-    assert sizes[name] < sizes["fp32"] / 4
+    assert sizes[name] < sizes["fp32"] / (2 if name == MIXED else 4)  # MIXED has fp32 layers
     print(f"{name}: {sizes[name]:.0f} bytes on the wire, fp32 {sizes['fp32']:.0f}")
 
 
+@pytest.mark.parametrize(
+    ("owner_codec", "puller_codec"), [("kivi-4", "fp8"), (MIXED, "kivi-4"), ("kivi-4", MIXED)]
+)
 async def test_a_node_refuses_blocks_of_another_codec_and_counts_it(
     engine_model: LlamaModel,
     calibration,  # type: ignore[no-untyped-def]
     start_node: Callable[[Engine], Node],
+    owner_codec: str,
+    puller_codec: str,
 ) -> None:
+    """A plan is compared whole: a mixed plan's blocks are refused by a node of one of its own
+    codecs, and the other way round, counted as a codec mismatch."""
     prompt = engine_model.tokenizer.encode(PROMPT_TEXT)[:33]
-    owner = start_node(_engine(engine_model, "kivi-4", calibration))
+    owner = start_node(_engine(engine_model, owner_codec, calibration))
     server = await _served(owner)
     try:
         retained = await _retain(owner, prompt)
-        puller = start_node(_engine(engine_model, "fp8", calibration))
+        puller = start_node(_engine(engine_model, puller_codec, calibration))
         source = KVSource.retained_at(server.host, server.port, retained)
         assert await _pull_fails(puller, source, prompt) == "codec"
     finally:
         await server.close()
     assert puller.pulls() == {"codec": 1}
     answer = await puller.loop.call(lambda e: _run(e, prompt))
-    assert answer == _run(_engine(engine_model, "fp8", calibration), prompt)
+    assert answer == _run(_engine(engine_model, puller_codec, calibration), prompt)

@@ -1,0 +1,148 @@
+"""A KV plan: which codec stores each layer's keys and each layer's values.
+
+    {"layers": [{"k": "kivi-4", "v": "kivi-2"}, {"k": "fp8", "v": "fp8"}, ...]}
+
+Rules
+-----
+1. A plan names one served codec (``ENGINE_CODECS``) per layer for K and one for V; it is
+   plain data, validated when built: every layer names both roles, every name is served.
+2. A uniform plan IS its codec: same name, same fingerprint, same bytes, same tokens as
+   ``--kv-codec NAME``.  A plan of fp32 everywhere is the cache without a codec.
+3. ``name`` is the codec's for a uniform plan and ``mixed-<digest>`` otherwise, the digest
+   taken over the layers' names, so two nodes print the same name for the same plan; the
+   fingerprint that decides whether nodes exchange blocks is ``PagedCodec``'s, over the whole
+   plan and its calibration (``_paged_codec`` rule 7).
+4. The file may carry a ``"meta"`` object (what the planner measured and assumed); it is kept
+   for the reader and takes no part in the plan's identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENGINE_CODECS", "KVPlan", "LayerCodecs"]
+
+ENGINE_CODECS: tuple[str, ...] = ("fp32", "fp16", "fp8", "kivi-8", "kivi-4", "kivi-2", "e8-2")
+"""Codecs the engine serves.  ``e8-2w`` and KIVI's 128-token window (blocks within the last 128
+tokens read raw) are not built: in the engine only a query's own block is read raw."""
+
+
+def _served(name: object) -> str:
+    if not isinstance(name, str) or name not in ENGINE_CODECS:
+        raise ValueError(
+            f"the engine does not serve KV codec {name!r} (served: {', '.join(ENGINE_CODECS)};"
+            " windowed variants such as e8-2w are not built)"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCodecs:
+    """The codecs of one layer: ``key`` stores its keys, ``value`` its values."""
+
+    key: str
+    value: str
+
+    def __post_init__(self) -> None:
+        _served(self.key)
+        _served(self.value)
+
+
+@dataclass(frozen=True, slots=True)
+class KVPlan:
+    """A codec per layer and role (see the module comment)."""
+
+    layers: tuple[LayerCodecs, ...]
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a KV plan names at least one layer")
+        if not all(isinstance(layer, LayerCodecs) for layer in self.layers):
+            raise ValueError("a KV plan's layers are LayerCodecs")
+
+    @classmethod
+    def uniform(cls, name: str, num_layers: int) -> KVPlan:
+        """``name`` for every layer's keys and values (rule 2)."""
+        return cls(tuple(LayerCodecs(name, name) for _ in range(num_layers)))
+
+    @classmethod
+    def of(cls, keys: Sequence[str], values: Sequence[str]) -> KVPlan:
+        if len(keys) != len(values):
+            raise ValueError("a KV plan needs a key codec and a value codec per layer")
+        return cls(tuple(LayerCodecs(k, v) for k, v in zip(keys, values, strict=True)))
+
+    @classmethod
+    def from_dict(cls, data: object) -> KVPlan:
+        if not isinstance(data, Mapping) or not isinstance(data.get("layers"), list):
+            raise ValueError('a KV plan is an object {"layers": [{"k": NAME, "v": NAME}, ...]}')
+        unknown = set(data) - {"layers", "meta"}
+        if unknown:
+            raise ValueError(f"unknown KV plan keys: {', '.join(sorted(unknown))}")
+        layers = []
+        for index, layer in enumerate(data["layers"]):
+            if not isinstance(layer, Mapping) or set(layer) != {"k", "v"}:
+                raise ValueError(f'layer {index} of the KV plan must be {{"k": NAME, "v": NAME}}')
+            layers.append(LayerCodecs(layer["k"], layer["v"]))
+        meta = data.get("meta", {})
+        if not isinstance(meta, Mapping):
+            raise ValueError("a KV plan's meta is an object")
+        return cls(tuple(layers), dict(meta))
+
+    @classmethod
+    def load(cls, path: Path) -> KVPlan:
+        """Read a plan file; ``ValueError`` naming the file if it is not one."""
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, ValueError) as exc:
+            raise ValueError(f"{path}: not a KV plan: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layers": [{"k": c.key, "v": c.value} for c in self.layers]}
+        if self.meta:
+            out["meta"] = dict(self.meta)
+        return out
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(layer.key for layer in self.layers)
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        return tuple(layer.value for layer in self.layers)
+
+    @property
+    def uniform_codec(self) -> str | None:
+        """The one codec of a uniform plan, None for a mixed one."""
+        names = set(self.keys) | set(self.values)
+        return names.pop() if len(names) == 1 else None
+
+    @property
+    def name(self) -> str:
+        """The codec's name for a uniform plan, ``mixed-<digest>`` otherwise (rule 3)."""
+        uniform = self.uniform_codec
+        if uniform is not None:
+            return uniform
+        text = ";".join(f"{c.key},{c.value}" for c in self.layers)
+        return "mixed-" + hashlib.sha256(text.encode()).hexdigest()[:8]
+
+    def describe(self) -> str:
+        """A short summary: how many layers' keys and values use each codec."""
+        counts: dict[str, list[int]] = {}
+        for layer in self.layers:
+            counts.setdefault(layer.key, [0, 0])[0] += 1
+            counts.setdefault(layer.value, [0, 0])[1] += 1
+        parts = [f"{name} K{k}/V{v}" for name, (k, v) in sorted(counts.items())]
+        return f"{self.name} ({', '.join(parts)})"

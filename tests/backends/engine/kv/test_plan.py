@@ -1,0 +1,118 @@
+"""KV plans: a codec per layer for keys and one for values, as data, as a file and in the
+engine (a uniform plan is its codec; the pool and the bytes-per-token gauge follow the plan)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.engine import Engine, LlamaModel
+from backends.engine.kv._paged_codec import PagedCodec
+from backends.engine.kv._plan import ENGINE_CODECS, KVPlan, LayerCodecs
+from backends.engine.kv.codecs import codec_by_name
+from backends.engine.serving._server_config import EngineServerConfig
+
+from .test_paged_codec import BS, DIM, HEADS, mixed_plan
+
+LAYERS = 4
+
+
+def _paged(plan: str | KVPlan, layers: int = LAYERS) -> PagedCodec:
+    return PagedCodec(plan, num_layers=layers, kv_heads=HEADS, head_dim=DIM, block_size=BS)
+
+
+def test_a_plan_round_trips_through_its_file(tmp_path: Path) -> None:
+    plan = mixed_plan(LAYERS)
+    path = tmp_path / "plan.json"
+    plan.dump(path)
+    data = json.loads(path.read_text())
+    assert data["layers"][0] == {"k": "kivi-4", "v": "e8-2"}
+    assert KVPlan.load(path) == plan
+    assert KVPlan.from_dict(plan.to_dict()) == plan
+    with_meta = KVPlan.from_dict({**plan.to_dict(), "meta": {"budget": 100}})
+    assert with_meta == plan and with_meta.name == plan.name  # meta is not identity
+    assert plan.name.startswith("mixed-") and plan.uniform_codec is None
+    assert "kivi-4 K1/V0" in plan.describe()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        [],
+        {"layers": []},
+        {"layers": [{"k": "kivi-4"}]},
+        {"layers": [{"k": "kivi-4", "v": "e8-2w"}]},
+        {"layers": [{"k": "int3", "v": "fp8"}]},
+        {"layers": [{"k": "fp8", "v": "fp8"}], "budget": 1},
+    ],
+)
+def test_bad_plans_are_refused(data: object) -> None:
+    with pytest.raises(ValueError):
+        KVPlan.from_dict(data)
+
+
+def test_a_bad_plan_file_names_itself(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"broken\.json"):
+        KVPlan.load(path)
+
+
+@pytest.mark.parametrize("name", [n for n in ENGINE_CODECS if n != "fp32"])
+def test_a_uniform_plan_is_its_codec(name: str) -> None:
+    plan = KVPlan.uniform(name, LAYERS)
+    assert plan.name == name and plan.uniform_codec == name
+    by_plan, by_name = _paged(plan), _paged(name)
+    assert by_plan.fingerprint == by_name.fingerprint
+    assert by_plan.block_bytes == by_name.block_bytes
+
+
+def test_a_mixed_plan_pays_each_layers_and_roles_own_bytes() -> None:
+    plan = mixed_plan(LAYERS)
+    mixed = _paged(plan)
+    block = np.random.default_rng(0).standard_normal((BS, HEADS, DIM), dtype=np.float32)
+    expected = sum(
+        codec_by_name(layer.key).encode(block, "key").nbytes
+        + codec_by_name(layer.value).encode(block, "value").nbytes
+        for layer in plan.layers
+    )
+    assert mixed.block_bytes == expected
+    assert mixed.bytes_per_token() == expected / BS
+    reordered = KVPlan(plan.layers[::-1])
+    swapped = KVPlan(tuple(LayerCodecs(c.value, c.key) for c in plan.layers))
+    fingerprints = {_paged(p).fingerprint for p in (plan, reordered, swapped, "kivi-4")}
+    assert len(fingerprints) == 4
+    with pytest.raises(ValueError, match="layers"):
+        _paged(plan, LAYERS + 1)
+    with pytest.raises(ValueError, match="fp32"):
+        _paged(KVPlan.uniform("fp32", LAYERS))
+
+
+def test_the_server_config_takes_a_plan_or_a_codec(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    mixed_plan(30).dump(path)
+    assert EngineServerConfig(kv_plan=path).kv_plan == path
+    with pytest.raises(ValueError, match="exclusive"):
+        EngineServerConfig(kv_plan=path, kv_codec="fp8")
+    with pytest.raises(ValueError, match="router"):
+        EngineServerConfig(
+            role="router", kv_plan=path, prefill_urls=("http://a",), decode_urls=("http://b",)
+        )
+
+
+def test_the_engine_pool_and_gauge_follow_the_plan(engine_model: LlamaModel) -> None:
+    layers = engine_model.config.num_layers
+    limit = 64 << 20
+    fp32 = Engine(engine_model, limit)
+    assert Engine(engine_model, limit, kv_codec=KVPlan.uniform("fp32", layers)).pool.codec is None
+    half = KVPlan.of(["fp16"] * layers, ["fp8"] * layers)
+    engine = Engine(engine_model, limit, kv_codec=half)
+    assert engine.kv_codec == half.name
+    fp16 = Engine(engine_model, limit, kv_codec="fp16").pool.bytes_per_token
+    fp8 = Engine(engine_model, limit, kv_codec="fp8").pool.bytes_per_token
+    assert engine.pool.bytes_per_token == pytest.approx((fp16 + fp8) / 2)
+    assert engine.pool.bytes_per_token < fp32.pool.bytes_per_token / 2
+    assert engine.stats().kv_bytes_per_token == engine.pool.bytes_per_token
