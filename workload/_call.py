@@ -20,9 +20,14 @@ import openai
 from openai import AsyncOpenAI, AsyncStream
 from openai.types import CompletionUsage
 
-__all__ = ["NO_API_KEY", "Answer", "ReplayRoute", "open_client", "openai_base_url", "send"]
+__all__ = [
+    "MAX_ANSWER_CHARS", "NO_API_KEY", "Answer", "ReplayRoute", "open_client", "openai_base_url",
+    "send",
+]
 
 ReplayRoute = Literal["chat_completions", "completions", "embeddings"]
+MAX_ANSWER_CHARS: Final = 1 << 20
+"""An answer's text kept for the next turn's history, at most (a runaway answer is cut)."""
 NO_API_KEY: Final = "EMPTY"
 """What the client sends when no key is given (vLLM's convention for an open server)."""
 
@@ -135,7 +140,8 @@ async def _call(client: AsyncOpenAI, route: ReplayRoute, body: dict[str, Any],
 def _on_text(answer: Answer, text: str, sent: float) -> None:
     if text and answer.ttft_s is None:
         answer.ttft_s = asyncio.get_running_loop().time() - sent
-    answer.content += text
+    if len(answer.content) < MAX_ANSWER_CHARS:
+        answer.content = (answer.content + text)[:MAX_ANSWER_CHARS]
 
 
 def _usage(answer: Answer, usage: CompletionUsage | None) -> None:
