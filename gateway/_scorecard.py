@@ -165,7 +165,7 @@ async def distributions(state: GatewayState, candidate: str,
     latency = []
     for metric in _LATENCY:
         c, p, f = _values(mine, metric, 0), _values(mine, metric, 1), _values(floor, metric, 0)
-        if not (c or p or f):
+        if not c:  # nothing of this candidate's to compare (never scored, or not streamed)
             continue
         latency.append(LatencyDistribution(
             metric=metric, unit=METRICS[metric].unit, quantiles=_rounded(quantiles),
@@ -176,7 +176,7 @@ async def distributions(state: GatewayState, candidate: str,
     quality = []
     for metric in _QUALITY:
         c, f = _values(mine, metric, 0), _values(floor, metric, 0)
-        if not (c or f):
+        if not c:
             continue
         quality.append(QualityHistogram(
             metric=metric, unit=METRICS[metric].unit, edges=_rounded(edges),

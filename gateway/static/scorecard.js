@@ -12,7 +12,8 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 const MAX_CANDIDATES = 20; // candidates drawn in detail, in name order (the table lists all)
 const PLOT_W = 420;
 const PLOT_H = 240;
-const MARGIN = { left: 52, right: 12, top: 26, bottom: 40 };
+const MARGIN = { left: 52, right: 14, top: 42, bottom: 40 };
+const TABLE_REASONS = 2; // reasons shown in the table; the candidate's section lists all
 
 class ApiError extends Error {
   constructor(status, message) {
@@ -102,18 +103,23 @@ function timeOfDay(epochSeconds) {
   return d.toTimeString().slice(0, 5);
 }
 
-// A plot: an <svg class="plot"> with a title, axes and a legend; `draw` adds the series.
-// data-kind names the plot, data-points counts the data points drawn in it.
-function plot(parent, kind, title, xRange, yRange, xLabel, yLabel, series) {
+// A plot: an <svg class="plot"> with a title, a legend under it and axes; the caller adds
+// the series. data-kind names the plot, data-points counts the data points drawn in it.
+// opts.log: a log10 x axis (latencies span orders of magnitude); opts.width: its width.
+function plot(parent, kind, title, xRange, yRange, xLabel, yLabel, series, opts) {
+  const width = (opts && opts.width) || PLOT_W;
+  const log = Boolean(opts && opts.log) && xRange[0] > 0;
   const svg = svgEl("svg", {
-    class: "plot", width: PLOT_W, height: PLOT_H, viewBox: `0 0 ${PLOT_W} ${PLOT_H}`,
+    class: "plot", width, height: PLOT_H, viewBox: `0 0 ${width} ${PLOT_H}`,
     "data-kind": kind, role: "img", "aria-label": title,
   }, parent);
-  svgEl("text", { class: "title", x: MARGIN.left, y: 16 }, svg, title);
-  const x0 = MARGIN.left, x1 = PLOT_W - MARGIN.right, y0 = PLOT_H - MARGIN.bottom, y1 = MARGIN.top;
-  const [xmin, xmax] = xRange[0] === xRange[1] ? [xRange[0] - 1, xRange[1] + 1] : xRange;
+  svgEl("text", { class: "title", x: 8, y: 16 }, svg, title);
+  const x0 = MARGIN.left, x1 = width - MARGIN.right, y0 = PLOT_H - MARGIN.bottom, y1 = MARGIN.top;
+  const tx = log ? Math.log10 : (x) => x;
+  let [xmin, xmax] = [tx(xRange[0]), tx(xRange[1])];
+  if (xmin === xmax) [xmin, xmax] = [xmin - 1, xmax + 1];
   const [ymin, ymax] = yRange[0] === yRange[1] ? [yRange[0], yRange[1] + 1] : yRange;
-  const sx = (x) => x0 + ((x - xmin) / (xmax - xmin)) * (x1 - x0);
+  const sx = (x) => x0 + ((tx(x) - xmin) / (xmax - xmin)) * (x1 - x0);
   const sy = (y) => y0 - ((y - ymin) / (ymax - ymin)) * (y0 - y1);
   for (let i = 0; i <= 4; i++) {
     const y = y0 - (i / 4) * (y0 - y1);
@@ -123,14 +129,15 @@ function plot(parent, kind, title, xRange, yRange, xLabel, yLabel, series) {
   svgEl("line", { class: "axis", x1: x0, x2: x0, y1: y0, y2: y1 }, svg);
   svgEl("text", { x: x0, y: y0 + 14 }, svg, xLabel.min);
   svgEl("text", { x: x1, y: y0 + 14, "text-anchor": "end" }, svg, xLabel.max);
-  svgEl("text", { x: (x0 + x1) / 2, y: y0 + 30, "text-anchor": "middle" }, svg, xLabel.name);
+  svgEl("text", { x: (x0 + x1) / 2, y: y0 + 30, "text-anchor": "middle" }, svg,
+    xLabel.name + (log ? " (log scale)" : ""));
   svgEl("text", { x: x0 - 4, y: y0, "text-anchor": "end" }, svg, yLabel.min);
   svgEl("text", { x: x0 - 4, y: y1 + 8, "text-anchor": "end" }, svg, yLabel.max);
-  let legendX = x0 + 8;
+  let legendX = 8;
   for (const s of series) {
-    svgEl("rect", { class: s.cls, x: legendX, y: y1 + 2, width: 10, height: 10 }, svg);
-    svgEl("text", { x: legendX + 14, y: y1 + 11 }, svg, s.label);
-    legendX += 22 + s.label.length * 6;
+    svgEl("rect", { class: s.cls, x: legendX, y: 22, width: 10, height: 10 }, svg);
+    svgEl("text", { x: legendX + 14, y: 31 }, svg, s.label);
+    legendX += 24 + s.label.length * 6;
   }
   return { svg, sx, sy, points: 0 };
 }
@@ -150,23 +157,24 @@ function line(p, cls, label, xs, ys) {
 
 // -- the plots ----------------------------------------------------------------------------
 
-function cdfPlot(parent, dist) {
+function cdfPlot(parent, dist, name) {
   const sides = [
-    ["primary", "s-primary", "primary"], ["candidate", "s-candidate", "candidate"],
+    ["primary", "s-primary", "primary"], ["candidate", "s-candidate", name],
     ["floor", "s-floor", "noise floor"],
   ].filter(([key]) => dist[key]);
   const values = sides.flatMap(([key]) => dist[key]);
   const xmin = Math.min(...values), xmax = Math.max(...values);
-  const counts = sides.map(([key, , label]) => `${label} ${dist.samples[key]}`).join(", ");
+  const counts = sides.map(([key]) => dist.samples[key]).join(" / ");
   const p = plot(parent, "cdf", `${dist.metric}: CDF (n = ${counts})`, [xmin, xmax], [0, 1],
     { min: fmt(xmin, dist.unit), max: fmt(xmax, dist.unit), name: dist.unit === "s" ? "latency" : dist.unit },
-    { min: "0", max: "1" }, sides.map(([, cls, label]) => ({ cls, label })));
+    { min: "0", max: "1" }, sides.map(([, cls, label]) => ({ cls, label })),
+    { log: xmin > 0 && xmax / xmin > 20 });
   for (const [key, cls, label] of sides) line(p, cls, label, dist[key], dist.quantiles);
   finish(p);
 }
 
-function histogramPlot(parent, hist) {
-  const sides = [["candidate", "s-candidate", "candidate"], ["floor", "s-floor", "noise floor"]]
+function histogramPlot(parent, hist, name) {
+  const sides = [["candidate", "s-candidate", name], ["floor", "s-floor", "noise floor"]]
     .filter(([key]) => hist[key] && hist.samples[key] > 0);
   const shares = sides.map(([key]) => {
     const total = hist[key].reduce((a, b) => a + b, 0) || 1;
@@ -205,9 +213,8 @@ function dropsPlot(parent, traffic) {
   const p = plot(parent, "drops", `Requests seen and mirror drops per ${traffic.window_s} s`,
     [xs[0], xs[xs.length - 1]], [0, top],
     { min: timeOfDay(xs[0]), max: timeOfDay(xs[xs.length - 1]), name: "time (window start)" },
-    { min: "0", max: String(top) }, series.map((s) => ({ cls: s.cls, label: s.label })));
-  p.svg.setAttribute("width", String(PLOT_W * 2));
-  p.svg.setAttribute("viewBox", `0 0 ${PLOT_W} ${PLOT_H}`);
+    { min: "0", max: String(top) }, series.map((s) => ({ cls: s.cls, label: s.label })),
+    { width: PLOT_W * 2 });
   for (const s of series) line(p, s.cls, s.label, xs, s.counts);
   finish(p);
 }
@@ -274,7 +281,9 @@ function showCandidateRow(tbody, c, report) {
     reasons.textContent = report.error;
   } else {
     verdictBadge(td, report.verdict);
-    reasons.textContent = report.reasons.join("; ");
+    const shown = report.reasons.slice(0, TABLE_REASONS);
+    const more = report.reasons.length - shown.length;
+    reasons.textContent = shown.join("; ") + (more > 0 ? ` (and ${more} more, below)` : "");
   }
 }
 
@@ -286,8 +295,15 @@ function showCandidateDetail(parent, c, report, dist) {
     el("p", { class: "note" }, section, report.error);
   } else {
     const samples = Object.entries(report.samples || {}).map(([m, n]) => `${m} ${n}`).join(", ");
-    el("p", { class: "note" }, section,
-      `noise floor from ${report.noise_floor_from || "none (no secondary replica mirrored)"}; samples: ${samples || "none"}`);
+    const floor = c.role === "secondary" ? "this is the noise-floor replica: compared with the primary only"
+      : `noise floor from ${report.noise_floor_from || "none (no secondary replica mirrored)"}`;
+    el("p", { class: "note" }, section, `${floor}; samples: ${samples || "none"}`);
+    if (report.reasons.length) {
+      const box = el("details", {}, section);
+      el("summary", {}, box, `Reasons (${report.reasons.length})`);
+      const list = el("ul", {}, box);
+      for (const reason of report.reasons) el("li", {}, list, reason);
+    }
   }
   if (dist.error) {
     el("p", { class: "note" }, section, dist.error);
@@ -296,11 +312,11 @@ function showCandidateDetail(parent, c, report, dist) {
   el("h3", {}, section, "Latency distributions");
   const lat = el("div", { class: "plots" }, section);
   if (!dist.latency.length) el("p", { class: "note" }, lat, "No latency scores stored yet.");
-  for (const d of dist.latency) cdfPlot(lat, d);
+  for (const d of dist.latency) cdfPlot(lat, d, c.name);
   el("h3", {}, section, "Quality against the noise floor");
   const qual = el("div", { class: "plots" }, section);
   if (!dist.quality.length) el("p", { class: "note" }, qual, "No quality scores stored yet.");
-  for (const q of dist.quality) histogramPlot(qual, q);
+  for (const q of dist.quality) histogramPlot(qual, q, c.name);
 }
 
 async function orError(promise) {

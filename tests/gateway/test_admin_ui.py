@@ -162,6 +162,8 @@ async def test_the_scorecard_draws_its_plots_from_a_running_gateway(tmp_path: Pa
         assert slower_section.count("<polyline") == 3 * 4
         assert histograms and all(n >= 2 for n in histograms), histograms
         assert _plots(_section(dom, "floor"), "cdf") == [2 * CDF_POINTS] * 4  # no floor of its own
+        assert not _plots(_section(dom, "idle"), "cdf")  # paused throughout: nothing to draw
+        assert "No latency scores stored yet" in _section(dom, "idle")
         assert _plots(dom, "drops") and _plots(dom, "drops")[0] >= 2
         assert _plots(dom, "canary") == [3]
         assert re.search(r'<tr data-candidate="slower">.*?class="verdict verdict-[A-Z]+"', dom,
