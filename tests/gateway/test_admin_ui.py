@@ -36,7 +36,7 @@ WINDOW = (1280, 3200)
 PRIMARY_BLUE = (0x1F, 0x6F, 0xEB)
 CANDIDATE_ORANGE = (0xE8, 0x59, 0x0C)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _chromium() -> str:
