@@ -50,7 +50,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from backends.engine import LlamaModel  # noqa: E402
-from backends.engine.kv.codecs import CodecQuality, QualityReport, measure_quality  # noqa: E402
+from backends.engine.kv.codecs import measure_quality  # noqa: E402
+from backends.engine.kv.codecs._summary import quality_rows  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "kvquant.json"
 DEFAULT_BUDGET_MIB = 64
@@ -62,39 +63,6 @@ TARGET_E8_ATTENTION = 0.38
 TARGET_E8_TOP1 = 0.82
 TARGET_E8W_ATTENTION = 0.10
 TARGET_E8W_BITS = 3.4
-
-
-def label(result: CodecQuality) -> str:
-    if result.window_tokens == 0 or result.codec.endswith("w"):
-        return result.codec
-    return f"{result.codec} +w{result.window_tokens}"
-
-
-def rows(report: QualityReport, context: int, budget: int) -> list[dict[str, Any]]:
-    fp16 = next((r for r in report.results if r.codec == "fp16" and r.window_tokens == 0), None)
-    fp16_context = fp16.longest_context(budget) if fp16 else None
-    out = []
-    for result in report.results:
-        longest = result.longest_context(budget)
-        out.append(
-            {
-                "codec": label(result),
-                "registry_name": result.codec,
-                "window_tokens": result.window_tokens,
-                "bits_per_element": result.bits_per_element,
-                "bits_at_context": result.effective_bits(context),
-                "compression_vs_fp16": result.compression_vs_fp16(context),
-                "attention_error": result.attention_error,
-                "attention_error_worst_layer": max(result.attention_error_per_layer),
-                "attention_error_per_layer": list(result.attention_error_per_layer),
-                "kl_nats": result.kl_nats,
-                "top1": result.top1,
-                "positions": result.positions,
-                "longest_context": longest,
-                "longest_context_vs_fp16": longest / fp16_context if fp16_context else None,
-            }
-        )
-    return out
 
 
 def targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -221,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     model.close()
     budget = args.budget_mib << 20
-    table = rows(report, args.context, budget)
+    table = quality_rows(report, args.context, budget)
     result = {
         "setup": {
             "quick": args.quick,

@@ -9,7 +9,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from backends.engine import engine_command
+from backends.engine import engine_command, kv_quality_command, plan_kv_command
 from backends.sim import sim_command
 from gateway._admin import check_admin_binding
 from gateway._app import run
@@ -76,6 +76,8 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
 
 main.add_command(sim_command)
 main.add_command(engine_command)
+main.add_command(kv_quality_command)
+main.add_command(plan_kv_command)
 main.add_command(db)
 main.add_command(report)
 main.add_command(load_command)

@@ -27,9 +27,10 @@ EXPORTED: dict[str, str] = {
     """,
     "backends.engine": """
         BlockPool ChatTokenizer Engine EngineRole EngineServerConfig EngineStats FinishReason
-        ForwardChunk KVBlock KVLayout LlamaModel ModelConfig NoFreeBlocksError
+        ForwardChunk KVBlock KVLayout KVPlan LlamaModel ModelConfig NoFreeBlocksError
         PrefixCacheStats RunningEngineServer SamplingParams TokenEvent build_engine_app
-        default_gguf_path engine_command hash_block running_engine_server
+        default_gguf_path engine_command hash_block kv_quality_command plan_kv_command
+        running_engine_server
     """,
     "backends.vllm": """
         VLLMProfile VLLMServer VLLMServerError command default_vllm_home environment model_dir

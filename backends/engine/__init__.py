@@ -19,6 +19,7 @@ Served behind vLLM's OpenAI API (``understudy engine --role unified``, i.e. ``en
 """
 
 from .kv._blockpool import BlockPool, KVBlock, NoFreeBlocksError, PrefixCacheStats, hash_block
+from .kv._plan import KVPlan
 from .kv._store import KVLayout
 from .model._gguf import ModelConfig, default_gguf_path
 from .model._model import ForwardChunk, LlamaModel
@@ -26,6 +27,7 @@ from .model._sampling import SamplingParams
 from .model._tokenizer import ChatTokenizer
 from .serving._cli import engine_command
 from .serving._engine import Engine
+from .serving._kv_cli import kv_quality_command, plan_kv_command
 from .serving._request import EngineStats, FinishReason, TokenEvent
 from .serving._server import RunningEngineServer, build_engine_app, running_engine_server
 from .serving._server_config import EngineRole, EngineServerConfig
@@ -41,6 +43,7 @@ __all__ = [
     "ForwardChunk",
     "KVBlock",
     "KVLayout",
+    "KVPlan",
     "LlamaModel",
     "ModelConfig",
     "NoFreeBlocksError",
@@ -52,5 +55,7 @@ __all__ = [
     "default_gguf_path",
     "engine_command",
     "hash_block",
+    "kv_quality_command",
+    "plan_kv_command",
     "running_engine_server",
 ]

@@ -47,20 +47,24 @@ import numpy as np
 import numpy.typing as npt
 
 from ...model._model import ForwardChunk, LlamaModel, _rms_norm, _rope
+from .._plan import KVPlan
 from .._store import KVLayout, KVStorage
-from ._codec import DEFAULT_ENCODE_TOKENS, DEFAULT_SEED, Float32Array, KVCodec, Role
+from ._codec import DEFAULT_ENCODE_TOKENS, DEFAULT_SEED, ROLES, Float32Array, KVCodec, Role
 from ._e8_codec import E8Codec, key_scale_from
 from ._registry import codec_by_name
 from ._texts import CALIBRATION_TEXT, PROMPTS
 
 __all__ = [
     "DEFAULT_CONFIGS",
+    "CodecChoice",
     "CodecQuality",
     "QualityReport",
     "Semantics",
     "calibrate",
     "capture_kv",
+    "layer_codecs",
     "measure_quality",
+    "plan_bits",
     "round_trip",
     "tune_tau",
 ]
@@ -209,7 +213,8 @@ def _attention(
     return np.asarray(result, dtype=np.float32)
 
 
-ReadKV = Callable[[int, Float32Array, Float32Array], tuple[Float32Array, Float32Array]]
+ReadKV = Callable[[int, Float32Array, Float32Array], tuple[Float32Array, Float32Array] | None]
+"""What attention reads at a layer besides the exact K/V: their round trips (None: exact)."""
 
 
 @dataclass(slots=True)
@@ -221,6 +226,8 @@ class _Pass:
     values: list[Float32Array]
     queries: list[Float32Array]
     outputs: list[Float32Array]
+    hidden: list[Float32Array] = field(default_factory=list)
+    """Each layer's input (the residual stream entering it), when captured."""
 
 
 def _forward(
@@ -232,19 +239,29 @@ def _forward(
     exact_before: int = 0,
     last: int = 1,
     capture: bool = False,
+    start: int = 0,
+    hidden: Float32Array | None = None,
 ) -> _Pass:
-    """The model over ``ids`` (rule 1); attention reads ``read(layer, k, v)`` (rules 2-3)."""
+    """The model over ``ids`` (rule 1); attention reads ``read(layer, k, v)`` (rules 2-3).
+
+    ``start``/``hidden``: begin at layer ``start`` from its captured input (the layers below
+    are those of a pass already run)."""
     cfg = model.config
     tokens = len(ids)
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_end = heads * dim
     k_end = q_end + kv_heads * dim
     inter = cfg.intermediate_size
-    x = np.array(model.embed[np.asarray(ids, dtype=np.intp)], dtype=np.float32)
+    if hidden is None:
+        x = np.array(model.embed[np.asarray(ids, dtype=np.intp)], dtype=np.float32)
+    else:
+        x = np.array(hidden, dtype=np.float32)
     cos = model.rope_cos[:tokens][:, None, :]
     sin = model.rope_sin[:tokens][:, None, :]
     run = _Pass(np.zeros(0, dtype=np.float32), [], [], [], [])
-    for layer in range(cfg.num_layers):
+    for layer in range(start, cfg.num_layers):
+        if capture:
+            run.hidden.append(x.copy())
         h = _rms_norm(x, model.attn_norm[layer], cfg.rms_norm_eps)
         qkv = h @ model.w_qkv[layer]
         q = _rope(qkv[:, :q_end].reshape(tokens, heads, dim), cos, sin)
@@ -347,10 +364,67 @@ class _Tally:
     agree: list[bool] = field(default_factory=list)
 
 
+CodecChoice = str | KVPlan
+"""A codec by name (every layer and role) or a plan (a codec per layer for K and for V)."""
+LayerCodecPairs = list[tuple[KVCodec, KVCodec]]
+
+
+def layer_codecs(
+    choice: CodecChoice,
+    num_layers: int,
+    means: Sequence[Float32Array],
+    key_scales: Sequence[Float32Array],
+    seed: int = DEFAULT_SEED,
+) -> LayerCodecPairs:
+    """Per layer, the codec of its keys and the codec of its values."""
+    plan = KVPlan.uniform(choice, num_layers) if isinstance(choice, str) else choice
+    if plan.num_layers != num_layers:
+        raise ValueError(f"a KV plan of {plan.num_layers} layers for a {num_layers}-layer model")
+    built: dict[tuple[int, str], KVCodec] = {}
+    for layer, names in enumerate(plan.layers):
+        for name in (names.key, names.value):
+            if (layer, name) not in built:
+                built[layer, name] = codec_by_name(
+                    name, layer=layer, seed=seed, key_mean=means[layer], key_scale=key_scales[layer]
+                )
+    return [(built[i, names.key], built[i, names.value]) for i, names in enumerate(plan.layers)]
+
+
+def role_bits(codec: KVCodec, role: Role, kv_heads: int, head_dim: int, tokens: int) -> float:
+    """Bits per element of one role's block of ``tokens`` tokens, measured (``_codec`` rule 3)."""
+    block = np.random.default_rng(0).standard_normal((tokens, kv_heads, head_dim), np.float32)
+    return 8.0 * codec.nbytes(codec.encode(block, role)) / block.size
+
+
+def plan_bits(pairs: LayerCodecPairs, kv_heads: int, head_dim: int, tokens: int) -> float:
+    """Mean bits per element over layers and roles."""
+    bits = [
+        role_bits(codec, role, kv_heads, head_dim, tokens)
+        for pair in pairs
+        for codec, role in zip(pair, ROLES, strict=True)
+    ]
+    return float(np.mean(bits))
+
+
+def _reader(pairs: LayerCodecPairs, encode_tokens: int) -> ReadKV:
+    def read(layer: int, k: Float32Array, v: Float32Array) -> tuple[Float32Array, Float32Array]:
+        key_codec, value_codec = pairs[layer]
+        return (
+            round_trip(key_codec, k, "key", encode_tokens),
+            round_trip(value_codec, v, "value", encode_tokens),
+        )
+
+    return read
+
+
+def choice_label(choice: CodecChoice) -> str:
+    return choice if isinstance(choice, str) else choice.name
+
+
 def measure_quality(
     model: LlamaModel,
     *,
-    configs: Sequence[tuple[str, int]] = DEFAULT_CONFIGS,
+    configs: Sequence[tuple[CodecChoice, int]] = DEFAULT_CONFIGS,
     prompts: Sequence[str] = PROMPTS,
     max_prompts: int | None = None,
     max_tokens: int | None = None,
@@ -359,25 +433,24 @@ def measure_quality(
     seed: int = DEFAULT_SEED,
     semantics: Semantics = "write",
     progress: Callable[[str], None] | None = None,
+    calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None = None,
 ) -> QualityReport:
-    """Measure every ``(codec, window)`` of ``configs`` on ``prompts`` (see the module comment).
+    """Measure every ``(codec or plan, window)`` of ``configs`` on ``prompts`` (see the module
+    comment).
 
     ``max_prompts`` takes the first prompts only, ``max_tokens`` cuts each; ``queries``: the
-    last positions scored per prompt.
+    last positions scored per prompt; ``calibration``: ``calibrate(model)`` if already run.
     """
     started = time.perf_counter()
     say = progress or (lambda _: None)
     cfg = model.config
     layers = cfg.num_layers
-    means, key_scales = calibrate(model)
-    per_layer_codecs = {
-        name: [
-            codec_by_name(name, layer=i, seed=seed, key_mean=means[i], key_scale=key_scales[i])
-            for i in range(layers)
-        ]
-        for name, _ in configs
+    means, key_scales = calibration if calibration is not None else calibrate(model)
+    keyed = [(choice_label(choice), window, choice) for choice, window in configs]
+    pairs = {
+        label: layer_codecs(choice, layers, means, key_scales, seed) for label, _, choice in keyed
     }
-    tallies = {config: _Tally() for config in configs}
+    tallies = {(label, window): _Tally() for label, window, _ in keyed}
     prompt_tokens: list[int] = []
     gap = 0.0
     for number, text in enumerate(prompts[:max_prompts]):
@@ -391,20 +464,9 @@ def measure_quality(
             engine = _engine_logits(model, ids, queries)
             gap = float(np.abs(engine - reference.logits).max())
         ref_logp = _log_softmax(reference.logits)
-        for config in configs:
-            name, window = config
-            codecs = per_layer_codecs[name]
-            tally = tallies[config]
-
-            def read(
-                layer: int, k: Float32Array, v: Float32Array
-            ) -> tuple[Float32Array, Float32Array]:
-                codec = codecs[layer]  # noqa: B023 -- used within this iteration only
-                return (
-                    round_trip(codec, k, "key", encode_tokens),
-                    round_trip(codec, v, "value", encode_tokens),
-                )
-
+        for label, window, _ in keyed:
+            tally = tallies[label, window]
+            read = _reader(pairs[label], encode_tokens)
             errors = []
             for layer in range(layers):
                 k, v = reference.keys[layer], reference.values[layer]
@@ -423,26 +485,24 @@ def measure_quality(
                 bool(a == b) for a, b in zip(ref_logp.argmax(-1), logp.argmax(-1), strict=True)
             )
             say(
-                f"prompt {number} ({len(ids)} tokens) {name} w{window}: attention error "
+                f"prompt {number} ({len(ids)} tokens) {label} w{window}: attention error "
                 f"{np.mean(errors):.4f}, KL {kl.mean():.5f}"
             )
     elements = layers * 2 * cfg.num_kv_heads * cfg.head_dim
     results = tuple(
         CodecQuality(
-            codec=name,
+            codec=label,
             window_tokens=window,
-            bits_per_element=per_layer_codecs[name][0].bits_per_element(
-                cfg.num_kv_heads, cfg.head_dim, encode_tokens
-            ),
+            bits_per_element=plan_bits(pairs[label], cfg.num_kv_heads, cfg.head_dim, encode_tokens),
             elements_per_token=elements,
             attention_error_per_layer=tuple(
-                float(e) for e in np.mean(tallies[(name, window)].layer_errors, axis=0)
+                float(e) for e in np.mean(tallies[label, window].layer_errors, axis=0)
             ),
-            kl_nats=float(np.mean(tallies[(name, window)].kl)),
-            top1=float(np.mean(tallies[(name, window)].agree)),
-            positions=len(tallies[(name, window)].kl),
+            kl_nats=float(np.mean(tallies[label, window].kl)),
+            top1=float(np.mean(tallies[label, window].agree)),
+            positions=len(tallies[label, window].kl),
         )
-        for name, window in configs
+        for label, window, _ in keyed
     )
     return QualityReport(
         prompt_tokens=tuple(prompt_tokens),

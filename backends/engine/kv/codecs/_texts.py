@@ -2,11 +2,21 @@
 
 ``CALIBRATION_TEXT`` gives the E8 codec its key means (and ``tune_tau`` its data); the
 ``PROMPTS`` are what quality is measured on, so nothing is calibrated on what it is judged by.
+``QUESTIONS`` are short chat questions whose greedy answers, fp32 against a codec, are compared.
 """
 
 from __future__ import annotations
 
-__all__ = ["CALIBRATION_TEXT", "PROMPTS"]
+__all__ = ["CALIBRATION_TEXT", "PROMPTS", "QUESTIONS"]
+
+QUESTIONS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Why do leaves change colour in autumn?",
+    "How many days are there in a leap year?",
+    "What does a baker do in the morning?",
+    "Explain in one sentence what a harbour is.",
+)
 
 CALIBRATION_TEXT = """\
 The harbour town wakes before the sun does. By five o'clock the bakers have already pulled the \
