@@ -35,6 +35,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentLengthError, TransferEncodingError
 
 from evaluators.store import StoreError, StoreRejected
+from gateway._wire import ConnectFailed, ConnectTimeout, MalformedResponse, WireError
 
 __all__ = [
     "ChangeNotStored",
@@ -171,7 +172,8 @@ def translate_store_errors(what: str) -> Iterator[None]:
 
 @contextmanager
 def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]) -> Iterator[None]:
-    """Map aiohttp/asyncio failures talking to ``upstream`` onto the tree above.
+    """Map wire (``_wire.py``), aiohttp and asyncio failures talking to ``upstream`` onto
+    the tree above.
 
     ``phase`` says whether the answer had begun: a timeout before the headers is a
     first-byte timeout, after them an idle timeout.
@@ -179,16 +181,16 @@ def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]
     try:
         yield
     except TimeoutError as exc:
-        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        if isinstance(exc, ConnectTimeout | aiohttp.ConnectionTimeoutError):
             kind: UpstreamErrorKind = "connect_timeout"
         else:
             kind = "first_byte_timeout" if phase == "connect" else "idle_timeout"
         raise UpstreamTimeout(f"upstream {upstream} timed out ({kind})", kind, upstream) from exc
-    except aiohttp.ClientConnectorError as exc:
+    except (ConnectFailed, aiohttp.ClientConnectorError) as exc:
         # The client hears the upstream's name, never its address or the OS's words.
         # Debug: a candidate that is down would log once per mirrored request; the
         # metrics count these (understudy_upstream_errors, understudy_mirror_failed).
-        log.debug("upstream %s is unreachable: %s", upstream, exc.os_error)
+        log.debug("upstream %s is unreachable: %s", upstream, exc)
         raise UpstreamUnreachable(f"upstream {upstream} is unreachable", "connect",
                                   upstream) from exc
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
@@ -200,6 +202,10 @@ def translate_upstream_errors(upstream: str, phase: Literal["connect", "stream"]
         cut = isinstance(exc.__cause__, ContentLengthError | TransferEncodingError)
         raise UpstreamBroken(f"upstream {upstream} sent a broken body",
                              "reset" if cut else "protocol", upstream) from exc
+    except (MalformedResponse, WireError) as exc:
+        log.debug("upstream %s sent an invalid response: %s", upstream, exc)
+        raise UpstreamBroken(f"upstream {upstream} sent an invalid response", "protocol",
+                             upstream) from exc
     except aiohttp.ClientResponseError as exc:
         # exc.message may quote the upstream's raw bytes: logged (cut), never sent on.
         log.debug("upstream %s sent an invalid response: %.200r", upstream, exc.message)

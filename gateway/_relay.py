@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
 from evaluators import Capture, observe
@@ -38,7 +39,11 @@ from gateway._sampler import session_key
 from gateway._state import GatewayState
 from gateway._upstream import Upstream
 
-__all__ = ["RequestPlan", "UsageEventFilter", "plan_request", "read_body", "relay"]
+__all__ = ["MAX_HELD_BYTES", "ClientStream", "RequestPlan", "UsageEventFilter", "plan_request",
+           "read_body", "relay"]
+
+MAX_HELD_BYTES = 64 * 1024
+"""The most of an answer that is not a stream held back to leave with its head."""
 
 _JSON_ROUTES: frozenset[Route] = frozenset({"chat_completions", "completions", "embeddings"})
 _STREAMING_ROUTES: frozenset[Route] = frozenset({"chat_completions", "completions"})
@@ -240,16 +245,79 @@ async def _relay_answer(request: web.Request, state: GatewayState, upstream: Ups
             headers=downstream_headers(up.headers, request_id=request_id,
                                        body_rewritten=usage_filter is not None),
         )
-        await response.prepare(request)
+        await response.prepare(request)  # the head is buffered, not yet sent
+        client = ClientStream(request, live_soon=capture.streamed)
         try:
-            await upstream.read(up, capture, response.write, usage_filter)
+            await upstream.read(up, capture, client, usage_filter)
         except UpstreamError as exc:
             state.metrics.upstream_errors.labels(upstream.name, exc.kind).inc()
             capture.error = exc.kind
             _abort(request)  # the answer had begun: cut it, never end it cleanly
             return response
-        await response.write_eof()
+        # A whole answer that came before the client stream went live (a small one) goes
+        # out with the head and the end in one write.
+        await response.write_eof(client.held())
         return response
+
+
+class ClientStream:
+    """The client's side of the relay: body pieces written straight to its transport.
+
+    A stream goes live (its head sent, each piece written on, framed, as it comes) on the
+    loop's next iteration: what came with the head is held until then. An answer that is
+    not a stream is held until its end or ``MAX_HELD_BYTES``, so that a small one leaves
+    in one write with its head and its end (``held``). aiohttp's response writer still
+    sends the head and the end.
+    """
+
+    __slots__ = ("_chunked", "_held", "_held_bytes", "_protocol", "_transport", "_writer")
+
+    def __init__(self, request: web.Request, *, live_soon: bool) -> None:
+        writer = request.writer
+        assert isinstance(writer, StreamWriter) and request.transport is not None
+        self._writer = writer
+        self._transport = request.transport
+        self._protocol = writer.protocol
+        self._chunked = writer.chunked
+        self._held: list[bytes] | None = []
+        self._held_bytes = 0
+        if live_soon:
+            asyncio.get_running_loop().call_soon(self.go_live)
+
+    def write(self, piece: bytes) -> bool:
+        if self._held is not None:
+            self._held.append(piece)
+            self._held_bytes += len(piece)
+            if self._held_bytes <= MAX_HELD_BYTES:
+                return False
+            self.go_live()
+            return self._protocol.writing_paused or self._transport.is_closing()
+        transport = self._transport
+        if self._chunked:
+            transport.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+        else:
+            transport.write(piece)
+        return self._protocol.writing_paused or transport.is_closing()
+
+    @property
+    def gone(self) -> bool:
+        return self._transport.is_closing()
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    def go_live(self) -> None:
+        held, self._held = self._held, None
+        if held is None or self._transport.is_closing():
+            return
+        self._writer.send_headers()
+        if held:
+            self.write(b"".join(held))
+
+    def held(self) -> bytes:
+        """The pieces not yet written (the whole answer if it never went live)."""
+        held, self._held = self._held, None
+        return b"".join(held) if held else b""
 
 
 def _abort(request: web.Request) -> None:

@@ -1,44 +1,56 @@
-"""One pooled client session per upstream, and the one watched read of an answer from it.
+"""One connection pool per upstream, and the one watched read of an answer from it.
 
 The relay (the primary's answer, to the client) and the mirror (a candidate's answer, to
 its Observation) read an upstream the same way, here: ``Upstream.call`` sends and waits
-for the headers, ``Upstream.read`` reads the body chunk by chunk into a ``Capture``.
+for the headers, ``Upstream.read`` reads the body into a ``Capture``. The connections are
+``gateway/_wire.py``'s: the body is decoded inside the connection's ``data_received`` and
+each piece goes through :class:`BodyTee` (capture, watchdog, optional filter and client)
+there; the reading task wakes only at the body's end (or to wait for a slow client).
 
 Rules:
 1. A failure before the response headers is translated as phase ``connect`` (a 502/504
    while nothing was answered); one while the body is read, or while a chunk is written
-   on, as phase ``stream``. ``call`` always closes the response.
-2. Per chunk ``read`` does only: read a clock, note the time for the idle watchdog, append
-   to the bounded capture, and hand the chunk (through the optional filter) to the writer.
+   on, as phase ``stream``. ``call`` always gives the connection back (kept only after a
+   whole answer).
+2. Per piece of body the tee does only: read a clock, note the time for the idle
+   watchdog, append to the bounded capture, and hand the piece (through the optional
+   filter) to the client's writer.
+3. Flow control: when the client's transport is past its high-water mark the upstream
+   connection stops reading; it resumes once the client's buffer has drained.
 
 Timeouts, each a named setting of :class:`UpstreamConfig`:
-1. ``connect_timeout_s``: the TCP connect (aiohttp ``sock_connect``).
-2. ``first_byte_timeout_s``: from sending the request to the response headers.
-3. ``idle_timeout_s``: the longest silence between two body chunks. It is watched by
-   one timer per idle period that reads the time of the last chunk, not by a timer per
-   chunk, so it costs the relay nothing per chunk.
+1. ``connect_timeout_s``: the TCP connect.
+2. ``first_byte_timeout_s``: from asking for a connection to the response headers.
+3. ``idle_timeout_s``: the longest silence between two body pieces. It is watched by
+   one timer per idle period that reads the time of the last piece, not by a timer per
+   piece, so it costs the relay nothing per chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import base64
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import aiohttp
 from yarl import URL
 
 from gateway._config import UpstreamConfig
 from gateway._exceptions import translate_upstream_errors
 from gateway._headers import allowed_only, with_credentials
+from gateway._wire import Connection, ConnectionPool, Disconnected
 
 if TYPE_CHECKING:
-    from multidict import CIMultiDict
+    from multidict import CIMultiDict, CIMultiDictProxy
 
     from evaluators import Capture
 
-__all__ = ["ChunkFilter", "IdleWatchdog", "Upstream"]
+__all__ = ["BodyTee", "ChunkFilter", "ClientWriter", "IdleWatchdog", "Upstream",
+           "UpstreamAnswer"]
+
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 class ChunkFilter(Protocol):
@@ -53,6 +65,35 @@ class ChunkFilter(Protocol):
         ...
 
 
+class ClientWriter(Protocol):
+    """Where the relay's pieces go, synchronously (the client's transport)."""
+
+    def write(self, piece: bytes) -> bool:
+        """Write ``piece`` on; ``True`` when the client is past its high-water mark (or
+        gone), so the upstream should stop reading for now."""
+        ...
+
+    @property
+    def gone(self) -> bool:
+        """The client's connection is closing: nothing more can be written."""
+        ...
+
+    async def drain(self) -> None:
+        """Wait until the client's buffer is below its low-water mark."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamAnswer:
+    """The response head of one call, and the connection its body comes on."""
+
+    status: int
+    reason: str
+    headers: CIMultiDictProxy[str]
+    content_type: str
+    connection: Connection
+
+
 class Upstream:
     """A backend the gateway forwards to, with its own connection pool."""
 
@@ -63,30 +104,30 @@ class Upstream:
         # None: every forwarded header (the primary); else only these (a candidate).
         self.allowed_headers = allowed_headers
         self.name = config.name
-        self._base = URL(config.url)
-        self._session: aiohttp.ClientSession | None = None
+        base = URL(config.url)
+        self._base = base
+        self._prefix = str(base)[len(str(base.origin())):]
+        self._host = base.raw_host or ""
+        if base.explicit_port is not None:
+            self._host += f":{base.explicit_port}"
+        self._basic_auth = None if base.user is None else "Basic " + base64.b64encode(
+            f"{base.user}:{base.password or ''}".encode()).decode("ascii")
+        self._pool: ConnectionPool | None = None
 
     def open(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=self.config.max_connections, limit_per_host=self.config.max_connections
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
+        self._pool = ConnectionPool(self._base, limit=self.config.max_connections,
+                                    connect_timeout_s=self.config.connect_timeout_s)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def pool(self) -> ConnectionPool:
+        if self._pool is None:
             raise RuntimeError(f"upstream {self.name} is not open")
-        return self._session
+        return self._pool
 
     def credentials(self, headers: CIMultiDict[str]) -> CIMultiDict[str]:
         """``headers`` with this upstream's header allow-list and credential policy applied."""
@@ -96,66 +137,138 @@ class Upstream:
         return with_credentials(headers, forward_client_credentials=self.forward_credentials,
                                 api_key=key.get_secret_value() if key is not None else None)
 
-    def url_for(self, raw_path: str) -> URL:
-        return URL(str(self._base) + raw_path, encoded=True)
-
-    async def send(
-        self, method: str, raw_path: str, headers: CIMultiDict[str], body: bytes
-    ) -> aiohttp.ClientResponse:
-        """Send the request and wait for the response headers (first-byte timeout)."""
-        async with asyncio.timeout(self.config.first_byte_timeout_s):
-            return await self.session.request(
-                method,
-                self.url_for(raw_path),
-                headers=headers,
-                data=body if body else None,
-                allow_redirects=False,
-                compress=False,
-            )
+    def request_head(self, method: str, raw_path: str, headers: CIMultiDict[str],
+                     body: bytes) -> bytes:
+        """The request line and headers, as sent (``Host`` and the length computed)."""
+        lines = [f"{method} {self._prefix}{raw_path} HTTP/1.1\r\n", f"Host: {self._host}\r\n"]
+        lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
+        if self._basic_auth is not None and "Authorization" not in headers:
+            lines.append(f"Authorization: {self._basic_auth}\r\n")
+        if body or method in _BODY_METHODS:
+            lines.append(f"Content-Length: {len(body)}\r\n")
+        lines.append("\r\n")
+        text = "".join(lines)
+        # One CR and one LF per line, no NUL: no header value can smuggle a line in.
+        if text.count("\n") != len(lines) or text.count("\r") != len(lines) or "\0" in text:
+            raise ValueError("a header holds a line break or NUL")
+        return text.encode("latin-1", "replace")
 
     @asynccontextmanager
     async def call(self, method: str, raw_path: str, headers: CIMultiDict[str], body: bytes,
-                   capture: Capture) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Send the request; yield the response, its status and kind noted in ``capture``."""
-        with translate_upstream_errors(self.name, "connect"):
-            response = await self.send(method, raw_path, headers, body)
+                   capture: Capture) -> AsyncIterator[UpstreamAnswer]:
+        """Send the request; yield the answer's head, its status and kind noted in
+        ``capture``. The connection goes back to the pool (or is closed) on leaving."""
+        pool = self.pool
+        pool.limit = self.config.max_connections
+        pool.connect_timeout_s = self.config.connect_timeout_s
+        head_bytes = self.request_head(method, raw_path, headers, body)
+        conn: Connection | None = None
         try:
-            capture.status = response.status
-            capture.streamed = response.content_type == "text/event-stream"
-            yield response
+            with translate_upstream_errors(self.name, "connect"):
+                async with asyncio.timeout(self.config.first_byte_timeout_s):
+                    conn = await pool.acquire()
+                    try:
+                        head = await conn.send(head_bytes, body, head_only=method == "HEAD")
+                    except Disconnected:
+                        if not conn.reused or method in _BODY_METHODS:
+                            raise
+                        # An idle connection the upstream had just closed: once more, new.
+                        pool.release(conn)
+                        conn = await pool.acquire()
+                        head = await conn.send(head_bytes, body, head_only=method == "HEAD")
+            capture.status = head.status
+            capture.streamed = head.content_type == "text/event-stream"
+            yield UpstreamAnswer(head.status, head.reason, head.headers, head.content_type, conn)
         finally:
-            response.close()
+            if conn is not None:
+                pool.release(conn)
 
-    async def read(self, response: aiohttp.ClientResponse, capture: Capture,
-                   write: Callable[[bytes], Awaitable[object]] | None = None,
+    async def read(self, answer: UpstreamAnswer, capture: Capture,
+                   out: ClientWriter | None = None,
                    chunk_filter: ChunkFilter | None = None) -> None:
-        """Read the body into ``capture`` as it arrives, each chunk also to ``write``.
+        """Read the body into ``capture`` as it arrives, each piece also to ``out``.
 
-        Bounded by the idle timeout; any failure (a failed ``write`` too) raises an
+        Bounded by the idle timeout; any failure (the client gone too) raises an
         ``UpstreamError`` of phase ``stream``.
         """
-        loop = asyncio.get_running_loop()
-        reader = response.content
+        conn = answer.connection
         with translate_upstream_errors(self.name, "stream"):
             async with asyncio.timeout(None) as deadline:
                 watchdog = IdleWatchdog(deadline, self.config.idle_timeout_s)
+                tee = BodyTee(conn, capture, watchdog, out, chunk_filter)
                 try:
-                    while chunk := await reader.readany():
-                        now = loop.time()
-                        watchdog.last_activity = now
-                        capture.add_chunk(now, chunk)
-                        if write is None:
+                    done = conn.attach(tee.piece)
+                    if not done.done():
+                        done.add_done_callback(tee.wake_up)
+                    while not done.done():
+                        if tee.paused:
+                            await tee.drain()
                             continue
-                        if chunk_filter is not None:
-                            chunk = chunk_filter.feed(chunk)
-                            if not chunk:
-                                continue
-                        await write(chunk)
-                    if write is not None and chunk_filter is not None \
+                        tee.waiter = asyncio.get_running_loop().create_future()
+                        await tee.waiter
+                    done.result()
+                    if out is not None and out.gone:
+                        raise Disconnected("the client went away")
+                    if out is not None and chunk_filter is not None \
                             and (rest := chunk_filter.flush()):
-                        await write(rest)
+                        out.write(rest)
                 finally:
                     watchdog.stop()
+                    tee.close()
+
+
+class BodyTee:
+    """Each piece of an upstream body: to the capture, the watchdog and the client."""
+
+    __slots__ = ("_capture", "_conn", "_filter", "_out", "_time", "_watchdog", "paused",
+                 "waiter")
+
+    def __init__(self, conn: Connection, capture: Capture, watchdog: IdleWatchdog,
+                 out: ClientWriter | None, chunk_filter: ChunkFilter | None) -> None:
+        self._conn = conn
+        self._capture = capture
+        self._watchdog = watchdog
+        self._out = out
+        self._filter = chunk_filter
+        self._time = asyncio.get_running_loop().time
+        self.paused = False  # the upstream stopped reading for a slow client
+        self.waiter: asyncio.Future[None] | None = None  # what the reading task awaits
+
+    def piece(self, piece: bytes) -> None:
+        now = self._time()
+        self._watchdog.last_activity = now
+        self._capture.add_chunk(now, piece)
+        out = self._out
+        if out is None:
+            return
+        if self._filter is not None:
+            piece = self._filter.feed(piece)
+            if not piece:
+                return
+        if out.write(piece) and not self.paused:
+            if out.gone:  # nobody to relay to: stop the upstream; the read fails
+                self._out = None
+                self._conn.close()
+                return
+            self._conn.pause_reading()
+            self.paused = True
+            self.wake_up()
+
+    def wake_up(self, _: object = None) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def drain(self) -> None:
+        """The client was past its high-water mark: wait for it, then read on."""
+        if self._out is not None:
+            await self._out.drain()
+        self.paused = False
+        self._conn.resume_reading()
+
+    def close(self) -> None:
+        self._out = None
+        self.wake_up()
 
 
 class IdleWatchdog:

@@ -1,0 +1,518 @@
+"""A lean HTTP/1.1 client for the upstreams: one asyncio ``Protocol`` per connection, pooled.
+
+Why not aiohttp's client (issue 15): its body reader wakes the reading task once per chunk
+(``StreamReader.readany``) and its request path builds a dozen Python objects per request;
+the profile put most of the relay's cost there. Here a connection decodes the body's
+framing inside ``data_received`` and hands each piece to a callback: the relay writes it
+on to its client from there, so a streamed chunk costs a few buffer operations and no task
+switch. The task that sent the request waits once for the headers and once for the end.
+
+Rules:
+1. Per ``data_received`` a connection only decodes framing (Content-Length, chunked, or
+   until close) and calls ``on_piece`` for each piece of body. Pieces that arrive before
+   a callback is attached (with the headers, typically) are held and handed on when it
+   is; past ``MAX_HELD_BYTES`` held the connection stops reading until then.
+2. Flow control both ways: the callback's owner pauses and resumes reading
+   (``pause_reading``/``resume_reading``) when its own client cannot keep up; request
+   bodies are bounded by the gateway's ``max_body_bytes`` and written whole.
+3. Anything the connection cannot parse (a head over ``MAX_HEAD_BYTES``, a bad status
+   line, bad chunk framing, conflicting lengths) is a ``MalformedResponse``; a connection
+   that closes before the body's end is ``Disconnected``. Neither quotes the bytes.
+4. A connection goes back to its pool only after a whole response with keep-alive; a
+   failure, an abandoned call or ``Connection: close`` closes it. Idle connections are
+   closed after ``KEEPALIVE_S`` (the pool's timer, one per connection, re-armed per use).
+5. A pool holds at most ``limit`` connections (in use and idle); a caller beyond that
+   waits, first come first served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import ssl as _ssl
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, cast
+
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+__all__ = [
+    "ConnectFailed",
+    "ConnectTimeout",
+    "Connection",
+    "ConnectionPool",
+    "Disconnected",
+    "MalformedResponse",
+    "ResponseHead",
+    "WireError",
+]
+
+MAX_HEAD_BYTES: Final = 64 * 1024
+"""The most bytes of a response's status line and headers (aiohttp's client: 8190 per line)."""
+MAX_CHUNK_LINE_BYTES: Final = 4096
+"""The most bytes of one chunk-size line, extensions included."""
+MAX_HELD_BYTES: Final = 256 * 1024
+"""Body bytes held for a caller that has not attached its callback yet (rule 1)."""
+KEEPALIVE_S: Final = 15.0
+"""How long an idle pooled connection is kept (aiohttp's connector default)."""
+
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_DIGITS = re.compile(r"[0-9]{1,19}")
+# Control characters other than a CRLF line end: never valid in a response head.
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+class WireError(Exception):
+    """A failure talking HTTP to an upstream (translated in ``_exceptions.py``)."""
+
+
+class ConnectFailed(WireError):
+    """The TCP (or TLS) connect failed."""
+
+
+class ConnectTimeout(WireError, TimeoutError):
+    """The TCP (or TLS) connect took longer than the pool's ``connect_timeout_s``."""
+
+
+class Disconnected(WireError, ConnectionResetError):
+    """The upstream closed (or reset) the connection before the answer's end."""
+
+
+class MalformedResponse(WireError):
+    """The upstream's bytes are not an HTTP/1.1 response this client accepts."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHead:
+    status: int
+    reason: str
+    headers: CIMultiDictProxy[str]
+    content_type: str  # the media type, lower case, without parameters
+
+
+# Framing of the body being read.
+_NONE, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
+# Where the chunked decoder is.
+_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+
+
+class Connection(asyncio.Protocol):
+    """One upstream connection: sends a request, parses the answer (rules 1-3)."""
+
+    __slots__ = (
+        "_body_waiter", "_buf", "_chunk_state", "_framing", "_head_only", "_head_waiter",
+        "_held", "_held_bytes", "_keep_alive", "_paused", "_pool", "_remaining", "_reused",
+        "on_piece", "transport",
+    )
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self._pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.on_piece: Callable[[bytes], None] | None = None
+        self._buf = b""
+        self._head_waiter: asyncio.Future[ResponseHead] | None = None
+        self._body_waiter: asyncio.Future[None] | None = None
+        self._held: list[bytes] = []
+        self._held_bytes = 0
+        self._framing = _NONE
+        self._chunk_state = _SIZE
+        self._remaining = 0
+        self._keep_alive = False
+        self._head_only = False
+        self._paused = False
+        self._reused = False
+
+    # -- the caller's side ---------------------------------------------------------
+
+    @property
+    def reused(self) -> bool:
+        return self._reused
+
+    def send(self, head: bytes, body: bytes, *, head_only: bool) -> asyncio.Future[ResponseHead]:
+        """Write one request; the future resolves with the response head."""
+        assert self.transport is not None
+        loop = self._pool.loop
+        self._head_waiter = loop.create_future()
+        self._body_waiter = loop.create_future()
+        self._head_only = head_only
+        self._framing = _NONE
+        self._buf = b""
+        if len(body) > 4096:
+            self.transport.writelines((head, body))
+        else:
+            self.transport.write(head + body if body else head)
+        return self._head_waiter
+
+    def attach(self, on_piece: Callable[[bytes], None] | None) -> asyncio.Future[None]:
+        """Hand the body's pieces to ``on_piece`` from now on (the held ones first); the
+        future resolves at the body's end, or with the failure."""
+        assert self._body_waiter is not None
+        self.on_piece = on_piece
+        if self._held:
+            held, self._held, self._held_bytes = self._held, [], 0
+            if on_piece is not None:
+                for piece in held:
+                    on_piece(piece)
+            if self._paused and self.transport is not None:
+                self._paused = False
+                self.transport.resume_reading()
+        return self._body_waiter
+
+    def pause_reading(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    @property
+    def complete(self) -> bool:
+        return self._body_waiter is not None and self._body_waiter.done() \
+            and self._body_waiter.exception() is None
+
+    # -- asyncio.Protocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but are ones.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._pool.lost(self)
+        if self._framing == _UNTIL_CLOSE and self._head_waiter is not None \
+                and self._head_waiter.done() and exc is None:
+            self._end_body()
+            return
+        self._fail(Disconnected("the upstream closed the connection"))
+
+    def data_received(self, data: bytes) -> None:
+        head_waiter = self._head_waiter
+        if head_waiter is None or self._body_waiter is None or self._body_waiter.done():
+            self._pool.lost(self)  # bytes nobody asked for: the connection is unusable
+            self.close()
+            return
+        if not head_waiter.done():
+            data = self._buf + data if self._buf else data
+            self._buf = b""
+            try:
+                rest = self._parse_head(data)
+            except MalformedResponse as exc:
+                self._fail(exc)
+                self.close()
+                return
+            if rest is None or self._body_waiter.done():
+                return
+            data = rest
+        framing = self._framing
+        if framing == _CHUNKED:
+            self._chunked(self._buf + data if self._buf else data)
+        elif framing == _LENGTH:
+            remaining = self._remaining
+            if len(data) >= remaining:
+                if len(data) > remaining:  # bytes past the declared end: not reusable
+                    self._keep_alive = False
+                    data = data[:remaining]
+                self._remaining = 0
+                if data:
+                    self._piece(data)
+                self._end_body()
+            else:
+                self._remaining = remaining - len(data)
+                self._piece(data)
+        elif framing == _UNTIL_CLOSE:
+            if data:
+                self._piece(data)
+        else:
+            self._keep_alive = False  # bytes after a body-less answer
+            self._end_body()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: connection_lost decides what the EOF means
+
+    # -- parsing ---------------------------------------------------------------------
+
+    def _parse_head(self, data: bytes) -> bytes | None:
+        """Parse the head if whole; the bytes after it, or ``None`` while incomplete."""
+        while True:
+            end = data.find(b"\r\n\r\n")
+            if end < 0:
+                if len(data) > MAX_HEAD_BYTES:
+                    raise MalformedResponse("response head too large")
+                self._buf = data
+                return None
+            if end > MAX_HEAD_BYTES:
+                raise MalformedResponse("response head too large")
+            head, data = data[:end], data[end + 4:]
+            status = self._read_head(head.decode("latin-1"))
+            if status is not None:  # an interim 1xx answer: the real one follows
+                continue
+            return data
+
+    def _read_head(self, text: str) -> int | None:
+        if _FORBIDDEN.search(text):
+            raise MalformedResponse("control character in the response head")
+        lines = text.split("\r\n")
+        version, _, rest = lines[0].partition(" ")
+        code, _, reason = rest.partition(" ")
+        if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+            raise MalformedResponse("bad status line")
+        status = int(code)
+        if 100 <= status < 200:
+            if status == 101:
+                raise MalformedResponse("unexpected protocol switch")
+            return status
+        headers: CIMultiDict[str] = CIMultiDict()
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip() or line[0] in " \t":
+                raise MalformedResponse("bad header line")
+            headers.add(name, value.strip(" \t"))
+        connection = headers.get("Connection", "").lower()
+        keep_alive = ("close" not in connection) if version == "HTTP/1.1" \
+            else ("keep-alive" in connection)
+        encoding = headers.getall("Transfer-Encoding", [])
+        lengths = headers.getall("Content-Length", [])
+        if self._head_only or status in _NO_BODY_STATUSES:
+            framing = _NONE
+        elif encoding:
+            last = encoding[-1].rpartition(",")[2].strip().lower()
+            framing = _CHUNKED if last == "chunked" else _UNTIL_CLOSE
+            if framing == _UNTIL_CLOSE or lengths:
+                keep_alive = False
+        elif lengths:
+            if len(set(lengths)) != 1 or not _DIGITS.fullmatch(lengths[0]):
+                raise MalformedResponse("bad Content-Length")
+            framing = _LENGTH
+            self._remaining = int(lengths[0])
+        else:
+            framing = _UNTIL_CLOSE
+            keep_alive = False
+        self._framing, self._keep_alive = framing, keep_alive
+        self._chunk_state = _SIZE
+        content_type = headers.get("Content-Type", "application/octet-stream")
+        assert self._head_waiter is not None
+        self._head_waiter.set_result(ResponseHead(
+            status, reason, CIMultiDictProxy(headers),
+            content_type.partition(";")[0].strip().lower()))
+        if framing == _NONE or (framing == _LENGTH and self._remaining == 0):
+            self._end_body()
+        return None
+
+    def _chunked(self, data: bytes) -> None:
+        pos, size = 0, len(data)
+        state = self._chunk_state
+        try:
+            while pos < size:
+                if state == _DATA:
+                    end = pos + self._remaining
+                    if end > size:
+                        self._remaining = end - size
+                        self._piece(data[pos:] if pos else data)
+                        pos = size
+                        break
+                    self._piece(data[pos:end])
+                    pos, state = end, _DATA_END
+                elif state == _SIZE:
+                    eol = data.find(b"\r\n", pos)
+                    if eol < 0:
+                        if size - pos > MAX_CHUNK_LINE_BYTES:
+                            raise MalformedResponse("chunk size line too long")
+                        break
+                    digits = data[pos:eol].partition(b";")[0].rstrip(b" \t")
+                    if not _HEX.fullmatch(digits):
+                        raise MalformedResponse("bad chunk size")
+                    self._remaining = int(digits, 16)
+                    pos = eol + 2
+                    state = _DATA if self._remaining else _TRAILER
+                elif state == _DATA_END:
+                    if size - pos < 2:
+                        break
+                    if data[pos:pos + 2] != b"\r\n":
+                        raise MalformedResponse("bad chunk end")
+                    pos += 2
+                    state = _SIZE
+                else:  # _TRAILER: header lines until an empty one
+                    eol = data.find(b"\r\n", pos)
+                    if eol < 0:
+                        if size - pos > MAX_HEAD_BYTES:
+                            raise MalformedResponse("trailers too large")
+                        break
+                    empty = eol == pos
+                    pos = eol + 2
+                    if empty:
+                        if pos < size:
+                            self._keep_alive = False
+                        self._chunk_state = state
+                        self._buf = b""
+                        self._end_body()
+                        return
+        except MalformedResponse as exc:
+            self._fail(exc)
+            self.close()
+            return
+        self._chunk_state = state
+        self._buf = data[pos:] if pos < size else b""
+
+    # -- delivering ------------------------------------------------------------------
+
+    def _piece(self, piece: bytes) -> None:
+        on_piece = self.on_piece
+        if on_piece is not None:
+            on_piece(piece)
+            return
+        self._held.append(piece)
+        self._held_bytes += len(piece)
+        if self._held_bytes > MAX_HELD_BYTES:
+            self.pause_reading()
+
+    def _end_body(self) -> None:
+        waiter = self._body_waiter
+        self._framing = _NONE
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, exc: WireError) -> None:
+        self._keep_alive = False
+        for waiter in (self._head_waiter, self._body_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(exc)
+                # Retrieved here: a caller that left early must not log it as unretrieved.
+                waiter.exception()
+
+    # -- the pool's side --------------------------------------------------------------
+
+    def reusable(self) -> bool:
+        return (self._keep_alive and self.complete and self.transport is not None
+                and not self.transport.is_closing() and not self._held and not self._paused)
+
+    def reset_for_pool(self) -> None:
+        self.on_piece = None
+        self._head_waiter = self._body_waiter = None
+        self._reused = True
+
+
+class ConnectionPool:
+    """Connections to one upstream address: at most ``limit``, idle ones reused (rule 5)."""
+
+    def __init__(self, url: URL, *, limit: int, connect_timeout_s: float) -> None:
+        if url.scheme not in ("http", "https") or not url.raw_host:
+            raise ValueError(f"not an http(s) URL: {url}")
+        self.loop = asyncio.get_running_loop()
+        self.limit = limit
+        self.connect_timeout_s = connect_timeout_s
+        self._host = url.raw_host
+        self._port = url.port or (443 if url.scheme == "https" else 80)
+        self._ssl: _ssl.SSLContext | None = (_ssl.create_default_context()
+                                            if url.scheme == "https" else None)
+        self._server_hostname = url.host if self._ssl is not None else None
+        self._idle: deque[Connection] = deque()
+        self._timers: dict[Connection, asyncio.TimerHandle] = {}
+        self._open: set[Connection] = set()
+        self._connecting = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
+
+    @property
+    def size(self) -> int:
+        return len(self._open) + self._connecting
+
+    async def acquire(self) -> Connection:
+        while True:
+            if self._closed:
+                raise ConnectFailed("the pool is closed")
+            while self._idle:
+                conn = self._idle.pop()  # the most recently used: least likely closed
+                timer = self._timers.pop(conn, None)
+                if timer is not None:
+                    timer.cancel()
+                if conn.transport is not None and not conn.transport.is_closing():
+                    return conn
+                self._open.discard(conn)
+            if self.size < self.limit:
+                return await self._connect()
+            waiter = self.loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                elif waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # pass the slot this caller was given to the next
+                raise
+
+    async def _connect(self) -> Connection:
+        self._connecting += 1
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await self.loop.create_connection(
+                    lambda: Connection(self), self._host, self._port, ssl=self._ssl,
+                    server_hostname=self._server_hostname)
+        except TimeoutError as exc:
+            raise ConnectTimeout("connect timed out") from exc
+        except OSError as exc:
+            raise ConnectFailed(str(exc)) from exc
+        finally:
+            self._connecting -= 1
+        if conn.transport is None:  # closed between connect and here
+            self._wake_one()
+            raise ConnectFailed("closed while connecting")
+        self._open.add(conn)
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        """Take ``conn`` back after a call: kept if whole and keep-alive, else closed."""
+        if not self._closed and conn.reusable():
+            conn.reset_for_pool()
+            self._idle.append(conn)
+            self._timers[conn] = self.loop.call_later(KEEPALIVE_S, self._expire, conn)
+        else:
+            self._open.discard(conn)
+            conn.close()
+        self._wake_one()
+
+    def lost(self, conn: Connection) -> None:
+        """``conn`` closed (the upstream, a timer or a failure): forget it."""
+        if conn in self._open:
+            self._open.discard(conn)
+            timer = self._timers.pop(conn, None)
+            if timer is not None:
+                timer.cancel()
+            if conn in self._idle:
+                self._idle.remove(conn)
+            self._wake_one()
+
+    def _expire(self, conn: Connection) -> None:
+        self._timers.pop(conn, None)
+        conn.close()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        for conn in list(self._open):
+            conn.close()
+        self._open.clear()
+        self._idle.clear()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()

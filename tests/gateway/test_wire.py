@@ -1,0 +1,202 @@
+"""The lean upstream client (gateway/_wire.py) against raw servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from yarl import URL
+
+from gateway._wire import (
+    MAX_HEAD_BYTES,
+    ConnectFailed,
+    ConnectionPool,
+    Disconnected,
+    MalformedResponse,
+    ResponseHead,
+)
+from tests.utils import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@asynccontextmanager
+async def raw_server(answer: bytes | Handler) -> AsyncIterator[ConnectionPool]:
+    """A server that answers each request with ``answer`` (bytes, kept alive) or runs
+    ``answer`` itself; yields a pool pointing at it."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if callable(answer):
+                await answer(reader, writer)
+                return
+            for _ in range(16):  # bounded: a few requests per connection
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = ConnectionPool(URL(f"http://127.0.0.1:{port}"), limit=4, connect_timeout_s=2)
+    try:
+        async with server:
+            yield pool
+    finally:
+        pool.close()
+
+
+async def fetch(pool: ConnectionPool) -> tuple[ResponseHead, bytes]:
+    conn = await pool.acquire()
+    try:
+        head = await conn.send(REQUEST, b"", head_only=False)
+        pieces: list[bytes] = []
+        await conn.attach(pieces.append)
+        return head, b"".join(pieces)
+    finally:
+        pool.release(conn)
+
+
+def chunked(body: bytes, sizes: list[int]) -> bytes:
+    out, pos = b"", 0
+    for size in sizes:
+        out += b"%x\r\n%b\r\n" % (size, body[pos:pos + size])
+        pos += size
+    return out + b"0\r\n\r\n"
+
+
+async def test_chunked_body_is_decoded_whatever_the_reads() -> None:
+    body = b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"
+    head = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: text/event-stream\r\n\r\n")
+    wire = head + chunked(body, [11, 11, len(body) - 22])
+
+    async def byte_by_byte(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for i in range(len(wire)):
+            writer.write(wire[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    for answer in (wire, byte_by_byte):
+        async with raw_server(answer) as pool:
+            got_head, got = await fetch(pool)
+            assert got_head.status == 200 and got_head.content_type == "text/event-stream"
+            assert got == body
+
+
+async def test_keep_alive_reuses_the_connection_and_close_does_not() -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+    async with raw_server(answer) as pool:
+        assert (await fetch(pool))[1] == b"hello"
+        conn = await pool.acquire()
+        assert conn.reused
+        pool.release(conn)
+        assert (await fetch(pool))[1] == b"hello"
+        assert pool.size == 1
+    closing = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"
+    async with raw_server(closing) as pool:
+        assert (await fetch(pool))[1] == b"hi"
+        assert pool.size == 0
+
+
+async def test_body_until_close_and_no_body_statuses() -> None:
+    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\n\r\nall of it")
+        await writer.drain()
+
+    async with raw_server(until_close) as pool:
+        assert (await fetch(pool))[1] == b"all of it"
+    async with raw_server(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n") as pool:
+        head, body = await fetch(pool)
+        assert head.status == 204 and body == b""
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nX-Bad: a\x00b\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 2000 OK\r\n\r\n",
+    b"SMTP ready\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+    b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\n" + b"X: " + b"y" * MAX_HEAD_BYTES + b"\r\n\r\n",
+])
+async def test_malformed_answers_are_refused(answer: bytes) -> None:
+    async with raw_server(answer) as pool:
+        with pytest.raises(MalformedResponse):
+            await fetch(pool)
+        assert pool.size == 0
+
+
+async def test_a_cut_body_is_a_disconnect() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+        await writer.drain()
+
+    async with raw_server(cut) as pool:
+        with pytest.raises(Disconnected):
+            await fetch(pool)
+
+
+async def test_connect_refused_and_the_limit() -> None:
+    pool = ConnectionPool(URL(f"http://127.0.0.1:{free_port()}"), limit=1, connect_timeout_s=1)
+    with pytest.raises(ConnectFailed):
+        await pool.acquire()
+    assert pool.size == 0
+    pool.close()
+    async with raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n") as pool:
+        pool.limit = 1
+        first = await pool.acquire()
+        waiting = asyncio.create_task(pool.acquire())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # the one slot is taken
+        first.close()
+        second = await asyncio.wait_for(waiting, 2)
+        pool.release(second)
+
+
+async def test_reading_pauses_and_resumes() -> None:
+    piece = b"x" * 65536
+    count = 64
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (len(piece) * count))
+        for _ in range(count):
+            writer.write(piece)
+            await writer.drain()
+
+    async with raw_server(flood) as pool:
+        conn = await pool.acquire()
+        await conn.send(REQUEST, b"", head_only=False)
+        got = reads = 0
+
+        def on_piece(data: bytes) -> None:
+            nonlocal got, reads
+            got, reads = got + len(data), reads + 1
+            conn.pause_reading()
+
+        done = conn.attach(on_piece)
+        for _ in range(2_000):  # bounded: each turn lets at least one read through
+            seen = reads
+            for _ in range(500):  # a read arrives (and pauses reading) or the body ends
+                if reads != seen or done.done():
+                    break
+                await asyncio.sleep(0.001)
+            if done.done():
+                break
+            await asyncio.sleep(0.005)
+            assert reads == seen + 1  # paused: nothing read meanwhile
+            conn.resume_reading()
+        await done
+        assert got == len(piece) * count
+        pool.release(conn)
