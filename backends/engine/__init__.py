@@ -27,7 +27,8 @@ from .model._sampling import SamplingParams
 from .model._tokenizer import ChatTokenizer
 from .serving._cli import engine_command
 from .serving._engine import Engine
-from .serving._kv_cli import kv_quality_command, plan_kv_command
+from .serving._kv_cli import kv_quality_command
+from .serving._plan_kv_cli import plan_kv_command
 from .serving._request import EngineStats, FinishReason, TokenEvent
 from .serving._server import RunningEngineServer, build_engine_app, running_engine_server
 from .serving._server_config import EngineRole, EngineServerConfig

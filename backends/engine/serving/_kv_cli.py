@@ -1,7 +1,8 @@
-"""`kv-quality` and `plan-kv`: KV codecs measured on the real model, and a mixed plan chosen.
+"""`kv-quality`: KV codecs measured on the real model against fp32 (and the options and helpers
+``plan-kv`` shares).
 
-Both are bounded by named defaults (prompts, tokens, scored positions) so that a default run
-finishes in a few minutes on two cores; ``--json`` prints one JSON document instead of tables.
+Both commands are bounded by named defaults (prompts, tokens, scored positions) so that a
+default run finishes in a few minutes on two cores; ``--json`` prints one JSON document.
 """
 
 from __future__ import annotations
@@ -17,20 +18,9 @@ from rich.console import Console
 from rich.table import Table
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
-from ..kv._costmodel import CostCalibration, StepEstimate, calibrate_costs, estimate_step
 from ..kv._plan import ENGINE_CODECS, KVPlan
-from ..kv._planner import (
-    DEFAULT_PLAN_CODECS,
-    PlanCheck,
-    SensitivityTable,
-    block_bytes,
-    check_plan,
-    measure_sensitivity,
-    plan_for_budget,
-)
 from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv.codecs import CODECS
-from ..kv.codecs._codec import ROLES
 from ..kv.codecs._quality import CodecChoice, calibrate, measure_quality
 from ..kv.codecs._registry import E8_WINDOW
 from ..kv.codecs._summary import quality_rows
@@ -38,22 +28,14 @@ from ..kv.codecs._texts import PROMPTS, QUESTIONS
 from ..model._model import LlamaModel
 from ._answer_agreement import DEFAULT_ANSWER_TOKENS, answer_agreement
 
-__all__ = ["kv_quality_command", "plan_kv_command"]
+__all__ = ["kv_quality_command"]
 
 DEFAULT_QUALITY_PROMPTS = 2
 DEFAULT_QUALITY_TOKENS = 256
 DEFAULT_QUALITY_QUERIES = 64
-DEFAULT_PLAN_PROMPTS = 1
-DEFAULT_PLAN_TOKENS = 128
-DEFAULT_PLAN_QUERIES = 64
-DEFAULT_PLAN_BUDGET_BITS = 4.5
-"""Between kivi-2 (3.5 bits at 16-token blocks) and kivi-4 (5.5): where mixing pays."""
-DEFAULT_BATCH = 8
 DEFAULT_CONTEXT = 4096
 DEFAULT_THREADS = 1
 _BUDGET_MIB = 64
-_GRID_BATCHES = (1, 8, 64)
-_GRID_CONTEXTS = (512, 4096, 32768)
 
 
 def _say(quiet: bool) -> Callable[[str], None]:
@@ -237,298 +219,3 @@ def _print_quality(document: dict[str, Any]) -> None:
         f"reference logit gap {setup['reference_logit_gap']:.1e}; {setup['seconds']:.0f} s; "
         f"BLAS threads {setup['threads']}"
     )
-
-
-# -- plan-kv -----------------------------------------------------------------------------------
-
-
-def _estimates(
-    costs: CostCalibration,
-    table: SensitivityTable,
-    plan: KVPlan,
-    batch: int,
-    context: int,
-) -> list[StepEstimate]:
-    out = []
-    for name in dict.fromkeys(("fp32", *table.codecs)):
-        size = costs.num_layers * sum(
-            block_bytes(name, role, costs.kv_heads, costs.head_dim, table.block_size)
-            for role in ROLES
-        )
-        out.append(estimate_step(costs, name, size / table.block_size, batch, context))
-    out.append(estimate_step(costs, plan, table.bytes_per_token(plan), batch, context))
-    return out
-
-
-def _estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
-    return {
-        "codec": estimate.codec,
-        "batch": estimate.batch,
-        "context": estimate.context,
-        "kv_bytes_per_token": estimate.kv_bytes_per_token,
-        "compute_ms": 1e3 * estimate.compute_s,
-        "dequant_ms": 1e3 * estimate.dequant_s,
-        "weights_ms": 1e3 * estimate.weights_s,
-        "kv_ms": 1e3 * estimate.kv_s,
-        "bound": estimate.bound,
-        "tokens_per_s": estimate.tokens_per_s,
-    }
-
-
-def _check_dict(check: PlanCheck) -> dict[str, Any]:
-    best = check.best_uniform
-    plan = check.plan_quality
-    return {
-        "budget_bytes_per_token": check.budget_bytes_per_token,
-        "plan": check.plan.name,
-        "plan_bytes_per_token": check.plan_bytes_per_token,
-        "predicted_kl": check.predicted_kl,
-        "plan_kl": plan.kl_nats,
-        "plan_top1": plan.top1,
-        "best_uniform": None if best is None else best.codec,
-        "best_uniform_bytes_per_token": None
-        if best is None
-        else check.uniform_bytes_per_token[best.codec],
-        "best_uniform_kl": None if best is None else best.kl_nats,
-        "best_uniform_top1": None if best is None else best.top1,
-        "uniform_fitting": {
-            q.codec: {
-                "kl": q.kl_nats,
-                "top1": q.top1,
-                "bytes_per_token": check.uniform_bytes_per_token[q.codec],
-            }
-            for q in check.measured[1:]
-        },
-        "chosen": check.chosen.name,
-        "prompt_tokens": list(check.prompt_tokens),
-    }
-
-
-@click.command("plan-kv")
-@click.option(
-    "--budget-bits", type=click.FloatRange(min=0, min_open=True), default=None,
-    help=f"KV budget in mean bits per element over layers, K and V [default: "
-    f"{DEFAULT_PLAN_BUDGET_BITS}].",
-)  # fmt: skip
-@click.option(
-    "--budget-bytes-per-token", type=click.FloatRange(min=0, min_open=True), default=None,
-    help="KV budget in bytes per token, all layers, K and V (understudy_kv_bytes_per_token).",
-)  # fmt: skip
-@click.option(
-    "--codecs", default=",".join(DEFAULT_PLAN_CODECS), show_default=True,
-    help="Codecs a layer's K or V may use, comma-separated.",
-)  # fmt: skip
-@click.option("--batch", type=click.IntRange(1), default=DEFAULT_BATCH, show_default=True,
-              help="Cost model: sequences per decode step.")  # fmt: skip
-@click.option("--context", type=click.IntRange(1), default=DEFAULT_CONTEXT, show_default=True,
-              help="Cost model: tokens of context per sequence.")  # fmt: skip
-@click.option("--prompts", type=click.IntRange(1, len(PROMPTS)), default=DEFAULT_PLAN_PROMPTS,
-              show_default=True, help="Prompts the sensitivity is measured on.")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(2), default=DEFAULT_PLAN_TOKENS,
-              show_default=True, help="Each prompt cut to this many tokens.")  # fmt: skip
-@click.option("--queries", type=click.IntRange(1), default=DEFAULT_PLAN_QUERIES,
-              show_default=True, help="Last positions of each prompt scored.")  # fmt: skip
-@click.option(
-    "--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("kv-plan.json"),
-    show_default=True, help="Where the plan is written (for engine --kv-plan).",
-)  # fmt: skip
-@click.option(
-    "--cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="Sensitivity table cache [default: OUT with .sensitivity.json].",
-)  # fmt: skip
-@click.option("--verify/--no-verify", default=True, show_default=True,
-              help="Measure the plan's KL against the uniform codecs that fit the budget, on "
-              "held-out prompts, and keep the better.")  # fmt: skip
-@_threads
-@_json
-@_gguf
-def plan_kv_command(
-    budget_bits: float | None,
-    budget_bytes_per_token: float | None,
-    codecs: str,
-    batch: int,
-    context: int,
-    prompts: int,
-    tokens: int,
-    queries: int,
-    out: Path,
-    cache: Path | None,
-    verify: bool,
-    threads: int,
-    as_json: bool,
-    gguf_path: Path | None,
-) -> None:
-    """Choose a KV codec per layer for keys and for values under a memory budget, from measured
-    quality loss, and say what bounds a decode step on this machine."""
-    if budget_bits is not None and budget_bytes_per_token is not None:
-        raise click.UsageError("give --budget-bits or --budget-bytes-per-token, not both")
-    if queries >= tokens:
-        raise click.UsageError("--queries must be below --tokens")
-    names = tuple(name.strip() for name in codecs.split(",") if name.strip())
-    unknown = [name for name in names if name not in ENGINE_CODECS]
-    if unknown or not names:
-        raise click.UsageError(f"--codecs: served codecs are {', '.join(ENGINE_CODECS)}")
-    model = _load_model(gguf_path)
-    cfg = model.config
-    elements = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-    if budget_bytes_per_token is None:
-        bits = DEFAULT_PLAN_BUDGET_BITS if budget_bits is None else budget_bits
-        budget_bytes_per_token = bits * elements / 8
-    say = _say(as_json)
-    cache = cache or out.with_name(out.stem + ".sensitivity.json")
-    with threadpool_limits(threads, "blas"):
-        calibration = calibrate(model)
-        costs = calibrate_costs(model, names)
-        settings = {
-            "model": model.fingerprint.hex(),
-            "codecs": list(names),
-            "prompt_tokens": [len(model.tokenizer.encode(t)[:tokens]) for t in PROMPTS[:prompts]],
-            "queries": queries,
-            "block_size": DEFAULT_BLOCK_SIZE,
-        }
-        table = SensitivityTable.cached(cache, settings)
-        if table is None:
-            table = measure_sensitivity(
-                model,
-                codecs=names,
-                block_size=DEFAULT_BLOCK_SIZE,
-                max_prompts=prompts,
-                max_tokens=tokens,
-                queries=queries,
-                calibration=calibration,
-                progress=say,
-            )
-            table.save(cache)
-        else:
-            say(f"sensitivity from {cache}")
-        plan = plan_for_budget(table, budget_bytes_per_token)
-        if plan is None:
-            lightest = min(
-                table.bytes_per_token(KVPlan.uniform(n, table.num_layers)) for n in names
-            )
-            raise click.ClickException(
-                f"no plan fits {budget_bytes_per_token:.0f} bytes per token (the lightest "
-                f"codec needs {lightest:.0f})"
-            )
-        check = None
-        if verify:
-            held_out = PROMPTS[prompts:] or PROMPTS
-            check = check_plan(
-                model,
-                table,
-                plan,
-                budget_bytes_per_token,
-                prompts=held_out[:1],
-                max_tokens=tokens,
-                queries=queries,
-                calibration=calibration,
-                progress=say,
-            )
-    chosen = plan if check is None else check.chosen
-    meta: dict[str, Any] = {
-        "budget_bytes_per_token": budget_bytes_per_token,
-        "bytes_per_token": table.bytes_per_token(chosen),
-        "predicted_kl": table.predicted_loss(chosen),
-        "sensitivity": settings,
-    }
-    if check is not None:
-        meta["check"] = _check_dict(check)
-    written = KVPlan(chosen.layers, meta)
-    written.dump(out)
-    estimates = _estimates(costs, table, chosen, batch, context)
-    grid = [
-        _estimate_dict(estimate_step(costs, chosen, table.bytes_per_token(chosen), b, n))
-        for b in _GRID_BATCHES
-        for n in _GRID_CONTEXTS
-    ]
-    document = {
-        "plan_file": str(out),
-        "plan": written.to_dict(),
-        "cost_model": {
-            "calibration": {
-                "weight_bytes": costs.weight_bytes,
-                "weight_gb_per_s": costs.weight_bytes_per_s / 1e9,
-                "gflops": costs.flops_per_s / 1e9,
-                "kv_gb_per_s": costs.kv_bytes_per_s / 1e9,
-                "dequant_ns_per_token_layer": {
-                    k: 1e9 * v for k, v in costs.dequant_s_per_token_layer.items()
-                },
-            },
-            "estimates": [_estimate_dict(e) for e in estimates],
-            "plan_grid": grid,
-        },
-        "sensitivity": {
-            "codecs": list(table.codecs),
-            "kl_per_layer_role": table.loss.tolist(),
-            "seconds": table.seconds,
-            "cache": str(cache),
-        },
-    }
-    if as_json:
-        click.echo(json.dumps(document, indent=1))
-        return
-    _print_plan(document, table, written, check)
-
-
-def _print_plan(
-    document: dict[str, Any], table: SensitivityTable, plan: KVPlan, check: PlanCheck | None
-) -> None:
-    console = Console(width=160)
-    cal = document["cost_model"]["calibration"]
-    console.print(
-        f"cost model, measured here: weights {cal['weight_bytes'] / 2**20:.0f} MiB read at "
-        f"{cal['weight_gb_per_s']:.1f} GB/s, matmul {cal['gflops']:.1f} GFLOP/s, K/V read by "
-        f"attention at {cal['kv_gb_per_s']:.2f} GB/s"
-    )
-    steps = Table(title="a decode step (ms): what binds it")
-    for column in ("codec", "batch", "context", "KV B/token", "compute", "dequant", "weights",
-                   "KV reads", "bound", "tok/s"):  # fmt: skip
-        steps.add_column(column, justify="left" if column in ("codec", "bound") else "right")
-    for row in document["cost_model"]["estimates"] + document["cost_model"]["plan_grid"]:
-        steps.add_row(
-            row["codec"],
-            str(row["batch"]),
-            str(row["context"]),
-            f"{row['kv_bytes_per_token']:.0f}",
-            f"{row['compute_ms']:.1f}",
-            f"{row['dequant_ms']:.1f}",
-            f"{row['weights_ms']:.1f}",
-            f"{row['kv_ms']:.1f}",
-            row["bound"],
-            f"{row['tokens_per_s']:.1f}",
-        )
-    console.print(steps)
-    layers = Table(title=f"plan {plan.describe()}")
-    for column in ("layer", "K", "KL if only K", "V", "KL if only V"):
-        layers.add_column(column, justify="right")
-    index = {name: i for i, name in enumerate(table.codecs)}
-    for layer, names in enumerate(plan.layers):
-        layers.add_row(
-            str(layer),
-            names.key,
-            f"{table.loss[layer, 0, index[names.key]]:.5f}",
-            names.value,
-            f"{table.loss[layer, 1, index[names.value]]:.5f}",
-        )
-    console.print(layers)
-    meta = plan.meta
-    console.print(
-        f"budget {meta['budget_bytes_per_token']:.0f} B/token; plan {meta['bytes_per_token']:.0f} "
-        f"B/token, predicted KL {meta['predicted_kl']:.5f}"
-    )
-    if check is not None:
-        summary = _check_dict(check)
-        for codec, q in summary["uniform_fitting"].items():
-            console.print(
-                f"  uniform {codec}: {q['bytes_per_token']:.0f} B/token, KL {q['kl']:.5f}, "
-                f"top-1 {100 * q['top1']:.1f}%",
-                markup=False,
-            )
-        console.print(
-            f"  plan: KL {summary['plan_kl']:.5f}, top-1 {100 * summary['plan_top1']:.1f}% "
-            f"(held-out prompt of {summary['prompt_tokens']} tokens); best uniform that fits: "
-            f"{summary['best_uniform']} KL {summary['best_uniform_kl'] or float('nan'):.5f}; "
-            f"written: {summary['chosen']}",
-            markup=False,
-        )
-    console.print(f"plan written to {document['plan_file']}")

@@ -1,0 +1,104 @@
+"""The planner's dynamic program against brute force, its table and cache, and the cost model's
+verdicts on synthetic rates."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.engine.kv._costmodel import CostCalibration, estimate_step
+from backends.engine.kv._plan import KVPlan
+from backends.engine.kv._planner import SensitivityTable, choose, plan_for_budget
+
+
+def _brute_force(weights: list[list[int]], losses: list[list[float]], budget: int) -> float | None:
+    best = None
+    for combo in itertools.product(*(range(len(row)) for row in weights)):
+        if sum(weights[i][c] for i, c in enumerate(combo)) > budget:
+            continue
+        loss = sum(losses[i][c] for i, c in enumerate(combo))
+        best = loss if best is None else min(best, loss)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_choose_is_brute_force_on_small_tables(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    items, options = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+    # Byte-like weights with a common divisor, losses falling with the bytes (like codecs) or not.
+    weights = [[int(w) * 6 for w in rng.integers(1, 40, options)] for _ in range(items)]
+    losses = [[float(x) for x in rng.random(options)] for _ in range(items)]
+    for budget in (0, *rng.integers(0, 6 * 40 * items, 8), 10**6):
+        chosen = choose(weights, losses, int(budget))
+        expected = _brute_force(weights, losses, int(budget))
+        if expected is None:
+            assert chosen is None
+            continue
+        assert chosen is not None
+        assert sum(weights[i][c] for i, c in enumerate(chosen)) <= budget
+        assert sum(losses[i][c] for i, c in enumerate(chosen)) == pytest.approx(expected)
+
+
+def test_the_budget_goes_where_the_loss_is() -> None:
+    # Per cell: 4 units at no loss, 2 at a small loss, 1 at a large one; layer 1 suffers most.
+    layers = 3
+    loss = np.zeros((layers, 2, 3))
+    loss[:, :, 1], loss[:, :, 2] = 0.01, 0.1
+    loss[1, :, 2] = 1.0
+    weights = [[400, 200, 100]] * (2 * layers)
+    losses = [[float(x) for x in loss[layer, role]] for layer in range(layers) for role in (0, 1)]
+    chosen = choose(weights, losses, 4 * 100 + 2 * 200)  # two cells above the cheapest
+    assert chosen == [2, 2, 1, 1, 2, 2]
+    assert choose(weights, losses, 6 * 100 - 1) is None
+
+
+def test_plan_for_budget_on_served_codecs(tmp_path: Path) -> None:
+    loss = np.zeros((2, 2, 2))
+    loss[:, :, 1] = [[0.5, 0.1], [0.2, 0.3]]
+    sizes = np.array([[6144, 2304], [6144, 1920]], dtype=np.int64)
+    table = SensitivityTable(("fp16", "kivi-4"), loss, sizes, block_size=16, settings={"x": 1})
+    budget = (6144 + 1920 + 2304 + 1920) / 16
+    plan = plan_for_budget(table, budget)
+    assert plan == KVPlan.of(["fp16", "kivi-4"], ["kivi-4", "kivi-4"])
+    assert table.bytes_per_token(plan) == budget
+    assert table.predicted_loss(plan) == pytest.approx(0.1 + 0.2 + 0.3)
+    assert plan_for_budget(table, 4 * 1900 / 16) is None
+    path = tmp_path / "table.json"
+    table.save(path)
+    again = SensitivityTable.cached(path, {"x": 1})
+    assert again is not None and np.array_equal(again.loss, table.loss)
+    assert SensitivityTable.cached(path, {"x": 2}) is None
+    assert SensitivityTable.cached(tmp_path / "missing.json", {"x": 1}) is None
+
+
+def _costs(dequant: float = 0.0) -> CostCalibration:
+    return CostCalibration(
+        weight_bytes=500 << 20,
+        parameters=125 << 20,
+        weight_bytes_per_s=20e9,
+        flops_per_s=100e9,
+        kv_bytes_per_s=20e9,
+        dequant_s_per_token_layer={"fp32": 0.0, "kivi-2": dequant},
+        num_layers=30,
+        num_heads=9,
+        kv_heads=3,
+        head_dim=64,
+    )
+
+
+def test_the_cost_model_names_each_bound() -> None:
+    costs = _costs()
+    fp32_bytes = 30 * 2 * 3 * 64 * 4
+    assert estimate_step(costs, "fp32", fp32_bytes, 1, 256).bound == "weights"
+    assert estimate_step(costs, "fp32", fp32_bytes, 64, 32768).bound == "kv"
+    assert estimate_step(costs, "fp32", fp32_bytes, 4096, 16).bound == "compute"
+    # A smaller KV moves a KV-bound step off KV reads; a costly dequant makes it compute-bound.
+    assert estimate_step(costs, "kivi-2", fp32_bytes / 16, 64, 32768).bound != "kv"
+    slow = estimate_step(_costs(dequant=1e-6), "kivi-2", fp32_bytes / 16, 64, 32768)
+    assert slow.bound == "compute" and slow.dequant_s > slow.kv_s
+    mixed = KVPlan.of(["fp32"] * 30, ["kivi-2"] * 30)
+    half = estimate_step(_costs(dequant=1e-6), mixed, fp32_bytes / 2, 1, 1000)
+    assert half.dequant_s == pytest.approx(1000 * 30 * 1e-6 / 2)
