@@ -176,6 +176,7 @@ class EvaluationPipeline:
         self._sent = 0  # exchanges put on the current queue
         self._conn: Connection | None = None
         self._process: BaseProcess | None = None
+        self._pid: int | None = None  # kept once the child is reaped and released
         self._ready: asyncio.Future[None] | None = None
         self._finished: asyncio.Future[None] | None = None  # the final snapshot, or EOF
         self._last: Snapshot | None = None
@@ -199,7 +200,7 @@ class EvaluationPipeline:
     @property
     def pid(self) -> int | None:
         """The current child's process id, once one is started."""
-        return self._process.pid if self._process is not None else None
+        return self._pid
 
     @property
     def last_failure(self) -> str | None:
@@ -264,7 +265,7 @@ class EvaluationPipeline:
         try:
             await self._spawn()
         except BaseException:
-            self._queue.close()
+            _close_queue(self._queue)
             self._state = PipelineState.CLOSED
             raise
         self._state = PipelineState.RUNNING
@@ -290,7 +291,7 @@ class EvaluationPipeline:
             await self._stop_process(
                 wait_s=self._settings.drain_timeout_s + self._settings.store.close_timeout_s)
         if self._queue is not None:
-            self._queue.close()
+            _close_queue(self._queue)
         lost = self.stats.pending
         if lost:
             log.warning("evaluation closed with %d exchanges not scored", lost)
@@ -327,6 +328,7 @@ class EvaluationPipeline:
         self._last = None
         self._writer_stats = None
         self._process.start()
+        self._pid = self._process.pid
         child_conn.close()  # the child holds the only other end: its EOF is the child's exit
         loop.add_reader(self._conn.fileno(), self._on_message)
         try:
@@ -359,6 +361,8 @@ class EvaluationPipeline:
             process.kill()
         await asyncio.to_thread(process.join, JOIN_TIMEOUT_S)
         self._detach()
+        if _release(process):
+            self._process = None
 
     def _detach(self) -> None:
         assert self._conn is not None
@@ -401,7 +405,7 @@ class EvaluationPipeline:
         assert self._process is not None and self._queue is not None
         lost = self.stats.pending
         self._dropped["process_exit"] += lost
-        self._last_failure = f"the evaluation process {self._process.pid} exited unexpectedly"
+        self._last_failure = f"the evaluation process {self._pid} exited unexpectedly"
         log.error("%s; %d exchanges lost; restarting it", self._last_failure, lost)
         self._bury_child()
         dead, old_queue = self._process, self._queue
@@ -432,7 +436,9 @@ class EvaluationPipeline:
 
     async def _restart(self, dead: BaseProcess, old_queue: Queue[Exchange]) -> None:
         await asyncio.to_thread(dead.join, JOIN_TIMEOUT_S)  # reap it: no zombie
-        old_queue.close()
+        if _release(dead) and self._process is dead:
+            self._process = None
+        _close_queue(old_queue)
         while True:
             now = time.monotonic()
             while self._restart_times and now - self._restart_times[0] >= self._restart_window_s:
@@ -464,13 +470,31 @@ class EvaluationPipeline:
         assert self._queue is not None
         self._state = PipelineState.FAILED
         self._restarter = None
-        self._queue.close()
+        _close_queue(self._queue)
         lost = self.stats.pending
         self._dropped["process_exit"] += lost
         self._last_failure = (f"{self._max_restarts} restarts within "
                               f"{self._restart_window_s:g} s: not restarting again "
                               f"(last: {self._last_failure})")
         log.error("evaluation process: %s; %d exchanges lost", self._last_failure, lost)
+
+
+def _release(process: BaseProcess) -> bool:
+    """Close an exited child's handles (its sentinel descriptor stays open until then);
+    False while it still runs."""
+    if process.exitcode is None:
+        return False
+    process.close()
+    return True
+
+
+def _close_queue(queue: Queue[Exchange]) -> None:
+    """Close ``queue`` and both ends of its pipe: its feeder thread closes them once it
+    has flushed, but a queue never written to has no feeder thread to do it."""
+    queue.close()
+    if queue._thread is None:  # type: ignore[attr-defined]
+        queue._reader.close()  # type: ignore[attr-defined]
+        queue._writer.close()  # type: ignore[attr-defined]
 
 
 def _sum_writer_stats(a: WriterStats, b: WriterStats) -> WriterStats:
@@ -482,7 +506,7 @@ def _sum_writer_stats(a: WriterStats, b: WriterStats) -> WriterStats:
         dropped=MappingProxyType(_sum(a.dropped, b.dropped)),
         batches=a.batches + b.batches, retries=a.retries + b.retries,
         last_error=b.last_error or a.last_error,
-        last_error_at=b.last_error_at or a.last_error_at)
+        last_error_at=b.last_error_at or a.last_error_at, writing_since=b.writing_since)
 
 
 def _sum(a: Mapping[K, int], b: Mapping[K, int]) -> dict[K, int]:

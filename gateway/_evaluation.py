@@ -26,8 +26,10 @@ The store at start (DESIGN.md invariant 7: a store outage never blocks the proxy
    added to the store every ``TRAFFIC_FLUSH_INTERVAL_S`` while it is up, before each
    report, and at stop; a flush that fails gives its counts back to the tally.
 5. ``health()`` tells the store's state (``connecting``, ``up``, ``unreachable`` with the
-   reason) and the scoring child's (running, restarting, failed); either not well makes
-   the gateway ``degraded``.
+   reason; ``failing`` when it was reached but the writer's batch in hand has waited more
+   than ``STORE_STALL_S`` to be written: down, black-holed or too slow mid-run) and the
+   scoring child's (running, restarting, failed); either not well makes the gateway
+   ``degraded``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -76,8 +79,10 @@ STORE_START_WAIT_S = 2.0
 """Rule 2: how long ``start`` waits to reach the store before the gateway serves without it
 (a migration of a fresh database fits; a closed port fails at once, a black hole is left
 to the background)."""
+STORE_STALL_S = 5.0
+"""Rule 5: how long one batch may take to be written before ``/health`` calls it failing."""
 
-StoreState = Literal["connecting", "up", "unreachable"]
+StoreState = Literal["connecting", "up", "unreachable", "failing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +170,17 @@ class Evaluation:
             scoring = {"state": pipeline.state.value, "restarts": pipeline.stats.restarts}
             if pipeline.last_failure is not None:
                 scoring["reason"] = pipeline.last_failure
-        store_body: dict[str, Any] = {"state": store.state,
-                                      "connect_failures": store.connect_failures}
-        if store.state != "up":
-            store_body["reason"] = store.reason or "no answer from the store yet"
-        well = store.state == "up" and scoring["state"] == PipelineState.RUNNING.value
+        state, reason = store.state, store.reason
+        writer = self.writer_stats
+        if state == "up" and writer is not None and writer.writing_since is not None:
+            waited = time.time() - writer.writing_since
+            if waited > STORE_STALL_S:  # up at start, failing or silent now
+                state, reason = "failing", (f"a batch has waited {waited:.0f} s to be "
+                                            f"written: {writer.last_error or 'no answer'}")
+        store_body: dict[str, Any] = {"state": state, "connect_failures": store.connect_failures}
+        if state != "up":
+            store_body["reason"] = reason or "no answer from the store yet"
+        well = state == "up" and scoring["state"] == PipelineState.RUNNING.value
         return well, {"store": store_body, "scoring": scoring}
 
     async def audit(self, *, actor: str, action: str, target: str, detail: dict[str, Any],

@@ -20,6 +20,7 @@ class TcpRelay:
         self._flowing = asyncio.Event()  # cleared: a black hole, nothing moves either way
         self._flowing.set()
         self._stall_after: bytes | None = None
+        self._delay_s = 0.0
         self.port = 0
         self.connections = 0
 
@@ -32,6 +33,10 @@ class TcpRelay:
         """Keep accepting and holding connections, but carry nothing either way: a
         database that is there and never answers (a dropped route, a silent firewall)."""
         self._flowing.clear()
+
+    def slow_down(self, delay_s: float) -> None:
+        """Hold every read ``delay_s`` before passing it on: a store that answers late."""
+        self._delay_s = delay_s
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port,
@@ -55,6 +60,7 @@ class TcpRelay:
 
     async def restore(self) -> None:
         self._stall_after = None
+        self._delay_s = 0.0
         self._answers_flow.set()
         self._flowing.set()
         if self._server is None:
@@ -90,6 +96,8 @@ class TcpRelay:
                 if not upstream:
                     await self._answers_flow.wait()
                 await self._flowing.wait()
+                if self._delay_s:
+                    await asyncio.sleep(self._delay_s)
                 sink.write(data)
                 if upstream and self._stall_after is not None and self._stall_after in data:
                     self._answers_flow.clear()

@@ -97,6 +97,9 @@ class WriterStats:
     last_error: str | None
     last_error_at: float | None
     """Wall-clock time (``time.time()``) of ``last_error``."""
+    writing_since: float | None = None
+    """Wall-clock time the batch in hand began to be written (retries included); None
+    while no write is under way. A store that fails or never answers shows here."""
 
 
 class ScoreWriter:
@@ -130,6 +133,7 @@ class ScoreWriter:
         self._retries = 0
         self._last_error: str | None = None
         self._last_error_at: float | None = None
+        self._writing_since: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -244,6 +248,7 @@ class ScoreWriter:
             held_records=self._held,
             last_error=self._last_error,
             last_error_at=self._last_error_at,
+            writing_since=self._writing_since,
         )
 
     # -- the background task ---------------------------------------------------------
@@ -272,12 +277,15 @@ class ScoreWriter:
                     continue
             batch = self._take_batch()
             self._held = len(batch)
+            self._writing_since = time.time()
             try:
                 await self._write(batch)
             except Exception as exc:  # a bug, not the database: never stop the writer
                 log.exception("score writer dropped a batch")
                 self._dropped["failed"] += self._held
                 self._note_error(f"{type(exc).__name__}: {exc}")
+            finally:
+                self._writing_since = None
             self._held = 0
 
     def _take_batch(self) -> list[Record]:

@@ -1,22 +1,33 @@
 """The fault matrix (issue 12): each fault injected against a running gateway on loopback.
 
 For every row: the client's status and an OpenAI-style body when the gateway answers for
-itself; no 500 of the gateway's own; the mirroring budget back to zero and no request in
-flight; every request offered to a candidate joined or counted with a reason; ``/health``
-answering. Every loop is bounded in count and time; everything listens on 127.0.0.1.
+itself; no 500 of the gateway's own; the mirroring budget back to zero, no request in
+flight, the open file descriptors and asyncio tasks back to their baseline; every request
+offered to a candidate joined or counted with a reason, and every exchange the store took
+written or counted with a reason; ``/health`` telling the truth. The scoring child killed
+and the store down at start are rows of their own (``tests/gateway/test_scoring_restart.py``,
+``tests/gateway/test_store_at_start.py``). Every loop is bounded in count and time;
+everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from multiprocessing import resource_tracker
 from typing import Any
 
 import aiohttp
 import pytest
+from sqlalchemy.engine import URL, make_url
 
+from evaluators.store import upgrade
+from tests.tcp_relay import TcpRelay
 from tests.utils import RunningGateway, eventually, free_port, run_gateway, run_sim
 
 REQUESTS = 4
@@ -42,6 +53,35 @@ async def _ask(session: aiohttp.ClientSession, gw: RunningGateway, *, stream: bo
             return r.status, await r.read()
     except aiohttp.ClientPayloadError:
         return -1, b""
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _fd_targets() -> list[str]:
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sorted(targets)
+
+
+@asynccontextmanager
+async def _baseline() -> AsyncIterator[None]:
+    """Open file descriptors and asyncio tasks after the row equal those before it (the
+    multiprocessing resource tracker, one per test process for good, started first)."""
+    resource_tracker.ensure_running()
+    fds, tasks = _open_fds(), len(asyncio.all_tasks())
+    yield
+    try:
+        await eventually(lambda: len(asyncio.all_tasks()) <= tasks, 10)
+    except TimeoutError:
+        pytest.fail(f"stray tasks: {sorted(map(repr, asyncio.all_tasks()))}")
+    try:
+        await eventually(lambda: _open_fds() <= fds, 10)
+    except TimeoutError:
+        pytest.fail(f"{_open_fds() - fds} file descriptors more than before: {_fd_targets()}")
 
 
 async def _settled(gw: RunningGateway) -> None:
@@ -89,7 +129,7 @@ async def _candidate(fault: str) -> AsyncIterator[str]:
 
 @pytest.mark.parametrize("fault", ["down", "garbage", *CANDIDATE_FAULTS])
 async def test_candidate_fault_leaves_clients_untouched(fault: str) -> None:
-    async with run_sim(ttft_ms=0, itl_ms=1, tokens=4) as primary, \
+    async with _baseline(), run_sim(ttft_ms=0, itl_ms=1, tokens=4) as primary, \
             _candidate(fault) as cand_url, \
             run_gateway(primary.url, candidates=[{"name": "c", "url": cand_url,
                                                   **CANDIDATE_TIMEOUTS}],
@@ -121,7 +161,7 @@ async def test_candidate_fault_leaves_clients_untouched(fault: str) -> None:
     ("garbage", False, 502),
 ])
 async def test_primary_fault_answers(fault: str, stream: bool, expected: int) -> None:
-    async with _primary(fault) as primary_url, \
+    async with _baseline(), _primary(fault) as primary_url, \
             run_gateway(primary_url, primary=QUICK_UPSTREAM) as gw, \
             aiohttp.ClientSession() as session:
         async with asyncio.timeout(20):
@@ -161,8 +201,8 @@ async def _primary(fault: str) -> AsyncIterator[str]:
 # -- client faults ----------------------------------------------------------------------------
 
 async def test_client_disconnect_mid_stream_releases_everything() -> None:
-    async with run_sim(ttft_ms=0, itl_ms=200, tokens=50) as primary, run_sim() as cand, \
-            run_gateway(primary.url, candidates=[{"name": "c", "url": cand.url}],
+    async with _baseline(), run_sim(ttft_ms=0, itl_ms=200, tokens=50) as primary, \
+            run_sim() as cand, run_gateway(primary.url, candidates=[{"name": "c", "url": cand.url}],
                         mirror=QUICK_MIRROR) as gw, aiohttp.ClientSession() as session:
         for _ in range(3):
             async with session.post(gw.url + "/v1/chat/completions",
@@ -185,7 +225,7 @@ async def test_client_disconnect_mid_stream_releases_everything() -> None:
 ])
 async def test_client_bad_requests_get_openai_errors(body: bytes, headers: dict[str, str],
                                                      expected: int) -> None:
-    async with run_sim() as primary, \
+    async with _baseline(), run_sim() as primary, \
             run_gateway(primary.url, server={"max_body_bytes": 64 * 1024}) as gw, \
             aiohttp.ClientSession() as session:
         async with session.post(gw.url + "/v1/chat/completions", data=body,
@@ -197,7 +237,7 @@ async def test_client_bad_requests_get_openai_errors(body: bytes, headers: dict[
 
 
 async def test_slowloris_is_bounded_and_counted() -> None:
-    async with run_sim() as primary, \
+    async with _baseline(), run_sim() as primary, \
             run_gateway(primary.url, server={"header_timeout_s": 0.5}) as gw, \
             aiohttp.ClientSession() as session:
         port = int(gw.url.rsplit(":", 1)[1])
@@ -207,3 +247,104 @@ async def test_slowloris_is_bounded_and_counted() -> None:
         writer.close()
         assert gw.metric("understudy_connections_closed_total", reason="header_timeout") == 1
         assert (await _healthy(session, gw))["status"] == "ok"
+
+
+async def test_slow_reader_is_relayed_whole_and_releases_everything() -> None:
+    """A client that reads a long answer slowly: the relay waits for it (flow control),
+    never holds more than its buffers, and everything is released at the end."""
+    async with _baseline(), run_sim(ttft_ms=0, itl_ms=0, tokens=2000) as primary, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2000) as cand, \
+            run_gateway(primary.url, candidates=[{"name": "c", "url": cand.url}],
+                        mirror=QUICK_MIRROR) as gw, \
+            aiohttp.ClientSession(read_bufsize=2**10) as session:
+        async with asyncio.timeout(60), session.post(
+                gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            assert r.status == 200
+            body = b""
+            while chunk := await r.content.read(512):
+                body += chunk
+                await asyncio.sleep(0.002)
+        assert body.endswith(b"data: [DONE]\n\n") and body.count(b"data: ") > 2000
+        await _settled(gw)
+        assert (await _healthy(session, gw))["status"] == "ok"
+
+
+# -- store faults mid-run: clients never notice, the store's part waits or is counted ------
+
+def _writer(gw: RunningGateway) -> Any:
+    evaluation = gw.state.evaluation
+    assert evaluation is not None
+    return evaluation.writer_stats
+
+
+def _accounted(gw: RunningGateway) -> bool:
+    """Every exchange the writer took is written or counted as dropped, none held."""
+    stats = _writer(gw)
+    return (stats is not None and stats.queued_records == 0 and stats.held_records == 0
+            and stats.written_records + sum(stats.dropped.values()) == stats.accepted)
+
+
+async def _chats(session: aiohttp.ClientSession, gw: RunningGateway, n: int) -> float:
+    """``n`` requests one after another, each answered 200; the slowest one's seconds."""
+    slowest = 0.0
+    for i in range(n):
+        started = time.monotonic()
+        status, _ = await _ask(session, gw, stream=i % 2 == 0, seed=i)
+        assert status == 200
+        slowest = max(slowest, time.monotonic() - started)
+    return slowest
+
+
+@pytest.mark.parametrize("fault", ["down", "black_hole", "slow"])
+async def test_store_fault_mid_run(fault: str, pg_database: str) -> None:
+    await upgrade(pg_database)
+    async with _baseline():  # the relay's pumps and sockets included
+        await _store_fault_mid_run(fault, make_url(pg_database))
+
+
+async def _store_fault_mid_run(fault: str, url: URL) -> None:
+    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
+    await relay.start()
+    store = {"url": url.set(port=relay.port).render_as_string(hide_password=False),
+             "flush_interval_s": 0.05, "retry_base_s": 0.05, "retry_max_s": 0.2,
+             "connect_timeout_s": 1}
+    try:
+        async with run_sim(ttft_ms=1, itl_ms=0, tokens=4) as primary, \
+                run_sim(ttft_ms=1, itl_ms=0, tokens=4) as cand, \
+                run_gateway(primary.url, candidates=[{"name": "c", "url": cand.url}],
+                            mirror=QUICK_MIRROR,
+                            evaluation={"enabled": True, "store": store,
+                                        "scorers": ["exact_match", "latency"]}) as gw, \
+                aiohttp.ClientSession() as session:
+            await _chats(session, gw, REQUESTS)
+            await eventually(lambda: _accounted(gw) and _writer(gw).written_records
+                             >= REQUESTS, 30)
+            if fault == "down":
+                await relay.cut()
+            elif fault == "black_hole":
+                relay.black_hole()
+            else:
+                relay.slow_down(0.3)
+            assert await _chats(session, gw, 3 * REQUESTS) < 2.0  # never the client's wait
+            if fault == "slow":  # late, not failing: everything is written as it comes
+                await eventually(lambda: _accounted(gw) and _writer(gw).written_records
+                                 >= 4 * REQUESTS, 60)
+                assert (await _healthy(session, gw))["status"] == "ok"
+            else:  # /health tells the truth while the batch in hand waits
+                async def failing() -> bool:
+                    body = await _healthy(session, gw)
+                    store_state = body.get("store", {})
+                    return bool(body["status"] == "degraded"
+                                and store_state.get("state") == "failing")
+                async with asyncio.timeout(30):
+                    while not await failing():  # noqa: ASYNC110 - polling /health
+                        await asyncio.sleep(0.2)
+                await relay.restore()
+                await eventually(lambda: _accounted(gw) and _writer(gw).written_records
+                                 >= 4 * REQUESTS, 60)
+                async with asyncio.timeout(30):
+                    while (await _healthy(session, gw))["status"] != "ok":  # noqa: ASYNC110
+                        await asyncio.sleep(0.2)
+            await _settled(gw)
+    finally:
+        await relay.close()
