@@ -27,6 +27,12 @@ attn err <= 0.10 at <= 3.4 bits.  The report says which were met, on what was me
 Bounded: the prompts and tokens are fixed by the options (``--quick``: one prompt of 256
 tokens, 64 scored positions, about a minute on two cores).
 
+The planner (``understudy plan-kv``'s package code): per-layer, per-role KL sensitivity on the
+first prompt cut to ``--plan-tokens``, a plan per ``--plan-budget-bits`` (mean bits per element,
+the engine's 16-token blocks), and each plan's whole-model KL measured on a held-out prompt beside
+every uniform codec that fits the same bytes; the target is the plan beating the best of them
+(``--plan-budget-bits 0`` skips it).
+
 Results go to stdout and to bench/results/kvquant.json (``--semantics decode`` to
 kvquant-decode.json).
 """
@@ -50,8 +56,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from backends.engine import LlamaModel  # noqa: E402
+from backends.engine.kv._planner import (  # noqa: E402
+    check_plan,
+    measure_sensitivity,
+    plan_for_budget,
+)
+from backends.engine.kv._store import DEFAULT_BLOCK_SIZE  # noqa: E402
 from backends.engine.kv.codecs import measure_quality  # noqa: E402
+from backends.engine.kv.codecs._quality import calibrate  # noqa: E402
 from backends.engine.kv.codecs._summary import quality_rows  # noqa: E402
+from backends.engine.kv.codecs._texts import PROMPTS  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "kvquant.json"
 DEFAULT_BUDGET_MIB = 64
@@ -63,6 +77,67 @@ TARGET_E8_ATTENTION = 0.38
 TARGET_E8_TOP1 = 0.82
 TARGET_E8W_ATTENTION = 0.10
 TARGET_E8W_BITS = 3.4
+DEFAULT_PLAN_BUDGET_BITS = (3.0, 4.5)
+DEFAULT_PLAN_TOKENS = 128
+DEFAULT_PLAN_QUERIES = 64
+
+
+def plan_rows(
+    model: LlamaModel, budgets_bits: list[float], tokens: int, queries: int, say: Any
+) -> list[dict[str, Any]]:
+    """The planner at each budget: plan vs every uniform codec fitting it, measured KL."""
+    if not budgets_bits:
+        return []
+    cfg = model.config
+    elements = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    calibration = calibrate(model)
+    table = measure_sensitivity(
+        model,
+        block_size=DEFAULT_BLOCK_SIZE,
+        max_prompts=1,
+        max_tokens=tokens,
+        queries=queries,
+        calibration=calibration,
+        progress=say,
+    )
+    out: list[dict[str, Any]] = []
+    for bits in budgets_bits:
+        budget = bits * elements / 8
+        plan = plan_for_budget(table, budget)
+        if plan is None:
+            out.append({"budget_bits": bits, "plan": None})
+            continue
+        check = check_plan(
+            model,
+            table,
+            plan,
+            budget,
+            prompts=PROMPTS[1:2],
+            max_tokens=tokens,
+            queries=queries,
+            calibration=calibration,
+            progress=say,
+        )
+        best = check.best_uniform
+        out.append(
+            {
+                "budget_bits": bits,
+                "budget_bytes_per_token": budget,
+                "plan": plan.describe(),
+                "plan_bytes_per_token": check.plan_bytes_per_token,
+                "plan_predicted_kl": check.predicted_kl,
+                "plan_kl": check.plan_quality.kl_nats,
+                "plan_top1": check.plan_quality.top1,
+                "best_uniform": None if best is None else best.codec,
+                "best_uniform_bytes_per_token": None
+                if best is None
+                else check.uniform_bytes_per_token[best.codec],
+                "best_uniform_kl": None if best is None else best.kl_nats,
+                "best_uniform_top1": None if best is None else best.top1,
+                "sensitivity_seconds": table.seconds,
+            }
+        )
+    return out
 
 
 def targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,6 +176,19 @@ def targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
             },
         ]
     return checks
+
+
+def planner_targets(planner: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "what": f"plan KL <= best uniform's ({row['best_uniform']}) at "
+            f"{row['budget_bits']:.2f} bits",
+            "measured": row["plan_kl"],
+            "met": row["plan_kl"] <= row["best_uniform_kl"],
+        }
+        for row in planner
+        if row["plan"] is not None and row["best_uniform"] is not None
+    ]
 
 
 def render(result: dict[str, Any]) -> None:
@@ -151,6 +239,30 @@ def render(result: dict[str, Any]) -> None:
         f"{setup['semantics']} semantics; "
         f"{setup['seconds']:.0f} s; BLAS threads {setup['threads']}"
     )
+    plans = result.get("planner", [])
+    if plans:
+        planner = Table(title="planner: a codec per layer for K and V vs the best uniform codec "
+                        "at the same KV bytes (KL on a held-out prompt)")  # fmt: skip
+        for column in ("budget bits", "B/token", "plan", "plan KL", "plan top-1",
+                       "best uniform", "its B/token", "its KL", "its top-1"):  # fmt: skip
+            planner.add_column(column, justify="left" if "plan" == column else "right")
+        for row in plans:
+            if row["plan"] is None:
+                planner.add_row(f"{row['budget_bits']:.2f}", "-", "nothing fits")
+                continue
+            uniform = row["best_uniform"]
+            planner.add_row(
+                f"{row['budget_bits']:.2f}",
+                f"{row['budget_bytes_per_token']:.0f}",
+                row["plan"],
+                f"{row['plan_kl']:.5f}",
+                f"{100 * row['plan_top1']:.1f}%",
+                uniform or "none fits",
+                "-" if uniform is None else f"{row['best_uniform_bytes_per_token']:.0f}",
+                "-" if uniform is None else f"{row['best_uniform_kl']:.5f}",
+                "-" if uniform is None else f"{100 * row['best_uniform_top1']:.1f}%",
+            )
+        console.print(planner)
     for check in result["targets"]:
         mark = "met " if check["met"] else "MISS"
         console.print(f"  {mark} {check['what']}: measured {check['measured']:.4f}", markup=False)
@@ -171,11 +283,23 @@ def main(argv: list[str] | None = None) -> int:
         default="write",
         help="write: the prompt's own attention reads encoded K/V too; decode: exact prefill",
     )
+    parser.add_argument(
+        "--plan-budget-bits",
+        type=float,
+        nargs="*",
+        default=list(DEFAULT_PLAN_BUDGET_BITS),
+        help="planner budgets in mean bits per element (none: skip the planner)",
+    )
+    parser.add_argument("--plan-tokens", type=int, default=DEFAULT_PLAN_TOKENS)
+    parser.add_argument("--plan-queries", type=int, default=DEFAULT_PLAN_QUERIES)
     args = parser.parse_args(argv)
     plan: dict[str, Any] = dict(QUICK if args.quick else FULL)
     for key in ("prompts", "tokens", "queries"):
         if getattr(args, key) is not None:
             plan[key] = getattr(args, key)
+
+    def say(line: str) -> None:
+        print(f"  {time.strftime('%H:%M:%S')} {line}", flush=True)
 
     model = LlamaModel.load()
     with threadpool_limits(args.threads, "blas"):
@@ -185,7 +309,14 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=plan["tokens"],
             queries=plan["queries"],
             semantics=args.semantics,
-            progress=lambda line: print(f"  {time.strftime('%H:%M:%S')} {line}", flush=True),
+            progress=say,
+        )
+        planner = plan_rows(
+            model,
+            [bits for bits in args.plan_budget_bits if bits > 0],
+            args.plan_tokens,
+            args.plan_queries,
+            say,
         )
     model.close()
     budget = args.budget_mib << 20
@@ -206,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             "key_mean_norms": list(report.key_mean_norms),
         },
         "codecs": table,
-        "targets": targets(table),
+        "planner": planner,
+        "targets": targets(table) + planner_targets(planner),
     }
     render(result)
     path = RESULTS_PATH

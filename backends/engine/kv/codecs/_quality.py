@@ -377,17 +377,21 @@ def layer_codecs(
     seed: int = DEFAULT_SEED,
 ) -> LayerCodecPairs:
     """Per layer, the codec of its keys and the codec of its values."""
-    plan = KVPlan.uniform(choice, num_layers) if isinstance(choice, str) else choice
-    if plan.num_layers != num_layers:
-        raise ValueError(f"a KV plan of {plan.num_layers} layers for a {num_layers}-layer model")
+    # A name may be any registry codec (e8-2w too); a plan names served codecs only.
+    if isinstance(choice, str):
+        names = [(choice, choice)] * num_layers
+    else:
+        names = [(layer.key, layer.value) for layer in choice.layers]
+    if len(names) != num_layers:
+        raise ValueError(f"a KV plan of {len(names)} layers for a {num_layers}-layer model")
     built: dict[tuple[int, str], KVCodec] = {}
-    for layer, names in enumerate(plan.layers):
-        for name in (names.key, names.value):
+    for layer, pair in enumerate(names):
+        for name in pair:
             if (layer, name) not in built:
                 built[layer, name] = codec_by_name(
                     name, layer=layer, seed=seed, key_mean=means[layer], key_scale=key_scales[layer]
                 )
-    return [(built[i, names.key], built[i, names.value]) for i, names in enumerate(plan.layers)]
+    return [(built[i, k], built[i, v]) for i, (k, v) in enumerate(names)]
 
 
 def role_bits(codec: KVCodec, role: Role, kv_heads: int, head_dim: int, tokens: int) -> float:
