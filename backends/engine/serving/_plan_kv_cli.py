@@ -236,8 +236,10 @@ def plan_kv_command(
     written = KVPlan(chosen.layers, meta)
     written.dump(out)
     estimates = _estimates(costs, table, chosen, batch, context)
+    fp32_bytes = next(e.kv_bytes_per_token for e in estimates if e.codec == "fp32")
     grid = [
-        _estimate_dict(estimate_step(costs, chosen, table.bytes_per_token(chosen), b, n))
+        _estimate_dict(estimate_step(costs, codec, size, b, n))
+        for codec, size in (("fp32", fp32_bytes), (chosen, table.bytes_per_token(chosen)))
         for b in _GRID_BATCHES
         for n in _GRID_CONTEXTS
     ]
