@@ -141,15 +141,21 @@ def engine_command(
         )
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
+    plan = None
     if kv_plan is not None:
         try:
-            KVPlan.load(kv_plan)
+            plan = KVPlan.load(kv_plan)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
     try:
         model = LlamaModel.load(config.gguf_path)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"cannot load the model: {exc}") from exc
+    if plan is not None and plan.num_layers != model.config.num_layers:
+        raise click.UsageError(
+            f"{kv_plan}: a KV plan of {plan.num_layers} layers for a "
+            f"{model.config.num_layers}-layer model"
+        )
     serve_until_signalled(
         lambda: running_engine_server(config, model),
         lambda server: f"engine ({config.role}): {server.describe()}",
