@@ -7,8 +7,8 @@ Building a config has no side effects; starting the gateway does.
 
 from __future__ import annotations
 
+import errno
 import os
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,9 +24,10 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
-    EnvSettingsSource,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    TomlConfigSettingsSource,
 )
 
 from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig
@@ -281,29 +282,37 @@ class GatewayConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # load_config merges file, environment and flags itself, in that order.
-        return (init_settings,)
+        # Highest first; pydantic-settings merges them section by section. The file is the
+        # class's ``toml_file`` (none here: load_config binds one); no .env, no secrets dir.
+        token = os.environ.get(ADMIN_TOKEN_ENV)
+        admin_token = InitSettingsSource(settings_cls, {"admin": {"token": token}} if token else {})
+        return (init_settings, admin_token, env_settings, TomlConfigSettingsSource(settings_cls))
 
 
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> GatewayConfig:
     """Read ``path`` (TOML), apply the environment, then ``overrides`` (nested dict of flags)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    environment = EnvSettingsSource(GatewayConfig)()
-    if token := os.environ.get(ADMIN_TOKEN_ENV):
-        environment = _deep_merge(environment, {"admin": {"token": token}})
-    merged = _deep_merge(_deep_merge(data, environment), overrides or {})
+    overrides = overrides or {}
     # BaseSettings takes keys such as ``_env_file`` as options of its own, past
     # ``extra="forbid"``: they are unknown keys here like any other.
-    options = [key for key in merged if key.startswith("_")]
+    options = [key for key in overrides if key.startswith("_")]
     if options:
         raise ValidationError.from_exception_data(
             GatewayConfig.__name__,
-            [{"type": "extra_forbidden", "loc": (key,), "input": merged[key]} for key in options],
+            [{"type": "extra_forbidden", "loc": (key,), "input": overrides[key]}
+             for key in options],
         )
-    return GatewayConfig(**merged)
+    if path is None:
+        return GatewayConfig(**overrides)
+    if not path.is_file():  # the TOML source passes over a missing file; a named one must be
+        raise FileNotFoundError(errno.ENOENT, "no such config file", str(path))
+
+    class FileConfig(GatewayConfig):  # pydantic-settings reads the file a class names
+        model_config = SettingsConfigDict(toml_file=path, title=GatewayConfig.__name__)
+
+    loaded = FileConfig(**overrides)
+    # Validated once, above; handed back as a plain GatewayConfig, so that a config compares,
+    # copies and pickles alike whichever file it came from.
+    return GatewayConfig.model_construct(loaded.model_fields_set, **dict(loaded))
 
 
 _CANDIDATE_FLAG_KEYS = {
@@ -327,12 +336,3 @@ def parse_candidate_flag(text: str) -> dict[str, Any]:
         candidate[_CANDIDATE_FLAG_KEYS[key]] = value
     return candidate
 
-
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway import load_config
+from gateway import GatewayConfig, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "understudy.toml"
 
@@ -51,3 +51,26 @@ def test_invalid_config_is_a_clear_error(tmp_path: Path, text: str) -> None:
     path.write_text(text)
     with pytest.raises(ValidationError):
         load_config(path)
+
+
+def test_the_admin_token_variable_beats_the_nested_one_and_flags_beat_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f'[admin]\ntoken = "{"f" * 20}"\nport = 1\n')
+    assert load_config(path).admin.token.get_secret_value() == "f" * 20  # type: ignore[union-attr]
+    monkeypatch.setenv("UNDERSTUDY_ADMIN__TOKEN", "n" * 20)
+    assert load_config(path).admin.token.get_secret_value() == "n" * 20  # type: ignore[union-attr]
+    monkeypatch.setenv("UNDERSTUDY_ADMIN_TOKEN", "t" * 20)
+    config = load_config(path)
+    assert config.admin.token.get_secret_value() == "t" * 20  # type: ignore[union-attr]
+    assert config.admin.port == 1  # sections merge key by key, not replaced whole
+    config = load_config(path, {"admin": {"token": "o" * 20}})
+    assert config.admin.token.get_secret_value() == "o" * 20  # type: ignore[union-attr]
+
+
+def test_a_named_file_must_exist_and_configs_are_one_type(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.toml")
+    assert type(load_config(EXAMPLE)) is GatewayConfig
+    assert load_config(EXAMPLE) == load_config(EXAMPLE)
