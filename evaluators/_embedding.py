@@ -241,20 +241,25 @@ class SentenceEncoder:
                  batch_size: int = DEFAULT_BATCH_SIZE,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  blas_threads: int | None = DEFAULT_BLAS_THREADS,
-                 cache_entries: int = DEFAULT_CACHE_ENTRIES) -> None:
+                 cache_entries: int = DEFAULT_CACHE_ENTRIES,
+                 max_tokens: int = MAX_SEQUENCE_TOKENS) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be at least 1")
         if blas_threads is not None and blas_threads < 1:
             raise ValueError("blas_threads must be at least 1 (or None)")
+        if not 2 <= max_tokens <= MAX_SEQUENCE_TOKENS:
+            raise ValueError(f"max_tokens must be in [2, {MAX_SEQUENCE_TOKENS}]")
         if cache_entries < 0:
             raise ValueError("cache_entries must be at least 0")
         folder = folder if folder is not None else model_folder()
         self._weights = _load_weights(folder)
         self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self._tokenizer.no_padding()  # batches are padded here, after sorting by length
-        self._tokenizer.enable_truncation(max_length=MAX_SEQUENCE_TOKENS)
+        # Fewer than the model's 256 tokens is an approximation of its similarity (cheaper
+        # per text in proportion): bench/score.py measures its agreement with the full one.
+        self._tokenizer.enable_truncation(max_length=max_tokens)
         self._batch_size = batch_size
         self._max_batch_tokens = max_batch_tokens
         self._blas_threads = blas_threads
@@ -339,6 +344,11 @@ class SentenceEncoder:
         return [1.0 if a == b else
                 float(np.clip(np.dot(emb[index[a]], emb[index[b]]), -1.0, 1.0))
                 for a, b in pairs]
+
+    def clear_cache(self) -> None:
+        """Forget every cached embedding (benchmarks that score the same texts again)."""
+        with self._lock:
+            self._cache.clear()
 
     def _remember(self, key: bytes, embedding: Array) -> None:
         if self._cache_entries == 0:
