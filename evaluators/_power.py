@@ -87,17 +87,8 @@ def samples_needed_for_location(
         raise ValueError(f"Cliff's delta lies in [-1, 1], got {effect_size}")
     z = _z_sum(confidence, power)
     needed = None if effect_size == 0.0 else 2.0 * z**2 / (3.0 * effect_size**2)
-    return _estimate(
-        "mann_whitney",
-        effect_size,
-        needed,
-        have_baseline,
-        have_candidate,
-        confidence,
-        power,
-        min_samples,
-        "Cliff's delta",
-    )
+    return _estimate("mann_whitney", effect_size, "Cliff's delta", needed,
+                     have_baseline, have_candidate, confidence, power, min_samples)  # fmt: skip
 
 
 def samples_needed_for_rate(
@@ -118,26 +109,15 @@ def samples_needed_for_rate(
     for rate in (baseline_rate, candidate_rate):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"a rate lies in [0, 1], got {rate}")
-    _check(confidence, power)
-    z_alpha = float(stats.norm.ppf(1.0 - (1.0 - confidence) / 2.0))
-    z_power = float(stats.norm.ppf(power))
+    z_alpha, z_power = _z_quantiles(confidence, power)
     diff = candidate_rate - baseline_rate
     pbar = (baseline_rate + candidate_rate) / 2.0
     spread = z_alpha * math.sqrt(2.0 * pbar * (1.0 - pbar)) + z_power * math.sqrt(
         baseline_rate * (1.0 - baseline_rate) + candidate_rate * (1.0 - candidate_rate)
     )
     needed = None if diff == 0.0 else spread**2 / diff**2
-    return _estimate(
-        "two_proportions",
-        diff,
-        needed,
-        have_baseline,
-        have_candidate,
-        confidence,
-        power,
-        min_samples,
-        "rate change",
-    )
+    return _estimate("two_proportions", diff, "rate change", needed,
+                     have_baseline, have_candidate, confidence, power, min_samples)  # fmt: skip
 
 
 def samples_needed_for_mean(
@@ -162,22 +142,18 @@ def samples_needed_for_mean(
     needed = None
     if mean_shift != 0.0:
         needed = z**2 * (std_baseline**2 + std_candidate**2) / mean_shift**2
-    return _estimate(
-        "two_means",
-        mean_shift,
-        needed,
-        have_baseline,
-        have_candidate,
-        confidence,
-        power,
-        min_samples,
-        "mean change",
-    )
+    return _estimate("two_means", mean_shift, "mean change", needed,
+                     have_baseline, have_candidate, confidence, power, min_samples)  # fmt: skip
+
+
+def _z_quantiles(confidence: float, power: float) -> tuple[float, float]:
+    """The two-sided test's critical z and the z of the wanted power."""
+    _check(confidence, power)
+    return float(stats.norm.ppf(1.0 - (1.0 - confidence) / 2.0)), float(stats.norm.ppf(power))
 
 
 def _z_sum(confidence: float, power: float) -> float:
-    _check(confidence, power)
-    return float(stats.norm.ppf(1.0 - (1.0 - confidence) / 2.0) + stats.norm.ppf(power))
+    return sum(_z_quantiles(confidence, power))
 
 
 def _check(confidence: float, power: float) -> None:
@@ -190,13 +166,13 @@ def _check(confidence: float, power: float) -> None:
 def _estimate(
     test: PowerTest,
     effect: float,
+    effect_name: str,
     needed: float | None,
     have_baseline: int,
     have_candidate: int,
     confidence: float,
     power: float,
     min_samples: int,
-    effect_name: str,
 ) -> SampleSizeEstimate:
     """Rules 1 and 5: round up, floor at ``min_samples``, None when out of reach."""
     if have_baseline < 0 or have_candidate < 0:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import openai
 from aiohttp import web
 
 from backends.sim import SIM_STATS, SimConfig, SimStats
@@ -112,3 +114,19 @@ async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> No
     async with asyncio.timeout(within_s):
         while not condition():  # noqa: ASYNC110 - polling a plain predicate
             await asyncio.sleep(0.02)
+
+
+async def timed_chats(gw: RunningGateway, n: int, tag: str) -> list[float]:
+    """Send ``n`` chat requests through ``gw`` one after another; return each one's latency
+    in seconds (all must succeed)."""
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    latencies = []
+    try:
+        for i in range(n):
+            started = time.monotonic()
+            await client.chat.completions.create(
+                model="sim-model", messages=[{"role": "user", "content": f"{tag} {i}"}])
+            latencies.append(time.monotonic() - started)
+    finally:
+        await client.close()
+    return latencies

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -101,18 +100,6 @@ SCORES = (Score("ttft_ratio", 1.5, 1.0), Score("similarity", 0.9))
 
 
 # -- databases ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    """An engine on a migrated, empty database; migrated back down afterwards."""
-    await upgrade(db_url)
-    engine = create_engine(db_url)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
-        await downgrade(db_url, "base")
 
 
 async def rows(engine: AsyncEngine, model: type[Base], *order: Any) -> list[Any]:

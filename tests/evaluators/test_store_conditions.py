@@ -4,9 +4,7 @@ evaluated requests, and the all-traffic histograms (SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 
-import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import Gates, Score, build_report
@@ -14,28 +12,13 @@ from evaluators.store import (
     TRAFFIC_SEEN,
     ScoreWriter,
     TrafficCount,
-    create_engine,
-    downgrade,
     load_conditioned_samples,
     load_evaluated_requests,
     load_traffic,
     record_traffic,
     session_factory,
-    upgrade,
 )
 from tests.evaluators.test_store import make_exchange, make_observation, quick_config, written
-
-
-@pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    """An engine on a migrated, empty database; migrated back down afterwards."""
-    await upgrade(db_url)
-    engine = create_engine(db_url)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
-        await downgrade(db_url, "base")
 
 
 async def test_conditions_are_stored_and_loaded_with_their_values(engine: AsyncEngine) -> None:

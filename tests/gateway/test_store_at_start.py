@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
@@ -19,22 +18,10 @@ from sqlalchemy.engine import make_url
 from evaluators.store import ExchangeRow, create_engine, load_routing, session_factory, upgrade
 from gateway._evaluation import STORE_START_WAIT_S
 from tests.tcp_relay import TcpRelay
-from tests.utils import RunningGateway, eventually, free_port, run_gateway, run_sim
+from tests.utils import RunningGateway, eventually, free_port, run_gateway, run_sim, timed_chats
 
 SPAWN_ALLOWANCE_S = 10.0
 """The scoring child's start (a spawned interpreter, cheap scorers) on a busy machine."""
-
-
-async def _requests(gw: RunningGateway, n: int, tag: str) -> list[float]:
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
-    latencies = []
-    for i in range(n):
-        started = time.monotonic()
-        await client.chat.completions.create(
-            model="sim-model", messages=[{"role": "user", "content": f"{tag} {i}"}])
-        latencies.append(time.monotonic() - started)
-    await client.close()
-    return latencies
 
 
 async def _health(gw: RunningGateway) -> dict[str, Any]:
@@ -86,7 +73,7 @@ async def test_the_gateway_serves_while_its_store_is_unreachable_at_start(
                     evaluation={"enabled": True, "store": store, "auto_migrate": auto_migrate,
                                 "scorers": ["exact_match", "latency"]}) as gw:
                 assert time.monotonic() - started < STORE_START_WAIT_S + SPAWN_ALLOWANCE_S
-                during = await _requests(gw, 10, "during")
+                during = await timed_chats(gw, 10, "during")
                 assert max(during) < 2.0, "the store outage must not reach the client"
 
                 evaluation = gw.state.evaluation
@@ -115,7 +102,7 @@ async def test_the_gateway_serves_while_its_store_is_unreachable_at_start(
                 await relay.restore()  # the store is there now
                 await eventually(lambda: gw.metric("understudy_store_up") == 1, within_s=30)
                 assert (await _health(gw))["status"] == "ok"
-                await _requests(gw, 5, "after")
+                await timed_chats(gw, 5, "after")
                 await eventually(lambda: _written(gw) >= 15, within_s=30)
             assert await _stored_exchanges(pg_database) - before_test == 15
             engine = create_engine(pg_database)

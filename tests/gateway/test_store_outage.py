@@ -3,14 +3,11 @@ what it drops past its bound, and catches up when the database returns."""
 
 from __future__ import annotations
 
-import time
-
-import openai
 from sqlalchemy.engine import make_url
 
 from evaluators.store import upgrade
 from tests.tcp_relay import TcpRelay
-from tests.utils import RunningGateway, eventually, run_gateway, run_sim
+from tests.utils import RunningGateway, eventually, run_gateway, run_sim, timed_chats
 
 
 def _written(gw: RunningGateway) -> int:
@@ -18,19 +15,6 @@ def _written(gw: RunningGateway) -> int:
     assert evaluation is not None
     stats = evaluation.writer_stats
     return stats.written_records if stats is not None else 0
-
-
-async def _requests(gw: RunningGateway, n: int, tag: str) -> list[float]:
-    """Send ``n`` requests; return each one's latency (all must succeed)."""
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
-    latencies = []
-    for i in range(n):
-        started = time.monotonic()
-        await client.chat.completions.create(
-            model="sim-model", messages=[{"role": "user", "content": f"{tag} {i}"}])
-        latencies.append(time.monotonic() - started)
-    await client.close()
-    return latencies
 
 
 async def test_database_outage_never_reaches_the_client(pg_database: str) -> None:
@@ -47,11 +31,11 @@ async def test_database_outage_never_reaches_the_client(pg_database: str) -> Non
                 run_gateway(primary.url, candidates=[{"name": "c", "url": candidate.url}],
                             evaluation={"enabled": True, "store": store,
                                         "scorers": ["exact_match", "latency"]}) as gw:
-            await _requests(gw, 5, "before")
+            await timed_chats(gw, 5, "before")
             await eventually(lambda: _written(gw) >= 5, within_s=30)
 
             await relay.cut()
-            during = await _requests(gw, 60, "during")  # every one answered
+            during = await timed_chats(gw, 60, "during")  # every one answered
             assert max(during) < 2.0, "the outage must not reach the client"
             evaluation = gw.state.evaluation
             assert evaluation is not None
@@ -65,7 +49,7 @@ async def test_database_outage_never_reaches_the_client(pg_database: str) -> Non
             assert _written(gw) == 5
 
             await relay.restore()
-            await _requests(gw, 5, "after")
+            await timed_chats(gw, 5, "after")
             await eventually(lambda: _written(gw) >= 5 + 5, within_s=60)
     finally:
         await relay.close()
