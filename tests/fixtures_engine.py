@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from backends.engine import EngineServerConfig, LlamaModel, RunningEngineServer
+from backends.engine import LlamaModel, RunningEngineServer, engine_server_config
 from backends.engine import running_engine_server as _running_engine_server
 
 # Enough KV for a few concurrent requests of ~1k tokens; the pages are touched only as used.
@@ -44,8 +44,9 @@ def engine_model() -> LlamaModel:
 async def serve_engine(model: LlamaModel, **config: Any) -> AsyncIterator[RunningEngineServer]:
     """An engine server on an ephemeral loopback port over ``model``."""
     config.setdefault("port", 0)
-    config.setdefault("kv_limit_bytes", TEST_KV_LIMIT_BYTES)
-    async with _running_engine_server(EngineServerConfig(**config), model) as server:
+    if config.get("role") != "router":  # the router holds no KV
+        config.setdefault("kv_limit_bytes", TEST_KV_LIMIT_BYTES)
+    async with _running_engine_server(engine_server_config(**config), model) as server:
         yield server
 
 

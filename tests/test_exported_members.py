@@ -26,11 +26,12 @@ EXPORTED: dict[str, str] = {
         build_app running_sim sim_command
     """,
     "backends.engine": """
-        BlockPool ChatTokenizer Engine EngineRole EngineServerConfig EngineStats FinishReason
-        ForwardChunk KVBlock KVLayout KVPlan LlamaModel ModelConfig NoFreeBlocksError
-        PrefixCacheStats RunningEngineServer SamplingParams TokenEvent build_engine_app
-        default_gguf_path engine_command hash_block kv_quality_command plan_kv_command
-        running_engine_server
+        BlockPool ChatTokenizer DecodeServerConfig Engine EngineRole EngineServerConfig
+        EngineStats FinishReason ForwardChunk KVBlock KVLayout KVPlan LlamaModel ModelConfig
+        NoFreeBlocksError PrefillServerConfig PrefixCacheStats RouterServerConfig
+        RunningEngineServer SamplingParams TokenEvent UnifiedServerConfig build_engine_app
+        default_gguf_path engine_command engine_server_config hash_block kv_quality_command
+        plan_kv_command running_engine_server
     """,
     "backends.vllm": """
         VLLMProfile VLLMServer VLLMServerError command default_vllm_home environment model_dir

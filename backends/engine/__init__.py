@@ -14,7 +14,7 @@ is bitwise identical to computing the prompt from scratch.
 
 Served behind vLLM's OpenAI API (``understudy engine --role unified``, i.e. ``engine_command``):
 
-    async with running_engine_server(EngineServerConfig(port=0), model) as server:
+    async with running_engine_server(engine_server_config(port=0), model) as server:
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="-")
 """
 
@@ -31,11 +31,20 @@ from .serving._kv_cli import kv_quality_command
 from .serving._plan_kv_cli import plan_kv_command
 from .serving._request import EngineStats, FinishReason, TokenEvent
 from .serving._server import RunningEngineServer, build_engine_app, running_engine_server
-from .serving._server_config import EngineRole, EngineServerConfig
+from .serving._server_config import (
+    DecodeServerConfig,
+    EngineRole,
+    EngineServerConfig,
+    PrefillServerConfig,
+    RouterServerConfig,
+    UnifiedServerConfig,
+    engine_server_config,
+)
 
 __all__ = [
     "BlockPool",
     "ChatTokenizer",
+    "DecodeServerConfig",
     "Engine",
     "EngineRole",
     "EngineServerConfig",
@@ -48,13 +57,17 @@ __all__ = [
     "LlamaModel",
     "ModelConfig",
     "NoFreeBlocksError",
+    "PrefillServerConfig",
     "PrefixCacheStats",
+    "RouterServerConfig",
     "RunningEngineServer",
     "SamplingParams",
     "TokenEvent",
+    "UnifiedServerConfig",
     "build_engine_app",
     "default_gguf_path",
     "engine_command",
+    "engine_server_config",
     "hash_block",
     "kv_quality_command",
     "plan_kv_command",

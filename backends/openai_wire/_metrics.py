@@ -8,6 +8,7 @@ are bounded: the one served model name, vLLM's ``engine="0"``, and four finish r
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Literal, get_args
 
 from aiohttp import web
@@ -47,52 +48,54 @@ class VLLMSeries:
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model, "engine": _ENGINE}
-        labels, reg = self.labels, self.registry
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.",
-            LABELS, registry=reg, buckets=_TTFT_BUCKETS,
-        ).labels(**labels)  # fmt: skip
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between output tokens.",
-            LABELS, registry=reg, buckets=_ITL_BUCKETS,
-        ).labels(**labels)  # fmt: skip
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-            LABELS, registry=reg, buckets=_E2E_BUCKETS,
-        ).labels(**labels)  # fmt: skip
-        self.running = Gauge(
-            "vllm:num_requests_running", "Requests in the running batch.", LABELS, registry=reg
-        ).labels(**labels)
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-            LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV cache usage, 1 means full.", LABELS, registry=reg
-        ).labels(**labels)
-        self.prefix_queries = Counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.prefix_hits = Counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-            LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prefill tokens processed.", LABELS, registry=reg
-        ).labels(**labels)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Generation tokens processed.", LABELS, registry=reg
-        ).labels(**labels)
-        success = Counter(
+        self.ttft = self._histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.itl = self._histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
+        )
+        self.e2e = self._histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", _E2E_BUCKETS
+        )
+        self.running = self._gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = self._gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled."
+        )
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 means full.")
+        self.prefix_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = self._counter(
+            "vllm:generation_tokens", "Generation tokens processed."
+        )
+        self._outcomes = self._counters_by(
             "vllm:request_success", "Finished requests by finish reason.",
-            (*LABELS, "finished_reason"), registry=reg,
+            "finished_reason", get_args(RequestOutcome),
         )  # fmt: skip
-        self._outcomes = {
-            reason: success.labels(**labels, finished_reason=reason)
-            for reason in get_args(RequestOutcome)
-        }
         self.waiting.set(0)
+
+    # One series each, labelled with this backend's model and engine (subclasses add theirs).
+
+    def _counter(self, name: str, documentation: str) -> Counter:
+        return Counter(name, documentation, LABELS, registry=self.registry).labels(**self.labels)
+
+    def _gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(name, documentation, LABELS, registry=self.registry).labels(**self.labels)
+
+    def _histogram(self, name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+        histogram = Histogram(name, documentation, LABELS, registry=self.registry, buckets=buckets)
+        return histogram.labels(**self.labels)
+
+    def _counters_by(
+        self, name: str, documentation: str, label: str, values: Iterable[str]
+    ) -> dict[str, Counter]:
+        """A counter with one more label, every value of it created up front (bounded set)."""
+        counter = Counter(name, documentation, (*LABELS, label), registry=self.registry)
+        return {value: counter.labels(**self.labels, **{label: value}) for value in values}
 
     def count_outcome(self, outcome: RequestOutcome) -> None:
         self._outcomes[outcome].inc()

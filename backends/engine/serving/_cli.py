@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
+from click.core import ParameterSource
 from pydantic import ValidationError
 
 from backends.openai_wire import serve_until_signalled
@@ -23,14 +25,26 @@ from ._server_config import (
     ENGINE_ROLES,
     ROUTING_POLICIES,
     EngineRole,
-    EngineServerConfig,
     RoutingPolicyName,
+    engine_server_config,
 )
 
 __all__ = ["engine_command"]
 
 _GIB = 1 << 30
 _DEFAULT_KV_GIB = 1.0
+# Flags whose config field has another name.
+_FIELD_OF_FLAG = {"prefix_caching": "enable_prefix_caching"}
+
+
+def _given_options(ctx: click.Context) -> dict[str, Any]:
+    """The options given on the command line (role aside), by config field: a role's model
+    refuses another role's option, so the defaults of other roles' flags must not reach it."""
+    return {
+        _FIELD_OF_FLAG.get(name, name): value
+        for name, value in ctx.params.items()
+        if name != "role" and ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
+    }
 
 
 @click.command("engine")
@@ -118,27 +132,11 @@ def engine_command(
     kv_plan: Path | None,
 ) -> None:
     """Serve the reference engine (SmolLM2 in numpy) with vLLM's OpenAI API."""
+    given = _given_options(click.get_current_context())
+    if "kv_gib" in given:
+        given["kv_limit_bytes"] = int(given.pop("kv_gib") * _GIB)
     try:
-        config = EngineServerConfig(
-            role=role,
-            host=host,
-            port=port,
-            kv_limit_bytes=int(kv_gib * _GIB),
-            enable_prefix_caching=prefix_caching,
-            gguf_path=gguf_path,
-            served_model_name=served_model_name,
-            max_model_len=max_model_len,
-            max_waiting_requests=max_waiting_requests,
-            kv_port=kv_port,
-            kv_retain_s=kv_retain_s,
-            kv_readback_min_tokens=kv_readback_min_tokens,
-            prefill_urls=prefill_urls,
-            decode_urls=decode_urls,
-            routing_policy=routing_policy,
-            kv_readback=kv_readback,
-            kv_codec=kv_codec,
-            kv_plan=kv_plan,
-        )
+        config = engine_server_config(role=role, **given)
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
     plan = None

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from prometheus_client import Counter, Gauge, Histogram
-
-from backends.openai_wire import LABELS, RequestOutcome, VLLMSeries
+from backends.openai_wire import RequestOutcome, VLLMSeries
 
 from ._request import EngineStats
 
@@ -41,42 +39,34 @@ class EngineMetrics(VLLMSeries):
 
     def __init__(self, model: str) -> None:
         super().__init__(model)
-        labels = self.labels
-        refused = Counter(
+        self._refusals = self._counters_by(
             "understudy_engine_requests_refused", "Requests refused before the engine saw them.",
-            (*LABELS, "reason"), registry=self.registry,
+            "reason", _REFUSALS,
         )  # fmt: skip
-        self._refusals = {reason: refused.labels(**labels, reason=reason) for reason in _REFUSALS}
-        reg = self.registry
-        pulls = Counter(
+        self._pulls = self._counters_by(
             "understudy_kv_pulls", "Pulls of KV blocks from another node, by outcome.",
-            (*LABELS, "outcome"), registry=reg,
+            "outcome", PULL_OUTCOMES,
         )  # fmt: skip
-        self._pulls = {o: pulls.labels(**labels, outcome=o) for o in PULL_OUTCOMES}
-        self.pull_seconds = Histogram(
+        self.pull_seconds = self._histogram(
             "understudy_kv_pull_seconds", "Time to pull and import KV blocks (successful pulls).",
-            LABELS, registry=reg, buckets=_PULL_BUCKETS,
-        ).labels(**labels)  # fmt: skip
-        self.pulled_blocks = Counter(
-            "understudy_kv_pulled_blocks", "KV blocks pulled from other nodes.",
-            LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.pulled_bytes = Counter(
-            "understudy_kv_pulled_bytes", "Bytes of KV blocks pulled from other nodes.",
-            LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.served_blocks = Counter(
-            "understudy_kv_served_blocks", "KV blocks sent to other nodes.", LABELS, registry=reg
-        ).labels(**labels)
-        self.retained_blocks = Gauge(
-            "understudy_kv_retained_blocks", "KV blocks held for other nodes to pull.",
-            LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
-        self.kv_bytes_per_token = Gauge(
+            _PULL_BUCKETS,
+        )  # fmt: skip
+        self.pulled_blocks = self._counter(
+            "understudy_kv_pulled_blocks", "KV blocks pulled from other nodes."
+        )
+        self.pulled_bytes = self._counter(
+            "understudy_kv_pulled_bytes", "Bytes of KV blocks pulled from other nodes."
+        )
+        self.served_blocks = self._counter(
+            "understudy_kv_served_blocks", "KV blocks sent to other nodes."
+        )
+        self.retained_blocks = self._gauge(
+            "understudy_kv_retained_blocks", "KV blocks held for other nodes to pull."
+        )
+        self.kv_bytes_per_token = self._gauge(
             "understudy_kv_bytes_per_token",
             "True bytes of KV per cached token (all layers, K and V) under the engine's codec.",
-            LABELS, registry=reg,
-        ).labels(**labels)  # fmt: skip
+        )
         self._seen_queries = 0
         self._seen_hits = 0
 

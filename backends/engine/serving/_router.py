@@ -55,7 +55,7 @@ from ..kv._transfer import KVSource
 from ..model._model import LlamaModel
 from ._kv_node import PREFILL_ROUTE
 from ._openai import parse_generation_request
-from ._server_config import EngineServerConfig
+from ._server_config import RouterServerConfig
 
 __all__ = ["PREFILL_TIMEOUT_S", "ROUTER", "Router", "RouterMetrics", "build_router_app"]
 
@@ -106,7 +106,7 @@ class _Routed:
 class Router:
     """State of one router app: its nodes, its conversations, its policy."""
 
-    def __init__(self, config: EngineServerConfig, model: LlamaModel) -> None:
+    def __init__(self, config: RouterServerConfig, model: LlamaModel) -> None:
         self.config = config
         self.model = model
         self.prefill_urls = [url.rstrip("/") for url in config.prefill_urls]
@@ -205,7 +205,7 @@ class Router:
 ROUTER = web.AppKey("router", Router)
 
 
-def build_router_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+def build_router_app(config: RouterServerConfig, model: LlamaModel) -> web.Application:
     """The router of ``config.prefill_urls`` and ``config.decode_urls`` (rule 2)."""
     app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES)
     app[ROUTER] = Router(config, model)

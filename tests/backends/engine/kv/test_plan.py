@@ -13,7 +13,7 @@ from backends.engine import Engine, LlamaModel
 from backends.engine.kv._paged_codec import PagedCodec
 from backends.engine.kv._plan import ENGINE_CODECS, KVPlan, LayerCodecs
 from backends.engine.kv.codecs import codec_by_name
-from backends.engine.serving._server_config import EngineServerConfig
+from backends.engine.serving._server_config import UnifiedServerConfig, engine_server_config
 
 from .test_paged_codec import BS, DIM, HEADS, mixed_plan
 
@@ -94,11 +94,11 @@ def test_a_mixed_plan_pays_each_layers_and_roles_own_bytes() -> None:
 def test_the_server_config_takes_a_plan_or_a_codec(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     mixed_plan(30).dump(path)
-    assert EngineServerConfig(kv_plan=path).kv_plan == path
+    assert UnifiedServerConfig(kv_plan=path).kv_plan == path
     with pytest.raises(ValueError, match="exclusive"):
-        EngineServerConfig(kv_plan=path, kv_codec="fp8")
+        engine_server_config(kv_plan=path, kv_codec="fp8")
     with pytest.raises(ValueError, match="router"):
-        EngineServerConfig(
+        engine_server_config(
             role="router", kv_plan=path, prefill_urls=("http://a",), decode_urls=("http://b",)
         )
 

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from backends.engine import Engine, KVPlan, LlamaModel, kv_quality_command, plan_kv_command
-from backends.engine.serving._server_config import EngineServerConfig
+from backends.engine.serving._server_config import UnifiedServerConfig
 
 SMALL = ["--tokens", "48", "--queries", "16", "--prompts", "1", "--threads", "1", "--json"]
 
@@ -57,7 +57,7 @@ def test_plan_kv_beats_the_best_uniform_codec_and_the_engine_serves_its_plan(
     again = _invoke(plan_kv_command, ["--codecs", "kivi-4,e8-2", *other, *SMALL, "--no-verify"])
     assert again["sensitivity"]["seconds"] == document["sensitivity"]["seconds"]
     # The engine serves the plan at the bytes the planner counted.
-    config = EngineServerConfig(kv_plan=out)
+    config = UnifiedServerConfig(kv_plan=out)
     assert config.kv_plan == out
     engine = Engine(engine_model, 16 << 20, kv_codec=plan)
     assert engine.stats().kv_bytes_per_token == plan.meta["bytes_per_token"]
