@@ -276,6 +276,8 @@ def main() -> int:
     parser.add_argument("--gateway", action="store_true",
                         help="add the gateway phase (100 requests/s for 60 s)")
     parser.add_argument("--gateway-only", action="store_true", help="the gateway phase alone")
+    parser.add_argument("--differing-candidate", action="store_true",
+                        help="in the gateway phase, a candidate whose answers differ")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     count = args.exchanges or (16 if args.quick else 64)
@@ -290,7 +292,8 @@ def main() -> int:
             return status
     if args.gateway or args.gateway_only:
         from _score_gateway import render_gateway, run_gateway_phase
-        document["gateway"] = run_gateway_phase(quick=args.quick)
+        document["gateway"] = run_gateway_phase(
+            quick=args.quick, variant="differ" if args.differing_candidate else "")
         print(render_gateway(document["gateway"]))
     document["machine"]["loadavg_end"] = loadavg()
     print(write_results(RESULTS_PATH, document))
