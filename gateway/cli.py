@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from backends.engine import engine_command, kv_quality_command, plan_kv_command
 from backends.sim import sim_command
+from demo import demo_command
 from gateway._admin import check_admin_binding
 from gateway._app import run
 from gateway._cli_admin import ADMIN_COMMANDS
@@ -81,6 +82,7 @@ main.add_command(plan_kv_command)
 main.add_command(db)
 main.add_command(report)
 main.add_command(load_command)
+main.add_command(demo_command)
 for command in ADMIN_COMMANDS:
     main.add_command(command)
 if __name__ == "__main__":

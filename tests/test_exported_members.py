@@ -55,9 +55,12 @@ EXPORTED: dict[str, str] = {
         TrafficCountRow VerdictRow WriterState WriterStateError WriterStats append_audit
         create_engine current_revision downgrade head_revision list_candidates
         listen_for_routing load_conditioned_samples load_evaluated_requests load_routing
-        load_samples load_traffic lock_for_migration masked_url newest_scores_start
-        record_change
-        record_traffic record_verdict register_backend save_routing session_factory upgrade
+        load_samples load_samples_by_turn_depth load_traffic lock_for_migration masked_url
+        newest_scores_start record_change record_traffic record_verdict register_backend
+        save_routing session_factory upgrade
+    """,
+    "demo": """
+        CandidateCard DemoSpec Scorecard demo_command run_demo
     """,
     "workload": """
         DEFAULT_SESSION_HEADER SYSTEM_PROMPT TOOLS DepthStats OnTurn ReplaySpec SessionScript

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROOTS = ("backends", "gateway", "evaluators", "workload", "bench", "tests", "migrations")
+ROOTS = ("backends", "gateway", "evaluators", "workload", "demo", "bench", "tests",
+         "migrations")
 # Packages whose modules must import no one else's privates (see the module comment).
 ASSERTED = ("backends.", "gateway.", "evaluators.", "workload.", "migrations.")
 

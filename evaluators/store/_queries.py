@@ -43,6 +43,7 @@ __all__ = [
     "load_conditioned_samples",
     "load_evaluated_requests",
     "load_samples",
+    "load_samples_by_turn_depth",
     "load_traffic",
     "newest_scores_start",
     "record_traffic",
@@ -210,6 +211,31 @@ async def load_conditioned_samples(
                 found.primary_concurrency.append(p_conc)
                 found.primary_prompt_tokens.append(p_prompt)
                 found.primary_cached_tokens.append(p_cached)
+    return out
+
+
+async def load_samples_by_turn_depth(session: AsyncSession, candidate: str, metric: str,
+                                     since: datetime | None = None,
+                                     ) -> dict[int | None, StoredSamples]:
+    """``candidate``'s values of ``metric`` grouped by the turn depth of their exchange
+    (None where the depth is unknown), in the order they were scored."""
+    query = (
+        select(ExchangeRow.turn_depth, ScoreRow.candidate_value, ScoreRow.primary_value)
+        .join(BackendRow, BackendRow.id == ScoreRow.candidate_id)
+        .join(ExchangeRow, ExchangeRow.id == ScoreRow.exchange_id)
+        .where(BackendRow.name == candidate, ScoreRow.metric == metric)
+        .order_by(ScoreRow.created_at, ScoreRow.id)
+    )
+    if since is not None:
+        query = query.where(ScoreRow.created_at >= _aware(since))
+    out: dict[int | None, StoredSamples] = {}
+    with translate_store_errors():
+        for depth, candidate_value, primary_value in await session.execute(query):
+            found = out.setdefault(depth, StoredSamples([], []))
+            if candidate_value is not None:
+                found.candidate.append(candidate_value)
+            if primary_value is not None:
+                found.primary.append(primary_value)
     return out
 
 
