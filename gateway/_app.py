@@ -33,7 +33,7 @@ from gateway._routing import Backend, Routing, Upstreams
 from gateway._state import GatewayState, RecentObservations
 from gateway._sync import RoutingSync
 
-__all__ = ["STATE", "build_app", "make_runner", "run", "serve"]
+__all__ = ["STATE", "build_app", "make_admin_runner", "make_runner", "run", "serve"]
 
 log = logging.getLogger("understudy.gateway")
 
@@ -174,6 +174,18 @@ def make_runner(app: web.Application) -> web.AppRunner:
     return runner
 
 
+def make_admin_runner(app: web.Application) -> web.AppRunner:
+    """The admin listener's runner: the proxy's connection bounds (header and keep-alive
+    timeouts, connection limits, header sizes) with slots of its own, closings counted
+    in the same series."""
+    state = app[STATE]
+    closed = state.metrics.connections_closed
+    guard = ConnectionGuard(state.config.server, lambda reason: closed.labels(reason).inc())
+    runner = GatewayRunner(build_admin_app(state), guard, access_log=None)
+    state.listeners.append(runner)
+    return runner
+
+
 async def serve(
     config: GatewayConfig,
     *,
@@ -198,8 +210,7 @@ async def serve(
         log.info("understudy gateway on http://%s:%s -> primary %s",
                  config.server.host, port, masked_url(config.primary.url))
         if config.admin.port is not None:
-            admin_runner = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
-            app[STATE].listeners.append(admin_runner)
+            admin_runner = make_admin_runner(app)
             await admin_runner.setup()
             await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
             log.info("understudy admin API on http://%s:%s/admin/v1", config.admin.host,

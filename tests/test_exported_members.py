@@ -38,7 +38,7 @@ EXPORTED: dict[str, str] = {
         vllm_python
     """,
     "gateway": """
-        STATE GatewayConfig build_app load_config make_runner run serve
+        STATE GatewayConfig build_app load_config make_admin_runner make_runner run serve
     """,
     "evaluators": """
         DEFAULT_SCORERS METRICS SCORERS Capture EvaluationPipeline EvaluationProcessError

@@ -16,8 +16,7 @@ from aiohttp import web
 from backends.sim import SIM_STATS, SimConfig, SimStats
 from backends.sim import build_app as build_sim_app
 from evaluators import EvaluationSink, MemorySink
-from gateway import STATE, build_app, load_config, make_runner
-from gateway._admin import build_admin_app
+from gateway import STATE, build_app, load_config, make_admin_runner, make_runner
 from gateway._state import GatewayState
 
 
@@ -104,7 +103,7 @@ async def run_gateway(
     app = build_app(load_config(None, overrides), sink)
     runner = make_runner(app)
     async with serving(runner) as url:
-        admin = web.AppRunner(build_admin_app(app[STATE]), access_log=None)
+        admin = make_admin_runner(app)
         async with serving(admin) as admin_url:
             yield RunningGateway(url, app, runner, admin_url + "/admin/v1")
 

@@ -246,6 +246,12 @@ async def test_slowloris_is_bounded_and_counted() -> None:
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
         assert gw.metric("understudy_connections_closed_total", reason="header_timeout") == 1
+        admin_port = int(gw.admin_url.split(":")[2].split("/")[0])  # the admin API too
+        reader, writer = await asyncio.open_connection("127.0.0.1", admin_port)
+        writer.write(b"GET /admin/v1/rout")
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        assert gw.metric("understudy_connections_closed_total", reason="header_timeout") == 2
         assert (await _healthy(session, gw))["status"] == "ok"
 
 
