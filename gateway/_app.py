@@ -57,6 +57,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
                     record=config.record)
     if evaluation is not None:
         evaluation.attach_traffic(mirror.traffic)
+        evaluation.attach_candidates(lambda: [c.config for c in mirror.candidates.values()])
 
     async def stop_mirroring_primary(new: Routing) -> None:
         if new.primary.name in mirror.candidates:  # a primary is not its own candidate

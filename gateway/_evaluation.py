@@ -30,6 +30,10 @@ The store at start (DESIGN.md invariant 7: a store outage never blocks the proxy
    than ``STORE_STALL_S`` to be written: down, black-holed or too slow mid-run) and the
    scoring child's (running, restarting, failed); either not well makes the gateway
    ``degraded``.
+6. Which candidate is the noise-floor replica (role ``secondary``), and whether it is
+   mirrored at a candidate's rate and unit (then its latencies are that candidate's
+   baseline), is read from the runtime candidates the app attaches (the mirror's, as the
+   admin API added or changed them) at each report, never from the startup config alone.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -68,7 +72,7 @@ from evaluators.store import (
     session_factory,
     upgrade,
 )
-from gateway._config import GatewayConfig
+from gateway._config import CandidateConfig, GatewayConfig
 from gateway._traffic import TRAFFIC_FLUSH_INTERVAL_S, TrafficTally
 
 __all__ = ["STORE_START_WAIT_S", "Evaluation", "StoreStatus"]
@@ -105,6 +109,12 @@ class Evaluation:
         self._store_failures = 0
         self._traffic: TrafficTally | None = None
         self._flusher: asyncio.Task[None] | None = None
+        self._candidates: Callable[[], Iterable[CandidateConfig]] = lambda: config.candidates
+
+    def attach_candidates(self, candidates: Callable[[], Iterable[CandidateConfig]]) -> None:
+        """Rule 6: the runtime candidates (the mirror's, as the admin API changed them),
+        read whenever a report asks which replica is the noise floor and at what rate."""
+        self._candidates = candidates
 
     def attach_traffic(self, traffic: TrafficTally) -> None:
         """Rule 4: the tally of all traffic whose counts this evaluation stores."""
@@ -132,8 +142,7 @@ class Evaluation:
     @property
     def secondary(self) -> str | None:
         """The replica of the primary whose scores are the noise floor, if one is mirrored."""
-        return next((c.name for c in self._gateway_config.candidates if c.role == "secondary"),
-                    None)
+        return next((c.name for c in self._candidates() if c.role == "secondary"), None)
 
     @property
     def pipeline_stats(self) -> PipelineStats | None:
@@ -295,7 +304,7 @@ class Evaluation:
     def _replica_at_same_rate(self, candidate: str) -> bool:
         """Whether the noise-floor replica is mirrored as ``candidate`` is (same sample
         rate and unit): then its latency is measured at the candidate's load share."""
-        by_name = {c.name: c for c in self._gateway_config.candidates}
+        by_name = {c.name: c for c in self._candidates()}
         replica, mine = by_name.get(self.secondary or ""), by_name.get(candidate)
         return (replica is not None and mine is not None and replica is not mine
                 and (replica.sample_rate, replica.sampling_unit)

@@ -252,3 +252,33 @@ async def test_replica_at_the_same_rate_is_the_latency_baseline(tmp_path: Any,
     assert ttft["basis"] == "replica at the same rate"
     assert ttft["statistics"]["hl_ci_low"] <= 0.0 <= ttft["statistics"]["hl_ci_high"] or abs(
         ttft["statistics"]["relative_shift"]) < 0.25
+
+
+async def test_replica_added_and_changed_through_the_admin_api_is_the_basis(
+        tmp_path: Any) -> None:
+    """The same-rate replica is read from the runtime candidates: one added over the admin
+    API is the baseline, and once its rate is changed there it no longer is."""
+    async with run_sim(**LOAD) as primary, run_sim(**LOAD) as twin, \
+            run_sim(**LOAD) as replica, \
+            run_gateway(primary.url, candidates=[
+                {"name": "twin", "url": twin.url, "sample_rate": 0.25,
+                 "sampling_unit": "request"}],
+                evaluation=_evaluation(tmp_path, min_samples=10)) as gw, \
+            aiohttp.ClientSession() as http:
+        async with http.post(f"{gw.admin_url}/candidates", json={
+                "name": "replica", "url": replica.url, "sample_rate": 0.25,
+                "sampling_unit": "request", "role": "secondary"}) as resp:
+            assert resp.status == 201, await resp.text()
+        await _mirrored(gw, "twin", lambda: _phases(http, gw, ((4, 160),)))
+        await eventually(lambda: _written(gw, int(
+            gw.metric("understudy_mirror_joined_total", candidate="twin")
+            + gw.metric("understudy_mirror_joined_total", candidate="replica"))), within_s=60)
+        before = _metric(await _report(http, gw, "twin"), "latency.ttft_s")
+        async with http.patch(f"{gw.admin_url}/candidates/replica",
+                              json={"sample_rate": 1.0}) as resp:
+            assert resp.status == 200, await resp.text()
+        after = _metric(await _report(http, gw, "twin"), "latency.ttft_s")
+    print(f"admin-added replica: basis {before['basis']!r}; after its rate changed: "
+          f"{after['basis']!r}")
+    assert before["basis"] == "replica at the same rate"
+    assert after["basis"] == "primary at matched load and cache"
