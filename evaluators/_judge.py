@@ -56,12 +56,21 @@ Rules:
    ``more_samples_needed`` is the largest of the more-needed counts.
 8. A sample-bias check (``_sample_bias.py``) that refuses makes the verdict
    INCONCLUSIVE ("sample skew: ..."); a flagged skew is listed among the reasons.
+9. Below the refusal bound a flagged skew is corrected where it can be: each per-backend
+   metric whose :class:`LoadConditions` carry every value's prompt size is judged on its
+   values reweighted to the traffic's prompt sizes (``_reweight.py``: each value weighted
+   by its size bucket's traffic share over its evaluated share, resampled with a fixed
+   seed to the weights' effective size), with ``reweighted`` added to its basis; its
+   ``reweighting`` keeps the weights and the same metric judged unweighted. A metric
+   whose baseline is the same-rate replica is not reweighted (the replica's sample has
+   its own mix) and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +91,7 @@ from evaluators._power import (
     samples_needed_for_mean,
     samples_needed_for_rate,
 )
+from evaluators._reweight import REWEIGHT_METHOD, Reweighting, resample_indices, value_weights
 from evaluators._sample_bias import SampleBias
 from evaluators._score import Direction
 from evaluators._statistics import (
@@ -126,6 +136,16 @@ class LoadConditions:
     baseline_prompt_tokens: tuple[int | None, ...] = ()
     baseline_cached_tokens: tuple[int | None, ...] = ()
     cache: bool = False
+    candidate_prompt_size: tuple[float | None, ...] = ()
+    baseline_prompt_size: tuple[float | None, ...] = ()
+    """Each value's prompt size as the sample-bias check measures it (estimated tokens,
+    binned as all traffic is): what rule 9 weights by; empty when not known."""
+
+    @property
+    def sized(self) -> bool:
+        """Rule 9 can weight these values: a prompt size aligned with each of them."""
+        return (len(self.candidate_prompt_size) == len(self.candidate_concurrency) > 0
+                and len(self.baseline_prompt_size) == len(self.baseline_concurrency) > 0)
 
     @property
     def recorded(self) -> bool:
@@ -180,6 +200,8 @@ class MetricVerdict:
     load``, ``primary at matched load and cache`` or ``replica at the same rate``."""
     matched: StratifiedComparison | None = None
     samples_needed: SampleSizeEstimate | None = None
+    reweighting: Reweighting | None = None
+    """Rule 9: the weights this metric was judged with, and its unweighted result."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -193,6 +215,7 @@ class MetricVerdict:
             "matched": None if self.matched is None else self.matched.to_dict(),
             "samples_needed": (None if self.samples_needed is None
                                else self.samples_needed.to_dict()),
+            "reweighting": None if self.reweighting is None else self.reweighting.to_dict(),
         }
 
 
@@ -231,6 +254,9 @@ def judge(
     """Judge one candidate over one window; see the module's rules."""
     names = sorted(set(samples) | set(gates.required_metrics))
     verdicts = []
+    reweigh = sample_bias if sample_bias is not None and sample_bias.skew \
+        and not sample_bias.refuse else None
+    not_reweighted: list[str] = []
     for name in names:
         metric_samples = samples.get(name)
         if metric_samples is None:
@@ -240,11 +266,19 @@ def judge(
         if direction not in ("higher", "lower"):
             raise ValueError(f"{name}: direction must be 'higher' or 'lower', got {direction!r}")
         metric_seed = seed ^ zlib.crc32(name.encode())
-        verdicts.append(
-            _judge_metric(name, metric_samples, gates, direction == "higher", metric_seed)
-        )
+        higher = direction == "higher"
+        conditions = metric_samples.conditions
+        if reweigh is not None and conditions is not None and conditions.sized:
+            if _replica_is_basis(name, metric_samples, gates):
+                not_reweighted.append(name)
+            else:
+                verdicts.append(_judge_reweighted(name, metric_samples, conditions, reweigh,
+                                                  gates, higher, metric_seed))
+                continue
+        verdicts.append(_judge_metric(name, metric_samples, gates, higher, metric_seed))
     if sample_bias is not None and sample_bias.skew:
-        verdicts.append(_sample_bias_verdict(sample_bias))
+        reweighted = [v.metric for v in verdicts if v.reweighting is not None]
+        verdicts.append(_sample_bias_verdict(sample_bias, reweighted, not_reweighted))
     gated = [v for v in verdicts if v.gated]
     more = [v.samples_needed.more_needed for v in gated
             if v.outcome is Outcome.INCONCLUSIVE and v.samples_needed is not None
@@ -265,19 +299,87 @@ def judge(
     if sample_bias is not None and sample_bias.skew and not sample_bias.refuse:
         reasons += tuple(f"{SAMPLE_BIAS_METRIC}: sample skew flagged: {r}"
                          for r in sample_bias.reasons)
+        reasons += tuple(f"{SAMPLE_BIAS_METRIC}: {r}" for r in verdicts[-1].reasons[1:])
     return Verdict(overall, reasons, tuple(verdicts), more_needed)
 
 
-def _sample_bias_verdict(bias: SampleBias) -> MetricVerdict:
-    """Rule 8: a refusal is a gated INCONCLUSIVE; a flag alone is shown, not gated."""
+def _replica_is_basis(name: str, samples: MetricSamples, gates: Gates) -> bool:
+    gate = gates.gate_for(name, pairwise=False)
+    return samples.replica is not None and len(samples.replica) >= gates.min_samples_for(gate)
+
+
+def _judge_reweighted(
+    name: str, samples: MetricSamples, conditions: LoadConditions, bias: SampleBias,
+    gates: Gates, higher: bool, seed: int,
+) -> MetricVerdict:
+    """Rule 9: the metric judged on its values reweighted to the traffic's prompt sizes."""
+    assert samples.baseline is not None
+    c_weights, c_unknown = value_weights(conditions.candidate_prompt_size, bias)
+    b_weights, b_unknown = value_weights(conditions.baseline_prompt_size, bias)
+    c_keep = resample_indices(c_weights, seed)
+    b_keep = resample_indices(b_weights, seed ^ 1)
+
+    def pick(values: tuple[Any, ...], keep: Any) -> tuple[Any, ...]:
+        return tuple(values[int(i)] for i in keep) if values else values
+
+    c, b = conditions, samples.baseline
+    weighted = MetricSamples(
+        candidate=[float(samples.candidate[int(i)]) for i in c_keep],
+        baseline=[float(b[int(i)]) for i in b_keep],
+        replica=samples.replica,
+        conditions=LoadConditions(
+            pick(c.candidate_concurrency, c_keep), pick(c.baseline_concurrency, b_keep),
+            pick(c.candidate_prompt_tokens, c_keep), pick(c.candidate_cached_tokens, c_keep),
+            pick(c.baseline_prompt_tokens, b_keep), pick(c.baseline_cached_tokens, b_keep),
+            cache=c.cache))
+    unweighted = _judge_metric(name, samples, gates, higher, seed)
+    verdict = _judge_metric(name, weighted, gates, higher, seed)
+    reweighting = Reweighting(
+        method=REWEIGHT_METHOD, seed=seed,
+        weights=tuple((bucket.prompt_tokens, bucket.weight) for bucket in bias.buckets
+                      if bucket.weight is not None),
+        n_candidate=len(samples.candidate), n_baseline=len(b),
+        effective_candidate=int(c_keep.size), effective_baseline=int(b_keep.size),
+        unknown=c_unknown + b_unknown, unweighted=_shift_summary(unweighted))
+    return dataclasses.replace(verdict, basis=f"{verdict.basis}, reweighted to the traffic's "
+                               "prompt sizes", reweighting=reweighting)
+
+
+def _shift_summary(verdict: MetricVerdict) -> dict[str, Any]:
+    """What rule 9 shows of the unweighted judgement: the verdict and the shift it read."""
+    out: dict[str, Any] = {"verdict": verdict.outcome.value, "basis": verdict.basis}
+    m, s = verdict.matched, verdict.statistics
+    if m is not None and m.comparable:
+        out.update(shift=m.shift, shift_ci_low=m.shift_ci_low, shift_ci_high=m.shift_ci_high,
+                   relative_shift=m.relative_shift, p_value=m.p_value)
+    elif isinstance(s, Comparison):
+        out.update(shift=s.hl_shift, shift_ci_low=s.hl_ci_low, shift_ci_high=s.hl_ci_high,
+                   relative_shift=s.relative_shift, p_value=s.p_value)
+    if isinstance(s, Comparison):
+        out["pooled_shift"] = s.hl_shift
+    return out
+
+
+def _sample_bias_verdict(bias: SampleBias, reweighted: Sequence[str] = (),
+                         not_reweighted: Sequence[str] = ()) -> MetricVerdict:
+    """Rule 8: a refusal is a gated INCONCLUSIVE; a flag alone is shown, not gated (rule
+    9: its later reasons say which metrics were reweighted and which could not be)."""
     if bias.refuse:
         reason = "sample skew: " + "; ".join(bias.reasons)
         check = Check("sample_bias", Outcome.INCONCLUSIVE, bias.ks_statistic, None, None,
                       None, True, reason)
         return MetricVerdict(SAMPLE_BIAS_METRIC, Outcome.INCONCLUSIVE, True, (reason,),
                              (check,), None, basis="all traffic")
-    reason = "sample skew flagged: " + "; ".join(bias.reasons)
-    return MetricVerdict(SAMPLE_BIAS_METRIC, Outcome.PASS, False, (reason,), (), None,
+    reasons = ["sample skew flagged: " + "; ".join(bias.reasons)]
+    if reweighted:
+        weights = ", ".join(f"{b.prompt_tokens} x{b.weight:.2f}" for b in bias.buckets
+                            if b.weight is not None)
+        reasons.append(f"reweighted to the traffic's prompt sizes ({weights}): "
+                       + ", ".join(reweighted))
+    if not_reweighted:
+        reasons.append("not reweighted (the same-rate replica is their baseline): "
+                       + ", ".join(not_reweighted))
+    return MetricVerdict(SAMPLE_BIAS_METRIC, Outcome.PASS, False, tuple(reasons), (), None,
                          basis="all traffic")
 
 

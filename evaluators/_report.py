@@ -24,6 +24,11 @@ Rules:
    is bounded however long traffic has flowed. Its three steps are separate calls (read,
    judge, record) so a caller bounds each store step on its own: the statistics take
    seconds on thousands of values, the reads and the write far less.
+7. Reweighting (the judge's rule 9): each latency value carries its exchange's prompt
+   size, measured as in rule 5, so that when the sample-bias check flags a skew below
+   its refusal bound the judge weights each value by its size bucket's traffic share over
+   its evaluated share; each such metric's verdict shows ``reweighting`` (the weights,
+   the effective sizes and the same metric judged unweighted).
 """
 
 from __future__ import annotations
@@ -130,7 +135,9 @@ def _metric_samples(stored: dict[str, StoredSamples], floor: dict[str, StoredSam
                     tuple(c.candidate_concurrency), tuple(c.primary_concurrency),
                     tuple(c.candidate_prompt_tokens), tuple(c.candidate_cached_tokens),
                     tuple(c.primary_prompt_tokens), tuple(c.primary_cached_tokens),
-                    cache=metric == CACHE_METRIC))
+                    cache=metric == CACHE_METRIC,
+                    candidate_prompt_size=_sizes(c.candidate_prompt_bytes),
+                    baseline_prompt_size=_sizes(c.primary_prompt_bytes)))
         else:
             out[metric] = MetricSamples(candidate=candidate,
                                         noise_floor=noise.candidate if noise else None)
@@ -141,6 +148,11 @@ def _estimated_tokens(prompt_bytes: int) -> int:
     """The gateway's size bucket: estimated tokens rounded down to a power of two."""
     tokens = prompt_bytes // BYTES_PER_TOKEN_ESTIMATE
     return 0 if tokens <= 0 else 1 << (tokens.bit_length() - 1)
+
+
+def _sizes(prompt_bytes: Sequence[int | None]) -> tuple[float | None, ...]:
+    """Rule 5's size of each value's exchange, for the judge's reweighting (rule 7)."""
+    return tuple(None if b is None else float(_estimated_tokens(b)) for b in prompt_bytes)
 
 
 def _expand(counts: Mapping[str, int], limit: int) -> list[str]:

@@ -85,6 +85,10 @@ class ConditionedSamples:
     primary_concurrency: list[int | None] = field(default_factory=list)
     primary_prompt_tokens: list[int | None] = field(default_factory=list)
     primary_cached_tokens: list[int | None] = field(default_factory=list)
+    candidate_prompt_bytes: list[int | None] = field(default_factory=list)
+    primary_prompt_bytes: list[int | None] = field(default_factory=list)
+    """The exchange's request body size, aligned with each side's values: what the
+    judge's sample-bias reweighting sizes a value by (the same exchange on both sides)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +186,10 @@ async def load_conditioned_samples(
     query = (
         select(ScoreRow.metric, ScoreRow.candidate_value, ScoreRow.primary_value,
                cand_obs.concurrency, cand_obs.prompt_tokens, cand_obs.cached_tokens,
-               prim_obs.concurrency, prim_obs.prompt_tokens, prim_obs.cached_tokens)
+               prim_obs.concurrency, prim_obs.prompt_tokens, prim_obs.cached_tokens,
+               ExchangeRow.prompt_bytes)
         .join(BackendRow, BackendRow.id == ScoreRow.candidate_id)
+        .join(ExchangeRow, ExchangeRow.id == ScoreRow.exchange_id)
         .join(cand_obs, (cand_obs.exchange_id == ScoreRow.exchange_id)
               & (cand_obs.backend_id == ScoreRow.candidate_id))
         .join(prim_obs, (prim_obs.exchange_id == ScoreRow.exchange_id)
@@ -198,19 +204,21 @@ async def load_conditioned_samples(
     out: dict[str, ConditionedSamples] = {}
     with translate_store_errors():
         result = await session.execute(query)
-        for metric, c_value, p_value, c_conc, c_prompt, c_cached, p_conc, p_prompt, p_cached \
-                in result:
+        for metric, c_value, p_value, c_conc, c_prompt, c_cached, p_conc, p_prompt, p_cached, \
+                prompt_bytes in result:
             found = out.setdefault(metric, ConditionedSamples())
             if c_value is not None:
                 found.candidate.append(c_value)
                 found.candidate_concurrency.append(c_conc)
                 found.candidate_prompt_tokens.append(c_prompt)
                 found.candidate_cached_tokens.append(c_cached)
+                found.candidate_prompt_bytes.append(prompt_bytes)
             if p_value is not None:
                 found.primary.append(p_value)
                 found.primary_concurrency.append(p_conc)
                 found.primary_prompt_tokens.append(p_prompt)
                 found.primary_cached_tokens.append(p_cached)
+                found.primary_prompt_bytes.append(prompt_bytes)
     return out
 
 

@@ -15,6 +15,8 @@ import numpy.typing as npt
 import pytest
 from scipy import stats
 
+from evaluators._gates import Gates
+from evaluators._judge import LoadConditions, MetricSamples, MetricVerdict, judge
 from evaluators._matching import (
     UNKNOWN,
     cache_hit_rate,
@@ -28,6 +30,7 @@ from evaluators._power import (
     samples_needed_for_mean,
     samples_needed_for_rate,
 )
+from evaluators._reweight import resample_indices
 from evaluators._sample_bias import (
     MAX_IMPORTANCE_WEIGHT,
     SampleBias,
@@ -489,3 +492,72 @@ def test_rate_and_mean_estimates_match_textbook_values() -> None:
     assert mean.needed_per_side == 63 and mean.more_needed == 0
     with pytest.raises(ValueError):
         samples_needed_for_rate(0.1, 1.2, 10, 10)
+
+
+# --- reweighting a skewed sample (the judge's rule 9) --------------------------------
+
+
+def test_resampling_follows_the_weights_at_their_effective_size() -> None:
+    weights = np.array([1.0] * 60 + [3.0] * 40)
+    keep = resample_indices(weights, seed=1)
+    kish = weights.sum() ** 2 / np.square(weights).sum()
+    assert keep.size == round(kish) and np.all(np.diff(keep) >= 0)
+    share_heavy = float(np.mean(keep >= 60))
+    assert share_heavy == pytest.approx(120.0 / 180.0, abs=1.0 / keep.size)
+    assert np.array_equal(keep, resample_indices(weights, seed=1))  # seeded
+    assert np.array_equal(resample_indices(np.ones(7), seed=5), np.arange(7))
+
+
+def _judged_ttft(
+    tokens: FloatArray, kept: list[int] | range, bias: SampleBias | None
+) -> MetricVerdict:
+    """TTFT of a primary and a candidate whose prefill costs twice as much per token,
+    both at concurrency 1, judged on the requests ``kept`` (the same exchanges a side)."""
+    noise = np.random.default_rng(4)
+    primary = 0.02 + 2e-5 * tokens + noise.normal(0.0, 0.003, tokens.size)
+    candidate = 0.02 + 4e-5 * tokens + noise.normal(0.0, 0.003, tokens.size)
+    idx = list(kept)
+    n, prompt = len(idx), tuple(int(tokens[i]) for i in idx)
+    size = tuple(float(t) for t in prompt)
+    samples = MetricSamples(
+        candidate=[float(candidate[i]) for i in idx], baseline=[float(primary[i]) for i in idx],
+        conditions=LoadConditions((1,) * n, (1,) * n, prompt, (None,) * n, prompt, (None,) * n,
+                                  cache=True, candidate_prompt_size=size,
+                                  baseline_prompt_size=size))
+    verdict = judge({"latency.ttft_s": samples}, Gates(min_samples=10),
+                    {"latency.ttft_s": "lower"}, sample_bias=bias)
+    return verdict.metric("latency.ttft_s")
+
+
+def test_a_skewed_sample_reweighted_recovers_the_traffic_s_latency_shift() -> None:
+    rng = np.random.default_rng(3)
+    tokens, route, streamed = _traffic(rng, 4000)
+    kept, dropped = _byte_bounded_buffer(tokens, 150_000)
+    bias = _bias_of(tokens, route, streamed, kept, dropped)
+    assert bias.skew and not bias.refuse
+    # The truth: every request of the traffic judged, in the buckets the sample covers
+    # (the uncovered share, under 5 %, is what no weighting can answer for).
+    covered = [i for i in range(tokens.size) if bias.weight_for(float(tokens[i])) is not None]
+    truth = _judged_ttft(tokens, covered, None).matched
+    everything = _judged_ttft(tokens, range(tokens.size), None).matched
+    judged = _judged_ttft(tokens, kept, bias)
+    assert truth is not None and everything is not None and judged.matched is not None
+    assert judged.reweighting is not None and judged.reweighting.unweighted is not None
+    unweighted = judged.reweighting.unweighted
+    reweighted = judged.matched
+    print(f"TTFT shift at matched load and cache: traffic {truth.shift * 1e3:.2f} ms "
+          f"(all traffic {everything.shift * 1e3:.2f} ms); evaluated unweighted "
+          f"{unweighted['shift'] * 1e3:.2f} ms [{unweighted['shift_ci_low'] * 1e3:.2f}, "
+          f"{unweighted['shift_ci_high'] * 1e3:.2f}]; reweighted {reweighted.shift * 1e3:.2f}"
+          f" ms [{reweighted.shift_ci_low * 1e3:.2f}, {reweighted.shift_ci_high * 1e3:.2f}] "
+          f"on {judged.reweighting.effective_candidate} of {len(kept)} values")
+    assert truth.shift is not None and reweighted.shift_ci_low is not None
+    # Unweighted the long prompts are missing and the shift looks smaller than it is ...
+    assert not unweighted["shift_ci_low"] <= truth.shift <= unweighted["shift_ci_high"]
+    assert unweighted["shift_ci_high"] < truth.shift
+    # ... reweighted, the interval holds the traffic's shift.
+    assert reweighted.shift_ci_low <= truth.shift <= reweighted.shift_ci_high
+    assert judged.basis.endswith("reweighted to the traffic's prompt sizes")
+    assert dict(judged.reweighting.weights)["[1024, 4096)"] == pytest.approx(1.42, abs=0.01)
+    assert judged.reweighting.effective_candidate < len(kept)
+    _plain_json(judged.to_dict())

@@ -227,6 +227,12 @@ async def test_byte_bounded_buffer_dropping_long_prompts_flags_a_skew(tmp_path: 
     assert longest["drop_rate"] > 0.5
     reasons = " ".join(report["reasons"])
     assert "sample skew" in reasons
+    ttft = _metric(report, "latency.ttft_s")
+    print(f"TTFT basis {ttft['basis']!r}; reweighting {ttft['reweighting']}")
+    if not bias["refuse"]:  # below the refusal bound the latencies are reweighted
+        assert ttft["basis"].endswith("reweighted to the traffic's prompt sizes")
+        assert ttft["reweighting"]["weights"] and ttft["reweighting"]["unweighted"]
+        assert "reweighted to the traffic's prompt sizes" in reasons
 
 
 @pytest.mark.parametrize("rate", [0.1])
