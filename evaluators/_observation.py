@@ -11,6 +11,9 @@ Rules:
    could only come from the lost bytes are unknown and ``truncated`` says so.
 3. ``concurrency`` is the gateway's count of requests in flight at this backend when
    this one was sent, this one included (the load it ran under); None when not counted.
+   ``backend_running`` is the backend's own running count (``vllm:num_requests_running``,
+   scraped by the gateway at most a few intervals before): it includes load the gateway
+   does not see; None where the backend does not export it.
 4. TTFT and e2e count from ``sent`` (the moment the gateway sends the request upstream)
    when it is set, so the primary's (whose capture starts when the client's request
    arrives, before its body is read) and a candidate's measure the backend alike; the
@@ -81,6 +84,7 @@ class Capture:
     error: str | None = None
     concurrency: int | None = None
     sent: float | None = None
+    backend_running: int | None = None
 
     def add_chunk(self, now: float, chunk: bytes) -> None:
         if len(self.chunk_times) < self.max_chunk_times:
@@ -115,6 +119,7 @@ class Observation:
     truncated: bool
     error: str | None
     concurrency: int | None = None
+    backend_running: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -148,6 +153,7 @@ def observe(capture: Capture, *, request_id: str, backend: str, route: str,
         truncated=capture.truncated,
         error=capture.error,
         concurrency=capture.concurrency,
+        backend_running=capture.backend_running,
     )
 
 

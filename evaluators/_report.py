@@ -11,8 +11,13 @@ Rules:
 4. Conditions (the judge's rule 6): the latency metrics are loaded with the concurrency,
    prompt and cached tokens of each observation. When the secondary is mirrored at the
    candidate's rate (``replica_at_same_rate``) its own latencies are the baseline;
-   otherwise the judge compares at matched load. ``conditions`` shows, per latency
-   metric, each backend's latency-vs-concurrency curve, and for TTFT the comparison
+   otherwise the judge compares at matched load. The load a value is matched on is the
+   larger of the gateway's in-flight count at its backend and the backend's own
+   ``vllm:num_requests_running`` scraped by the gateway (``backend_running``; load from
+   clients the gateway does not see), the gateway's count alone where the backend does
+   not export it. ``conditions`` shows, per latency metric, each backend's
+   latency-vs-concurrency curve (on that load; ``<backend> by the gateway's count`` and
+   ``<backend> by its own count`` beside it where scraped), and for TTFT the comparison
    within cache strata and each backend's cache hit rate side by side.
 5. Sample bias: the evaluated requests' prompt sizes (body bytes over
    :data:`BYTES_PER_TOKEN_ESTIMATE`, binned as the gateway bins all traffic), routes,
@@ -132,7 +137,8 @@ def _metric_samples(stored: dict[str, StoredSamples], floor: dict[str, StoredSam
                 candidate=c.candidate, baseline=c.primary,
                 replica=noise.candidate if replica and noise and noise.candidate else None,
                 conditions=LoadConditions(
-                    tuple(c.candidate_concurrency), tuple(c.primary_concurrency),
+                    _load(c.candidate_concurrency, c.candidate_backend_running),
+                    _load(c.primary_concurrency, c.primary_backend_running),
                     tuple(c.candidate_prompt_tokens), tuple(c.candidate_cached_tokens),
                     tuple(c.primary_prompt_tokens), tuple(c.primary_cached_tokens),
                     cache=metric == CACHE_METRIC,
@@ -148,6 +154,15 @@ def _estimated_tokens(prompt_bytes: int) -> int:
     """The gateway's size bucket: estimated tokens rounded down to a power of two."""
     tokens = prompt_bytes // BYTES_PER_TOKEN_ESTIMATE
     return 0 if tokens <= 0 else 1 << (tokens.bit_length() - 1)
+
+
+def _load(gateway: Sequence[int | None],
+          scraped: Sequence[int | None]) -> tuple[int | None, ...]:
+    """Rule 4: the larger of the gateway's count and the backend's own, where known."""
+    if len(scraped) != len(gateway):
+        return tuple(gateway)
+    return tuple(g if s is None else s if g is None else max(g, s)
+                 for g, s in zip(gateway, scraped, strict=True))
 
 
 def _sizes(prompt_bytes: Sequence[int | None]) -> tuple[float | None, ...]:
@@ -203,12 +218,19 @@ def _conditions(conditioned: dict[str, ConditionedSamples],
         if c is None:
             continue
         curves: dict[str, Any] = {}
-        for backend, values, loads in (("candidate", c.candidate, c.candidate_concurrency),
-                                       ("primary", c.primary, c.primary_concurrency)):
-            known = [(v, k) for v, k in zip(values, loads, strict=True) if k is not None]
-            if known:
-                curves[backend] = load_curve([v for v, _ in known],
-                                             [float(k) for _, k in known]).to_dict()
+        sides = (("candidate", c.candidate, c.candidate_concurrency,
+                  c.candidate_backend_running),
+                 ("primary", c.primary, c.primary_concurrency, c.primary_backend_running))
+        for backend, values, gateway, scraped in sides:
+            loads: list[tuple[str, Sequence[int | None]]] = [(backend, _load(gateway, scraped))]
+            if any(s is not None for s in scraped):
+                loads += [(f"{backend} by the gateway's count", gateway),
+                          (f"{backend} by its own count", scraped)]
+            for label, load in loads:
+                known = [(v, k) for v, k in zip(values, load, strict=True) if k is not None]
+                if known:
+                    curves[label] = load_curve([v for v, _ in known],
+                                               [float(k) for _, k in known]).to_dict()
         r = replica.get(metric)
         if r is not None and replica_name is not None:
             known = [(v, k) for v, k in zip(r.candidate, r.candidate_concurrency, strict=True)

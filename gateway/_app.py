@@ -30,6 +30,7 @@ from gateway._mirror import Mirror
 from gateway._promotion import Promoter
 from gateway._relay import relay
 from gateway._routing import Backend, Routing, Upstreams
+from gateway._scrape import BackendLoad
 from gateway._state import GatewayState, RecentObservations
 from gateway._sync import RoutingSync
 
@@ -65,6 +66,14 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
 
     sync = RoutingSync(routing, stop_mirroring_primary, metrics,
                        config.admin.routing_poll_interval_s, config.admin.store_timeout_s)
+
+    def scrape_targets() -> dict[str, str]:
+        primary = sync.routing.primary
+        return {primary.name: primary.url,
+                **{c.name: c.config.url for c in mirror.candidates.values()}}
+
+    backend_load = BackendLoad(scrape_targets, metrics)
+    mirror.backend_load = backend_load
     app[STATE] = GatewayState(
         config=config,
         metrics=metrics,
@@ -74,6 +83,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
         mirror=mirror,
         evaluation=evaluation,
         promoter=Promoter(sync, mirror, metrics, evaluation),
+        backend_load=backend_load,
     )
     # Entered in this order, left in reverse: the mirror drains into evaluation, which
     # flushes into the store, before the pools close.
@@ -122,11 +132,15 @@ async def _routing_sync(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _mirroring(app: web.Application) -> AsyncIterator[None]:
-    mirror = app[STATE].mirror
+    mirror, backend_load = app[STATE].mirror, app[STATE].backend_load
     await mirror.start()
+    if backend_load is not None:
+        await backend_load.start()
     try:
         yield
     finally:
+        if backend_load is not None:
+            await backend_load.stop()
         await mirror.stop()
 
 

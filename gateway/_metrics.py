@@ -118,6 +118,12 @@ class GatewayMetrics:
             "understudy_mirror_failed", "Candidate replays that failed, by kind.",
             ["candidate", "kind"], registry=r,
         )
+        self.backend_scrapes = Counter(
+            "understudy_backend_scrapes",
+            "Scrapes of a backend's vllm:num_requests_running, by outcome "
+            "(ok, error, timeout, status, absent, too_large).",
+            ["backend", "outcome"], registry=r,
+        )
         self.mirror_joined = Counter(
             "understudy_mirror_joined",
             "Candidate observations joined with the primary's and handed to evaluation.",

@@ -40,6 +40,7 @@ from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, MirrorDropReason, Route
 from gateway._record import TrafficRecorder
 from gateway._sampler import sampled
+from gateway._scrape import BackendLoad
 from gateway._traffic import TrafficTally, turn_depth
 from gateway._upstream import Upstream
 
@@ -104,6 +105,7 @@ class Mirror:
                              on_drop=self._count_drop, on_join=self._count_join)
         self._sweeper: asyncio.Task[None] | None = None
         self.traffic = TrafficTally()  # all traffic seen, and the drops, by prompt size
+        self.backend_load: BackendLoad | None = None  # the scraped running counts, if any
         self.recorder = (TrafficRecorder(record, metrics)
                          if record is not None and record.path is not None else None)
         metrics.budget_limit.set(config.memory_budget_bytes)
@@ -295,7 +297,9 @@ class Mirror:
         loop = asyncio.get_running_loop()
         capture = Capture(started=loop.time(), max_bytes=self._capture.max_bytes,
                           max_chunk_times=self._capture.max_chunk_times,
-                          concurrency=candidate.in_flight)  # this replay included
+                          concurrency=candidate.in_flight,  # this replay included
+                          backend_running=(None if self.backend_load is None
+                                           else self.backend_load.running(candidate.name)))
         wall_started = time.time()
         upstream = candidate.upstream
         try:

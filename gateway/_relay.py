@@ -224,6 +224,8 @@ async def _forward(request: web.Request, state: GatewayState, upstream: Upstream
     in_flight = state.in_flight
     in_flight[upstream.name] += 1
     capture.concurrency = in_flight[upstream.name]
+    load = state.backend_load
+    capture.backend_running = None if load is None else load.running(upstream.name)
     capture.sent = asyncio.get_running_loop().time()
     try:
         return await _relay_answer(request, state, upstream, plan, headers, capture,

@@ -14,6 +14,7 @@ from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
 from gateway._routing import Routing, Upstreams
+from gateway._scrape import BackendLoad
 from gateway._sync import RoutingSync
 
 __all__ = ["GatewayState", "RecentObservations"]
@@ -54,6 +55,9 @@ class GatewayState:
     in_flight: Counter[str] = field(default_factory=Counter)
     """Requests the relay has in flight per backend (the load each request is sent under);
     a backend's entry goes when its count returns to 0, so it holds the busy ones only."""
+
+    backend_load: BackendLoad | None = None
+    """Each backend's scraped ``vllm:num_requests_running`` (``_scrape.py``); None: off."""
 
     listeners: list[web.BaseRunner] = field(default_factory=list)
     """The runners serving this gateway: their ports are its own (no candidate there)."""

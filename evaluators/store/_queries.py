@@ -87,6 +87,8 @@ class ConditionedSamples:
     primary_cached_tokens: list[int | None] = field(default_factory=list)
     candidate_prompt_bytes: list[int | None] = field(default_factory=list)
     primary_prompt_bytes: list[int | None] = field(default_factory=list)
+    candidate_backend_running: list[int | None] = field(default_factory=list)
+    primary_backend_running: list[int | None] = field(default_factory=list)
     """The exchange's request body size, aligned with each side's values: what the
     judge's sample-bias reweighting sizes a value by (the same exchange on both sides)."""
 
@@ -187,7 +189,7 @@ async def load_conditioned_samples(
         select(ScoreRow.metric, ScoreRow.candidate_value, ScoreRow.primary_value,
                cand_obs.concurrency, cand_obs.prompt_tokens, cand_obs.cached_tokens,
                prim_obs.concurrency, prim_obs.prompt_tokens, prim_obs.cached_tokens,
-               ExchangeRow.prompt_bytes)
+               ExchangeRow.prompt_bytes, cand_obs.backend_running, prim_obs.backend_running)
         .join(BackendRow, BackendRow.id == ScoreRow.candidate_id)
         .join(ExchangeRow, ExchangeRow.id == ScoreRow.exchange_id)
         .join(cand_obs, (cand_obs.exchange_id == ScoreRow.exchange_id)
@@ -205,7 +207,7 @@ async def load_conditioned_samples(
     with translate_store_errors():
         result = await session.execute(query)
         for metric, c_value, p_value, c_conc, c_prompt, c_cached, p_conc, p_prompt, p_cached, \
-                prompt_bytes in result:
+                prompt_bytes, c_running, p_running in result:
             found = out.setdefault(metric, ConditionedSamples())
             if c_value is not None:
                 found.candidate.append(c_value)
@@ -213,12 +215,14 @@ async def load_conditioned_samples(
                 found.candidate_prompt_tokens.append(c_prompt)
                 found.candidate_cached_tokens.append(c_cached)
                 found.candidate_prompt_bytes.append(prompt_bytes)
+                found.candidate_backend_running.append(c_running)
             if p_value is not None:
                 found.primary.append(p_value)
                 found.primary_concurrency.append(p_conc)
                 found.primary_prompt_tokens.append(p_prompt)
                 found.primary_cached_tokens.append(p_cached)
                 found.primary_prompt_bytes.append(prompt_bytes)
+                found.primary_backend_running.append(p_running)
     return out
 
 

@@ -148,6 +148,7 @@ def observation_row(observation: Observation, *, store_answers: bool) -> Row:
         "answer": observation.text if store_answers else None,
         "tool_calls": (list(observation.tool_calls) or None) if store_answers else None,
         "concurrency": observation.concurrency,
+        "backend_running": observation.backend_running,
     }
 
 

@@ -159,6 +159,9 @@ class ObservationRow(Base):
     concurrency: Mapped[int | None] = mapped_column(Integer)
     """Requests the gateway had in flight at this backend when it sent this one, this one
     included: the load the latency was measured under (NULL: not counted)."""
+    backend_running: Mapped[int | None] = mapped_column(Integer)
+    """The backend's own ``vllm:num_requests_running`` as last scraped before this request
+    (load the gateway may not see; NULL: not exported or not scraped)."""
 
 
 class ScoreRow(Base):

@@ -288,3 +288,60 @@ async def test_replica_added_and_changed_through_the_admin_api_is_the_basis(
           f"{after['basis']!r}")
     assert before["basis"] == "replica at the same rate"
     assert after["basis"] == "primary at matched load and cache"
+
+
+async def test_scraped_running_count_reveals_load_the_gateway_does_not_see(
+        tmp_path: Any) -> None:
+    """Another client loads the candidate directly: the gateway's own in-flight count
+    there stays ~1, the candidate's scraped ``vllm:num_requests_running`` shows the rest,
+    and the judge matches load on the larger of the two."""
+    hidden_clients = 8
+    async with run_sim(**LOAD) as primary, run_sim(**LOAD) as candidate, \
+            run_gateway(primary.url, candidates=[
+                {"name": "shared", "url": candidate.url, "sample_rate": 1.0,
+                 "sampling_unit": "request", "max_concurrency": 1}],
+                evaluation=_evaluation(tmp_path)) as gw, aiohttp.ClientSession() as http:
+        stop = asyncio.Event()
+
+        async def direct() -> None:  # straight to the candidate, never via the gateway
+            body = {"model": "sim-model", "stream": True,
+                    "messages": [{"role": "user", "content": "elsewhere"}]}
+            while not stop.is_set():
+                async with http.post(candidate.url + "/v1/chat/completions",
+                                     json=body) as resp:
+                    await resp.read()
+
+        hidden = [asyncio.create_task(direct()) for _ in range(hidden_clients)]
+        try:
+            await asyncio.sleep(1.5)  # scraped at least twice under the hidden load
+            await _mirrored(gw, "shared", lambda: _phases(http, gw, ((1, 80),)))
+        finally:
+            stop.set()
+            await asyncio.gather(*hidden)
+        scrapes = gw.metric("understudy_backend_scrapes_total", backend="shared",
+                            outcome="ok")
+        report = await _report(http, gw, "shared")
+    curves = report["conditions"]["load_curves"]["latency.ttft_s"]
+
+    def median_load(curve: dict[str, Any]) -> float:
+        points = curve["points"]
+        loads = [float(p["concurrency"].strip("[<>=)").split(",")[0]) for p in points
+                 for _ in range(p["n"])]
+        return loads[len(loads) // 2]
+
+    seen_by_gateway = median_load(curves["candidate by the gateway's count"])
+    own = median_load(curves["candidate by its own count"])
+    primary_own = median_load(curves["primary by its own count"])
+    ttft = _metric(report, "latency.ttft_s")
+    print(f"hidden load: {scrapes:.0f} scrapes of the candidate; median concurrency at the "
+          f"candidate by the gateway's count {seen_by_gateway:g}, by its own count {own:g} "
+          f"(primary's own {primary_own:g}); TTFT verdict {ttft['verdict']} on "
+          f"{ttft['basis']}: {ttft['reasons'][0]}; pooled shift "
+          f"{ttft['statistics']['relative_shift']:+.0%}")
+    assert scrapes >= 3
+    assert seen_by_gateway <= 2
+    assert own >= hidden_clients - 2 and own >= seen_by_gateway + 4  # revealed
+    assert primary_own <= 2
+    # The candidate ran at a load the primary never saw: not comparable at matched load,
+    # rather than a FAIL for being slow under load it was not given by this gateway.
+    assert ttft["verdict"] != "FAIL", ttft["reasons"]
