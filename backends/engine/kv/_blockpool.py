@@ -18,6 +18,10 @@ Rules
    anything when fewer than ``n`` blocks are free.
 6. A cached block's content never changes: writes only go to blocks a sequence allocated for
    positions not yet computed, and an imported block's hash is checked against its tokens.
+7. With a codec the pool's memory is the codes (``_coded_store``): a block costs its encoded
+   bytes.  A first block also holds a raw sink row; ``sink_reserve`` rows are paid for up front
+   (one per running sequence), and the rows beyond them are paid for with blocks: that many
+   fewer blocks count as free, so ``usage`` and admission see the sinks of cached conversations.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from ._coded_store import DEFAULT_DECODED_CACHE_BYTES, CodedKVStorage, DecodedCacheStats
 from ._store import KVLayout, KVStorage
 
 if TYPE_CHECKING:
@@ -52,6 +57,9 @@ __all__ = [
 BlockHash = bytes
 ExtraKey = str | int | bytes
 Float32Array = npt.NDArray[np.float32]
+
+DECODED_CACHE_SHARE = 0.25
+"""The largest share of a KV memory limit the decoded-block cache may take."""
 
 _HASH_DOMAIN = b"understudy.kv-block.v1\x00"
 
@@ -182,6 +190,7 @@ class BlockPool:
         "_hits",
         "_queries",
         "_refs",
+        "_sink_reserve",
         "_table",
         "enable_prefix_caching",
         "layout",
@@ -198,17 +207,25 @@ class BlockPool:
         seed: BlockHash = b"",
         enable_prefix_caching: bool = True,
         codec: PagedCodec | None = None,
+        decoded_cache_bytes: int = DEFAULT_DECODED_CACHE_BYTES,
+        sink_reserve: int = 0,
     ) -> None:
         """``codec``: complete blocks are stored encoded (None: raw float32, fp32); the hash
         chain then starts from ``H(seed, codec fingerprint)``, so blocks of different codecs
-        never match (rule 2)."""
+        never match (rule 2).  ``decoded_cache_bytes`` bounds the decoded blocks attention reads
+        through; ``sink_reserve``: sink rows paid for outside the blocks (rule 7)."""
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
         self.layout = layout
         self.num_blocks = num_blocks
         self.seed = seed if codec is None else hash_block(seed, (), (codec.fingerprint,))
         self.enable_prefix_caching = enable_prefix_caching
-        self.storage = KVStorage(layout, num_blocks + 1, codec)
+        self.storage: KVStorage | CodedKVStorage = (
+            KVStorage(layout, num_blocks + 1)
+            if codec is None
+            else CodedKVStorage(layout, num_blocks + 1, codec, cache_bytes=decoded_cache_bytes)
+        )
+        self._sink_reserve = sink_reserve
         self._refs = [0] * (num_blocks + 1)
         self._free: OrderedDict[int, None] = OrderedDict(
             (b, None) for b in range(1, num_blocks + 1)
@@ -228,20 +245,22 @@ class BlockPool:
         enable_prefix_caching: bool = True,
         codec: PagedCodec | None = None,
         raw_blocks: int = 0,
+        decoded_cache_bytes: int = DEFAULT_DECODED_CACHE_BYTES,
     ) -> BlockPool:
-        """As many blocks as ``kv_limit_bytes`` pays for (the null block included).
+        """As many blocks as ``kv_limit_bytes`` pays for.
 
-        With a codec a block costs what it holds resident: its encoded bytes and, until the
-        float32 store becomes a bounded cache of decoded blocks, its decoded copy too (so a codec
-        bounds memory like fp32 and does not yet buy more blocks); ``raw_blocks`` (one per
-        running sequence) are paid for with a raw sink row each: the block being filled."""
-        block_bytes = (
-            layout.bytes_per_block
-            if codec is None
-            else layout.bytes_per_block + codec.block_bytes
-        )
-        reserved = 0 if codec is None else raw_blocks * (layout.bytes_per_block + codec.sink_bytes)
-        num_blocks = (kv_limit_bytes - reserved) // block_bytes - 1
+        fp32 (no codec): float32 blocks, the null block included.  With a codec a block costs its
+        encoded bytes (rule 7); paid first, out of the same limit: ``raw_blocks`` (one per
+        running sequence) raw float32 blocks being filled, each with a sink row, and the
+        decoded-block cache, at most ``decoded_cache_bytes`` and at most a quarter of the limit
+        (``DECODED_CACHE_SHARE``)."""
+        if codec is None:
+            block_bytes, reserved, cache_bytes = layout.bytes_per_block, layout.bytes_per_block, 0
+        else:
+            block_bytes = codec.block_bytes
+            cache_bytes = min(decoded_cache_bytes, int(kv_limit_bytes * DECODED_CACHE_SHARE))
+            reserved = raw_blocks * (layout.bytes_per_block + codec.sink_bytes) + cache_bytes
+        num_blocks = (kv_limit_bytes - reserved) // block_bytes
         if num_blocks < 1:
             raise ValueError(
                 f"kv_limit_bytes={kv_limit_bytes} holds fewer than 2 blocks of {block_bytes} bytes"
@@ -252,6 +271,8 @@ class BlockPool:
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
             codec=codec,
+            decoded_cache_bytes=cache_bytes,
+            sink_reserve=raw_blocks,
         )
 
     @property
@@ -265,22 +286,75 @@ class BlockPool:
             return self.layout.bytes_per_block / self.layout.block_size
         return self.storage.codec.bytes_per_token()
 
+    def decoded_cache_stats(self) -> DecodedCacheStats | None:
+        """The decoded-block cache's counters (None: fp32, every block is raw)."""
+        storage = self.storage
+        return None if isinstance(storage, KVStorage) else storage.stats()
+
+    @property
+    def resident_bytes(self) -> int:
+        """KV bytes held now: fp32's arrays, or a codec's codes, sink rows and float32 slots."""
+        storage = self.storage
+        if isinstance(storage, KVStorage):
+            return storage.keys.nbytes + storage.values.nbytes
+        return storage.codec.resident_bytes + storage.arena_bytes
+
     @property
     def block_size(self) -> int:
         return self.layout.block_size
 
+    def _sink_blocks(self, *, held_only: bool) -> int:
+        """Blocks that pay for sink rows beyond the reserve (rule 7): of every first block, or
+        of those held by a sequence (a free one's sink goes with its eviction)."""
+        storage = self.storage
+        if isinstance(storage, KVStorage):
+            return 0
+        codec = storage.codec
+        sinks = codec.sink_blocks()
+        count = sum(1 for b in sinks if self._refs[b]) if held_only else len(sinks)
+        extra = count - self._sink_reserve
+        return 0 if extra <= 0 else -(-extra * codec.sink_bytes // codec.block_bytes)
+
+    @property
+    def sink_blocks(self) -> int:
+        """Blocks now paying for sink rows beyond the reserve."""
+        return self._sink_blocks(held_only=False)
+
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take (evicting cached ones and with them their sinks)."""
+        return max(0, len(self._free) - self._sink_blocks(held_only=True))
+
+    def _settle_sinks(self) -> None:
+        """Evict free cached blocks, least recently used first, until the empty free blocks pay
+        for the sink rows beyond the reserve (rule 7)."""
+        storage = self.storage
+        if isinstance(storage, KVStorage):
+            return
+        owed = self.sink_blocks
+        if owed == 0:
+            return
+        empty = sum(1 for b in self._free if b not in self._cached)
+        for block in list(self._free):
+            if empty >= owed:
+                break
+            entry = self._cached.pop(block, None)
+            if entry is None:
+                continue
+            del self._table[entry.block_hash]
+            storage.forget(block)
+            self._free.move_to_end(block, last=False)
+            empty += 1
+            owed = self.sink_blocks
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(
             num_blocks=self.num_blocks,
-            num_free_blocks=len(self._free),
+            num_free_blocks=self.num_free_blocks,
             num_cached_blocks=len(self._table),
             queries=self._queries,
             hits=self._hits,
@@ -330,13 +404,17 @@ class BlockPool:
         if count > len(self._free):
             raise NoFreeBlocksError(f"need {count} KV blocks, {len(self._free)} free")
         blocks = []
+        coded = self.storage if isinstance(self.storage, CodedKVStorage) else None
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
             entry = self._cached.pop(block, None)
             if entry is not None:
                 del self._table[entry.block_hash]
+            if coded is not None:
+                coded.forget(block)
             self._refs[block] = 1
             blocks.append(block)
+        self._settle_sinks()
         return blocks
 
     def release(self, block_ids: Sequence[int]) -> None:
@@ -350,6 +428,8 @@ class BlockPool:
                 self._free[block] = None
                 if block not in self._cached:
                     self._free.move_to_end(block, last=False)
+                    if isinstance(self.storage, CodedKVStorage):
+                        self.storage.forget(block)
 
     def register(
         self,
@@ -368,6 +448,8 @@ class BlockPool:
         self._cached[block_id] = CachedBlock(
             block_hash, parent_hash, tuple(token_ids), tuple(extra_keys)
         )
+        if not token_ids or parent_hash == self.seed:
+            self._settle_sinks()
         return True
 
     def export_blocks(self, block_ids: Sequence[int]) -> list[KVBlock]:
@@ -377,8 +459,12 @@ class BlockPool:
             entry = self._cached.get(block)
             if entry is None:
                 raise KeyError(f"block {block} is not a cached block")
-            codec = self.storage.codec
-            data = self.storage.read_block(block) if codec is None else codec.export(block)
+            storage = self.storage
+            data = (
+                storage.read_block(block)
+                if isinstance(storage, KVStorage)
+                else storage.codec.export(block)
+            )
             exported.append(entry.with_data(block, data))
         return exported
 
@@ -419,10 +505,10 @@ class BlockPool:
                     ids.append(existing)
                     continue
                 (block,) = self.allocate(1)
-                if codec is None:
+                if isinstance(self.storage, KVStorage):
                     self.storage.write_block(block, kv_block.data.astype(np.float32, copy=False))
                 else:
-                    self._load_encoded(block, kv_block)
+                    self._load_encoded(self.storage, block, kv_block)
                 self.register(
                     block,
                     kv_block.block_hash,
@@ -436,14 +522,9 @@ class BlockPool:
             self.release(held)
         return ids
 
-    def _load_encoded(self, block: int, kv_block: KVBlock) -> None:
-        codec = self.storage.codec
-        assert codec is not None
+    def _load_encoded(self, storage: CodedKVStorage, block: int, kv_block: KVBlock) -> None:
         try:
-            decoded = codec.load(block, kv_block.data, kv_block.parent_hash == self.seed)
+            storage.load(block, kv_block.data, kv_block.parent_hash == self.seed)
         except ValueError:
             self.release([block])
             raise
-        for layer, (k, v) in enumerate(decoded):
-            self.storage.keys[layer][:, block] = k
-            self.storage.values[layer][:, block] = v

@@ -11,10 +11,11 @@ Rules
    ``export`` packs for another node and ``load`` decodes from one.
 3. The attention-sink token (position 0, the first row of a sequence's first block) is kept raw
    beside its block's codes and written back over the decoded row.
-4. The decoded copy lives in the float32 ``KVStorage`` the model reads, so a decode step decodes
-   nothing: a block is decoded once, when it is sealed or imported.  A query's own block, still
-   being filled, is read raw (KIVI's full-precision residual group); ``_attention`` keeps the
-   rows of one prefill tile independent of which blocks their neighbours see.
+4. The codes are all the pool keeps of a complete block; the float32 rows attention reads come
+   from ``_coded_store``'s bounded cache of decoded blocks (a miss decodes again, to the same
+   bits).  A query's own block, still being filled, is read raw (KIVI's full-precision residual
+   group); ``_attention`` keeps the rows of one prefill tile independent of which blocks their
+   neighbours see.
 5. Sizes are measured from the encoded arrays (``kv.codecs`` rule 3): ``block_bytes`` is one
    complete block, all layers, K and V; a first block adds ``sink_bytes``.
 6. Every array a codec returns for a block has a shape and dtype fixed by the block's shape (the
@@ -231,6 +232,32 @@ class PagedCodec:
             v[0] = sink[layer, 1]
         keys_t = np.ascontiguousarray(k.transpose(1, 2, 0))
         return keys_t, np.ascontiguousarray(v.transpose(1, 0, 2))
+
+    def has_layer(self, layer: int, block: int) -> bool:
+        """Whether ``block`` holds codes for ``layer``."""
+        layers = self._encoded.get(block)
+        return layers is not None and len(layers) > layer and bool(layers[layer])
+
+    def decode_block_layer(self, layer: int, block: int) -> tuple[Float32Array, Float32Array]:
+        """One layer of a sealed block decoded again: the bits ``seal`` returned (decoding is
+        deterministic), as K^T [kv_heads, head_dim, block_size] and V."""
+        layers = self._encoded[block]
+        return self._decode_layer(layer, layers[layer], block if block in self._sinks else None)
+
+    def forget(self, block: int) -> None:
+        """Drop ``block``'s codes and sink row (the block is handed out again)."""
+        self._encoded.pop(block, None)
+        self._sinks.pop(block, None)
+
+    def sink_blocks(self) -> list[int]:
+        """The first blocks holding a raw sink row now."""
+        return list(self._sinks)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of codes and sink rows held now."""
+        codes = sum(len(blob) for layers in self._encoded.values() for blob in layers)
+        return codes + len(self._sinks) * self.sink_bytes
 
     # -- whole blocks (prefix cache, retention, transfer) ----------------------------------
 

@@ -29,16 +29,12 @@ the Hugging Face rotary layout (RoPE rotates the halves of each head).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from ..model._attention import blockwise_scores_exact
 from ..model._gguf import ModelConfig
-
-if TYPE_CHECKING:
-    from ._paged_codec import PagedCodec
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "NULL_BLOCK", "KVLayout", "KVStorage"]
 
@@ -83,20 +79,19 @@ class KVStorage:
         "_group_keys",
         "_group_values",
         "blockwise_scores",
-        "codec",
         "keys",
         "layout",
         "num_blocks",
         "values",
     )
 
-    def __init__(self, layout: KVLayout, num_blocks: int, codec: PagedCodec | None = None) -> None:
-        """``codec``: complete blocks are encoded and read back decoded (``_paged_codec``);
-        None keeps every block raw float32 (fp32)."""
+    codec: None = None
+    """Every block raw float32 (fp32); a codec's storage is ``_coded_store.CodedKVStorage``."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError("KV storage needs at least one block besides the null block")
         self.layout = layout
-        self.codec = codec
         self.num_blocks = num_blocks
         self.blockwise_scores = blockwise_scores_exact(layout.head_dim, layout.block_size)
         """Whether decode scores are made block by block (bitwise one product's, probed)."""
@@ -166,17 +161,12 @@ class KVStorage:
             values.reshape(heads, seqs, tokens, dim).transpose(1, 0, 2, 3),
         )
 
-    def seal(self, layer: int, blocks: IntArray, firsts: npt.NDArray[np.bool_]) -> None:
-        """Encode one layer of complete ``blocks`` and store their decoded K/V in place
-        (``_paged_codec`` rule 2); ``firsts``: which are a sequence's first block (sink)."""
-        codec = self.codec
-        if codec is None:
-            raise RuntimeError("sealing blocks needs a codec")
-        keys, values = self.keys[layer], self.values[layer]
-        for block, first in zip(blocks.tolist(), firsts.tolist(), strict=True):
-            k, v = codec.seal(layer, block, keys[:, block], values[:, block], bool(first))
-            keys[:, block] = k
-            values[:, block] = v
+    def own_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
+        """Copies ``(K^T [n, heads, dim, bs], V [n, heads, bs, dim])`` of ``blocks``."""
+        return (
+            np.ascontiguousarray(self.keys[layer][:, blocks].transpose(1, 0, 2, 3)),
+            np.ascontiguousarray(self.values[layer][:, blocks].transpose(1, 0, 2, 3)),
+        )
 
     def read_block(self, block_id: int) -> Float32Array:
         """A copy of one block in the exchange format."""

@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,9 @@ from ._gguf import GGUFModel, read_gguf
 from ._linear import LinearPlan, TileWorkers, blas_threads
 from ._numerics import Numerics
 from ._tokenizer import ChatTokenizer
+
+if TYPE_CHECKING:
+    from ..kv._coded_store import CodedKVStorage
 
 __all__ = ["ForwardChunk", "LlamaModel"]
 
@@ -282,7 +285,12 @@ class LlamaModel:
         return self.config.max_position_embeddings
 
     def _attend(
-        self, layer: int, plan: _Plan, q: Float32Array, kv: KVStorage, attn: Float32Array
+        self,
+        layer: int,
+        plan: _Plan,
+        q: Float32Array,
+        kv: KVStorage,
+        attn: Float32Array,
     ) -> None:
         """Attention of every row over raw K/V (fp32: no codec)."""
         cfg = self.config
@@ -308,7 +316,12 @@ class LlamaModel:
             attn[lo:hi] = out.reshape(hi - lo, width)
 
     def _attend_coded(
-        self, layer: int, plan: _Plan, q: Float32Array, kv: KVStorage, attn: Float32Array
+        self,
+        layer: int,
+        plan: _Plan,
+        q: Float32Array,
+        kv: CodedKVStorage,
+        attn: Float32Array,
     ) -> None:
         """Attention with a KV codec: the blocks this call completes are sealed (encoded, read
         back decoded), each query's own block is read raw (``_attention`` rule 5)."""
@@ -328,13 +341,7 @@ class LlamaModel:
             own_prefill.append(OwnBlocks(keys_t, values, first, bs))
         own_decode = []
         for members, _ in plan.decode_groups:
-            ids = row_blocks[members]
-            own_decode.append(
-                (
-                    np.ascontiguousarray(kv.keys[layer][:, ids].transpose(1, 0, 2, 3)),
-                    np.ascontiguousarray(kv.values[layer][:, ids].transpose(1, 0, 2, 3)),
-                )
-            )
+            own_decode.append(kv.own_rows(layer, row_blocks[members]))
         sealed = offsets[: plan.total] == bs - 1
         kv.seal(layer, row_blocks[: plan.total][sealed], plan.positions[: plan.total][sealed] < bs)
         for (members, tables), (own_k, own_v) in zip(plan.decode_groups, own_decode, strict=True):
@@ -357,7 +364,9 @@ class LlamaModel:
             out = attend(q_seq, int(plan.positions[lo]), keys_t, values, lanes, own)
             attn[lo:hi] = out.reshape(hi - lo, width)
 
-    def forward(self, chunks: Sequence[ForwardChunk], kv: KVStorage) -> list[Float32Array]:
+    def forward(
+        self, chunks: Sequence[ForwardChunk], kv: KVStorage | CodedKVStorage
+    ) -> list[Float32Array]:
         """Run ``chunks`` (one per sequence), writing their K/V; logits per chunk as requested.
 
         Returns one array per chunk: [0 | 1 | len(token_ids), vocab] float32.

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from backends.openai_wire import serve_until_signalled
 
+from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
 from ..kv._paged_codec import ENGINE_CODECS
 from ..kv._plan import KVPlan
 from ..model._model import LlamaModel
@@ -32,6 +33,7 @@ from ._server_config import (
 __all__ = ["engine_command"]
 
 _GIB = 1 << 30
+_MIB = 1 << 20
 _DEFAULT_KV_GIB = 1.0
 # Flags whose config field has another name.
 _FIELD_OF_FLAG = {"prefix_caching": "enable_prefix_caching"}
@@ -96,6 +98,11 @@ def _given_options(ctx: click.Context) -> dict[str, Any]:
     "(written by plan-kv); exclusive with --kv-codec.",
 )  # fmt: skip
 @click.option(
+    "--kv-decoded-cache-mib", type=float, default=DEFAULT_DECODED_CACHE_BYTES / _MIB,
+    show_default=True, help="unified/prefill/decode with a codec: bound of the cache of decoded "
+    "blocks attention reads through, paid out of --kv-gib (at most a quarter of it).",
+)  # fmt: skip
+@click.option(
     "--prefill", "prefill_urls", multiple=True, metavar="URL",
     help="router: a prefill node's root URL (repeat for several).",
 )  # fmt: skip
@@ -130,11 +137,14 @@ def engine_command(
     kv_readback: bool,
     kv_codec: str,
     kv_plan: Path | None,
+    kv_decoded_cache_mib: float,
 ) -> None:
     """Serve the reference engine (SmolLM2 in numpy) with vLLM's OpenAI API."""
     given = _given_options(click.get_current_context())
     if "kv_gib" in given:
         given["kv_limit_bytes"] = int(given.pop("kv_gib") * _GIB)
+    if "kv_decoded_cache_mib" in given:
+        given["kv_decoded_cache_bytes"] = int(given.pop("kv_decoded_cache_mib") * _MIB)
     try:
         config = engine_server_config(role=role, **given)
     except ValidationError as exc:

@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..kv._blockpool import BlockHash, BlockPool, ExtraKey, KVBlock, NoFreeBlocksError, hash_blocks
+from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
 from ..kv._paged_codec import PagedCodec
 from ..kv._plan import KVPlan
 from ..kv._retention import KVRetention, RetainedKV
@@ -105,9 +106,12 @@ class Engine:
         retained_kv_share: float = DEFAULT_RETAINED_KV_SHARE,
         kv_codec: str | KVPlan = DEFAULT_KV_CODEC,
         kv_calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None = None,
+        kv_decoded_cache_bytes: int = DEFAULT_DECODED_CACHE_BYTES,
     ) -> None:
         """``kv_codec``: how complete KV blocks are stored (rule 8); ``kv_calibration``: E8's
-        per-layer key means and scales (``kv.codecs.calibrate(model)``, run here when None)."""
+        per-layer key means and scales (``kv.codecs.calibrate(model)``, run here when None);
+        ``kv_decoded_cache_bytes``: the bound of the decoded blocks attention reads through
+        under a codec (paid out of ``kv_limit_bytes``, see ``BlockPool.for_memory``)."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError("need max_num_batched_tokens >= max_num_seqs >= 1")
         self.model = model
@@ -120,6 +124,7 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
             codec=codec,
             raw_blocks=max_num_seqs,
+            decoded_cache_bytes=kv_decoded_cache_bytes,
         )
         if codec is not None:
             speculative_tokens = 0
@@ -189,6 +194,23 @@ class Engine:
         self._requests[request_id] = request
         self._waiting.append(request)
 
+    def longest_admitted_prompt(self, max_tokens: int = 1) -> int:
+        """The longest prompt ``add_request`` accepts with ``max_tokens`` to generate, found by
+        asking it (bisection; every probe is withdrawn at once)."""
+        params = SamplingParams(max_tokens=max_tokens)
+        lo, hi = 0, self.model.max_model_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            probe = f"probe-{next(self._ids)}"
+            try:
+                self.add_request(probe, [0] * mid, params)
+            except ValueError:
+                hi = mid - 1
+            else:
+                self.abort(probe)
+                lo = mid
+        return lo
+
     def abort(self, request_id: str) -> bool:
         """Drop a request, queued or running; False if unknown (or already finished)."""
         request = self._requests.pop(request_id, None)
@@ -215,6 +237,7 @@ class Engine:
             self.pool.stats(),
             self.retention.num_blocks,
             self.pool.bytes_per_token,
+            self.pool.decoded_cache_stats(),
         )
 
     # -- KV exchange (disaggregation) --------------------------------------------------------

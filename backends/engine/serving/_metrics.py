@@ -67,8 +67,25 @@ class EngineMetrics(VLLMSeries):
             "understudy_kv_bytes_per_token",
             "True bytes of KV per cached token (all layers, K and V) under the engine's codec.",
         )
+        self.decoded_hits = self._counter(
+            "understudy_kv_decoded_cache_hits",
+            "Reads of one layer of a KV block served by the decoded-block cache (codec engines).",
+        )
+        self.decoded_misses = self._counter(
+            "understudy_kv_decoded_cache_misses",
+            "Reads of one layer of a KV block decoded again from its codes (codec engines).",
+        )
+        self.decoded_bytes = self._gauge(
+            "understudy_kv_decoded_cache_bytes",
+            "Bytes of decoded KV blocks held by the decoded-block cache (codec engines).",
+        )
+        self.decoded_capacity = self._gauge(
+            "understudy_kv_decoded_cache_capacity_bytes",
+            "The bound of the decoded-block cache in bytes (codec engines).",
+        )
         self._seen_queries = 0
         self._seen_hits = 0
+        self._seen_decoded = (0, 0)
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Gauges from the engine's latest stats; the cache counters advance by the change."""
@@ -81,6 +98,14 @@ class EngineMetrics(VLLMSeries):
             self.prefix_queries.inc(stats.kv.queries - self._seen_queries)
             self.prefix_hits.inc(max(0, stats.kv.hits - self._seen_hits))
         self._seen_queries, self._seen_hits = stats.kv.queries, stats.kv.hits
+        cache = stats.decoded_cache
+        if cache is not None:
+            hits, misses = self._seen_decoded
+            self.decoded_hits.inc(max(0, cache.hits - hits))
+            self.decoded_misses.inc(max(0, cache.misses - misses))
+            self._seen_decoded = (cache.hits, cache.misses)
+            self.decoded_bytes.set(cache.bytes)
+            self.decoded_capacity.set(cache.capacity * cache.entry_bytes)
 
     def finished(self, outcome: RequestOutcome) -> None:
         self.count_outcome(outcome)

@@ -8,6 +8,7 @@ from typing import Literal
 import numpy as np
 
 from ..kv._blockpool import BlockHash, ExtraKey, PrefixCacheStats
+from ..kv._coded_store import DecodedCacheStats
 from ..kv._retention import RetainedKV
 from ..model._sampling import SamplingParams
 
@@ -44,6 +45,7 @@ class EngineStats:
     kv: PrefixCacheStats
     num_retained_blocks: int = 0
     kv_bytes_per_token: float = 0.0
+    decoded_cache: DecodedCacheStats | None = None  # None: fp32, no codec
 
 
 @dataclass(slots=True, eq=False)

@@ -145,6 +145,7 @@ def _engine_app(config: EngineNodeConfig, model: LlamaModel) -> web.Application:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
         kv_codec=config.kv_codec if config.kv_plan is None else KVPlan.load(config.kv_plan),
+        kv_decoded_cache_bytes=config.kv_decoded_cache_bytes,
     )
     # Every accepted request must fit in the pool on its own, or the engine could not run it.
     max_model_len = min(

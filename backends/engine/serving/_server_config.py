@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
 from ..kv._paged_codec import ENGINE_CODECS
 from ._engine import (
     DEFAULT_KV_CODEC,
@@ -118,6 +119,8 @@ class _EngineOptions(_ServerOptions):
     kv_codec: str = DEFAULT_KV_CODEC
     # A file naming a codec per layer for K and V (``kv._plan``), read when the server starts.
     kv_plan: Path | None = None
+    # Under a codec: the bound of the decoded blocks attention reads through (``kv._coded_store``).
+    kv_decoded_cache_bytes: int = Field(default=DEFAULT_DECODED_CACHE_BYTES, ge=0)
     # Off: every prompt is computed from scratch (the "recompute every turn" baseline).
     enable_prefix_caching: bool = True
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1)

@@ -139,7 +139,6 @@ def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
         assert np.array_equal(lone[0], prefill[position])
 
 
-
 @pytest.mark.parametrize("name", CODED)
 def test_a_packed_block_round_trips_and_its_size_is_measured(name: str) -> None:
     rng = np.random.default_rng(5)
@@ -273,3 +272,76 @@ async def test_a_node_refuses_blocks_of_another_codec_and_counts_it(
     assert puller.pulls() == {"codec": 1}
     answer = await puller.loop.call(lambda e: _run(e, prompt))
     assert answer == _run(_engine(engine_model, puller_codec, calibration), prompt)
+
+
+# -- the pool holds codes: memory and the decoded-block cache --------------------------------
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 3 * 24576])
+def test_a_decoded_cache_too_small_to_hold_anything_gives_the_same_tokens(
+    engine_model: LlamaModel,
+    calibration,  # type: ignore[no-untyped-def]
+    cache_bytes: int,
+) -> None:
+    """Every read a miss (or nearly): blocks decoded again from their codes give the bits the
+    cache gives, through prefill, prefix reuse and decode."""
+    prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
+    roomy = _engine(engine_model, "e8-2", calibration)
+    tight = Engine(
+        engine_model,
+        KV_LIMIT,
+        kv_codec="e8-2",
+        kv_calibration=calibration,
+        kv_decoded_cache_bytes=cache_bytes,
+    )
+    fresh = _run(roomy, prompt)
+    assert _run(tight, prompt) == fresh
+    assert _run(tight, prompt) == fresh  # prefix-cached, decoded again
+    stats = tight.stats().decoded_cache
+    assert stats is not None and stats.misses > 0
+    assert stats.bytes <= cache_bytes
+    roomy_stats = roomy.stats().decoded_cache
+    assert roomy_stats is not None and roomy_stats.hits > 0
+
+
+# fp16 holds 8 blocks here after its reserve (one running sequence's raw block and sink row,
+# and the decoded cache's quarter of the limit).
+FIXED_KV = (8 * 368640 + 737280 + 46080) * 4 // 3 + 4
+
+
+def test_a_fixed_kv_memory_admits_the_codec_ratio_more_tokens_and_answers_them(
+    engine_model: LlamaModel,
+    calibration,  # type: ignore[no-untyped-def]
+) -> None:
+    """The longest prompt an engine admits at one --kv-gib, asked of the engines: e8-2 holds
+    3,240 bytes a token against fp16's 23,040 (7.11x), so it admits >= 7x fp16's prompt, and it
+    answers that prompt; the pool's codes and sinks stay within the memory paid for them."""
+    longest = {}
+    engines = {}
+    for name in ("fp32", "fp16", "e8-2"):
+        engine = Engine(
+            engine_model, FIXED_KV, kv_codec=name, kv_calibration=calibration, max_num_seqs=1
+        )
+        engines[name] = engine
+        longest[name] = engine.longest_admitted_prompt(max_tokens=2)
+    ratio = engines["fp16"].pool.bytes_per_token / engines["e8-2"].pool.bytes_per_token
+    assert ratio == pytest.approx(23040 / 3240)
+    assert longest["fp16"] > longest["fp32"]  # < 2x at so small a limit: fp16 pays the reserve
+    assert longest["e8-2"] >= 7 * longest["fp16"]
+    e8 = engines["e8-2"]
+    text = (PROMPT_TEXT + " ") * 40
+    prompt = engine_model.tokenizer.encode(text)[: longest["e8-2"]]
+    assert len(prompt) == longest["e8-2"]
+    e8.add_request("long", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    answer = []
+    while e8.has_unfinished_requests():
+        answer += [e.token_id for e in e8.step()]
+    assert len(answer) == 2
+    pool = e8.pool
+    codec = pool.codec
+    assert codec is not None
+    assert codec.resident_bytes <= pool.num_blocks * codec.block_bytes + codec.sink_bytes
+    stats = e8.stats()
+    assert stats.kv_bytes_per_token == 3240
+    assert stats.decoded_cache is not None
+    assert stats.decoded_cache.bytes <= FIXED_KV // 4

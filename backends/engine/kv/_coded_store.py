@@ -1,0 +1,309 @@
+"""Paged K/V storage under a codec: the pool holds codes, attention reads through a bounded cache.
+
+Rules
+-----
+1. A complete block's content is its codes (``PagedCodec``; a first block adds its raw sink row).
+   No float32 copy of a complete block is kept beside them except in the decoded-block cache.
+2. Float32 rows live in one arena of ``(layer, block)`` slots, laid out as ``KVStorage``'s
+   arrays with the layer axis dropped, so ``gather`` and ``gather_group`` are the same ``take``
+   over slot ids that ``KVStorage`` does over block ids.  Slot 0 is the null block (zeros).
+3. A slot is either RAW -- a block still being filled at that layer (each running sequence's own
+   block, and for the length of one layer the blocks a prefill chunk completes) -- or DECODED, an
+   entry of the LRU cache.  Raw slots are pinned; decoded ones are evicted least recently used once
+   more than ``cache_bytes`` of them are held (``cache_bytes`` is the named bound; 0 caches none).
+4. ``seal`` encodes a raw slot's block and overwrites the slot with its decoded rows, which then
+   becomes the cache's most recent entry: the block is decoded once, by the pass that completes it.
+5. A read of a block that is neither raw nor cached is a miss: the block's layer is decoded from
+   its codes straight into the gather's output (and cached).  Decoding is deterministic, so a
+   miss gives the bits a hit gives -- the cache bounds memory without changing any result.
+6. ``forget`` drops everything of a block (raw rows, cached rows, codes, sink): the pool calls it
+   when a block is handed out again or released uncached, so no stale row or code is ever read.
+7. Writing rows into a block that has codes but no raw slot (a write over a sealed block) starts
+   the raw slot from the decoded block, the content ``KVStorage`` would hold.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ..model._attention import blockwise_scores_exact
+from ._paged_codec import PagedCodec
+from ._store import NULL_BLOCK, KVLayout
+
+__all__ = ["DEFAULT_DECODED_CACHE_BYTES", "CodedKVStorage", "DecodedCacheStats"]
+
+MiB = 1 << 20
+DEFAULT_DECODED_CACHE_BYTES = 64 * MiB
+"""Bound of the decoded-block cache of an engine with a codec (rule 3)."""
+
+Float32Array = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.intp]
+_Key = tuple[int, int]  # (layer, block)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedCacheStats:
+    """Counters of the decoded-block cache (a hit or miss is one layer of one block read)."""
+
+    hits: int
+    misses: int
+    entries: int
+    capacity: int
+    entry_bytes: int
+    raw_slots: int
+
+    @property
+    def bytes(self) -> int:
+        return self.entries * self.entry_bytes
+
+
+class CodedKVStorage:
+    """Codes of ``num_blocks`` blocks, the raw rows being written and a bounded decoded cache."""
+
+    __slots__ = (
+        "_arena_keys",
+        "_arena_values",
+        "_decoded",
+        "_free",
+        "_group_keys",
+        "_group_values",
+        "_hits",
+        "_misses",
+        "_raw",
+        "blockwise_scores",
+        "cache_entries",
+        "codec",
+        "entry_bytes",
+        "layout",
+        "num_blocks",
+    )
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        codec: PagedCodec,
+        *,
+        cache_bytes: int = DEFAULT_DECODED_CACHE_BYTES,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("KV storage needs at least one block besides the null block")
+        if cache_bytes < 0:
+            raise ValueError("cache_bytes must be >= 0")
+        self.layout = layout
+        self.codec = codec
+        self.num_blocks = num_blocks
+        self.blockwise_scores = blockwise_scores_exact(layout.head_dim, layout.block_size)
+        self.entry_bytes = layout.bytes_per_block // layout.num_layers
+        self.cache_entries = cache_bytes // self.entry_bytes
+        self._raw: dict[_Key, int] = {}
+        self._decoded: OrderedDict[_Key, int] = OrderedDict()
+        self._free: list[int] = []
+        self._hits = 0
+        self._misses = 0
+        lay = layout
+        self._arena_keys: Float32Array = np.zeros(
+            (lay.num_kv_heads, 1, lay.head_dim, lay.block_size), dtype=np.float32
+        )
+        self._arena_values: Float32Array = np.zeros(
+            (lay.num_kv_heads, 1, lay.block_size, lay.head_dim), dtype=np.float32
+        )
+        self._group_keys: Float32Array = np.empty(0, dtype=np.float32)
+        self._group_values: Float32Array = np.empty(0, dtype=np.float32)
+
+    # -- accounting ------------------------------------------------------------------------
+
+    def stats(self) -> DecodedCacheStats:
+        return DecodedCacheStats(
+            self._hits,
+            self._misses,
+            len(self._decoded),
+            self.cache_entries,
+            self.entry_bytes,
+            len(self._raw),
+        )
+
+    @property
+    def arena_bytes(self) -> int:
+        """Float32 bytes held now (raw and decoded slots, the null slot, free slots)."""
+        return self._arena_keys.nbytes + self._arena_values.nbytes
+
+    # -- slots -----------------------------------------------------------------------------
+
+    def _slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        used = self._arena_keys.shape[1]
+        grown = max(8, used)
+        keys, values = self._arena_keys, self._arena_values
+        self._arena_keys = np.zeros((keys.shape[0], used + grown, *keys.shape[2:]), np.float32)
+        self._arena_values = np.zeros(
+            (values.shape[0], used + grown, *values.shape[2:]), np.float32
+        )
+        self._arena_keys[:, :used] = keys
+        self._arena_values[:, :used] = values
+        self._free.extend(range(used + grown - 1, used - 1, -1))
+        return self._free.pop()
+
+    def _cache(self, key: _Key, slot: int) -> None:
+        """Make ``slot`` the most recent decoded entry, evicting beyond the bound (rule 3)."""
+        self._decoded[key] = slot
+        while len(self._decoded) > self.cache_entries:
+            _, old = self._decoded.popitem(last=False)
+            self._free.append(old)
+
+    def _decode(self, layer: int, block: int) -> tuple[Float32Array, Float32Array]:
+        return self.codec.decode_block_layer(layer, block)
+
+    def _raw_slot(self, layer: int, block: int) -> int:
+        key = (layer, block)
+        slot = self._raw.get(key)
+        if slot is not None:
+            return slot
+        slot = self._decoded.pop(key, None)
+        if slot is None:
+            slot = self._slot()
+            if self.codec.has_layer(layer, block):  # rule 7
+                k, v = self._decode(layer, block)
+                self._arena_keys[:, slot] = k
+                self._arena_values[:, slot] = v
+            else:
+                self._arena_keys[:, slot] = 0.0
+                self._arena_values[:, slot] = 0.0
+        self._raw[key] = slot
+        return slot
+
+    def forget(self, block: int) -> None:
+        """Drop every row and code of ``block`` (rule 6)."""
+        for layer in range(self.layout.num_layers):
+            key = (layer, block)
+            slot = self._raw.pop(key, None)
+            if slot is None:
+                slot = self._decoded.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+        self.codec.forget(block)
+
+    def _resolve(self, layer: int, table: IntArray) -> tuple[IntArray, list[tuple[int, int]]]:
+        """Slot ids of ``table`` (0 where a block must be decoded) and the misses
+        ``(index in table, block)``."""
+        slots = np.zeros(table.size, dtype=np.intp)
+        misses: list[tuple[int, int]] = []
+        raw, decoded = self._raw, self._decoded
+        for index, block in enumerate(table.tolist()):
+            if block == NULL_BLOCK:
+                continue
+            key = (layer, block)
+            slot = raw.get(key)
+            if slot is None:
+                slot = decoded.get(key)
+                if slot is None:
+                    misses.append((index, block))
+                    continue
+                decoded.move_to_end(key)
+                self._hits += 1
+            slots[index] = slot
+        self._misses += len(misses)
+        return slots, misses
+
+    def _fill(
+        self, layer: int, misses: list[tuple[int, int]], keys: Float32Array, values: Float32Array
+    ) -> None:
+        """Decode missed blocks into ``keys`` [heads, n, dim, bs] / ``values`` (rule 5)."""
+        for index, block in misses:
+            k, v = self._decode(layer, block)
+            keys[:, index] = k
+            values[:, index] = v
+            if self.cache_entries:
+                slot = self._slot()
+                self._arena_keys[:, slot] = k
+                self._arena_values[:, slot] = v
+                self._cache((layer, block), slot)
+
+    # -- the KVStorage interface the model uses ---------------------------------------------
+
+    def write(
+        self, layer: int, slots: tuple[IntArray, IntArray], k: Float32Array, v: Float32Array
+    ) -> None:
+        """Store K and V ([n, kv_heads, head_dim]) of ``n`` tokens at ``slots`` (block, offset)."""
+        blocks, offsets = slots
+        ids = np.fromiter(
+            (self._raw_slot(layer, b) for b in blocks.tolist()), dtype=np.intp, count=blocks.size
+        )
+        self._arena_keys[:, ids, :, offsets] = k
+        self._arena_values[:, ids, offsets] = v.transpose(1, 0, 2)
+
+    def own_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
+        """Copies ``(K^T [n, heads, dim, bs], V [n, heads, bs, dim])`` of raw blocks."""
+        ids = np.array([self._raw[layer, b] for b in blocks.tolist()], dtype=np.intp)
+        return (
+            np.ascontiguousarray(self._arena_keys[:, ids].transpose(1, 0, 2, 3)),
+            np.ascontiguousarray(self._arena_values[:, ids].transpose(1, 0, 2, 3)),
+        )
+
+    def gather(self, layer: int, table: IntArray) -> tuple[Float32Array, Float32Array]:
+        """``(K^T [kv_heads, head_dim, tokens], V [kv_heads, tokens, head_dim])`` of a table."""
+        lay = self.layout
+        tokens = table.size * lay.block_size
+        slots, misses = self._resolve(layer, table)
+        blocks = np.take(self._arena_keys, slots, axis=1)
+        values = np.take(self._arena_values, slots, axis=1)
+        self._fill(layer, misses, blocks, values)
+        keys_t = np.ascontiguousarray(blocks.transpose(0, 2, 1, 3))
+        return (
+            keys_t.reshape(lay.num_kv_heads, lay.head_dim, tokens),
+            values.reshape(lay.num_kv_heads, tokens, lay.head_dim),
+        )
+
+    def gather_group(self, layer: int, tables: IntArray) -> tuple[Float32Array, Float32Array]:
+        """As ``KVStorage.gather_group``: views of scratch arrays, valid until the next call."""
+        lay = self.layout
+        heads, dim = lay.num_kv_heads, lay.head_dim
+        seqs, blocks = tables.shape
+        tokens = blocks * lay.block_size
+        flat = tables.ravel()
+        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.num_blocks):
+            raise IndexError(f"block ids must lie in [0, {self.num_blocks})")
+        slots, misses = self._resolve(layer, flat)
+        size = heads * flat.size * dim * lay.block_size
+        if self._group_keys.size < size:
+            self._group_keys = np.empty(size, dtype=np.float32)
+            self._group_values = np.empty(size, dtype=np.float32)
+        keys = self._group_keys[:size].reshape(heads, flat.size, dim, lay.block_size)
+        values = self._group_values[:size].reshape(heads, flat.size, lay.block_size, dim)
+        np.take(self._arena_keys, slots, axis=1, out=keys, mode="clip")
+        np.take(self._arena_values, slots, axis=1, out=values, mode="clip")
+        self._fill(layer, misses, keys, values)
+        keys = keys.reshape(heads, seqs, blocks, dim, lay.block_size)
+        if not self.blockwise_scores:
+            keys_t = np.ascontiguousarray(keys.transpose(0, 1, 3, 2, 4))
+            keys = keys_t.reshape(heads, seqs, 1, dim, tokens)
+        return (
+            keys.transpose(1, 0, 2, 3, 4),
+            values.reshape(heads, seqs, tokens, dim).transpose(1, 0, 2, 3),
+        )
+
+    def seal(self, layer: int, blocks: IntArray, firsts: npt.NDArray[np.bool_]) -> None:
+        """Encode one layer of complete ``blocks``; their raw slots become decoded cache entries
+        (rule 4); ``firsts``: which are a sequence's first block (sink)."""
+        keys, values = self._arena_keys, self._arena_values
+        for block, first in zip(blocks.tolist(), firsts.tolist(), strict=True):
+            key = (layer, block)
+            slot = self._raw.pop(key)
+            k, v = self.codec.seal(layer, block, keys[:, slot], values[:, slot], bool(first))
+            if self.cache_entries:
+                keys[:, slot] = k
+                values[:, slot] = v
+                self._cache(key, slot)
+            else:
+                self._free.append(slot)
+
+    def load(self, block: int, packed: npt.NDArray[np.uint8], first: bool) -> None:
+        """Take a packed block from another node as ``block``'s codes (``PagedCodec.load``
+        checks its size and that it decodes to finite values)."""
+        self.forget(block)
+        self.codec.load(block, packed, first)
