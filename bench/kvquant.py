@@ -22,6 +22,12 @@ at float16 (``e8-2w`` is ``e8-2`` with it).  Per codec:
             prompt is computed exactly and only the scored positions read encoded K/V).
   ctx@MiB   the longest context whose K/V fit ``--budget-mib`` (from the true bits).
 
+Then the engine itself, per served codec at ``--engine-budget-mib`` of ``--kv-gib`` (one running
+sequence): the longest prompt it admits, asked of ``Engine.longest_admitted_prompt`` -- the pool
+holds codes only, so this is measured, not computed -- with its bytes per token and the share
+of the limit its decoded-block cache and raw block take.  Target: e8-2 >= 7x fp16's.
+``--engine-only`` runs just this table (seconds).
+
 Targets (issue 14): e8-2 at >= 7x vs fp16 with attn err <= 0.38 and top-1 >= 82%; e8-2w
 attn err <= 0.10 at <= 3.4 bits.  The report says which were met, on what was measured.
 Bounded: the prompts and tokens are fixed by the options (``--quick``: one prompt of 256
@@ -55,7 +61,8 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from backends.engine import LlamaModel  # noqa: E402
+from backends.engine import Engine, LlamaModel  # noqa: E402
+from backends.engine.kv._paged_codec import ENGINE_CODECS  # noqa: E402
 from backends.engine.kv._planner import (  # noqa: E402
     check_plan,
     measure_sensitivity,
@@ -70,6 +77,7 @@ from backends.engine.kv.codecs._texts import PROMPTS  # noqa: E402
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "kvquant.json"
 DEFAULT_BUDGET_MIB = 64
 DEFAULT_CONTEXT = 1536
+DEFAULT_ENGINE_BUDGET_MIB = 16
 FULL = {"prompts": None, "tokens": None, "queries": 128}
 QUICK = {"prompts": 1, "tokens": 256, "queries": 64}
 TARGET_E8_COMPRESSION = 7.0
@@ -191,6 +199,71 @@ def planner_targets(planner: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def engine_capacity_rows(model: LlamaModel, budget_bytes: int) -> list[dict[str, Any]]:
+    """Per served codec: the longest prompt an engine admits at ``budget_bytes`` (measured)."""
+    calibration = calibrate(model)
+    rows = []
+    for name in ENGINE_CODECS:
+        engine = Engine(
+            model, budget_bytes, kv_codec=name, kv_calibration=calibration, max_num_seqs=1
+        )
+        cache = engine.pool.decoded_cache_stats()
+        rows.append(
+            {
+                "codec": name,
+                "bytes_per_token": engine.pool.bytes_per_token,
+                "num_blocks": engine.pool.num_blocks,
+                "longest_prompt": engine.longest_admitted_prompt(max_tokens=1),
+                "capped": engine.longest_admitted_prompt(max_tokens=1) >= model.max_model_len - 1,
+                "decoded_cache_bytes": 0 if cache is None else cache.capacity * cache.entry_bytes,
+            }
+        )
+    by = {row["codec"]: row for row in rows}
+    for row in rows:
+        row["vs_fp16"] = row["longest_prompt"] / by["fp16"]["longest_prompt"]
+        row["vs_fp32"] = row["longest_prompt"] / by["fp32"]["longest_prompt"]
+    return rows
+
+
+def engine_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {row["codec"]: row for row in rows}
+    ratio = by["e8-2"]["vs_fp16"]
+    return [
+        {
+            "what": "engine: e8-2's longest admitted prompt >= 7x fp16's at the same KV memory",
+            "measured": ratio,
+            "met": ratio >= TARGET_E8_COMPRESSION,
+        }
+    ]
+
+
+def render_engine(rows: list[dict[str, Any]], budget_mib: int) -> None:
+    table = Table(
+        title=f"The engine at --kv-gib {budget_mib / 1024:g} ({budget_mib} MiB), one sequence"
+    )
+    for column in (
+        "codec",
+        "bytes/token",
+        "blocks",
+        "longest prompt",
+        "x fp16",
+        "x fp32",
+        "decoded cache",
+    ):
+        table.add_column(column, justify="left" if column == "codec" else "right")
+    for row in rows:
+        table.add_row(
+            row["codec"],
+            f"{row['bytes_per_token']:.0f}",
+            str(row["num_blocks"]),
+            str(row["longest_prompt"]) + (" (window)" if row["capped"] else ""),
+            f"{row['vs_fp16']:.2f}",
+            f"{row['vs_fp32']:.2f}",
+            f"{row['decoded_cache_bytes'] / (1 << 20):.1f} MiB",
+        )
+    Console(width=200).print(table)
+
+
 def render(result: dict[str, Any]) -> None:
     setup = result["setup"]
     context, budget_mib = setup["context"], setup["budget_mib"]
@@ -290,6 +363,16 @@ def main(argv: list[str] | None = None) -> int:
         default=list(DEFAULT_PLAN_BUDGET_BITS),
         help="planner budgets in mean bits per element (none: skip the planner)",
     )
+    parser.add_argument(
+        "--engine-only", action="store_true", help="only the engine's capacity table"
+    )
+    parser.add_argument(
+        "--engine-budget-mib",
+        type=int,
+        default=DEFAULT_ENGINE_BUDGET_MIB,
+        help="KV memory of the engine capacity table (small enough that e8-2 stays under the "
+        "model's 8192-token window)",
+    )
     parser.add_argument("--plan-tokens", type=int, default=DEFAULT_PLAN_TOKENS)
     parser.add_argument("--plan-queries", type=int, default=DEFAULT_PLAN_QUERIES)
     args = parser.parse_args(argv)
@@ -302,6 +385,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {time.strftime('%H:%M:%S')} {line}", flush=True)
 
     model = LlamaModel.load()
+    budget = args.budget_mib << 20
+    with threadpool_limits(args.threads, "blas"):
+        capacity = engine_capacity_rows(model, args.engine_budget_mib << 20)
+    render_engine(capacity, args.engine_budget_mib)
+    if args.engine_only:
+        for check in engine_targets(capacity):
+            print(
+                f"{'met' if check['met'] else 'MISSED'}: {check['what']} ({check['measured']:.2f})"
+            )
+        model.close()
+        return 0
     with threadpool_limits(args.threads, "blas"):
         report = measure_quality(
             model,
@@ -319,7 +413,6 @@ def main(argv: list[str] | None = None) -> int:
             say,
         )
     model.close()
-    budget = args.budget_mib << 20
     table = quality_rows(report, args.context, budget)
     result = {
         "setup": {
@@ -338,9 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "codecs": table,
         "planner": planner,
-        "targets": targets(table) + planner_targets(planner),
+        "engine_capacity": capacity,
+        "targets": targets(table) + planner_targets(planner) + engine_targets(capacity),
     }
     render(result)
+    render_engine(capacity, args.engine_budget_mib)
     path = RESULTS_PATH
     if args.semantics != "write":
         path = path.with_name(f"kvquant-{args.semantics}.json")
