@@ -545,13 +545,15 @@ def test_a_skewed_sample_reweighted_recovers_the_traffic_s_latency_shift() -> No
     assert judged.reweighting is not None and judged.reweighting.unweighted is not None
     unweighted = judged.reweighting.unweighted
     reweighted = judged.matched
+    assert truth.shift is not None and everything.shift is not None
+    assert reweighted.shift is not None and reweighted.shift_ci_low is not None
+    assert reweighted.shift_ci_high is not None
     print(f"TTFT shift at matched load and cache: traffic {truth.shift * 1e3:.2f} ms "
           f"(all traffic {everything.shift * 1e3:.2f} ms); evaluated unweighted "
           f"{unweighted['shift'] * 1e3:.2f} ms [{unweighted['shift_ci_low'] * 1e3:.2f}, "
           f"{unweighted['shift_ci_high'] * 1e3:.2f}]; reweighted {reweighted.shift * 1e3:.2f}"
           f" ms [{reweighted.shift_ci_low * 1e3:.2f}, {reweighted.shift_ci_high * 1e3:.2f}] "
           f"on {judged.reweighting.effective_candidate} of {len(kept)} values")
-    assert truth.shift is not None and reweighted.shift_ci_low is not None
     # Unweighted the long prompts are missing and the shift looks smaller than it is ...
     assert not unweighted["shift_ci_low"] <= truth.shift <= unweighted["shift_ci_high"]
     assert unweighted["shift_ci_high"] < truth.shift
