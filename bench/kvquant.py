@@ -202,19 +202,20 @@ def planner_targets(planner: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def engine_capacity_rows(model: LlamaModel, budget_bytes: int) -> list[dict[str, Any]]:
     """Per served codec: the longest prompt an engine admits at ``budget_bytes`` (measured)."""
     calibration = calibrate(model)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in ENGINE_CODECS:
         engine = Engine(
             model, budget_bytes, kv_codec=name, kv_calibration=calibration, max_num_seqs=1
         )
         cache = engine.pool.decoded_cache_stats()
+        longest = engine.longest_admitted_prompt(max_tokens=1)
         rows.append(
             {
                 "codec": name,
                 "bytes_per_token": engine.pool.bytes_per_token,
                 "num_blocks": engine.pool.num_blocks,
-                "longest_prompt": engine.longest_admitted_prompt(max_tokens=1),
-                "capped": engine.longest_admitted_prompt(max_tokens=1) >= model.max_model_len - 1,
+                "longest_prompt": longest,
+                "capped": longest >= model.max_model_len - 1,
                 "decoded_cache_bytes": 0 if cache is None else cache.capacity * cache.entry_bytes,
             }
         )
