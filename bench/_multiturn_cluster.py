@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procs import Child, free_port
+from _stream_timing import StreamError, sse_chunks
 
 __all__ = [
     "MODEL",
@@ -57,11 +58,8 @@ THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THRE
 ENGINE_READY_TIMEOUT_S = 300.0
 HEALTH_POLL_S = 0.25
 METRICS_TIMEOUT_S = 10.0
-MAX_ERROR_BODY = 300
 MAX_COMPLAINTS_KEPT = 5
 _COMPLAINT = re.compile(r" (WARNING|ERROR|CRITICAL) |^Traceback")
-_DATA = b"data: "
-_DONE = b"[DONE]"
 
 
 @dataclass
@@ -245,30 +243,21 @@ async def chat_turn(
     first: float | None = None
     done = False
     sent = time.perf_counter()
-    async with session.post(
-        url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
-    ) as resp:
-        if resp.status != 200:
-            raise ChatError(f"status {resp.status}: {(await resp.read())[:MAX_ERROR_BODY]!r}")
-        async for line in resp.content:
-            if not line.startswith(_DATA):
-                continue
-            payload = line[len(_DATA) :].strip()
-            if payload == _DONE:
+    try:
+        async for now, chunk in sse_chunks(
+            session, url + "/v1/chat/completions", json.dumps(body).encode(), timeout_s=timeout_s
+        ):
+            if chunk is None:
                 done = True
                 break
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                raise ChatError(f"error event: {str(chunk['error'])[:MAX_ERROR_BODY]}")
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or ():
                 content = (choice.get("delta") or {}).get("content") or ""
                 if first is None and (content or choice.get("finish_reason")):
-                    first = time.perf_counter()
+                    first = now
                 text.append(content)
+    except StreamError as exc:
+        raise ChatError(str(exc)) from exc
     ended = time.perf_counter()
     if not done or first is None:
         raise ChatError(f"stream cut ({'no token' if first is None else 'no [DONE]'})")

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-__all__ = ["StreamError", "StreamTiming", "steady_rate", "timed_stream"]
+__all__ = ["StreamError", "StreamTiming", "sse_chunks", "steady_rate", "timed_stream"]
 
 _DATA = b"data: "
 _DONE = b"[DONE]"
@@ -105,15 +106,15 @@ def request_body(base: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
 
 
-async def timed_stream(
-    session: aiohttp.ClientSession, url: str, base: dict[str, Any], *, timeout_s: float
-) -> StreamTiming:
-    """POST ``base`` (as a stream, see ``request_body``) to ``url`` and time its tokens."""
-    body = request_body(base)
-    arrivals: list[tuple[float, int]] = []
-    usage: dict[str, Any] = {}
-    done = False
-    sent = time.perf_counter()
+async def sse_chunks(
+    session: aiohttp.ClientSession, url: str, body: bytes, *, timeout_s: float
+) -> AsyncIterator[tuple[float, dict[str, Any] | None]]:
+    """POST the JSON ``body`` to ``url`` and yield each SSE chunk with the time its line was read.
+
+    ``data: [DONE]`` is yielded as ``None``, last; a status other than 200 or an error event
+    raises ``StreamError``. A stream cut before ``[DONE]`` just ends: the caller says what it
+    had by then.
+    """
     async with session.post(
         url,
         data=body,
@@ -129,19 +130,34 @@ async def timed_stream(
                 continue
             payload = line[len(_DATA) :].strip()
             if payload == _DONE:
-                done = True
-                break
+                yield now, None
+                return
             chunk = json.loads(payload)
             if "error" in chunk:
                 raise StreamError(f"error event: {str(chunk['error'])[:MAX_ERROR_BODY]}")
-            usage = chunk.get("usage") or usage
-            if not chunk.get("choices"):
-                continue
-            if "completion_tokens" not in usage:
-                raise StreamError("a chunk without continuous usage: tokens cannot be counted")
-            count = int(usage["completion_tokens"])
-            if count > (arrivals[-1][1] if arrivals else 0):
-                arrivals.append((now, count))
+            yield now, chunk
+
+
+async def timed_stream(
+    session: aiohttp.ClientSession, url: str, base: dict[str, Any], *, timeout_s: float
+) -> StreamTiming:
+    """POST ``base`` (as a stream, see ``request_body``) to ``url`` and time its tokens."""
+    arrivals: list[tuple[float, int]] = []
+    usage: dict[str, Any] = {}
+    done = False
+    sent = time.perf_counter()
+    async for now, chunk in sse_chunks(session, url, request_body(base), timeout_s=timeout_s):
+        if chunk is None:
+            done = True
+            break
+        usage = chunk.get("usage") or usage
+        if not chunk.get("choices"):
+            continue
+        if "completion_tokens" not in usage:
+            raise StreamError("a chunk without continuous usage: tokens cannot be counted")
+        count = int(usage["completion_tokens"])
+        if count > (arrivals[-1][1] if arrivals else 0):
+            arrivals.append((now, count))
     if not done:
         raise StreamError(f"stream cut after {len(arrivals)} token arrivals (no [DONE])")
     details = usage.get("prompt_tokens_details") or {}
