@@ -5,13 +5,19 @@ A tiny ``BlockPool`` with cached blocks and a fake clock; no model is loaded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from backends.engine import BlockPool, KVLayout
 from backends.engine.kv._blockpool import BlockHash, hash_blocks
-from backends.engine.kv._retention import TICKET_BYTES, KVRetention, UnknownTicketError
+from backends.engine.kv._retention import (
+    TICKET_BYTES,
+    KVRetention,
+    RetainedKV,
+    UnknownTicketError,
+)
 from backends.engine.kv._store import KVStorage
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4)
@@ -37,6 +43,12 @@ def pool() -> BlockPool:
     return BlockPool(LAYOUT, 8, seed=SEED)
 
 
+@pytest.fixture
+def retention(pool: BlockPool, clock: FakeClock) -> KVRetention:
+    """Retention over ``pool`` bounded at 8 blocks, on the fake clock."""
+    return KVRetention(pool, 8, clock=clock)
+
+
 def _compute(pool: BlockPool, tokens: list[int]) -> tuple[list[int], list[BlockHash]]:
     """What a request leaves behind: its full blocks allocated and cached, still referenced."""
     hashes = hash_blocks(pool.seed, tokens, pool.block_size)
@@ -56,6 +68,14 @@ def _finished(pool: BlockPool, tokens: list[int]) -> tuple[list[int], list[Block
     return blocks, hashes
 
 
+def _retain(
+    retention: KVRetention, blocks: list[int], hashes: list[BlockHash], ttl_s: float = TTL_S
+) -> RetainedKV:
+    retained = retention.retain(blocks, hashes, ttl_s)
+    assert retained is not None
+    return retained
+
+
 def _ids(retention: KVRetention, ticket: bytes, start: int, count: int) -> list[int]:
     return [block.block_id for block in retention.export(ticket, start, count)]
 
@@ -64,11 +84,11 @@ def _refs(pool: BlockPool, blocks: list[int]) -> list[int]:
     return [pool.ref_count(b) for b in blocks]
 
 
-def test_retaining_holds_a_reference_on_every_block(pool: BlockPool, clock: FakeClock) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
+def test_retaining_holds_a_reference_on_every_block(
+    pool: BlockPool, retention: KVRetention
+) -> None:
     blocks, hashes = _compute(pool, list(range(12)))
-    retained = retention.retain(blocks, hashes, TTL_S)
-    assert retained is not None
+    retained = _retain(retention, blocks, hashes)
     assert len(retained.ticket) == TICKET_BYTES
     assert (retained.num_blocks, retained.last_block_hash) == (3, hashes[-1])
     assert retained.ttl_s == TTL_S
@@ -84,8 +104,9 @@ def test_retaining_holds_a_reference_on_every_block(pool: BlockPool, clock: Fake
     assert _ids(retention, retained.ticket, 0, 3) == blocks
 
 
-def test_tickets_are_distinct_and_sets_may_share_blocks(pool: BlockPool, clock: FakeClock) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
+def test_tickets_are_distinct_and_sets_may_share_blocks(
+    pool: BlockPool, retention: KVRetention
+) -> None:
     blocks, hashes = _finished(pool, list(range(8)))
     first = retention.retain(blocks, hashes, TTL_S)
     second = retention.retain(blocks[:1], hashes[:1], TTL_S)
@@ -99,12 +120,10 @@ def test_tickets_are_distinct_and_sets_may_share_blocks(pool: BlockPool, clock: 
 
 
 def test_a_set_expires_at_its_deadline_and_gives_its_references_back(
-    pool: BlockPool, clock: FakeClock
+    pool: BlockPool, clock: FakeClock, retention: KVRetention
 ) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
     blocks, hashes = _compute(pool, list(range(8)))
-    retained = retention.retain(blocks, hashes, TTL_S)
-    assert retained is not None
+    retained = _retain(retention, blocks, hashes)
     clock.now += TTL_S - 0.001
     assert retention.expire() == 0
     assert _ids(retention, retained.ticket, 0, 2) == blocks
@@ -120,12 +139,10 @@ def test_a_set_expires_at_its_deadline_and_gives_its_references_back(
 
 
 def test_an_expired_set_is_refused_at_once_and_dropped_by_the_engine(
-    pool: BlockPool, clock: FakeClock
+    pool: BlockPool, clock: FakeClock, retention: KVRetention
 ) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
     blocks, hashes = _finished(pool, list(range(4)))
-    retained = retention.retain(blocks, hashes, 1.0)
-    assert retained is not None
+    retained = _retain(retention, blocks, hashes, 1.0)
     clock.now += 1.0
     with pytest.raises(UnknownTicketError):  # refused before any expire() call
         _ids(retention, retained.ticket, 0, 1)
@@ -135,11 +152,9 @@ def test_an_expired_set_is_refused_at_once_and_dropped_by_the_engine(
     assert not retention.release(retained.ticket)
 
 
-def test_release_drops_a_set_once(pool: BlockPool, clock: FakeClock) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
+def test_release_drops_a_set_once(pool: BlockPool, retention: KVRetention) -> None:
     blocks, hashes = _finished(pool, list(range(8)))
-    retained = retention.retain(blocks, hashes, TTL_S)
-    assert retained is not None
+    retained = _retain(retention, blocks, hashes)
     assert pool.num_free_blocks == 6
     assert retention.release(retained.ticket)
     assert not retention.release(retained.ticket)  # a second release takes no reference
@@ -149,13 +164,13 @@ def test_release_drops_a_set_once(pool: BlockPool, clock: FakeClock) -> None:
         _ids(retention, retained.ticket, 0, 1)
 
 
-def test_reclaim_drops_the_oldest_set_first(pool: BlockPool, clock: FakeClock) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
+def test_reclaim_drops_the_oldest_set_first(
+    pool: BlockPool, clock: FakeClock, retention: KVRetention
+) -> None:
     tickets = []
     for start in (0, 100, 200):
         blocks, hashes = _finished(pool, list(range(start, start + 4)))
-        retained = retention.retain(blocks, hashes, TTL_S)
-        assert retained is not None
+        retained = _retain(retention, blocks, hashes)
         tickets.append(retained.ticket)
         clock.now += 1.0
     for dropped in range(3):
@@ -197,8 +212,7 @@ def test_a_new_set_pushes_out_the_oldest(pool: BlockPool, clock: FakeClock) -> N
     assert _ids(retention, third.ticket, 0, 1) == third_blocks
 
 
-def test_nothing_to_retain_is_not_retained(pool: BlockPool, clock: FakeClock) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
+def test_nothing_to_retain_is_not_retained(pool: BlockPool, retention: KVRetention) -> None:
     blocks, hashes = _finished(pool, list(range(8)))
     assert retention.retain([], [], TTL_S) is None
     assert retention.retain(blocks, hashes[:1], TTL_S) is None  # lengths differ
@@ -209,11 +223,9 @@ def test_nothing_to_retain_is_not_retained(pool: BlockPool, clock: FakeClock) ->
         KVRetention(pool, -1)
 
 
-def test_ranges_of_a_set(pool: BlockPool, clock: FakeClock) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
+def test_ranges_of_a_set(pool: BlockPool, retention: KVRetention) -> None:
     blocks, hashes = _finished(pool, list(range(12)))
-    retained = retention.retain(blocks, hashes, TTL_S)
-    assert retained is not None
+    retained = _retain(retention, blocks, hashes)
     ticket = retained.ticket
     assert _ids(retention, ticket, 1, 2) == blocks[1:]
     assert _ids(retention, ticket, 3, 0) == []
@@ -225,8 +237,7 @@ def test_ranges_of_a_set(pool: BlockPool, clock: FakeClock) -> None:
     assert issubclass(UnknownTicketError, KeyError)
 
 
-def test_a_set_that_extends_another_supersedes_it(pool: BlockPool, clock: FakeClock) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
+def test_a_set_that_extends_another_supersedes_it(pool: BlockPool, retention: KVRetention) -> None:
     turn1, hashes1 = _compute(pool, list(range(8)))
     first = retention.retain(turn1, hashes1, TTL_S)
     pool.release(turn1)
@@ -261,6 +272,7 @@ class _WatchedStorage(KVStorage):
     """Storage that runs ``during_read`` while a block is being copied out."""
 
     __slots__ = ("during_read",)
+    during_read: Callable[[], None]
 
     def read_block(self, block_id: int) -> Any:
         self.during_read()
@@ -268,12 +280,10 @@ class _WatchedStorage(KVStorage):
 
 
 def test_a_leased_set_outlives_expiry_release_and_reclaim_until_its_export_ends(
-    pool: BlockPool, clock: FakeClock
+    pool: BlockPool, clock: FakeClock, retention: KVRetention
 ) -> None:
-    retention = KVRetention(pool, 8, clock=clock)
     blocks, hashes = _finished(pool, list(range(8)))
-    retained = retention.retain(blocks, hashes, 1.0)
-    assert retained is not None
+    retained = _retain(retention, blocks, hashes, 1.0)
     seen: list[list[int]] = []
 
     def engine_drops_it() -> None:
