@@ -52,6 +52,17 @@ async def raw_server(answer: bytes | Handler) -> AsyncIterator[ConnectionPool]:
         pool.close()
 
 
+def answer_once(answer: bytes) -> Handler:
+    """A handler that reads one request and sends ``answer``; ``raw_server`` then closes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+
+    return handle
+
+
 async def fetch(pool: ConnectionPool) -> tuple[ResponseHead, bytes]:
     conn = await pool.acquire()
     try:
@@ -107,12 +118,7 @@ async def test_keep_alive_reuses_the_connection_and_close_does_not() -> None:
 
 
 async def test_body_until_close_and_no_body_statuses() -> None:
-    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.0 200 OK\r\n\r\nall of it")
-        await writer.drain()
-
-    async with raw_server(until_close) as pool:
+    async with raw_server(answer_once(b"HTTP/1.0 200 OK\r\n\r\nall of it")) as pool:
         assert (await fetch(pool))[1] == b"all of it"
     async with raw_server(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n") as pool:
         head, body = await fetch(pool)
@@ -137,11 +143,7 @@ async def test_malformed_answers_are_refused(answer: bytes) -> None:
 
 
 async def test_a_cut_body_is_a_disconnect() -> None:
-    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
-        await writer.drain()
-
+    cut = answer_once(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
     async with raw_server(cut) as pool:
         with pytest.raises(Disconnected):
             await fetch(pool)
