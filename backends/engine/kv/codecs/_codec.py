@@ -27,6 +27,7 @@ Rules every codec keeps
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -37,10 +38,12 @@ import numpy.typing as npt
 __all__ = [
     "DEFAULT_ENCODE_TOKENS",
     "DEFAULT_SEED",
+    "BlockCodec",
     "CodecSpec",
     "EncodedBlock",
     "KVCodec",
     "Role",
+    "block_shape",
     "measured_bits_per_element",
 ]
 
@@ -115,21 +118,6 @@ class KVCodec(Protocol):
         ...
 
 
-def check_block(x: Float32Array, role: Role) -> None:
-    """Raise unless ``x`` is a float32 [tokens, kv_heads, head_dim] block and ``role`` valid."""
-    if role not in ROLES:
-        raise ValueError(f"role must be 'key' or 'value', got {role!r}")
-    if x.ndim != 3 or min(x.shape) <= 0:
-        raise ValueError(f"a KV block is [tokens, kv_heads, head_dim], got shape {x.shape}")
-    if x.dtype != np.float32:
-        raise ValueError(f"a KV block is float32, got {x.dtype}")
-
-
-def check_encoded(codec: KVCodec, encoded: EncodedBlock) -> None:
-    if encoded.codec != codec.name:
-        raise ValueError(f"a {encoded.codec} block cannot be decoded by the {codec.name} codec")
-
-
 def measured_bits_per_element(
     codec: KVCodec, kv_heads: int, head_dim: int, tokens: int = DEFAULT_ENCODE_TOKENS
 ) -> float:
@@ -141,6 +129,52 @@ def measured_bits_per_element(
     x = rng.standard_normal((tokens, kv_heads, head_dim)).astype(np.float32)
     sizes = [codec.nbytes(codec.encode(x, role)) for role in ROLES]
     return 8.0 * sum(sizes) / (2 * x.size)
+
+
+def block_shape(x: npt.NDArray[Any]) -> tuple[int, int, int]:
+    """``x``'s [tokens, kv_heads, head_dim] as plain ints, for ``EncodedBlock.shape``."""
+    tokens, heads, dim = x.shape
+    return (int(tokens), int(heads), int(dim))
+
+
+class BlockCodec(ABC):
+    """What every codec here does the same way around its own math.
+
+    ``encode`` checks the block (rule 1) and ``decode`` the codec name before handing over to
+    ``_encode`` / ``_decode``; the size is the encoded arrays' bytes, measured (rule 3).
+    """
+
+    __slots__ = ()
+    name: str
+    window_tokens: int
+
+    def encode(self, x: Float32Array, role: Role) -> EncodedBlock:
+        if role not in ROLES:
+            raise ValueError(f"role must be 'key' or 'value', got {role!r}")
+        if x.ndim != 3 or min(x.shape) <= 0:
+            raise ValueError(f"a KV block is [tokens, kv_heads, head_dim], got shape {x.shape}")
+        if x.dtype != np.float32:
+            raise ValueError(f"a KV block is float32, got {x.dtype}")
+        return self._encode(x, role)
+
+    def decode(self, encoded: EncodedBlock) -> Float32Array:
+        if encoded.codec != self.name:
+            raise ValueError(f"a {encoded.codec} block cannot be decoded by the {self.name} codec")
+        return self._decode(encoded)
+
+    def nbytes(self, encoded: EncodedBlock) -> int:
+        return encoded.nbytes
+
+    def bits_per_element(
+        self, kv_heads: int, head_dim: int, tokens: int = DEFAULT_ENCODE_TOKENS
+    ) -> float:
+        return measured_bits_per_element(self, kv_heads, head_dim, tokens)
+
+    @abstractmethod
+    def _encode(self, x: Float32Array, role: Role) -> EncodedBlock: ...
+
+    @abstractmethod
+    def _decode(self, encoded: EncodedBlock) -> Float32Array: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,16 +48,7 @@ import functools
 
 import numpy as np
 
-from ._codec import (
-    DEFAULT_ENCODE_TOKENS,
-    DEFAULT_SEED,
-    EncodedBlock,
-    Float32Array,
-    Role,
-    check_block,
-    check_encoded,
-    measured_bits_per_element,
-)
+from ._codec import DEFAULT_SEED, BlockCodec, EncodedBlock, Float32Array, Role, block_shape
 from ._e8 import e8_codebook
 
 __all__ = [
@@ -117,7 +108,7 @@ def key_scale_from(
     return scale.astype(np.float32)
 
 
-class E8Codec:
+class E8Codec(BlockCodec):
     """E8 lattice codes for one layer (see the module comment)."""
 
     __slots__ = ("key_mean", "key_scale", "layer", "name", "seed", "tau", "window_tokens")
@@ -166,8 +157,7 @@ class E8Codec:
             x = x + self.key_mean[None]
         return x
 
-    def encode(self, x: Float32Array, role: Role) -> EncodedBlock:
-        check_block(x, role)
+    def _encode(self, x: Float32Array, role: Role) -> EncodedBlock:
         tokens, heads, dim = x.shape
         signs = rotation_signs(self.seed, self.layer, heads, dim)
         rotated = hadamard_transform(self._to_coded(x, role) * signs[None])
@@ -178,22 +168,12 @@ class E8Codec:
         scaled = np.where(scales32[..., None] > 0, rotated / safe[..., None], 0.0)
         blocks = scaled.reshape(-1, E8_BLOCK).astype(np.float64)
         codes = e8_codebook().encode(blocks).reshape(tokens, heads, dim // E8_BLOCK)
-        shape = (int(tokens), int(heads), int(dim))
-        return EncodedBlock(self.name, role, shape, codes, scales, _EMPTY)
+        return EncodedBlock(self.name, role, block_shape(x), codes, scales, _EMPTY)
 
-    def decode(self, encoded: EncodedBlock) -> Float32Array:
-        check_encoded(self, encoded)
+    def _decode(self, encoded: EncodedBlock) -> Float32Array:
         tokens, heads, dim = encoded.shape
         signs = rotation_signs(self.seed, self.layer, heads, dim)
         points = e8_codebook().decode(encoded.codes).reshape(tokens, heads, dim)
         points *= encoded.scales.astype(np.float32)[..., None]
         out = hadamard_transform(points) * signs[None]  # H / sqrt(d) is its own inverse
         return self._from_coded(out, encoded.role)
-
-    def nbytes(self, encoded: EncodedBlock) -> int:
-        return encoded.nbytes
-
-    def bits_per_element(
-        self, kv_heads: int, head_dim: int, tokens: int = DEFAULT_ENCODE_TOKENS
-    ) -> float:
-        return measured_bits_per_element(self, kv_heads, head_dim, tokens)

@@ -12,17 +12,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import numpy.typing as npt
 
-from ._codec import (
-    DEFAULT_ENCODE_TOKENS,
-    EncodedBlock,
-    Float32Array,
-    Role,
-    check_block,
-    check_encoded,
-    measured_bits_per_element,
-)
+from ._codec import BlockCodec, EncodedBlock, Float32Array, Role, block_shape
 
 __all__ = ["Float8Codec", "Float16Codec", "Float32Codec"]
 
@@ -31,7 +22,7 @@ FP8_MAX = 448.0
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
-class _CastCodec:
+class _CastCodec(BlockCodec):
     """A codec that stores every element cast to one dtype, with no metadata."""
 
     __slots__ = ()
@@ -39,22 +30,12 @@ class _CastCodec:
     dtype: Any = np.float32
     window_tokens = 0
 
-    def encode(self, x: Float32Array, role: Role) -> EncodedBlock:
-        check_block(x, role)
+    def _encode(self, x: Float32Array, role: Role) -> EncodedBlock:
         codes = np.ascontiguousarray(x, dtype=self.dtype)
-        return EncodedBlock(self.name, role, _shape(x), codes, _EMPTY, _EMPTY)
+        return EncodedBlock(self.name, role, block_shape(x), codes, _EMPTY, _EMPTY)
 
-    def decode(self, encoded: EncodedBlock) -> Float32Array:
-        check_encoded(self, encoded)
+    def _decode(self, encoded: EncodedBlock) -> Float32Array:
         return np.asarray(encoded.codes, dtype=np.float32).reshape(encoded.shape)
-
-    def nbytes(self, encoded: EncodedBlock) -> int:
-        return encoded.nbytes
-
-    def bits_per_element(
-        self, kv_heads: int, head_dim: int, tokens: int = DEFAULT_ENCODE_TOKENS
-    ) -> float:
-        return measured_bits_per_element(self, kv_heads, head_dim, tokens)
 
 
 class Float32Codec(_CastCodec):
@@ -73,36 +54,21 @@ class Float16Codec(_CastCodec):
     dtype = np.float16
 
 
-class Float8Codec:
+class Float8Codec(BlockCodec):
     """e4m3 with a float32 scale per KV head per block (see the module comment)."""
 
     __slots__ = ()
     name = "fp8"
     window_tokens = 0
 
-    def encode(self, x: Float32Array, role: Role) -> EncodedBlock:
-        check_block(x, role)
+    def _encode(self, x: Float32Array, role: Role) -> EncodedBlock:
         amax = np.abs(x).max(axis=(0, 2)).astype(np.float32)  # [kv_heads]
         scales = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
         scaled = np.clip(x / scales[None, :, None], -FP8_MAX, FP8_MAX)  # no NaN from a rounding
         codes = scaled.astype(ml_dtypes.float8_e4m3fn)
-        return EncodedBlock(self.name, role, _shape(x), codes, scales, _EMPTY)
+        return EncodedBlock(self.name, role, block_shape(x), codes, scales, _EMPTY)
 
-    def decode(self, encoded: EncodedBlock) -> Float32Array:
-        check_encoded(self, encoded)
+    def _decode(self, encoded: EncodedBlock) -> Float32Array:
         values: Float32Array = encoded.codes.astype(np.float32)
         values *= encoded.scales[None, :, None]
         return values
-
-    def nbytes(self, encoded: EncodedBlock) -> int:
-        return encoded.nbytes
-
-    def bits_per_element(
-        self, kv_heads: int, head_dim: int, tokens: int = DEFAULT_ENCODE_TOKENS
-    ) -> float:
-        return measured_bits_per_element(self, kv_heads, head_dim, tokens)
-
-
-def _shape(x: npt.NDArray[Any]) -> tuple[int, int, int]:
-    tokens, heads, dim = x.shape
-    return (int(tokens), int(heads), int(dim))

@@ -23,15 +23,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from ._codec import (
-    DEFAULT_ENCODE_TOKENS,
-    EncodedBlock,
-    Float32Array,
-    Role,
-    check_block,
-    check_encoded,
-    measured_bits_per_element,
-)
+from ._codec import BlockCodec, EncodedBlock, Float32Array, Role, block_shape
 
 __all__ = ["KIVI_WINDOW", "VALUE_GROUP", "KiviCodec", "pack_codes", "unpack_codes"]
 
@@ -89,7 +81,7 @@ def _quantize(
     return codes, scale, zero
 
 
-class KiviCodec:
+class KiviCodec(BlockCodec):
     """KIVI at ``bits`` (2, 4 or 8) bits per code (see the module comment)."""
 
     __slots__ = ("bits", "name", "window_tokens")
@@ -101,10 +93,8 @@ class KiviCodec:
         self.name = f"kivi-{bits}"
         self.window_tokens = window_tokens
 
-    def encode(self, x: Float32Array, role: Role) -> EncodedBlock:
-        check_block(x, role)
+    def _encode(self, x: Float32Array, role: Role) -> EncodedBlock:
         tokens, heads, dim = x.shape
-        shape = (int(tokens), int(heads), int(dim))
         if role == "key":
             codes, scale, zero = _quantize(x, (0,), self.bits)  # scale [1, heads, dim]
         else:
@@ -115,14 +105,13 @@ class KiviCodec:
         return EncodedBlock(
             self.name,
             role,
-            shape,
+            block_shape(x),
             pack_codes(codes, self.bits),
             np.ascontiguousarray(scale.reshape(-1)),
             np.ascontiguousarray(zero.reshape(-1)),
         )
 
-    def decode(self, encoded: EncodedBlock) -> Float32Array:
-        check_encoded(self, encoded)
+    def _decode(self, encoded: EncodedBlock) -> Float32Array:
         tokens, heads, dim = encoded.shape
         codes = unpack_codes(encoded.codes, self.bits, encoded.elements).astype(np.float32)
         scale = encoded.scales.astype(np.float32)
@@ -136,11 +125,3 @@ class KiviCodec:
         grouped *= scale.reshape(tokens, heads, groups, 1)
         grouped += zero.reshape(tokens, heads, groups, 1)
         return grouped.reshape(tokens, heads, dim)
-
-    def nbytes(self, encoded: EncodedBlock) -> int:
-        return encoded.nbytes
-
-    def bits_per_element(
-        self, kv_heads: int, head_dim: int, tokens: int = DEFAULT_ENCODE_TOKENS
-    ) -> float:
-        return measured_bits_per_element(self, kv_heads, head_dim, tokens)
