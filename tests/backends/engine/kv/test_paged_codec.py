@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from backends.engine import Engine, LlamaModel, SamplingParams
@@ -32,11 +33,22 @@ MIXED = "mixed"
 CODED = [*(name for name in ENGINE_CODECS if name != "fp32"), MIXED]
 EXACT_CODECS = ("fp8", "kivi-4", "e8-2", MIXED)
 BS = 16
+F32 = npt.NDArray[np.float32]
 HEADS, GROUP, DIM = 3, 3, 64
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 4 + "What does the fox do?"
 
 
 # -- attention through the paged cache -------------------------------------------------------
+
+
+def _qkv(seed: int, tokens: int) -> tuple[F32, F32, F32]:
+    """Queries [tokens, HEADS, GROUP, DIM], keys transposed [HEADS, DIM, tokens] and values
+    [HEADS, tokens, DIM], float32, drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((tokens, HEADS, GROUP, DIM), dtype=np.float32) * np.float32(0.125)
+    keys_t = rng.standard_normal((HEADS, DIM, tokens), dtype=np.float32)
+    values = rng.standard_normal((HEADS, tokens, DIM), dtype=np.float32)
+    return q, keys_t, values
 
 
 def mixed_plan(num_layers: int) -> KVPlan:
@@ -71,11 +83,8 @@ def _sealed(codec: PagedCodec, keys_t: np.ndarray, values: np.ndarray, blocks: i
 
 @pytest.mark.parametrize("name", CODED)
 def test_attention_reads_decoded_blocks_and_its_own_block_raw(name: str) -> None:
-    rng = np.random.default_rng(3)
     tokens = 128
-    q = rng.standard_normal((tokens, HEADS, GROUP, DIM), dtype=np.float32) * np.float32(0.125)
-    keys_t = rng.standard_normal((HEADS, DIM, tokens), dtype=np.float32)
-    values = rng.standard_normal((HEADS, tokens, DIM), dtype=np.float32)
+    q, keys_t, values = _qkv(3, tokens)
     codec = _codec(name)
     stored_k, stored_v = _sealed(codec, keys_t, values, tokens // BS)
     own = OwnBlocks(keys_t, values, 0, BS)
@@ -98,11 +107,8 @@ def test_attention_reads_decoded_blocks_and_its_own_block_raw(name: str) -> None
 def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
     """Rows of one prefill tile see different versions of a block, yet each row's output is the
     one decode gives it, where its own block is not sealed yet (``_attention`` rule 5)."""
-    rng = np.random.default_rng(4)
     tokens = 128
-    q = rng.standard_normal((tokens, HEADS, GROUP, DIM), dtype=np.float32) * np.float32(0.125)
-    keys_t = rng.standard_normal((HEADS, DIM, tokens), dtype=np.float32)
-    values = rng.standard_normal((HEADS, tokens, DIM), dtype=np.float32)
+    q, keys_t, values = _qkv(4, tokens)
     codec = _codec(name)
     sealed_k, sealed_v = _sealed(codec, keys_t, values, tokens // BS)
     # Where this kernel's own products break row independence (Haswell), the engine lane-maps
