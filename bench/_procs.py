@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,11 +251,12 @@ def spawn(name: str, argv: list[str], workdir: Path, code: Path, *,
 
 
 def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, tokens: int,
-              name: str = "sim") -> Child:
-    """The vLLM simulator on a free port (it picks port 0 and prints its URL)."""
+              name: str = "sim", extra: Sequence[str] = ()) -> Child:
+    """The vLLM simulator on a free port (it picks port 0 and prints its URL); ``extra``:
+    more ``sim`` flags (``--variant``, ``--fault``)."""
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
             "--port", "0", "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
-            "--tokens", str(tokens)]
+            "--tokens", str(tokens), *extra]
     child = spawn(name, argv, workdir, code)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and not child.url:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
 import signal
 import sys
@@ -52,6 +51,7 @@ from _procs import (
     free_port,
     snapshot_code,
     spawn,
+    start_sim,
     wait_http,
 )
 from _report import RESULTS_DIR, loadavg, num, render_table, signed, write_results
@@ -64,39 +64,11 @@ PROMOTE_EVERY_S = 60.0
 ROLLBACK_AFTER_S = 30.0
 # Growth over the run below which a series counts as flat: allocator and page noise.
 NOISE = {"rss_mib": 8.0, "fds": 4.0, "threads": 2.0}
-_SIM_URL = re.compile(rb"on (http://[0-9.]+:[0-9]+)")
 
 
-def start_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
-    argv = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "--log-level",
-        "WARNING",
-        "sim",
-        "--port",
-        "0",
-        "--ttft-ms",
-        "20",
-        "--itl-ms",
-        "5",
-        "--tokens",
-        "32",
-        *extra,
-    ]
-    child = spawn(name, argv, workdir, code)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and child.alive():
-        if match := _SIM_URL.search(child.log.read_bytes()):
-            child.url = match.group(1).decode()
-            break
-        time.sleep(0.05)
-    if not child.url:
-        child.stop()
-        raise RuntimeError(f"{name} did not start:\n{child.log_tail()}")
-    wait_http(child, child.url + "/health")
-    return child
+def start_soak_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
+    """A simulator with the soak's timings (20 ms TTFT, 5 ms per token, 32 tokens)."""
+    return start_sim(workdir, code, ttft_ms=20, itl_ms=5, tokens=32, name=name, extra=extra)
 
 
 def start_gateway(
@@ -319,9 +291,9 @@ def main() -> None:
         workdir = Path(tmp)
         code = snapshot_code(workdir)
         try:
-            primary = start_sim(workdir, code, "primary")
-            healthy = start_sim(workdir, code, "healthy", "--variant", "h")
-            faulty = start_sim(
+            primary = start_soak_sim(workdir, code, "primary")
+            healthy = start_soak_sim(workdir, code, "healthy", "--variant", "h")
+            faulty = start_soak_sim(
                 workdir,
                 code,
                 "faulty",
