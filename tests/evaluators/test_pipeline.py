@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 import time
+from asyncio.subprocess import Process
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -248,21 +250,28 @@ asyncio.run(main())
 """
 
 
-async def test_the_child_exits_when_its_parent_is_killed(store: StoreConfig) -> None:
+@asynccontextmanager
+async def _parent(script: str, store: StoreConfig) -> AsyncIterator[tuple[Process, int]]:
+    """``script`` run as a parent process that starts a pipeline and prints its child's pid;
+    yields the parent and that pid, and kills the parent on the way out if it still runs."""
     parent = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", PARENT, store.url, cwd=REPO_ROOT,
+        sys.executable, "-c", script, store.url, cwd=REPO_ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     try:
         assert parent.stdout is not None
-        child = int(await parent.stdout.readline())
-        assert not _gone(child)
-        parent.kill()  # no chance to close the pipeline: the child must notice alone
-        await parent.wait()
-        await eventually(lambda: _gone(child), within_s=10 + STATS_INTERVAL_S)
+        yield parent, int(await parent.stdout.readline())
     finally:
         if parent.returncode is None:
             parent.kill()
             await parent.wait()
+
+
+async def test_the_child_exits_when_its_parent_is_killed(store: StoreConfig) -> None:
+    async with _parent(PARENT, store) as (parent, child):
+        assert not _gone(child)
+        parent.kill()  # no chance to close the pipeline: the child must notice alone
+        await parent.wait()
+        await eventually(lambda: _gone(child), within_s=10 + STATS_INTERVAL_S)
 
 
 FORGETFUL_PARENT = """
@@ -283,16 +292,7 @@ asyncio.run(main())  # returns without closing the pipeline
 
 
 async def test_a_parent_that_exits_without_closing_does_not_hang(store: StoreConfig) -> None:
-    parent = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", FORGETFUL_PARENT, store.url, cwd=REPO_ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    try:
-        assert parent.stdout is not None
-        child = int(await parent.stdout.readline())
+    async with _parent(FORGETFUL_PARENT, store) as (parent, child):
         async with asyncio.timeout(20):
             assert await parent.wait() == 0
         assert _gone(child)
-    finally:
-        if parent.returncode is None:
-            parent.kill()
-            await parent.wait()
