@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["CandidateCard", "Scorecard", "card_from_report", "render", "would_promote"]
@@ -30,6 +31,11 @@ ITL = "latency.itl_mean_s"
 THROUGHPUT = "throughput.output_tps"
 COST = "cost.usd"
 _STYLE = {"PASS": "green", "MARGINAL": "yellow", "FAIL": "red", "INCONCLUSIVE": "magenta"}
+
+
+def _verdict(verdict: str) -> str:
+    """``verdict`` in its colour (rich markup); the floor's "-" dimmed."""
+    return f"[{_STYLE.get(verdict, 'dim')} bold]{escape(verdict)}[/]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +153,9 @@ def render(console: Console, card: Scorecard, replica: str) -> None:
         table.add_column(column, justify="left" if column in ("candidate", "verdict")
                          else "right")
     for c in card.cards:
-        name = f"{c.name}\n[dim]{c.description}[/]" if c.description else c.name
-        style = _STYLE.get(c.verdict, "")
+        name = escape(c.name) + (f"\n[dim]{escape(c.description)}[/]" if c.description else "")
         table.add_row(
-            name, f"[{style} bold]{c.verdict}[/]", str(c.samples),
+            name, _verdict(c.verdict), str(c.samples),
             f"{_fmt(c.similarity, '.3f')}\n({_fmt(c.similarity_floor, '.3f')})",
             _fmt(c.exact_match, ".0%"), _by_turn(c.ttft_ratio_by_depth, depths),
             _by_turn(c.itl_ratio_by_depth, depths), _fmt(c.throughput_ratio, ".2f"),
@@ -163,6 +168,6 @@ def render(console: Console, card: Scorecard, replica: str) -> None:
     for c in card.cards:
         if c.name == replica:
             continue
-        console.print(f"[bold]{c.name}[/]: [{_STYLE.get(c.verdict, '')}]{c.verdict}[/]")
+        console.print(f"[bold]{escape(c.name)}[/]: {_verdict(c.verdict)}")
         for reason in c.reasons[:4]:
-            console.print(f"  - {reason}")
+            console.print(f"  - {escape(reason)}")
