@@ -59,7 +59,7 @@ def test_plan_kv_beats_the_best_uniform_codec_and_the_engine_serves_its_plan(
     # The engine serves the plan at the bytes the planner counted.
     config = UnifiedServerConfig(kv_plan=out)
     assert config.kv_plan == out
-    engine = Engine(engine_model, 16 << 20, kv_codec=plan)
+    engine = Engine(engine_model, 64 << 20, kv_codec=plan)  # room for the raw blocks and cache
     assert engine.stats().kv_bytes_per_token == plan.meta["bytes_per_token"]
     assert engine.kv_codec == plan.name
 
