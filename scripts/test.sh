@@ -17,7 +17,11 @@ echo "test: ruff"
 echo "test: mypy (strict on the packages)"
 .venv/bin/mypy
 echo "test: pytest"
-.venv/bin/pytest "$@"
+.venv/bin/pytest --ignore=tests/demo "$@"
+# The real-model demo starts seven engine processes (~1 GiB each): it runs in a process of its
+# own, not beside the memory the whole suite's process has gathered by then.
+echo "test: the real-model demo"
+.venv/bin/pytest tests/demo
 
 native=$(.venv/bin/python -c 'from backends.engine.model._numerics import blas_kernel; print(blas_kernel())')
 forced=Haswell
