@@ -159,11 +159,15 @@ def query(prometheus: str, promql: str) -> list[dict[str, Any]]:
     return result
 
 
-def eventually_series(prometheus: str, promql: str) -> list[dict[str, Any]]:
+def eventually_series(prometheus: str, promql: str, at_least: float | None = None,
+                      ) -> list[dict[str, Any]]:
+    """``promql``'s result once it has one (and, with ``at_least``, once its first value
+    reaches it: a scrape may land before the last request is counted)."""
     deadline = time.monotonic() + QUERY_TIMEOUT_S
     while True:
         result = query(prometheus, promql)
-        if result or time.monotonic() > deadline:
+        reached = at_least is None or (result and float(result[0]["value"][1]) >= at_least)
+        if (result and reached) or time.monotonic() > deadline:
             return result
         time.sleep(1)
 
@@ -221,7 +225,8 @@ def test_the_stack_runs_without_containers_and_prometheus_scrapes_it(
             up = eventually_series(prometheus, "up == 1")
             assert {r["metric"]["instance"] for r in up} == set(targets.values()), up
             requests = eventually_series(
-                prometheus, 'sum by (job) (understudy_requests_total{route="chat_completions"})')
+                prometheus, 'sum by (job) (understudy_requests_total{route="chat_completions"})',
+                at_least=4)
             assert requests and requests[0]["metric"]["job"] == "gateway"
             assert float(requests[0]["value"][1]) >= 4  # 2 sessions x 2 turns
             for promql in (
