@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
-__all__ = ["ENGINE_READY_TIMEOUT_S", "Deployment", "DeploymentSpec", "Engine", "deployments"]
+__all__ = [
+    "ENGINE_READY_TIMEOUT_S",
+    "Deployment",
+    "DeploymentSpec",
+    "Engine",
+    "deployments",
+    "free_port",
+]
 
 THREAD_ENV: Final = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                      "MKL_NUM_THREADS": "1"}
@@ -36,7 +43,8 @@ HEALTH_POLL_S: Final = 0.25
 LOG_TAIL_LINES: Final = 30
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port the OS picked free."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -94,7 +102,7 @@ class Deployment:
 
 
 def _spawn(workdir: Path, name: str, args: Sequence[str]) -> Engine:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "engine",
             "--host", "127.0.0.1", "--port", str(port), *args]
     log = workdir / f"{name}.log"

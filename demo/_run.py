@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from demo._deployments import Deployment, DeploymentSpec, deployments
+from demo._deployments import Deployment, DeploymentSpec, deployments, free_port
 from demo._gateway import GatewayClient, Samples, gateway_config, new_token, scrape, total
 from demo._scorecard import Scorecard, card_from_report, render, would_promote
 from evaluators.store import create_engine, load_samples_by_turn_depth, session_factory
@@ -91,13 +90,6 @@ class DemoSpec:
     workdir: Path | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _wait_http(url: str, timeout_s: float, process: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -115,7 +107,7 @@ def _wait_http(url: str, timeout_s: float, process: subprocess.Popen[bytes], log
 def _gateway(workdir: Path, primary: tuple[str, str], candidates: list[tuple[str, str, str]],
              min_samples: int) -> Iterator[GatewayClient]:
     """Rule 2: ``understudy serve`` on the written config, stopped with SIGTERM."""
-    port, admin_port, token = _free_port(), _free_port(), new_token()
+    port, admin_port, token = free_port(), free_port(), new_token()
     config = workdir / "understudy.toml"
     config.write_text(gateway_config(port=port, admin_port=admin_port, token=token,
                                      store_path=workdir / "understudy.db", primary=primary,
@@ -310,7 +302,7 @@ def _vllm_pair(workdir: Path) -> Iterator[tuple[str, str]]:
     """Rule 1 with ``primary_vllm``: two real vLLM servers, the primary and its replica."""
     from backends.vllm import VLLMProfile, VLLMServer, model_dir
 
-    servers = [VLLMServer(VLLMProfile(model_dir=model_dir(), port=_free_port(),
+    servers = [VLLMServer(VLLMProfile(model_dir=model_dir(), port=free_port(),
                                       served_model_name=SERVED_MODEL,
                                       enable_prefix_caching=False),
                           workdir / f"vllm-{name}", workdir / f"vllm-{name}.log")
