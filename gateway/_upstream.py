@@ -21,9 +21,11 @@ Rules:
 Timeouts, each a named setting of :class:`UpstreamConfig`:
 1. ``connect_timeout_s``: the TCP connect.
 2. ``first_byte_timeout_s``: from asking for a connection to the response headers.
-3. ``idle_timeout_s``: the longest silence between two body pieces. It is watched by
-   one timer per idle period that reads the time of the last piece, not by a timer per
-   piece, so it costs the relay nothing per chunk.
+3. ``idle_timeout_s``: the longest silence of the upstream once its headers came.
+The last two are the connection's deadlines, checked by its pool's coarse timer
+(``_wire.py`` rule 6): no timer per request, nothing per chunk, and no task cancelled:
+an expired deadline fails the connection, which the waiting call reads as a timeout.
+Only a call that must wait for a connection (none idle) arms a timer of its own.
 """
 
 from __future__ import annotations
@@ -47,8 +49,7 @@ if TYPE_CHECKING:
 
     from evaluators import Capture
 
-__all__ = ["BodyTee", "ChunkFilter", "ClientWriter", "IdleWatchdog", "Upstream",
-           "UpstreamAnswer"]
+__all__ = ["BodyTee", "ChunkFilter", "ClientWriter", "Upstream", "UpstreamAnswer"]
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
@@ -159,23 +160,28 @@ class Upstream:
         """Send the request; yield the answer's head, its status and kind noted in
         ``capture``. The connection goes back to the pool (or is closed) on leaving."""
         pool = self.pool
-        pool.limit = self.config.max_connections
-        pool.connect_timeout_s = self.config.connect_timeout_s
+        config = self.config
+        pool.limit = config.max_connections
+        pool.connect_timeout_s = config.connect_timeout_s
+        first_byte_due = pool.loop.time() + config.first_byte_timeout_s
         head_bytes = self.request_head(method, raw_path, headers, body)
+        head_only = method == "HEAD"
         conn: Connection | None = None
         try:
             with translate_upstream_errors(self.name, "connect"):
-                async with asyncio.timeout(self.config.first_byte_timeout_s):
-                    conn = await pool.acquire()
-                    try:
-                        head = await conn.send(head_bytes, body, head_only=method == "HEAD")
-                    except Disconnected:
-                        if not conn.reused or method in _BODY_METHODS:
-                            raise
-                        # An idle connection the upstream had just closed: once more, new.
-                        pool.release(conn)
-                        conn = await pool.acquire()
-                        head = await conn.send(head_bytes, body, head_only=method == "HEAD")
+                conn = await self._connection(first_byte_due)
+                conn.watch(first_byte_due, config.idle_timeout_s)
+                try:
+                    head = await conn.send(head_bytes, body, head_only=head_only)
+                except Disconnected:
+                    if not conn.reused or method in _BODY_METHODS:
+                        raise
+                    # An idle connection the upstream had just closed: once more, new.
+                    pool.release(conn)
+                    conn = None
+                    conn = await self._connection(first_byte_due)
+                    conn.watch(first_byte_due, config.idle_timeout_s)
+                    head = await conn.send(head_bytes, body, head_only=head_only)
             capture.status = head.status
             capture.streamed = head.content_type == "text/event-stream"
             yield UpstreamAnswer(head.status, head.reason, head.headers, head.content_type, conn)
@@ -183,61 +189,63 @@ class Upstream:
             if conn is not None:
                 pool.release(conn)
 
+    async def _connection(self, first_byte_due: float) -> Connection:
+        """An idle connection at once, else one the pool opens or frees by the due time."""
+        pool = self.pool
+        conn = pool.idle_connection()
+        if conn is not None:
+            return conn
+        async with asyncio.timeout_at(first_byte_due):
+            return await pool.acquire()
+
     async def read(self, answer: UpstreamAnswer, capture: Capture,
                    out: ClientWriter | None = None,
                    chunk_filter: ChunkFilter | None = None) -> None:
         """Read the body into ``capture`` as it arrives, each piece also to ``out``.
 
-        Bounded by the idle timeout; any failure (the client gone too) raises an
-        ``UpstreamError`` of phase ``stream``.
+        Bounded by the idle timeout (the connection's deadline); any failure (the client
+        gone too) raises an ``UpstreamError`` of phase ``stream``.
         """
         conn = answer.connection
         with translate_upstream_errors(self.name, "stream"):
-            async with asyncio.timeout(None) as deadline:
-                watchdog = IdleWatchdog(deadline, self.config.idle_timeout_s)
-                tee = BodyTee(conn, capture, watchdog, out, chunk_filter)
-                try:
-                    done = conn.attach(tee.piece)
-                    if not done.done():
-                        done.add_done_callback(tee.wake_up)
-                    while not done.done():
-                        if tee.paused:
-                            await tee.drain()
-                            continue
-                        tee.waiter = asyncio.get_running_loop().create_future()
-                        await tee.waiter
-                    done.result()
-                    if out is not None and out.gone:
-                        raise Disconnected("the client went away")
-                    if out is not None and chunk_filter is not None \
-                            and (rest := chunk_filter.flush()):
-                        out.write(rest)
-                finally:
-                    watchdog.stop()
-                    tee.close()
+            tee = BodyTee(conn, capture, out, chunk_filter)
+            loop = asyncio.get_running_loop()
+            try:
+                done = conn.attach(tee.piece)
+                if not done.done():
+                    done.add_done_callback(tee.wake_up)
+                while not done.done():
+                    if tee.paused:
+                        await tee.drain(done)
+                        continue
+                    tee.waiter = waiter = loop.create_future()
+                    await waiter
+                done.result()
+                if out is not None and out.gone:
+                    raise Disconnected("the client went away")
+                if out is not None and chunk_filter is not None \
+                        and (rest := chunk_filter.flush()):
+                    out.write(rest)
+            finally:
+                tee.close()
 
 
 class BodyTee:
     """Each piece of an upstream body: to the capture, the watchdog and the client."""
 
-    __slots__ = ("_capture", "_conn", "_filter", "_out", "_time", "_watchdog", "paused",
-                 "waiter")
+    __slots__ = ("_capture", "_conn", "_filter", "_out", "paused", "waiter")
 
-    def __init__(self, conn: Connection, capture: Capture, watchdog: IdleWatchdog,
-                 out: ClientWriter | None, chunk_filter: ChunkFilter | None) -> None:
+    def __init__(self, conn: Connection, capture: Capture, out: ClientWriter | None,
+                 chunk_filter: ChunkFilter | None) -> None:
         self._conn = conn
         self._capture = capture
-        self._watchdog = watchdog
         self._out = out
         self._filter = chunk_filter
-        self._time = asyncio.get_running_loop().time
         self.paused = False  # the upstream stopped reading for a slow client
         self.waiter: asyncio.Future[None] | None = None  # what the reading task awaits
 
     def piece(self, piece: bytes) -> None:
-        now = self._time()
-        self._watchdog.last_activity = now
-        self._capture.add_chunk(now, piece)
+        self._capture.add_chunk(self._conn.last_read, piece)
         out = self._out
         if out is None:
             return
@@ -259,41 +267,22 @@ class BodyTee:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def drain(self) -> None:
-        """The client was past its high-water mark: wait for it, then read on."""
+    async def drain(self, done: asyncio.Future[None]) -> None:
+        """The client was past its high-water mark: wait for it, then read on; or stop
+        waiting when the body ends first (failed: the upstream's idle deadline passed)."""
         if self._out is not None:
-            await self._out.drain()
+            drained = asyncio.ensure_future(self._out.drain())
+            try:
+                await asyncio.wait((drained, done), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not drained.done():
+                    drained.cancel()
+            if not drained.done() or drained.cancelled():
+                return
+            drained.result()
         self.paused = False
         self._conn.resume_reading()
 
     def close(self) -> None:
         self._out = None
         self.wake_up()
-
-
-class IdleWatchdog:
-    """Cancels a relay whose upstream has been silent for ``idle_s``.
-
-    The relay stores the loop time of each chunk in ``last_activity``; the watchdog wakes
-    once per idle period and expires ``deadline`` only if nothing arrived meanwhile.
-    """
-
-    __slots__ = ("_deadline", "_handle", "_idle_s", "_loop", "last_activity")
-
-    def __init__(self, deadline: asyncio.Timeout, idle_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._deadline = deadline
-        self._idle_s = idle_s
-        self.last_activity = self._loop.time()
-        self._handle = self._loop.call_at(self.last_activity + idle_s, self._check)
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        due = self.last_activity + self._idle_s
-        if now >= due:
-            self._deadline.reschedule(now)
-        else:
-            self._handle = self._loop.call_at(due, self._check)
-
-    def stop(self) -> None:
-        self._handle.cancel()

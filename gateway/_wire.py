@@ -20,14 +20,22 @@ Rules:
    that closes before the body's end is ``Disconnected``. Neither quotes the bytes.
 4. A connection goes back to its pool only after a whole response with keep-alive; a
    failure, an abandoned call or ``Connection: close`` closes it. Idle connections are
-   closed after ``KEEPALIVE_S`` (the pool's timer, one per connection, re-armed per use).
+   closed after ``KEEPALIVE_S``.
 5. A pool holds at most ``limit`` connections (in use and idle); a caller beyond that
    waits, first come first served.
+6. Deadlines are coarse and cost nothing per request or per piece: a watched connection
+   (``watch``) fails with ``FirstByteTimeout`` when its head is not whole by its due time,
+   and with ``IdleTimeout`` when no bytes came for its idle time once the head was; idle
+   pooled connections expire. One timer per pool checks them every ``DEADLINE_TICK_S``
+   while any is watched (else at the next keep-alive expiry), so a deadline fires up to
+   that late; each ``data_received`` notes the loop's time, once. (A timer per request
+   costs ~6 µs to arm and cancel on uvloop, about as much as a small answer's parsing.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import ssl as _ssl
 from collections import deque
@@ -44,6 +52,8 @@ __all__ = [
     "Connection",
     "ConnectionPool",
     "Disconnected",
+    "FirstByteTimeout",
+    "IdleTimeout",
     "MalformedResponse",
     "ResponseHead",
     "WireError",
@@ -57,6 +67,9 @@ MAX_HELD_BYTES: Final = 256 * 1024
 """Body bytes held for a caller that has not attached its callback yet (rule 1)."""
 KEEPALIVE_S: Final = 15.0
 """How long an idle pooled connection is kept (aiohttp's connector default)."""
+DEADLINE_TICK_S: Final = 0.05
+"""How often a pool checks its watched connections' deadlines: the most a first-byte or
+idle timeout fires late (rule 6)."""
 
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(r"[0-9]{1,19}")
@@ -75,6 +88,14 @@ class ConnectFailed(WireError):
 
 class ConnectTimeout(WireError, TimeoutError):
     """The TCP (or TLS) connect took longer than the pool's ``connect_timeout_s``."""
+
+
+class FirstByteTimeout(WireError, TimeoutError):
+    """The response head was not whole by the watched connection's due time (rule 6)."""
+
+
+class IdleTimeout(WireError, TimeoutError):
+    """No bytes of the body came for the watched connection's idle time (rule 6)."""
 
 
 class Disconnected(WireError, ConnectionResetError):
@@ -103,13 +124,17 @@ class Connection(asyncio.Protocol):
     """One upstream connection: sends a request, parses the answer (rules 1-3)."""
 
     __slots__ = (
-        "_body_waiter", "_buf", "_chunk_state", "_framing", "_head_only", "_head_waiter",
-        "_held", "_held_bytes", "_keep_alive", "_paused", "_pool", "_remaining", "_reused",
-        "on_piece", "transport",
+        "_body_waiter", "_buf", "_chunk_state", "_first_byte_due", "_framing", "_head_only",
+        "_head_waiter", "_held", "_held_bytes", "_idle_s", "_keep_alive", "_paused", "_pool",
+        "_remaining", "_reused", "_time", "idle_since", "last_read", "on_piece", "transport",
     )
 
     def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
+        self._time = pool.loop.time
+        self.last_read = self.idle_since = self._time()
+        """The loop's time at the last bytes read; at the return to the pool (rule 6)."""
+        self._first_byte_due = self._idle_s = math.inf
         self.transport: asyncio.Transport | None = None
         self.on_piece: Callable[[bytes], None] | None = None
         self._buf = b""
@@ -145,6 +170,26 @@ class Connection(asyncio.Protocol):
         else:
             self.transport.write(head + body if body else head)
         return self._head_waiter
+
+    def watch(self, first_byte_due: float, idle_s: float) -> None:
+        """Fail this call with a timeout past ``first_byte_due`` (loop time) without a
+        whole head, or after ``idle_s`` without bytes once it came (rule 6)."""
+        self._first_byte_due, self._idle_s = first_byte_due, idle_s
+        self._pool.watch(self)
+
+    def overdue(self, now: float) -> WireError | None:
+        head_waiter, body_waiter = self._head_waiter, self._body_waiter
+        if head_waiter is None or body_waiter is None or body_waiter.done():
+            return None  # no call yet, or the answer is whole (or failed) already
+        if not head_waiter.done():
+            return FirstByteTimeout("no response head in time") \
+                if now >= self._first_byte_due else None
+        return IdleTimeout("the upstream went silent") \
+            if now - self.last_read >= self._idle_s else None
+
+    def expire(self, exc: WireError) -> None:
+        self._fail(exc)
+        self.close()
 
     def attach(self, on_piece: Callable[[bytes], None] | None) -> asyncio.Future[None]:
         """Hand the body's pieces to ``on_piece`` from now on (the held ones first); the
@@ -196,6 +241,7 @@ class Connection(asyncio.Protocol):
         self._fail(Disconnected("the upstream closed the connection"))
 
     def data_received(self, data: bytes) -> None:
+        self.last_read = self._time()
         head_waiter = self._head_waiter
         if head_waiter is None or self._body_waiter is None or self._body_waiter.done():
             self._pool.lost(self)  # bytes nobody asked for: the connection is unusable
@@ -398,11 +444,14 @@ class Connection(asyncio.Protocol):
     def reset_for_pool(self) -> None:
         self.on_piece = None
         self._head_waiter = self._body_waiter = None
+        self._first_byte_due = self._idle_s = math.inf
         self._reused = True
+        self.idle_since = self._time()
 
 
 class ConnectionPool:
-    """Connections to one upstream address: at most ``limit``, idle ones reused (rule 5)."""
+    """Connections to one upstream address: at most ``limit``, idle ones reused (rule 5),
+    deadlines checked by one coarse timer (rule 6)."""
 
     def __init__(self, url: URL, *, limit: int, connect_timeout_s: float) -> None:
         if url.scheme not in ("http", "https") or not url.raw_host:
@@ -415,8 +464,10 @@ class ConnectionPool:
         self._ssl: _ssl.SSLContext | None = (_ssl.create_default_context()
                                             if url.scheme == "https" else None)
         self._server_hostname = url.host if self._ssl is not None else None
-        self._idle: deque[Connection] = deque()
-        self._timers: dict[Connection, asyncio.TimerHandle] = {}
+        self._idle: deque[Connection] = deque()  # the oldest returned on the left
+        self._watched: set[Connection] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweep_at = math.inf
         self._open: set[Connection] = set()
         self._connecting = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -426,18 +477,21 @@ class ConnectionPool:
     def size(self) -> int:
         return len(self._open) + self._connecting
 
+    def idle_connection(self) -> Connection | None:
+        """An idle connection to reuse at once, or ``None``."""
+        while self._idle:
+            conn = self._idle.pop()  # the most recently used: least likely closed
+            if conn.transport is not None and not conn.transport.is_closing():
+                return conn
+            self._open.discard(conn)
+        return None
+
     async def acquire(self) -> Connection:
         while True:
             if self._closed:
                 raise ConnectFailed("the pool is closed")
-            while self._idle:
-                conn = self._idle.pop()  # the most recently used: least likely closed
-                timer = self._timers.pop(conn, None)
-                if timer is not None:
-                    timer.cancel()
-                if conn.transport is not None and not conn.transport.is_closing():
-                    return conn
-                self._open.discard(conn)
+            if (conn := self.idle_connection()) is not None:
+                return conn
             if self.size < self.limit:
                 return await self._connect()
             waiter = self.loop.create_future()
@@ -470,12 +524,18 @@ class ConnectionPool:
         self._open.add(conn)
         return conn
 
+    def watch(self, conn: Connection) -> None:
+        """Check ``conn``'s deadlines until it is released (rule 6)."""
+        self._watched.add(conn)
+        self._sweep_soon(self.loop.time() + DEADLINE_TICK_S)
+
     def release(self, conn: Connection) -> None:
         """Take ``conn`` back after a call: kept if whole and keep-alive, else closed."""
+        self._watched.discard(conn)
         if not self._closed and conn.reusable():
             conn.reset_for_pool()
             self._idle.append(conn)
-            self._timers[conn] = self.loop.call_later(KEEPALIVE_S, self._expire, conn)
+            self._sweep_soon(conn.idle_since + KEEPALIVE_S)
         else:
             self._open.discard(conn)
             conn.close()
@@ -483,18 +543,33 @@ class ConnectionPool:
 
     def lost(self, conn: Connection) -> None:
         """``conn`` closed (the upstream, a timer or a failure): forget it."""
+        self._watched.discard(conn)
         if conn in self._open:
             self._open.discard(conn)
-            timer = self._timers.pop(conn, None)
-            if timer is not None:
-                timer.cancel()
             if conn in self._idle:
                 self._idle.remove(conn)
             self._wake_one()
 
-    def _expire(self, conn: Connection) -> None:
-        self._timers.pop(conn, None)
-        conn.close()
+    def _sweep_soon(self, when: float) -> None:
+        if self._closed or when >= self._sweep_at:
+            return
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self._sweep_at = when
+        self._sweeper = self.loop.call_at(when, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper, self._sweep_at = None, math.inf
+        now = self.loop.time()
+        for conn, exc in [(c, e) for c in self._watched if (e := c.overdue(now)) is not None]:
+            self._watched.discard(conn)
+            conn.expire(exc)
+        while self._idle and now - self._idle[0].idle_since >= KEEPALIVE_S:
+            self._idle.popleft().close()  # connection_lost forgets it (lost)
+        if self._watched:
+            self._sweep_soon(now + DEADLINE_TICK_S)
+        elif self._idle:
+            self._sweep_soon(self._idle[0].idle_since + KEEPALIVE_S)
 
     def _wake_one(self) -> None:
         while self._waiters:
@@ -505,9 +580,10 @@ class ConnectionPool:
 
     def close(self) -> None:
         self._closed = True
-        for timer in self._timers.values():
-            timer.cancel()
-        self._timers.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self._watched.clear()
         for conn in list(self._open):
             conn.close()
         self._open.clear()
