@@ -75,7 +75,7 @@ from evaluators.store import (  # noqa: E402
     upgrade,
 )
 from gateway import STATE, build_app, load_config, make_runner  # noqa: E402
-from gateway._evaluation import Evaluation  # noqa: E402
+from gateway._scorekeeper import Scorekeeper  # noqa: E402
 
 RESULTS_PATH = RESULTS_DIR / "store.json"
 TARGET_SCORE_ROWS_PER_S = 10_000
@@ -231,7 +231,7 @@ async def _loadgen(url: str, requests_per_worker: int) -> dict[str, Any]:
     return loadgen_result(proc.returncode, out.decode(), err.decode())
 
 
-async def _flood(evaluation: Evaluation, records: list[tuple[Exchange, list[Score]]],
+async def _flood(scorekeeper: Scorekeeper, records: list[tuple[Exchange, list[Score]]],
                  submit_s: list[float]) -> None:
     """Keep the evaluation process busy: FLOOD_QUEUED_S of its work always queued.
 
@@ -243,10 +243,10 @@ async def _flood(evaluation: Evaluation, records: list[tuple[Exchange, list[Scor
     """
     n = 0
     started = time.perf_counter()
-    first = evaluation.pipeline_stats
+    first = scorekeeper.pipeline_stats
     scored_before = first.scored if first is not None else 0
     while True:
-        stats = evaluation.pipeline_stats
+        stats = scorekeeper.pipeline_stats
         assert stats is not None
         rate = (stats.scored - scored_before) / (time.perf_counter() - started)
         if stats.pending >= max(FLOOD_MIN_PENDING, rate * FLOOD_QUEUED_S):
@@ -259,7 +259,7 @@ async def _flood(evaluation: Evaluation, records: list[tuple[Exchange, list[Scor
                              exchange.route, exchange.candidate, exchange.primary,
                              exchange.candidate_observation)
             t = time.perf_counter()
-            evaluation.submit(fresh)
+            scorekeeper.submit(fresh)
             submit_s.append(time.perf_counter() - t)
         await asyncio.sleep(0)
 
@@ -272,14 +272,14 @@ async def _loop_lag(lags: list[float]) -> None:
         lags.append(time.perf_counter() - started - 0.001)
 
 
-def _scores_written(evaluation: Evaluation) -> int:
-    stats = evaluation.writer_stats
+def _scores_written(scorekeeper: Scorekeeper) -> int:
+    stats = scorekeeper.writer_stats
     return stats.written_rows["scores"] if stats is not None else 0
 
 
-async def _drained(evaluation: Evaluation) -> None:
+async def _drained(scorekeeper: Scorekeeper) -> None:
     def busy() -> bool:
-        pipeline, writer = evaluation.pipeline_stats, evaluation.writer_stats
+        pipeline, writer = scorekeeper.pipeline_stats, scorekeeper.writer_stats
         return (pipeline is None or writer is None or pipeline.pending > 0
                 or writer.queued_records > 0 or writer.held_records > 0)
 
@@ -318,8 +318,8 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
             "evaluation": {"enabled": True, "store": {"url": url}, "scorers": scorers},
         })
         app = build_app(gateway)
-        evaluation = app[STATE].evaluation
-        assert evaluation is not None
+        scorekeeper = app[STATE].evaluation
+        assert scorekeeper is not None
         runner = make_runner(app)
         await runner.setup()  # migrates, then starts the evaluation process
         try:
@@ -329,12 +329,12 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
             for i in range(rounds):
                 order = ("idle", "saturated") if i % 2 == 0 else ("saturated", "idle")
                 for mode in order:
-                    before = _scores_written(evaluation)
+                    before = _scores_written(scorekeeper)
                     started, cpu0 = time.perf_counter(), time.process_time()
                     lags: list[float] = []
                     tasks = [asyncio.create_task(_loop_lag(lags))]
                     if mode == "saturated":
-                        tasks.append(asyncio.create_task(_flood(evaluation, records, submit_s)))
+                        tasks.append(asyncio.create_task(_flood(scorekeeper, records, submit_s)))
                     try:
                         result = await _loadgen(gateway_url, requests_per_worker)
                     finally:
@@ -343,8 +343,8 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
                         await asyncio.gather(*tasks, return_exceptions=True)
                     elapsed = time.perf_counter() - started
                     cpu = time.process_time() - cpu0
-                    rate = (_scores_written(evaluation) - before) / elapsed
-                    await _drained(evaluation)  # the next round starts from idle
+                    rate = (_scores_written(scorekeeper) - before) / elapsed
+                    await _drained(scorekeeper)  # the next round starts from idle
                     figures[mode].append(_proxy_figures(result, rate, lags, cpu / elapsed))
                     print(f"  {mode:9s} " + _proxy_line(figures[mode][-1]), flush=True)
         finally:

@@ -18,7 +18,7 @@ from evaluators import PipelineState, PipelineStats
 from evaluators.store import WriterStats
 from gateway._buffer import BufferRefusal
 from gateway._config import MirroredRoute
-from gateway._evaluation import StoreStatus
+from gateway._scorekeeper import StoreStatus
 
 __all__ = [
     "ROUTES",

@@ -40,11 +40,11 @@ from typing import Any, Final
 from evaluators import Outcome
 from evaluators.store import AuditNote, BackendRole
 from gateway._config import CandidateConfig
-from gateway._evaluation import Evaluation
 from gateway._exceptions import ChangeNotStored, Conflict, InvalidBody, NotFound
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Candidate, Mirror
 from gateway._routing import Backend, Canary, Routing
+from gateway._scorekeeper import Scorekeeper
 from gateway._sync import RoutingSync
 
 __all__ = ["NO_VERDICT", "Judgement", "Promoter", "RoutingChange"]
@@ -84,11 +84,11 @@ class Promoter:
     the canary (rules 2 and 4)."""
 
     def __init__(self, sync: RoutingSync, mirror: Mirror, metrics: GatewayMetrics,
-                 evaluation: Evaluation | None) -> None:
+                 scorekeeper: Scorekeeper | None) -> None:
         self._sync = sync
         self._mirror = mirror
         self._metrics = metrics
-        self._evaluation = evaluation
+        self._scorekeeper = scorekeeper
         self._canary_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
@@ -150,17 +150,17 @@ class Promoter:
 
     async def _judge(self, name: str, since: float | None = None) -> Judgement:
         """The judge on ``name``'s scores (those since ``since``, a wall-clock time)."""
-        evaluation = self._evaluation
-        if evaluation is None:
+        scorekeeper = self._scorekeeper
+        if scorekeeper is None:
             return Judgement(None, None, ("evaluation is disabled: no verdict",))
         window = None if since is None else datetime.fromtimestamp(since, UTC)
         inputs = await self._sync.store_call(f"reading {name}'s scores",
-                                             lambda _: evaluation.read(name, window))
+                                             lambda _: scorekeeper.read(name, window))
         if inputs is None:  # the store is not attached: nothing to judge with
             return Judgement(None, None, ("the store is not attached: no verdict",))
-        judged = await evaluation.judge(inputs)  # statistics: bounded by the gates' cap
+        judged = await scorekeeper.judge(inputs)  # statistics: bounded by the gates' cap
         report = await self._sync.store_call(f"recording the verdict on {name}",
-                                             lambda _: evaluation.record(judged))
+                                             lambda _: scorekeeper.record(judged))
         report = judged if report is None else report
         return Judgement(report.verdict.outcome, report.verdict_id, report.verdict.reasons)
 

@@ -40,8 +40,8 @@ from evaluators.store import (
     newest_scores_start,
     session_factory,
 )
-from gateway._evaluation import Evaluation
 from gateway._exceptions import ChangeNotStored, Conflict
+from gateway._scorekeeper import Scorekeeper
 from gateway._state import GatewayState
 from gateway._traffic import TRAFFIC_WINDOW_S
 
@@ -154,13 +154,13 @@ def scorecard_files() -> dict[str, tuple[bytes, dict[str, str]]]:
 async def distributions(state: GatewayState, candidate: str,
                         since: datetime | None) -> Distributions:
     """Rule 3: ``candidate``'s latency CDFs and quality histograms, and the floor's."""
-    evaluation = _evaluation(state)
-    secondary = evaluation.secondary
+    scorekeeper = _scorekeeper(state)
+    secondary = scorekeeper.secondary
     floor_name = secondary if secondary is not None and secondary != candidate else None
     with _store_read(state, "the distributions"):
         async with asyncio.timeout(state.config.admin.store_timeout_s):
-            mine = await _newest(evaluation, candidate, since)
-            floor = await _newest(evaluation, floor_name, since) if floor_name else {}
+            mine = await _newest(scorekeeper, candidate, since)
+            floor = await _newest(scorekeeper, floor_name, since) if floor_name else {}
     quantiles = np.linspace(0.0, 1.0, CDF_POINTS)
     latency = []
     for metric in _LATENCY:
@@ -188,11 +188,11 @@ async def distributions(state: GatewayState, candidate: str,
                          max_values=MAX_DISTRIBUTION_VALUES, latency=latency, quality=quality)
 
 
-async def _newest(evaluation: Evaluation, backend: str,
+async def _newest(scorekeeper: Scorekeeper, backend: str,
                   since: datetime | None) -> dict[str, StoredSamples]:
     metrics = (*_LATENCY, *_QUALITY)
-    engine = evaluation.engine
-    assert engine is not None  # _evaluation checked it
+    engine = scorekeeper.engine
+    assert engine is not None  # _scorekeeper checked it
     async with session_factory(engine)() as session, session.begin():
         start = await newest_scores_start(session, backend, metrics, MAX_DISTRIBUTION_VALUES)
         if start is not None and (since is None or start > since):
@@ -224,17 +224,17 @@ def _rounded(values: np.ndarray) -> list[float]:
 async def traffic_series(state: GatewayState, since: datetime | None) -> TrafficSeries:
     """Rule 3: requests seen and drops by candidate and reason per window since ``since``
     (the last hour without one; a day at most), oldest first."""
-    evaluation = _evaluation(state)
+    scorekeeper = _scorekeeper(state)
     now = datetime.now(UTC)
     earliest = now - timedelta(seconds=MAX_TRAFFIC_SPAN_S)
     since = now - timedelta(seconds=DEFAULT_TRAFFIC_SPAN_S) if since is None else since
     since = max(since, earliest)
     names = sorted(state.mirror.candidates)
-    engine = evaluation.engine
+    engine = scorekeeper.engine
     with _store_read(state, "the traffic counts"):
         async with asyncio.timeout(state.config.admin.store_timeout_s):
-            await evaluation.flush_traffic()
-            assert engine is not None  # _evaluation checked it
+            await scorekeeper.flush_traffic()
+            assert engine is not None  # _scorekeeper checked it
             async with session_factory(engine)() as session, session.begin():
                 rows = [*await load_traffic(session, "", since=since)]
                 for name in names:  # each call also returns the seen rows: taken once
@@ -257,14 +257,14 @@ async def traffic_series(state: GatewayState, since: datetime | None) -> Traffic
                for (c, r), per in sorted(dropped.items())])
 
 
-def _evaluation(state: GatewayState) -> Evaluation:
-    evaluation = state.evaluation
-    if evaluation is None:
+def _scorekeeper(state: GatewayState) -> Scorekeeper:
+    scorekeeper = state.evaluation
+    if scorekeeper is None:
         raise Conflict("evaluation is disabled in this gateway ([evaluation] enabled = false)")
-    if evaluation.engine is None or evaluation.store_status.state != "up":
+    if scorekeeper.engine is None or scorekeeper.store_status.state != "up":
         raise ChangeNotStored("the store is not reached yet: "
-                              f"{evaluation.store_status.reason or 'connecting'}", "unavailable")
-    return evaluation
+                              f"{scorekeeper.store_status.reason or 'connecting'}", "unavailable")
+    return scorekeeper
 
 
 @contextmanager

@@ -9,11 +9,11 @@ from aiohttp import web
 
 from evaluators import Capture, Observation, observe
 from gateway._config import GatewayConfig
-from gateway._evaluation import Evaluation
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
 from gateway._routing import Routing, Upstreams
+from gateway._scorekeeper import Scorekeeper
 from gateway._scrape import BackendLoad
 from gateway._sync import RoutingSync
 
@@ -50,7 +50,7 @@ class GatewayState:
     upstreams: Upstreams
     observations: RecentObservations
     mirror: Mirror
-    evaluation: Evaluation | None  # None: exchanges go to a sink the caller gave
+    evaluation: Scorekeeper | None  # None: exchanges go to a sink the caller gave
     promoter: Promoter
     in_flight: Counter[str] = field(default_factory=Counter)
     """Requests the relay has in flight per backend (the load each request is sent under);

@@ -24,8 +24,8 @@ from evaluators.store import StoreConfig
 from evaluators.store._schema import Base
 from evaluators.store._writer import ScoreWriter
 from gateway import load_config
-from gateway._evaluation import Evaluation
 from gateway._metrics import EvaluationCollector, GatewayMetrics
+from gateway._scorekeeper import Scorekeeper
 
 from ._stack import DASHBOARD, PROMETHEUS_CONFIG
 
@@ -68,10 +68,10 @@ async def exported() -> dict[str, set[str]]:
     try:
         pipeline = EvaluationPipeline(StoreConfig())
         writer = ScoreWriter(engine)
-        evaluation = Evaluation(load_config(None, {}))
+        scorekeeper = Scorekeeper(load_config(None, {}))
         collector = EvaluationCollector(
             lambda: pipeline.stats, lambda: writer.stats,
-            lambda: (evaluation.store_status, evaluation.scoring_state))
+            lambda: (scorekeeper.store_status, scorekeeper.scoring_state))
         for family in collector.collect():
             # An empty labelled family (no drops yet) still declares its label names.
             labels = {label for sample in family.samples for label in sample.labels}

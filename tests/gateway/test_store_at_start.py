@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
 from evaluators.store import ExchangeRow, create_engine, load_routing, session_factory, upgrade
-from gateway._evaluation import STORE_START_WAIT_S
+from gateway._scorekeeper import STORE_START_WAIT_S
 from tests.tcp_relay import TcpRelay
 from tests.utils import RunningGateway, eventually, free_port, run_gateway, run_sim, timed_chats
 
