@@ -46,6 +46,7 @@ __all__ = [
     "EmbeddingModelMissing",
     "EncoderStats",
     "SentenceEncoder",
+    "distinct_texts",
     "model_folder",
 ]
 
@@ -105,6 +106,21 @@ class EncoderStats:
     encoded: int
     cache_hits: int
     identical_pairs: int
+
+
+def distinct_texts(pairs: Sequence[tuple[str, str]]) -> tuple[dict[str, int], int]:
+    """The texts to encode for ``pairs``, each once and numbered in order of first
+    appearance, and how many pairs were byte-identical (those are 1.0 without encoding:
+    the same tokens give the same embedding)."""
+    index: dict[str, int] = {}
+    identical = 0
+    for a, b in pairs:
+        if a == b:
+            identical += 1
+            continue
+        index.setdefault(a, len(index))
+        index.setdefault(b, len(index))
+    return index, identical
 
 
 def _cache_key(text: str) -> bytes:
@@ -329,14 +345,7 @@ class SentenceEncoder:
         answer shared by several candidates' exchanges), identical pairs not at all.
         Equal to calling :meth:`similarity` per pair within float32 rounding.
         """
-        index: dict[str, int] = {}
-        identical = 0
-        for a, b in pairs:
-            if a == b:
-                identical += 1
-                continue
-            index.setdefault(a, len(index))
-            index.setdefault(b, len(index))
+        index, identical = distinct_texts(pairs)
         if identical:
             with self._lock:
                 self._identical_pairs += identical
@@ -344,6 +353,22 @@ class SentenceEncoder:
         return [1.0 if a == b else
                 float(np.clip(np.dot(emb[index[a]], emb[index[b]]), -1.0, 1.0))
                 for a, b in pairs]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's WordPiece tokenizer, truncating at ``max_tokens`` (with
+        ``[CLS]``/``[SEP]``)."""
+        return self._tokenizer
+
+    def encode_ids(self, batch: Sequence[Sequence[int]]) -> Array:
+        """Unit-length embeddings of token id sequences (special tokens included), one
+        forward pass over the whole batch, uncached: what distilling a static table
+        needs (``_static_embedding``)."""
+        with self._lock:
+            if self._blas is None:
+                return self._encode_batch([list(ids) for ids in batch])
+            with self._blas.limit(limits=self._blas_threads, user_api="blas"):
+                return self._encode_batch([list(ids) for ids in batch])
 
     def clear_cache(self) -> None:
         """Forget every cached embedding (benchmarks that score the same texts again)."""

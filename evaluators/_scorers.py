@@ -1,8 +1,10 @@
 """The scorer registry: every scorer by name, and how to build a chosen set from config.
 
 Building is where resources are made: the throughput window that throughput and GPU-hour
-cost share, and the sentence encoder (about 90 MB, loaded once) when semantic similarity
-is asked for and no encoder is handed in. The config itself is plain data.
+cost share, and the semantic similarity's encoder when that scorer is asked for and no
+encoder is handed in: by default the static table distilled from all-MiniLM-L6-v2
+(``semantic_model = "static"``), or the six-layer encoder itself (``"minilm"``, about
+90 MB, ~100x the CPU per exchange). The config itself is plain data.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +25,7 @@ from evaluators._scorers_quality import (
     FinishReasonScorer,
     JsonValidityScorer,
     SemanticSimilarityScorer,
+    TextSimilarity,
     TokenF1Scorer,
     ToolCallScorer,
 )
@@ -31,6 +35,7 @@ from evaluators._scorers_timing import (
     ReliabilityScorer,
     ThroughputScorer,
 )
+from evaluators._static_embedding import StaticSentenceEncoder
 from evaluators._throughput import (
     DEFAULT_WINDOW_MAX_REQUESTS,
     DEFAULT_WINDOW_S,
@@ -40,6 +45,7 @@ from evaluators._throughput import (
 __all__ = ["DEFAULT_SCORERS", "SCORERS", "ScorerConfig", "ScorerResources", "build_scorers"]
 
 SEMANTIC = "semantic_similarity"
+SemanticModel = Literal["static", "minilm"]
 
 
 class ScorerConfig(BaseModel):
@@ -50,18 +56,21 @@ class ScorerConfig(BaseModel):
     prices: dict[str, PriceModel] = Field(default_factory=dict)
     throughput_window_s: float = Field(DEFAULT_WINDOW_S, gt=0)
     throughput_window_max_requests: int = Field(DEFAULT_WINDOW_MAX_REQUESTS, ge=1)
+    semantic_model: SemanticModel = "static"
+    """The semantic similarity's encoder: the static table distilled from MiniLM, or
+    MiniLM itself (bench/score.py measures both and their agreement)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ScorerResources:
     config: ScorerConfig
     window: ThroughputWindow
-    encoder: SentenceEncoder | None
+    encoder: TextSimilarity | None
 
 
 def _semantic(resources: ScorerResources) -> Scorer:
     if resources.encoder is None:  # build_scorers makes one; this guards direct use
-        raise ValueError(f"{SEMANTIC} needs a SentenceEncoder")
+        raise ValueError(f"{SEMANTIC} needs an encoder")
     return SemanticSimilarityScorer(resources.encoder)
 
 
@@ -84,7 +93,7 @@ DEFAULT_SCORERS: tuple[str, ...] = tuple(SCORERS)
 
 
 def build_scorers(names: Iterable[str] = DEFAULT_SCORERS, config: ScorerConfig | None = None,
-                  *, encoder: SentenceEncoder | None = None,
+                  *, encoder: TextSimilarity | None = None,
                   window: ThroughputWindow | None = None) -> list[Scorer]:
     """The named scorers, in order, sharing one throughput window and one encoder."""
     names = list(names)
@@ -98,6 +107,7 @@ def build_scorers(names: Iterable[str] = DEFAULT_SCORERS, config: ScorerConfig |
         window = ThroughputWindow(config.throughput_window_s,
                                   config.throughput_window_max_requests)
     if encoder is None and SEMANTIC in names:
-        encoder = SentenceEncoder()
+        encoder = (StaticSentenceEncoder() if config.semantic_model == "static"
+                   else SentenceEncoder())
     resources = ScorerResources(config, window, encoder)
     return [SCORERS[name](resources) for name in names]
