@@ -7,7 +7,8 @@ at most ``MAX_IN_FLIGHT`` at once, all on 127.0.0.1). Answers are ``TOKENS`` wor
 non-streamed (the relay's per-chunk cost is bench/proxy.py's subject, not this one's).
 Each request's prompt is unique, so none is deduplicated. ``variant`` "" makes the
 candidate answer as the primary does, byte for byte (an exact engine); "differ" gives
-it answers of its own.
+it answers of its own. ``semantic_model`` is the gateway's
+``[evaluation.scoring] semantic_model`` ("static", the default, or "minilm").
 
 Then the gateway drains (bounded by ``DRAIN_TIMEOUT_S``) and its /metrics and its store
 are read: joined exchanges, ``sink_full`` drops, scored exchanges, rows stored, and the
@@ -55,7 +56,8 @@ def _sim(workdir: Path, name: str, variant: str) -> Child:
     return child
 
 
-def _gateway(workdir: Path, primary: str, candidate: str) -> tuple[Child, Path]:
+def _gateway(workdir: Path, primary: str, candidate: str, semantic_model: str
+             ) -> tuple[Child, Path]:
     port = free_port()
     db = workdir / "gateway.db"
     candidate_entry = {"name": "cand", "url": candidate, "sample_rate": 1.0,
@@ -64,6 +66,7 @@ def _gateway(workdir: Path, primary: str, candidate: str) -> tuple[Child, Path]:
              "[primary]", f'url = "{primary}"', "",
              "[evaluation]", "enabled = true", "",
              "[evaluation.store]", f'url = "sqlite+aiosqlite:///{db}"', "",
+             "[evaluation.scoring]", f"semantic_model = {json.dumps(semantic_model)}", "",
              "[[candidates]]", *(f"{k} = {json.dumps(v)}" for k, v in candidate_entry.items())]
     config = workdir / "gateway.toml"
     config.write_text("\n".join(lines) + "\n")
@@ -152,7 +155,8 @@ def _stored(db: Path) -> dict[str, int]:
     return {"exchanges": int(exchanges), "scores": int(scores)}
 
 
-def run_gateway_phase(*, quick: bool = False, variant: str = "") -> dict[str, Any]:
+def run_gateway_phase(*, quick: bool = False, variant: str = "",
+                      semantic_model: str = "static") -> dict[str, Any]:
     duration = QUICK_DURATION_S if quick else DURATION_S
     with tempfile.TemporaryDirectory(prefix="score-gw-") as tmp:
         workdir = Path(tmp)
@@ -163,7 +167,7 @@ def run_gateway_phase(*, quick: bool = False, variant: str = "") -> dict[str, An
             children += [primary, candidate]
             for sim in (primary, candidate):
                 wait_http(sim, sim.url + "/health", READY_TIMEOUT_S)
-            gateway, db = _gateway(workdir, primary.url, candidate.url)
+            gateway, db = _gateway(workdir, primary.url, candidate.url, semantic_model)
             children.append(gateway)
             wait_http(gateway, gateway.url + "/health", READY_TIMEOUT_S)
             load_before = loadavg()
@@ -177,6 +181,7 @@ def run_gateway_phase(*, quick: bool = False, variant: str = "") -> dict[str, An
             if k.startswith(("understudy_mirror_", "understudy_evaluation_",
                              "understudy_scoring_"))}
     return {"rate": RATE, "duration_s": duration, "tokens": TOKENS, "variant": variant,
+            "semantic_model": semantic_model,
             "load": tally, "drain_s": drain_s, "metrics": pick, "stored": stored,
             "loadavg_before": load_before, "loadavg_after": loadavg()}
 
@@ -196,5 +201,6 @@ def render_gateway(result: dict[str, Any]) -> str:
     sink_full = m.get("mirror_dropped_total:sink_full", 0.0)
     title = (f"gateway at {result['rate']:g} requests/s for {result['duration_s']:g} s, "
              f"one candidate ({'identical' if not result['variant'] else 'differing'} "
-             f"answers, {result['tokens']} words): sink_full {sink_full:g}")
+             f"answers, {result['tokens']} words), semantic model "
+             f"{result.get('semantic_model', 'static')}: sink_full {sink_full:g}")
     return render_table(title, ["figure", "value"], rows)
