@@ -68,18 +68,22 @@ def _connection_tokens(headers: CIMultiDictProxy[str]) -> frozenset[str]:
     )
 
 
-def _copy(
-    headers: CIMultiDictProxy[str], drop: Iterable[str]
-) -> CIMultiDict[str]:
-    dropped = HOP_BY_HOP | _connection_tokens(headers) | frozenset(drop)
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in dropped)
+_REQUEST_DROPPED = HOP_BY_HOP | _REQUEST_RECOMPUTED
+_RESPONSE_DROPPED = HOP_BY_HOP | _RESPONSE_RECOMPUTED
+
+
+def _copy(headers: CIMultiDictProxy[str], dropped: frozenset[str]) -> CIMultiDict[str]:
+    """``headers`` without ``dropped`` (lower-case names) and those ``Connection`` names."""
+    if "Connection" in headers:
+        dropped = dropped | _connection_tokens(headers)
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in dropped])
 
 
 def forwarded_headers(
     incoming: CIMultiDictProxy[str], *, request_id: str, client_ip: str | None, scheme: str
 ) -> CIMultiDict[str]:
     """The client's headers as any upstream receives them, before credential policy."""
-    out = _copy(incoming, _REQUEST_RECOMPUTED)
+    out = _copy(incoming, _REQUEST_DROPPED)
     prior = incoming.get("X-Forwarded-For")
     if client_ip:
         out["X-Forwarded-For"] = f"{prior}, {client_ip}" if prior else client_ip
@@ -105,7 +109,6 @@ def with_credentials(
 def downstream_headers(
     upstream: CIMultiDictProxy[str], *, request_id: str, body_rewritten: bool
 ) -> CIMultiDict[str]:
-    drop = _RESPONSE_RECOMPUTED if body_rewritten else frozenset()
-    out = _copy(upstream, drop)
+    out = _copy(upstream, _RESPONSE_DROPPED if body_rewritten else HOP_BY_HOP)
     out[REQUEST_ID_HEADER] = request_id
     return out

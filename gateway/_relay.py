@@ -17,8 +17,8 @@ Rules (DESIGN.md invariant 1):
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,7 +174,8 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
     """Handle one proxied request end to end; never raises for upstream failures."""
     loop = asyncio.get_running_loop()
     started, wall_started = loop.time(), time.time()
-    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID.
+    request_id = request.headers.get(REQUEST_ID_HEADER) or os.urandom(16).hex()
     route = route_of(request.path)
     metrics = state.metrics
     routing = state.routing  # one snapshot: the whole request goes where it says
