@@ -18,7 +18,10 @@ Theory of operation
    each candidate's report, builds the scorecard (``_scorecard``), promotes what the judge
    passes (rule 3 there) through the admin API and shows the new routing.
 5. Every process is the demo's child on loopback and is stopped when it ends; the work
-   folder keeps the logs, the config, the store and ``scorecard.json``.
+   folder keeps the logs, the config, the store, each candidate's admin report
+   (``report-<name>.json``: every metric's statistics and checks) and ``scorecard.json``.
+6. Once ready, each deployment runs on its own fixed CPU slice (``_cpu_slices``) where
+   the machine allows it, so one deployment's speed does not depend on another's phase.
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ from typing import Final
 import orjson
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
+from demo._cpu_slices import cpu_slices
 from demo._deployments import Deployment, DeploymentSpec, deployments, free_port
 from demo._gateway import GatewayClient, Samples, gateway_config, new_token, scrape, total
 from demo._scorecard import Scorecard, card_from_report, render, would_promote
@@ -75,11 +80,13 @@ MIN_WIDTH: Final = 150
 
 @dataclass(frozen=True, slots=True)
 class DemoSpec:
-    """How big the demo is; the defaults finish within about 6 minutes on 2 cores."""
+    """How big the demo is: ``sessions`` x ``turns`` is its size (27 exchanges per
+    candidate, ``min_samples`` 20 of them needed for a verdict); ``minutes`` only bounds
+    the workload on a machine too busy to finish it (no session starts after it)."""
 
     sessions: int = 9
     turns: int = 3
-    minutes: float = 4.0
+    minutes: float = 8.0
     rate: float = 0.5
     think_s: float = 1.0
     concurrency: int = 4
@@ -252,6 +259,9 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> Scorecard:
                       "SmolLM2-135M, numpy) ...")
         started_deployments = stack.enter_context(deployments(workdir, specs))
         by_name = {d.name: d for d in started_deployments}
+        slices = stack.enter_context(cpu_slices(
+            {d.name: [e.process.pid for e in d.engines] for d in started_deployments}))
+        console.print(f"CPU: {escape(slices.how)}")
         if not spec.primary_vllm:
             primary_url, replica_url = by_name[PRIMARY].url, by_name[REPLICA].url
         candidates = [(REPLICA, replica_url, "secondary"),
@@ -262,11 +272,13 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> Scorecard:
         console.print(f"gateway {client.url} (admin {client.admin_url}); driving "
                       f"{spec.sessions} agentic sessions of up to {spec.turns} turns ...")
         summary = asyncio.run(_drive(spec, client, names, console))
-        card = Scorecard(sessions=summary.sessions, turns=summary.turns)
+        card = Scorecard(sessions=summary.sessions, turns=summary.turns, cpu=slices.how)
         turns_per_session = summary.turns / max(summary.sessions, 1)
         descriptions = {REPLICA: "noise floor", **{c.name: c.description for c in CANDIDATES}}
         for name in names:
             report = client.admin("GET", f"/candidates/{name}/report")
+            (workdir / f"report-{name}.json").write_bytes(orjson.dumps(
+                report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
             card.cards.append(card_from_report(
                 name, descriptions[name], report,
                 ttft_by_depth=asyncio.run(_by_depth(workdir / "understudy.db", name,

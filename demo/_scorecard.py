@@ -65,6 +65,8 @@ class Scorecard:
     wall_s: float = 0.0
     turns: int = 0
     sessions: int = 0
+    cpu: str = ""
+    """How the deployments shared the machine's CPU (``_cpu_slices``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,6 +167,8 @@ def render(console: Console, card: Scorecard, replica: str) -> None:
     console.print(f"[dim]x: candidate / primary medians (TTFT and ITL per turn depth); "
                   f"{replica} is a replica of the primary mirrored like the candidates: the "
                   "noise floor, and what load alone does to the ratios[/]")
+    if card.cpu:
+        console.print(f"[dim]CPU: {escape(card.cpu)}[/]")
     for c in card.cards:
         if c.name == replica:
             continue
