@@ -21,7 +21,8 @@ Rules:
    root, no delegation) the deployments share the CPU and ``CpuSlices.how`` says so: the
    scorecard prints it beside the latencies.
 4. The groups are removed when the context exits: a process still in one is moved back
-   to the parent group first.
+   to the parent group first. Empty groups left by a demo that was killed are removed
+   when the next one starts.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def cpu_slices(pids_by_deployment: Mapping[str, Sequence[int]]) -> Iterator[CpuS
         slices.how = "shared CPU (no writable cgroup cpu controller)"
     else:
         parent, v2 = found
+        _remove_stale(parent)
         cores = ENGINE_CPU_SHARE * usable_cores() / max(len(pids_by_deployment), 1)
         try:
             for name, pids in pids_by_deployment.items():
@@ -117,3 +119,12 @@ def _release(groups: Sequence[Path], parent: Path) -> None:
                 with contextlib.suppress(OSError):
                     (parent / "cgroup.procs").write_text(pid)
             group.rmdir()
+
+
+def _remove_stale(parent: Path) -> None:
+    """Rule 4: the empty groups of demos whose process is gone."""
+    for group in parent.glob(f"{GROUP_PREFIX}-*"):
+        owner = group.name.removeprefix(f"{GROUP_PREFIX}-").split("-", 1)[0]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            with contextlib.suppress(OSError):
+                group.rmdir()  # refused while a process is still in it

@@ -49,3 +49,19 @@ def test_without_a_writable_controller_the_cpu_is_shared(tmp_path: Path,
     with cpu_slices({"primary": [1]}) as slices:
         assert slices.cores_each is None and slices.groups == []
         assert slices.how.startswith("shared CPU")
+
+
+def test_the_empty_groups_of_a_killed_demo_are_removed_by_the_next() -> None:
+    _controller_or_skip()
+    found = _cpu_slices._controller()
+    assert found is not None
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = found[0] / f"{_cpu_slices.GROUP_PREFIX}-{gone.pid}-primary"
+    stale.mkdir()
+    try:
+        with cpu_slices({}):
+            assert not stale.exists()
+    finally:
+        if stale.exists():
+            stale.rmdir()
