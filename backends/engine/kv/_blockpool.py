@@ -22,6 +22,15 @@ Rules
    bytes.  A first block also holds a raw sink row; ``sink_reserve`` rows are paid for up front
    (one per running sequence), and the rows beyond them are paid for with blocks: that many
    fewer blocks count as free, so ``usage`` and admission see the sinks of cached conversations.
+8. Under a codec with a recent window (``_paged_codec`` rule 9) a sealed block keeps its raw rows
+   while a window reads it.  ``settle_window(live)`` drops them from every block that is not in
+   ``live`` (the running sequences' windows) and is no TAIL: when a sequence's table is released,
+   its blocks still holding raw rows become tails (the window its conversation's next turn, or a
+   node pulling it, reads) and stay so until acquired again or evicted.  A prefix hit is cut
+   back to the longest prefix whose last ``window_blocks - 1`` blocks hold raw rows, so reuse
+   never reads a decoded block where a fresh prefill reads raw: a prompt that branches off
+   further back than the window recomputes.  Raw rows are paid like sink rows (rule 7): the
+   reserve pays ``window_blocks - 1`` blocks of them per running sequence, blocks the rest.
 """
 
 from __future__ import annotations
@@ -192,6 +201,7 @@ class BlockPool:
         "_refs",
         "_sink_reserve",
         "_table",
+        "_tails",
         "enable_prefix_caching",
         "layout",
         "num_blocks",
@@ -226,6 +236,7 @@ class BlockPool:
             else CodedKVStorage(layout, num_blocks + 1, codec, cache_bytes=decoded_cache_bytes)
         )
         self._sink_reserve = sink_reserve
+        self._tails: set[int] = set()
         self._refs = [0] * (num_blocks + 1)
         self._free: OrderedDict[int, None] = OrderedDict(
             (b, None) for b in range(1, num_blocks + 1)
@@ -259,7 +270,8 @@ class BlockPool:
         else:
             block_bytes = codec.block_bytes
             cache_bytes = min(decoded_cache_bytes, int(kv_limit_bytes * DECODED_CACHE_SHARE))
-            reserved = raw_blocks * (layout.bytes_per_block + codec.sink_bytes) + cache_bytes
+            raw = layout.bytes_per_block + (codec.window_blocks - 1) * codec.window_bytes
+            reserved = raw_blocks * (raw + codec.sink_bytes) + cache_bytes
         num_blocks = (kv_limit_bytes - reserved) // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -312,8 +324,13 @@ class BlockPool:
         codec = storage.codec
         sinks = codec.sink_blocks()
         count = sum(1 for b in sinks if self._refs[b]) if held_only else len(sinks)
-        extra = count - self._sink_reserve
-        return 0 if extra <= 0 else -(-extra * codec.sink_bytes // codec.block_bytes)
+        extra = max(0, count - self._sink_reserve) * codec.sink_bytes
+        if codec.window_bytes:  # rule 8
+            rows = storage.window_blocks()
+            count = sum(1 for b in rows if self._refs[b]) if held_only else len(rows)
+            reserve = self._sink_reserve * (codec.window_blocks - 1)
+            extra += max(0, count - reserve) * codec.window_bytes
+        return -(-extra // codec.block_bytes)
 
     @property
     def sink_blocks(self) -> int:
@@ -343,6 +360,7 @@ class BlockPool:
                 continue
             del self._table[entry.block_hash]
             storage.forget(block)
+            self._tails.discard(block)
             self._free.move_to_end(block, last=False)
             empty += 1
             owed = self.sink_blocks
@@ -390,7 +408,24 @@ class BlockPool:
             if block is None:
                 break
             found.append(block)
+        storage = self.storage
+        if isinstance(storage, CodedKVStorage) and storage.codec.window_blocks > 1 and found:
+            rows = storage.window_blocks()  # rule 8: cut back to a prefix its window can read
+            window = storage.codec.window_blocks - 1
+            end = len(found)
+            while end and not all(b in rows for b in found[max(0, end - window) : end]):
+                end -= 1
+            del found[end:]
         return found
+
+    def settle_window(self, live: Iterable[int]) -> None:
+        """Drop the raw window rows of blocks neither in ``live`` nor a tail (rule 8)."""
+        storage = self.storage
+        if not isinstance(storage, CodedKVStorage) or storage.codec.window_blocks == 1:
+            return
+        keep = self._tails.union(live)
+        for block in storage.window_blocks() - keep:
+            storage.drop_window(block)
 
     def acquire(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cached blocks (found by ``lookup``)."""
@@ -398,6 +433,7 @@ class BlockPool:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
+            self._tails.discard(block)
 
     def allocate(self, count: int) -> list[int]:
         """``count`` fresh blocks with one reference each, evicting LRU cached blocks."""
@@ -412,13 +448,18 @@ class BlockPool:
                 del self._table[entry.block_hash]
             if coded is not None:
                 coded.forget(block)
+                self._tails.discard(block)
             self._refs[block] = 1
             blocks.append(block)
         self._settle_sinks()
         return blocks
 
     def release(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block of a block table (released tail first)."""
+        """Drop one reference on each block of a block table (released tail first); its blocks
+        holding raw window rows become tails (rule 8)."""
+        storage = self.storage
+        if isinstance(storage, CodedKVStorage) and storage.codec.window_blocks > 1:
+            self._tails.update(storage.window_blocks().intersection(block_ids))
         for block in reversed(block_ids):
             refs = self._refs[block] - 1
             if refs < 0:
@@ -430,6 +471,7 @@ class BlockPool:
                     self._free.move_to_end(block, last=False)
                     if isinstance(self.storage, CodedKVStorage):
                         self.storage.forget(block)
+                        self._tails.discard(block)
 
     def register(
         self,
@@ -460,11 +502,11 @@ class BlockPool:
             if entry is None:
                 raise KeyError(f"block {block} is not a cached block")
             storage = self.storage
-            data = (
-                storage.read_block(block)
-                if isinstance(storage, KVStorage)
-                else storage.codec.export(block)
-            )
+            data: npt.NDArray[Any]
+            if isinstance(storage, CodedKVStorage):
+                data = storage.export(block)
+            else:
+                data = storage.read_block(block)
             exported.append(entry.with_data(block, data))
         return exported
 
@@ -483,7 +525,8 @@ class BlockPool:
                 raise ValueError("KV blocks of another codec")
             if codec is not None:
                 first = kv_block.parent_hash == self.seed
-                if kv_block.data.size != codec.packed_bytes(first):
+                sizes = (codec.packed_bytes(first), codec.packed_bytes(first, True))
+                if kv_block.data.size not in sizes:
                     raise ValueError(f"a packed KV block of {kv_block.data.size} bytes")
             elif kv_block.data.shape != self.layout.block_shape:
                 raise ValueError(
@@ -509,6 +552,8 @@ class BlockPool:
                     self.storage.write_block(block, kv_block.data.astype(np.float32, copy=False))
                 else:
                     self._load_encoded(self.storage, block, kv_block)
+                    if block in self.storage.window_blocks():
+                        self._tails.add(block)  # rule 8: the window a pulled turn reads
                 self.register(
                     block,
                     kv_block.block_hash,

@@ -20,6 +20,12 @@ Rules
    when a block is handed out again or released uncached, so no stale row or code is ever read.
 7. Writing rows into a block that has codes but no raw slot (a write over a sealed block) starts
    the raw slot from the decoded block, the content ``KVStorage`` would hold.
+8. Under a codec with a recent window (``PagedCodec.window_blocks`` > 1, ``_paged_codec`` rule
+   9) ``seal`` keeps the raw slot as a WINDOW slot beside the codes (pinned, not a cache entry)
+   and caches the decoded rows in a slot of their own.  ``raw_rows`` reads raw and window slots
+   alike; a block missing there is a broken invariant, never a silent decode.  Window slots are
+   dropped only when asked (``drop_window``: the pool, when no running sequence's window holds
+   the block and it is no cached conversation's tail) or with the block (rule 6).
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class CodedKVStorage:
         "_hits",
         "_misses",
         "_raw",
+        "_window",
         "blockwise_scores",
         "cache_entries",
         "codec",
@@ -101,6 +108,7 @@ class CodedKVStorage:
         self.entry_bytes = layout.bytes_per_block // layout.num_layers
         self.cache_entries = cache_bytes // self.entry_bytes
         self._raw: dict[_Key, int] = {}
+        self._window: dict[_Key, int] = {}
         self._decoded: OrderedDict[_Key, int] = OrderedDict()
         self._free: list[int] = []
         self._hits = 0
@@ -164,7 +172,9 @@ class CodedKVStorage:
         slot = self._raw.get(key)
         if slot is not None:
             return slot
-        slot = self._decoded.pop(key, None)
+        slot = self._window.pop(key, None)  # rule 8: the raw rows themselves
+        if slot is None:
+            slot = self._decoded.pop(key, None)
         if slot is None:
             slot = self._slot()
             if self.codec.has_layer(layer, block):  # rule 7
@@ -181,12 +191,57 @@ class CodedKVStorage:
         """Drop every row and code of ``block`` (rule 6)."""
         for layer in range(self.layout.num_layers):
             key = (layer, block)
-            slot = self._raw.pop(key, None)
-            if slot is None:
-                slot = self._decoded.pop(key, None)
+            for slots in (self._raw, self._decoded, self._window):
+                slot = slots.pop(key, None)
+                if slot is not None:
+                    self._free.append(slot)
+        self.codec.forget(block)
+
+    # -- the recent window (rule 8) ---------------------------------------------------------
+
+    def window_blocks(self) -> set[int]:
+        """The sealed blocks holding raw window rows now."""
+        return {block for layer, block in self._window if layer == 0}
+
+    def drop_window(self, block: int) -> None:
+        """Drop ``block``'s raw window rows (it left every window that reads it)."""
+        for layer in range(self.layout.num_layers):
+            slot = self._window.pop((layer, block), None)
             if slot is not None:
                 self._free.append(slot)
-        self.codec.forget(block)
+
+    def raw_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
+        """``(K^T [kv_heads, head_dim, n * bs], V [kv_heads, n * bs, head_dim])``: copies of the
+        raw rows of ``blocks``, each being filled or sealed within a window (rule 8)."""
+        ids = []
+        for block in blocks.tolist():
+            slot = self._raw.get((layer, block), self._window.get((layer, block)))
+            if slot is None:
+                raise RuntimeError(f"block {block} layer {layer}: raw rows read after they left")
+            ids.append(slot)
+        lay = self.layout
+        keys = np.take(self._arena_keys, ids, axis=1)
+        values = np.take(self._arena_values, ids, axis=1)
+        tokens = len(ids) * lay.block_size
+        return (
+            np.ascontiguousarray(keys.transpose(0, 2, 1, 3)).reshape(
+                lay.num_kv_heads, lay.head_dim, tokens
+            ),
+            values.reshape(lay.num_kv_heads, tokens, lay.head_dim),
+        )
+
+    def export(self, block: int) -> npt.NDArray[np.uint8]:
+        """The packed block (``PagedCodec.export``), with its raw window rows if it holds them."""
+        layers = range(self.layout.num_layers)
+        if not all((layer, block) in self._window for layer in layers):
+            return self.codec.export(block)
+        ids = [self._window[layer, block] for layer in layers]
+        rows = b"".join(
+            self._arena_keys[:, slot].astype("<f4").tobytes()
+            + self._arena_values[:, slot].astype("<f4").tobytes()
+            for slot in ids
+        )
+        return self.codec.export(block, rows)
 
     def _resolve(self, layer: int, table: IntArray) -> tuple[IntArray, list[tuple[int, int]]]:
         """Slot ids of ``table`` (0 where a block must be decoded) and the misses
@@ -237,14 +292,6 @@ class CodedKVStorage:
         self._arena_keys[:, ids, :, offsets] = k
         self._arena_values[:, ids, offsets] = v.transpose(1, 0, 2)
 
-    def own_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
-        """Copies ``(K^T [n, heads, dim, bs], V [n, heads, bs, dim])`` of raw blocks."""
-        ids = np.array([self._raw[layer, b] for b in blocks.tolist()], dtype=np.intp)
-        return (
-            np.ascontiguousarray(self._arena_keys[:, ids].transpose(1, 0, 2, 3)),
-            np.ascontiguousarray(self._arena_values[:, ids].transpose(1, 0, 2, 3)),
-        )
-
     def gather(self, layer: int, table: IntArray) -> tuple[Float32Array, Float32Array]:
         """``(K^T [kv_heads, head_dim, tokens], V [kv_heads, tokens, head_dim])`` of a table."""
         lay = self.layout
@@ -291,11 +338,20 @@ class CodedKVStorage:
         """Encode one layer of complete ``blocks``; their raw slots become decoded cache entries
         (rule 4); ``firsts``: which are a sequence's first block (sink)."""
         keys, values = self._arena_keys, self._arena_values
+        windowed = self.codec.window_blocks > 1
         for block, first in zip(blocks.tolist(), firsts.tolist(), strict=True):
             key = (layer, block)
             slot = self._raw.pop(key)
             k, v = self.codec.seal(layer, block, keys[:, slot], values[:, slot], bool(first))
-            if self.cache_entries:
+            if windowed:  # rule 8
+                self._window[key] = slot
+                if self.cache_entries:
+                    slot = self._slot()
+                    keys, values = self._arena_keys, self._arena_values
+                    keys[:, slot] = k
+                    values[:, slot] = v
+                    self._cache(key, slot)
+            elif self.cache_entries:
                 keys[:, slot] = k
                 values[:, slot] = v
                 self._cache(key, slot)
@@ -307,3 +363,22 @@ class CodedKVStorage:
         checks its size and that it decodes to finite values)."""
         self.forget(block)
         self.codec.load(block, packed, first)
+        if packed.size == self.codec.packed_bytes(first, True) and self.codec.window_bytes:
+            rows = np.frombuffer(
+                np.ascontiguousarray(packed[packed.size - self.codec.window_bytes :]).tobytes(),
+                dtype="<f4",
+            )
+            if not np.isfinite(rows).all():
+                self.forget(block)
+                raise ValueError("a packed block's window rows are not finite")
+            lay = self.layout
+            per_role = lay.num_kv_heads * lay.head_dim * lay.block_size
+            for layer, start in enumerate(range(0, rows.size, 2 * per_role)):
+                slot = self._slot()
+                self._arena_keys[:, slot] = rows[start : start + per_role].reshape(
+                    self._arena_keys.shape[0], *self._arena_keys.shape[2:]
+                )
+                self._arena_values[:, slot] = rows[start + per_role : start + 2 * per_role].reshape(
+                    self._arena_values.shape[0], *self._arena_values.shape[2:]
+                )
+                self._window[layer, block] = slot

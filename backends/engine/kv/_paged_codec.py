@@ -26,6 +26,14 @@ Rules
    prefix-cache hash chain of a codec starts from it.  A uniform plan has its codec's.
 8. A plan gives each layer and role its own codec, so each layer has its own schema and size;
    a packed block is the layers' blobs in order, each its K arrays then its V arrays.
+9. A plan's recent window (``window_tokens``, a multiple of the block size; the windowed codecs
+   ``e8-2w``, ``kivi-4w``, ``kivi-2w`` have KIVI's 128) is read raw: a query in block ``b``
+   reads blocks ``b - window_blocks + 1 .. b`` raw, the rest decoded, so the most recent
+   ``window_tokens - block_size + 1`` to ``window_tokens`` tokens are at full precision and a
+   block is quantized as it leaves the window.  Without a window ``window_blocks`` is 1: the own
+   block.  A sealed block keeps its raw rows (``window_bytes``, float32, all layers, K and V)
+   beside its codes while it is in a window (``_coded_store`` rule 8); a packed block carries
+   them when it holds them, so a node pulling a conversation gets its window raw.
 """
 
 from __future__ import annotations
@@ -38,10 +46,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._plan import ENGINE_CODECS, KVPlan
+from ._plan import ENGINE_CODECS, SERVED_CODECS, KVPlan
 from .codecs import EncodedBlock, KVCodec, Role, codec_by_name
 
-__all__ = ["ENGINE_CODECS", "PagedCodec"]
+__all__ = ["ENGINE_CODECS", "SERVED_CODECS", "PagedCodec"]
 
 Float32Array = npt.NDArray[np.float32]
 UInt8Array = npt.NDArray[np.uint8]
@@ -85,6 +93,8 @@ class PagedCodec:
         "name",
         "plan",
         "sink_bytes",
+        "window_blocks",
+        "window_bytes",
     )
 
     def __init__(
@@ -100,17 +110,22 @@ class PagedCodec:
     ) -> None:
         """``codec``: one served codec for every layer and role, or a plan (rule 8)."""
         if isinstance(codec, str):
-            if codec not in ENGINE_CODECS:
+            if codec not in SERVED_CODECS:
                 raise ValueError(
                     f"the engine does not serve KV codec {codec!r} (served: "
-                    f"{', '.join(ENGINE_CODECS)}; windowed variants such as e8-2w are not built)"
+                    f"{', '.join(SERVED_CODECS)})"
                 )
             codec = KVPlan.uniform(codec, num_layers)
+        if codec.window_tokens % block_size:
+            raise ValueError(
+                f"a KV window of {codec.window_tokens} tokens is not a multiple of the "
+                f"{block_size}-token block"
+            )
         if codec.num_layers != num_layers:
             raise ValueError(
                 f"a KV plan of {codec.num_layers} layers for a {num_layers}-layer model"
             )
-        if codec.uniform_codec == "fp32":
+        if set(codec.keys) | set(codec.values) == {"fp32"}:
             raise ValueError("fp32 is the cache without a codec (no PagedCodec)")
         self.plan = codec
         self.name = codec.name
@@ -161,6 +176,8 @@ class PagedCodec:
         ]
         self.block_bytes = sum(self.layer_bytes)
         self.sink_bytes = num_layers * 2 * kv_heads * head_dim * 4
+        self.window_blocks = max(1, codec.window_tokens // block_size)
+        self.window_bytes = self.sink_bytes * block_size if codec.window_tokens else 0
         self._encoded: dict[int, list[bytes]] = {}
         self._sinks: dict[int, Float32Array] = {}
 
@@ -172,9 +189,25 @@ class PagedCodec:
         """True bytes of a complete block per token, all layers, K and V."""
         return self.block_bytes / self.block_size
 
-    def packed_bytes(self, first: bool) -> int:
-        """Bytes of a packed block (``export``): a first block carries its raw sink row."""
-        return self.block_bytes + (self.sink_bytes if first else 0)
+    def context_bits_per_element(self, tokens: int) -> float:
+        """True bits per element the cache holds for one sequence of ``tokens`` tokens: the codes
+        of its complete blocks, its sink row, and float32 rows of the block being filled and of
+        the complete blocks in its window (rule 9), over every layer's K and V."""
+        complete = tokens // self.block_size
+        raw_blocks = 1 + min(complete, self.window_blocks - 1)
+        held = complete * self.block_bytes + self.sink_bytes * (1 + raw_blocks * self.block_size)
+        return 8.0 * held / (tokens * self.sink_bytes // 4)
+
+    def packed_bytes(self, first: bool, window: bool = False) -> int:
+        """Bytes of a packed block (``export``): a first block carries its raw sink row, a block
+        in a window its raw rows (rule 9)."""
+        return self.block_bytes + (self.sink_bytes if first else 0) + (self.window_bytes * window)
+
+    @property
+    def packed_sizes(self) -> tuple[int, ...]:
+        """Every size a packed block of this codec may have."""
+        both = (False, True)
+        return tuple(sorted({self.packed_bytes(f, w) for w in both for f in both}))
 
     # -- one layer of one block ------------------------------------------------------------
 
@@ -261,8 +294,11 @@ class PagedCodec:
 
     # -- whole blocks (prefix cache, retention, transfer) ----------------------------------
 
-    def export(self, block: int) -> UInt8Array:
-        """The packed block: every layer's K and V arrays, then the raw sink row if first."""
+    def export(self, block: int, window_rows: bytes = b"") -> UInt8Array:
+        """The packed block: every layer's K and V arrays, then the raw sink row if first, then
+        ``window_rows`` (``window_bytes`` of raw rows, rule 9, or none)."""
+        if window_rows and len(window_rows) != self.window_bytes:
+            raise ValueError(f"window rows of {len(window_rows)} bytes, not {self.window_bytes}")
         layers = self._encoded.get(block)
         if layers is None or not all(layers):
             raise KeyError(f"block {block} has not been encoded")
@@ -270,7 +306,7 @@ class PagedCodec:
         sink = self._sinks.get(block)
         if sink is not None:
             parts.append(sink.astype("<f4").tobytes())
-        return np.frombuffer(b"".join(parts), dtype=np.uint8)
+        return np.frombuffer(b"".join([*parts, window_rows]), dtype=np.uint8)
 
     def load(
         self, block: int, packed: UInt8Array, first: bool
@@ -278,18 +314,21 @@ class PagedCodec:
         """Take a packed block as ``block``'s content; every layer's decoded K^T and V.
 
         ``ValueError`` if its size is not this codec's (for a first block or not) or it decodes
-        to non-finite values."""
+        to non-finite values.  The raw window rows a packed block may carry after its codes and
+        sink (rule 9) are the caller's (``_coded_store``): they are not looked at here."""
         data = np.ascontiguousarray(packed, dtype=np.uint8).tobytes()
-        if len(data) != self.packed_bytes(first):
+        sizes = sorted({self.packed_bytes(first), self.packed_bytes(first, True)})
+        if len(data) not in sizes:
             raise ValueError(
                 f"a packed {self.name} block of {len(data)} bytes, expected "
-                f"{self.packed_bytes(first)}"
+                f"{' or '.join(map(str, sizes))}"
             )
         ends = np.cumsum(self.layer_bytes).tolist()
         layers = [data[end - size : end] for end, size in zip(ends, self.layer_bytes, strict=True)]
         self._encoded[block] = layers
         if first:
-            sink = np.frombuffer(data, dtype="<f4", offset=self.block_bytes)
+            count = self.sink_bytes // 4
+            sink = np.frombuffer(data, dtype="<f4", count=count, offset=self.block_bytes)
             self._sinks[block] = sink.reshape(
                 self.num_layers, 2, self.kv_heads, self.head_dim
             ).astype(np.float32)

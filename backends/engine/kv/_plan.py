@@ -14,6 +14,10 @@ Rules
    plan and its calibration (``_paged_codec`` rule 7).
 4. The file may carry a ``"meta"`` object (what the planner measured and assumed); it is kept
    for the reader and takes no part in the plan's identity.
+5. ``window_tokens`` (default 0) is the recent window kept at full precision for every layer
+   and role (``_paged_codec`` rule 9): part of the plan's identity, its name and its bytes.  A
+   windowed codec (``WINDOWED_CODECS``: ``e8-2w``, ``kivi-4w``, ``kivi-2w``) IS the uniform plan
+   of its base codec with KIVI's 128-token window.
 """
 
 from __future__ import annotations
@@ -25,18 +29,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENGINE_CODECS", "KVPlan", "LayerCodecs"]
+__all__ = [
+    "ENGINE_CODECS",
+    "SERVED_CODECS",
+    "WINDOWED_CODECS",
+    "WINDOW_TOKENS",
+    "KVPlan",
+    "LayerCodecs",
+]
 
 ENGINE_CODECS: tuple[str, ...] = ("fp32", "fp16", "fp8", "kivi-8", "kivi-4", "kivi-2", "e8-2")
-"""Codecs the engine serves.  ``e8-2w`` and KIVI's 128-token window (blocks within the last 128
-tokens read raw) are not built: in the engine only a query's own block is read raw."""
+"""Codecs a plan may name for one layer's keys or values."""
+WINDOW_TOKENS = 128
+"""KIVI's full-precision window of recent tokens, the windowed codecs' (rule 5)."""
+WINDOWED_CODECS: Mapping[str, str] = {"kivi-4w": "kivi-4", "kivi-2w": "kivi-2", "e8-2w": "e8-2"}
+"""Each windowed codec's base codec: the uniform plan of it with a ``WINDOW_TOKENS`` window."""
+SERVED_CODECS: tuple[str, ...] = (*ENGINE_CODECS, *WINDOWED_CODECS)
+"""What ``--kv-codec`` takes."""
 
 
 def _served(name: object) -> str:
     if not isinstance(name, str) or name not in ENGINE_CODECS:
         raise ValueError(
-            f"the engine does not serve KV codec {name!r} (served: {', '.join(ENGINE_CODECS)};"
-            " windowed variants such as e8-2w are not built)"
+            f"the engine does not serve KV codec {name!r} for one layer (served: "
+            f"{', '.join(ENGINE_CODECS)}; a window is the plan's, window_tokens)"
         )
     return name
 
@@ -59,17 +75,25 @@ class KVPlan:
 
     layers: tuple[LayerCodecs, ...]
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    window_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a KV plan names at least one layer")
         if not all(isinstance(layer, LayerCodecs) for layer in self.layers):
             raise ValueError("a KV plan's layers are LayerCodecs")
+        window = self.window_tokens
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"a KV plan's window_tokens is an int >= 0, got {window!r}")
 
     @classmethod
-    def uniform(cls, name: str, num_layers: int) -> KVPlan:
-        """``name`` for every layer's keys and values (rule 2)."""
-        return cls(tuple(LayerCodecs(name, name) for _ in range(num_layers)))
+    def uniform(cls, name: str, num_layers: int, *, window_tokens: int = 0) -> KVPlan:
+        """``name`` for every layer's keys and values (rule 2); a windowed codec's name gives
+        its base codec with ``WINDOW_TOKENS`` (rule 5)."""
+        if name in WINDOWED_CODECS:
+            name, window_tokens = WINDOWED_CODECS[name], WINDOW_TOKENS
+        layers = tuple(LayerCodecs(name, name) for _ in range(num_layers))
+        return cls(layers, window_tokens=window_tokens)
 
     @classmethod
     def of(cls, keys: Sequence[str], values: Sequence[str]) -> KVPlan:
@@ -81,7 +105,7 @@ class KVPlan:
     def from_dict(cls, data: object) -> KVPlan:
         if not isinstance(data, Mapping) or not isinstance(data.get("layers"), list):
             raise ValueError('a KV plan is an object {"layers": [{"k": NAME, "v": NAME}, ...]}')
-        unknown = set(data) - {"layers", "meta"}
+        unknown = set(data) - {"layers", "meta", "window_tokens"}
         if unknown:
             raise ValueError(f"unknown KV plan keys: {', '.join(sorted(unknown))}")
         layers = []
@@ -92,7 +116,7 @@ class KVPlan:
         meta = data.get("meta", {})
         if not isinstance(meta, Mapping):
             raise ValueError("a KV plan's meta is an object")
-        return cls(tuple(layers), dict(meta))
+        return cls(tuple(layers), dict(meta), window_tokens=data.get("window_tokens", 0))
 
     @classmethod
     def load(cls, path: Path) -> KVPlan:
@@ -104,6 +128,8 @@ class KVPlan:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layers": [{"k": c.key, "v": c.value} for c in self.layers]}
+        if self.window_tokens:
+            out["window_tokens"] = self.window_tokens
         if self.meta:
             out["meta"] = dict(self.meta)
         return out
@@ -125,9 +151,18 @@ class KVPlan:
 
     @property
     def uniform_codec(self) -> str | None:
-        """The one codec of a uniform plan, None for a mixed one."""
+        """The one codec of a uniform plan -- a windowed codec's name for its base codec with
+        ``WINDOW_TOKENS`` -- None for a mixed one (rules 2 and 5)."""
         names = set(self.keys) | set(self.values)
-        return names.pop() if len(names) == 1 else None
+        if len(names) != 1:
+            return None
+        name = names.pop()
+        if not self.window_tokens:
+            return name
+        for windowed, base in WINDOWED_CODECS.items():
+            if base == name and self.window_tokens == WINDOW_TOKENS:
+                return windowed
+        return f"{name}+w{self.window_tokens}"
 
     @property
     def name(self) -> str:
@@ -136,6 +171,8 @@ class KVPlan:
         if uniform is not None:
             return uniform
         text = ";".join(f"{c.key},{c.value}" for c in self.layers)
+        if self.window_tokens:
+            text += f";window={self.window_tokens}"
         return "mixed-" + hashlib.sha256(text.encode()).hexdigest()[:8]
 
     def describe(self) -> str:

@@ -183,8 +183,9 @@ class KVRetention:
             held.leases += 1
         try:
             storage = self.pool.storage
-            # With a codec the encoded block, packed: retention holds what the cache holds.
-            read = storage.read_block if storage.codec is None else storage.codec.export
+            # With a codec the encoded block, packed (with its raw rows while in a window):
+            # retention holds what the cache holds.
+            read = storage.read_block if storage.codec is None else storage.export
             return [
                 entry.with_data(block, read(block))
                 for block, entry in zip(

@@ -404,4 +404,4 @@ async def pull_missing_blocks(
 
 
 def _packed_sizes(codec: PagedCodec | None) -> tuple[int, ...] | None:
-    return None if codec is None else (codec.packed_bytes(False), codec.packed_bytes(True))
+    return None if codec is None else codec.packed_sizes

@@ -52,13 +52,16 @@ Processes exchange KV blocks only when their numerics fingerprints agree.
    zeros to ``P @ V``) and multiplied by the raw values in a product of their own, added after
    the ``KEY_CHUNK`` products.  What is stored in the own block therefore never reaches a row,
    raw (decode, its block not yet complete) or decoded (prefill, sealed by this call) alike.
-   Without a codec (fp32) none of this runs.
+   Without a codec (fp32) none of this runs.  Under a codec with a recent window of ``window``
+   blocks the same steps run over the query's window -- its own block and the ``window - 1``
+   before it, one product of their columns for the scores and one for ``P @ V`` -- so the
+   window's raw rows, not their decoded version, reach the row.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +99,8 @@ _PROBE_SEED = 20260601
 
 @dataclass(frozen=True, slots=True)
 class OwnBlocks:
-    """The raw K/V of the blocks a chunk's queries lie in (rule 5).
+    """The raw K/V of the blocks a chunk's queries read raw: their own and, with a recent window
+    of ``window`` blocks, the ``window - 1`` blocks before each (rule 5).
 
     ``keys_t``: [kv_heads, head_dim, n * block_size]; ``values``: [kv_heads, n * block_size,
     head_dim]; ``first``: the index of the first of these blocks in the sequence.
@@ -106,6 +110,17 @@ class OwnBlocks:
     values: Float32Array
     first: int
     block_size: int
+    window: int = 1
+
+    def read_raw(self, block: int) -> tuple[slice, slice]:
+        """The key columns a query in ``block`` reads raw, in the sequence and in these arrays."""
+        bs, lo = self.block_size, max(0, block - self.window + 1)
+        if lo < self.first:
+            raise ValueError(f"raw blocks from {self.first}, block {block} reads from {lo}")
+        return (
+            slice(lo * bs, (block + 1) * bs),
+            slice((lo - self.first) * bs, (block + 1 - self.first) * bs),
+        )
 
 
 def key_span(end_position: int) -> int:
@@ -258,24 +273,18 @@ def _own_scores(
     once the scores are exponentiated (``_softmax_times_values``).  ``q_rows``: the queries of
     ``scores``' rows."""
     product = _product(lanes)
-    bs = own.block_size
-
-    def columns(block: int) -> slice:
-        return slice(block * bs, (block + 1) * bs)
-
-    def local(block: int) -> slice:
-        return slice((block - own.first) * bs, (block - own.first + 1) * bs)
-
     for a, b, block in segments:
-        keys = np.ascontiguousarray(own.keys_t[head, :, local(block)])
-        scores[a:b, columns(block)] = product(pad_rows(q_rows[a:b]), keys)[: b - a]
+        columns, local = own.read_raw(block)
+        keys = np.ascontiguousarray(own.keys_t[head, :, local])
+        scores[a:b, columns] = product(pad_rows(q_rows[a:b]), keys)[: b - a]
 
     def correct(weights: Float32Array) -> Float32Array:
         out = np.zeros((weights.shape[0], own.values.shape[-1]), dtype=np.float32)
         for a, b, block in segments:
-            taken = np.ascontiguousarray(weights[a:b, columns(block)])
-            weights[a:b, columns(block)] = 0.0
-            values = np.ascontiguousarray(own.values[head, local(block)])
+            columns, local = own.read_raw(block)
+            taken = weights[a:b, columns].copy()  # a copy even where it spans whole rows
+            weights[a:b, columns] = 0.0
+            values = np.ascontiguousarray(own.values[head, local])
             out[a:b] = product(pad_rows(taken), values)[: b - a]
         return out
 
@@ -318,7 +327,7 @@ def attend_decode(
     positions: npt.NDArray[np.intp],
     key_blocks: Float32Array,
     values: Float32Array,
-    own: tuple[Float32Array, Float32Array, int] | None = None,
+    own: Sequence[OwnBlocks] | None = None,
 ) -> Float32Array:
     """Attention of one query per sequence, for sequences whose queries share a tile.
 
@@ -330,8 +339,8 @@ def attend_decode(
     the same: the scores are products over ``head_dim`` (one FMA chain per score, rule 3), made
     block by block straight into their columns (no copy of the keys into one ``K^T``), and
     ``P @ V`` has the shapes ``attend`` gives it.
-    ``own``: ``(K^T [seqs, kv_heads, head_dim, block_size], V [seqs, kv_heads, block_size,
-    head_dim], block_size)``, each query's own block raw (rule 5), taken as ``attend`` takes it.
+    ``own``: per sequence, the blocks its query reads raw (rule 5), taken as ``attend`` takes
+    them.
     """
     seqs, kv_heads, group, head_dim = q.shape
     blocks, block_size = key_blocks.shape[2], key_blocks.shape[4]
@@ -358,26 +367,28 @@ def _own_decode(
     scores: Float32Array,
     q_rows: Float32Array,
     positions: npt.NDArray[np.intp],
-    own: tuple[Float32Array, Float32Array, int],
+    own: Sequence[OwnBlocks],
 ) -> Callable[[Float32Array], Float32Array]:
     """``_own_scores`` for one query per sequence: the same products, one per sequence and head
     (``scores`` [seqs, kv_heads, rows, span], ``q_rows`` [seqs, kv_heads, rows, head_dim])."""
-    keys_t, values, bs = own
-    blocks = (positions // bs).tolist()
-    for seq, block in enumerate(blocks):
-        cols = slice(block * bs, (block + 1) * bs)
+    reads = [
+        (raw, *raw.read_raw(int(position) // raw.block_size))
+        for raw, position in zip(own, positions.tolist(), strict=True)
+    ]
+    for seq, (raw, cols, local) in enumerate(reads):
         for head in range(scores.shape[1]):
-            keys = np.ascontiguousarray(keys_t[seq, head])
+            keys = np.ascontiguousarray(raw.keys_t[head, :, local])
             scores[seq, head, :, cols] = np.matmul(q_rows[seq, head], keys)
 
     def correct(weights: Float32Array) -> Float32Array:
-        out = np.zeros((*weights.shape[:-1], values.shape[-1]), dtype=np.float32)
-        for seq, block in enumerate(blocks):
-            cols = slice(block * bs, (block + 1) * bs)
+        width = own[0].values.shape[-1]
+        out = np.zeros((*weights.shape[:-1], width), dtype=np.float32)
+        for seq, (raw, cols, local) in enumerate(reads):
             for head in range(weights.shape[1]):
-                taken = np.ascontiguousarray(weights[seq, head, :, cols])
+                taken = weights[seq, head, :, cols].copy()
                 weights[seq, head, :, cols] = 0.0
-                out[seq, head] = np.matmul(taken, np.ascontiguousarray(values[seq, head]))
+                values = np.ascontiguousarray(raw.values[head, local])
+                out[seq, head] = np.matmul(taken, values)
         return out
 
     return correct

@@ -324,39 +324,47 @@ class LlamaModel:
         attn: Float32Array,
     ) -> None:
         """Attention with a KV codec: the blocks this call completes are sealed (encoded, read
-        back decoded), each query's own block is read raw (``_attention`` rule 5)."""
+        back decoded), each query's own block -- and the blocks of a recent window before it --
+        is read raw (``_attention`` rule 5)."""
         cfg = self.config
         kv_heads, head_dim = cfg.num_kv_heads, cfg.head_dim
         group, width = cfg.num_heads // kv_heads, cfg.num_heads * head_dim
         bs = kv.layout.block_size
+        window = kv.codec.window_blocks
         lanes = self.numerics.attention_lanes
         row_blocks, offsets = plan.slots
-        # The raw own blocks, copied before this call's complete blocks are sealed.
-        own_prefill = []
-        for lo, hi, _ in plan.prefills:
-            heads_of_blocks = offsets[lo:hi] == 0
-            heads_of_blocks[0] = True
-            keys_t, values = kv.gather(layer, row_blocks[lo:hi][heads_of_blocks])
-            first = int(plan.positions[lo]) // bs
-            own_prefill.append(OwnBlocks(keys_t, values, first, bs))
-        own_decode = []
-        for members, _ in plan.decode_groups:
-            own_decode.append(kv.own_rows(layer, row_blocks[members]))
+
+        def raw(table: IntArray, first_position: int, last_position: int) -> OwnBlocks:
+            first = max(0, first_position // bs - window + 1)
+            keys_t, values = kv.raw_rows(layer, table[first : last_position // bs + 1])
+            return OwnBlocks(keys_t, values, first, bs, window)
+
+        # The raw blocks, copied before this call's complete blocks are sealed.
+        own_prefill = [
+            raw(table, int(plan.positions[lo]), int(plan.positions[hi - 1]))
+            for lo, hi, table in plan.prefills
+        ]
+        own_decode = [
+            [
+                raw(table, int(p), int(p))
+                for table, p in zip(tables, plan.positions[members], strict=True)
+            ]
+            for members, tables in plan.decode_groups
+        ]
         sealed = offsets[: plan.total] == bs - 1
         kv.seal(layer, row_blocks[: plan.total][sealed], plan.positions[: plan.total][sealed] < bs)
-        for (members, tables), (own_k, own_v) in zip(plan.decode_groups, own_decode, strict=True):
+        for (members, tables), owns in zip(plan.decode_groups, own_decode, strict=True):
             positions = plan.positions[members]
             if lanes is None:
                 key_blocks, values = kv.gather_group(layer, tables)
                 q_group = q[members].reshape(members.size, kv_heads, group, head_dim)
-                out = attend_decode(q_group, positions, key_blocks, values, (own_k, own_v, bs))
+                out = attend_decode(q_group, positions, key_blocks, values, owns)
                 attn[members] = out.reshape(members.size, width)
                 continue
             for index, (member, table) in enumerate(zip(members, tables, strict=True)):
                 keys_t, values = kv.gather(layer, table)
                 q_one = q[member : member + 1].reshape(1, kv_heads, group, head_dim)
-                own = OwnBlocks(own_k[index], own_v[index], int(positions[index]) // bs, bs)
-                out = attend(q_one, int(positions[index]), keys_t, values, lanes, own)
+                out = attend(q_one, int(positions[index]), keys_t, values, lanes, owns[index])
                 attn[member] = out.reshape(width)
         for (lo, hi, table), own in zip(plan.prefills, own_prefill, strict=True):
             keys_t, values = kv.gather(layer, table)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from backends.openai_wire import serve_until_signalled
 
 from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
-from ..kv._paged_codec import ENGINE_CODECS
+from ..kv._paged_codec import SERVED_CODECS
 from ..kv._plan import KVPlan
 from ..model._model import LlamaModel
 from ._engine import DEFAULT_KV_CODEC
@@ -88,9 +88,9 @@ def _given_options(ctx: click.Context) -> dict[str, Any]:
     show_default=True, help="prefill: read a history's KV back only if it saves this many tokens.",
 )  # fmt: skip
 @click.option(
-    "--kv-codec", default=DEFAULT_KV_CODEC, show_default=True, metavar="|".join(ENGINE_CODECS),
+    "--kv-codec", default=DEFAULT_KV_CODEC, show_default=True, metavar="|".join(SERVED_CODECS),
     help="unified/prefill/decode: how complete KV blocks are stored (a query's own block and the "
-    "sink token stay fp32; no recent window: e8-2w is not built).",
+    "sink token stay fp32; the ...w codecs also the most recent 113-128 tokens).",
 )  # fmt: skip
 @click.option(
     "--kv-plan", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,

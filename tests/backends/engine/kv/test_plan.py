@@ -11,7 +11,13 @@ import pytest
 
 from backends.engine import Engine, LlamaModel
 from backends.engine.kv._paged_codec import PagedCodec
-from backends.engine.kv._plan import ENGINE_CODECS, KVPlan, LayerCodecs
+from backends.engine.kv._plan import (
+    ENGINE_CODECS,
+    WINDOW_TOKENS,
+    WINDOWED_CODECS,
+    KVPlan,
+    LayerCodecs,
+)
 from backends.engine.kv.codecs import codec_by_name
 from backends.engine.serving._server_config import UnifiedServerConfig, engine_server_config
 
@@ -116,3 +122,31 @@ def test_the_engine_pool_and_gauge_follow_the_plan(engine_model: LlamaModel) -> 
     assert engine.pool.bytes_per_token == pytest.approx((fp16 + fp8) / 2)
     assert engine.pool.bytes_per_token < fp32.pool.bytes_per_token / 2
     assert engine.stats().kv_bytes_per_token == engine.pool.bytes_per_token
+
+
+@pytest.mark.parametrize("name", ["e8-2w", "kivi-4w", "kivi-2w"])
+def test_a_windowed_codec_is_its_base_codec_with_kivis_window(name: str) -> None:
+    plan = KVPlan.uniform(name, LAYERS)
+    assert plan.name == name and plan.window_tokens == WINDOW_TOKENS
+    assert set(plan.keys) == {WINDOWED_CODECS[name]}
+    windowed, base = _paged(name), _paged(WINDOWED_CODECS[name])
+    assert windowed.fingerprint != base.fingerprint  # a node of one refuses the other's blocks
+    assert windowed.block_bytes == base.block_bytes
+    assert windowed.window_blocks == WINDOW_TOKENS // BS
+    assert windowed.window_bytes == LAYERS * 2 * HEADS * DIM * BS * 4
+    assert windowed.packed_sizes == tuple(
+        sorted(windowed.packed_bytes(f, w) for f in (False, True) for w in (False, True))
+    )
+
+
+def test_a_plan_with_a_window_round_trips_and_names_it(tmp_path: Path) -> None:
+    plan = KVPlan.of(mixed_plan(LAYERS).keys, mixed_plan(LAYERS).values)
+    windowed = KVPlan(plan.layers, window_tokens=32)
+    path = tmp_path / "plan.json"
+    windowed.dump(path)
+    assert json.loads(path.read_text())["window_tokens"] == 32
+    assert KVPlan.load(path) == windowed != plan
+    assert windowed.name != plan.name
+    assert KVPlan.uniform("e8-2", LAYERS, window_tokens=32).name == "e8-2+w32"
+    with pytest.raises(ValueError, match="window_tokens"):
+        KVPlan.from_dict({**plan.to_dict(), "window_tokens": -16})
