@@ -18,8 +18,8 @@ EXPORTED: dict[str, str] = {
         ServedModel StreamOptions Usage VLLMSeries chat_messages check_message_role check_room
         client_left completion_prompt decode_body embedding_response error_body
         install_openai_app invalid_value is_token_ids json_response metrics_response
-        optional_bool optional_float optional_int request_object response_id schema_error
-        serve_app serve_until_signalled sse_event stream_options
+        optional_bool optional_float optional_int request_object requested_max_tokens response_id
+        schema_error serve_app serve_until_signalled sse_event stream_options
     """,
     "backends.sim": """
         MAX_RECORDED_REQUESTS SIM_STATS FaultMode RecordedRequest RunningSim SimConfig SimStats

@@ -4,8 +4,9 @@ The simulator (``backends.sim``), the engine's servers and its router (``backend
 answer through this package as peers, so a client -- the gateway, its evaluators, the OpenAI
 SDK -- cannot tell them from vLLM, nor one from another, by the bytes:
 
-- requests: ``decode_body``, ``request_object``, ``stream_options``, the typed field readers
-  and ``check_room``, refusing with vLLM's statuses and wording (``RequestError``);
+- requests: ``decode_body``, ``request_object``, ``stream_options``, the typed field readers,
+  ``requested_max_tokens`` and ``check_room``, refusing with vLLM's statuses and wording
+  (``RequestError``);
 - answers: the bodies (``_bodies``: chunks, the usage chunk, whole responses, embeddings, the
   model list) and ``AnswerWriter``, which writes them as a JSON body or an SSE stream;
 - the app: ``install_openai_app`` (FastAPI-style errors, ``/v1/models``), ``serve_app``,
@@ -43,6 +44,7 @@ from ._requests import (
     completion_prompt,
     decode_body,
     request_object,
+    requested_max_tokens,
     stream_options,
 )
 
@@ -80,6 +82,7 @@ __all__ = [
     "optional_float",
     "optional_int",
     "request_object",
+    "requested_max_tokens",
     "response_id",
     "schema_error",
     "serve_app",

@@ -13,10 +13,13 @@ from typing import Any
 
 import orjson
 
+from ._bodies import RequestKind
 from ._errors import RequestError, invalid_json, invalid_value, schema_error, unknown_model
-from ._fields import is_token_ids, optional_bool
+from ._fields import is_token_ids, optional_bool, optional_int
 
 __all__ = [
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "MaxTokens",
     "StreamOptions",
     "chat_messages",
     "check_message_role",
@@ -24,8 +27,12 @@ __all__ = [
     "completion_prompt",
     "decode_body",
     "request_object",
+    "requested_max_tokens",
     "stream_options",
 ]
+
+# vLLM's CompletionRequest.max_tokens default (the legacy OpenAI API's default too).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +95,32 @@ def stream_options(body: dict[str, Any]) -> StreamOptions:
     include = bool(options.get("include_usage", False))
     continuous = include and bool(options.get("continuous_usage_stats", False))
     return StreamOptions(stream=stream, include_usage=include, continuous_usage=continuous)
+
+
+@dataclass(frozen=True, slots=True)
+class MaxTokens:
+    """The answer's length limit a body asks for, and the field that asked (for errors)."""
+
+    value: int | None  # None: a chat that may use all the room its prompt leaves
+    param: str
+
+
+def requested_max_tokens(kind: RequestKind, body: dict[str, Any]) -> MaxTokens:
+    """A chat's ``max_completion_tokens`` (else ``max_tokens``); a completion's ``max_tokens``
+    (vLLM's default when unset); refused below 1 as vLLM refuses it."""
+    if kind == "chat":
+        value, param = optional_int(body, "max_completion_tokens"), "max_completion_tokens"
+        if value is None:
+            value, param = optional_int(body, "max_tokens"), "max_tokens"
+    else:
+        value, param = optional_int(body, "max_tokens"), "max_tokens"
+        if "max_tokens" not in body:
+            value = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if value is not None and value < 1:
+        raise invalid_value(
+            f"max_tokens must be at least 1, got {value}.", param=param, value=value
+        )
+    return MaxTokens(value, param)
 
 
 def check_room(

@@ -13,15 +13,16 @@ from backends.openai_wire import (
     completion_prompt,
     invalid_value,
     is_token_ids,
+    optional_float,
     optional_int,
     request_object,
+    requested_max_tokens,
     schema_error,
     stream_options,
 )
 from backends.sim._text import count_words
 
 __all__ = [
-    "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "MESSAGE_OVERHEAD_TOKENS",
     "InferenceRequest",
     "chat_prompt_tokens",
@@ -30,8 +31,6 @@ __all__ = [
 
 # Tokens a chat template adds around each message (role markers, separators).
 MESSAGE_OVERHEAD_TOKENS = 4
-# vLLM's CompletionRequest.max_tokens default (the legacy OpenAI API's default too).
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 EncodingFormat = Literal["float", "base64"]
 
@@ -73,34 +72,16 @@ def parse_request(
     if n not in (None, 1):
         raise invalid_value("The simulator answers with one choice.", param="n", value=n)
     seed = optional_int(body, "seed", minimum=None)
-    temperature = body.get("temperature")
-    if temperature is not None and (
-        isinstance(temperature, bool) or not isinstance(temperature, int | float)
-    ):
-        if isinstance(temperature, str):
-            raise schema_error(
-                "float_parsing",
-                "body.temperature",
-                "Input should be a valid number, unable to parse string as a number",
-                temperature,
-            )
-        raise schema_error(
-            "float_type", "body.temperature", "Input should be a valid number", temperature
-        )
+    temperature = optional_float(body, "temperature")
+    limit = requested_max_tokens(kind, body)
     if kind == "chat":
-        max_tokens = optional_int(body, "max_completion_tokens", minimum=1)
-        if max_tokens is None:
-            max_tokens = optional_int(body, "max_tokens", minimum=1)
         prompt_key: object = _chat_messages(body)
         prompt_tokens = chat_prompt_tokens(body["messages"])
     else:
-        max_tokens = optional_int(body, "max_tokens", minimum=1)
-        if "max_tokens" not in body:
-            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         prompt_key, prompt_tokens = _completion_prompt(body)
     check_room(
-        max_tokens=max_tokens,
-        param="max_tokens",
+        max_tokens=limit.value,
+        param=limit.param,
         prompt_tokens=prompt_tokens,
         max_model_len=max_model_len,
     )
@@ -109,7 +90,7 @@ def parse_request(
         stream=options.stream,
         include_usage=options.include_usage,
         continuous_usage=options.continuous_usage,
-        max_tokens=max_tokens,
+        max_tokens=limit.value,
         prompt_tokens=prompt_tokens,
         prompt_key=prompt_key,
         seed=seed,

@@ -35,6 +35,7 @@ from backends.openai_wire import (
     optional_float,
     optional_int,
     request_object,
+    requested_max_tokens,
     schema_error,
     stream_options,
 )
@@ -43,14 +44,11 @@ from ..model._sampling import SamplingParams
 from ..model._tokenizer import ChatTokenizer
 
 __all__ = [
-    "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "MAX_STOP_STRINGS",
     "GenerationRequest",
     "parse_generation_request",
 ]
 
-# vLLM's CompletionRequest.max_tokens default (the legacy OpenAI API's default too).
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Stop strings are searched after every token, so their number and length are bounded.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -114,25 +112,18 @@ def parse_generation_request(
             )
     if kind == "chat":
         prompt = _chat_prompt(body, tokenizer)
-        max_tokens = optional_int(body, "max_completion_tokens")
-        name = "max_completion_tokens"
-        if max_tokens is None:
-            max_tokens, name = optional_int(body, "max_tokens"), "max_tokens"
     else:
         prompt = _completion_prompt(body, tokenizer)
-        max_tokens, name = optional_int(body, "max_tokens"), "max_tokens"
-        if "max_tokens" not in body:
-            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid_value(
-            f"max_tokens must be at least 1, got {max_tokens}.", param=name, value=max_tokens
-        )
+    limit = requested_max_tokens(kind, body)
     check_room(
-        max_tokens=max_tokens, param=name, prompt_tokens=len(prompt), max_model_len=max_model_len
+        max_tokens=limit.value,
+        param=limit.param,
+        prompt_tokens=len(prompt),
+        max_model_len=max_model_len,
     )
     room = max_model_len - len(prompt)
     params = SamplingParams(
-        max_tokens=room if max_tokens is None else min(max_tokens, room),
+        max_tokens=room if limit.value is None else min(limit.value, room),
         temperature=_temperature(body),
         top_p=_top_p(body),
         top_k=_top_k(body),
