@@ -10,10 +10,13 @@ import pytest
 from yarl import URL
 
 from gateway._wire import (
+    DEADLINE_TICK_S,
     MAX_HEAD_BYTES,
     ConnectFailed,
     ConnectionPool,
     Disconnected,
+    FirstByteTimeout,
+    IdleTimeout,
     MalformedResponse,
     ResponseHead,
 )
@@ -202,3 +205,65 @@ async def test_reading_pauses_and_resumes() -> None:
         await done
         assert got == len(piece) * count
         pool.release(conn)
+
+
+async def test_deadlines_fail_a_watched_call_without_a_timer_of_its_own() -> None:
+    """Rule 6: no head by the due time is a FirstByteTimeout; silence after the head for
+    the idle time an IdleTimeout; both fire within DEADLINE_TICK_S of their due time."""
+    release = asyncio.Event()
+
+    async def head_then_silence(reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+        await writer.drain()
+        await release.wait()
+
+    async def silence(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await release.wait()
+
+    loop = asyncio.get_running_loop()
+    try:
+        async with raw_server(silence) as pool:
+            conn = await pool.acquire()
+            started = loop.time()
+            conn.watch(started + 0.2, idle_s=60)
+            with pytest.raises(FirstByteTimeout):
+                await conn.send(REQUEST, b"", head_only=False)
+            assert 0.2 <= loop.time() - started <= 0.2 + DEADLINE_TICK_S + 0.2
+            pool.release(conn)
+            assert pool.size == 0  # a timed-out connection is closed, never reused
+        async with raw_server(head_then_silence) as pool:
+            conn = await pool.acquire()
+            conn.watch(loop.time() + 60, idle_s=0.2)
+            head = await conn.send(REQUEST, b"", head_only=False)
+            assert head.status == 200
+            pieces: list[bytes] = []
+            started = loop.time()
+            with pytest.raises(IdleTimeout):
+                await conn.attach(pieces.append)
+            assert pieces == [b"half"]
+            assert 0.2 - 0.05 <= loop.time() - started <= 0.2 + DEADLINE_TICK_S + 0.2
+            pool.release(conn)
+    finally:
+        release.set()
+
+
+async def test_an_answered_call_is_never_timed_out_and_idle_connections_expire(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gateway._wire.KEEPALIVE_S", 0.2)
+    async with raw_server(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi") as pool:
+        conn = await pool.acquire()
+        conn.watch(asyncio.get_running_loop().time() + 0.05, idle_s=0.05)
+        await conn.send(REQUEST, b"", head_only=False)
+        assert await conn.attach(None) is None
+        await asyncio.sleep(0.05 + 2 * DEADLINE_TICK_S)  # past both deadlines, whole
+        assert conn.complete and conn.transport is not None
+        pool.release(conn)
+        assert pool.size == 1
+        for _ in range(100):  # bounded: expiry is due 0.2 s after the release
+            if pool.size == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert pool.size == 0 and conn.transport is None
