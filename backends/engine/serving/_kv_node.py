@@ -85,7 +85,8 @@ class KVNode:
     def transfer_params(self, retained: RetainedKV) -> dict[str, Any]:
         """``kv_transfer_params`` naming a retained set on this node."""
         source = KVSource.retained_at(self.server.host, self.server.port, retained)
-        return source.to_params(self.retain_s)
+        # The router hashes the next turn's prompt with this seed (router rule 5).
+        return {**source.to_params(self.retain_s), "hash_seed": self.seed.hex()}
 
     async def pull(
         self, source: KVSource, hashes: Sequence[BlockHash], *, min_tokens: int, release: bool

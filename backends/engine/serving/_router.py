@@ -18,6 +18,10 @@ Rules
    that fails before its headers is a 502 OpenAI-style error, after them an error event and
    ``[DONE]``.  A client that leaves ends the decode request (the upstream connection closes
    and the decode node aborts).
+5. The router hashes prompts with the nodes' hash-chain seed: the model's fingerprint, which a
+   KV codec makes its own (``BlockPool``: ``H(fingerprint, codec fingerprint)``), so the router
+   takes the seed a decode node reports beside its ``kv_transfer_params`` (``hash_seed``) and
+   matches later turns with it.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ class Router:
         self.block_size = DEFAULT_BLOCK_SIZE  # every node's (the engine's default)
         self.cluster = Cluster(len(self.prefill_urls), len(self.decode_urls), self.block_size)
         self.conversations = ConversationIndex()
+        self.hash_seed: bytes = model.fingerprint  # rule 5: until a node reports its own
         self.policy = POLICIES[config.routing_policy]()
         self.metrics = RouterMetrics(len(self.prefill_urls), len(self.decode_urls))
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
@@ -136,7 +141,7 @@ class Router:
             await self._session.close()
 
     def route(self, prompt: tuple[int, ...]) -> _Routed:
-        hashes = tuple(hash_blocks(self.model.fingerprint, prompt, self.block_size))
+        hashes = tuple(hash_blocks(self.hash_seed, prompt, self.block_size))
         record = self.conversations.match(hashes)
         job = RouteJob(len(prompt), hashes, record, readback=self.config.kv_readback)
         outcome: ReadbackOutcome = "off" if not self.config.kv_readback else "new"
@@ -192,6 +197,12 @@ class Router:
         ttl = params.get("expires_in_s", 0.0) if isinstance(params, dict) else 0.0
         if not isinstance(ttl, int | float) or ttl <= 0:
             return
+        seed = params.get("hash_seed") if isinstance(params, dict) else None
+        if isinstance(seed, str) and len(seed) == 2 * len(self.hash_seed):
+            try:
+                self.hash_seed = bytes.fromhex(seed)
+            except ValueError:
+                log.warning("decode node %d sent a bad hash_seed", routed.decode_node)
         self.conversations.add(
             KVRecord(
                 source=source,

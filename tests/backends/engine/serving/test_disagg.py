@@ -116,6 +116,27 @@ async def test_unified_prefix_cached_and_disaggregated_give_the_same_tokens(
     assert shipped == 3  # every turn's prompt blocks went prefill -> decode
 
 
+async def test_a_windowed_codec_gives_the_unified_tokens_disaggregated(
+    engine_model: LlamaModel,
+) -> None:
+    """e8-2w both ways: a turn's prompt blocks go prefill -> decode packed, the window's blocks
+    with their raw rows, and the history comes back decode -> prefill the same way, so every
+    turn has the tokens of a unified e8-2w engine computing it from scratch."""
+    async with serve_engine(
+        engine_model, kv_codec="e8-2w", enable_prefix_caching=False
+    ) as recompute:
+        expected = await _conversation(recompute, GREEDY)
+    async with serve_disaggregated(
+        engine_model, num_prefill=2, routing_policy="round-robin", node={"kv_codec": "e8-2w"}
+    ) as cluster:
+        disaggregated = await _conversation(cluster.router, GREEDY)
+        read_back = sum(_pulls(p, "ok") for p in cluster.prefill)
+        shipped = _pulls(cluster.decode[0], "ok")
+    assert [t[:2] for t in disaggregated] == [t[:2] for t in expected]
+    assert all(cached > 200 for _, _, cached in disaggregated[1:])
+    assert read_back >= 2 and shipped == 3
+
+
 async def test_tokens_survive_corrupted_and_cut_transfers(engine_model: LlamaModel) -> None:
     async with serve_engine(engine_model, enable_prefix_caching=False) as recompute:
         expected = await _conversation(recompute, SEEDED)
