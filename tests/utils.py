@@ -85,6 +85,15 @@ class RunningGateway:
         value = self.state.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
 
+    @property
+    def written_records(self) -> int:
+        """Score records the store writer has written, as the scoring process last reported
+        (0 before its first report); the gateway must run with evaluation on."""
+        scorekeeper = self.state.evaluation
+        assert scorekeeper is not None, "this gateway runs with evaluation off"
+        stats = scorekeeper.writer_stats
+        return stats.written_records if stats is not None else 0
+
 
 @asynccontextmanager
 async def run_gateway(

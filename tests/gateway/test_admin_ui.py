@@ -133,7 +133,7 @@ async def test_the_scorecard_draws_its_plots_from_a_running_gateway(tmp_path: Pa
         async with http.post(gw.admin_url + "/candidates/idle/pause") as resp:
             assert resp.status == 200
         await _traffic(gw, 16)
-        await eventually(lambda: _written(gw) >= 32, within_s=60)
+        await eventually(lambda: gw.written_records >= 32, within_s=60)
         async with http.post(gw.admin_url + "/candidates/slower/canary",
                              json={"steps": [5, 50, 100], "interval_s": 3600}) as resp:
             assert resp.status == 202, await resp.text()
@@ -180,12 +180,6 @@ async def test_the_scorecard_draws_its_plots_from_a_running_gateway(tmp_path: Pa
         small = image.resize((WINDOW[0] // 2, WINDOW[1] // 2), Image.Resampling.NEAREST)
         assert _colour_pixels(small, PRIMARY_BLUE) > 100, "no primary series drawn"
         assert _colour_pixels(small, CANDIDATE_ORANGE) > 100, "no candidate series drawn"
-
-
-def _written(gw: RunningGateway) -> int:
-    evaluation = gw.state.evaluation
-    stats = evaluation.writer_stats if evaluation is not None else None
-    return stats.written_records if stats is not None else 0
 
 
 async def test_a_wrong_or_missing_token_shows_a_clear_message(tmp_path: Path) -> None:

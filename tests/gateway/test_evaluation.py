@@ -33,13 +33,6 @@ async def _traffic(gw: RunningGateway, n: int) -> None:
     await client.close()
 
 
-def _written(gw: RunningGateway, records: int) -> bool:
-    evaluation = gw.state.evaluation
-    assert evaluation is not None
-    stats = evaluation.writer_stats
-    return stats is not None and stats.written_records >= records
-
-
 async def test_report_shows_a_worse_candidate_beyond_the_noise_floor(db_url: str) -> None:
     async with run_sim(ttft_ms=5, itl_ms=1, tokens=12) as primary, \
             run_sim(ttft_ms=5, itl_ms=1, tokens=12) as secondary, \
@@ -51,7 +44,7 @@ async def test_report_shows_a_worse_candidate_beyond_the_noise_floor(db_url: str
                             "gates": {"min_samples": 10}}) as gw, \
             aiohttp.ClientSession() as http:
         await _traffic(gw, REQUESTS)
-        await eventually(lambda: _written(gw, 2 * REQUESTS), within_s=30)
+        await eventually(lambda: gw.written_records >= 2 * REQUESTS, within_s=30)
         async with http.get(gw.admin_url + "/candidates/cand/report") as resp:
             assert resp.status == 200
             report: dict[str, Any] = await resp.json()
@@ -83,7 +76,7 @@ async def test_sparse_data_is_inconclusive(tmp_path: Any) -> None:
                         evaluation={"enabled": True, "store": {"url": url}}) as gw, \
             aiohttp.ClientSession() as http:
         await _traffic(gw, 3)
-        await eventually(lambda: _written(gw, 3), within_s=30)
+        await eventually(lambda: gw.written_records >= 3, within_s=30)
         async with http.get(gw.admin_url + "/candidates/cand/report") as resp:
             report = await resp.json()
         async with http.get(gw.admin_url + "/candidates/cand/report?window_s=-4") as resp:

@@ -36,13 +36,6 @@ def _evaluation(tmp_path: Any, min_samples: int = 10) -> dict[str, Any]:
             "gates": {"min_samples": min_samples}}
 
 
-def _written(gw: RunningGateway, records: int) -> bool:
-    evaluation = gw.state.evaluation
-    assert evaluation is not None
-    stats = evaluation.writer_stats
-    return stats is not None and stats.written_records >= records
-
-
 async def _chat(http: aiohttp.ClientSession, gw: RunningGateway,
                 messages: list[dict[str, str]], session: str) -> str:
     body = {"model": "sim-model", "messages": messages, "stream": True, "user": session}
@@ -88,7 +81,7 @@ async def _mirrored(gw: RunningGateway, candidate: str,
                     traffic: Callable[[], Awaitable[int]]) -> None:
     await traffic()
     joined = gw.metric("understudy_mirror_joined_total", candidate=candidate)
-    await eventually(lambda: _written(gw, int(joined)), within_s=60)
+    await eventually(lambda: gw.written_records >= int(joined), within_s=60)
 
 
 async def test_identical_candidate_at_ten_percent_is_not_judged_faster(tmp_path: Any) -> None:
@@ -248,9 +241,9 @@ async def test_replica_at_the_same_rate_is_the_latency_baseline(tmp_path: Any,
                 evaluation=_evaluation(tmp_path, min_samples=10)) as gw, \
             aiohttp.ClientSession() as http:
         await _mirrored(gw, "twin", lambda: _phases(http, gw, ((4, 200), (12, 200))))
-        await eventually(lambda: _written(gw, int(
+        await eventually(lambda: gw.written_records >= int(
             gw.metric("understudy_mirror_joined_total", candidate="twin")
-            + gw.metric("understudy_mirror_joined_total", candidate="replica"))), within_s=60)
+            + gw.metric("understudy_mirror_joined_total", candidate="replica")), within_s=60)
         report = await _report(http, gw, "twin")
     ttft = _metric(report, "latency.ttft_s")
     print(f"against the replica: TTFT shift {ttft['statistics']['relative_shift']:+.1%} "
@@ -276,9 +269,9 @@ async def test_replica_added_and_changed_through_the_admin_api_is_the_basis(
                 "sampling_unit": "request", "role": "secondary"}) as resp:
             assert resp.status == 201, await resp.text()
         await _mirrored(gw, "twin", lambda: _phases(http, gw, ((4, 160),)))
-        await eventually(lambda: _written(gw, int(
+        await eventually(lambda: gw.written_records >= int(
             gw.metric("understudy_mirror_joined_total", candidate="twin")
-            + gw.metric("understudy_mirror_joined_total", candidate="replica"))), within_s=60)
+            + gw.metric("understudy_mirror_joined_total", candidate="replica")), within_s=60)
         before = _metric(await _report(http, gw, "twin"), "latency.ttft_s")
         async with http.patch(f"{gw.admin_url}/candidates/replica",
                               json={"sample_rate": 1.0}) as resp:

@@ -20,7 +20,7 @@ import pytest
 
 from backends.engine import LlamaModel
 from tests.fixtures_engine import serve_engine
-from tests.utils import RunningGateway, eventually, run_gateway
+from tests.utils import eventually, run_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = [
@@ -35,13 +35,6 @@ CODECS = {"kivi-4": "kivi", "e8-2": "e8"}
 FP32_BYTES_PER_TOKEN = 46080.0
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _written(gw: RunningGateway, records: int) -> bool:
-    evaluation = gw.state.evaluation
-    assert evaluation is not None
-    stats = evaluation.writer_stats
-    return stats is not None and stats.written_records >= records
 
 
 async def _bytes_per_token(http: aiohttp.ClientSession, url: str) -> float:
@@ -84,7 +77,7 @@ async def test_the_report_shows_each_codec_s_quality_gap_against_the_floor(
             )  # fmt: skip
             assert answer.choices[0].message.content
         await client.close()
-        await eventually(lambda: _written(gw, 3 * len(QUESTIONS)), within_s=400)
+        await eventually(lambda: gw.written_records >= 3 * len(QUESTIONS), within_s=400)
         reports = {}
         for name in (*coded, "replica"):
             async with http.get(f"{gw.admin_url}/candidates/{name}/report") as resp:

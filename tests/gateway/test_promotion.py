@@ -39,13 +39,6 @@ def _json(value: Any) -> dict[str, Any]:
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
-def _scored(gw: RunningGateway, records: int) -> bool:
-    evaluation = gw.state.evaluation
-    assert evaluation is not None
-    stats = evaluation.writer_stats
-    return stats is not None and stats.written_records >= records
-
-
 async def _post(http: aiohttp.ClientSession, url: str, body: Any = None) -> tuple[int, Any]:
     async with http.post(url, json=body if body is not None else {}) as resp:
         return resp.status, await resp.json()
@@ -74,11 +67,11 @@ async def test_promotion_refused_on_fail_and_inconclusive_allowed_with_force(
             aiohttp.ClientSession() as http:
         promote = gw.admin_url + "/candidates/worse/promote"
         await _traffic(gw, 2)
-        await eventually(lambda: _scored(gw, 2))
+        await eventually(lambda: gw.written_records >= 2)
         status, body = await _post(http, promote)
         assert status == 409 and "INCONCLUSIVE" in body["error"]["message"]
         await _traffic(gw, 10, "more")
-        await eventually(lambda: _scored(gw, 12))
+        await eventually(lambda: gw.written_records >= 12)
         status, body = await _post(http, promote)
         assert status == 409 and "FAIL" in body["error"]["message"]
         status, body = await _post(http, promote, {"force": True})
@@ -110,7 +103,7 @@ async def test_promotion_on_pass_then_rollback(tmp_path: Any) -> None:
         status, body = await _post(http, gw.admin_url + "/rollback")
         assert status == 409 and "no previous primary" in body["error"]["message"]
         await _traffic(gw, 12)
-        await eventually(lambda: _scored(gw, 12))
+        await eventually(lambda: gw.written_records >= 12)
         status, body = await _post(http, gw.admin_url + "/candidates/same/promote")
         assert status == 200, body
         assert body["verdict"] == "PASS"
@@ -204,7 +197,7 @@ async def test_canary_steps_up_and_promotes_or_rolls_back(tmp_path: Any) -> None
 
         background = asyncio.create_task(steady())
         try:
-            await eventually(lambda: _scored(gw, 24))
+            await eventually(lambda: gw.written_records >= 24)
             status, body = await _post(http, gw.admin_url + "/candidates/bad/canary",
                                        {"steps": [10, 100], "interval_s": 1.0})
             assert status == 202 and body["routing"]["canary"]["percent"] == 10

@@ -25,13 +25,6 @@ async def _traffic(gw: RunningGateway, n: int, tag: str) -> None:
     await client.close()
 
 
-def _written(gw: RunningGateway) -> int:
-    evaluation = gw.state.evaluation
-    assert evaluation is not None
-    stats = evaluation.writer_stats
-    return stats.written_records if stats is not None else 0
-
-
 def _zombie(pid: int) -> bool:
     with contextlib.suppress(FileNotFoundError):
         return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
@@ -56,7 +49,7 @@ async def test_a_killed_scoring_child_is_restarted(tmp_path: Path) -> None:
         assert evaluation is not None
         assert (await _health(gw))["status"] == "ok"
         await _traffic(gw, 5, "before")
-        await eventually(lambda: _written(gw) >= 5, within_s=30)
+        await eventually(lambda: gw.written_records >= 5, within_s=30)
 
         child = evaluation.scoring_pid
         assert child is not None
@@ -81,6 +74,6 @@ async def test_a_killed_scoring_child_is_restarted(tmp_path: Path) -> None:
         assert body["status"] == "ok" and body["scoring"]["restarts"] == 1
 
         await _traffic(gw, 5, "after")
-        await eventually(lambda: _written(gw) >= 10, within_s=30)
+        await eventually(lambda: gw.written_records >= 10, within_s=30)
         assert gw.metric("understudy_mirror_dropped_total", candidate="c",
                          reason="sink_full") == 0

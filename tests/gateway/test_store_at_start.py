@@ -31,13 +31,6 @@ async def _health(gw: RunningGateway) -> dict[str, Any]:
         return body
 
 
-def _written(gw: RunningGateway) -> int:
-    evaluation = gw.state.evaluation
-    assert evaluation is not None
-    stats = evaluation.writer_stats
-    return stats.written_records if stats is not None else 0
-
-
 async def _stored_exchanges(url: str) -> int:
     engine = create_engine(url)
     try:
@@ -95,7 +88,7 @@ async def test_the_gateway_serves_while_its_store_is_unreachable_at_start(
                 assert gw.metric("understudy_scoring_batches_total") >= 1
                 assert gw.metric("understudy_scoring_batch_size") >= 1
                 assert gw.metric("understudy_scoring_queue_depth") >= 0
-                assert _written(gw) == 0
+                assert gw.written_records == 0
 
                 if outage == "black_hole":
                     await relay.cut()
@@ -103,7 +96,7 @@ async def test_the_gateway_serves_while_its_store_is_unreachable_at_start(
                 await eventually(lambda: gw.metric("understudy_store_up") == 1, within_s=30)
                 assert (await _health(gw))["status"] == "ok"
                 await timed_chats(gw, 5, "after")
-                await eventually(lambda: _written(gw) >= 15, within_s=30)
+                await eventually(lambda: gw.written_records >= 15, within_s=30)
             assert await _stored_exchanges(pg_database) - before_test == 15
             engine = create_engine(pg_database)
             try:

@@ -7,14 +7,7 @@ from sqlalchemy.engine import make_url
 
 from evaluators.store import upgrade
 from tests.tcp_relay import TcpRelay
-from tests.utils import RunningGateway, eventually, run_gateway, run_sim, timed_chats
-
-
-def _written(gw: RunningGateway) -> int:
-    evaluation = gw.state.evaluation
-    assert evaluation is not None
-    stats = evaluation.writer_stats
-    return stats.written_records if stats is not None else 0
+from tests.utils import eventually, run_gateway, run_sim, timed_chats
 
 
 async def test_database_outage_never_reaches_the_client(pg_database: str) -> None:
@@ -32,7 +25,7 @@ async def test_database_outage_never_reaches_the_client(pg_database: str) -> Non
                             evaluation={"enabled": True, "store": store,
                                         "scorers": ["exact_match", "latency"]}) as gw:
             await timed_chats(gw, 5, "before")
-            await eventually(lambda: _written(gw) >= 5, within_s=30)
+            await eventually(lambda: gw.written_records >= 5, within_s=30)
 
             await relay.cut()
             during = await timed_chats(gw, 60, "during")  # every one answered
@@ -46,10 +39,10 @@ async def test_database_outage_never_reaches_the_client(pg_database: str) -> Non
                         and stats.dropped.get("queue_full", 0) > 0)
 
             await eventually(dropped_past_bound, within_s=30)  # retrying, and counting drops
-            assert _written(gw) == 5
+            assert gw.written_records == 5
 
             await relay.restore()
             await timed_chats(gw, 5, "after")
-            await eventually(lambda: _written(gw) >= 5 + 5, within_s=60)
+            await eventually(lambda: gw.written_records >= 5 + 5, within_s=60)
     finally:
         await relay.close()

@@ -186,12 +186,7 @@ async def test_report_shows_a_hotter_candidate_beyond_the_noise_floor(
         await client.close()
         evaluation_state = gw.state.evaluation
         assert evaluation_state is not None
-
-        def written() -> bool:
-            stats = evaluation_state.writer_stats
-            return stats is not None and stats.written_records >= 2 * requests
-
-        await eventually(written, within_s=240)
+        await eventually(lambda: gw.written_records >= 2 * requests, within_s=240)
         # The report reads what the scoring process committed: wait until every exchange's
         # score is there (the writer's count can run ahead of what a new session sees).
         async with asyncio.timeout(60):
