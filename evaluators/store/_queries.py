@@ -8,10 +8,10 @@ scores by (candidate, metric, created_at), verdicts by (candidate, created_at).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -115,6 +115,9 @@ class StoredSamples(NamedTuple):
     primary: list[float]
 
 
+_Key = TypeVar("_Key")
+
+
 @dataclass(frozen=True, slots=True)
 class CandidateSummary:
     name: str
@@ -141,18 +144,22 @@ async def load_samples(session: AsyncSession, candidate: str,
         query = query.where(ScoreRow.metric.in_(list(metrics)))
     if since is not None:
         query = query.where(ScoreRow.created_at >= _aware(since))
-    samples: dict[str, StoredSamples] = {}
     with translate_store_errors():
-        result = await session.execute(query)
-        for metric, candidate_value, primary_value in result:
-            found = samples.get(metric)
-            if found is None:
-                found = samples[metric] = StoredSamples([], [])
-            if candidate_value is not None:
-                found.candidate.append(candidate_value)
-            if primary_value is not None:
-                found.primary.append(primary_value)
-    return samples
+        return _grouped_samples(await session.execute(query))
+
+
+def _grouped_samples(rows: Iterable[tuple[_Key, float | None, float | None]],
+                     ) -> dict[_Key, StoredSamples]:
+    """``(key, candidate value, primary value)`` rows as samples by key, in row order,
+    unknown (NULL) values left out."""
+    grouped: dict[_Key, StoredSamples] = {}
+    for key, candidate_value, primary_value in rows:
+        found = grouped.setdefault(key, StoredSamples([], []))
+        if candidate_value is not None:
+            found.candidate.append(candidate_value)
+        if primary_value is not None:
+            found.primary.append(primary_value)
+    return grouped
 
 
 async def newest_scores_start(session: AsyncSession, candidate: str,
@@ -240,15 +247,8 @@ async def load_samples_by_turn_depth(session: AsyncSession, candidate: str, metr
     )
     if since is not None:
         query = query.where(ScoreRow.created_at >= _aware(since))
-    out: dict[int | None, StoredSamples] = {}
     with translate_store_errors():
-        for depth, candidate_value, primary_value in await session.execute(query):
-            found = out.setdefault(depth, StoredSamples([], []))
-            if candidate_value is not None:
-                found.candidate.append(candidate_value)
-            if primary_value is not None:
-                found.primary.append(primary_value)
-    return out
+        return _grouped_samples(await session.execute(query))
 
 
 async def load_evaluated_requests(session: AsyncSession, candidate: str,
