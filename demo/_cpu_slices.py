@@ -6,7 +6,7 @@ short) decodes while the recompute baselines are still prefilling and pays for t
 and the baselines decode after the candidates are done, alone: the candidate's inter-token
 latency and output rate come out worse than the baseline's for a reason that is the
 machine's, not the candidate's (measured: bidir-kv decodes as fast as the baseline when
-each runs alone, and at 0.5-0.6x its rate beside it). A fixed quota per deployment makes
+each runs alone, and at 0.47-0.63x its rate beside it). A fixed quota per deployment makes
 each one's speed independent of what the others are doing, as separate hardware would.
 
 Rules:
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-__all__ = ["ENGINE_CPU_SHARE", "CpuSlices", "cpu_slices"]
+__all__ = ["ENGINE_CPU_SHARE", "CpuSlices", "cpu_slices", "usable_cores"]
 
 ENGINE_CPU_SHARE: Final = 0.8
 """Rule 1: the part of the cores the deployments under test share between them."""
