@@ -19,6 +19,7 @@ import pytest
 
 from backends.engine import LlamaModel, RunningEngineServer, engine_server_config
 from backends.engine import running_engine_server as _running_engine_server
+from tests.fixture_marks import mark_users
 
 # Enough KV for a few concurrent requests of ~1k tokens; the pages are touched only as used.
 TEST_KV_LIMIT_BYTES = 128 << 20
@@ -27,12 +28,7 @@ ENGINE_TEST_TIMEOUT_S = 600.0
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselection looks at the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "engine_model" not in getattr(item, "fixturenames", ()):
-            continue
-        item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
+    mark_users(items, "engine_model", pytest.mark.slow, ENGINE_TEST_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

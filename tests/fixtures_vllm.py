@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from backends.vllm import VLLMProfile, VLLMServer, VLLMServerError, model_dir
+from tests.fixture_marks import mark_users
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup-vllm.sh"
@@ -42,12 +43,7 @@ class RunningVLLM:
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselection looks at the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "vllm_server" not in getattr(item, "fixturenames", ()):
-            continue
-        item.add_marker(pytest.mark.vllm)
-        if item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(VLLM_TEST_TIMEOUT_S))
+    mark_users(items, "vllm_server", pytest.mark.vllm, VLLM_TEST_TIMEOUT_S)
 
 
 def _free_loopback_port() -> int:
