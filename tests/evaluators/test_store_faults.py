@@ -71,6 +71,15 @@ async def _direct_count(pg_database: str, model: Any) -> int:
         await engine.dispose()
 
 
+async def _started_with_one_written(engine: AsyncEngine, config: StoreConfig) -> ScoreWriter:
+    """A started writer (the caller closes it) whose first record is in the database."""
+    writer = ScoreWriter(engine, config)
+    await writer.start()
+    writer.submit(make_exchange("r0"), SCORES)
+    await written(writer, 1)
+    return writer
+
+
 async def _submit_timed(writer: ScoreWriter, ids: range, durations: list[float]) -> int:
     accepted = 0
     for i in ids:
@@ -169,10 +178,7 @@ async def test_close_during_outage_counts_what_it_could_not_write(
     config = _config(url, close_timeout_s=0.5)
     engine = create_engine(config)
     try:
-        writer = ScoreWriter(engine, config)
-        await writer.start()
-        writer.submit(make_exchange("r0"), SCORES)
-        await written(writer, 1)
+        writer = await _started_with_one_written(engine, config)
         await relay.cut()
         for i in range(1, 6):
             assert writer.submit(make_exchange(f"r{i}"), SCORES)
@@ -213,10 +219,7 @@ async def test_close_while_the_database_hangs_mid_batch(relayed: tuple[TcpRelay,
     config = _config(url, close_timeout_s=0.5)
     engine = create_engine(config)
     try:
-        writer = ScoreWriter(engine, config)
-        await writer.start()
-        writer.submit(make_exchange("r0"), SCORES)
-        await written(writer, 1)
+        writer = await _started_with_one_written(engine, config)
         relay.stall_answers_after(b"BEGIN")  # the server works; its answers never come
         for i in range(1, 4):
             assert writer.submit(make_exchange(f"r{i}"), SCORES)
