@@ -24,13 +24,13 @@ from gateway._admin import build_admin_app, check_admin_binding
 from gateway._config import GatewayConfig
 from gateway._connections import ConnectionGuard, GatewayRunner
 from gateway._destinations import masked_url
-from gateway._evaluation import Evaluation
 from gateway._exceptions import HeadersTooLarge, error_response
 from gateway._metrics import EvaluationCollector, GatewayMetrics, route_of
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
 from gateway._relay import relay
 from gateway._routing import Backend, Routing, Upstreams
+from gateway._scorekeeper import Scorekeeper
 from gateway._scrape import BackendLoad
 from gateway._state import GatewayState, RecentObservations
 from gateway._sync import RoutingSync
@@ -48,18 +48,18 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     to a bounded in-memory sink."""
     app = web.Application(client_max_size=config.server.max_body_bytes)
     metrics = GatewayMetrics()
-    evaluation = Evaluation(config) if sink is None and config.evaluation.enabled else None
-    if evaluation is not None:
+    scorekeeper = Scorekeeper(config) if sink is None and config.evaluation.enabled else None
+    if scorekeeper is not None:
         metrics.registry.register(EvaluationCollector(
-            lambda: evaluation.pipeline_stats, lambda: evaluation.writer_stats,
-            lambda: (evaluation.store_status, evaluation.scoring_state)))
+            lambda: scorekeeper.pipeline_stats, lambda: scorekeeper.writer_stats,
+            lambda: (scorekeeper.store_status, scorekeeper.scoring_state)))
     routing = Routing.configured(Backend(config.primary.name, config.primary.url))
     mirror = Mirror(config.mirror, config.candidates, config.capture, metrics,
-                    evaluation or sink or MemorySink(config.mirror.sink_capacity),
+                    scorekeeper or sink or MemorySink(config.mirror.sink_capacity),
                     record=config.record)
-    if evaluation is not None:
-        evaluation.attach_traffic(mirror.traffic)
-        evaluation.attach_candidates(lambda: [c.config for c in mirror.candidates.values()])
+    if scorekeeper is not None:
+        scorekeeper.attach_traffic(mirror.traffic)
+        scorekeeper.attach_candidates(lambda: [c.config for c in mirror.candidates.values()])
 
     async def stop_mirroring_primary(new: Routing) -> None:
         if new.primary.name in mirror.candidates:  # a primary is not its own candidate
@@ -82,8 +82,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
         upstreams=Upstreams(config.primary),
         observations=RecentObservations(config.capture.recent_observations),
         mirror=mirror,
-        evaluation=evaluation,
-        promoter=Promoter(sync, mirror, metrics, evaluation),
+        evaluation=scorekeeper,
+        promoter=Promoter(sync, mirror, metrics, scorekeeper),
         backend_load=backend_load,
     )
     # Entered in this order, left in reverse: the mirror drains into evaluation, which
@@ -106,17 +106,17 @@ async def _upstream_pools(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _evaluating(app: web.Application) -> AsyncIterator[None]:
-    evaluation = app[STATE].evaluation
-    if evaluation is not None:
+    scorekeeper = app[STATE].evaluation
+    if scorekeeper is not None:
         # The routing is loaded once the store is reached, which may be after serving
         # begins (a store outage at start); meanwhile routing changes go to the store.
-        app[STATE].sync.attach(evaluation.engine)
-        await evaluation.start(on_store=app[STATE].sync.start)
+        app[STATE].sync.attach(scorekeeper.engine)
+        await scorekeeper.start(on_store=app[STATE].sync.start)
     try:
         yield
     finally:
-        if evaluation is not None:
-            await evaluation.stop()
+        if scorekeeper is not None:
+            await scorekeeper.stop()
 
 
 async def _routing_sync(app: web.Application) -> AsyncIterator[None]:
