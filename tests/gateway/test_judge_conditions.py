@@ -84,14 +84,21 @@ async def _mirrored(gw: RunningGateway, candidate: str,
     await eventually(lambda: gw.written_records >= int(joined), within_s=60)
 
 
-async def test_identical_candidate_at_ten_percent_is_not_judged_faster(tmp_path: Any) -> None:
-    async with run_sim(**LOAD) as primary, run_sim(**LOAD) as candidate, \
+async def _report_at_ten_percent(tmp_path: Any, name: str,
+                                 candidate_load: dict[str, Any]) -> dict[str, Any]:
+    """The report on ``name`` (a simulator with ``candidate_load``) mirrored at 10 % of the
+    requests of PHASES sent to a primary with LOAD."""
+    async with run_sim(**LOAD) as primary, run_sim(**candidate_load) as candidate, \
             run_gateway(primary.url, candidates=[
-                {"name": "twin", "url": candidate.url, "sample_rate": 0.1,
+                {"name": name, "url": candidate.url, "sample_rate": 0.1,
                  "sampling_unit": "request"}],
                 evaluation=_evaluation(tmp_path)) as gw, aiohttp.ClientSession() as http:
-        await _mirrored(gw, "twin", lambda: _phases(http, gw))
-        report = await _report(http, gw, "twin")
+        await _mirrored(gw, name, lambda: _phases(http, gw))
+        return await _report(http, gw, name)
+
+
+async def test_identical_candidate_at_ten_percent_is_not_judged_faster(tmp_path: Any) -> None:
+    report = await _report_at_ten_percent(tmp_path, "twin", LOAD)
     ttft = _metric(report, "latency.ttft_s")
     pooled, matched = ttft["statistics"], ttft["matched"]
     print(f"identical at 10%: pooled TTFT shift {pooled['relative_shift']:+.1%} "
@@ -119,13 +126,7 @@ async def test_identical_candidate_at_ten_percent_is_not_judged_faster(tmp_path:
 
 async def test_truly_faster_candidate_is_judged_faster_at_equal_load(tmp_path: Any) -> None:
     faster = {**LOAD, "ttft_ms": 10.0, "ttft_per_inflight_ms": 5.0}
-    async with run_sim(**LOAD) as primary, run_sim(**faster) as candidate, \
-            run_gateway(primary.url, candidates=[
-                {"name": "quick", "url": candidate.url, "sample_rate": 0.1,
-                 "sampling_unit": "request"}],
-                evaluation=_evaluation(tmp_path)) as gw, aiohttp.ClientSession() as http:
-        await _mirrored(gw, "quick", lambda: _phases(http, gw))
-        report = await _report(http, gw, "quick")
+    report = await _report_at_ten_percent(tmp_path, "quick", faster)
     ttft = _metric(report, "latency.ttft_s")
     matched = ttft["matched"]
     print(f"faster at 10%: matched TTFT shift {matched['relative_shift']:+.1%} "
