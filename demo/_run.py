@@ -272,6 +272,7 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> Scorecard:
         console.print(f"gateway {client.url} (admin {client.admin_url}); driving "
                       f"{spec.sessions} agentic sessions of up to {spec.turns} turns ...")
         summary = asyncio.run(_drive(spec, client, names, console))
+        console.print()  # the live view's last frame ends without a newline off a terminal
         card = Scorecard(sessions=summary.sessions, turns=summary.turns, cpu=slices.how)
         turns_per_session = summary.turns / max(summary.sessions, 1)
         descriptions = {REPLICA: "noise floor", **{c.name: c.description for c in CANDIDATES}}
