@@ -88,6 +88,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     )
     # Entered in this order, left in reverse: the mirror drains into evaluation, which
     # flushes into the store, before the pools close.
+    app.on_startup.append(_count_tasks)
     app.cleanup_ctx.append(_upstream_pools)
     app.cleanup_ctx.append(_evaluating)
     app.cleanup_ctx.append(_routing_sync)
@@ -96,6 +97,11 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     app.router.add_get("/metrics", _metrics)
     app.router.add_route("*", "/v1/{tail:.*}", _proxy)
     return app
+
+
+async def _count_tasks(app: web.Application) -> None:
+    loop = asyncio.get_running_loop()
+    app[STATE].metrics.event_loop_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
 
 
 async def _upstream_pools(app: web.Application) -> AsyncIterator[None]:

@@ -95,6 +95,12 @@ class GatewayMetrics:
         self.connections_open = Gauge(
             "understudy_connections_open", "Client connections admitted now.", registry=r
         )
+        self.event_loop_tasks = Gauge(
+            "understudy_event_loop_tasks",
+            "asyncio tasks alive on the gateway's event loop (requests in flight, mirrored "
+            "requests, background loops): flat under steady traffic, or something leaks.",
+            registry=r,
+        )
         self.rejected = Counter(
             "understudy_requests_rejected", "Requests refused before forwarding, by reason.",
             ["reason"], registry=r,

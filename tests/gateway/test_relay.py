@@ -270,6 +270,21 @@ async def test_metrics_endpoint() -> None:
         assert "understudy_requests_in_flight 0.0" in text
 
 
+async def test_event_loop_tasks_metric_counts_tasks_and_returns_to_baseline() -> None:
+    # The simulator runs on the same loop: its handlers of the gateway's pooled keep-alive
+    # connections stay, so the baseline is taken after a first batch has filled the pool.
+    async with run_sim(ttft_ms=1, itl_ms=200, tokens=3) as sim, run_gateway(sim.url) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
+        await asyncio.gather(*(_stream(client) for _ in range(5)))
+        baseline = gw.metric("understudy_event_loop_tasks")
+        assert baseline >= 1  # at least the test's own task runs on the loop
+        streams = [asyncio.create_task(_stream(client)) for _ in range(5)]
+        await eventually(lambda: gw.metric("understudy_event_loop_tasks") >= baseline + 10)
+        await asyncio.gather(*streams)
+        await eventually(lambda: gw.metric("understudy_event_loop_tasks") <= baseline)
+        await client.close()
+
+
 def _without_ids(raw: bytes) -> bytes:
     return re.sub(rb'"(id|created)": ?("[^"]*"|\d+)', b"", raw)
 
