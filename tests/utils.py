@@ -39,6 +39,23 @@ async def serving(runner: web.BaseRunner) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+@asynccontextmanager
+async def answering_once(answer: bytes) -> AsyncIterator[str]:
+    """A loopback server that reads each connection's request head, writes ``answer`` and
+    closes: an upstream that speaks garbage. Yields its root URL."""
+
+    async def answer_and_close(reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer_and_close, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
 @dataclass
 class RunningSim:
     url: str
@@ -122,6 +139,16 @@ async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> No
     async with asyncio.timeout(within_s):
         while not condition():  # noqa: ASYNC110 - polling a plain predicate
             await asyncio.sleep(0.02)
+
+
+async def leave_stream_after(stream: openai.AsyncStream[Any], chunks: int) -> None:
+    """Read ``chunks`` chunks of ``stream``, then close it: a client that goes away mid-answer."""
+    received = 0
+    async for _ in stream:
+        received += 1
+        if received == chunks:
+            break
+    await stream.close()
 
 
 async def timed_chats(gw: RunningGateway, n: int, tag: str) -> list[float]:

@@ -28,7 +28,14 @@ from sqlalchemy.engine import URL, make_url
 
 from evaluators.store import upgrade
 from tests.tcp_relay import TcpRelay
-from tests.utils import RunningGateway, eventually, free_port, run_gateway, run_sim
+from tests.utils import (
+    RunningGateway,
+    answering_once,
+    eventually,
+    free_port,
+    run_gateway,
+    run_sim,
+)
 
 REQUESTS = 4
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -182,14 +189,8 @@ async def _primary(fault: str) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{free_port()}"
         return
     if fault == "garbage":
-        async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"\x16\x03\x01 this is not HTTP at all\r\n\r\n")
-            await writer.drain()
-            writer.close()
-        server = await asyncio.start_server(garbage, "127.0.0.1", 0)
-        async with server:
-            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with answering_once(b"\x16\x03\x01 this is not HTTP at all\r\n\r\n") as url:
+            yield url
         return
     sim_fault = {"5xx": {"fault": "error", "error_status": 503},
                  "timeout": {"fault": "hang_before_first_byte"},

@@ -55,6 +55,17 @@ async def _routing(http: aiohttp.ClientSession, admin_url: str) -> dict[str, Any
         return await resp.json()  # type: ignore[no-any-return]
 
 
+async def _converged(http: aiohttp.ClientSession, admin_url: str, primary: str) -> float:
+    """Seconds until the replica at ``admin_url`` routes to ``primary`` (at most two of its
+    poll intervals)."""
+    started = time.monotonic()
+    while (await _routing(http, admin_url))["primary"]["name"] != primary:
+        waited = time.monotonic() - started
+        assert waited < 2 * POLL_INTERVAL_S, f"{admin_url} did not converge on {primary}"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
 async def test_two_replicas_converge_on_a_promotion_and_a_rollback(pg_database: str) -> None:
     async with run_sim(ttft_ms=1, itl_ms=0, tokens=4) as primary, \
             run_sim(ttft_ms=1, itl_ms=0, tokens=4, variant="c") as candidate, \
@@ -70,11 +81,7 @@ async def test_two_replicas_converge_on_a_promotion_and_a_rollback(pg_database: 
              "--reason", "replica test", "--admin-url", admin_a],
             env=env, capture_output=True, text=True, timeout=60)
         assert promoted.returncode == 0, promoted.stderr
-        started = time.monotonic()
-        while (await _routing(http, admin_b))["primary"]["name"] != "cand":
-            assert time.monotonic() - started < 2 * POLL_INTERVAL_S, "replica B did not converge"
-            await asyncio.sleep(0.05)
-        converged_s = time.monotonic() - started
+        converged_s = await _converged(http, admin_b, "cand")
         # Replica B now sends new requests to the promoted backend.
         before = candidate.stats.requests_seen
         async with http.post(url_b + "/v1/chat/completions", json={
@@ -87,10 +94,7 @@ async def test_two_replicas_converge_on_a_promotion_and_a_rollback(pg_database: 
             [sys.executable, "-m", "gateway.cli", "rollback", "--admin-url", admin_b],
             env=env, capture_output=True, text=True, timeout=60)
         assert rolled.returncode == 0, rolled.stderr
-        started = time.monotonic()
-        while (await _routing(http, admin_a))["primary"]["name"] != "primary":
-            assert time.monotonic() - started < 2 * POLL_INTERVAL_S, "replica A did not converge"
-            await asyncio.sleep(0.05)
+        await _converged(http, admin_a, "primary")
         assert (await _routing(http, admin_a))["version"] == 3
         assert url_a != url_b
     print(f"replica B converged in {converged_s * 1000:.0f} ms")

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tests.utils import eventually, free_port, run_gateway, run_sim
+from tests.utils import answering_once, eventually, free_port, run_gateway, run_sim
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
 SECRET_HEADERS = {
@@ -173,14 +173,8 @@ async def test_502_names_the_upstream_not_its_address_nor_its_bytes() -> None:
         assert body["error"]["type"] == "upstream_error"
         assert "127.0.0.1" not in body["error"]["message"] and str(port) not in str(body)
 
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nX-Secret-Inside: 10.0.0.7\x00\x01\r\n\r\n")
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
-    async with server, run_gateway(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}") as gw:
+    garbage = b"HTTP/1.1 200 OK\r\nX-Secret-Inside: 10.0.0.7\x00\x01\r\n\r\n"
+    async with answering_once(garbage) as url, run_gateway(url) as gw:
         async with aiohttp.ClientSession() as session, \
                 session.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 502

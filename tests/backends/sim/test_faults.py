@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from backends.sim import RunningSim, SimConfig, SimStats, running_sim, sim_command
+from tests.utils import leave_stream_after
 
 FAST: dict[str, Any] = {"port": 0, "ttft_ms": 2.0, "itl_ms": 1.0, "tokens": 8}
 MESSAGES: list[Any] = [{"role": "user", "content": "Tell me a story"}]
@@ -142,12 +143,7 @@ async def test_client_disconnect_mid_stream_is_counted_cancelled() -> None:
         stream = await api.chat.completions.create(
             model="sim-model", messages=MESSAGES, stream=True
         )
-        received = 0
-        async for _ in stream:
-            received += 1
-            if received == 3:
-                break
-        await stream.close()
+        await leave_stream_after(stream, 3)
         await wait_for(lambda: sim.stats.in_flight == 0)
         assert outcomes(sim.stats) == (1, 0, 1, 0, 0)
 

@@ -26,7 +26,7 @@ from backends.engine.serving._openai import parse_generation_request
 from backends.engine.serving._server import ENGINE_LOOP, ENGINE_METRICS
 from backends.openai_wire import RequestError
 from tests.fixtures_engine import serve_engine
-from tests.utils import eventually
+from tests.utils import eventually, leave_stream_after
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -198,12 +198,7 @@ async def test_client_disconnect_aborts_the_request(engine_model: LlamaModel) ->
         stream = await client.chat.completions.create(
             model=MODEL, messages=QUESTION, stream=True, temperature=0, **long
         )
-        received = 0
-        async for _ in stream:
-            received += 1
-            if received == 3:
-                break
-        await stream.close()
+        await leave_stream_after(stream, 3)
         await client.close()
         await eventually(lambda: not server.engine.has_unfinished_requests(), within_s=10)
         assert _metric(server, "vllm:request_success_total", finished_reason="abort") == 1
