@@ -303,10 +303,10 @@ class BodyTee:
                 await asyncio.wait((drained, done), return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not drained.done():
-                    drained.cancel()
-            if not drained.done() or drained.cancelled():
+                    drained.cancel()  # done first (failed), or this task was cancelled
+            if not drained.done():
                 return
-            drained.result()
+            drained.result()  # raises if the client's connection failed meanwhile
         self.paused = False
         self._conn.resume_reading()
 

@@ -198,12 +198,12 @@ class Connection(asyncio.Protocol):
         self.on_piece = on_piece
         if self._held:
             held, self._held, self._held_bytes = self._held, [], 0
+            # Resumed before the held pieces go: ``on_piece`` may pause reading again
+            # (its client behind already), and that pause must hold.
+            self.resume_reading()
             if on_piece is not None:
                 for piece in held:
                     on_piece(piece)
-            if self._paused and self.transport is not None:
-                self._paused = False
-                self.transport.resume_reading()
         return self._body_waiter
 
     def pause_reading(self) -> None:

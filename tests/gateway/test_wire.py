@@ -191,6 +191,9 @@ async def test_reading_pauses_and_resumes() -> None:
             conn.pause_reading()
 
         done = conn.attach(on_piece)
+        # Pieces held until attach paused reading again as they were handed on, and that
+        # pause holds (rule 1); from here each turn lets one read through.
+        conn.resume_reading()
         for _ in range(2_000):  # bounded: each turn lets at least one read through
             seen = reads
             for _ in range(500):  # a read arrives (and pauses reading) or the body ends

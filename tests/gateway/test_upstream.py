@@ -1,0 +1,118 @@
+"""Upstream.call/read (gateway/_upstream.py) against a raw server on loopback, with a
+client that falls behind: flow control and the idle deadline while the relay waits for it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from multidict import CIMultiDict
+
+from evaluators import Capture
+from gateway._config import UpstreamConfig
+from gateway._exceptions import UpstreamTimeout
+from gateway._upstream import Upstream
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+EVENTS = [b"data: %d\n\n" % i for i in range(4)]
+
+
+class SlowClient:
+    """A ClientWriter past its high-water mark after its first piece, until ``caught_up``."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.caught_up = asyncio.Event()
+        self.drains = 0
+        self.gone = False
+
+    def write(self, piece: bytes) -> bool:
+        self.pieces.append(piece)
+        return not self.caught_up.is_set()
+
+    async def drain(self) -> None:
+        self.drains += 1
+        await self.caught_up.wait()
+
+
+@asynccontextmanager
+async def upstream_at(handler: Handler, idle_timeout_s: float) -> AsyncIterator[Upstream]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await handler(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    upstream = Upstream(UpstreamConfig(url=f"http://127.0.0.1:{port}",
+                                       idle_timeout_s=idle_timeout_s))
+    upstream.open()
+    try:
+        async with server:
+            yield upstream
+    finally:
+        await upstream.close()
+
+
+def new_capture() -> Capture:
+    return Capture(started=asyncio.get_running_loop().time(), max_bytes=1 << 20,
+                   max_chunk_times=1024)
+
+
+async def relay_to(upstream: Upstream, client: SlowClient, capture: Capture) -> None:
+    async with upstream.call("GET", "/v1/stream", CIMultiDict(), b"", capture) as answer:
+        await upstream.read(answer, capture, client)
+
+
+async def test_a_slow_client_pauses_the_upstream_and_gets_every_piece() -> None:
+    async def events(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        framed = [b"%x\r\n%b\r\n" % (len(event), event) for event in EVENTS]
+        writer.write(HEAD + framed[0])  # the first piece with the head: held until attached
+        for frame in framed[1:]:
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(frame)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with upstream_at(events, idle_timeout_s=5) as upstream:
+        client, capture = SlowClient(), new_capture()
+        relay = asyncio.create_task(relay_to(upstream, client, capture))
+        for _ in range(250):  # bounded: the first piece puts the client behind
+            if client.drains:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # the upstream's other pieces are due meanwhile
+        assert not relay.done() and client.drains == 1  # still waiting for the client
+        assert len(client.pieces) < len(EVENTS)  # the upstream is not read meanwhile
+        client.caught_up.set()
+        await asyncio.wait_for(relay, 5)
+        assert b"".join(client.pieces) == b"".join(EVENTS) == bytes(capture.body)
+
+
+async def test_the_idle_deadline_ends_a_wait_for_a_client_that_never_catches_up() -> None:
+    silent = asyncio.Event()
+
+    async def one_then_silence(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + b"%x\r\n%b\r\n" % (len(EVENTS[0]), EVENTS[0]))
+        await writer.drain()
+        await silent.wait()
+
+    try:
+        async with upstream_at(one_then_silence, idle_timeout_s=0.2) as upstream:
+            client, capture = SlowClient(), new_capture()
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(UpstreamTimeout) as info:
+                await asyncio.wait_for(relay_to(upstream, client, capture), 5)
+            assert info.value.kind == "idle_timeout"
+            assert asyncio.get_running_loop().time() - started < 2
+            assert client.pieces == [EVENTS[0]] and client.drains == 1
+    finally:
+        silent.set()
