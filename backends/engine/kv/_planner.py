@@ -23,6 +23,14 @@ Theory of operation
    best measured (``PlanCheck``).
 5. The sensitivity table is cached in a file keyed by the model's fingerprint and the
    measurement's settings; another budget re-plans from it in milliseconds.
+6. Per-token retention shares the budget (MultiAlloc's idea): a recent window of ``W`` tokens
+   kept raw costs, at a context of ``L`` tokens, the float32 rows of its complete blocks beyond
+   the block being filled, ``(W / block_size - 1) * raw_block_bytes / L`` bytes per token (what
+   ``PagedCodec.context_bits_per_element`` counts; the sink row and the block being filled are
+   paid under every plan alike).  ``split_budget`` plans the layers with what each window leaves;
+   the split is chosen by measurement, not by the table: ``check_retention`` measures every
+   (plan, window) whole-model at that context and the least KL wins (the table's losses were
+   measured without a window, so they cannot price one).
 """
 
 from __future__ import annotations
@@ -57,18 +65,25 @@ from .codecs._texts import PROMPTS
 
 __all__ = [
     "DEFAULT_PLAN_CODECS",
+    "DEFAULT_RETENTION_WINDOWS",
     "PlanCheck",
+    "RetentionCheck",
     "SensitivityTable",
     "block_bytes",
     "check_plan",
+    "check_retention",
     "choose",
     "measure_sensitivity",
     "plan_for_budget",
+    "split_budget",
+    "window_bytes_per_token",
 ]
 
 DEFAULT_PLAN_CODECS: tuple[str, ...] = ENGINE_CODECS
 """Codecs a plan may use, per layer and role (fp32 among them: no loss, the most bytes)."""
 FloatArray = npt.NDArray[np.float64]
+DEFAULT_RETENTION_WINDOWS: tuple[int, ...] = (0, 32, 64, 128)
+"""Recent windows the budget split tries (rule 6): none, 2, 4 and 8 blocks (KIVI's 128)."""
 
 
 def block_bytes(name: str, role: Role, kv_heads: int, head_dim: int, block_size: int) -> int:
@@ -362,3 +377,93 @@ def check_plan(
         uniform_bytes_per_token=uniform,
         prompt_tokens=report.prompt_tokens,
     )
+
+
+def window_bytes_per_token(
+    window_tokens: int, context_tokens: int, block_size: int, raw_block_bytes: int
+) -> float:
+    """Bytes per token a recent window's raw rows add at ``context_tokens`` (rule 6);
+    ``raw_block_bytes``: one block's float32 K and V, all layers."""
+    blocks = max(1, window_tokens // block_size) - 1
+    return min(context_tokens // block_size, blocks) * raw_block_bytes / context_tokens
+
+
+def split_budget(
+    table: SensitivityTable,
+    budget_bytes_per_token: float,
+    *,
+    context_tokens: int,
+    raw_block_bytes: int,
+    windows: Sequence[int] = DEFAULT_RETENTION_WINDOWS,
+) -> list[KVPlan]:
+    """For each window that leaves room for a plan, the layers' plan of least predicted loss in
+    what it leaves, carrying the window (rule 6)."""
+    plans = []
+    for window in windows:
+        cost = window_bytes_per_token(window, context_tokens, table.block_size, raw_block_bytes)
+        plan = plan_for_budget(table, budget_bytes_per_token - cost)
+        if plan is not None:
+            plans.append(KVPlan(plan.layers, window_tokens=window))
+    return plans
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionCheck:
+    """Each split of one budget between a window and the layers' codecs, measured (rule 6)."""
+
+    budget_bytes_per_token: float
+    context_tokens: int
+    plans: tuple[KVPlan, ...]
+    bytes_per_token: tuple[float, ...]
+    """Each plan's codes plus its window's raw rows, per token at ``context_tokens``."""
+    measured: tuple[CodecQuality, ...]
+
+    @property
+    def chosen(self) -> KVPlan:
+        """The split of least measured KL."""
+        best = min(range(len(self.plans)), key=lambda i: self.measured[i].kl_nats)
+        return self.plans[best]
+
+
+def check_retention(
+    model: LlamaModel,
+    table: SensitivityTable,
+    budget_bytes_per_token: float,
+    *,
+    prompt: str,
+    max_tokens: int | None,
+    queries: int,
+    windows: Sequence[int] = DEFAULT_RETENTION_WINDOWS,
+    calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> RetentionCheck:
+    """Split the budget at the context of ``prompt`` (cut to ``max_tokens``) and measure every
+    split on it (rule 6)."""
+    cfg = model.config
+    context = len(model.tokenizer.encode(prompt)[:max_tokens])
+    raw_block = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * table.block_size * 4
+    plans = split_budget(
+        table,
+        budget_bytes_per_token,
+        context_tokens=context,
+        raw_block_bytes=raw_block,
+        windows=windows,
+    )
+    if not plans:
+        raise ValueError(f"no split of {budget_bytes_per_token:.0f} bytes per token fits a plan")
+    report = measure_quality(
+        model,
+        configs=[(plan, plan.window_tokens) for plan in plans],
+        prompts=[prompt],
+        max_tokens=max_tokens,
+        queries=queries,
+        encode_tokens=table.block_size,
+        calibration=calibration,
+        progress=progress,
+    )
+    sizes = tuple(
+        table.bytes_per_token(plan)
+        + window_bytes_per_token(plan.window_tokens, context, table.block_size, raw_block)
+        for plan in plans
+    )
+    return RetentionCheck(budget_bytes_per_token, context, tuple(plans), sizes, report.results)

@@ -57,7 +57,14 @@ def greedy_answers(
     calibration: Calibration | None = None,
 ) -> list[list[int]]:
     """Each question's greedy answer (token ids) from an engine storing KV by ``codec``."""
-    engine = Engine(model, _KV_LIMIT_BYTES, kv_codec=codec, kv_calibration=calibration)
+    # One seat per question: a windowed plan reserves each running sequence's raw window.
+    engine = Engine(
+        model,
+        _KV_LIMIT_BYTES,
+        kv_codec=codec,
+        kv_calibration=calibration,
+        max_num_seqs=max(1, len(questions)),
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     answers: dict[str, list[int]] = {}
     for index, question in enumerate(questions):

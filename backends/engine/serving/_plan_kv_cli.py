@@ -18,9 +18,11 @@ from ..kv._plan import ENGINE_CODECS, KVPlan
 from ..kv._planner import (
     DEFAULT_PLAN_CODECS,
     PlanCheck,
+    RetentionCheck,
     SensitivityTable,
     block_bytes,
     check_plan,
+    check_retention,
     measure_sensitivity,
     plan_for_budget,
 )
@@ -104,6 +106,26 @@ def _check_dict(check: PlanCheck) -> dict[str, Any]:
     }
 
 
+def _retention_dict(split: RetentionCheck) -> dict[str, Any]:
+    return {
+        "context_tokens": split.context_tokens,
+        "splits": [
+            {
+                "window_tokens": plan.window_tokens,
+                "plan": plan.describe(),
+                "bytes_per_token": size,
+                "kl": quality.kl_nats,
+                "top1": quality.top1,
+                "attention_error": quality.attention_error,
+            }
+            for plan, size, quality in zip(
+                split.plans, split.bytes_per_token, split.measured, strict=True
+            )
+        ],
+        "chosen_window_tokens": split.chosen.window_tokens,
+    }
+
+
 @click.command("plan-kv")
 @click.option(
     "--budget-bits", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -139,6 +161,10 @@ def _check_dict(check: PlanCheck) -> dict[str, Any]:
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Measure the plan's KL against the uniform codecs that fit the budget, on "
               "held-out prompts, and keep the better.")  # fmt: skip
+@click.option("--retention/--no-retention", default=False, show_default=True,
+              help="Also split the budget between the layers' codecs and a recent window kept "
+              "raw (0/32/64/128 tokens, priced at the held-out prompt's length), measure every "
+              "split there and write the best.")  # fmt: skip
 @_threads
 @_json
 @_gguf
@@ -154,6 +180,7 @@ def plan_kv_command(
     out: Path,
     cache: Path | None,
     verify: bool,
+    retention: bool,
     threads: int,
     as_json: bool,
     gguf_path: Path | None,
@@ -224,7 +251,22 @@ def plan_kv_command(
                 calibration=calibration,
                 progress=say,
             )
+        split = None
+        if retention:
+            held_out = PROMPTS[prompts:] or PROMPTS
+            split = check_retention(
+                model,
+                table,
+                budget_bytes_per_token,
+                prompt=held_out[0],
+                max_tokens=tokens,
+                queries=queries,
+                calibration=calibration,
+                progress=say,
+            )
     chosen = plan if check is None else check.chosen
+    if split is not None:
+        chosen = split.chosen
     meta: dict[str, Any] = {
         "budget_bytes_per_token": budget_bytes_per_token,
         "bytes_per_token": table.bytes_per_token(chosen),
@@ -233,7 +275,9 @@ def plan_kv_command(
     }
     if check is not None:
         meta["check"] = _check_dict(check)
-    written = KVPlan(chosen.layers, meta)
+    if split is not None:
+        meta["retention"] = _retention_dict(split)
+    written = KVPlan(chosen.layers, meta, window_tokens=chosen.window_tokens)
     written.dump(out)
     estimates = _estimates(costs, table, chosen, batch, context)
     fp32_bytes = next(e.kv_bytes_per_token for e in estimates if e.codec == "fp32")
@@ -333,4 +377,13 @@ def _print_plan(
             f"written: {summary['chosen']}",
             markup=False,
         )
+    retention = plan.meta.get("retention")
+    if retention is not None:
+        for row in retention["splits"]:
+            console.print(
+                f"  window {row['window_tokens']:>3} + {row['plan']}: {row['bytes_per_token']:.0f} "
+                f"B/token at {retention['context_tokens']} tokens, KL {row['kl']:.5f}, top-1 "
+                f"{100 * row['top1']:.1f}%",
+                markup=False,
+            )
     console.print(f"plan written to {document['plan_file']}")

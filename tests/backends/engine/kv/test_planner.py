@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 
 from backends.engine.kv._costmodel import CostCalibration, estimate_step
+from backends.engine.kv._paged_codec import PagedCodec
 from backends.engine.kv._plan import KVPlan
-from backends.engine.kv._planner import SensitivityTable, choose, plan_for_budget
+from backends.engine.kv._planner import (
+    SensitivityTable,
+    choose,
+    plan_for_budget,
+    split_budget,
+    window_bytes_per_token,
+)
 
 
 def _brute_force(weights: list[list[int]], losses: list[list[float]], budget: int) -> float | None:
@@ -102,3 +109,39 @@ def test_the_cost_model_names_each_bound() -> None:
     mixed = KVPlan.of(["fp32"] * 30, ["kivi-2"] * 30)
     half = estimate_step(_costs(dequant=1e-6), mixed, fp32_bytes / 2, 1, 1000)
     assert half.dequant_s == pytest.approx(1000 * 30 * 1e-6 / 2)
+
+
+def test_a_window_is_priced_as_the_engine_holds_it_and_split_from_one_budget() -> None:
+    """The window's bytes per token at a context are the engine's own count (the difference
+    between a windowed and a plain codec's bits at that context), and each window's plan gets
+    what the window leaves of one budget."""
+    layers, heads, dim, bs = 2, 3, 64, 16
+    raw_block = layers * 2 * heads * dim * bs * 4
+    for context in (48, 417, 1536):
+        plain = PagedCodec("kivi-4", num_layers=layers, kv_heads=heads, head_dim=dim, block_size=bs)
+        windowed = PagedCodec(
+            KVPlan.uniform("kivi-4", layers, window_tokens=32),
+            num_layers=layers,
+            kv_heads=heads,
+            head_dim=dim,
+            block_size=bs,
+        )
+        extra_bits = windowed.context_bits_per_element(context) - plain.context_bits_per_element(
+            context
+        )
+        elements = layers * 2 * heads * dim
+        assert window_bytes_per_token(32, context, bs, raw_block) == pytest.approx(
+            extra_bits * elements / 8
+        )
+    assert window_bytes_per_token(0, 417, bs, raw_block) == 0.0
+    assert window_bytes_per_token(128, 40, bs, raw_block) == 2 * raw_block / 40  # 2 blocks held
+    loss = np.zeros((layers, 2, 2))
+    loss[:, :, 1] = 0.1
+    sizes = np.array([[6144, 2304], [6144, 1920]], dtype=np.int64)
+    table = SensitivityTable(("fp16", "kivi-4"), loss, sizes, block_size=bs)
+    budget = 2 * (6144 + 6144) / bs + 512
+    plans = split_budget(table, budget, context_tokens=48, raw_block_bytes=raw_block)
+    assert [plan.window_tokens for plan in plans] == [0, 32]  # 64 leaves too little
+    assert plans[0] == KVPlan.uniform("fp16", layers)
+    room = budget - window_bytes_per_token(32, 48, bs, raw_block)
+    assert table.bytes_per_token(plans[1]) <= room < table.bytes_per_token(plans[0])

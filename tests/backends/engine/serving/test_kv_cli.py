@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from backends.engine import Engine, KVPlan, LlamaModel, kv_quality_command, plan_kv_command
+from backends.engine import (
+    Engine,
+    KVPlan,
+    LlamaModel,
+    SamplingParams,
+    kv_quality_command,
+    plan_kv_command,
+)
 from backends.engine.serving._server_config import UnifiedServerConfig
 
 SMALL = ["--tokens", "48", "--queries", "16", "--prompts", "1", "--threads", "1", "--json"]
@@ -79,6 +86,35 @@ def test_plan_kv_beats_the_best_uniform_codec_and_the_engine_serves_its_plan(
         assert row["top1"] > 0.5
     assert rows["fp8"]["kl_nats"] < rows[plan.name]["kl_nats"]
     assert rows[plan.name]["bits_per_element"] < 4.5
+
+
+@pytest.mark.timeout(900)
+def test_plan_kv_splits_one_budget_between_a_window_and_the_layers(
+    engine_model: LlamaModel, tmp_path: Path
+) -> None:
+    """At 48 tokens and 16 bits a 32-token window leaves room for a plan (a 64-token one does
+    not); both splits are measured, the lower KL is written with its window, and the engine and
+    kv-quality take that plan, window included."""
+    out = tmp_path / "plan.json"
+    args = ["--codecs", "kivi-4,e8-2", "--budget-bits", "16", "--out", str(out), *SMALL]
+    _invoke(plan_kv_command, [*args, "--retention", "--no-verify"])
+    plan = KVPlan.load(out)
+    retention = plan.meta["retention"]
+    splits = {row["window_tokens"]: row for row in retention["splits"]}
+    assert set(splits) == {0, 32} and retention["context_tokens"] == 48
+    budget = plan.meta["budget_bytes_per_token"]
+    assert all(row["bytes_per_token"] <= budget for row in splits.values())
+    best = min(splits, key=lambda w: splits[w]["kl"])
+    assert plan.window_tokens == retention["chosen_window_tokens"] == best
+    print({w: round(row["kl"], 5) for w, row in splits.items()})
+    engine = Engine(engine_model, 64 << 20, kv_codec=plan, max_num_seqs=2)
+    assert engine.pool.codec is not None and engine.pool.codec.window_blocks == max(1, best // 16)
+    prompt = engine_model.tokenizer.encode("The harbour master counts the ships. " * 4)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert len(engine.generate(prompt, params)) == 20
+    quality = _invoke(kv_quality_command, ["--plan", str(out), "--questions", "0", *SMALL])
+    (row,) = quality["codecs"]  # measured on the planner's own prompt, not the held-out one
+    assert row["window_tokens"] == best and row["registry_name"] == plan.name
 
 
 def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
