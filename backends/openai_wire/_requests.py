@@ -19,7 +19,6 @@ from ._fields import is_token_ids, optional_bool, optional_int
 
 __all__ = [
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
-    "MaxTokens",
     "StreamOptions",
     "chat_messages",
     "check_message_role",
@@ -30,9 +29,6 @@ __all__ = [
     "requested_max_tokens",
     "stream_options",
 ]
-
-# vLLM's CompletionRequest.max_tokens default (the legacy OpenAI API's default too).
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,17 +93,15 @@ def stream_options(body: dict[str, Any]) -> StreamOptions:
     return StreamOptions(stream=stream, include_usage=include, continuous_usage=continuous)
 
 
-@dataclass(frozen=True, slots=True)
-class MaxTokens:
-    """The answer's length limit a body asks for, and the field that asked (for errors)."""
-
-    value: int | None  # None: a chat that may use all the room its prompt leaves
-    param: str
+# vLLM's CompletionRequest.max_tokens default (the legacy OpenAI API's default too).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-def requested_max_tokens(kind: RequestKind, body: dict[str, Any]) -> MaxTokens:
-    """A chat's ``max_completion_tokens`` (else ``max_tokens``); a completion's ``max_tokens``
-    (vLLM's default when unset); refused below 1 as vLLM refuses it."""
+def requested_max_tokens(kind: RequestKind, body: dict[str, Any]) -> tuple[int | None, str]:
+    """The answer's length limit the body asks for and the field that asked (for errors): a
+    chat's ``max_completion_tokens`` (else ``max_tokens``; None: all the room its prompt
+    leaves), a completion's ``max_tokens`` (vLLM's default when unset); refused below 1 as
+    vLLM refuses it."""
     if kind == "chat":
         value, param = optional_int(body, "max_completion_tokens"), "max_completion_tokens"
         if value is None:
@@ -120,7 +114,7 @@ def requested_max_tokens(kind: RequestKind, body: dict[str, Any]) -> MaxTokens:
         raise invalid_value(
             f"max_tokens must be at least 1, got {value}.", param=param, value=value
         )
-    return MaxTokens(value, param)
+    return value, param
 
 
 def check_room(

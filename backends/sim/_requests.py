@@ -73,15 +73,15 @@ def parse_request(
         raise invalid_value("The simulator answers with one choice.", param="n", value=n)
     seed = optional_int(body, "seed", minimum=None)
     temperature = optional_float(body, "temperature")
-    limit = requested_max_tokens(kind, body)
+    max_tokens, max_tokens_param = requested_max_tokens(kind, body)
     if kind == "chat":
         prompt_key: object = _chat_messages(body)
         prompt_tokens = chat_prompt_tokens(body["messages"])
     else:
         prompt_key, prompt_tokens = _completion_prompt(body)
     check_room(
-        max_tokens=limit.value,
-        param=limit.param,
+        max_tokens=max_tokens,
+        param=max_tokens_param,
         prompt_tokens=prompt_tokens,
         max_model_len=max_model_len,
     )
@@ -90,7 +90,7 @@ def parse_request(
         stream=options.stream,
         include_usage=options.include_usage,
         continuous_usage=options.continuous_usage,
-        max_tokens=limit.value,
+        max_tokens=max_tokens,
         prompt_tokens=prompt_tokens,
         prompt_key=prompt_key,
         seed=seed,

@@ -114,16 +114,13 @@ def parse_generation_request(
         prompt = _chat_prompt(body, tokenizer)
     else:
         prompt = _completion_prompt(body, tokenizer)
-    limit = requested_max_tokens(kind, body)
+    max_tokens, name = requested_max_tokens(kind, body)
     check_room(
-        max_tokens=limit.value,
-        param=limit.param,
-        prompt_tokens=len(prompt),
-        max_model_len=max_model_len,
+        max_tokens=max_tokens, param=name, prompt_tokens=len(prompt), max_model_len=max_model_len
     )
     room = max_model_len - len(prompt)
     params = SamplingParams(
-        max_tokens=room if limit.value is None else min(limit.value, room),
+        max_tokens=room if max_tokens is None else min(max_tokens, room),
         temperature=_temperature(body),
         top_p=_top_p(body),
         top_k=_top_k(body),
