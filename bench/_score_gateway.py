@@ -132,6 +132,11 @@ async def _offer(url: str, duration_s: float) -> dict[str, Any]:
     return tally
 
 
+_DRAIN_SERIES = ("understudy_mirror_", "understudy_evaluation_", "understudy_scoring_",
+                 "understudy_store_")
+"""The series that stop moving once the drain is over (the backend scrapes never do)."""
+
+
 def _drain(url: str) -> tuple[dict[str, float], float]:
     """Until every joined exchange is scored or dropped and no counter moves (bounded)."""
     started = time.monotonic()
@@ -141,9 +146,10 @@ def _drain(url: str) -> tuple[dict[str, float], float]:
         joined = metrics.get("understudy_mirror_joined_total", 0.0)
         evaluated = metrics.get("understudy_evaluation_scored_total", 0.0) + sum(
             v for k, v in metrics.items() if k.startswith("understudy_evaluation_dropped"))
-        if metrics == last and evaluated >= joined:
+        settled = {k: v for k, v in metrics.items() if k.startswith(_DRAIN_SERIES)}
+        if settled == last and evaluated >= joined:
             return metrics, time.monotonic() - started
-        last = metrics
+        last = settled
         time.sleep(DRAIN_POLL_S)
     return scrape(url), time.monotonic() - started
 
@@ -178,8 +184,7 @@ def run_gateway_phase(*, quick: bool = False, variant: str = "",
             for child in reversed(children):
                 child.stop()
     pick = {k.removeprefix("understudy_"): v for k, v in metrics.items()
-            if k.startswith(("understudy_mirror_", "understudy_evaluation_",
-                             "understudy_scoring_"))}
+            if k.startswith(_DRAIN_SERIES[:3])}
     return {"rate": RATE, "duration_s": duration, "tokens": TOKENS, "variant": variant,
             "semantic_model": semantic_model,
             "load": tally, "drain_s": drain_s, "metrics": pick, "stored": stored,
