@@ -4,7 +4,7 @@ client that falls behind: flow control and the idle deadline while the relay wai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
@@ -14,8 +14,8 @@ from evaluators import Capture
 from gateway._config import UpstreamConfig
 from gateway._exceptions import UpstreamTimeout
 from gateway._upstream import Upstream
+from tests.gateway.test_wire import Handler, raw_listener
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 EVENTS = [b"data: %d\n\n" % i for i in range(4)]
 
@@ -40,25 +40,14 @@ class SlowClient:
 
 @asynccontextmanager
 async def upstream_at(handler: Handler, idle_timeout_s: float) -> AsyncIterator[Upstream]:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async with raw_listener(handler) as port:
+        upstream = Upstream(UpstreamConfig(url=f"http://127.0.0.1:{port}",
+                                           idle_timeout_s=idle_timeout_s))
+        upstream.open()
         try:
-            await reader.readuntil(b"\r\n\r\n")
-            await handler(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    upstream = Upstream(UpstreamConfig(url=f"http://127.0.0.1:{port}",
-                                       idle_timeout_s=idle_timeout_s))
-    upstream.open()
-    try:
-        async with server:
             yield upstream
-    finally:
-        await upstream.close()
+        finally:
+            await upstream.close()
 
 
 def new_capture() -> Capture:
@@ -72,7 +61,8 @@ async def relay_to(upstream: Upstream, client: SlowClient, capture: Capture) -> 
 
 
 async def test_a_slow_client_pauses_the_upstream_and_gets_every_piece() -> None:
-    async def events(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def events(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
         framed = [b"%x\r\n%b\r\n" % (len(event), event) for event in EVENTS]
         writer.write(HEAD + framed[0])  # the first piece with the head: held until attached
         for frame in framed[1:]:
@@ -100,7 +90,9 @@ async def test_a_slow_client_pauses_the_upstream_and_gets_every_piece() -> None:
 async def test_the_idle_deadline_ends_a_wait_for_a_client_that_never_catches_up() -> None:
     silent = asyncio.Event()
 
-    async def one_then_silence(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def one_then_silence(reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
         writer.write(HEAD + b"%x\r\n%b\r\n" % (len(EVENTS[0]), EVENTS[0]))
         await writer.drain()
         await silent.wait()

@@ -27,9 +27,9 @@ REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 @asynccontextmanager
-async def raw_server(answer: bytes | Handler) -> AsyncIterator[ConnectionPool]:
+async def raw_listener(answer: bytes | Handler) -> AsyncIterator[int]:
     """A server that answers each request with ``answer`` (bytes, kept alive) or runs
-    ``answer`` itself; yields a pool pointing at it."""
+    ``answer`` itself; yields its port."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -46,13 +46,19 @@ async def raw_server(answer: bytes | Handler) -> AsyncIterator[ConnectionPool]:
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    pool = ConnectionPool(URL(f"http://127.0.0.1:{port}"), limit=4, connect_timeout_s=2)
-    try:
-        async with server:
+    async with server:
+        yield server.sockets[0].getsockname()[1]
+
+
+@asynccontextmanager
+async def raw_server(answer: bytes | Handler) -> AsyncIterator[ConnectionPool]:
+    """``raw_listener``, and a pool pointing at it."""
+    async with raw_listener(answer) as port:
+        pool = ConnectionPool(URL(f"http://127.0.0.1:{port}"), limit=4, connect_timeout_s=2)
+        try:
             yield pool
-    finally:
-        pool.close()
+        finally:
+            pool.close()
 
 
 def answer_once(answer: bytes) -> Handler:
