@@ -337,11 +337,11 @@ async def resume_candidate(request: web.Request) -> web.Response:
 
 async def candidate_report(request: web.Request) -> web.Response:
     candidate = _candidate(request)
-    evaluation = request.app[ADMIN_STATE].evaluation
-    if evaluation is None:
+    scorekeeper = request.app[ADMIN_STATE].scorekeeper
+    if scorekeeper is None:
         raise Conflict("evaluation is disabled in this gateway ([evaluation] enabled = false)")
     since = _window_start(request.query.get("window_s"))
-    report = await evaluation.report(candidate.name, since)
+    report = await scorekeeper.report(candidate.name, since)
     return web.Response(body=orjson.dumps(report.to_dict()), content_type="application/json")
 
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Final
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -25,6 +24,7 @@ from gateway._config import GatewayConfig
 from gateway._connections import ConnectionGuard, GatewayRunner
 from gateway._destinations import masked_url
 from gateway._exceptions import HeadersTooLarge, error_response
+from gateway._memory import return_large_buffers
 from gateway._metrics import EvaluationCollector, GatewayMetrics, route_of
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
@@ -82,7 +82,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
         upstreams=Upstreams(config.primary),
         observations=RecentObservations(config.capture.recent_observations),
         mirror=mirror,
-        evaluation=scorekeeper,
+        scorekeeper=scorekeeper,
         promoter=Promoter(sync, mirror, metrics, scorekeeper),
         backend_load=backend_load,
     )
@@ -112,7 +112,7 @@ async def _upstream_pools(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _evaluating(app: web.Application) -> AsyncIterator[None]:
-    scorekeeper = app[STATE].evaluation
+    scorekeeper = app[STATE].scorekeeper
     if scorekeeper is not None:
         # The routing is loaded once the store is reached, which may be after serving
         # begins (a store outage at start); meanwhile routing changes go to the store.
@@ -127,14 +127,14 @@ async def _evaluating(app: web.Application) -> AsyncIterator[None]:
 
 async def _routing_sync(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    if state.evaluation is None:
+    if state.scorekeeper is None:
         await app[STATE].sync.start(None)
     try:
         yield
     finally:
         await state.promoter.close()
-        if state.evaluation is not None:
-            await state.evaluation.stop_reaching_store()  # it may start the sync's tasks
+        if state.scorekeeper is not None:
+            await state.scorekeeper.stop_reaching_store()  # it may start the sync's tasks
         await state.sync.stop()
 
 
@@ -166,8 +166,8 @@ async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body: dict[str, Any] = {"status": "ok", "primary": state.routing.primary.name,
                             "routing_version": state.routing.version}
-    if state.evaluation is not None:  # 200 either way: the proxy itself is serving
-        well, parts = state.evaluation.health()
+    if state.scorekeeper is not None:  # 200 either way: the proxy itself is serving
+        well, parts = state.scorekeeper.health()
         body.update(parts, status="ok" if well else "degraded")
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
@@ -208,19 +208,6 @@ def make_admin_runner(app: web.Application) -> web.AppRunner:
     return runner
 
 
-M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD_BYTES: Final = 128 * 1024
-"""Buffers at least this large are mapped on their own and given back when freed. glibc's
-default threshold rises to the largest buffer freed so far, after which the judge's numpy
-arrays stay in the heap for good: the soak's RSS grew 24.7 MiB/min, 2.8 with this fixed."""
-
-
-def _return_large_buffers() -> None:
-    """Fix glibc's mmap threshold (``MMAP_THRESHOLD_BYTES``); elsewhere, nothing."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-
-
 async def serve(
     config: GatewayConfig,
     *,
@@ -229,7 +216,7 @@ async def serve(
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM), then shut down gracefully."""
     check_admin_binding(config.admin)
-    _return_large_buffers()
+    return_large_buffers()
     app = build_app(config)
     runner = make_runner(app)
     await runner.setup()

@@ -258,7 +258,7 @@ async def traffic_series(state: GatewayState, since: datetime | None) -> Traffic
 
 
 def _scorekeeper(state: GatewayState) -> Scorekeeper:
-    scorekeeper = state.evaluation
+    scorekeeper = state.scorekeeper
     if scorekeeper is None:
         raise Conflict("evaluation is disabled in this gateway ([evaluation] enabled = false)")
     if scorekeeper.engine is None or scorekeeper.store_status.state != "up":

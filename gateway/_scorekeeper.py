@@ -77,6 +77,7 @@ from evaluators.store import (
     upgrade,
 )
 from gateway._config import CandidateConfig, GatewayConfig
+from gateway._memory import trim_heaps
 from gateway._traffic import TRAFFIC_FLUSH_INTERVAL_S, TrafficTally
 
 __all__ = ["STORE_START_WAIT_S", "Scorekeeper", "StoreStatus"]
@@ -325,9 +326,14 @@ class Scorekeeper:
 
     async def judge(self, inputs: ReportInputs) -> Report:
         """The statistics over ``inputs``, in a worker thread; nothing is stored."""
-        return await asyncio.to_thread(
-            judge_inputs, inputs, self.config.gates,
-            replica_at_same_rate=self._replica_at_same_rate(inputs.candidate))
+        def judge_then_trim() -> Report:
+            try:
+                return judge_inputs(inputs, self.config.gates, replica_at_same_rate=same_rate)
+            finally:
+                trim_heaps()  # its buffers' pages back to the system (``_memory`` rule 2)
+
+        same_rate = self._replica_at_same_rate(inputs.candidate)
+        return await asyncio.to_thread(judge_then_trim)
 
     async def record(self, report: Report) -> Report:
         """``report`` stored as a verdict row."""

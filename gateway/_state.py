@@ -50,7 +50,7 @@ class GatewayState:
     upstreams: Upstreams
     observations: RecentObservations
     mirror: Mirror
-    evaluation: Scorekeeper | None  # None: exchanges go to a sink the caller gave
+    scorekeeper: Scorekeeper | None  # None: exchanges go to a sink the caller gave
     promoter: Promoter
     in_flight: Counter[str] = field(default_factory=Counter)
     """Requests the relay has in flight per backend (the load each request is sent under);

@@ -106,7 +106,7 @@ class RunningGateway:
     def written_records(self) -> int:
         """Score records the store writer has written, as the scoring process last reported
         (0 before its first report); the gateway must run with evaluation on."""
-        scorekeeper = self.state.evaluation
+        scorekeeper = self.state.scorekeeper
         assert scorekeeper is not None, "this gateway runs with evaluation off"
         stats = scorekeeper.writer_stats
         return stats.written_records if stats is not None else 0

@@ -279,7 +279,7 @@ async def test_slow_reader_is_relayed_whole_and_releases_everything() -> None:
 # -- store faults mid-run: clients never notice, the store's part waits or is counted ------
 
 def _writer(gw: RunningGateway) -> Any:
-    evaluation = gw.state.evaluation
+    evaluation = gw.state.scorekeeper
     assert evaluation is not None
     return evaluation.writer_stats
 

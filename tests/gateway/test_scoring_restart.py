@@ -45,7 +45,7 @@ async def test_a_killed_scoring_child_is_restarted(tmp_path: Path) -> None:
             run_gateway(primary.url, candidates=[{"name": "c", "url": candidate.url}],
                         evaluation={"enabled": True, "store": store,
                                     "scorers": ["exact_match", "latency"]}) as gw:
-        evaluation = gw.state.evaluation
+        evaluation = gw.state.scorekeeper
         assert evaluation is not None
         assert (await _health(gw))["status"] == "ok"
         await _traffic(gw, 5, "before")

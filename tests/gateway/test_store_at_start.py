@@ -69,7 +69,7 @@ async def test_the_gateway_serves_while_its_store_is_unreachable_at_start(
                 during = await timed_chats(gw, 10, "during")
                 assert max(during) < 2.0, "the store outage must not reach the client"
 
-                evaluation = gw.state.evaluation
+                evaluation = gw.state.scorekeeper
                 assert evaluation is not None
                 await eventually(lambda: evaluation.store_status.state == "unreachable",
                                  within_s=15)

@@ -30,7 +30,7 @@ async def test_database_outage_never_reaches_the_client(pg_database: str) -> Non
             await relay.cut()
             during = await timed_chats(gw, 60, "during")  # every one answered
             assert max(during) < 2.0, "the outage must not reach the client"
-            evaluation = gw.state.evaluation
+            evaluation = gw.state.scorekeeper
             assert evaluation is not None
 
             def dropped_past_bound() -> bool:

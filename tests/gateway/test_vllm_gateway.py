@@ -184,7 +184,7 @@ async def test_report_shows_a_hotter_candidate_beyond_the_noise_floor(
                 messages=_capital_question(country),
             )
         await client.close()
-        evaluation_state = gw.state.evaluation
+        evaluation_state = gw.state.scorekeeper
         assert evaluation_state is not None
         await eventually(lambda: gw.written_records >= 2 * requests, within_s=240)
         # The report reads what the scoring process committed: wait until every exchange's
