@@ -16,7 +16,7 @@ What happens, for ``--minutes`` (default 10; ``--quick``: 2):
 3. Once, at a third of the run, the scoring child (the gateway's child process) is killed
    with SIGKILL; /health must show it running again.
 4. Every ``SAMPLE_S`` the gateway's RSS, open file descriptors and thread count are read
-   from /proc (asyncio tasks are not exposed; threads stand in for them).
+   from /proc, and its asyncio tasks from its ``understudy_event_loop_tasks`` metric.
 
 Verdict: for each series the Theil-Sen slope over the run after the first ``WARMUP_S``
 (scipy.stats.theilslopes, 95% interval); "no growth beyond noise" when the interval holds 0
@@ -63,7 +63,12 @@ WARMUP_S = 30.0
 PROMOTE_EVERY_S = 60.0
 ROLLBACK_AFTER_S = 30.0
 # Growth over the run below which a series counts as flat: allocator and page noise.
-NOISE = {"rss_mib": 8.0, "fds": 4.0, "threads": 2.0}
+NOISE = {"rss_mib": 8.0, "fds": 4.0, "threads": 2.0, "tasks": 16.0}
+SERIES = tuple(NOISE)
+HTTP_TIMEOUT_S = 10.0
+ADMIN_TIMEOUT_S = 60.0
+"""A promotion judges up to the gates' ``max_judged_exchanges`` in a worker thread: on two
+loaded cores that has taken over 10 s. Slower than this is a failed operation."""
 
 
 def start_soak_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
@@ -105,7 +110,8 @@ def start_gateway(
 
 
 def http_json(
-    url: str, *, method: str = "GET", body: dict[str, Any] | None = None, token: str | None = None
+    url: str, *, method: str = "GET", body: dict[str, Any] | None = None, token: str | None = None,
+    timeout_s: float = HTTP_TIMEOUT_S,
 ) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method)
@@ -113,10 +119,19 @@ def http_json(
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return resp.status, json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"null")
+
+
+def loop_tasks(gateway_url: str) -> float:
+    """The gateway's ``understudy_event_loop_tasks``: requests in flight move it, leaks lift it."""
+    with urllib.request.urlopen(gateway_url + "/metrics", timeout=HTTP_TIMEOUT_S) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("understudy_event_loop_tasks "):
+                return float(line.split()[1])
+    raise LookupError("the gateway's /metrics has no understudy_event_loop_tasks")
 
 
 def proc_sample(pid: int) -> dict[str, float]:
@@ -164,8 +179,15 @@ class Operator(threading.Thread):
     def admin_call(
         self, t: float, what: str, path: str, body: dict[str, Any], expect: int = 200
     ) -> bool:
-        status, answer = http_json(self.admin + path, method="POST", body=body, token=self.token)
-        self.note(t, what, status == expect, {"status": status, "answer": answer})
+        began = time.monotonic()
+        try:
+            status, answer = http_json(self.admin + path, method="POST", body=body,
+                                       token=self.token, timeout_s=ADMIN_TIMEOUT_S)
+        except OSError as exc:  # refused, reset, or no answer within ADMIN_TIMEOUT_S
+            status, answer = 0, repr(exc)
+        elapsed = round(time.monotonic() - began, 2)
+        self.note(t, what, status == expect, {"status": status, "answer": answer,
+                                               "elapsed_s": elapsed})
         return status == expect
 
     def kill_scoring(self, t: float) -> None:
@@ -191,6 +213,12 @@ class Operator(threading.Thread):
         self.note(t, "kill scoring child", False, {"killed": victims[0], "health": health})
 
     def run(self) -> None:
+        try:
+            self._operate()
+        except Exception as exc:  # a dead operator must fail the soak, not end it quietly
+            self.failures.append(f"the operations thread died: {exc!r}")
+
+    def _operate(self) -> None:
         start = time.monotonic()
         next_sample = start
         next_promote = start + PROMOTE_EVERY_S / 3
@@ -201,10 +229,15 @@ class Operator(threading.Thread):
             t = now - start
             if now >= next_sample:
                 try:
-                    self.samples.append({"t_s": t, **proc_sample(self.gateway.pid)})
+                    sample = {"t_s": t, **proc_sample(self.gateway.pid)}
                 except OSError as exc:
                     self.failures.append(f"gateway gone at {t:.0f}s: {exc}")
                     return
+                try:
+                    sample["tasks"] = loop_tasks(self.gateway.url)
+                except OSError as exc:  # a scrape that timed out is a failure, not the end
+                    self.note(t, "read /metrics", False, repr(exc))
+                self.samples.append(sample)
                 next_sample += SAMPLE_S
             if now >= next_promote and t < self.duration_s - ROLLBACK_AFTER_S:
                 promoted = self.admin_call(
@@ -238,7 +271,7 @@ class Operator(threading.Thread):
 
 
 def slope_verdict(samples: list[dict[str, float]], key: str, span_s: float) -> dict[str, Any]:
-    points = [s for s in samples if s["t_s"] >= WARMUP_S]
+    points = [s for s in samples if s["t_s"] >= WARMUP_S and key in s]
     if len(points) < 5:
         return {"series": key, "n": len(points), "verdict": "too few samples"}
     x = [p["t_s"] for p in points]
@@ -356,7 +389,7 @@ def report(
     cut = sum(r["cut"] for r in rounds)
     samples = [s for r in rounds for s in r["error_samples"]][:5]
     span = elapsed - WARMUP_S
-    slopes = [slope_verdict(operator.samples, key, span) for key in ("rss_mib", "fds", "threads")]
+    slopes = [slope_verdict(operator.samples, key, span) for key in SERIES]
     answered = errors == 0 and cut == 0 and gateway_alive
     flat = all(s["verdict"] == "flat" for s in slopes)
     promotions = sum(e["what"] == "promote healthy" and e["ok"] for e in operator.events)
@@ -371,6 +404,10 @@ def report(
         f"operations: {promotions} promotions, {rollbacks} rollbacks, scoring child killed "
         f"{len(kills)}x ({'restarted' if kills and kills[0]['ok'] else 'NOT restarted'})"
     )
+    timed = [e["detail"]["elapsed_s"] for e in operator.events
+             if isinstance(e["detail"], dict) and "elapsed_s" in e["detail"]]
+    if timed:
+        print(f"admin calls: {len(timed)}, slowest {max(timed):.1f} s")
     for failure in operator.failures:
         print(f"  failed: {failure}")
     rows = [
