@@ -64,8 +64,10 @@ __all__ = [
     "CALIBRATION_HALF_TOKENS",
     "STATIC_DIM",
     "StaticSentenceEncoder",
+    "calibrated",
     "default_cache_folder",
     "distil",
+    "load_or_distil",
 ]
 
 STATIC_DIM = 256
@@ -158,13 +160,22 @@ def load_or_distil(folder: Path, cache_folder: Path) -> tuple[Array, Path, float
             if not path.exists():  # another process may have made it while we waited
                 started = time.monotonic()
                 table = distil(SentenceEncoder(folder, cache_entries=0))
-                with tempfile.NamedTemporaryFile(dir=tables, suffix=".tmp",
-                                                 delete=False) as tmp:
-                    np.save(tmp, table)
-                os.replace(tmp.name, path)
+                _write_atomically(path, table)
                 spent = time.monotonic() - started
     table = np.load(path, mmap_mode="r")
     return table, path, spent
+
+
+def _write_atomically(path: Path, table: Array) -> None:
+    """``path`` whole or not at all; no temporary file is left behind either way."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        try:
+            np.save(tmp, table)
+            tmp.close()
+            os.replace(tmp.name, path)
+        except BaseException:
+            Path(tmp.name).unlink(missing_ok=True)
+            raise
 
 
 def calibrated(cosine: float, tokens: int) -> float:
