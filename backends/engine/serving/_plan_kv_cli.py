@@ -165,6 +165,9 @@ def _retention_dict(split: RetentionCheck) -> dict[str, Any]:
               help="Also split the budget between the layers' codecs and a recent window kept "
               "raw (0/32/64/128 tokens, priced at the held-out prompt's length), measure every "
               "split there and write the best.")  # fmt: skip
+@click.option("--retention-tokens", type=click.IntRange(2), default=None,
+              help="The held-out prompt cut to this many tokens for --retention, the context the "
+              "window is priced at [default: --tokens].")  # fmt: skip
 @_threads
 @_json
 @_gguf
@@ -181,6 +184,7 @@ def plan_kv_command(
     cache: Path | None,
     verify: bool,
     retention: bool,
+    retention_tokens: int | None,
     threads: int,
     as_json: bool,
     gguf_path: Path | None,
@@ -259,7 +263,7 @@ def plan_kv_command(
                 table,
                 budget_bytes_per_token,
                 prompt=held_out[0],
-                max_tokens=tokens,
+                max_tokens=retention_tokens or tokens,
                 queries=queries,
                 calibration=calibration,
                 progress=say,
