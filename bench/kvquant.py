@@ -28,6 +28,11 @@ holds codes only, so this is measured, not computed -- with its bytes per token 
 of the limit its decoded-block cache and raw block take.  Target: e8-2 >= 7x fp16's.
 ``--engine-only`` runs just this table (seconds).
 
+Then decode tokens/s of the engine per served codec at 1 and 8 streams (``_kv_decode``: prompts
+of 128 tokens, 32 greedy tokens each, the prefill not timed, codecs alternated over rounds, a
+codec's best round); targets: e8-2 >= 1.0x kivi-2's and >= 0.8x fp32's.  ``--decode-only`` runs
+just this table.
+
 Targets (issue 14): e8-2 at >= 7x vs fp16 with attn err <= 0.38 and top-1 >= 82%; e8-2w
 attn err <= 0.10 at <= 3.4 bits.  The report says which were met, on what was measured.
 Bounded: the prompts and tokens are fixed by the options (``--quick``: one prompt of 256
@@ -60,6 +65,9 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _kv_decode import DECODE_STREAMS, decode_rows, decode_targets  # noqa: E402
 
 from backends.engine import Engine, LlamaModel  # noqa: E402
 from backends.engine.kv._paged_codec import ENGINE_CODECS  # noqa: E402
@@ -265,6 +273,28 @@ def render_engine(rows: list[dict[str, Any]], budget_mib: int) -> None:
     Console(width=200).print(table)
 
 
+def render_decode(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="Engine decode tokens/s (best of the alternated rounds; ratios vs fp32)")
+    table.add_column("codec", justify="left")
+    for streams in DECODE_STREAMS:
+        table.add_column(f"{streams} stream(s)", justify="right")
+        table.add_column("x fp32", justify="right")
+    fp32 = next((row for row in rows if row["codec"] == "fp32"), None)
+    for row in rows:
+        cells = [row["codec"]]
+        for streams in DECODE_STREAMS:
+            rate = row[f"decode_{streams}"]
+            ratio = "-" if fp32 is None else f"{rate / fp32[f'decode_{streams}']:.2f}"
+            cells += [f"{rate:.2f}", ratio]
+        table.add_row(*cells)
+    Console(width=200).print(table)
+
+
+def print_targets(checks: list[dict[str, Any]]) -> None:
+    for check in checks:
+        print(f"{'met' if check['met'] else 'MISSED'}: {check['what']} ({check['measured']:.2f})")
+
+
 def render(result: dict[str, Any]) -> None:
     setup = result["setup"]
     context, budget_mib = setup["context"], setup["budget_mib"]
@@ -368,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         "--engine-only", action="store_true", help="only the engine's capacity table"
     )
     parser.add_argument(
+        "--decode-only", action="store_true", help="only the engine's decode tokens/s table"
+    )
+    parser.add_argument(
         "--engine-budget-mib",
         type=int,
         default=DEFAULT_ENGINE_BUDGET_MIB,
@@ -387,14 +420,18 @@ def main(argv: list[str] | None = None) -> int:
 
     model = LlamaModel.load()
     budget = args.budget_mib << 20
+    if args.decode_only:
+        with threadpool_limits(args.threads, "blas"):
+            decode = decode_rows(model, ENGINE_CODECS, calibrate(model), say)
+        model.close()
+        render_decode(decode)
+        print_targets(decode_targets(decode))
+        return 0
     with threadpool_limits(args.threads, "blas"):
         capacity = engine_capacity_rows(model, args.engine_budget_mib << 20)
     render_engine(capacity, args.engine_budget_mib)
     if args.engine_only:
-        for check in engine_targets(capacity):
-            print(
-                f"{'met' if check['met'] else 'MISSED'}: {check['what']} ({check['measured']:.2f})"
-            )
+        print_targets(engine_targets(capacity))
         model.close()
         return 0
     with threadpool_limits(args.threads, "blas"):
@@ -413,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             args.plan_queries,
             say,
         )
+        decode = decode_rows(model, ENGINE_CODECS, calibrate(model), say)
     model.close()
     table = quality_rows(report, args.context, budget)
     result = {
@@ -433,10 +471,15 @@ def main(argv: list[str] | None = None) -> int:
         "codecs": table,
         "planner": planner,
         "engine_capacity": capacity,
-        "targets": targets(table) + planner_targets(planner) + engine_targets(capacity),
+        "decode": decode,
+        "targets": targets(table)
+        + planner_targets(planner)
+        + engine_targets(capacity)
+        + decode_targets(decode),
     }
     render(result)
     render_engine(capacity, args.engine_budget_mib)
+    render_decode(decode)
     path = RESULTS_PATH
     if args.semantics != "write":
         path = path.with_name(f"kvquant-{args.semantics}.json")

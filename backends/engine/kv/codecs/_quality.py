@@ -50,7 +50,7 @@ from ...model._model import ForwardChunk, LlamaModel, _rms_norm, _rope
 from .._plan import KVPlan
 from .._store import KVLayout, KVStorage
 from ._codec import DEFAULT_ENCODE_TOKENS, DEFAULT_SEED, ROLES, Float32Array, KVCodec, Role
-from ._e8_codec import E8Codec, key_scale_from
+from ._e8_codec import E8Codec, key_transform_from
 from ._registry import codec_by_name
 from ._texts import CALIBRATION_TEXT, PROMPTS
 
@@ -306,20 +306,21 @@ def capture_kv(
 
 
 def calibrate(model: LlamaModel) -> tuple[list[Float32Array], list[Float32Array]]:
-    """Per layer, the key mean and the key scale (``_e8_codec`` rules 1-2) over
+    """Per layer, the key mean and the key transform (``_e8_codec`` rules 1-2) over
     ``CALIBRATION_TEXT`` (rule 6), the sink excluded."""
     cfg = model.config
     ids = model.tokenizer.encode(CALIBRATION_TEXT)
     run = _forward(model, ids, last=len(ids), capture=True)
     means = key_means(run.keys)
     group = cfg.num_heads // cfg.num_kv_heads
-    scales = []
+    transforms = []
     for layer in range(cfg.num_layers):
         queries = run.queries[layer][1:].reshape(-1, cfg.num_kv_heads, group, cfg.head_dim)
-        query_power = np.square(queries).mean(axis=0).sum(axis=1)
-        key_power = np.square(run.keys[layer][1:] - means[layer]).mean(axis=0)
-        scales.append(key_scale_from(query_power, key_power))
-    return means, scales
+        keys = (run.keys[layer][1:] - means[layer]).astype(np.float64)
+        query_moment = np.einsum("nhgi,nhgj->hij", queries, queries) / queries.shape[0]
+        key_moment = np.einsum("nhi,nhj->hij", keys, keys) / keys.shape[0]
+        transforms.append(key_transform_from(query_moment, key_moment))
+    return means, transforms
 
 
 def key_means(keys: Sequence[Float32Array]) -> list[Float32Array]:

@@ -25,7 +25,11 @@ from backends.engine.kv.codecs._e8 import (
     nearest_e8,
     nearest_in_codebook_brute_force,
 )
-from backends.engine.kv.codecs._e8_codec import hadamard_transform, key_scale_from
+from backends.engine.kv.codecs._e8_codec import (
+    hadamard_transform,
+    key_scale_from,
+    key_transform_from,
+)
 from backends.engine.kv.codecs._float import FP8_MAX
 from backends.engine.kv.codecs._kivi import pack_codes, unpack_codes
 from backends.engine.kv.codecs._quality import _attention, measure_quality, round_trip
@@ -360,6 +364,36 @@ def test_e8_key_scale_moves_the_error_to_where_queries_are_small() -> None:
     )
     with pytest.raises(ValueError, match="positive"):
         codec_by_name("e8-2", key_scale=np.zeros((3, 64), dtype=np.float32))
+
+
+def test_e8_key_transform_moves_the_error_off_the_query_subspace() -> None:
+    """Queries in a subspace no channel is aligned with: per head, the calibrated matrix (rule
+    2) shrinks the score error ``q . dk`` where per-channel multipliers cannot."""
+    rng = np.random.default_rng(15)
+    x = gaussian(16, (64, 3, 64))
+    basis = np.linalg.qr(rng.standard_normal((3, 64, 64)))[0]  # a random rotation per head
+    spread = np.ones(64)
+    spread[:8] = 30.0  # queries live along 8 rotated directions
+    q = np.einsum("nhi,hji->nhj", rng.standard_normal((2000, 3, 64)) * spread, basis)
+    q = q.astype(np.float32)
+    query_moment = np.einsum("nhi,nhj->hij", q, q) / q.shape[0]
+    key_moment = np.einsum("thi,thj->hij", x, x).astype(np.float64) / x.shape[0]
+    transform = key_transform_from(query_moment, key_moment)
+    assert transform.shape == (3, 64, 64)
+    assert np.allclose(np.linalg.slogdet(transform.astype(np.float64))[1], 0.0, atol=1e-3)
+    diagonal = key_scale_from(np.einsum("hii->hi", query_moment), np.square(x).mean(axis=0))
+
+    def score_error(codec: KVCodec) -> float:
+        dk = codec.decode(codec.encode(x, "key")) - x
+        return float(np.square(np.einsum("qhd,thd->qth", q[:500], dk)).mean())
+
+    plain = score_error(codec_by_name("e8-2"))
+    assert score_error(codec_by_name("e8-2", key_scale=transform)) < 0.6 * plain
+    assert score_error(codec_by_name("e8-2", key_scale=diagonal)) > 0.8 * plain
+    with pytest.raises(ValueError, match="invertible"):
+        codec_by_name("e8-2", key_scale=np.zeros((3, 64, 64), dtype=np.float32))
+    with pytest.raises(ValueError, match="does not fit"):
+        codec_by_name("e8-2", key_scale=transform[:2]).encode(x, "key")
 
 
 # --- the real model -------------------------------------------------------------------------------
