@@ -86,7 +86,7 @@ class DemoSpec:
 
     sessions: int = 9
     turns: int = 3
-    minutes: float = 8.0
+    minutes: float = 10.0
     rate: float = 0.5
     think_s: float = 1.0
     concurrency: int = 4

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from demo import DemoSpec, run_demo
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def test_the_demo_tells_the_candidates_apart_and_promotes(tmp_path: Path) -> None:
