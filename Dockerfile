@@ -36,6 +36,10 @@ RUN useradd --create-home --uid 10001 --home-dir /home/understudy understudy \
 USER understudy
 ENV XDG_STATE_HOME=/var/lib/understudy \
     HEALTH_URL=http://127.0.0.1:8080/health
+# The default semantic scorer's static table, distilled from the embedding model at build
+# (~40 s of CPU, as scripts/setup.sh does) into the user's ~/.cache/understudy, so that a
+# gateway's scoring child does not distil it at its first start.
+RUN python -c 'from evaluators._static_embedding import StaticSentenceEncoder as S; print(S().table_path)'
 
 EXPOSE 8080 8081
 # Every server (gateway, engine, router, simulator) answers GET /health; a service on
