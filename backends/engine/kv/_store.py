@@ -161,13 +161,6 @@ class KVStorage:
             values.reshape(heads, seqs, tokens, dim).transpose(1, 0, 2, 3),
         )
 
-    def own_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
-        """Copies ``(K^T [n, heads, dim, bs], V [n, heads, bs, dim])`` of ``blocks``."""
-        return (
-            np.ascontiguousarray(self.keys[layer][:, blocks].transpose(1, 0, 2, 3)),
-            np.ascontiguousarray(self.values[layer][:, blocks].transpose(1, 0, 2, 3)),
-        )
-
     def read_block(self, block_id: int) -> Float32Array:
         """A copy of one block in the exchange format."""
         out = np.empty(self.layout.block_shape, dtype=np.float32)
