@@ -318,7 +318,7 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
             "evaluation": {"enabled": True, "store": {"url": url}, "scorers": scorers},
         })
         app = build_app(gateway)
-        scorekeeper = app[STATE].evaluation
+        scorekeeper = app[STATE].scorekeeper
         assert scorekeeper is not None
         runner = make_runner(app)
         await runner.setup()  # migrates, then starts the evaluation process
