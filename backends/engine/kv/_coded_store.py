@@ -38,7 +38,7 @@ import numpy.typing as npt
 
 from ..model._attention import blockwise_scores_exact
 from ._paged_codec import PagedCodec
-from ._store import NULL_BLOCK, KVLayout
+from ._store import NULL_BLOCK, GroupScratch, KVLayout
 
 __all__ = ["DEFAULT_DECODED_CACHE_BYTES", "CodedKVStorage", "DecodedCacheStats"]
 
@@ -75,8 +75,7 @@ class CodedKVStorage:
         "_arena_values",
         "_decoded",
         "_free",
-        "_group_keys",
-        "_group_values",
+        "_group",
         "_hits",
         "_misses",
         "_raw",
@@ -120,8 +119,7 @@ class CodedKVStorage:
         self._arena_values: Float32Array = np.zeros(
             (lay.num_kv_heads, 1, lay.block_size, lay.head_dim), dtype=np.float32
         )
-        self._group_keys: Float32Array = np.empty(0, dtype=np.float32)
-        self._group_values: Float32Array = np.empty(0, dtype=np.float32)
+        self._group = GroupScratch(layout, num_blocks)
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -308,31 +306,13 @@ class CodedKVStorage:
 
     def gather_group(self, layer: int, tables: IntArray) -> tuple[Float32Array, Float32Array]:
         """As ``KVStorage.gather_group``: views of scratch arrays, valid until the next call."""
-        lay = self.layout
-        heads, dim = lay.num_kv_heads, lay.head_dim
-        seqs, blocks = tables.shape
-        tokens = blocks * lay.block_size
         flat = tables.ravel()
-        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.num_blocks):
-            raise IndexError(f"block ids must lie in [0, {self.num_blocks})")
+        keys, values = self._group.take_into(flat)
         slots, misses = self._resolve(layer, flat)
-        size = heads * flat.size * dim * lay.block_size
-        if self._group_keys.size < size:
-            self._group_keys = np.empty(size, dtype=np.float32)
-            self._group_values = np.empty(size, dtype=np.float32)
-        keys = self._group_keys[:size].reshape(heads, flat.size, dim, lay.block_size)
-        values = self._group_values[:size].reshape(heads, flat.size, lay.block_size, dim)
         np.take(self._arena_keys, slots, axis=1, out=keys, mode="clip")
         np.take(self._arena_values, slots, axis=1, out=values, mode="clip")
         self._fill(layer, misses, keys, values)
-        keys = keys.reshape(heads, seqs, blocks, dim, lay.block_size)
-        if not self.blockwise_scores:
-            keys_t = np.ascontiguousarray(keys.transpose(0, 1, 3, 2, 4))
-            keys = keys_t.reshape(heads, seqs, 1, dim, tokens)
-        return (
-            keys.transpose(1, 0, 2, 3, 4),
-            values.reshape(heads, seqs, tokens, dim).transpose(1, 0, 2, 3),
-        )
+        return self._group.views(keys, values, tables, self.blockwise_scores)
 
     def seal(self, layer: int, blocks: IntArray, firsts: npt.NDArray[np.bool_]) -> None:
         """Encode one layer of complete ``blocks``; their raw slots become decoded cache entries

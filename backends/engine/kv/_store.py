@@ -36,7 +36,7 @@ import numpy.typing as npt
 from ..model._attention import blockwise_scores_exact
 from ..model._gguf import ModelConfig
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "NULL_BLOCK", "KVLayout", "KVStorage"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "NULL_BLOCK", "GroupScratch", "KVLayout", "KVStorage"]
 
 DEFAULT_BLOCK_SIZE = 16
 NULL_BLOCK = 0
@@ -72,12 +72,57 @@ class KVLayout:
         return int(np.prod(self.block_shape)) * 4
 
 
+class GroupScratch:
+    """What a group gather does the same in every store: the block ids checked, the scratch
+    arrays the blocks are taken into (grown, never shrunk), and the views handed to
+    attention. The views are of the scratch: valid until the next gather."""
+
+    __slots__ = ("_keys", "_values", "layout", "num_blocks")
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self._keys: Float32Array = np.empty(0, dtype=np.float32)
+        self._values: Float32Array = np.empty(0, dtype=np.float32)
+
+    def take_into(self, flat: IntArray) -> tuple[Float32Array, Float32Array]:
+        """Scratch ``(K^T [heads, n, head_dim, block_size], V [heads, n, block_size,
+        head_dim])`` for the ``n`` block ids of ``flat``, once they are checked in range."""
+        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.num_blocks):
+            raise IndexError(f"block ids must lie in [0, {self.num_blocks})")
+        lay = self.layout
+        heads, dim = lay.num_kv_heads, lay.head_dim
+        size = heads * flat.size * dim * lay.block_size
+        if self._keys.size < size:
+            self._keys = np.empty(size, dtype=np.float32)
+            self._values = np.empty(size, dtype=np.float32)
+        return (
+            self._keys[:size].reshape(heads, flat.size, dim, lay.block_size),
+            self._values[:size].reshape(heads, flat.size, lay.block_size, dim),
+        )
+
+    def views(self, keys: Float32Array, values: Float32Array, tables: IntArray,
+              blockwise_scores: bool) -> tuple[Float32Array, Float32Array]:
+        """``gather_group``'s answer from the filled scratch (``KVStorage.gather_group``)."""
+        lay = self.layout
+        heads, dim = lay.num_kv_heads, lay.head_dim
+        seqs, blocks = tables.shape
+        tokens = blocks * lay.block_size
+        keys = keys.reshape(heads, seqs, blocks, dim, lay.block_size)
+        if not blockwise_scores:
+            keys_t = np.ascontiguousarray(keys.transpose(0, 1, 3, 2, 4))
+            keys = keys_t.reshape(heads, seqs, 1, dim, tokens)
+        return (
+            keys.transpose(1, 0, 2, 3, 4),
+            values.reshape(heads, seqs, tokens, dim).transpose(1, 0, 2, 3),
+        )
+
+
 class KVStorage:
     """The K/V arrays of ``num_blocks`` blocks (block 0 is the null block)."""
 
     __slots__ = (
-        "_group_keys",
-        "_group_values",
+        "_group",
         "blockwise_scores",
         "keys",
         "layout",
@@ -95,8 +140,7 @@ class KVStorage:
         self.num_blocks = num_blocks
         self.blockwise_scores = blockwise_scores_exact(layout.head_dim, layout.block_size)
         """Whether decode scores are made block by block (bitwise one product's, probed)."""
-        self._group_keys: Float32Array = np.empty(0, dtype=np.float32)
-        self._group_values: Float32Array = np.empty(0, dtype=np.float32)
+        self._group = GroupScratch(layout, num_blocks)
         lay = layout
         self.keys: Float32Array = np.zeros(
             (lay.num_layers, lay.num_kv_heads, num_blocks, lay.head_dim, lay.block_size),
@@ -136,30 +180,12 @@ class KVStorage:
         ``blockwise_scores`` the keys come as one block of all ``tokens`` columns (a copy).
         The views are of scratch arrays: valid until the next ``gather_group``.
         """
-        lay = self.layout
-        heads, dim = lay.num_kv_heads, lay.head_dim
-        seqs, blocks = tables.shape
-        tokens = blocks * lay.block_size
         flat = tables.ravel()
-        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.num_blocks):
-            raise IndexError(f"block ids must lie in [0, {self.num_blocks})")
-        size = heads * flat.size * dim * lay.block_size
-        if self._group_keys.size < size:
-            self._group_keys = np.empty(size, dtype=np.float32)
-            self._group_values = np.empty(size, dtype=np.float32)
-        keys = self._group_keys[:size].reshape(heads, flat.size, dim, lay.block_size)
-        values = self._group_values[:size].reshape(heads, flat.size, lay.block_size, dim)
-        # ``clip`` only to write straight into ``out`` (``raise`` buffers); ids checked above.
+        keys, values = self._group.take_into(flat)
+        # ``clip`` only to write straight into ``out`` (``raise`` buffers): ids checked.
         np.take(self.keys[layer], flat, axis=1, out=keys, mode="clip")
         np.take(self.values[layer], flat, axis=1, out=values, mode="clip")
-        keys = keys.reshape(heads, seqs, blocks, dim, lay.block_size)
-        if not self.blockwise_scores:
-            keys_t = np.ascontiguousarray(keys.transpose(0, 1, 3, 2, 4))
-            keys = keys_t.reshape(heads, seqs, 1, dim, tokens)
-        return (
-            keys.transpose(1, 0, 2, 3, 4),
-            values.reshape(heads, seqs, tokens, dim).transpose(1, 0, 2, 3),
-        )
+        return self._group.views(keys, values, tables, self.blockwise_scores)
 
     def read_block(self, block_id: int) -> Float32Array:
         """A copy of one block in the exchange format."""
