@@ -33,6 +33,9 @@ EXPORTED: dict[str, str] = {
         default_gguf_path engine_command engine_server_config hash_block kv_quality_command
         plan_kv_command running_engine_server
     """,
+    "backends.engine.kv.codecs": """
+        CODECS CodecQuality EncodedBlock KVCodec QualityReport Role codec_by_name measure_quality
+    """,
     "backends.vllm": """
         VLLMProfile VLLMServer VLLMServerError command default_vllm_home environment model_dir
         vllm_python
