@@ -19,18 +19,11 @@ from backends.engine.kv._retention import (
     UnknownTicketError,
 )
 from backends.engine.kv._store import KVStorage
+from tests.backends.engine.kv.fake_clock import FakeClock
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4)
 SEED = bytes(32)
 TTL_S = 30.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

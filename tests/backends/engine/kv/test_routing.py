@@ -19,18 +19,11 @@ from backends.engine.kv._routing import (
 )
 from backends.engine.kv._transfer import KVSource
 from backends.engine.serving._server_config import ROUTING_POLICIES
+from tests.backends.engine.kv.fake_clock import FakeClock
 
 SEED = bytes(32)
 BLOCK_SIZE = 4
 TTL_S = 60.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _hashes(num_blocks: int, start: int = 0) -> list[BlockHash]:
