@@ -1,9 +1,4 @@
-"""The evaluation store: backends, exchanges, observations, scores, verdicts, audit log.
-
-Revision ID: 0001
-Revises:
-Create Date: 2025-01-01 00:00:00
-"""
+"""The evaluation store: backends, exchanges, observations, scores, verdicts, audit log."""
 
 from collections.abc import Sequence
 

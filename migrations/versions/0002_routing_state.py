@@ -1,9 +1,4 @@
-"""Routing state shared by gateway replicas: the primary, the rollback target, the canary.
-
-Revision ID: 0002
-Revises: 0001
-Create Date: 2026-11-29 00:00:00
-"""
+"""Routing state shared by gateway replicas: the primary, the rollback target, the canary."""
 
 from collections.abc import Sequence
 

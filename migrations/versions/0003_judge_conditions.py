@@ -1,9 +1,5 @@
 """The judge's conditions: each observation's concurrency, each exchange's prompt size and
 turn depth, and the per-window histograms of all traffic seen and dropped.
-
-Revision ID: 0003
-Revises: 0002
-Create Date: 2026-12-02 00:00:00
 """
 
 from collections.abc import Sequence

@@ -1,9 +1,4 @@
-"""Each observation's scraped backend concurrency (``vllm:num_requests_running``).
-
-Revision ID: 0004
-Revises: 0003
-Create Date: 2026-12-03 00:00:00
-"""
+"""Each observation's scraped backend concurrency (``vllm:num_requests_running``)."""
 
 from collections.abc import Sequence
 
