@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -72,6 +72,29 @@ _threads = click.option(
     help="BLAS threads (1 on a shared machine).",
 )  # fmt: skip
 _json = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
+
+def _text_options(
+    *, prompts: int, tokens: int, queries: int, prompts_help: str
+) -> Callable[[_Command], _Command]:
+    """``--prompts``, ``--tokens``, ``--queries``: the real text a measurement runs on, and the
+    positions of it that are scored, with each command's defaults."""
+    options = (
+        click.option("--prompts", type=click.IntRange(1, len(PROMPTS)), default=prompts,
+                     show_default=True, help=prompts_help),
+        click.option("--tokens", type=click.IntRange(2), default=tokens, show_default=True,
+                     help="Each prompt cut to this many tokens."),
+        click.option("--queries", type=click.IntRange(1), default=queries, show_default=True,
+                     help="Last positions of each prompt scored."),
+    )  # fmt: skip
+
+    def add(command: _Command) -> _Command:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return add
 
 
 @click.command("kv-quality")
@@ -83,12 +106,12 @@ _json = click.option("--json", "as_json", is_flag=True, help="Print one JSON doc
     "--plan", "plans", multiple=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
     help="A KV plan file to measure beside the codecs (repeat).",
 )  # fmt: skip
-@click.option("--prompts", type=click.IntRange(1, len(PROMPTS)), default=DEFAULT_QUALITY_PROMPTS,
-              show_default=True, help="Prompts of real text measured.")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(2), default=DEFAULT_QUALITY_TOKENS,
-              show_default=True, help="Each prompt cut to this many tokens.")  # fmt: skip
-@click.option("--queries", type=click.IntRange(1), default=DEFAULT_QUALITY_QUERIES,
-              show_default=True, help="Last positions of each prompt scored.")  # fmt: skip
+@_text_options(
+    prompts=DEFAULT_QUALITY_PROMPTS,
+    tokens=DEFAULT_QUALITY_TOKENS,
+    queries=DEFAULT_QUALITY_QUERIES,
+    prompts_help="Prompts of real text measured.",
+)
 @click.option("--questions", type=click.IntRange(0, len(QUESTIONS)), default=len(QUESTIONS),
               show_default=True, help="Questions answered greedily (0: none).")  # fmt: skip
 @click.option("--answer-tokens", type=click.IntRange(1), default=DEFAULT_ANSWER_TOKENS,

@@ -30,7 +30,7 @@ from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv.codecs._codec import ROLES
 from ..kv.codecs._quality import calibrate
 from ..kv.codecs._texts import PROMPTS
-from ._kv_cli import DEFAULT_CONTEXT, _gguf, _json, _load_model, _say, _threads
+from ._kv_cli import DEFAULT_CONTEXT, _gguf, _json, _load_model, _say, _text_options, _threads
 
 __all__ = ["plan_kv_command"]
 
@@ -144,12 +144,12 @@ def _retention_dict(split: RetentionCheck) -> dict[str, Any]:
               help="Cost model: sequences per decode step.")  # fmt: skip
 @click.option("--context", type=click.IntRange(1), default=DEFAULT_CONTEXT, show_default=True,
               help="Cost model: tokens of context per sequence.")  # fmt: skip
-@click.option("--prompts", type=click.IntRange(1, len(PROMPTS)), default=DEFAULT_PLAN_PROMPTS,
-              show_default=True, help="Prompts the sensitivity is measured on.")  # fmt: skip
-@click.option("--tokens", type=click.IntRange(2), default=DEFAULT_PLAN_TOKENS,
-              show_default=True, help="Each prompt cut to this many tokens.")  # fmt: skip
-@click.option("--queries", type=click.IntRange(1), default=DEFAULT_PLAN_QUERIES,
-              show_default=True, help="Last positions of each prompt scored.")  # fmt: skip
+@_text_options(
+    prompts=DEFAULT_PLAN_PROMPTS,
+    tokens=DEFAULT_PLAN_TOKENS,
+    queries=DEFAULT_PLAN_QUERIES,
+    prompts_help="Prompts the sensitivity is measured on.",
+)
 @click.option(
     "--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("kv-plan.json"),
     show_default=True, help="Where the plan is written (for engine --kv-plan).",
