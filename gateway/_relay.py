@@ -35,6 +35,7 @@ from gateway._exceptions import (
 )
 from gateway._headers import REQUEST_ID_HEADER, downstream_headers, forwarded_headers
 from gateway._metrics import Route, route_of
+from gateway._relaycore import ClientSink, SseFilter
 from gateway._sampler import session_key
 from gateway._state import GatewayState
 from gateway._upstream import Upstream
@@ -95,7 +96,7 @@ def plan_request(route: Route, method: str, body: bytes) -> RequestPlan:
     return RequestPlan(route, body, payload, stream=True, injected_usage=True)
 
 
-class UsageEventFilter:
+class UsageEventFilter(SseFilter):
     """Hides the usage-only SSE event (``"choices":[]``) from a client that did not ask.
 
     vLLM stamps ``system_fingerprint`` on the terminal chunks (those with a finish reason)
@@ -104,31 +105,20 @@ class UsageEventFilter:
     its fingerprint, and passed on; the usage chunk is dropped. Every other event passes
     as it came. Only complete events (ending in a blank line) are passed on; vLLM
     separates events with ``\n\n``.
+
+    ``feed`` is the C base's (``gateway/_relaycore.c``, per chunk): it keeps the bytes after
+    the last blank line in ``_pending``, passes whole events with neither marker as they
+    are (or everything, once ``_done``), and hands the others to ``_marked``, here.
     """
 
-    __slots__ = ("_done", "_held", "_pending")
+    __slots__ = ()
 
     _USAGE = (b'"choices":[]', b'"choices": []')
     _TERMINAL = (b'"finish_reason":"', b'"finish_reason": "')
 
-    def __init__(self) -> None:
-        self._pending = b""
-        self._held: list[bytes] = []
-        self._done = False
-
-    def feed(self, chunk: bytes) -> bytes:
-        if self._done:
-            if self._pending:  # what followed the usage event in its read goes first
-                chunk, self._pending = self._pending + chunk, b""
-            return chunk
-        data = self._pending + chunk if self._pending else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._pending = data
-            return b""
-        complete, self._pending = data[: cut + 2], data[cut + 2 :]
-        if not self._held and not _has_marker(complete):
-            return complete
+    def _marked(self, complete: bytes) -> bytes:
+        """Whole events (``complete`` ends in a blank line) of which one may be marked, or
+        with terminal events held before them."""
         out: list[bytes] = []
         for event in complete[:-2].split(b"\n\n"):
             if any(m in event for m in self._USAGE):
@@ -145,12 +135,6 @@ class UsageEventFilter:
         rest = b"".join(e + b"\n\n" for e in self._held) + self._pending
         self._held, self._pending = [], b""
         return rest
-
-
-def _has_marker(data: bytes) -> bool:
-    """Whether ``data`` may hold a usage or a terminal event (plain ``in``: per chunk)."""
-    return (b'"choices":[]' in data or b'"choices": []' in data
-            or b'"finish_reason":"' in data or b'"finish_reason": "' in data)
 
 
 def _fingerprint(event: bytes) -> bytes | None:
@@ -271,44 +255,27 @@ class RelayedResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-class ClientStream:
+class ClientStream(ClientSink):
     """The client's side of the relay: body pieces written straight to its transport.
 
     A stream goes live (its head sent, each piece written on, framed, as it comes) on the
     loop's next iteration: what came with the head is held until then. An answer that is
     not a stream is held until its end or ``MAX_HELD_BYTES``, so that a small one leaves
     in one write with its head and its end (``held``). aiohttp's response writer still
-    sends the head and the end.
+    sends the head and the end. ``write`` is the C base's (``gateway/_relaycore.c``): a
+    piece held, or framed as a chunk (when the answer is chunked) and written; ``True``
+    when the client's protocol is past its high-water mark or its transport closing.
     """
 
-    __slots__ = ("_chunked", "_held", "_held_bytes", "_protocol", "_transport", "_writer")
+    __slots__ = ("_writer",)
 
     def __init__(self, request: web.Request, *, live_soon: bool) -> None:
         writer = request.writer
         assert isinstance(writer, StreamWriter) and request.transport is not None
+        super().__init__(request.transport, writer.protocol, writer.chunked, MAX_HELD_BYTES)
         self._writer = writer
-        self._transport = request.transport
-        self._protocol = writer.protocol
-        self._chunked = writer.chunked
-        self._held: list[bytes] | None = []
-        self._held_bytes = 0
         if live_soon:
             asyncio.get_running_loop().call_soon(self.go_live)
-
-    def write(self, piece: bytes) -> bool:
-        if self._held is not None:
-            self._held.append(piece)
-            self._held_bytes += len(piece)
-            if self._held_bytes <= MAX_HELD_BYTES:
-                return False
-            self.go_live()
-            return self._protocol.writing_paused or self._transport.is_closing()
-        transport = self._transport
-        if self._chunked:
-            transport.write(b"%x\r\n%b\r\n" % (len(piece), piece))
-        else:
-            transport.write(piece)
-        return self._protocol.writing_paused or transport.is_closing()
 
     @property
     def gone(self) -> bool:

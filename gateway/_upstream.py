@@ -40,6 +40,7 @@ from yarl import URL
 from gateway._config import UpstreamConfig
 from gateway._exceptions import translate_upstream_errors
 from gateway._headers import allowed_only, with_credentials
+from gateway._relaycore import Tee
 from gateway._wire import Connection, ConnectionPool, Disconnected
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ class Upstream:
             tee = BodyTee(conn, capture, out, chunk_filter)
             loop = asyncio.get_running_loop()
             try:
-                done = conn.attach(tee.piece)
+                done = conn.attach(tee)
                 if not done.done():
                     done.add_done_callback(tee.wake_up)
                 while not done.done():
@@ -257,37 +258,29 @@ class UpstreamCall:
             self._upstream.pool.release(conn)
 
 
-class BodyTee:
-    """Each piece of an upstream body: to the capture, the watchdog and the client."""
+class BodyTee(Tee):
+    """Each piece of an upstream body: to the capture, the watchdog and the client.
 
-    __slots__ = ("_capture", "_conn", "_filter", "_out", "paused", "waiter")
+    Called with each piece (rule 2); the C base (``gateway/_relaycore.c``) does that work,
+    with no Python frame when the filter and the writer are the relay's own C-based
+    ``UsageEventFilter`` and ``ClientStream``. What happens once per answer is here."""
+
+    __slots__ = ()
 
     def __init__(self, conn: Connection, capture: Capture, out: ClientWriter | None,
                  chunk_filter: ChunkFilter | None) -> None:
-        self._conn = conn
-        self._capture = capture
-        self._out = out
-        self._filter = chunk_filter
-        self.paused = False  # the upstream stopped reading for a slow client
-        self.waiter: asyncio.Future[None] | None = None  # what the reading task awaits
+        super().__init__(conn, capture.add_chunk, out, chunk_filter)
 
-    def piece(self, piece: bytes) -> None:
-        self._capture.add_chunk(self._conn.last_read, piece)
+    def _stop_reading(self) -> None:
+        """The client is past its high-water mark, or gone (rule 3)."""
         out = self._out
-        if out is None:
+        if out is not None and out.gone:  # nobody to relay to: stop the upstream; it fails
+            self._out = None
+            self._conn.close()
             return
-        if self._filter is not None:
-            piece = self._filter.feed(piece)
-            if not piece:
-                return
-        if out.write(piece) and not self.paused:
-            if out.gone:  # nobody to relay to: stop the upstream; the read fails
-                self._out = None
-                self._conn.close()
-                return
-            self._conn.pause_reading()
-            self.paused = True
-            self.wake_up()
+        self._conn.pause_reading()
+        self.paused = True
+        self.wake_up()
 
     def wake_up(self, _: object = None) -> None:
         waiter = self.waiter

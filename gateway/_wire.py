@@ -9,7 +9,9 @@ switch. The task that sent the request waits once for the headers and once for t
 
 Rules:
 1. Per ``data_received`` a connection only decodes framing (Content-Length, chunked, or
-   until close) and calls ``on_piece`` for each piece of body. Pieces that arrive before
+   until close) and calls ``on_piece`` for each piece of body: in C (the ``BodyFraming``
+   base, ``gateway/_relaycore.c``), where a ``BodyTee`` as ``on_piece`` is called without a
+   Python frame; the head is parsed here, once per answer. Pieces that arrive before
    a callback is attached (with the headers, typically) are held and handed on when it
    is; past ``MAX_HELD_BYTES`` held the connection stops reading until then.
 2. Flow control both ways: the callback's owner pauses and resumes reading
@@ -46,6 +48,8 @@ from typing import Final, cast
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from gateway._relaycore import BodyFraming
+
 __all__ = [
     "ConnectFailed",
     "ConnectTimeout",
@@ -61,8 +65,9 @@ __all__ = [
 
 MAX_HEAD_BYTES: Final = 64 * 1024
 """The most bytes of a response's status line and headers (aiohttp's client: 8190 per line)."""
-MAX_CHUNK_LINE_BYTES: Final = 4096
-"""The most bytes of one chunk-size line, extensions included."""
+# The body's bounds are the C decoder's (gateway/_relaycore.c): a chunk-size line of at most
+# 4096 bytes (extensions included), a chunk size of at most 16 hex digits below 2**63, and
+# trailers of at most MAX_HEAD_BYTES.
 MAX_HELD_BYTES: Final = 256 * 1024
 """Body bytes held for a caller that has not attached its callback yet (rule 1)."""
 KEEPALIVE_S: Final = 15.0
@@ -71,7 +76,6 @@ DEADLINE_TICK_S: Final = 0.05
 """How often a pool checks its watched connections' deadlines: the most a first-byte or
 idle timeout fires late (rule 6)."""
 
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(r"[0-9]{1,19}")
 # Control characters other than a CRLF line end: never valid in a response head.
 _FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
@@ -116,17 +120,20 @@ class ResponseHead:
 
 # Framing of the body being read.
 _NONE, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
-# Where the chunked decoder is.
-_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+# Where the chunked decoder is (the C base's states; only the first is set from here).
+_SIZE = 0
 
 
-class Connection(asyncio.Protocol):
-    """One upstream connection: sends a request, parses the answer (rules 1-3)."""
+class Connection(BodyFraming, asyncio.Protocol):
+    """One upstream connection: sends a request, parses the answer (rules 1-3).
+
+    The body's framing is decoded by the C base (``gateway/_relaycore.c``): its
+    ``data_received`` decodes the body and hands each piece to ``on_piece``; bytes outside
+    a body (the head, bytes nobody asked for) come here, to ``_outside_body``."""
 
     __slots__ = (
-        "_body_waiter", "_buf", "_chunk_state", "_first_byte_due", "_framing", "_head_only",
-        "_head_waiter", "_held", "_held_bytes", "_idle_s", "_keep_alive", "_paused", "_pool",
-        "_remaining", "_reused", "_time", "idle_since", "last_read", "on_piece", "transport",
+        "_body_waiter", "_first_byte_due", "_head_only", "_head_waiter", "_held",
+        "_held_bytes", "_idle_s", "_paused", "_pool", "_reused", "idle_since", "transport",
     )
 
     def __init__(self, pool: ConnectionPool) -> None:
@@ -136,16 +143,10 @@ class Connection(asyncio.Protocol):
         """The loop's time at the last bytes read; at the return to the pool (rule 6)."""
         self._first_byte_due = self._idle_s = math.inf
         self.transport: asyncio.Transport | None = None
-        self.on_piece: Callable[[bytes], None] | None = None
-        self._buf = b""
         self._head_waiter: asyncio.Future[ResponseHead] | None = None
         self._body_waiter: asyncio.Future[None] | None = None
         self._held: list[bytes] = []
         self._held_bytes = 0
-        self._framing = _NONE
-        self._chunk_state = _SIZE
-        self._remaining = 0
-        self._keep_alive = False
         self._head_only = False
         self._paused = False
         self._reused = False
@@ -164,6 +165,7 @@ class Connection(asyncio.Protocol):
         self._body_waiter = loop.create_future()
         self._head_only = head_only
         self._framing = _NONE
+        self._in_body = False
         self._buf = b""
         if len(body) > 4096:
             self.transport.writelines((head, body))
@@ -225,7 +227,7 @@ class Connection(asyncio.Protocol):
         return self._body_waiter is not None and self._body_waiter.done() \
             and self._body_waiter.exception() is None
 
-    # -- asyncio.Protocol ----------------------------------------------------------
+    # -- asyncio.Protocol (data_received is the C base's) ----------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but are ones.
@@ -240,8 +242,8 @@ class Connection(asyncio.Protocol):
             return
         self._fail(Disconnected("the upstream closed the connection"))
 
-    def data_received(self, data: bytes) -> None:
-        self.last_read = self._time()
+    def _outside_body(self, data: bytes) -> None:
+        """Bytes while no body is being read: the head (then the body's first bytes)."""
         head_waiter = self._head_waiter
         if head_waiter is None or self._body_waiter is None or self._body_waiter.done():
             self._pool.lost(self)  # bytes nobody asked for: the connection is unusable
@@ -259,28 +261,7 @@ class Connection(asyncio.Protocol):
             if rest is None or self._body_waiter.done():
                 return
             data = rest
-        framing = self._framing
-        if framing == _CHUNKED:
-            self._chunked(self._buf + data if self._buf else data)
-        elif framing == _LENGTH:
-            remaining = self._remaining
-            if len(data) >= remaining:
-                if len(data) > remaining:  # bytes past the declared end: not reusable
-                    self._keep_alive = False
-                    data = data[:remaining]
-                self._remaining = 0
-                if data:
-                    self._piece(data)
-                self._end_body()
-            else:
-                self._remaining = remaining - len(data)
-                self._piece(data)
-        elif framing == _UNTIL_CLOSE:
-            if data:
-                self._piece(data)
-        else:
-            self._keep_alive = False  # bytes after a body-less answer
-            self._end_body()
+        self.body_received(data)
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost decides what the EOF means
@@ -345,6 +326,7 @@ class Connection(asyncio.Protocol):
             keep_alive = False
         self._framing, self._keep_alive = framing, keep_alive
         self._chunk_state = _SIZE
+        self._in_body = framing != _NONE
         content_type = headers.get("Content-Type", "application/octet-stream")
         assert self._head_waiter is not None
         self._head_waiter.set_result(ResponseHead(
@@ -354,76 +336,23 @@ class Connection(asyncio.Protocol):
             self._end_body()
         return None
 
-    def _chunked(self, data: bytes) -> None:
-        pos, size = 0, len(data)
-        state = self._chunk_state
-        try:
-            while pos < size:
-                if state == _DATA:
-                    end = pos + self._remaining
-                    if end > size:
-                        self._remaining = end - size
-                        self._piece(data[pos:] if pos else data)
-                        pos = size
-                        break
-                    self._piece(data[pos:end])
-                    pos, state = end, _DATA_END
-                elif state == _SIZE:
-                    eol = data.find(b"\r\n", pos)
-                    if eol < 0:
-                        if size - pos > MAX_CHUNK_LINE_BYTES:
-                            raise MalformedResponse("chunk size line too long")
-                        break
-                    digits = data[pos:eol].partition(b";")[0].rstrip(b" \t")
-                    if not _HEX.fullmatch(digits):
-                        raise MalformedResponse("bad chunk size")
-                    self._remaining = int(digits, 16)
-                    pos = eol + 2
-                    state = _DATA if self._remaining else _TRAILER
-                elif state == _DATA_END:
-                    if size - pos < 2:
-                        break
-                    if data[pos:pos + 2] != b"\r\n":
-                        raise MalformedResponse("bad chunk end")
-                    pos += 2
-                    state = _SIZE
-                else:  # _TRAILER: header lines until an empty one
-                    eol = data.find(b"\r\n", pos)
-                    if eol < 0:
-                        if size - pos > MAX_HEAD_BYTES:
-                            raise MalformedResponse("trailers too large")
-                        break
-                    empty = eol == pos
-                    pos = eol + 2
-                    if empty:
-                        if pos < size:
-                            self._keep_alive = False
-                        self._chunk_state = state
-                        self._buf = b""
-                        self._end_body()
-                        return
-        except MalformedResponse as exc:
-            self._fail(exc)
-            self.close()
-            return
-        self._chunk_state = state
-        self._buf = data[pos:] if pos < size else b""
-
     # -- delivering ------------------------------------------------------------------
 
-    def _piece(self, piece: bytes) -> None:
-        on_piece = self.on_piece
-        if on_piece is not None:
-            on_piece(piece)
-            return
+    def _hold(self, piece: bytes) -> None:
+        """A piece before ``attach`` (rule 1)."""
         self._held.append(piece)
         self._held_bytes += len(piece)
         if self._held_bytes > MAX_HELD_BYTES:
             self.pause_reading()
 
+    def _malformed(self, why: str) -> None:
+        self._fail(MalformedResponse(why))
+        self.close()
+
     def _end_body(self) -> None:
         waiter = self._body_waiter
         self._framing = _NONE
+        self._in_body = False
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 

@@ -111,6 +111,26 @@ async def test_chunked_body_is_decoded_whatever_the_reads() -> None:
             assert got == body
 
 
+async def test_chunk_extensions_trailers_and_length_bodies_in_pieces() -> None:
+    wire = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5;name=value \t\r\nhello\r\n1 \r\n!\r\n0\r\nX-Trailer: t\r\n\r\n")
+    async with raw_server(wire) as pool:
+        assert (await fetch(pool))[1] == b"hello!"
+        assert (await fetch(pool))[1] == b"hello!"  # the trailer read whole: kept alive
+        assert pool.size == 1
+    length = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\nhello world"
+
+    async def in_pieces(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for i in range(0, len(length), 7):
+            writer.write(length[i:i + 7])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async with raw_server(in_pieces) as pool:
+        assert (await fetch(pool))[1] == b"hello world"
+
+
 async def test_keep_alive_reuses_the_connection_and_close_does_not() -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
     async with raw_server(answer) as pool:
@@ -143,6 +163,11 @@ async def test_body_until_close_and_no_body_statuses() -> None:
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY0\r\n\r\n",
     b"HTTP/1.1 200 OK\r\n" + b"X: " + b"y" * MAX_HEAD_BYTES + b"\r\n\r\n",
+    # The C decoder's bounds: a chunk size of 16 hex digits at most, below 2**63; a
+    # chunk-size line of 4096 bytes at most.
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n8000000000000000\r\nab",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n00000000000000001\r\na\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;" + b"x" * 5000,
 ])
 async def test_malformed_answers_are_refused(answer: bytes) -> None:
     async with raw_server(answer) as pool:

@@ -1,0 +1,984 @@
+/* gateway._relaycore: the relay's per-chunk byte path in C (issue 15).
+ *
+ * Four base types, each subclassed by the Python class that owns the rest of its logic:
+ *
+ *   BodyFraming  base of _wire.Connection: data_received, the body's framing
+ *                (Content-Length, chunked, until close) decoded here; the response
+ *                head, the end of the body and failures are the Python subclass's.
+ *   Tee          base of _upstream.BodyTee: per piece the capture, the optional filter
+ *                and the client's writer; pausing the upstream is the subclass's.
+ *   SseFilter    base of _relay.UsageEventFilter: splits whole SSE events off and passes
+ *                those without a marker; marked events go to the subclass's _marked.
+ *   ClientSink   base of _relay.ClientStream: frames a piece for the client's chunked
+ *                answer and writes it to the transport (or holds it until live).
+ *
+ * Rules:
+ * 1. A piece goes from the upstream's data_received to the client's transport.write
+ *    without a Python frame when the types on the way are these (a BodyFraming whose
+ *    on_piece is a Tee whose filter is a SseFilter and whose out is a ClientSink); any
+ *    other callable, filter or writer is called as Python.
+ * 2. What happens once per answer (the head, the end, a failure, a pause) calls back into
+ *    the Python subclass by method name: _outside_body, _end_body, _malformed, _hold,
+ *    _stop_reading, _marked, go_live.
+ * 3. Chunk sizes are at most 16 hex digits and below 2**63 (else "bad chunk size").
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <string.h>
+
+#define MAX_CHUNK_LINE_BYTES 4096
+#define MAX_TRAILER_BYTES (64 * 1024)
+
+enum { F_NONE = 0, F_LENGTH = 1, F_CHUNKED = 2, F_UNTIL_CLOSE = 3 };
+enum { C_SIZE = 0, C_DATA = 1, C_DATA_END = 2, C_TRAILER = 3 };
+
+static PyObject *s_outside_body, *s_end_body, *s_malformed, *s_hold, *s_stop_reading,
+    *s_marked, *s_go_live, *s_write, *s_is_closing, *s_paused, *s_feed, *s_empty;
+
+static PyTypeObject TeeType, SseFilterType, ClientSinkType;
+
+/* ---------------------------------------------------------------- ClientSink */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *transport;
+    PyObject *protocol;
+    PyObject *held;  /* list while not live, else None */
+    Py_ssize_t held_bytes;
+    Py_ssize_t max_held;
+    char chunked;
+} ClientSink;
+
+/* The client's protocol past its high-water mark, or its transport closing: -1 on error. */
+static int
+sink_behind(ClientSink *self)
+{
+    PyObject *paused = PyObject_GetAttr(self->protocol, s_paused);
+    if (paused == NULL)
+        return -1;
+    int behind = PyObject_IsTrue(paused);
+    Py_DECREF(paused);
+    if (behind)
+        return behind;
+    PyObject *closing = PyObject_CallMethodNoArgs(self->transport, s_is_closing);
+    if (closing == NULL)
+        return -1;
+    behind = PyObject_IsTrue(closing);
+    Py_DECREF(closing);
+    return behind;
+}
+
+/* Write ``piece`` on: 1 when the client is behind (or gone), 0 if not, -1 on error. */
+static int
+sink_write(ClientSink *self, PyObject *piece)
+{
+    if (self->held != Py_None) {
+        if (PyList_Append(self->held, piece) < 0)
+            return -1;
+        self->held_bytes += PyBytes_GET_SIZE(piece);
+        if (self->held_bytes <= self->max_held)
+            return 0;
+        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, s_go_live);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+        return sink_behind(self);
+    }
+    PyObject *r;
+    if (self->chunked) {
+        Py_ssize_t n = PyBytes_GET_SIZE(piece);
+        char line[24];
+        int len = snprintf(line, sizeof line, "%zx\r\n", n);
+        PyObject *frame = PyBytes_FromStringAndSize(NULL, len + n + 2);
+        if (frame == NULL)
+            return -1;
+        char *p = PyBytes_AS_STRING(frame);
+        memcpy(p, line, len);
+        memcpy(p + len, PyBytes_AS_STRING(piece), n);
+        memcpy(p + len + n, "\r\n", 2);
+        r = PyObject_CallMethodOneArg(self->transport, s_write, frame);
+        Py_DECREF(frame);
+    }
+    else {
+        r = PyObject_CallMethodOneArg(self->transport, s_write, piece);
+    }
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return sink_behind(self);
+}
+
+static PyObject *
+ClientSink_write(ClientSink *self, PyObject *piece)
+{
+    if (!PyBytes_Check(piece)) {
+        PyErr_SetString(PyExc_TypeError, "write() takes bytes");
+        return NULL;
+    }
+    int behind = sink_write(self, piece);
+    if (behind < 0)
+        return NULL;
+    return PyBool_FromLong(behind);
+}
+
+static int
+ClientSink_init(ClientSink *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"transport", "protocol", "chunked", "max_held", NULL};
+    PyObject *transport, *protocol;
+    int chunked;
+    Py_ssize_t max_held;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpn", kwlist, &transport, &protocol,
+                                     &chunked, &max_held))
+        return -1;
+    PyObject *held = PyList_New(0);
+    if (held == NULL)
+        return -1;
+    Py_INCREF(transport);
+    Py_INCREF(protocol);
+    Py_XSETREF(self->transport, transport);
+    Py_XSETREF(self->protocol, protocol);
+    Py_XSETREF(self->held, held);
+    self->held_bytes = 0;
+    self->max_held = max_held;
+    self->chunked = (char)chunked;
+    return 0;
+}
+
+static int
+ClientSink_traverse(ClientSink *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->transport);
+    Py_VISIT(self->protocol);
+    Py_VISIT(self->held);
+    return 0;
+}
+
+static int
+ClientSink_clear(ClientSink *self)
+{
+    Py_CLEAR(self->transport);
+    Py_CLEAR(self->protocol);
+    Py_CLEAR(self->held);
+    return 0;
+}
+
+static void
+ClientSink_dealloc(ClientSink *self)
+{
+    PyObject_GC_UnTrack(self);
+    ClientSink_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+ClientSink_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    ClientSink *self = (ClientSink *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(Py_None);
+    self->held = Py_None;
+    Py_INCREF(Py_None);
+    self->transport = Py_None;
+    Py_INCREF(Py_None);
+    self->protocol = Py_None;
+    return (PyObject *)self;
+}
+
+static PyMethodDef ClientSink_methods[] = {
+    {"write", (PyCFunction)ClientSink_write, METH_O,
+     "Write a piece on; True when the client is past its high-water mark (or gone)."},
+    {NULL}};
+
+static PyMemberDef ClientSink_members[] = {
+    {"_transport", T_OBJECT_EX, offsetof(ClientSink, transport), READONLY, NULL},
+    {"_protocol", T_OBJECT_EX, offsetof(ClientSink, protocol), READONLY, NULL},
+    {"_held", T_OBJECT_EX, offsetof(ClientSink, held), 0,
+     "the pieces held until the answer goes live (a list), or None once live"},
+    {"_held_bytes", T_PYSSIZET, offsetof(ClientSink, held_bytes), 0, NULL},
+    {"_chunked", T_BOOL, offsetof(ClientSink, chunked), READONLY, NULL},
+    {NULL}};
+
+static PyTypeObject ClientSinkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gateway._relaycore.ClientSink",
+    .tp_basicsize = sizeof(ClientSink),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The client's transport: pieces framed and written, or held until live.",
+    .tp_new = ClientSink_new,
+    .tp_init = (initproc)ClientSink_init,
+    .tp_dealloc = (destructor)ClientSink_dealloc,
+    .tp_traverse = (traverseproc)ClientSink_traverse,
+    .tp_clear = (inquiry)ClientSink_clear,
+    .tp_methods = ClientSink_methods,
+    .tp_members = ClientSink_members,
+};
+
+/* ---------------------------------------------------------------- SseFilter */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *pending;  /* bytes */
+    PyObject *held;     /* list of held events */
+    char done;
+} SseFilter;
+
+static int
+has_marker(const char *p, Py_ssize_t n)
+{
+    static const char *markers[] = {"\"choices\":[]", "\"choices\": []",
+                                    "\"finish_reason\":\"", "\"finish_reason\": \""};
+    for (size_t i = 0; i < sizeof markers / sizeof markers[0]; i++)
+        if (memmem(p, (size_t)n, markers[i], strlen(markers[i])) != NULL)
+            return 1;
+    return 0;
+}
+
+static PyObject *
+concat(PyObject *a, PyObject *b)
+{
+    Py_ssize_t na = PyBytes_GET_SIZE(a), nb = PyBytes_GET_SIZE(b);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, na + nb);
+    if (out == NULL)
+        return NULL;
+    memcpy(PyBytes_AS_STRING(out), PyBytes_AS_STRING(a), na);
+    memcpy(PyBytes_AS_STRING(out) + na, PyBytes_AS_STRING(b), nb);
+    return out;
+}
+
+/* What to write for ``chunk`` (a new reference; b"" to write nothing yet). */
+static PyObject *
+filter_feed(SseFilter *self, PyObject *chunk)
+{
+    if (!PyBytes_Check(chunk)) {
+        PyErr_SetString(PyExc_TypeError, "feed() takes bytes");
+        return NULL;
+    }
+    Py_ssize_t npending = PyBytes_GET_SIZE(self->pending);
+    if (self->done) {
+        if (npending == 0) {
+            Py_INCREF(chunk);
+            return chunk;
+        }
+        PyObject *out = concat(self->pending, chunk);
+        if (out != NULL)
+            Py_SETREF(self->pending, Py_NewRef(s_empty));
+        return out;
+    }
+    PyObject *data = npending ? concat(self->pending, chunk) : Py_NewRef(chunk);
+    if (data == NULL)
+        return NULL;
+    const char *p = PyBytes_AS_STRING(data);
+    Py_ssize_t n = PyBytes_GET_SIZE(data), cut = -1;
+    for (Py_ssize_t i = n - 2; i >= 0; i--) {
+        if (p[i] == '\n' && p[i + 1] == '\n') {
+            cut = i;
+            break;
+        }
+    }
+    if (cut < 0) {
+        Py_SETREF(self->pending, data);
+        return Py_NewRef(s_empty);
+    }
+    PyObject *complete, *rest;
+    if (cut + 2 == n) {
+        complete = Py_NewRef(data);
+        rest = Py_NewRef(s_empty);
+    }
+    else {
+        complete = PyBytes_FromStringAndSize(p, cut + 2);
+        rest = PyBytes_FromStringAndSize(p + cut + 2, n - cut - 2);
+    }
+    Py_DECREF(data);
+    if (complete == NULL || rest == NULL) {
+        Py_XDECREF(complete);
+        Py_XDECREF(rest);
+        return NULL;
+    }
+    Py_SETREF(self->pending, rest);
+    if (PyList_GET_SIZE(self->held) == 0
+            && !has_marker(PyBytes_AS_STRING(complete), PyBytes_GET_SIZE(complete)))
+        return complete;
+    PyObject *out = PyObject_CallMethodOneArg((PyObject *)self, s_marked, complete);
+    Py_DECREF(complete);
+    return out;
+}
+
+static int
+SseFilter_traverse(SseFilter *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->pending);
+    Py_VISIT(self->held);
+    return 0;
+}
+
+static int
+SseFilter_clear(SseFilter *self)
+{
+    Py_CLEAR(self->pending);
+    Py_CLEAR(self->held);
+    return 0;
+}
+
+static void
+SseFilter_dealloc(SseFilter *self)
+{
+    PyObject_GC_UnTrack(self);
+    SseFilter_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+SseFilter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    SseFilter *self = (SseFilter *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->pending = Py_NewRef(s_empty);
+    self->held = PyList_New(0);
+    if (self->held == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int
+SseFilter_setpending(SseFilter *self, PyObject *value, void *closure)
+{
+    if (value == NULL || !PyBytes_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "_pending is bytes");
+        return -1;
+    }
+    Py_SETREF(self->pending, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+SseFilter_getpending(SseFilter *self, void *closure)
+{
+    return Py_NewRef(self->pending);
+}
+
+static int
+SseFilter_setheld(SseFilter *self, PyObject *value, void *closure)
+{
+    if (value == NULL || !PyList_CheckExact(value)) {
+        PyErr_SetString(PyExc_TypeError, "_held is a list");
+        return -1;
+    }
+    Py_SETREF(self->held, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+SseFilter_getheld(SseFilter *self, void *closure)
+{
+    return Py_NewRef(self->held);
+}
+
+static PyGetSetDef SseFilter_getset[] = {
+    {"_pending", (getter)SseFilter_getpending, (setter)SseFilter_setpending,
+     "the bytes after the last whole event", NULL},
+    {"_held", (getter)SseFilter_getheld, (setter)SseFilter_setheld,
+     "terminal events held back for the usage event's fingerprint", NULL},
+    {NULL}};
+
+static PyMemberDef SseFilter_members[] = {
+    {"_done", T_BOOL, offsetof(SseFilter, done), 0, "the usage event was seen"},
+    {NULL}};
+
+static PyMethodDef SseFilter_methods[] = {
+    {"feed", (PyCFunction)filter_feed, METH_O,
+     "What to write for chunk; b'' to write nothing yet."},
+    {NULL}};
+
+static PyTypeObject SseFilterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gateway._relaycore.SseFilter",
+    .tp_basicsize = sizeof(SseFilter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Whole SSE events passed on; marked ones to the subclass's _marked.",
+    .tp_new = SseFilter_new,
+    .tp_dealloc = (destructor)SseFilter_dealloc,
+    .tp_traverse = (traverseproc)SseFilter_traverse,
+    .tp_clear = (inquiry)SseFilter_clear,
+    .tp_methods = SseFilter_methods,
+    .tp_members = SseFilter_members,
+    .tp_getset = SseFilter_getset,
+};
+
+/* ---------------------------------------------------------------- BodyFraming */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *on_piece;
+    PyObject *buf;    /* bytes not yet decoded */
+    PyObject *clock;  /* the loop's time() */
+    double last_read;
+    unsigned long long remaining;
+    int framing;
+    int chunk_state;
+    char keep_alive;
+    char in_body;
+} BodyFraming;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *conn;     /* a BodyFraming */
+    PyObject *capture_add;
+    PyObject *out;      /* a ClientSink, another writer, or None */
+    PyObject *filter;   /* a SseFilter, another filter, or None */
+    PyObject *waiter;
+    char paused;
+} Tee;
+
+static int tee_piece(Tee *self, PyObject *piece);
+
+static int
+deliver(BodyFraming *self, PyObject *piece)
+{
+    PyObject *on_piece = self->on_piece;
+    if (on_piece == Py_None) {
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, s_hold, piece);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    if (PyObject_TypeCheck(on_piece, &TeeType)) {
+        Py_INCREF(on_piece);
+        int rc = tee_piece((Tee *)on_piece, piece);
+        Py_DECREF(on_piece);
+        return rc;
+    }
+    PyObject *r = PyObject_CallOneArg(on_piece, piece);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static int
+deliver_slice(BodyFraming *self, PyObject *data, Py_ssize_t start, Py_ssize_t end)
+{
+    if (start == 0 && end == PyBytes_GET_SIZE(data))
+        return deliver(self, data);
+    PyObject *piece = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + start, end - start);
+    if (piece == NULL)
+        return -1;
+    int rc = deliver(self, piece);
+    Py_DECREF(piece);
+    return rc;
+}
+
+static PyObject *
+call_self(BodyFraming *self, PyObject *name, PyObject *arg)
+{
+    return arg == NULL ? PyObject_CallMethodNoArgs((PyObject *)self, name)
+                       : PyObject_CallMethodOneArg((PyObject *)self, name, arg);
+}
+
+static PyObject *
+malformed(BodyFraming *self, const char *why)
+{
+    PyObject *msg = PyUnicode_FromString(why);
+    if (msg == NULL)
+        return NULL;
+    PyObject *r = call_self(self, s_malformed, msg);
+    Py_DECREF(msg);
+    return r;
+}
+
+static PyObject *
+end_body(BodyFraming *self)
+{
+    return call_self(self, s_end_body, NULL);
+}
+
+static int
+parse_hex(const char *p, Py_ssize_t n, unsigned long long *out)
+{
+    const char *semi = memchr(p, ';', (size_t)n);
+    if (semi != NULL)
+        n = semi - p;
+    while (n > 0 && (p[n - 1] == ' ' || p[n - 1] == '\t'))
+        n--;
+    if (n < 1 || n > 16)
+        return -1;
+    unsigned long long v = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char c = p[i];
+        int d;
+        if (c >= '0' && c <= '9')
+            d = c - '0';
+        else if (c >= 'a' && c <= 'f')
+            d = c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F')
+            d = c - 'A' + 10;
+        else
+            return -1;
+        v = (v << 4) | (unsigned long long)d;
+    }
+    if (v > (unsigned long long)PY_SSIZE_T_MAX)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static const char *
+find_crlf(const char *p, Py_ssize_t from, Py_ssize_t size)
+{
+    const char *s = p + from;
+    Py_ssize_t left = size - from;
+    while (left >= 2) {
+        const char *cr = memchr(s, '\r', (size_t)(left - 1));
+        if (cr == NULL)
+            return NULL;
+        if (cr[1] == '\n')
+            return cr;
+        left -= (cr + 1) - s;
+        s = cr + 1;
+    }
+    return NULL;
+}
+
+static PyObject *
+chunked(BodyFraming *self, PyObject *data)
+{
+    const char *p = PyBytes_AS_STRING(data);
+    Py_ssize_t pos = 0, size = PyBytes_GET_SIZE(data);
+    int state = self->chunk_state;
+    while (pos < size) {
+        if (state == C_DATA) {
+            if ((unsigned long long)(size - pos) < self->remaining) {
+                self->remaining -= (unsigned long long)(size - pos);
+                self->chunk_state = state;
+                if (deliver_slice(self, data, pos, size) < 0)
+                    return NULL;
+                pos = size;
+                break;
+            }
+            Py_ssize_t end = pos + (Py_ssize_t)self->remaining;
+            self->remaining = 0;
+            self->chunk_state = state = C_DATA_END;
+            if (end > pos && deliver_slice(self, data, pos, end) < 0)
+                return NULL;
+            pos = end;
+        }
+        else if (state == C_SIZE) {
+            const char *eol = find_crlf(p, pos, size);
+            if (eol == NULL) {
+                if (size - pos > MAX_CHUNK_LINE_BYTES)
+                    return malformed(self, "chunk size line too long");
+                break;
+            }
+            unsigned long long n;
+            if (parse_hex(p + pos, eol - (p + pos), &n) < 0)
+                return malformed(self, "bad chunk size");
+            self->remaining = n;
+            pos = eol - p + 2;
+            state = n ? C_DATA : C_TRAILER;
+        }
+        else if (state == C_DATA_END) {
+            if (size - pos < 2)
+                break;
+            if (p[pos] != '\r' || p[pos + 1] != '\n')
+                return malformed(self, "bad chunk end");
+            pos += 2;
+            state = C_SIZE;
+        }
+        else {  /* C_TRAILER: header lines until an empty one */
+            const char *eol = find_crlf(p, pos, size);
+            if (eol == NULL) {
+                if (size - pos > MAX_TRAILER_BYTES)
+                    return malformed(self, "trailers too large");
+                break;
+            }
+            int empty = eol == p + pos;
+            pos = eol - p + 2;
+            if (empty) {
+                if (pos < size)
+                    self->keep_alive = 0;
+                self->chunk_state = state;
+                Py_SETREF(self->buf, Py_NewRef(s_empty));
+                return end_body(self);
+            }
+        }
+    }
+    self->chunk_state = state;
+    PyObject *rest = pos < size ? PyBytes_FromStringAndSize(p + pos, size - pos)
+                                : Py_NewRef(s_empty);
+    if (rest == NULL)
+        return NULL;
+    Py_SETREF(self->buf, rest);
+    Py_RETURN_NONE;
+}
+
+/* The body's bytes (the head already parsed): decoded and delivered. */
+static PyObject *
+BodyFraming_body_received(BodyFraming *self, PyObject *data)
+{
+    if (!PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "body_received() takes bytes");
+        return NULL;
+    }
+    switch (self->framing) {
+    case F_CHUNKED: {
+        PyObject *whole = PyBytes_GET_SIZE(self->buf) ? concat(self->buf, data)
+                                                       : Py_NewRef(data);
+        if (whole == NULL)
+            return NULL;
+        PyObject *r = chunked(self, whole);
+        Py_DECREF(whole);
+        return r;
+    }
+    case F_LENGTH: {
+        Py_ssize_t n = PyBytes_GET_SIZE(data);
+        if ((unsigned long long)n >= self->remaining) {
+            Py_ssize_t take = (Py_ssize_t)self->remaining;
+            if (n > take)  /* bytes past the declared end: not reusable */
+                self->keep_alive = 0;
+            self->remaining = 0;
+            if (take && deliver_slice(self, data, 0, take) < 0)
+                return NULL;
+            return end_body(self);
+        }
+        self->remaining -= (unsigned long long)n;
+        if (deliver(self, data) < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    case F_UNTIL_CLOSE:
+        if (PyBytes_GET_SIZE(data) && deliver(self, data) < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    default:
+        self->keep_alive = 0;  /* bytes after a body-less answer */
+        return end_body(self);
+    }
+}
+
+static PyObject *
+BodyFraming_data_received(BodyFraming *self, PyObject *data)
+{
+    PyObject *now = PyObject_CallNoArgs(self->clock);
+    if (now == NULL)
+        return NULL;
+    self->last_read = PyFloat_AsDouble(now);
+    Py_DECREF(now);
+    if (self->last_read == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!self->in_body)
+        return call_self(self, s_outside_body, data);
+    return BodyFraming_body_received(self, data);
+}
+
+static int
+BodyFraming_traverse(BodyFraming *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->on_piece);
+    Py_VISIT(self->buf);
+    Py_VISIT(self->clock);
+    return 0;
+}
+
+static int
+BodyFraming_clear(BodyFraming *self)
+{
+    Py_CLEAR(self->on_piece);
+    Py_CLEAR(self->buf);
+    Py_CLEAR(self->clock);
+    return 0;
+}
+
+static void
+BodyFraming_dealloc(BodyFraming *self)
+{
+    PyObject_GC_UnTrack(self);
+    BodyFraming_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+BodyFraming_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    BodyFraming *self = (BodyFraming *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->on_piece = Py_NewRef(Py_None);
+    self->buf = Py_NewRef(s_empty);
+    self->clock = Py_NewRef(Py_None);
+    return (PyObject *)self;
+}
+
+static int
+BodyFraming_setbuf(BodyFraming *self, PyObject *value, void *closure)
+{
+    if (value == NULL || !PyBytes_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "_buf is bytes");
+        return -1;
+    }
+    Py_SETREF(self->buf, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+BodyFraming_getbuf(BodyFraming *self, void *closure)
+{
+    return Py_NewRef(self->buf);
+}
+
+static PyGetSetDef BodyFraming_getset[] = {
+    {"_buf", (getter)BodyFraming_getbuf, (setter)BodyFraming_setbuf,
+     "bytes read and not yet decoded", NULL},
+    {NULL}};
+
+static PyMemberDef BodyFraming_members[] = {
+    {"on_piece", T_OBJECT, offsetof(BodyFraming, on_piece), 0,
+     "where each piece of body goes (None: held by _hold)"},
+    {"_time", T_OBJECT, offsetof(BodyFraming, clock), 0, "the loop's clock"},
+    {"last_read", T_DOUBLE, offsetof(BodyFraming, last_read), 0,
+     "the loop's time at the last bytes read"},
+    {"_remaining", T_ULONGLONG, offsetof(BodyFraming, remaining), 0,
+     "bytes left of the body (Content-Length) or of the chunk"},
+    {"_framing", T_INT, offsetof(BodyFraming, framing), 0, NULL},
+    {"_chunk_state", T_INT, offsetof(BodyFraming, chunk_state), 0, NULL},
+    {"_keep_alive", T_BOOL, offsetof(BodyFraming, keep_alive), 0, NULL},
+    {"_in_body", T_BOOL, offsetof(BodyFraming, in_body), 0,
+     "the head is parsed and the body not ended: data_received decodes here"},
+    {NULL}};
+
+static PyMethodDef BodyFraming_methods[] = {
+    {"data_received", (PyCFunction)BodyFraming_data_received, METH_O,
+     "asyncio.Protocol.data_received: the body decoded here, else _outside_body."},
+    {"body_received", (PyCFunction)BodyFraming_body_received, METH_O,
+     "Decode body bytes and deliver each piece to on_piece."},
+    {NULL}};
+
+static PyTypeObject BodyFramingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gateway._relaycore.BodyFraming",
+    .tp_basicsize = sizeof(BodyFraming),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "An upstream connection's body framing, decoded in data_received.",
+    .tp_new = BodyFraming_new,
+    .tp_dealloc = (destructor)BodyFraming_dealloc,
+    .tp_traverse = (traverseproc)BodyFraming_traverse,
+    .tp_clear = (inquiry)BodyFraming_clear,
+    .tp_methods = BodyFraming_methods,
+    .tp_members = BodyFraming_members,
+    .tp_getset = BodyFraming_getset,
+};
+
+/* ---------------------------------------------------------------- Tee */
+
+static int
+tee_piece(Tee *self, PyObject *piece)
+{
+    double last_read = PyObject_TypeCheck(self->conn, &BodyFramingType)
+                           ? ((BodyFraming *)self->conn)->last_read : 0.0;
+    PyObject *now = PyFloat_FromDouble(last_read);
+    if (now == NULL)
+        return -1;
+    PyObject *args[2] = {now, piece};
+    PyObject *r = PyObject_Vectorcall(self->capture_add, args, 2, NULL);
+    Py_DECREF(now);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    PyObject *out = self->out;
+    if (out == Py_None)
+        return 0;
+    Py_INCREF(out);
+    PyObject *filtered;
+    if (self->filter == Py_None)
+        filtered = Py_NewRef(piece);
+    else if (PyObject_TypeCheck(self->filter, &SseFilterType))
+        filtered = filter_feed((SseFilter *)self->filter, piece);
+    else
+        filtered = PyObject_CallMethodOneArg(self->filter, s_feed, piece);
+    if (filtered == NULL || !PyBytes_Check(filtered) || PyBytes_GET_SIZE(filtered) == 0) {
+        if (filtered != NULL && !PyBytes_Check(filtered))
+            PyErr_SetString(PyExc_TypeError, "a chunk filter returns bytes");
+        int rc = (filtered == NULL || !PyBytes_Check(filtered)) ? -1 : 0;
+        Py_XDECREF(filtered);
+        Py_DECREF(out);
+        return rc;
+    }
+    int behind;
+    if (PyObject_TypeCheck(out, &ClientSinkType)) {
+        behind = sink_write((ClientSink *)out, filtered);
+    }
+    else {
+        r = PyObject_CallMethodOneArg(out, s_write, filtered);
+        behind = r == NULL ? -1 : PyObject_IsTrue(r);
+        Py_XDECREF(r);
+    }
+    Py_DECREF(filtered);
+    Py_DECREF(out);
+    if (behind <= 0)
+        return behind;
+    if (self->paused)
+        return 0;
+    r = PyObject_CallMethodNoArgs((PyObject *)self, s_stop_reading);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static PyObject *
+Tee_piece(Tee *self, PyObject *piece)
+{
+    if (!PyBytes_Check(piece)) {
+        PyErr_SetString(PyExc_TypeError, "piece() takes bytes");
+        return NULL;
+    }
+    if (tee_piece(self, piece) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Tee_call(Tee *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *piece;
+    if (!PyArg_ParseTuple(args, "S:Tee", &piece))
+        return NULL;
+    return Tee_piece(self, piece);
+}
+
+static int
+Tee_init(Tee *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"conn", "capture_add", "out", "chunk_filter", NULL};
+    PyObject *conn, *capture_add, *out, *filter;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO", kwlist, &conn, &capture_add, &out,
+                                     &filter))
+        return -1;
+    Py_XSETREF(self->conn, Py_NewRef(conn));
+    Py_XSETREF(self->capture_add, Py_NewRef(capture_add));
+    Py_XSETREF(self->out, Py_NewRef(out));
+    Py_XSETREF(self->filter, Py_NewRef(filter));
+    Py_XSETREF(self->waiter, Py_NewRef(Py_None));
+    self->paused = 0;
+    return 0;
+}
+
+static int
+Tee_traverse(Tee *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->conn);
+    Py_VISIT(self->capture_add);
+    Py_VISIT(self->out);
+    Py_VISIT(self->filter);
+    Py_VISIT(self->waiter);
+    return 0;
+}
+
+static int
+Tee_clear(Tee *self)
+{
+    Py_CLEAR(self->conn);
+    Py_CLEAR(self->capture_add);
+    Py_CLEAR(self->out);
+    Py_CLEAR(self->filter);
+    Py_CLEAR(self->waiter);
+    return 0;
+}
+
+static void
+Tee_dealloc(Tee *self)
+{
+    PyObject_GC_UnTrack(self);
+    Tee_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Tee_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Tee *self = (Tee *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->conn = Py_NewRef(Py_None);
+    self->capture_add = Py_NewRef(Py_None);
+    self->out = Py_NewRef(Py_None);
+    self->filter = Py_NewRef(Py_None);
+    self->waiter = Py_NewRef(Py_None);
+    return (PyObject *)self;
+}
+
+static PyMemberDef Tee_members[] = {
+    {"_conn", T_OBJECT, offsetof(Tee, conn), READONLY, NULL},
+    {"_out", T_OBJECT, offsetof(Tee, out), 0, "the client's writer (None: gone)"},
+    {"_filter", T_OBJECT, offsetof(Tee, filter), READONLY, NULL},
+    {"paused", T_BOOL, offsetof(Tee, paused), 0,
+     "the upstream stopped reading for a slow client"},
+    {"waiter", T_OBJECT, offsetof(Tee, waiter), 0, "what the reading task awaits"},
+    {NULL}};
+
+static PyMethodDef Tee_methods[] = {
+    {"piece", (PyCFunction)Tee_piece, METH_O,
+     "One piece of body: to the capture, the filter and the client."},
+    {NULL}};
+
+static PyTypeObject TeeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gateway._relaycore.Tee",
+    .tp_basicsize = sizeof(Tee),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Each piece of an upstream body: to the capture, the filter and the client.",
+    .tp_new = Tee_new,
+    .tp_init = (initproc)Tee_init,
+    .tp_call = (ternaryfunc)Tee_call,
+    .tp_dealloc = (destructor)Tee_dealloc,
+    .tp_traverse = (traverseproc)Tee_traverse,
+    .tp_clear = (inquiry)Tee_clear,
+    .tp_methods = Tee_methods,
+    .tp_members = Tee_members,
+};
+
+/* ---------------------------------------------------------------- module */
+
+static struct PyModuleDef relaycore_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "gateway._relaycore",
+    .m_doc = "The relay's per-chunk byte path in C (issue 15).",
+    .m_size = -1,
+};
+
+#define INTERN(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC
+PyInit__relaycore(void)
+{
+    INTERN(s_outside_body, "_outside_body");
+    INTERN(s_end_body, "_end_body");
+    INTERN(s_malformed, "_malformed");
+    INTERN(s_hold, "_hold");
+    INTERN(s_stop_reading, "_stop_reading");
+    INTERN(s_marked, "_marked");
+    INTERN(s_go_live, "go_live");
+    INTERN(s_write, "write");
+    INTERN(s_is_closing, "is_closing");
+    INTERN(s_paused, "_paused");
+    INTERN(s_feed, "feed");
+    if ((s_empty = PyBytes_FromStringAndSize(NULL, 0)) == NULL)
+        return NULL;
+    PyTypeObject *types[] = {&BodyFramingType, &TeeType, &SseFilterType, &ClientSinkType};
+    const char *names[] = {"BodyFraming", "Tee", "SseFilter", "ClientSink"};
+    PyObject *m = PyModule_Create(&relaycore_module);
+    if (m == NULL)
+        return NULL;
+    for (int i = 0; i < 4; i++) {
+        if (PyType_Ready(types[i]) < 0 || PyModule_AddObjectRef(m, names[i],
+                                                                (PyObject *)types[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}
