@@ -86,6 +86,7 @@ from evaluators._gates import (
 )
 from evaluators._matching import DEFAULT_CONCURRENCY_EDGES, cache_strata
 from evaluators._power import (
+    PowerQuery,
     SampleSizeEstimate,
     samples_needed_for_location,
     samples_needed_for_mean,
@@ -482,21 +483,18 @@ def _estimate(
     """Rule 7 for the test that decides the metric's gate."""
     if statistics is None:
         return None
-    conf, power = gates.confidence, ESTIMATE_POWER
+    asked = PowerQuery(n_b, n_c, gates.confidence, ESTIMATE_POWER, need)
     if gate.max_mean_worsening is not None:
         return samples_needed_for_rate(
-            _unit(statistics.mean_baseline), _unit(statistics.mean_candidate), n_b, n_c,
-            confidence=conf, power=power, min_samples=need)
+            _unit(statistics.mean_baseline), _unit(statistics.mean_candidate), asked)
     if gate.max_mean_ratio is not None:
         return samples_needed_for_mean(
             statistics.mean_candidate - statistics.mean_baseline, statistics.std_baseline,
-            statistics.std_candidate, n_b, n_c, confidence=conf, power=power,
-            min_samples=need)
+            statistics.std_candidate, asked)
     effect = statistics.effect_size
     if matched is not None and matched.effect_size is not None:
         effect = matched.effect_size
-    return samples_needed_for_location(_unit(effect, -1.0), n_b, n_c, confidence=conf,
-                                       power=power, min_samples=need)
+    return samples_needed_for_location(_unit(effect, -1.0), asked)
 
 
 def _unit(x: float, low: float = 0.0) -> float:

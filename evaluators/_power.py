@@ -39,6 +39,7 @@ from evaluators._statistics import DEFAULT_CONFIDENCE, MIN_COMPARABLE_SAMPLES
 __all__ = [
     "DEFAULT_POWER",
     "MAX_SAMPLES_ESTIMATE",
+    "PowerQuery",
     "SampleSizeEstimate",
     "samples_needed_for_location",
     "samples_needed_for_mean",
@@ -49,6 +50,26 @@ DEFAULT_POWER: Final = 0.8
 MAX_SAMPLES_ESTIMATE: Final = 10_000_000
 
 PowerTest = Literal["mann_whitney", "two_proportions", "two_means"]
+
+
+@dataclass(frozen=True, slots=True)
+class PowerQuery:
+    """What every estimate is asked with: the values each side has so far, the test's
+    confidence (alpha = 1 - confidence), the power wanted, and the gate's floor (rule 5)."""
+
+    have_baseline: int
+    have_candidate: int
+    confidence: float = DEFAULT_CONFIDENCE
+    power: float = DEFAULT_POWER
+    min_samples: int = MIN_COMPARABLE_SAMPLES
+
+    def __post_init__(self) -> None:
+        if self.have_baseline < 0 or self.have_candidate < 0:
+            raise ValueError("sample counts are not negative")
+        if not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
+        if not 0.0 < self.power < 1.0:
+            raise ValueError(f"power must lie in (0, 1), got {self.power}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +89,7 @@ class SampleSizeEstimate:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def samples_needed_for_location(
-    effect_size: float,
-    have_baseline: int,
-    have_candidate: int,
-    *,
-    confidence: float = DEFAULT_CONFIDENCE,
-    power: float = DEFAULT_POWER,
-    min_samples: int = MIN_COMPARABLE_SAMPLES,
-) -> SampleSizeEstimate:
+def samples_needed_for_location(effect_size: float, asked: PowerQuery) -> SampleSizeEstimate:
     """Noether's estimate (rule 2) from Cliff's delta, the judge's ``effect_size``.
 
     What a platform engineer reads: ``more_needed``, the mirrored requests still to
@@ -85,22 +98,13 @@ def samples_needed_for_location(
     """
     if not -1.0 <= effect_size <= 1.0:
         raise ValueError(f"Cliff's delta lies in [-1, 1], got {effect_size}")
-    z = _z_sum(confidence, power)
+    z = _z_sum(asked)
     needed = None if effect_size == 0.0 else 2.0 * z**2 / (3.0 * effect_size**2)
-    return _estimate("mann_whitney", effect_size, "Cliff's delta", needed,
-                     have_baseline, have_candidate, confidence, power, min_samples)  # fmt: skip
+    return _estimate("mann_whitney", effect_size, "Cliff's delta", needed, asked)
 
 
-def samples_needed_for_rate(
-    baseline_rate: float,
-    candidate_rate: float,
-    have_baseline: int,
-    have_candidate: int,
-    *,
-    confidence: float = DEFAULT_CONFIDENCE,
-    power: float = DEFAULT_POWER,
-    min_samples: int = MIN_COMPARABLE_SAMPLES,
-) -> SampleSizeEstimate:
+def samples_needed_for_rate(baseline_rate: float, candidate_rate: float,
+                            asked: PowerQuery) -> SampleSizeEstimate:
     """The two-proportion estimate (rule 3) for a 0/1 metric such as success.
 
     What a platform engineer reads: how many more requests before an error-rate change
@@ -109,28 +113,18 @@ def samples_needed_for_rate(
     for rate in (baseline_rate, candidate_rate):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"a rate lies in [0, 1], got {rate}")
-    z_alpha, z_power = _z_quantiles(confidence, power)
+    z_alpha, z_power = _z_quantiles(asked)
     diff = candidate_rate - baseline_rate
     pbar = (baseline_rate + candidate_rate) / 2.0
     spread = z_alpha * math.sqrt(2.0 * pbar * (1.0 - pbar)) + z_power * math.sqrt(
         baseline_rate * (1.0 - baseline_rate) + candidate_rate * (1.0 - candidate_rate)
     )
     needed = None if diff == 0.0 else spread**2 / diff**2
-    return _estimate("two_proportions", diff, "rate change", needed,
-                     have_baseline, have_candidate, confidence, power, min_samples)  # fmt: skip
+    return _estimate("two_proportions", diff, "rate change", needed, asked)
 
 
-def samples_needed_for_mean(
-    mean_shift: float,
-    std_baseline: float,
-    std_candidate: float,
-    have_baseline: int,
-    have_candidate: int,
-    *,
-    confidence: float = DEFAULT_CONFIDENCE,
-    power: float = DEFAULT_POWER,
-    min_samples: int = MIN_COMPARABLE_SAMPLES,
-) -> SampleSizeEstimate:
+def samples_needed_for_mean(mean_shift: float, std_baseline: float, std_candidate: float,
+                            asked: PowerQuery) -> SampleSizeEstimate:
     """The two-means estimate (rule 4) for a metric gated on its mean, such as cost.
 
     What a platform engineer reads: how many more requests before a change of the mean
@@ -138,47 +132,29 @@ def samples_needed_for_mean(
     """
     if std_baseline < 0.0 or std_candidate < 0.0:
         raise ValueError("standard deviations are not negative")
-    z = _z_sum(confidence, power)
+    z = _z_sum(asked)
     needed = None
     if mean_shift != 0.0:
         needed = z**2 * (std_baseline**2 + std_candidate**2) / mean_shift**2
-    return _estimate("two_means", mean_shift, "mean change", needed,
-                     have_baseline, have_candidate, confidence, power, min_samples)  # fmt: skip
+    return _estimate("two_means", mean_shift, "mean change", needed, asked)
 
 
-def _z_quantiles(confidence: float, power: float) -> tuple[float, float]:
+def _z_quantiles(asked: PowerQuery) -> tuple[float, float]:
     """The two-sided test's critical z and the z of the wanted power."""
-    _check(confidence, power)
-    return float(stats.norm.ppf(1.0 - (1.0 - confidence) / 2.0)), float(stats.norm.ppf(power))
+    return (float(stats.norm.ppf(1.0 - (1.0 - asked.confidence) / 2.0)),
+            float(stats.norm.ppf(asked.power)))
 
 
-def _z_sum(confidence: float, power: float) -> float:
-    return sum(_z_quantiles(confidence, power))
+def _z_sum(asked: PowerQuery) -> float:
+    return sum(_z_quantiles(asked))
 
 
-def _check(confidence: float, power: float) -> None:
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
-    if not 0.0 < power < 1.0:
-        raise ValueError(f"power must lie in (0, 1), got {power}")
-
-
-def _estimate(
-    test: PowerTest,
-    effect: float,
-    effect_name: str,
-    needed: float | None,
-    have_baseline: int,
-    have_candidate: int,
-    confidence: float,
-    power: float,
-    min_samples: int,
-) -> SampleSizeEstimate:
+def _estimate(test: PowerTest, effect: float, effect_name: str, needed: float | None,
+              asked: PowerQuery) -> SampleSizeEstimate:
     """Rules 1 and 5: round up, floor at ``min_samples``, None when out of reach."""
-    if have_baseline < 0 or have_candidate < 0:
-        raise ValueError("sample counts are not negative")
-    have = min(have_baseline, have_candidate)
-    alpha = 1.0 - confidence
+    have = min(asked.have_baseline, asked.have_candidate)
+    alpha = 1.0 - asked.confidence
+    power, min_samples = asked.power, asked.min_samples
     if needed is None or not math.isfinite(needed) or needed > MAX_SAMPLES_ESTIMATE:
         why = "no effect observed" if needed is None else "an effect this small"
         reason = (

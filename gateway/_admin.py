@@ -47,7 +47,7 @@ from gateway._exceptions import (
 )
 from gateway._mirror import Candidate
 from gateway._openapi import Operation, openapi_document
-from gateway._promotion import RoutingChange
+from gateway._promotion import Promoter, RoutingChange
 from gateway._routing import Routing
 from gateway._scorecard import (
     Distributions,
@@ -380,11 +380,18 @@ async def promote(request: web.Request) -> web.Response:
     return _json(ActionResult.of(change))
 
 
-async def rollback(request: web.Request) -> web.Response:
+async def _reasoned(request: web.Request,
+                    action: Callable[..., Awaitable[RoutingChange]]) -> web.Response:
+    """A ``Promoter`` change that takes only who asks and why (``RollbackBody``): a
+    rollback, a canary's stop."""
     body = await _body(request, RollbackBody)
-    change = await request.app[ADMIN_STATE].promoter.rollback(actor=body.actor,
-                                                              reason=body.reason)
+    change = await action(request.app[ADMIN_STATE].promoter, actor=body.actor,
+                          reason=body.reason)
     return _json(ActionResult.of(change))
+
+
+async def rollback(request: web.Request) -> web.Response:
+    return await _reasoned(request, Promoter.rollback)
 
 
 async def start_canary(request: web.Request) -> web.Response:
@@ -396,10 +403,7 @@ async def start_canary(request: web.Request) -> web.Response:
 
 
 async def stop_canary(request: web.Request) -> web.Response:
-    body = await _body(request, RollbackBody)
-    change = await request.app[ADMIN_STATE].promoter.abort_canary(actor=body.actor,
-                                                                  reason=body.reason)
-    return _json(ActionResult.of(change))
+    return await _reasoned(request, Promoter.abort_canary)
 
 
 async def remove_candidate(request: web.Request) -> web.Response:

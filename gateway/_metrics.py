@@ -64,130 +64,93 @@ def route_of(path: str) -> Route:
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter(
-            "understudy_requests", "Requests answered, by route and status.",
-            ["route", "status"], registry=r,
-        )
-        self.in_flight = Gauge(
-            "understudy_requests_in_flight", "Requests being relayed now.", registry=r
-        )
-        self.ttft = Histogram(
+
+        # One declaration each: name, help, then the label names (bounded: module docstring).
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry)
+
+        def latency(name: str, doc: str, *labels: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.requests = counter("understudy_requests", "Requests answered, by route and status.",
+                                "route", "status")
+        self.in_flight = gauge("understudy_requests_in_flight", "Requests being relayed now.")
+        self.ttft = latency(
             "understudy_primary_ttft_seconds",
-            "Time from request to the first body chunk of the primary's answer.",
-            ["route"], buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.e2e = Histogram(
-            "understudy_primary_e2e_seconds", "Time from request to the end of the answer.",
-            ["route"], buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.upstream_errors = Counter(
-            "understudy_upstream_errors", "Failures talking to an upstream, by kind.",
-            ["upstream", "kind"], registry=r,
-        )
-        self.connections_closed = Counter(
+            "Time from request to the first body chunk of the primary's answer.", "route")
+        self.e2e = latency("understudy_primary_e2e_seconds",
+                           "Time from request to the end of the answer.", "route")
+        self.upstream_errors = counter("understudy_upstream_errors",
+                                       "Failures talking to an upstream, by kind.",
+                                       "upstream", "kind")
+        self.connections_closed = counter(
             "understudy_connections_closed",
             "Client connections the gateway closed because a bound was exceeded, by reason "
             "(max_connections, max_connections_per_ip, header_timeout, keepalive_timeout, "
-            "headers_too_large, bad_request).",
-            ["reason"], registry=r,
-        )
-        self.connections_open = Gauge(
-            "understudy_connections_open", "Client connections admitted now.", registry=r
-        )
-        self.event_loop_tasks = Gauge(
+            "headers_too_large, bad_request).", "reason")
+        self.connections_open = gauge("understudy_connections_open",
+                                      "Client connections admitted now.")
+        self.event_loop_tasks = gauge(
             "understudy_event_loop_tasks",
             "asyncio tasks alive on the gateway's event loop (requests in flight, mirrored "
-            "requests, background loops): flat under steady traffic, or something leaks.",
-            registry=r,
-        )
-        self.rejected = Counter(
-            "understudy_requests_rejected", "Requests refused before forwarding, by reason.",
-            ["reason"], registry=r,
-        )
+            "requests, background loops): flat under steady traffic, or something leaks.")
+        self.rejected = counter("understudy_requests_rejected",
+                                "Requests refused before forwarding, by reason.", "reason")
 
         # -- mirroring (label ``candidate`` is bounded by the configured candidates) --
-        self.mirror_queued = Counter(
-            "understudy_mirror_queued", "Requests queued for a candidate.",
-            ["candidate"], registry=r,
-        )
-        self.mirror_dropped = Counter(
+        self.mirror_queued = counter("understudy_mirror_queued",
+                                     "Requests queued for a candidate.", "candidate")
+        self.mirror_dropped = counter(
             "understudy_mirror_dropped",
             "Requests not mirrored or not evaluated, by candidate and reason.",
-            ["candidate", "reason"], registry=r,
-        )
-        self.mirror_completed = Counter(
-            "understudy_mirror_completed", "Candidate replays that answered 2xx.",
-            ["candidate"], registry=r,
-        )
-        self.mirror_failed = Counter(
-            "understudy_mirror_failed", "Candidate replays that failed, by kind.",
-            ["candidate", "kind"], registry=r,
-        )
-        self.backend_scrapes = Counter(
+            "candidate", "reason")
+        self.mirror_completed = counter("understudy_mirror_completed",
+                                        "Candidate replays that answered 2xx.", "candidate")
+        self.mirror_failed = counter("understudy_mirror_failed",
+                                     "Candidate replays that failed, by kind.",
+                                     "candidate", "kind")
+        self.backend_scrapes = counter(
             "understudy_backend_scrapes",
             "Scrapes of a backend's vllm:num_requests_running, by outcome "
-            "(ok, error, timeout, status, absent, too_large).",
-            ["backend", "outcome"], registry=r,
-        )
-        self.mirror_joined = Counter(
+            "(ok, error, timeout, status, absent, too_large).", "backend", "outcome")
+        self.mirror_joined = counter(
             "understudy_mirror_joined",
             "Candidate observations joined with the primary's and handed to evaluation.",
-            ["candidate"], registry=r,
-        )
-        self.buffer_items = Gauge(
-            "understudy_mirror_buffer_items", "Requests queued per candidate.",
-            ["candidate"], registry=r,
-        )
-        self.buffer_bytes = Gauge(
-            "understudy_mirror_buffer_bytes", "Payload bytes queued per candidate.",
-            ["candidate"], registry=r,
-        )
-        self.budget_used = Gauge(
-            "understudy_memory_budget_used_bytes", "Bytes held for mirroring and evaluation.",
-            registry=r,
-        )
-        self.budget_limit = Gauge(
-            "understudy_memory_budget_limit_bytes", "The process-wide mirroring budget.",
-            registry=r,
-        )
-        self.candidate_ttft = Histogram(
-            "understudy_candidate_ttft_seconds", "Candidate time to first body chunk.",
-            ["candidate"], buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.candidate_e2e = Histogram(
-            "understudy_candidate_e2e_seconds", "Candidate end-to-end time.",
-            ["candidate"], buckets=LATENCY_BUCKETS, registry=r,
-        )
+            "candidate")
+        self.buffer_items = gauge("understudy_mirror_buffer_items",
+                                  "Requests queued per candidate.", "candidate")
+        self.buffer_bytes = gauge("understudy_mirror_buffer_bytes",
+                                  "Payload bytes queued per candidate.", "candidate")
+        self.budget_used = gauge("understudy_memory_budget_used_bytes",
+                                 "Bytes held for mirroring and evaluation.")
+        self.budget_limit = gauge("understudy_memory_budget_limit_bytes",
+                                  "The process-wide mirroring budget.")
+        self.candidate_ttft = latency("understudy_candidate_ttft_seconds",
+                                      "Candidate time to first body chunk.", "candidate")
+        self.candidate_e2e = latency("understudy_candidate_e2e_seconds",
+                                     "Candidate end-to-end time.", "candidate")
 
         # -- routing -------------------------------------------------------------------
-        self.routing_version = Gauge(
-            "understudy_routing_version", "Version of the routing this replica serves.",
-            registry=r,
-        )
-        self.canary_percent = Gauge(
-            "understudy_canary_percent", "Share of sessions served by the canary (0: none).",
-            registry=r,
-        )
-        self.admin_actions = Counter(
-            "understudy_admin_actions", "Promotions, rollbacks and canary steps, by action.",
-            ["action"], registry=r,
-        )
-        self.admin_store_failures = Counter(
+        self.routing_version = gauge("understudy_routing_version",
+                                     "Version of the routing this replica serves.")
+        self.canary_percent = gauge("understudy_canary_percent",
+                                    "Share of sessions served by the canary (0: none).")
+        self.admin_actions = counter("understudy_admin_actions",
+                                     "Promotions, rollbacks and canary steps, by action.",
+                                     "action")
+        self.admin_store_failures = counter(
             "understudy_admin_store_failures",
             "Admin changes refused with 503, unapplied, because the store could not take "
-            "them, by reason (timeout, unavailable, rejected).",
-            ["reason"], registry=r,
-        )
-        self.record_written = Counter(
-            "understudy_record_written", "Requests written to the [record] file.", registry=r,
-        )
-        self.record_dropped = Counter(
+            "them, by reason (timeout, unavailable, rejected).", "reason")
+        self.record_written = counter("understudy_record_written",
+                                      "Requests written to the [record] file.")
+        self.record_dropped = counter(
             "understudy_record_dropped",
             "Requests sampled for the [record] file but not written, by reason (queue_full, "
-            "max_bytes, not_json, write_error, shutdown).",
-            ["reason"], registry=r,
-        )
+            "max_bytes, not_json, write_error, shutdown).", "reason")
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

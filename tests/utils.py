@@ -12,12 +12,21 @@ from typing import Any
 
 import openai
 from aiohttp import web
+from hypothesis import HealthCheck, settings
 
 from backends.sim import SIM_STATS, SimConfig, SimStats
 from backends.sim import build_app as build_sim_app
 from evaluators import EvaluationSink, MemorySink
 from gateway import STATE, build_app, load_config, make_admin_runner, make_runner
 from gateway._state import GatewayState
+
+
+def fuzz_settings(max_examples: int, deadline_ms: int = 500,
+                  *suppress: HealthCheck) -> settings:
+    """The suite's property tests: reproducible (derandomized, no example database) and
+    not failed for slow data generation on a loaded machine."""
+    return settings(max_examples=max_examples, deadline=deadline_ms, derandomize=True,
+                    database=None, suppress_health_check=[HealthCheck.too_slow, *suppress])
 
 
 def free_port() -> int:
@@ -57,17 +66,23 @@ async def answering_once(answer: bytes) -> AsyncIterator[str]:
 
 
 @dataclass
-class RunningSim:
+class RunningApp:
+    """An app serving on a loopback port: its root URL and the app."""
+
     url: str
     app: web.Application
 
     @property
+    def base_url(self) -> str:
+        """Where the OpenAI API's paths start (what an OpenAI client is given)."""
+        return self.url + "/v1"
+
+
+@dataclass
+class RunningSim(RunningApp):
+    @property
     def stats(self) -> SimStats:
         return self.app[SIM_STATS]
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
 
 
 @asynccontextmanager
@@ -78,19 +93,13 @@ async def run_sim(**config: Any) -> AsyncIterator[RunningSim]:
 
 
 @dataclass
-class RunningGateway:
-    url: str
-    app: web.Application
+class RunningGateway(RunningApp):
     runner: web.AppRunner
     admin_url: str = ""
 
     @property
     def state(self) -> GatewayState:
         return self.app[STATE]
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
 
     @property
     def sink(self) -> MemorySink:

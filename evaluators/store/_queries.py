@@ -92,6 +92,21 @@ class ConditionedSamples:
     """The exchange's request body size, aligned with each side's values: what the
     judge's sample-bias reweighting sizes a value by (the same exchange on both sides)."""
 
+    @property
+    def candidate_columns(self) -> tuple[list[Any], ...]:
+        """The candidate's aligned lists: value, concurrency, prompt tokens, cached tokens,
+        backend running, prompt bytes."""
+        return (self.candidate, self.candidate_concurrency, self.candidate_prompt_tokens,
+                self.candidate_cached_tokens, self.candidate_backend_running,
+                self.candidate_prompt_bytes)
+
+    @property
+    def primary_columns(self) -> tuple[list[Any], ...]:
+        """The primary's aligned lists, in the order of :attr:`candidate_columns`."""
+        return (self.primary, self.primary_concurrency, self.primary_prompt_tokens,
+                self.primary_cached_tokens, self.primary_backend_running,
+                self.primary_prompt_bytes)
+
 
 @dataclass(frozen=True, slots=True)
 class EvaluatedRequests:
@@ -193,10 +208,11 @@ async def load_conditioned_samples(
     cand_obs, prim_obs, prim_backend = (
         aliased(ObservationRow), aliased(ObservationRow), aliased(BackendRow))
     query = (
-        select(ScoreRow.metric, ScoreRow.candidate_value, ScoreRow.primary_value,
-               cand_obs.concurrency, cand_obs.prompt_tokens, cand_obs.cached_tokens,
-               prim_obs.concurrency, prim_obs.prompt_tokens, prim_obs.cached_tokens,
-               ExchangeRow.prompt_bytes, cand_obs.backend_running, prim_obs.backend_running)
+        select(ScoreRow.metric, ExchangeRow.prompt_bytes,
+               ScoreRow.candidate_value, cand_obs.concurrency, cand_obs.prompt_tokens,
+               cand_obs.cached_tokens, cand_obs.backend_running,
+               ScoreRow.primary_value, prim_obs.concurrency, prim_obs.prompt_tokens,
+               prim_obs.cached_tokens, prim_obs.backend_running)
         .join(BackendRow, BackendRow.id == ScoreRow.candidate_id)
         .join(ExchangeRow, ExchangeRow.id == ScoreRow.exchange_id)
         .join(cand_obs, (cand_obs.exchange_id == ScoreRow.exchange_id)
@@ -213,23 +229,13 @@ async def load_conditioned_samples(
     out: dict[str, ConditionedSamples] = {}
     with translate_store_errors():
         result = await session.execute(query)
-        for metric, c_value, p_value, c_conc, c_prompt, c_cached, p_conc, p_prompt, p_cached, \
-                prompt_bytes, c_running, p_running in result:
+        for metric, prompt_bytes, *readings in result:
             found = out.setdefault(metric, ConditionedSamples())
-            if c_value is not None:
-                found.candidate.append(c_value)
-                found.candidate_concurrency.append(c_conc)
-                found.candidate_prompt_tokens.append(c_prompt)
-                found.candidate_cached_tokens.append(c_cached)
-                found.candidate_prompt_bytes.append(prompt_bytes)
-                found.candidate_backend_running.append(c_running)
-            if p_value is not None:
-                found.primary.append(p_value)
-                found.primary_concurrency.append(p_conc)
-                found.primary_prompt_tokens.append(p_prompt)
-                found.primary_cached_tokens.append(p_cached)
-                found.primary_prompt_bytes.append(prompt_bytes)
-                found.primary_backend_running.append(p_running)
+            for columns, reading in ((found.candidate_columns, readings[:5]),
+                                     (found.primary_columns, readings[5:])):
+                if reading[0] is not None:  # the side's value
+                    for column, item in zip(columns, (*reading, prompt_bytes), strict=True):
+                        column.append(item)
     return out
 
 

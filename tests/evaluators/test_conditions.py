@@ -26,6 +26,7 @@ from evaluators._matching import (
     load_curve,
 )
 from evaluators._power import (
+    PowerQuery,
     samples_needed_for_location,
     samples_needed_for_mean,
     samples_needed_for_rate,
@@ -314,16 +315,15 @@ def _byte_bounded_buffer(
 
 
 def _bias_of(
-    tokens: FloatArray, route: list[str], streamed: list[str], kept: list[int], dropped: list[int]
+    tokens: FloatArray, features: dict[str, list[str]], kept: list[int], dropped: list[int]
 ) -> SampleBias:
+    """The check over all ``tokens`` and ``features`` against the ``kept`` requests, the
+    ``dropped`` ones dropped for a full buffer."""
     return check_sample_bias(
         tokens,
         tokens[kept],
-        seen_features={"route": route, "streamed": streamed},
-        evaluated_features={
-            "route": [route[i] for i in kept],
-            "streamed": [streamed[i] for i in kept],
-        },
+        seen_features=features,
+        evaluated_features={name: [seen[i] for i in kept] for name, seen in features.items()},
         drops=[("buffer_full", float(tokens[i])) for i in dropped],
     )
 
@@ -332,7 +332,7 @@ def test_a_byte_bounded_buffer_that_drops_long_prompts_first_is_flagged() -> Non
     rng = np.random.default_rng(3)
     tokens, route, streamed = _traffic(rng, 4000)
     kept, dropped = _byte_bounded_buffer(tokens, 150_000)  # ~44 % of a window's bytes
-    bias = _bias_of(tokens, route, streamed, kept, dropped)
+    bias = _bias_of(tokens, {"route": route, "streamed": streamed}, kept, dropped)
 
     assert bias.skew and not bias.refuse
     assert bias.ks_statistic is not None and bias.ks_p_value is not None
@@ -357,7 +357,7 @@ def test_a_buffer_that_keeps_few_long_prompts_refuses_a_verdict() -> None:
     rng = np.random.default_rng(3)
     tokens, route, streamed = _traffic(rng, 4000)
     kept, dropped = _byte_bounded_buffer(tokens, 60_000)
-    bias = _bias_of(tokens, route, streamed, kept, dropped)
+    bias = _bias_of(tokens, {"route": route, "streamed": streamed}, kept, dropped)
     assert bias.skew and bias.refuse
     assert bias.max_weight is not None and bias.max_weight > MAX_IMPORTANCE_WEIGHT
     assert any(r.startswith("refuse: importance weight") for r in bias.reasons)
@@ -367,7 +367,7 @@ def test_an_unbiased_sample_is_not_flagged() -> None:
     rng = np.random.default_rng(3)
     tokens, route, streamed = _traffic(rng, 4000)
     kept = [int(i) for i in np.flatnonzero(rng.random(4000) < 0.3)]
-    bias = _bias_of(tokens, route, streamed, kept, [])
+    bias = _bias_of(tokens, {"route": route, "streamed": streamed}, kept, [])
     assert not bias.skew and not bias.refuse
     assert bias.ks_statistic is not None and bias.ks_statistic < 0.05
     assert bias.max_weight is not None and bias.max_weight < 1.2
@@ -379,15 +379,7 @@ def test_a_categorical_skew_is_flagged_by_total_variation() -> None:
     tokens, route, _ = _traffic(rng, 3000)
     kept = [i for i in range(3000) if route[i] == "chat" or i % 10 == 0]
     depth = [turn_depth_bucket(1 + i % 6) for i in range(3000)]
-    bias = check_sample_bias(
-        tokens,
-        tokens[kept],
-        seen_features={"route": route, "turn_depth": depth},
-        evaluated_features={
-            "route": [route[i] for i in kept],
-            "turn_depth": [depth[i] for i in kept],
-        },
-    )
+    bias = _bias_of(tokens, {"route": route, "turn_depth": depth}, kept, [])
     shift = next(c for c in bias.categories if c.feature == "route")
     assert shift.total_variation > 0.1 and shift.p_value is not None and shift.p_value < 0.01
     assert bias.skew and any(r.startswith("skew: route") for r in bias.reasons)
@@ -446,7 +438,7 @@ def test_the_sample_estimate_is_within_a_factor_of_two_of_where_the_verdict_turn
         u = float(stats.mannwhitneyu(early_c, early_b).statistic)
         delta = 2.0 * u / EARLY_PER_SIDE**2 - 1.0  # Cliff's delta, as the judge reports it
         estimate = samples_needed_for_location(
-            delta, EARLY_PER_SIDE, EARLY_PER_SIDE, min_samples=30
+            delta, PowerQuery(EARLY_PER_SIDE, EARLY_PER_SIDE, min_samples=30)
         )
         if estimate.needed_per_side is not None:
             assert estimate.more_needed == max(0, estimate.needed_per_side - EARLY_PER_SIDE)
@@ -469,15 +461,15 @@ def test_the_sample_estimate_is_within_a_factor_of_two_of_where_the_verdict_turn
 
 def test_noether_matches_its_closed_form_and_floors_at_min_samples() -> None:
     z = stats.norm.ppf(0.99) + stats.norm.ppf(0.8)
-    estimate = samples_needed_for_location(0.2, 40, 50)
+    estimate = samples_needed_for_location(0.2, PowerQuery(40, 50))
     assert estimate.needed_per_side == math.ceil(2 * z**2 / (3 * 0.04))  # 168
     assert estimate.have_per_side == 40 and estimate.more_needed == estimate.needed_per_side - 40
-    big = samples_needed_for_location(-0.9, 10, 10, min_samples=30)
+    big = samples_needed_for_location(-0.9, PowerQuery(10, 10, min_samples=30))
     assert big.needed_per_side == 30 and big.more_needed == 20
-    none = samples_needed_for_location(0.0, 100, 100)
+    none = samples_needed_for_location(0.0, PowerQuery(100, 100))
     assert none.needed_per_side is None and none.more_needed is None
     assert "no effect observed" in none.reason
-    tiny = samples_needed_for_location(1e-5, 100, 100)
+    tiny = samples_needed_for_location(1e-5, PowerQuery(100, 100))
     assert tiny.needed_per_side is None
     _plain_json(estimate.to_dict())
 
@@ -485,13 +477,13 @@ def test_noether_matches_its_closed_form_and_floors_at_min_samples() -> None:
 def test_rate_and_mean_estimates_match_textbook_values() -> None:
     # Two proportions 5 % vs 10 %, alpha 0.05, power 0.8: 435 per side (Fleiss, no
     # continuity correction). Two means, difference 1, sd 2 each: 63 per side.
-    rate = samples_needed_for_rate(0.05, 0.10, 100, 120, confidence=0.95)
+    rate = samples_needed_for_rate(0.05, 0.10, PowerQuery(100, 120, confidence=0.95))
     assert rate.needed_per_side == 435 and rate.more_needed == 335
     assert rate.effect == pytest.approx(0.05)
-    mean = samples_needed_for_mean(1.0, 2.0, 2.0, 70, 70, confidence=0.95)
+    mean = samples_needed_for_mean(1.0, 2.0, 2.0, PowerQuery(70, 70, confidence=0.95))
     assert mean.needed_per_side == 63 and mean.more_needed == 0
     with pytest.raises(ValueError):
-        samples_needed_for_rate(0.1, 1.2, 10, 10)
+        samples_needed_for_rate(0.1, 1.2, PowerQuery(10, 10))
 
 
 # --- reweighting a skewed sample (the judge's rule 9) --------------------------------
@@ -533,7 +525,7 @@ def test_a_skewed_sample_reweighted_recovers_the_traffic_s_latency_shift() -> No
     rng = np.random.default_rng(3)
     tokens, route, streamed = _traffic(rng, 4000)
     kept, dropped = _byte_bounded_buffer(tokens, 150_000)
-    bias = _bias_of(tokens, route, streamed, kept, dropped)
+    bias = _bias_of(tokens, {"route": route, "streamed": streamed}, kept, dropped)
     assert bias.skew and not bias.refuse
     # The truth: every request of the traffic judged, in the buckets the sample covers
     # (the uncovered share, under 5 %, is what no weighting can answer for).

@@ -20,18 +20,13 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from evaluators import Capture, Observation, Usage, observe
+from tests.utils import fuzz_settings
 
-FUZZ = settings(
-    max_examples=150,
-    deadline=500,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FUZZ = fuzz_settings(150)
 
 _ID = "chatcmpl-fuzz"
 _MODEL = "sim-model"

@@ -20,7 +20,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
@@ -34,14 +34,9 @@ from gateway._config import (
     ServerConfig,
     UpstreamConfig,
 )
+from tests.utils import fuzz_settings
 
-FUZZ = settings(
-    max_examples=150,
-    deadline=1000,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+FUZZ = fuzz_settings(150, 1000, HealthCheck.function_scoped_fixture)
 
 SECRET = "Zq9-s3cr3t-VALUE-77"
 

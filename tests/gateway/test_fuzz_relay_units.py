@@ -20,18 +20,13 @@ import itertools
 from typing import Any
 
 import orjson
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway._relay import UsageEventFilter
+from tests.utils import fuzz_settings
 
-FUZZ = settings(
-    max_examples=200,
-    deadline=500,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FUZZ = fuzz_settings(200)
 
 
 def _event(doc: dict[str, Any]) -> bytes:
