@@ -31,7 +31,7 @@ Rules
    under a codec with a recent window, the blocks of its window, whose raw rows the pool keeps
    while a running request's window or a released conversation's tail holds them (settled
    after every step, ``BlockPool`` rule 8); the pool is sized by the codec's true bytes per
-   block.  Drafts (rule 5) are off: a rejected draft that
+   block.  Drafts (rule 5) stop short of a block's last position: a rejected draft that
    completed a block would have sealed it with tokens that are not the sequence's.
 """
 
@@ -129,8 +129,6 @@ class Engine:
             raw_blocks=max_num_seqs,
             decoded_cache_bytes=kv_decoded_cache_bytes,
         )
-        if codec is not None:
-            speculative_tokens = 0
         self.retention = KVRetention(self.pool, int(self.pool.num_blocks * retained_kv_share))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -455,6 +453,8 @@ class Engine:
                 request.params.max_tokens - request.num_output - 1,
                 self.model.max_model_len - len(request.tokens) - 1,
             )
+            if self.pool.codec is not None:  # rule 8: no draft completes a block
+                room = min(room, self.block_size - 1 - len(request.tokens) % self.block_size)
             drafts = propose_drafts(request.tokens, room)
             need = self._blocks_for(len(request.tokens) + len(drafts)) - len(request.block_table)
             if not drafts or need > self.pool.num_free_blocks:
