@@ -20,7 +20,6 @@ import pytest
 from backends.engine import Engine, LlamaModel, SamplingParams
 from backends.engine.kv._paged_codec import SERVED_CODECS, PagedCodec
 from backends.engine.kv._plan import KVPlan
-from backends.engine.kv._transfer import KVSource, KVTransferServer
 from backends.engine.kv.codecs._quality import calibrate
 from backends.engine.model._attention import OwnBlocks, attend, attend_decode, key_span
 from backends.engine.model._lanes import RowLanes
@@ -28,7 +27,7 @@ from backends.engine.model._numerics import attention_rows_independent
 from backends.engine.serving._server_config import UnifiedServerConfig, engine_server_config
 
 from . import test_transfer
-from .test_transfer import KV_LIMIT, Node, _pull, _pull_fails, _retain
+from .test_transfer import KV_LIMIT, Node, _pull, _pull_fails, _retain, serving
 
 start_node = test_transfer.start_node  # the fixture: engines stepped by loops, stopped at teardown
 
@@ -250,12 +249,6 @@ def test_unified_prefix_cached_and_chunked_prefill_are_bitwise_equal(
 # -- the disaggregated transfer --------------------------------------------------------------
 
 
-async def _served(node: Node) -> KVTransferServer:
-    server = KVTransferServer(node.loop, node.metrics, fingerprint=node.engine.model.fingerprint)
-    await server.start("127.0.0.1", 0)
-    return server
-
-
 def test_a_windowed_prefix_hit_reads_its_window_raw_or_is_cut_back(
     engine_model: LlamaModel,
     calibration,  # type: ignore[no-untyped-def]
@@ -292,16 +285,11 @@ async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
     prompt = engine_model.tokenizer.encode(PROMPT_TEXT)[:33]
     sizes = {}
     for codec in ("fp32", name):
-        owner = start_node(_engine(engine_model, codec, calibration))
-        server = await _served(owner)
-        try:
-            retained = await _retain(owner, prompt)
+        async with serving(start_node(_engine(engine_model, codec, calibration))) as owner:
+            retained = await _retain(owner.node, prompt)
             puller = start_node(_engine(engine_model, codec, calibration))
-            source = KVSource.retained_at(server.host, server.port, retained)
-            assert await _pull(puller, source, prompt) == 2
+            assert await _pull(puller, owner.source(retained), prompt) == 2
             sizes[codec] = puller.sample("understudy_kv_pulled_bytes_total")
-        finally:
-            await server.close()
         if codec == name:
             answer = await puller.loop.call(lambda e: _run(e, prompt))
             assert answer == _run(_engine(engine_model, name, calibration), prompt)
@@ -333,15 +321,10 @@ async def test_a_node_refuses_blocks_of_another_codec_and_counts_it(
     """A plan is compared whole: a mixed plan's blocks are refused by a node of one of its own
     codecs, and the other way round, counted as a codec mismatch."""
     prompt = engine_model.tokenizer.encode(PROMPT_TEXT)[:33]
-    owner = start_node(_engine(engine_model, owner_codec, calibration))
-    server = await _served(owner)
-    try:
-        retained = await _retain(owner, prompt)
+    async with serving(start_node(_engine(engine_model, owner_codec, calibration))) as owner:
+        retained = await _retain(owner.node, prompt)
         puller = start_node(_engine(engine_model, puller_codec, calibration))
-        source = KVSource.retained_at(server.host, server.port, retained)
-        assert await _pull_fails(puller, source, prompt) == "codec"
-    finally:
-        await server.close()
+        assert await _pull_fails(puller, owner.source(retained), prompt) == "codec"
     assert puller.pulls() == {"codec": 1}
     answer = await puller.loop.call(lambda e: _run(e, prompt))
     assert answer == _run(_engine(engine_model, puller_codec, calibration), prompt)

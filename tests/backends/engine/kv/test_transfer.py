@@ -10,6 +10,7 @@ counted outcome and imports nothing.  Prompts are a few dozen tokens, answers a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -127,15 +128,29 @@ def start_puller(
     return lambda: start_node(Engine(engine_model, KV_LIMIT))
 
 
-@pytest.fixture
-async def owner(owner_engine: Engine, start_node: Callable[[Engine], Node]) -> AsyncIterator[Owner]:
-    node = start_node(owner_engine)
-    server = KVTransferServer(node.loop, node.metrics, fingerprint=owner_engine.pool.seed)
+@contextlib.asynccontextmanager
+async def serving(
+    node: Node, *, fingerprint: bytes | None = None, numerics: bytes | None = None
+) -> AsyncIterator[Owner]:
+    """``node``'s retained sets served on a free KV port until the block ends.  ``fingerprint``
+    and ``numerics`` stand in for the node's own (an owner of another model, other bits)."""
+    server = KVTransferServer(
+        node.loop,
+        node.metrics,
+        fingerprint=node.engine.model.fingerprint if fingerprint is None else fingerprint,
+        numerics=numerics,
+    )
     await server.start("127.0.0.1", 0)
     try:
         yield Owner(node, server)
     finally:
         await server.close()
+
+
+@pytest.fixture
+async def owner(owner_engine: Engine, start_node: Callable[[Engine], Node]) -> AsyncIterator[Owner]:
+    async with serving(start_node(owner_engine)) as served:
+        yield served
 
 
 async def _run_retaining(
@@ -358,22 +373,15 @@ async def test_an_owner_of_another_model_or_other_numerics_is_refused_and_counte
     """Another model, or the same one computed with other bits (another BLAS kernel on the
     owner): refused and counted, never a silent difference."""
     retained = await _retain(owner.node, history)
-    pool = owner.node.engine.pool
     stranger = (
-        KVTransferServer(owner.node.loop, owner.node.metrics, fingerprint=bytes(32))
+        serving(owner.node, fingerprint=bytes(32))
         if other == "model"
-        else KVTransferServer(
-            owner.node.loop, owner.node.metrics, fingerprint=pool.seed, numerics=bytes(32)
-        )
+        else serving(owner.node, numerics=bytes(32))
     )
     outcome = "mismatch" if other == "model" else "numerics"
-    await stranger.start("127.0.0.1", 0)
-    try:
-        source = KVSource.retained_at(stranger.host, stranger.port, retained)
+    async with stranger as served:
         puller = start_puller()
-        assert await _pull_fails(puller, source, history) == outcome
-    finally:
-        await stranger.close()
+        assert await _pull_fails(puller, served.source(retained), history) == outcome
     assert puller.pulls() == {outcome: 1}
     assert owner.node.sample("understudy_kv_served_blocks_total") == 0
 
