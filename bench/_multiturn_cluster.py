@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -35,8 +34,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import Child, free_port
+from _procs import Child
 from _stream_timing import StreamError, sse_chunks
+
+from demo.processes import THREAD_ENV, free_port, spawn, understudy_argv, wait_healthy
 
 __all__ = [
     "MODEL",
@@ -52,11 +53,9 @@ __all__ = [
 ]
 
 MODEL = "SmolLM2-135M-Instruct"  # the engine's default served name
-THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # Loading dequantizes the GGUF and checks the BLAS kernels: ~17 s alone on a busy machine,
 # longer when five processes load at once on two cores.
 ENGINE_READY_TIMEOUT_S = 300.0
-HEALTH_POLL_S = 0.25
 METRICS_TIMEOUT_S = 10.0
 MAX_COMPLAINTS_KEPT = 5
 _COMPLAINT = re.compile(r" (WARNING|ERROR|CRITICAL) |^Traceback")
@@ -100,52 +99,17 @@ class Deployment:
 
 
 def _spawn(workdir: Path, code: Path, name: str, args: list[str]) -> Child:
+    """An engine from the snapshot ``code`` (rules 1-2)."""
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "--log-level",
-        "WARNING",
-        "engine",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *args,
-    ]
-    log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv,
-            cwd=code,  # python -m puts the cwd first on sys.path: the snapshot runs
-            env={**os.environ, **THREAD_ENV},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return Child(name, proc, log, url=f"http://127.0.0.1:{port}")
+    argv = understudy_argv("engine", "--host", "127.0.0.1", "--port", str(port), *args)
+    return spawn(name, argv, workdir, cwd=code, env={**os.environ, **THREAD_ENV},
+                 url=f"http://127.0.0.1:{port}")
 
 
 def wait_ready(*deployments: Deployment) -> None:
     """Wait until every child of ``deployments`` answers ``/health`` (rule 3)."""
-    deadline = time.monotonic() + ENGINE_READY_TIMEOUT_S
-    waiting = [child for deployment in deployments for child in deployment.children]
-    while waiting and time.monotonic() < deadline:
-        for child in list(waiting):
-            if not child.alive():
-                raise RuntimeError(
-                    f"{child.name} exited ({child.proc.returncode}) while starting:\n"
-                    f"{child.log_tail(30)}"
-                )
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(child.url + "/health", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        waiting.remove(child)
-        time.sleep(HEALTH_POLL_S)
-    if waiting:
-        names = ", ".join(child.name for child in waiting)
-        raise RuntimeError(f"not ready after {ENGINE_READY_TIMEOUT_S:.0f} s: {names}")
+    wait_healthy([child for deployment in deployments for child in deployment.children],
+                 ENGINE_READY_TIMEOUT_S)
 
 
 @contextlib.contextmanager

@@ -17,24 +17,21 @@ Rules:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import select
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from backends.vllm import VLLMProfile, VLLMServer, VLLMServerError, model_dir
+from demo.processes import Process, free_port, understudy_argv, wait_healthy
+from demo.processes import spawn as start_process
 
 __all__ = [
     "CLOCK_TICKS",
@@ -63,7 +60,8 @@ __all__ = [
     "start_nginx",
     "start_sim",
     "start_vllm",
-    "wait_http",
+    "understudy_argv",
+    "wait_ready",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +69,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 READY_TIMEOUT_S = 90.0
 """A gateway or simulator answers /health in 1-3 s on idle cores; at load average 15 on two
 it took over 20 s and killed bench runs (bench/mirror.py and bench/_score_gateway.py wait 90)."""
-STOP_TIMEOUT_S = 5.0
+HEALTH_POLL_S = 0.05
 # Loading the engine dequantizes the GGUF and checks the BLAS kernels; vLLM's enforce-eager
 # profile is healthy in ~30-40 s on two idle cores. Both start side by side, on a shared machine.
 ENGINE_READY_TIMEOUT_S = 300.0
@@ -82,41 +80,8 @@ _SIM_LINE = re.compile(rb"on (http://[0-9.]+:[0-9]+)")
 _CODE_DIRS = ("gateway", "evaluators", "backends", "migrations")
 
 
-@dataclass
-class Child:
-    """One started process: its name, its Popen, where it logs, the pids to bill CPU to."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    url: str = ""
-    extra_pids: list[int] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def cpu_pids(self) -> list[int]:
-        return [self.pid, *self.extra_pids]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+Child = Process
+"""One started process (``demo.processes``: its log, its stop, the pids to bill CPU to)."""
 
 
 def snapshot_code(workdir: Path) -> Path:
@@ -158,12 +123,6 @@ def export_code(workdir: Path, rev: str) -> Path:
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
     return code
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def cpu_ticks(pids: list[int]) -> int:
@@ -217,48 +176,33 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def wait_http(child: Child, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if not child.alive():
-            raise RuntimeError(f"{child.name} exited ({child.proc.returncode}):\n"
-                               f"{child.log_tail()}")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except OSError as exc:
-            last = exc
-        time.sleep(0.05)
-    child.stop()
-    raise RuntimeError(f"{child.name} not ready at {url} after {timeout_s}s ({last}):\n"
-                       f"{child.log_tail()}")
+def wait_ready(child: Child, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait until ``child`` answers its ``/health``; stop it if it never does."""
+    try:
+        wait_healthy([child], timeout_s, poll_s=HEALTH_POLL_S)
+    except RuntimeError:
+        child.stop()
+        raise
 
 
 def spawn(name: str, argv: list[str], workdir: Path, code: Path, *,
            cwd: Path | None = None) -> Child:
     """Start ``argv`` in ``code`` (``python -m`` puts the cwd first on sys.path), or in
     ``cwd`` with ``code`` first on PYTHONPATH; it logs to ``workdir/NAME.log``."""
-    log = workdir / f"{name}.log"
     env = None
     if cwd is not None:
         env = {**os.environ,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(code),
                                                            os.environ.get("PYTHONPATH")]))}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=cwd or code, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return Child(name, proc, log)
+    return start_process(name, argv, workdir, cwd=cwd or code, env=env)
 
 
 def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, tokens: int,
               name: str = "sim", extra: Sequence[str] = ()) -> Child:
     """The vLLM simulator on a free port (it picks port 0 and prints its URL); ``extra``:
     more ``sim`` flags (``--variant``, ``--fault``)."""
-    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
-            "--port", "0", "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
-            "--tokens", str(tokens), *extra]
+    argv = understudy_argv("sim", "--port", "0", "--ttft-ms", str(ttft_ms), "--itl-ms",
+                           str(itl_ms), "--tokens", str(tokens), *extra)
     child = spawn(name, argv, workdir, code)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and not child.url:
@@ -271,7 +215,7 @@ def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, token
     if not child.url:
         child.stop()
         raise RuntimeError(f"simulator did not start:\n{child.log_tail()}")
-    wait_http(child, child.url + "/health")
+    wait_ready(child)
     return child
 
 
@@ -285,11 +229,11 @@ def start_gateway(workdir: Path, code: Path, primary_url: str) -> Child:
     port = free_port()
     run_dir = workdir / f"gateway-{port}"
     run_dir.mkdir()
-    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
-            "--primary", primary_url, "--host", "127.0.0.1", "--port", str(port)]
+    argv = understudy_argv("serve", "--primary", primary_url, "--host", "127.0.0.1",
+                           "--port", str(port))
     child = spawn("gateway", argv, run_dir, code, cwd=run_dir)
     child.url = f"http://127.0.0.1:{port}"
-    wait_http(child, child.url + "/health")
+    wait_ready(child)
     return child
 
 
@@ -300,7 +244,7 @@ def start_bare_relay(workdir: Path, primary_url: str) -> Child:
     argv = [sys.executable, str(script), "--primary", primary_url, "--port", str(port)]
     child = spawn("aiohttp", argv, workdir, workdir)
     child.url = f"http://127.0.0.1:{port}"
-    wait_http(child, child.url + "/health")
+    wait_ready(child)
     return child
 
 
@@ -391,7 +335,7 @@ def start_nginx(workdir: Path, binary: str, primary_url: str, *, name: str = "ng
             "-g", "daemon off;"]
     child = spawn(name, argv, workdir, workdir)
     child.url = f"http://127.0.0.1:{port}"
-    wait_http(child, child.url + "/health")
+    wait_ready(child)
     child.extra_pids = children_of(child.pid)  # the worker(s)
     if not child.extra_pids:
         child.stop()
@@ -403,13 +347,11 @@ def start_engine(workdir: Path, code: Path, *, name: str = "engine") -> Child:
     """The reference engine (``understudy engine --role unified``) from the code snapshot,
     on a free port, with prefix caching on (its default, as vLLM's profile)."""
     port = free_port()
-    argv = [
-        sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "engine",
-        "--role", "unified", "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
+    argv = understudy_argv("engine", "--role", "unified", "--host", "127.0.0.1",
+                           "--port", str(port))
     child = spawn(name, argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
-    wait_http(child, child.url + "/health", ENGINE_READY_TIMEOUT_S)
+    wait_ready(child, ENGINE_READY_TIMEOUT_S)
     return child
 
 

@@ -21,7 +21,6 @@ import asyncio
 import itertools
 import json
 import sqlite3
-import sys
 import tempfile
 import time
 import urllib.request
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _procs import Child, free_port, spawn, wait_http
+from _procs import Child, free_port, spawn, understudy_argv, wait_ready
 from _report import loadavg, render_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,9 +47,8 @@ READY_TIMEOUT_S = 90.0
 
 def _sim(workdir: Path, name: str, variant: str) -> Child:
     port = free_port()
-    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
-            "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
-            "--tokens", str(TOKENS), "--variant", variant]
+    argv = understudy_argv("sim", "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms",
+                           str(ITL_MS), "--tokens", str(TOKENS), "--variant", variant)
     child = spawn(name, argv, workdir, REPO_ROOT)
     child.url = f"http://127.0.0.1:{port}"
     return child
@@ -70,8 +68,7 @@ def _gateway(workdir: Path, primary: str, candidate: str, semantic_model: str
              "[[candidates]]", *(f"{k} = {json.dumps(v)}" for k, v in candidate_entry.items())]
     config = workdir / "gateway.toml"
     config.write_text("\n".join(lines) + "\n")
-    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
-            "--config", str(config)]
+    argv = understudy_argv("serve", "--config", str(config))
     child = spawn("gateway", argv, workdir, REPO_ROOT, cwd=workdir)
     child.url = f"http://127.0.0.1:{port}"
     return child, db
@@ -172,10 +169,10 @@ def run_gateway_phase(*, quick: bool = False, variant: str = "",
             candidate = _sim(workdir, "candidate", variant)
             children += [primary, candidate]
             for sim in (primary, candidate):
-                wait_http(sim, sim.url + "/health", READY_TIMEOUT_S)
+                wait_ready(sim, READY_TIMEOUT_S)
             gateway, db = _gateway(workdir, primary.url, candidate.url, semantic_model)
             children.append(gateway)
-            wait_http(gateway, gateway.url + "/health", READY_TIMEOUT_S)
+            wait_ready(gateway, READY_TIMEOUT_S)
             load_before = loadavg()
             tally = asyncio.run(_offer(gateway.url, duration))
             metrics, drain_s = _drain(gateway.url)

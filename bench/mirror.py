@@ -98,7 +98,8 @@ from _procs import (
     snapshot_code,
     spawn,
     start_nginx,
-    wait_http,
+    understudy_argv,
+    wait_ready,
 )
 from _report import RESULTS_DIR, div, load_figures, median, num, render_table, write_results
 
@@ -165,9 +166,9 @@ def spawn_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
     """bench/_procs.start_sim with the options it does not take (fault, context); not
     waited for (see ``ready``), so that the Python children start side by side."""
     port = free_port()
-    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "sim",
-            "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
-            "--tokens", str(TOKENS), "--max-model-len", str(SIM_MAX_MODEL_LEN), *extra]
+    argv = understudy_argv("sim", "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms",
+                           str(ITL_MS), "--tokens", str(TOKENS), "--max-model-len",
+                           str(SIM_MAX_MODEL_LEN), *extra)
     child = spawn(name, argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
     return child
@@ -191,8 +192,7 @@ def spawn_gateway(workdir: Path, code: Path, name: str, primary_url: str,
         lines.append("")
     config = workdir / f"{name}.toml"
     config.write_text("\n".join(lines))
-    argv = [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
-            "--config", str(config)]
+    argv = understudy_argv("serve", "--config", str(config))
     child = spawn(name, argv, workdir, code)
     child.url = f"http://127.0.0.1:{port}"
     return child
@@ -201,7 +201,7 @@ def spawn_gateway(workdir: Path, code: Path, name: str, primary_url: str,
 def ready(*children: Child) -> None:
     """Wait until each child answers /health (imports take seconds on a busy machine)."""
     for child in children:
-        wait_http(child, child.url + "/health", READY_TIMEOUT_S)
+        wait_ready(child, READY_TIMEOUT_S)
 
 
 def candidate_entry(name: str, url: str, **extra: Any) -> dict[str, Any]:

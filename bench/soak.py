@@ -52,7 +52,8 @@ from _procs import (
     snapshot_code,
     spawn,
     start_sim,
-    wait_http,
+    understudy_argv,
+    wait_ready,
 )
 from _report import RESULTS_DIR, loadavg, num, render_table, signed, write_results
 
@@ -83,12 +84,7 @@ def start_gateway(
     run_dir = workdir / "gateway"
     run_dir.mkdir()
     os.environ["UNDERSTUDY_ADMIN_TOKEN"] = token  # spawn() passes the environment on
-    argv = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "--log-level",
-        "WARNING",
+    argv = understudy_argv(
         "serve",
         "--primary",
         primary,
@@ -102,10 +98,10 @@ def start_gateway(
         f"healthy={healthy},rate=1.0,unit=request",
         "--candidate",
         f"faulty={faulty},rate=1.0,unit=request",
-    ]
+    )
     child = spawn("gateway", argv, run_dir, code, cwd=run_dir)
     child.url = f"http://127.0.0.1:{port}"
-    wait_http(child, child.url + "/health", 60)
+    wait_ready(child, 60)
     return child, f"http://127.0.0.1:{admin}/admin/v1"
 
 

@@ -29,12 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,9 +44,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from demo._cpu_slices import cpu_slices
-from demo._deployments import Deployment, DeploymentSpec, deployments, free_port
+from demo._deployments import Deployment, DeploymentSpec, deployments
 from demo._gateway import GatewayClient, Samples, gateway_config, new_token, scrape, total
 from demo._scorecard import Scorecard, card_from_report, render, would_promote
+from demo.processes import free_port, spawn, understudy_argv, wait_healthy
 from evaluators.store import create_engine, load_samples_by_turn_depth, session_factory
 from workload import TurnResult, WorkloadSpec, WorkloadSummary, run_workload
 
@@ -97,19 +94,6 @@ class DemoSpec:
     workdir: Path | None = None
 
 
-def _wait_http(url: str, timeout_s: float, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the gateway exited ({process.returncode}):\n"
-                               + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as answer:
-            if answer.status == 200:
-                return
-        time.sleep(0.25)
-    raise RuntimeError(f"the gateway did not answer {url} within {timeout_s:.0f} s")
-
-
 @contextlib.contextmanager
 def _gateway(workdir: Path, primary: tuple[str, str], candidates: list[tuple[str, str, str]],
              min_samples: int) -> Iterator[GatewayClient]:
@@ -119,24 +103,14 @@ def _gateway(workdir: Path, primary: tuple[str, str], candidates: list[tuple[str
     config.write_text(gateway_config(port=port, admin_port=admin_port, token=token,
                                      store_path=workdir / "understudy.db", primary=primary,
                                      candidates=candidates, min_samples=min_samples))
-    log = workdir / "gateway.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
-             "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    gateway = spawn("gateway", understudy_argv("serve", "--config", str(config)), workdir,
+                    url=url)
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(url + "/health", GATEWAY_READY_TIMEOUT_S, process, log)
+        wait_healthy([gateway], GATEWAY_READY_TIMEOUT_S)
         yield GatewayClient(url, f"http://127.0.0.1:{admin_port}", token)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(GATEWAY_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        gateway.stop(GATEWAY_STOP_TIMEOUT_S)
 
 
 class _Progress:
@@ -260,7 +234,7 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> Scorecard:
         started_deployments = stack.enter_context(deployments(workdir, specs))
         by_name = {d.name: d for d in started_deployments}
         slices = stack.enter_context(cpu_slices(
-            {d.name: [e.process.pid for e in d.engines] for d in started_deployments}))
+            {d.name: [e.pid for e in d.engines] for d in started_deployments}))
         console.print(f"CPU: {escape(slices.how)}")
         if not spec.primary_vllm:
             primary_url, replica_url = by_name[PRIMARY].url, by_name[REPLICA].url

@@ -1,0 +1,128 @@
+"""Child processes on loopback: what the demo and the benchmarks (``bench/_procs.py``) start.
+
+Rules:
+1. Every child logs stdout and stderr to a file of its own, reads nothing (stdin closed),
+   and is stopped by its own pid: SIGTERM, then SIGKILL past a grace (``STOP_GRACE_S``).
+2. A child is ready when its ``/health`` answers 200; waiting for several polls all of
+   them, and a child that exits first fails the wait with the tail of its log.
+3. understudy's own servers run as ``python -m gateway.cli`` (``understudy_argv``), which
+   puts the child's working directory first on ``sys.path``: a benchmark starts them in a
+   snapshot of the code, so edits made during a run do not reach them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "THREAD_ENV",
+    "Process",
+    "free_port",
+    "spawn",
+    "understudy_argv",
+    "wait_healthy",
+]
+
+THREAD_ENV: Final = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+                     "MKL_NUM_THREADS": "1"}
+"""One BLAS and one OpenMP thread: engines sharing a few cores collapse when numpy's BLAS
+threads spin-wait on each other."""
+STOP_GRACE_S: Final = 10.0
+HEALTH_POLL_S: Final = 0.25
+LOG_TAIL_LINES: Final = 30
+
+
+def free_port() -> int:
+    """A loopback port the OS picked free."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def understudy_argv(command: str, *args: str) -> list[str]:
+    """``understudy COMMAND ARGS`` as a child runs it (rule 3), logging warnings and up."""
+    return [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", command, *args]
+
+
+@dataclass
+class Process:
+    """One started child: its name, its Popen, where it logs, the URL it serves (if any),
+    and the pids of workers it forked whose CPU counts as its own (nginx's, say)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+    extra_pids: list[int] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cpu_pids(self) -> list[int]:
+        return [self.pid, *self.extra_pids]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Rule 1."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(grace_s)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def spawn(name: str, argv: Sequence[str], log_dir: Path, *, cwd: Path | None = None,
+          env: Mapping[str, str] | None = None, url: str = "") -> Process:
+    """Start ``argv`` in ``cwd`` (None: this process's) with ``env`` (None: this process's),
+    logging to ``log_dir/NAME.log`` (rule 1)."""
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return Process(name, proc, log, url)
+
+
+def wait_healthy(processes: Sequence[Process], timeout_s: float, *,
+                 poll_s: float = HEALTH_POLL_S) -> None:
+    """Wait until every one of ``processes`` answers ``URL/health`` (rule 2)."""
+    if nameless := [p.name for p in processes if not p.url]:
+        raise ValueError(f"no URL to ask for health: {', '.join(nameless)}")
+    deadline = time.monotonic() + timeout_s
+    waiting = list(processes)
+    while waiting and time.monotonic() < deadline:
+        for process in list(waiting):
+            if not process.alive():
+                raise RuntimeError(f"{process.name} exited ({process.proc.returncode}) "
+                                   f"while starting:\n{process.log_tail()}")
+            with contextlib.suppress(OSError), \
+                    urllib.request.urlopen(process.url + "/health", timeout=1.0) as answer:
+                if answer.status == 200:
+                    waiting.remove(process)
+        if waiting:
+            time.sleep(poll_s)
+    if waiting:
+        raise RuntimeError(f"not ready within {timeout_s:.0f} s: "
+                           + ", ".join(p.name for p in waiting))
