@@ -65,7 +65,6 @@ __all__ = [
 
 BlockHash = bytes
 ExtraKey = str | int | bytes
-Float32Array = npt.NDArray[np.float32]
 
 DECODED_CACHE_SHARE = 0.25
 """The largest share of a KV memory limit the decoded-block cache may take."""

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import Float32Array
 from ..model._model import LlamaModel
 from ._plan import KVPlan
 from ._store import DEFAULT_BLOCK_SIZE
@@ -45,7 +45,6 @@ from .codecs._registry import codec_by_name
 __all__ = ["Bound", "CostCalibration", "StepEstimate", "calibrate_costs", "estimate_step"]
 
 Bound = Literal["compute", "weights", "kv"]
-Float32Array = npt.NDArray[np.float32]
 
 _REPEATS = 5
 _COMPUTE_ROWS = 256

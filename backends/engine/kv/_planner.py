@@ -46,9 +46,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._arrays import Float32Array, Float64Array
 from ..model._model import LlamaModel
 from ._plan import ENGINE_CODECS, KVPlan
-from .codecs._codec import ROLES, Float32Array, Role
+from .codecs._codec import ROLES, Role
 from .codecs._quality import (
     DEFAULT_QUERIES,
     CodecChoice,
@@ -81,7 +82,6 @@ __all__ = [
 
 DEFAULT_PLAN_CODECS: tuple[str, ...] = ENGINE_CODECS
 """Codecs a plan may use, per layer and role (fp32 among them: no loss, the most bytes)."""
-FloatArray = npt.NDArray[np.float64]
 DEFAULT_RETENTION_WINDOWS: tuple[int, ...] = (0, 32, 64, 128)
 """Recent windows the budget split tries (rule 6): none, 2, 4 and 8 blocks (KIVI's 128)."""
 
@@ -98,7 +98,7 @@ class SensitivityTable:
     """Per layer, role and codec: the measured loss (KL nats) and the bytes of a block."""
 
     codecs: tuple[str, ...]
-    loss: FloatArray
+    loss: Float64Array
     """[layers, 2 (key, value), codecs] KL nats with only that cell quantized."""
     block_bytes: npt.NDArray[np.int64]
     """[2, codecs] bytes of one layer's encoded block of ``block_size`` tokens."""

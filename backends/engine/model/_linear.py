@@ -55,9 +55,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import numpy.typing as npt
 from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
 
+from .._arrays import Float32Array
 from ._attention import MIN_GEMM_ROWS
 from ._lanes import RowLanes
 
@@ -70,8 +70,6 @@ __all__ = [
     "blas_threads",
     "packed_k_blocks",
 ]
-
-Float32Array = npt.NDArray[np.float32]
 
 FEW_ROWS = 16
 """Most rows multiplied on the small-matrix path (a decode batch); more take the packed path."""

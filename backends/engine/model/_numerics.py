@@ -30,9 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 from threadpoolctl import threadpool_info, threadpool_limits  # type: ignore[import-untyped]
 
+from .._arrays import Float32Array
 from ..kv._store import DEFAULT_BLOCK_SIZE
 from ._attention import KEY_CHUNK, QUERY_TILE, attend
 from ._lanes import Product, RowLanes, rows_are_independent
@@ -42,7 +42,6 @@ __all__ = ["Numerics", "attention_rows_independent", "blas_kernel"]
 
 log = logging.getLogger(__name__)
 
-Float32Array = npt.NDArray[np.float32]
 
 _PROBE_COLS = 8192  # columns of a wide weight (the logits) that the row check multiplies
 _FINGERPRINT_SEED = 20261203

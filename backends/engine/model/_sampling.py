@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SamplingParams", "sample_token"]
+from .._arrays import Float32Array
 
-Float32Array = npt.NDArray[np.float32]
+__all__ = ["SamplingParams", "sample_token"]
 
 _NEGLIGIBLE_LOGIT = 40.0
 

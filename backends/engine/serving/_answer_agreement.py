@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import Float32Array
 from ..kv._plan import KVPlan
 from ..kv.codecs._texts import QUESTIONS
 from ..model._model import LlamaModel
@@ -34,7 +34,6 @@ DEFAULT_ANSWER_TOKENS = 24
 """Tokens of each greedy answer compared (short answers: the questions are short)."""
 _KV_LIMIT_BYTES = 64 << 20
 
-Float32Array = npt.NDArray[np.float32]
 Calibration = tuple[Sequence[Float32Array], Sequence[Float32Array]]
 
 

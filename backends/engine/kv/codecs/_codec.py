@@ -35,6 +35,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from ..._arrays import Float32Array as Float32Array  # re-exported: codecs import it here
+
 __all__ = [
     "DEFAULT_ENCODE_TOKENS",
     "DEFAULT_SEED",
@@ -47,7 +49,6 @@ __all__ = [
     "measured_bits_per_element",
 ]
 
-Float32Array = npt.NDArray[np.float32]
 Role = Literal["key", "value"]
 ROLES: tuple[Role, Role] = ("key", "value")
 

@@ -13,7 +13,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._codec import BlockCodec, EncodedBlock, Float32Array, Role, block_shape
+from ..._arrays import Float32Array
+from ._codec import BlockCodec, EncodedBlock, Role, block_shape
 
 __all__ = ["Float8Codec", "Float16Codec", "Float32Codec"]
 

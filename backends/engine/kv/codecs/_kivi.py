@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from ._codec import BlockCodec, EncodedBlock, Float32Array, Role, block_shape
+from ..._arrays import Float32Array, UInt8Array
+from ._codec import BlockCodec, EncodedBlock, Role, block_shape
 
 __all__ = ["KIVI_WINDOW", "VALUE_GROUP", "KiviCodec", "pack_codes", "unpack_codes"]
 
@@ -32,7 +33,6 @@ VALUE_GROUP = 32
 KIVI_WINDOW = 128
 """KIVI's full-precision window of the most recent tokens."""
 _PACKABLE_BITS = (1, 2, 4, 8)
-UInt8Array = npt.NDArray[np.uint8]
 
 
 def pack_codes(codes: UInt8Array, bits: int) -> UInt8Array:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ._codec import DEFAULT_SEED, CodecSpec, Float32Array, KVCodec
+from ..._arrays import Float32Array
+from ._codec import DEFAULT_SEED, CodecSpec, KVCodec
 from ._e8_codec import E8Codec
 from ._float import Float8Codec, Float16Codec, Float32Codec
 from ._kivi import KIVI_WINDOW, KiviCodec
