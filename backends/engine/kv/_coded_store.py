@@ -21,14 +21,11 @@ Rules
 7. Writing rows into a block that has codes but no raw slot (a write over a sealed block) starts
    the raw slot from the decoded block, the content ``KVStorage`` would hold.
 8. Under a codec with a recent window (``PagedCodec.window_blocks`` > 1, ``_paged_codec`` rule
-   9) the window is held at float16: ``write`` rounds the rows to float16 values (kept in the
-   float32 raw slot while the block fills, so they are encoded and read as they will be held),
-   and ``seal`` copies them into a WINDOW slot of a float16 arena of its own beside the codes
-   (pinned, not a cache entry) -- exactly, as they are float16 values -- and reuses the raw
-   slot for the decoded rows.  ``raw_rows`` reads raw and window slots alike, the same values
-   either way; a block missing there is a broken invariant, never a silent decode.  Window slots
-   are dropped only when asked (``drop_window``: the pool, when no running sequence's window
-   holds the block and it is no cached conversation's tail) or with the block (rule 6).
+   9) ``seal`` keeps the raw slot as a WINDOW slot beside the codes (pinned, not a cache entry)
+   and caches the decoded rows in a slot of their own.  ``raw_rows`` reads raw and window slots
+   alike; a block missing there is a broken invariant, never a silent decode.  Window slots are
+   dropped only when asked (``drop_window``: the pool, when no running sequence's window holds
+   the block and it is no cached conversation's tail) or with the block (rule 6).
 """
 
 from __future__ import annotations
@@ -46,19 +43,12 @@ from ._store import NULL_BLOCK, GroupScratch, KVLayout
 __all__ = ["DEFAULT_DECODED_CACHE_BYTES", "CodedKVStorage", "DecodedCacheStats"]
 
 MiB = 1 << 20
-_HALF_MAX = float(np.finfo(np.float16).max)
 DEFAULT_DECODED_CACHE_BYTES = 64 * MiB
 """Bound of the decoded-block cache of an engine with a codec (rule 3)."""
 
 Float32Array = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.intp]
 _Key = tuple[int, int]  # (layer, block)
-Float16Array = npt.NDArray[np.float16]
-
-
-def _to_half(x: Float32Array) -> Float16Array:
-    """``x`` as float16 (rule 8), finite: values beyond float16's range are clipped to it."""
-    return np.clip(x, -_HALF_MAX, _HALF_MAX).astype(np.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +80,6 @@ class CodedKVStorage:
         "_misses",
         "_raw",
         "_window",
-        "_window_free",
-        "_window_keys",
-        "_window_values",
         "blockwise_scores",
         "cache_entries",
         "codec",
@@ -132,13 +119,6 @@ class CodedKVStorage:
         self._arena_values: Float32Array = np.zeros(
             (lay.num_kv_heads, 1, lay.block_size, lay.head_dim), dtype=np.float32
         )
-        self._window_keys: Float16Array = np.zeros(
-            (lay.num_kv_heads, 0, lay.head_dim, lay.block_size), np.float16
-        )
-        self._window_values: Float16Array = np.zeros(
-            (lay.num_kv_heads, 0, lay.block_size, lay.head_dim), np.float16
-        )
-        self._window_free: list[int] = []
         self._group = GroupScratch(layout, num_blocks)
 
     # -- accounting ------------------------------------------------------------------------
@@ -155,12 +135,8 @@ class CodedKVStorage:
 
     @property
     def arena_bytes(self) -> int:
-        """Bytes of rows held now: float32 raw and decoded slots (the null slot and free slots
-        among them) and float16 window slots (rule 8)."""
-        return sum(
-            a.nbytes
-            for a in (self._arena_keys, self._arena_values, self._window_keys, self._window_values)
-        )
+        """Float32 bytes held now (raw and decoded slots, the null slot, free slots)."""
+        return self._arena_keys.nbytes + self._arena_values.nbytes
 
     # -- slots -----------------------------------------------------------------------------
 
@@ -179,19 +155,6 @@ class CodedKVStorage:
         self._free.extend(range(used + grown - 1, used - 1, -1))
         return self._free.pop()
 
-    def _window_slot(self) -> int:
-        """A free slot of the float16 window arena (rule 8), growing it as ``_slot`` does."""
-        if not self._window_free:
-            used = self._window_keys.shape[1]
-            grown = max(8, used)
-            for name in ("_window_keys", "_window_values"):
-                old = getattr(self, name)
-                new = np.zeros((old.shape[0], used + grown, *old.shape[2:]), np.float16)
-                new[:, :used] = old
-                setattr(self, name, new)
-            self._window_free.extend(range(used + grown - 1, used - 1, -1))
-        return self._window_free.pop()
-
     def _cache(self, key: _Key, slot: int) -> None:
         """Make ``slot`` the most recent decoded entry, evicting beyond the bound (rule 3)."""
         self._decoded[key] = slot
@@ -207,15 +170,10 @@ class CodedKVStorage:
         slot = self._raw.get(key)
         if slot is not None:
             return slot
-        window = self._window.pop(key, None)  # rule 8: the raw rows themselves
-        slot = self._decoded.pop(key, None)
-        if window is not None:
-            if slot is None:
-                slot = self._slot()
-            self._arena_keys[:, slot] = self._window_keys[:, window]
-            self._arena_values[:, slot] = self._window_values[:, window]
-            self._window_free.append(window)
-        elif slot is None:
+        slot = self._window.pop(key, None)  # rule 8: the raw rows themselves
+        if slot is None:
+            slot = self._decoded.pop(key, None)
+        if slot is None:
             slot = self._slot()
             if self.codec.has_layer(layer, block):  # rule 7
                 k, v = self._decode(layer, block)
@@ -231,11 +189,10 @@ class CodedKVStorage:
         """Drop every row and code of ``block`` (rule 6)."""
         for layer in range(self.layout.num_layers):
             key = (layer, block)
-            for slots in (self._raw, self._decoded):
+            for slots in (self._raw, self._decoded, self._window):
                 slot = slots.pop(key, None)
                 if slot is not None:
                     self._free.append(slot)
-        self.drop_window(block)
         self.codec.forget(block)
 
     # -- the recent window (rule 8) ---------------------------------------------------------
@@ -249,31 +206,25 @@ class CodedKVStorage:
         for layer in range(self.layout.num_layers):
             slot = self._window.pop((layer, block), None)
             if slot is not None:
-                self._window_free.append(slot)
+                self._free.append(slot)
 
     def raw_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
         """``(K^T [kv_heads, head_dim, n * bs], V [kv_heads, n * bs, head_dim])``: copies of the
-        raw rows of ``blocks``, each being filled (float32 slots) or sealed within a window
-        (float16 slots holding the same values, rule 8)."""
-        lay = self.layout
-        n = blocks.size
-        keys = np.empty((lay.num_kv_heads, lay.head_dim, n, lay.block_size), np.float32)
-        values = np.empty((lay.num_kv_heads, n, lay.block_size, lay.head_dim), np.float32)
-        for index, block in enumerate(blocks.tolist()):
-            key = (layer, block)
-            slot = self._raw.get(key)
-            if slot is not None:
-                keys[:, :, index] = self._arena_keys[:, slot]
-                values[:, index] = self._arena_values[:, slot]
-                continue
-            slot = self._window.get(key)
+        raw rows of ``blocks``, each being filled or sealed within a window (rule 8)."""
+        ids = []
+        for block in blocks.tolist():
+            slot = self._raw.get((layer, block), self._window.get((layer, block)))
             if slot is None:
                 raise RuntimeError(f"block {block} layer {layer}: raw rows read after they left")
-            keys[:, :, index] = self._window_keys[:, slot]
-            values[:, index] = self._window_values[:, slot]
-        tokens = n * lay.block_size
+            ids.append(slot)
+        lay = self.layout
+        keys = np.take(self._arena_keys, ids, axis=1)
+        values = np.take(self._arena_values, ids, axis=1)
+        tokens = len(ids) * lay.block_size
         return (
-            keys.reshape(lay.num_kv_heads, lay.head_dim, tokens),
+            np.ascontiguousarray(keys.transpose(0, 2, 1, 3)).reshape(
+                lay.num_kv_heads, lay.head_dim, tokens
+            ),
             values.reshape(lay.num_kv_heads, tokens, lay.head_dim),
         )
 
@@ -284,8 +235,8 @@ class CodedKVStorage:
             return self.codec.export(block)
         ids = [self._window[layer, block] for layer in layers]
         rows = b"".join(
-            self._window_keys[:, slot].astype("<f2").tobytes()
-            + self._window_values[:, slot].astype("<f2").tobytes()
+            self._arena_keys[:, slot].astype("<f4").tobytes()
+            + self._arena_values[:, slot].astype("<f4").tobytes()
             for slot in ids
         )
         return self.codec.export(block, rows)
@@ -333,9 +284,6 @@ class CodedKVStorage:
     ) -> None:
         """Store K and V ([n, kv_heads, head_dim]) of ``n`` tokens at ``slots`` (block, offset)."""
         blocks, offsets = slots
-        if self.codec.window_blocks > 1:  # rule 8: rows as the window holds them
-            k = _to_half(k).astype(np.float32)
-            v = _to_half(v).astype(np.float32)
         ids = np.fromiter(
             (self._raw_slot(layer, b) for b in blocks.tolist()), dtype=np.intp, count=blocks.size
         )
@@ -375,12 +323,15 @@ class CodedKVStorage:
             key = (layer, block)
             slot = self._raw.pop(key)
             k, v = self.codec.seal(layer, block, keys[:, slot], values[:, slot], bool(first))
-            if windowed:  # rule 8: float16 values, copied exactly
-                window = self._window_slot()
-                self._window_keys[:, window] = keys[:, slot]
-                self._window_values[:, window] = values[:, slot]
-                self._window[key] = window
-            if self.cache_entries:
+            if windowed:  # rule 8
+                self._window[key] = slot
+                if self.cache_entries:
+                    slot = self._slot()
+                    keys, values = self._arena_keys, self._arena_values
+                    keys[:, slot] = k
+                    values[:, slot] = v
+                    self._cache(key, slot)
+            elif self.cache_entries:
                 keys[:, slot] = k
                 values[:, slot] = v
                 self._cache(key, slot)
@@ -395,7 +346,7 @@ class CodedKVStorage:
         if packed.size == self.codec.packed_bytes(first, True) and self.codec.window_bytes:
             rows = np.frombuffer(
                 np.ascontiguousarray(packed[packed.size - self.codec.window_bytes :]).tobytes(),
-                dtype="<f2",
+                dtype="<f4",
             )
             if not np.isfinite(rows).all():
                 self.forget(block)
@@ -403,11 +354,11 @@ class CodedKVStorage:
             lay = self.layout
             per_role = lay.num_kv_heads * lay.head_dim * lay.block_size
             for layer, start in enumerate(range(0, rows.size, 2 * per_role)):
-                slot = self._window_slot()
-                self._window_keys[:, slot] = rows[start : start + per_role].reshape(
-                    self._window_keys.shape[0], *self._window_keys.shape[2:]
+                slot = self._slot()
+                self._arena_keys[:, slot] = rows[start : start + per_role].reshape(
+                    self._arena_keys.shape[0], *self._arena_keys.shape[2:]
                 )
-                self._window_values[:, slot] = rows[
-                    start + per_role : start + 2 * per_role
-                ].reshape(self._window_values.shape[0], *self._window_values.shape[2:])
+                self._arena_values[:, slot] = rows[start + per_role : start + 2 * per_role].reshape(
+                    self._arena_values.shape[0], *self._arena_values.shape[2:]
+                )
                 self._window[layer, block] = slot
