@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/kvquant.py [--quick] [--prompts N] [--tokens N] [--queries N]
                                       [--budget-mib 64] [--context 1536] [--threads 1]
+                                      [--quality-only] [--codec NAME ...]
 
 SmolLM2-135M (the reference engine's weights) reads ordinary prose (three paragraphs written
 into ``backends.engine.kv.codecs``, ~420-450 tokens each) once in fp32 and once per codec with its
@@ -26,7 +27,8 @@ Then the engine itself, per served codec at ``--engine-budget-mib`` of ``--kv-gi
 sequence): the longest prompt it admits, asked of ``Engine.longest_admitted_prompt`` -- the pool
 holds codes only, so this is measured, not computed -- with its bytes per token and the share
 of the limit its decoded-block cache and raw block take.  Target: e8-2 >= 7x fp16's.
-``--engine-only`` runs just this table (seconds).
+``--engine-only`` runs just this table (seconds); ``--quality-only`` just the quality table
+(to kvquant-quality-write.json), ``--codec NAME`` (repeatable) only that codec's rows.
 
 Then decode tokens/s of the engine per served codec at 1 and 8 streams (``_kv_decode``: prompts
 of 128 tokens, 32 greedy tokens each, the prefill not timed, codecs alternated over rounds, a
@@ -78,7 +80,11 @@ from backends.engine.kv._planner import (  # noqa: E402
 )
 from backends.engine.kv._store import DEFAULT_BLOCK_SIZE  # noqa: E402
 from backends.engine.kv.codecs import measure_quality  # noqa: E402
-from backends.engine.kv.codecs._quality import calibrate  # noqa: E402
+from backends.engine.kv.codecs._quality import (  # noqa: E402
+    DEFAULT_CONFIGS,
+    QualityReport,
+    calibrate,
+)
 from backends.engine.kv.codecs._summary import quality_rows  # noqa: E402
 from backends.engine.kv.codecs._texts import PROMPTS  # noqa: E402
 
@@ -372,6 +378,54 @@ def render(result: dict[str, Any]) -> None:
         console.print(f"  {mark} {check['what']}: measured {check['measured']:.4f}", markup=False)
 
 
+def setup(report: QualityReport, args: argparse.Namespace) -> dict[str, Any]:
+    """What the quality table was measured on."""
+    return {
+        "quick": args.quick,
+        "prompt_tokens": list(report.prompt_tokens),
+        "queries": report.queries,
+        "encode_tokens": report.encode_tokens,
+        "semantics": report.semantics,
+        "context": args.context,
+        "budget_mib": args.budget_mib,
+        "reference_logit_gap": report.reference_logit_gap,
+        "seconds": report.seconds,
+        "threads": args.threads,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "key_mean_norms": list(report.key_mean_norms),
+        "codecs": args.codec,
+    }
+
+
+def quality_only(
+    model: LlamaModel,
+    args: argparse.Namespace,
+    plan: dict[str, Any],
+    configs: list[tuple[str, int]],
+    say: Any,
+) -> int:
+    """``--quality-only``: the quality table and its targets, to kvquant-quality.json."""
+    with threadpool_limits(args.threads, "blas"):
+        report = measure_quality(
+            model,
+            configs=configs,
+            max_prompts=plan["prompts"],
+            max_tokens=plan["tokens"],
+            queries=plan["queries"],
+            semantics=args.semantics,
+            progress=say,
+        )
+    model.close()
+    table = quality_rows(report, args.context, args.budget_mib << 20)
+    result = {"setup": setup(report, args), "codecs": table, "targets": targets(table)}
+    render(result)
+    path = RESULTS_PATH.with_name(f"kvquant-quality-{args.semantics}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {path.relative_to(REPO_ROOT)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="one prompt of 256 tokens")
@@ -407,6 +461,17 @@ def main(argv: list[str] | None = None) -> int:
         help="KV memory of the engine capacity table (small enough that e8-2 stays under the "
         "model's 8192-token window)",
     )
+    parser.add_argument(
+        "--quality-only",
+        action="store_true",
+        help="only the quality table (no engine capacity, planner or decode tables)",
+    )
+    parser.add_argument(
+        "--codec",
+        action="append",
+        choices=sorted({name for name, _ in DEFAULT_CONFIGS}),
+        help="measure this codec's default configurations only (repeatable; default: all)",
+    )
     parser.add_argument("--plan-tokens", type=int, default=DEFAULT_PLAN_TOKENS)
     parser.add_argument("--plan-queries", type=int, default=DEFAULT_PLAN_QUERIES)
     args = parser.parse_args(argv)
@@ -427,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         render_decode(decode)
         print_targets(decode_targets(decode))
         return 0
+    configs = [c for c in DEFAULT_CONFIGS if args.codec is None or c[0] in args.codec]
+    if args.quality_only:
+        return quality_only(model, args, plan, configs, say)
     with threadpool_limits(args.threads, "blas"):
         capacity = engine_capacity_rows(model, args.engine_budget_mib << 20)
     render_engine(capacity, args.engine_budget_mib)
@@ -442,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             queries=plan["queries"],
             semantics=args.semantics,
             progress=say,
+            configs=configs,
         )
         planner = plan_rows(
             model,
@@ -455,18 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     table = quality_rows(report, args.context, budget)
     result = {
         "setup": {
-            "quick": args.quick,
-            "prompt_tokens": list(report.prompt_tokens),
-            "queries": report.queries,
-            "encode_tokens": report.encode_tokens,
-            "semantics": report.semantics,
-            "context": args.context,
-            "budget_mib": args.budget_mib,
-            "reference_logit_gap": report.reference_logit_gap,
-            "seconds": report.seconds,
-            "threads": args.threads,
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "key_mean_norms": list(report.key_mean_norms),
+            **setup(report, args),
         },
         "codecs": table,
         "planner": planner,
