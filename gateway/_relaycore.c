@@ -73,7 +73,7 @@ sink_behind(ClientSink *self)
 static int
 sink_write(ClientSink *self, PyObject *piece)
 {
-    if (self->held != Py_None) {
+    if (self->held != NULL && self->held != Py_None) {
         if (PyList_Append(self->held, piece) < 0)
             return -1;
         self->held_bytes += PyBytes_GET_SIZE(piece);
@@ -149,7 +149,6 @@ ClientSink_init(ClientSink *self, PyObject *args, PyObject *kwds)
 static int
 ClientSink_traverse(ClientSink *self, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->transport);
     Py_VISIT(self->protocol);
     Py_VISIT(self->held);
@@ -310,7 +309,6 @@ filter_feed(SseFilter *self, PyObject *chunk)
 static int
 SseFilter_traverse(SseFilter *self, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->pending);
     Py_VISIT(self->held);
     return 0;
@@ -443,20 +441,24 @@ static int
 deliver(BodyFraming *self, PyObject *piece)
 {
     PyObject *on_piece = self->on_piece;
-    if (on_piece == Py_None) {
+    if (on_piece == NULL || on_piece == Py_None) {
         PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, s_hold, piece);
         Py_XDECREF(r);
         return r == NULL ? -1 : 0;
     }
+    /* Held for the call: the callee may replace on_piece (or drop the last reference). */
+    Py_INCREF(on_piece);
+    int rc;
     if (PyObject_TypeCheck(on_piece, &TeeType)) {
-        Py_INCREF(on_piece);
-        int rc = tee_piece((Tee *)on_piece, piece);
-        Py_DECREF(on_piece);
-        return rc;
+        rc = tee_piece((Tee *)on_piece, piece);
     }
-    PyObject *r = PyObject_CallOneArg(on_piece, piece);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
+    else {
+        PyObject *r = PyObject_CallOneArg(on_piece, piece);
+        Py_XDECREF(r);
+        rc = r == NULL ? -1 : 0;
+    }
+    Py_DECREF(on_piece);
+    return rc;
 }
 
 static int
@@ -662,6 +664,10 @@ BodyFraming_body_received(BodyFraming *self, PyObject *data)
 static PyObject *
 BodyFraming_data_received(BodyFraming *self, PyObject *data)
 {
+    if (self->clock == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_time");
+        return NULL;
+    }
     PyObject *now = PyObject_CallNoArgs(self->clock);
     if (now == NULL)
         return NULL;
@@ -677,7 +683,6 @@ BodyFraming_data_received(BodyFraming *self, PyObject *data)
 static int
 BodyFraming_traverse(BodyFraming *self, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->on_piece);
     Py_VISIT(self->buf);
     Py_VISIT(self->clock);
@@ -783,22 +788,30 @@ tee_piece(Tee *self, PyObject *piece)
     if (now == NULL)
         return -1;
     PyObject *args[2] = {now, piece};
-    PyObject *r = PyObject_Vectorcall(self->capture_add, args, 2, NULL);
+    PyObject *capture_add = Py_NewRef(self->capture_add);
+    PyObject *r = PyObject_Vectorcall(capture_add, args, 2, NULL);
+    Py_DECREF(capture_add);
     Py_DECREF(now);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
-    PyObject *out = self->out;
-    if (out == Py_None)
+    PyObject *out = self->out, *filter = self->filter;
+    if (out == NULL || out == Py_None)
         return 0;
+    /* Held for the calls: Python code on the way may replace them. */
     Py_INCREF(out);
     PyObject *filtered;
-    if (self->filter == Py_None)
+    if (filter == NULL || filter == Py_None) {
         filtered = Py_NewRef(piece);
-    else if (PyObject_TypeCheck(self->filter, &SseFilterType))
-        filtered = filter_feed((SseFilter *)self->filter, piece);
-    else
-        filtered = PyObject_CallMethodOneArg(self->filter, s_feed, piece);
+    }
+    else {
+        Py_INCREF(filter);
+        if (PyObject_TypeCheck(filter, &SseFilterType))
+            filtered = filter_feed((SseFilter *)filter, piece);
+        else
+            filtered = PyObject_CallMethodOneArg(filter, s_feed, piece);
+        Py_DECREF(filter);
+    }
     if (filtered == NULL || !PyBytes_Check(filtered) || PyBytes_GET_SIZE(filtered) == 0) {
         if (filtered != NULL && !PyBytes_Check(filtered))
             PyErr_SetString(PyExc_TypeError, "a chunk filter returns bytes");
@@ -868,7 +881,6 @@ Tee_init(Tee *self, PyObject *args, PyObject *kwds)
 static int
 Tee_traverse(Tee *self, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->conn);
     Py_VISIT(self->capture_add);
     Py_VISIT(self->out);

@@ -1,0 +1,182 @@
+"""The relay's C byte path (gateway/_relaycore.c) through the Python classes built on it.
+
+The wire tests (test_wire.py) and the relay tests drive it over real sockets; these check
+what they cannot see: the generic (non-C) callee paths, the chunk framing byte for byte,
+and that connection/tee cycles are collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from evaluators import Capture
+from gateway._relay import MAX_HELD_BYTES, UsageEventFilter
+from gateway._relaycore import BodyFraming, ClientSink, Tee
+from gateway._upstream import BodyTee
+from gateway._wire import Connection, ConnectionPool
+
+
+class RecordingTransport:
+    """An in-memory transport: what was written, and whether it is closing."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class Protocol:
+    def __init__(self) -> None:
+        self._paused = False
+
+
+class Framing(BodyFraming):
+    """A BodyFraming outside a connection: the callbacks it makes, recorded."""
+
+    def __init__(self) -> None:
+        self._time = lambda: 12.5
+        self.events: list[tuple[str, object]] = []
+
+    def _end_body(self) -> None:
+        self.events.append(("end", None))
+        self._in_body = False
+
+    def _malformed(self, why: str) -> None:
+        self.events.append(("malformed", why))
+
+    def _hold(self, piece: bytes) -> None:
+        self.events.append(("held", piece))
+
+    def _outside_body(self, data: bytes) -> None:
+        self.events.append(("outside", data))
+
+
+def test_chunked_pieces_go_to_any_callable_and_are_held_without_one() -> None:
+    framing = Framing()
+    framing._framing, framing._in_body = 2, True  # chunked
+    framing.data_received(b"3\r\nabc\r\n")
+    assert framing.events == [("held", b"abc")] and framing.last_read == 12.5
+    got: list[bytes] = []
+    framing.on_piece = got.append
+    framing.data_received(b"2\r\nde\r")
+    framing.data_received(b"\n0\r\n\r\n")
+    assert got == [b"de"] and framing.events[-1] == ("end", None)
+    framing.data_received(b"after")
+    assert framing.events[-1] == ("outside", b"after")
+
+
+def test_content_length_past_the_end_is_not_reusable() -> None:
+    framing = Framing()
+    got: list[bytes] = []
+    framing.on_piece = got.append
+    framing._framing, framing._in_body, framing._remaining = 1, True, 4
+    framing._keep_alive = True
+    framing.data_received(b"ab")
+    framing.data_received(b"cdEXTRA")
+    assert got == [b"ab", b"cd"] and framing.events == [("end", None)]
+    assert not framing._keep_alive
+
+
+@pytest.mark.parametrize("line", [b"g\r\n", b"\r\n", b"ffffffffffffffff\r\n", b" 1\r\n"])
+def test_bad_chunk_sizes(line: bytes) -> None:
+    framing = Framing()
+    framing._framing, framing._in_body = 2, True
+    framing.data_received(line)
+    assert framing.events == [("malformed", "bad chunk size")]
+
+
+def test_client_sink_frames_chunks_and_holds_until_live() -> None:
+    transport, protocol = RecordingTransport(), Protocol()
+
+    class Sink(ClientSink):
+        def go_live(self) -> None:
+            held, self._held = self._held, None
+            assert held is not None
+            self.write(b"".join(held))
+
+    sink = Sink(transport, protocol, True, 8)
+    assert sink.write(b"12345") is False and transport.written == []
+    assert sink.write(b"6789") is False  # past max_held: live, written as one chunk
+    assert transport.written == [b"9\r\n123456789\r\n"]
+    protocol._paused = True
+    assert sink.write(b"x" * 300) is True
+    assert transport.written[-1] == b"12c\r\n" + b"x" * 300 + b"\r\n"
+    protocol._paused, transport.closing = False, True
+    assert sink.write(b"y") is True
+    plain = ClientSink(transport, protocol, False, MAX_HELD_BYTES)
+    plain._held = None
+    plain.write(b"as is")
+    assert transport.written[-1] == b"as is"
+
+
+def test_tee_with_python_writer_and_filter_stops_reading_when_behind() -> None:
+    framing = Framing()
+    framing.last_read = 3.0
+    capture = Capture(started=0.0, max_bytes=1024, max_chunk_times=16)
+
+    class Writer:
+        def __init__(self) -> None:
+            self.got: list[bytes] = []
+            self.behind = False
+
+        def write(self, piece: bytes) -> bool:
+            self.got.append(piece)
+            return self.behind
+
+    class Upper:
+        def feed(self, chunk: bytes) -> bytes:
+            return chunk.upper()
+
+    class Stopping(Tee):
+        stops = 0
+
+        def _stop_reading(self) -> None:
+            self.stops += 1
+            self.paused = True
+
+    writer = Writer()
+    tee = Stopping(framing, capture.add_chunk, writer, Upper())
+    tee(b"ab")
+    writer.behind = True
+    tee.piece(b"cd")
+    tee(b"ef")  # paused already: no second stop
+    assert writer.got == [b"AB", b"CD", b"EF"] and tee.stops == 1
+    assert bytes(capture.body) == b"abcdef" and capture.chunk_times == [3.0, 3.0, 3.0]
+
+
+def test_usage_filter_pending_and_held_through_the_c_base() -> None:
+    filt = UsageEventFilter()
+    assert filt.feed(b"data: 1\n\nda") == b"data: 1\n\n"
+    assert filt._pending == b"da"
+    done = b'ta: {"choices":[{"finish_reason":"stop"}]}\n\n'
+    assert filt.feed(done) == b"" and filt._held
+    usage = b'data: {"choices":[],"system_fingerprint":"fp"}\n\nrest'
+    assert filt.feed(usage) == b'data: {"choices":[{"finish_reason":"stop"}],' \
+        b'"system_fingerprint":"fp"}\n\n'
+    assert filt._done and filt.feed(b"!") == b"rest!" and filt.flush() == b""
+
+
+async def test_connection_and_tee_cycles_are_collected() -> None:
+    pool = ConnectionPool.__new__(ConnectionPool)
+    pool.loop = asyncio.get_running_loop()
+    capture = Capture(started=0.0, max_bytes=16, max_chunk_times=4)
+
+    def count() -> int:
+        return sum(isinstance(o, Connection) for o in gc.get_objects())
+
+    gc.collect()
+    before = count()
+    for _ in range(200):
+        conn = Connection(pool)
+        conn.on_piece = BodyTee(conn, capture, None, None)  # a cycle through C members
+    del conn
+    gc.collect()
+    assert count() == before
