@@ -18,10 +18,18 @@ Rules of the measurement
 3. Rounds alternate the codecs (``DECODE_ROUNDS``, each codec once per round, in order) and a
    codec's figure is its best round: the machine is shared, and the best round is the one least
    disturbed by others.  The ratios are what to read, not the absolute rates.
+4. Every engine runs as served, prompt-lookup drafts included (``Engine`` rule 5; under a codec
+   they stop short of a block's last position): the prompts count up token ids, so greedy
+   answers repeat and drafts are accepted at 1 stream, where a step has rows to spare.
+
+Run alone on a few codecs (the same measurement as ``bench/kvquant.py --decode-only``, which
+runs every served codec): ``.venv/bin/python bench/_kv_decode.py fp32 kivi-2 e8-2``.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -115,3 +123,38 @@ def decode_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     return checks
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The decode table for the codecs named (rules 1-3), with e8-2's targets where measured."""
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+    from backends.engine.kv.codecs._quality import calibrate
+
+    parser = argparse.ArgumentParser(description="Engine decode tokens/s per KV codec")
+    parser.add_argument("codecs", nargs="+", help="served codecs, e.g. fp32 kivi-2 e8-2")
+    parser.add_argument("--threads", type=int, default=1, help="BLAS threads (1: a shared box)")
+    args = parser.parse_args(argv)
+
+    def say(line: str) -> None:
+        print(f"  {time.strftime('%H:%M:%S')} {line}", flush=True)
+
+    model = LlamaModel.load()
+    with threadpool_limits(args.threads, "blas"):
+        rows = decode_rows(model, args.codecs, calibrate(model), say)
+    model.close()
+    fp32 = next((row for row in rows if row["codec"] == "fp32"), None)
+    for row in rows:
+        cells = []
+        for streams in DECODE_STREAMS:
+            rate = row[f"decode_{streams}"]
+            ratio = "" if fp32 is None else f" ({rate / fp32[f'decode_{streams}']:.2f}x fp32)"
+            cells.append(f"{streams} stream(s) {rate:.2f} tokens/s{ratio}")
+        print(f"{row['codec']:>8}: " + ", ".join(cells))
+    for check in decode_targets(rows):
+        print(f"{'met' if check['met'] else 'MISSED'}: {check['what']} ({check['measured']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

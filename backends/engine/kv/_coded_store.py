@@ -21,11 +21,15 @@ Rules
 7. Writing rows into a block that has codes but no raw slot (a write over a sealed block) starts
    the raw slot from the decoded block, the content ``KVStorage`` would hold.
 8. Under a codec with a recent window (``PagedCodec.window_blocks`` > 1, ``_paged_codec`` rule
-   9) ``seal`` keeps the raw slot as a WINDOW slot beside the codes (pinned, not a cache entry)
-   and caches the decoded rows in a slot of their own.  ``raw_rows`` reads raw and window slots
-   alike; a block missing there is a broken invariant, never a silent decode.  Window slots are
-   dropped only when asked (``drop_window``: the pool, when no running sequence's window holds
-   the block and it is no cached conversation's tail) or with the block (rule 6).
+   9) the raw rows are held at float16, in an arena of their own: ``write`` rounds them, a raw
+   slot is a float16 slot, and ``seal`` encodes the block from those values and keeps the slot
+   as a WINDOW slot beside the codes (pinned, not a cache entry), caching the decoded rows in a
+   float32 slot.  A query reads its window from ``raw_rows`` (raw and window slots alike), so
+   ``gather`` gives a raw block the null slot's zeros: a query never reads its own block's
+   stored rows (``_attention`` rule 5) and later blocks are masked.  A block missing from
+   ``raw_rows`` is a broken invariant, never a silent decode.  Window slots are dropped only
+   when asked (``drop_window``: the pool, when no running sequence's window holds the block and
+   it is no cached conversation's tail) or with the block (rule 6).
 """
 
 from __future__ import annotations
@@ -43,12 +47,19 @@ from ._store import NULL_BLOCK, GroupScratch, KVLayout
 __all__ = ["DEFAULT_DECODED_CACHE_BYTES", "CodedKVStorage", "DecodedCacheStats"]
 
 MiB = 1 << 20
+_HALF_MAX = float(np.finfo(np.float16).max)
 DEFAULT_DECODED_CACHE_BYTES = 64 * MiB
 """Bound of the decoded-block cache of an engine with a codec (rule 3)."""
 
 Float32Array = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.intp]
 _Key = tuple[int, int]  # (layer, block)
+Float16Array = npt.NDArray[np.float16]
+
+
+def _to_half(x: Float32Array) -> Float16Array:
+    """``x`` as float16 (rule 8), finite: values beyond float16's range are clipped to it."""
+    return np.clip(x, -_HALF_MAX, _HALF_MAX).astype(np.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +87,14 @@ class CodedKVStorage:
         "_decoded",
         "_free",
         "_group",
+        "_half",
         "_hits",
         "_misses",
         "_raw",
         "_window",
+        "_window_free",
+        "_window_keys",
+        "_window_values",
         "blockwise_scores",
         "cache_entries",
         "codec",
@@ -119,6 +134,15 @@ class CodedKVStorage:
         self._arena_values: Float32Array = np.zeros(
             (lay.num_kv_heads, 1, lay.block_size, lay.head_dim), dtype=np.float32
         )
+        self._window_keys: Float16Array = np.zeros(
+            (lay.num_kv_heads, 0, lay.head_dim, lay.block_size), np.float16
+        )
+        self._window_values: Float16Array = np.zeros(
+            (lay.num_kv_heads, 0, lay.block_size, lay.head_dim), np.float16
+        )
+        self._window_free: list[int] = []
+        self._half = codec.window_blocks > 1
+        """Raw rows at float16 in the window arena (rule 8)."""
         self._group = GroupScratch(layout, num_blocks)
 
     # -- accounting ------------------------------------------------------------------------
@@ -135,8 +159,12 @@ class CodedKVStorage:
 
     @property
     def arena_bytes(self) -> int:
-        """Float32 bytes held now (raw and decoded slots, the null slot, free slots)."""
-        return self._arena_keys.nbytes + self._arena_values.nbytes
+        """Bytes of rows held now: float32 raw and decoded slots (the null slot and free slots
+        among them) and float16 window slots (rule 8)."""
+        return sum(
+            a.nbytes
+            for a in (self._arena_keys, self._arena_values, self._window_keys, self._window_values)
+        )
 
     # -- slots -----------------------------------------------------------------------------
 
@@ -155,6 +183,19 @@ class CodedKVStorage:
         self._free.extend(range(used + grown - 1, used - 1, -1))
         return self._free.pop()
 
+    def _window_slot(self) -> int:
+        """A free slot of the float16 window arena (rule 8), growing it as ``_slot`` does."""
+        if not self._window_free:
+            used = self._window_keys.shape[1]
+            grown = max(8, used)
+            for name in ("_window_keys", "_window_values"):
+                old = getattr(self, name)
+                new = np.zeros((old.shape[0], used + grown, *old.shape[2:]), np.float16)
+                new[:, :used] = old
+                setattr(self, name, new)
+            self._window_free.extend(range(used + grown - 1, used - 1, -1))
+        return self._window_free.pop()
+
     def _cache(self, key: _Key, slot: int) -> None:
         """Make ``slot`` the most recent decoded entry, evicting beyond the bound (rule 3)."""
         self._decoded[key] = slot
@@ -170,10 +211,28 @@ class CodedKVStorage:
         slot = self._raw.get(key)
         if slot is not None:
             return slot
-        slot = self._window.pop(key, None)  # rule 8: the raw rows themselves
-        if slot is None:
-            slot = self._decoded.pop(key, None)
-        if slot is None:
+        if self._half:  # rule 8: a float16 slot, the window's rows themselves where held
+            slot = self._window.pop(key, None)
+            if slot is None:
+                slot = self._window_slot()
+                if self.codec.has_layer(layer, block):  # rule 7
+                    k, v = self._decode(layer, block)
+                    self._window_keys[:, slot] = _to_half(k)
+                    self._window_values[:, slot] = _to_half(v)
+                else:
+                    self._window_keys[:, slot] = 0.0
+                    self._window_values[:, slot] = 0.0
+            self._raw[key] = slot
+            return slot
+        window = self._window.pop(key, None)  # rule 8: the raw rows themselves
+        slot = self._decoded.pop(key, None)
+        if window is not None:
+            if slot is None:
+                slot = self._slot()
+            self._arena_keys[:, slot] = self._window_keys[:, window]
+            self._arena_values[:, slot] = self._window_values[:, window]
+            self._window_free.append(window)
+        elif slot is None:
             slot = self._slot()
             if self.codec.has_layer(layer, block):  # rule 7
                 k, v = self._decode(layer, block)
@@ -189,10 +248,13 @@ class CodedKVStorage:
         """Drop every row and code of ``block`` (rule 6)."""
         for layer in range(self.layout.num_layers):
             key = (layer, block)
-            for slots in (self._raw, self._decoded, self._window):
-                slot = slots.pop(key, None)
-                if slot is not None:
-                    self._free.append(slot)
+            slot = self._raw.pop(key, None)
+            if slot is not None:
+                (self._window_free if self._half else self._free).append(slot)
+            slot = self._decoded.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+        self.drop_window(block)
         self.codec.forget(block)
 
     # -- the recent window (rule 8) ---------------------------------------------------------
@@ -206,25 +268,32 @@ class CodedKVStorage:
         for layer in range(self.layout.num_layers):
             slot = self._window.pop((layer, block), None)
             if slot is not None:
-                self._free.append(slot)
+                self._window_free.append(slot)
 
     def raw_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
         """``(K^T [kv_heads, head_dim, n * bs], V [kv_heads, n * bs, head_dim])``: copies of the
-        raw rows of ``blocks``, each being filled or sealed within a window (rule 8)."""
-        ids = []
-        for block in blocks.tolist():
-            slot = self._raw.get((layer, block), self._window.get((layer, block)))
+        raw rows of ``blocks``, each being filled (float32 slots) or sealed within a window
+        (float16 slots holding the same values, rule 8)."""
+        lay = self.layout
+        n = blocks.size
+        keys = np.empty((lay.num_kv_heads, lay.head_dim, n, lay.block_size), np.float32)
+        values = np.empty((lay.num_kv_heads, n, lay.block_size, lay.head_dim), np.float32)
+        for index, block in enumerate(blocks.tolist()):
+            key = (layer, block)
+            slot = self._raw.get(key)
+            if slot is not None and not self._half:
+                keys[:, :, index] = self._arena_keys[:, slot]
+                values[:, index] = self._arena_values[:, slot]
+                continue
+            if slot is None:
+                slot = self._window.get(key)
             if slot is None:
                 raise RuntimeError(f"block {block} layer {layer}: raw rows read after they left")
-            ids.append(slot)
-        lay = self.layout
-        keys = np.take(self._arena_keys, ids, axis=1)
-        values = np.take(self._arena_values, ids, axis=1)
-        tokens = len(ids) * lay.block_size
+            keys[:, :, index] = self._window_keys[:, slot]
+            values[:, index] = self._window_values[:, slot]
+        tokens = n * lay.block_size
         return (
-            np.ascontiguousarray(keys.transpose(0, 2, 1, 3)).reshape(
-                lay.num_kv_heads, lay.head_dim, tokens
-            ),
+            keys.reshape(lay.num_kv_heads, lay.head_dim, tokens),
             values.reshape(lay.num_kv_heads, tokens, lay.head_dim),
         )
 
@@ -235,8 +304,8 @@ class CodedKVStorage:
             return self.codec.export(block)
         ids = [self._window[layer, block] for layer in layers]
         rows = b"".join(
-            self._arena_keys[:, slot].astype("<f4").tobytes()
-            + self._arena_values[:, slot].astype("<f4").tobytes()
+            self._window_keys[:, slot].astype("<f2").tobytes()
+            + self._window_values[:, slot].astype("<f2").tobytes()
             for slot in ids
         )
         return self.codec.export(block, rows)
@@ -246,12 +315,14 @@ class CodedKVStorage:
         ``(index in table, block)``."""
         slots = np.zeros(table.size, dtype=np.intp)
         misses: list[tuple[int, int]] = []
-        raw, decoded = self._raw, self._decoded
+        raw, decoded, half = self._raw, self._decoded, self._half
         for index, block in enumerate(table.tolist()):
             if block == NULL_BLOCK:
                 continue
             key = (layer, block)
             slot = raw.get(key)
+            if slot is not None and half:  # rule 8: zeros, never read
+                continue
             if slot is None:
                 slot = decoded.get(key)
                 if slot is None:
@@ -287,6 +358,10 @@ class CodedKVStorage:
         ids = np.fromiter(
             (self._raw_slot(layer, b) for b in blocks.tolist()), dtype=np.intp, count=blocks.size
         )
+        if self._half:  # rule 8
+            self._window_keys[:, ids, :, offsets] = _to_half(k)
+            self._window_values[:, ids, offsets] = _to_half(v).transpose(1, 0, 2)
+            return
         self._arena_keys[:, ids, :, offsets] = k
         self._arena_values[:, ids, offsets] = v.transpose(1, 0, 2)
 
@@ -317,21 +392,27 @@ class CodedKVStorage:
     def seal(self, layer: int, blocks: IntArray, firsts: npt.NDArray[np.bool_]) -> None:
         """Encode one layer of complete ``blocks``; their raw slots become decoded cache entries
         (rule 4); ``firsts``: which are a sequence's first block (sink)."""
-        keys, values = self._arena_keys, self._arena_values
-        windowed = self.codec.window_blocks > 1
         for block, first in zip(blocks.tolist(), firsts.tolist(), strict=True):
             key = (layer, block)
             slot = self._raw.pop(key)
-            k, v = self.codec.seal(layer, block, keys[:, slot], values[:, slot], bool(first))
-            if windowed:  # rule 8
+            if self._half:  # rule 8: the float16 rows stay as the window's
                 self._window[key] = slot
+                k, v = self.codec.seal(
+                    layer,
+                    block,
+                    self._window_keys[:, slot].astype(np.float32),
+                    self._window_values[:, slot].astype(np.float32),
+                    bool(first),
+                )
                 if self.cache_entries:
                     slot = self._slot()
-                    keys, values = self._arena_keys, self._arena_values
-                    keys[:, slot] = k
-                    values[:, slot] = v
+                    self._arena_keys[:, slot] = k
+                    self._arena_values[:, slot] = v
                     self._cache(key, slot)
-            elif self.cache_entries:
+                continue
+            keys, values = self._arena_keys, self._arena_values
+            k, v = self.codec.seal(layer, block, keys[:, slot], values[:, slot], bool(first))
+            if self.cache_entries:
                 keys[:, slot] = k
                 values[:, slot] = v
                 self._cache(key, slot)
@@ -346,7 +427,7 @@ class CodedKVStorage:
         if packed.size == self.codec.packed_bytes(first, True) and self.codec.window_bytes:
             rows = np.frombuffer(
                 np.ascontiguousarray(packed[packed.size - self.codec.window_bytes :]).tobytes(),
-                dtype="<f4",
+                dtype="<f2",
             )
             if not np.isfinite(rows).all():
                 self.forget(block)
@@ -354,11 +435,11 @@ class CodedKVStorage:
             lay = self.layout
             per_role = lay.num_kv_heads * lay.head_dim * lay.block_size
             for layer, start in enumerate(range(0, rows.size, 2 * per_role)):
-                slot = self._slot()
-                self._arena_keys[:, slot] = rows[start : start + per_role].reshape(
-                    self._arena_keys.shape[0], *self._arena_keys.shape[2:]
+                slot = self._window_slot()
+                self._window_keys[:, slot] = rows[start : start + per_role].reshape(
+                    self._window_keys.shape[0], *self._window_keys.shape[2:]
                 )
-                self._arena_values[:, slot] = rows[start + per_role : start + 2 * per_role].reshape(
-                    self._arena_values.shape[0], *self._arena_values.shape[2:]
-                )
+                self._window_values[:, slot] = rows[
+                    start + per_role : start + 2 * per_role
+                ].reshape(self._window_values.shape[0], *self._window_values.shape[2:])
                 self._window[layer, block] = slot

@@ -31,9 +31,12 @@ Rules
    reads blocks ``b - window_blocks + 1 .. b`` raw, the rest decoded, so the most recent
    ``window_tokens - block_size + 1`` to ``window_tokens`` tokens are at full precision and a
    block is quantized as it leaves the window.  Without a window ``window_blocks`` is 1: the own
-   block.  A sealed block keeps its raw rows (``window_bytes``, float32, all layers, K and V)
-   beside its codes while it is in a window (``_coded_store`` rule 8); a packed block carries
-   them when it holds them, so a node pulling a conversation gets its window raw.
+   block.  The window, the block being filled among it, is held at float16 (``_coded_store``
+   rule 8: rows are rounded to float16 when written, so what a block encodes and what a window
+   reads are the same however the work was split).  A sealed block keeps those rows
+   (``window_bytes``, float16, all layers, K and V) beside its codes while it is in a window; a
+   packed block carries them when it holds them, so a node pulling a conversation gets its
+   window as it was held.
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ class PagedCodec:
         self.block_bytes = sum(self.layer_bytes)
         self.sink_bytes = num_layers * 2 * kv_heads * head_dim * 4
         self.window_blocks = max(1, codec.window_tokens // block_size)
-        self.window_bytes = self.sink_bytes * block_size if codec.window_tokens else 0
+        self.window_bytes = self.sink_bytes * block_size // 2 if codec.window_tokens else 0
         self._encoded: dict[int, list[bytes]] = {}
         self._sinks: dict[int, Float32Array] = {}
 
@@ -191,11 +194,13 @@ class PagedCodec:
 
     def context_bits_per_element(self, tokens: int) -> float:
         """True bits per element the cache holds for one sequence of ``tokens`` tokens: the codes
-        of its complete blocks, its sink row, and float32 rows of the block being filled and of
-        the complete blocks in its window (rule 9), over every layer's K and V."""
+        of its complete blocks, its sink row, and the raw rows of the block being filled and of
+        the complete blocks in its window (rule 9: float16 under a window, else float32), over
+        every layer's K and V."""
         complete = tokens // self.block_size
         raw_blocks = 1 + min(complete, self.window_blocks - 1)
-        held = complete * self.block_bytes + self.sink_bytes * (1 + raw_blocks * self.block_size)
+        row_bytes = self.window_bytes or self.sink_bytes * self.block_size
+        held = complete * self.block_bytes + self.sink_bytes + raw_blocks * row_bytes
         return 8.0 * held / (tokens * self.sink_bytes // 4)
 
     def packed_bytes(self, first: bool, window: bool = False) -> int:
