@@ -11,6 +11,7 @@ loopback sockets; prompts stay short so the suite stays quick on two cores.
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -67,15 +68,39 @@ async def _turn(
 
 
 async def _conversation(
-    server: RunningEngineServer, sampling: dict[str, Any], questions: list[str] = QUESTIONS
+    server: RunningEngineServer,
+    sampling: dict[str, Any],
+    questions: list[str] = QUESTIONS,
+    before_turn: Callable[[int], Awaitable[None]] | None = None,
 ) -> list[tuple[str, int, int]]:
+    """Each turn's ``_turn`` over one conversation; ``before_turn(turn)`` runs ahead of each
+    (a fault to set, other traffic to send)."""
     messages = [{"role": "system", "content": SYSTEM}]
     turns = []
-    for question in questions:
+    for turn, question in enumerate(questions):
+        if before_turn is not None:
+            await before_turn(turn)
         messages.append({"role": "user", "content": question})
         turns.append(await _turn(server, messages, sampling))
         messages.append({"role": "assistant", "content": turns[-1][0]})
     return turns
+
+
+async def _from_scratch(
+    engine_model: LlamaModel,
+    sampling: dict[str, Any],
+    questions: list[str] = QUESTIONS,
+    **engine: Any,
+) -> list[tuple[str, int, int]]:
+    """The turns of a unified engine computing every prompt from scratch (no prefix cache):
+    the tokens every other way of serving must give."""
+    async with serve_engine(engine_model, enable_prefix_caching=False, **engine) as recompute:
+        return await _conversation(recompute, sampling, questions)
+
+
+def _answers(turns: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
+    """Each turn's text and completion tokens: what must match (cached counts differ by design)."""
+    return [(text, tokens) for text, tokens, _ in turns]
 
 
 def _pulls(server: RunningEngineServer, outcome: str) -> float:
@@ -93,8 +118,7 @@ def _router_count(router: RunningEngineServer, name: str, **labels: str) -> floa
 async def test_unified_prefix_cached_and_disaggregated_give_the_same_tokens(
     engine_model: LlamaModel, sampling: dict[str, Any]
 ) -> None:
-    async with serve_engine(engine_model, enable_prefix_caching=False) as recompute:
-        expected = await _conversation(recompute, sampling)
+    expected = await _from_scratch(engine_model, sampling)
     async with serve_engine(engine_model) as cached:
         reused = await _conversation(cached, sampling)
     # Round robin over two prefill nodes: turn 2 lands on a node that never saw the
@@ -106,8 +130,8 @@ async def test_unified_prefix_cached_and_disaggregated_give_the_same_tokens(
         read_back = sum(_pulls(p, "ok") for p in cluster.prefill)
         shipped = _pulls(cluster.decode[0], "ok")
     assert all(text for text, _, _ in expected)
-    assert [t[:2] for t in reused] == [t[:2] for t in expected]
-    assert [t[:2] for t in disaggregated] == [t[:2] for t in expected]
+    assert _answers(reused) == _answers(expected)
+    assert _answers(disaggregated) == _answers(expected)
     assert all(cached == 0 for _, _, cached in expected)
     # Every later turn reused its whole history but the last partial block.
     for (_, _, cached_a), (_, _, cached_b) in zip(reused[1:], disaggregated[1:], strict=True):
@@ -122,31 +146,26 @@ async def test_a_windowed_codec_gives_the_unified_tokens_disaggregated(
     """e8-2w both ways: a turn's prompt blocks go prefill -> decode packed, the window's blocks
     with their raw rows, and the history comes back decode -> prefill the same way, so every
     turn has the tokens of a unified e8-2w engine computing it from scratch."""
-    async with serve_engine(
-        engine_model, kv_codec="e8-2w", enable_prefix_caching=False
-    ) as recompute:
-        expected = await _conversation(recompute, GREEDY)
+    expected = await _from_scratch(engine_model, GREEDY, kv_codec="e8-2w")
     async with serve_disaggregated(
         engine_model, num_prefill=2, routing_policy="round-robin", node={"kv_codec": "e8-2w"}
     ) as cluster:
         disaggregated = await _conversation(cluster.router, GREEDY)
         read_back = sum(_pulls(p, "ok") for p in cluster.prefill)
         shipped = _pulls(cluster.decode[0], "ok")
-    assert [t[:2] for t in disaggregated] == [t[:2] for t in expected]
+    assert _answers(disaggregated) == _answers(expected)
     assert all(cached > 200 for _, _, cached in disaggregated[1:])
     assert read_back >= 2 and shipped == 3
 
 
 async def test_tokens_survive_corrupted_and_cut_transfers(engine_model: LlamaModel) -> None:
-    async with serve_engine(engine_model, enable_prefix_caching=False) as recompute:
-        expected = await _conversation(recompute, SEEDED)
+    expected = await _from_scratch(engine_model, SEEDED)
     async with serve_disaggregated(
         engine_model, num_prefill=2, routing_policy="round-robin"
     ) as cluster:
         (first, second), decode = cluster.prefill, cluster.decode[0]
-        messages = [{"role": "system", "content": SYSTEM}]
-        got = []
-        for turn, question in enumerate(QUESTIONS):
+
+        async def faults(turn: int) -> None:
             if turn == 1:
                 # Turn 2 goes to the second prefill node, which reads the history back from
                 # the decode node -- corrupted on the way: checksum, recompute.
@@ -156,42 +175,38 @@ async def test_tokens_survive_corrupted_and_cut_transfers(engine_model: LlamaMod
                 # now) and hangs up on the decode node pulling the prompt: it recomputes.
                 decode.kv.server.fault = None
                 first.kv.server.fault = "drop"
-            messages.append({"role": "user", "content": question})
-            got.append(await _turn(cluster.router, messages, SEEDED))
-            messages.append({"role": "assistant", "content": got[-1][0]})
+
+        got = await _conversation(cluster.router, SEEDED, before_turn=faults)
         assert _pulls(second, "checksum") == 1
         assert _pulls(first, "ok") == 1
         assert _pulls(decode, "protocol") == 1
         assert _pulls(decode, "ok") == 2
-    assert [t[:2] for t in got] == [t[:2] for t in expected]
+    assert _answers(got) == _answers(expected)
 
 
 async def test_tokens_survive_eviction_of_everything_a_turn_would_reuse(
     engine_model: LlamaModel,
 ) -> None:
-    async with serve_engine(engine_model, enable_prefix_caching=False) as recompute:
-        expected = await _conversation(recompute, SEEDED, QUESTIONS[:2])
+    expected = await _from_scratch(engine_model, SEEDED, QUESTIONS[:2])
     async with serve_disaggregated(
         engine_model, node={"kv_limit_bytes": SMALL_KV_BYTES}
     ) as cluster:
         prefill, decode = cluster.prefill[0], cluster.decode[0]
-        messages = [{"role": "system", "content": SYSTEM}]
-        got = []
-        for turn, question in enumerate(QUESTIONS[:2]):
+
+        async def fillers(turn: int) -> None:
             if turn == 1:
                 # Two long conversations in between: the prefill node's LRU cache loses the
                 # history, and the decode node reclaims its retained set to run them.
                 for filler in range(2):
                     other = [{"role": "user", "content": f"Story {filler}: " + SYSTEM * 3}]
                     await _turn(cluster.router, other, GREEDY)
-            messages.append({"role": "user", "content": question})
-            got.append(await _turn(cluster.router, messages, SEEDED))
-            messages.append({"role": "assistant", "content": got[-1][0]})
+
+        got = await _conversation(cluster.router, SEEDED, QUESTIONS[:2], before_turn=fillers)
         # The read-back was tried (the history was gone from the prefill node's cache) and
         # found the decode node's set gone too.
         assert _pulls(prefill, "unknown_ticket") == 1
         assert _pulls(decode, "ok") == 4
-    assert [t[:2] for t in got] == [t[:2] for t in expected]
+    assert _answers(got) == _answers(expected)
 
 
 async def test_a_dead_prefill_node_means_the_decode_node_computes(
@@ -200,14 +215,13 @@ async def test_a_dead_prefill_node_means_the_decode_node_computes(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, never listening
-        async with serve_engine(engine_model, enable_prefix_caching=False) as recompute:
-            expected = await _conversation(recompute, GREEDY, QUESTIONS[:2])
+        expected = await _from_scratch(engine_model, GREEDY, QUESTIONS[:2])
         async with serve_engine(engine_model, role="decode") as decode, serve_engine(
             engine_model, role="router", prefill_urls=(dead,), decode_urls=(decode.root_url,)
         ) as router:  # fmt: skip
             got = await _conversation(router, GREEDY, QUESTIONS[:2])
             failures = _router_count(router, "understudy_router_prefill_failures_total")
-    assert [t[:2] for t in got] == [t[:2] for t in expected]
+    assert _answers(got) == _answers(expected)
     assert failures == 2
 
 
