@@ -122,6 +122,14 @@ def export_code(workdir: Path, rev: str) -> Path:
     archive = subprocess.run(["git", "archive", rev, "--", *_CODE_DIRS], cwd=REPO_ROOT,
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
+    # A revision with C extensions (setup.py: the relay's gateway/_relaycore.c) has them
+    # built beside its sources, as ``pip install -e .`` does in the working tree.
+    setup = subprocess.run(["git", "show", f"{rev}:setup.py"], cwd=REPO_ROOT,
+                           capture_output=True, check=False)
+    if setup.returncode == 0:
+        (code / "setup.py").write_bytes(setup.stdout)
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=code,
+                       check=True, capture_output=True)
     return code
 
 
