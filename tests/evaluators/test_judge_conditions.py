@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 from scipy import stats
 
-from evaluators import Gates, MetricSamples, Outcome, judge
+from evaluators import Gates, MetricSamples, Outcome, Verdict, judge
 from evaluators._judge import ESTIMATE_POWER, LoadConditions
 from evaluators._sample_bias import check_sample_bias
+from evaluators._score import Direction
+from evaluators._statistics import Comparison
 
 TTFT = "latency.ttft_s"
-DIRECTIONS = {TTFT: "lower"}
+DIRECTIONS: Mapping[str, Direction] = {TTFT: "lower"}
 
 
 def _quantiles(n: int, scale: float = 1.0) -> np.ndarray:
@@ -33,7 +37,8 @@ def test_load_mismatch_pooled_looks_faster_matched_does_not() -> None:
                                 tuple(int(x) for x in primary_load))
     matched = judge({TTFT: MetricSamples(candidate, primary, conditions=conditions)},
                     Gates(min_samples=20), DIRECTIONS).metric(TTFT)
-    assert pooled.statistics is not None and pooled.statistics.relative_shift is not None
+    assert isinstance(pooled.statistics, Comparison)
+    assert pooled.statistics.relative_shift is not None
     assert pooled.statistics.relative_shift < -0.3 and pooled.statistics.p_value < 1e-6
     assert matched.basis == "primary at matched load"
     assert matched.matched is not None and matched.matched.comparable
@@ -83,7 +88,7 @@ def test_inconclusive_estimate_is_within_a_factor_of_two_of_the_turn(shift: floa
     """Rule 7: the samples an INCONCLUSIVE verdict asks for are about where it turns."""
     gates = Gates(min_samples=12, max_std_ratio=None, max_ttft_p99_ratio=None)
 
-    def verdict(n: int):  # type: ignore[no-untyped-def]
+    def verdict(n: int) -> Verdict:
         return judge({TTFT: MetricSamples(_quantiles(n, shift), _quantiles(n))}, gates,
                      DIRECTIONS)
 

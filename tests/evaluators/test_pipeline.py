@@ -80,7 +80,9 @@ async def test_scores_and_stores_in_a_child_process(pipeline: EvaluationPipeline
     assert writer is not None and writer.written_rows["scores"] > 0
     pid = pipeline.pid
     await pipeline.close()
-    assert pipeline.state is PipelineState.CLOSED and _gone(pid)
+    # read anew: mypy would keep pipeline.state narrowed to RUNNING across close()
+    state: PipelineState = pipeline.state
+    assert state is PipelineState.CLOSED and _gone(pid)
     assert not pipeline.submit(make_exchange("late"))
 
 

@@ -45,12 +45,13 @@ def mixed_exchanges() -> list[Exchange]:
         primary = make_observation(request_id=f"r{i}", text=_text(rng, rng.choice((3, 40, 180))),
                                    started_at=1000.0 + i * 0.3, e2e_s=1.0 + (i % 5) * 0.2)
         candidate_text = primary.text if i % 4 == 0 else _text(rng, rng.choice((5, 60, 200)))
-        overrides: dict[str, object] = {"text": candidate_text}
+        candidate = dataclasses.replace(primary, backend="cand", text=candidate_text)
         if i % 7 == 3:
-            overrides = {"status": 500, "text": None, "usage": None, "finish_reason": None}
+            candidate = dataclasses.replace(candidate, status=500, text=None, usage=None,
+                                            finish_reason=None)
         elif i % 7 == 5:
-            overrides = {"truncated": True, "text": None}
-        exchanges.append(make_exchange(primary, **overrides))
+            candidate = dataclasses.replace(candidate, truncated=True, text=None)
+        exchanges.append(make_exchange(primary, candidate))
         if i % 6 == 1:  # a second candidate's exchange shares this primary
             second = dataclasses.replace(primary, backend="cand2", text=_text(rng, 30))
             exchanges.append(make_exchange(primary, second))
