@@ -192,10 +192,11 @@ async def _primary(fault: str) -> AsyncIterator[str]:
         async with answering_once(b"\x16\x03\x01 this is not HTTP at all\r\n\r\n") as url:
             yield url
         return
-    sim_fault = {"5xx": {"fault": "error", "error_status": 503},
-                 "timeout": {"fault": "hang_before_first_byte"},
-                 "reset_mid_stream": {"fault": "reset_mid_stream", "tokens": 8}}[fault]
-    async with run_sim(**sim_fault) as sim:
+    sim_faults: dict[str, dict[str, object]] = {
+        "5xx": {"fault": "error", "error_status": 503},
+        "timeout": {"fault": "hang_before_first_byte"},
+        "reset_mid_stream": {"fault": "reset_mid_stream", "tokens": 8}}
+    async with run_sim(**sim_faults[fault]) as sim:
         yield sim.url
 
 

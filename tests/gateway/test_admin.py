@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from pydantic import ValidationError
 
 from gateway._admin import check_admin_binding
@@ -19,7 +20,7 @@ from tests.utils import eventually, run_gateway, run_sim
 
 TOKEN = "s3cr3t-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-CHAT = [{"role": "user", "content": "hi"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 async def _call(http: aiohttp.ClientSession, method: str, url: str,

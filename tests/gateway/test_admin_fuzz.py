@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import schemathesis
@@ -15,6 +16,9 @@ from hypothesis import HealthCheck, settings
 
 from gateway._admin import admin_openapi
 from tests.utils import free_port
+
+if TYPE_CHECKING:  # the alias exists for type checkers only
+    from schemathesis.specs.openapi.schemas import OpenApiCase
 
 TOKEN = "fuzz-admin-token-0123"
 schema = schemathesis.openapi.from_dict(admin_openapi())
@@ -62,7 +66,7 @@ def admin_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.filter_too_much])
-def test_admin_api_never_answers_5xx(case: schemathesis.Case, admin_root: str) -> None:
+def test_admin_api_never_answers_5xx(case: OpenApiCase, admin_root: str) -> None:
     response = case.call(base_url=admin_root, headers={"Authorization": f"Bearer {TOKEN}"},
                          timeout=30)
     assert response.status_code < 500, (case.method, case.path, case.body, response.text)

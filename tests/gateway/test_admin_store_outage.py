@@ -17,6 +17,7 @@ import aiohttp
 import asyncpg
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from sqlalchemy.engine import make_url
 
 from evaluators.store import upgrade
@@ -25,7 +26,7 @@ from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 STORE_TIMEOUT_S = 1.0
 ANSWER_WITHIN_S = STORE_TIMEOUT_S + 1.5
-CHAT = [{"role": "user", "content": "hi"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 @dataclass

@@ -7,11 +7,12 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway._metrics import GatewayMetrics
 from tests.utils import eventually, run_gateway, run_sim
 
-CHAT = [{"role": "system", "content": "You are terse."},
+CHAT: list[ChatCompletionMessageParam] = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name three prime numbers."}]
 
 
@@ -19,14 +20,15 @@ def _candidate(name: str, url: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "url": url, **extra}
 
 
-async def _chat(client: openai.AsyncOpenAI, stream: bool, **kwargs: Any) -> str:
+async def _chat(client: openai.AsyncOpenAI, stream: bool, user: str | openai.Omit = openai.omit
+                ) -> str:
     if not stream:
         answer = await client.chat.completions.create(model="sim-model", messages=CHAT,
-                                                      **kwargs)
+                                                      user=user)
         return answer.choices[0].message.content or ""
     pieces = []
     async for chunk in await client.chat.completions.create(model="sim-model", messages=CHAT,
-                                                            stream=True, **kwargs):
+                                                            stream=True, user=user):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
     return "".join(pieces)

@@ -46,7 +46,7 @@ def test_sampling_is_the_same_in_another_process() -> None:
 def test_session_key_sources_and_every_turn_of_a_conversation_agrees() -> None:
     turn1 = {"model": "m", "messages": [{"role": "system", "content": "S"},
                                         {"role": "user", "content": "Q1"}]}
-    turn2 = {"model": "m", "messages": [*turn1["messages"],  # type: ignore[list-item]
+    turn2 = {"model": "m", "messages": [*turn1["messages"],
                                         {"role": "assistant", "content": "A1"},
                                         {"role": "user", "content": "Q2"}]}
     k1 = session_key(_headers(), turn1, "X-Session-Id", "r1")

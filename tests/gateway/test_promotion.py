@@ -237,8 +237,9 @@ async def test_canary_validation() -> None:
     async with run_sim() as primary, \
             run_gateway(primary.url, candidates=[{"name": "c", "url": primary.url}]) as gw, \
             aiohttp.ClientSession() as http:
-        for body in ({"steps": [50, 10, 100]}, {"steps": [5, 50]}, {"steps": [0, 100]},
-                     {"interval_s": 0}, {"steps": []}):
+        bad: list[dict[str, object]] = [{"steps": [50, 10, 100]}, {"steps": [5, 50]},
+                                        {"steps": [0, 100]}, {"interval_s": 0}, {"steps": []}]
+        for body in bad:
             status, _ = await _post(http, gw.admin_url + "/candidates/c/canary", body)
             assert status == 422, body
         async with http.delete(gw.admin_url + "/canary", json={}) as resp:
