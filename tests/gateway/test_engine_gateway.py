@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from backends.engine import LlamaModel
 from evaluators import Exchange
@@ -50,7 +51,7 @@ async def _converse(primary_url: str, candidate_url: str) -> tuple[list[str], li
         primary_url, candidates=[{"name": "candidate", "url": candidate_url}]
     ) as gw:
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
-        messages = [{"role": "system", "content": SYSTEM}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM}]
         answers = []
         for turn, question in enumerate(QUESTIONS, start=1):
             messages.append({"role": "user", "content": question})

@@ -9,7 +9,7 @@ Answers are greedy and short (<= 16 tokens) so that the suite stays quick on two
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 import openai
@@ -18,6 +18,11 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.types.chat import (
+    ChatCompletionChunk,
+    ChatCompletionMessageParam,
+    ChatCompletionStreamOptionsParam,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.engine import Engine, LlamaModel, RunningEngineServer, engine_command
@@ -29,8 +34,17 @@ from tests.fixtures_engine import serve_engine
 from tests.utils import eventually, leave_stream_after
 
 MODEL = "SmolLM2-135M-Instruct"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 12}
+
+
+class Sampling(TypedDict):
+    temperature: float
+    max_tokens: int
+
+
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
+GREEDY: Sampling = {"temperature": 0, "max_tokens": 12}
 # A long shared prefix (~300 tokens): what a second request, or a next turn, reuses.
 SYSTEM = "You are a careful geography tutor. Answer in one short sentence. " + " ".join(
     f"Fact {i}: the river of region {i} flows north, its capital has {i + 3} bridges."
@@ -43,10 +57,21 @@ def _client(server: RunningEngineServer) -> openai.AsyncOpenAI:
 
 
 async def _stream_chat(
-    client: openai.AsyncOpenAI, messages: list[dict[str, str]], **extra: Any
-) -> tuple[list[Any], str]:
+    client: openai.AsyncOpenAI,
+    messages: list[ChatCompletionMessageParam],
+    *,
+    max_tokens: int = GREEDY["max_tokens"],
+    stop: list[str] | openai.Omit = openai.omit,
+    stream_options: ChatCompletionStreamOptionsParam | openai.Omit = openai.omit,
+) -> tuple[list[ChatCompletionChunk], str]:
     stream = await client.chat.completions.create(
-        model=MODEL, messages=messages, stream=True, **{**GREEDY, **extra}
+        model=MODEL,
+        messages=messages,
+        stream=True,
+        temperature=GREEDY["temperature"],
+        max_tokens=max_tokens,
+        stop=stop,
+        stream_options=stream_options,
     )
     chunks = [chunk async for chunk in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -145,7 +170,7 @@ async def test_stop_strings_cut_the_text(engine_model: LlamaModel) -> None:
 async def test_prefix_cache_reports_cached_tokens_and_keeps_the_tokens(
     engine_model: LlamaModel,
 ) -> None:
-    turns = [
+    turns: list[list[ChatCompletionMessageParam]] = [
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         for question in ("Which river flows north?", "How many bridges in region 2?")
     ]
@@ -178,7 +203,9 @@ async def test_concurrent_requests_match_solo_answers(engine_model: LlamaModel) 
         "What is 12 times 12?",
         "Write a haiku about the sea.",
     ]
-    conversations = [[{"role": "user", "content": q}] for q in questions]
+    conversations: list[list[ChatCompletionMessageParam]] = [
+        [{"role": "user", "content": q}] for q in questions
+    ]
     async with serve_engine(engine_model, enable_prefix_caching=False) as server:
         client = _client(server)
         solo = [(await _stream_chat(client, c, max_tokens=8))[1] for c in conversations]
@@ -192,11 +219,15 @@ async def test_concurrent_requests_match_solo_answers(engine_model: LlamaModel) 
 
 
 async def test_client_disconnect_aborts_the_request(engine_model: LlamaModel) -> None:
-    long: dict[str, Any] = {"max_tokens": 400, "extra_body": {"ignore_eos": True}}
     async with serve_engine(engine_model) as server:
         client = _client(server)
         stream = await client.chat.completions.create(
-            model=MODEL, messages=QUESTION, stream=True, temperature=0, **long
+            model=MODEL,
+            messages=QUESTION,
+            stream=True,
+            temperature=0,
+            max_tokens=400,
+            extra_body={"ignore_eos": True},
         )
         await leave_stream_after(stream, 3)
         await client.close()
