@@ -10,7 +10,9 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
 1. Keys are centred by the layer's key mean per head (``key_mean`` [kv_heads, head_dim], from
    calibration, zeros by default).  Adding one vector to every key adds one constant to every
    score of a query, which softmax ignores; centring removes the shared offset before it costs
-   bits.  Values are not centred (a value offset is not free: it moves the output).
+   bits.  Values are centred only when calibration gives them a mean too (``key_mean`` stacked
+   [2, kv_heads, head_dim]): it is subtracted before coding and added back after decoding, so
+   it is exact; ``calibrate`` does not give one by default (measured: no gain, see rule 2).
 2. Keys are then multiplied by the layer's key transform ``key_scale``: per head either a
    vector of per-channel multipliers [kv_heads, head_dim] or a symmetric matrix [kv_heads,
    head_dim, head_dim] (from calibration; identity by default), and by its inverse after
@@ -19,13 +21,21 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
    queries are large and keys small.  With ``Sq``, ``Sk`` the calibration queries' and centred
    keys' second-moment matrices, ``E[(q . dk)^2]`` is least for ``A^T A = M``, ``M = Sk^-1/2
    (Sk^1/2 Sq Sk^1/2)^1/2 Sk^-1/2`` (the matrix geometric mean of ``Sq`` and ``Sk^-1``; per
-   channel it is ``sqrt(Q_c / K_c)``).  On this model ``A = M^(1/4)`` (``KEY_TRANSFORM_POWER``,
-   half the high-rate optimum's ``M^(1/2)``) with both moments shrunk ``KEY_TRANSFORM_SHRINK``
-   towards their diagonals (252 calibration tokens estimate a 64 x 64 matrix) was chosen among
-   powers 1/4-1/2 and shrinks 0-0.6; over the three prompts, against the per-channel form
-   ``(Q_c / K_c)^(1/8)``, it moved top-1 67 -> 71 % and KL 0.29 -> 0.26.  Applied as numpy's own
-   ``einsum`` loops, not BLAS, so the codes do not depend on the BLAS kernel; the inverse is
-   computed once per codec.  Free like the mean: per-layer constants, no bits per block.
+   channel it is ``sqrt(Q_c / K_c)``).  On this model ``A = M^(3/8)`` (``KEY_TRANSFORM_POWER``,
+   3/4 of the high-rate optimum's ``M^(1/2)``) with both moments shrunk ``KEY_TRANSFORM_SHRINK``
+   = 0.1 towards their diagonals, estimated on ``_texts.CALIBRATION_TEXTS`` (seven passages,
+   2,326 tokens).  Side by side over the three prompts (attention error / KL / top-1): the old
+   252-token text with ``M^(1/4)`` and shrink 0.3, 0.374 / 0.260 / 70.3 %; the longer text,
+   0.363 / 0.251 / 71.4 %; with ``M^(3/8)`` and shrink 0.1, 0.358 / 0.221 / 72.9 % (on 252
+   tokens the weaker power and heavier shrink had won: a 64 x 64 matrix needs the data).
+   Applied as numpy's own ``einsum`` loops, not BLAS, so the codes do not depend on the BLAS
+   kernel; the inverse is computed once per codec.  Free like the mean: per-layer constants,
+   no bits per block.  Values may carry a transform of their own (``key_scale`` stacked [2,
+   kv_heads, head_dim, head_dim]): what the model reads of a value's error is ``dv W_o``, so
+   ``M`` from the output projection's rows for the KV head's query heads and the values'
+   moment is the same construction (``calibrate(value_power=...)``); measured at power 1/4
+   with the value mean it lowered attention error 0.363 -> 0.362 but raised KL 0.251 -> 0.288,
+   so the default calibration leaves values as they are.
 3. Each head's vectors are rotated by ``diag(s) H / sqrt(head_dim)``: ``H`` the Sylvester
    Hadamard matrix (``scipy.linalg.hadamard``), ``s`` random signs drawn from ``(seed,
    layer)`` per head, applied as a fast Walsh-Hadamard transform (adds and subtracts in a fixed
@@ -59,12 +69,21 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import scipy.linalg
 
-from ._codec import DEFAULT_SEED, BlockCodec, EncodedBlock, Float32Array, Role, block_shape
+from ._codec import (
+    DEFAULT_SEED,
+    ROLES,
+    BlockCodec,
+    EncodedBlock,
+    Float32Array,
+    Role,
+    block_shape,
+)
 from ._e8 import e8_codebook
 
 __all__ = [
@@ -73,6 +92,7 @@ __all__ = [
     "KEY_SCALE_POWER",
     "KEY_TRANSFORM_POWER",
     "KEY_TRANSFORM_SHRINK",
+    "VALUE_TRANSFORM_POWER",
     "E8Codec",
     "hadamard_transform",
     "key_scale_from",
@@ -85,10 +105,12 @@ DEFAULT_TAU = 1.0
 E8_BLOCK = 8
 KEY_SCALE_POWER = 0.125
 """Exponent of ``Q_c / K_c`` in the per-channel key scale (rule 2)."""
-KEY_TRANSFORM_POWER = 0.25
+KEY_TRANSFORM_POWER = 0.375
 """Exponent of ``M`` in the per-head key transform (rule 2)."""
-KEY_TRANSFORM_SHRINK = 0.3
+KEY_TRANSFORM_SHRINK = 0.1
 """Weight of the diagonal in the calibration moments of the key transform (rule 2)."""
+VALUE_TRANSFORM_POWER = 0.25
+"""Exponent of the values' ``M`` (output metric and value moment) in their transform (rule 2)."""
 _EMPTY = np.zeros(0, dtype=np.float32)
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
 _EIGEN_FLOOR = 1e-9  # of the largest eigenvalue: keeps a rank-deficient moment invertible
@@ -143,8 +165,8 @@ def _psd_power(matrix: npt.NDArray[np.float64], power: float) -> npt.NDArray[np.
 
 
 def key_transform_from(
-    query_moment: Float32Array,
-    key_moment: Float32Array,
+    query_moment: npt.NDArray[np.floating[Any]],
+    key_moment: npt.NDArray[np.floating[Any]],
     power: float = KEY_TRANSFORM_POWER,
     shrink: float = KEY_TRANSFORM_SHRINK,
 ) -> Float32Array:
@@ -166,11 +188,19 @@ def key_transform_from(
 
 
 class E8Codec(BlockCodec):
-    """E8 lattice codes for one layer (see the module comment)."""
+    """E8 lattice codes for one layer (see the module comment).
+
+    ``key_mean`` is the keys' mean [kv_heads, head_dim], or the keys' and the values' means
+    stacked [2, kv_heads, head_dim]; ``key_scale`` the keys' per-channel multipliers [kv_heads,
+    head_dim], their transform [kv_heads, head_dim, head_dim], or the keys' and the values'
+    transforms stacked [2, kv_heads, head_dim, head_dim] (rules 1-2; the registry's one pair of
+    per-layer constants carries both roles)."""
 
     __slots__ = (
         "_decoders",
-        "_key_unscale",
+        "_means",
+        "_unweights",
+        "_weights",
         "key_mean",
         "key_scale",
         "layer",
@@ -201,26 +231,32 @@ class E8Codec(BlockCodec):
         self.key_mean = None if key_mean is None else np.asarray(key_mean, dtype=np.float32)
         self.key_scale = None if key_scale is None else np.asarray(key_scale, dtype=np.float32)
         self._decoders: dict[tuple[Role, int, int], Float32Array] = {}
-        self._key_unscale: Float32Array | None = None
-        if self.key_scale is not None and self.key_scale.ndim == 3:
-            if self.key_scale.shape[1] != self.key_scale.shape[2]:
-                raise ValueError(f"a key transform is square per head, got {self.key_scale.shape}")
-            if not np.isfinite(self.key_scale).all() or (np.linalg.det(self.key_scale) <= 0).any():
-                raise ValueError("a key transform must be invertible with a positive determinant")
-            inverse = np.linalg.inv(self.key_scale.astype(np.float64))
-            self._key_unscale = np.ascontiguousarray(inverse, dtype=np.float32)
-        elif self.key_scale is not None and not (self.key_scale > 0).all():
-            raise ValueError("key_scale must be positive")
+        self._means: dict[Role, Float32Array | None] = {"key": None, "value": None}
+        self._weights: dict[Role, Float32Array | None] = {"key": None, "value": None}
+        self._unweights: dict[Role, Float32Array | None] = {"key": None, "value": None}
+        if self.key_mean is not None:
+            both = self.key_mean.ndim == 3
+            self._means["key"] = self.key_mean[0] if both else self.key_mean
+            self._means["value"] = self.key_mean[1] if both else None
+        if self.key_scale is not None:
+            both = self.key_scale.ndim == 4
+            for role, weights in zip(
+                ROLES, self.key_scale if both else (self.key_scale, None), strict=True
+            ):
+                if weights is not None:
+                    self._weights[role] = weights
+                    self._unweights[role] = _unweights(weights)
 
     def _to_coded(self, x: Float32Array, role: Role) -> Float32Array:
-        """Rules 1-2: what is rotated and coded (keys centred and weighted; values as they are)."""
-        if role != "key":
-            return x
-        for constant in (self.key_mean, self.key_scale):
+        """Rules 1-2: what is rotated and coded (centred and weighted where calibrated)."""
+        mean, weights = self._means[role], self._weights[role]
+        for constant in (mean, weights):
             if constant is not None and constant.shape[:2] != x.shape[1:]:
-                raise ValueError(f"a key constant {constant.shape} does not fit a block {x.shape}")
-        out = x if self.key_mean is None else x - self.key_mean[None]
-        return self._weigh(out, self.key_scale)
+                raise ValueError(
+                    f"a {role} constant {constant.shape} does not fit a block {x.shape}"
+                )
+        out = x if mean is None else x - mean[None]
+        return self._weigh(out, weights)
 
     @staticmethod
     def _weigh(x: Float32Array, weights: Float32Array | None) -> Float32Array:
@@ -251,12 +287,13 @@ class E8Codec(BlockCodec):
         points = e8_codebook().decode(encoded.codes).reshape(tokens, heads, dim)
         points *= encoded.scales.astype(np.float32)[..., None]
         out = np.matmul(points.transpose(1, 0, 2), self._decoder(encoded.role, heads, dim))
-        if encoded.role == "key" and self.key_mean is not None:
-            out += self.key_mean[:, None, :]
+        mean = self._means[encoded.role]
+        if mean is not None:
+            out += mean[:, None, :]
         return np.ascontiguousarray(out.transpose(1, 0, 2))
 
     def _decoder(self, role: Role, heads: int, dim: int) -> Float32Array:
-        """Each head's ``H / sqrt(d) diag(s)`` and, for keys, the inverse key transform (rule 8),
+        """Each head's ``H / sqrt(d) diag(s)`` and the inverse of the role's transform (rule 8),
         built once per role and shape."""
         cached = self._decoders.get((role, heads, dim))
         if cached is not None:
@@ -264,11 +301,27 @@ class E8Codec(BlockCodec):
         signs = rotation_signs(self.seed, self.layer, heads, dim)
         rotation = scipy.linalg.hadamard(dim).astype(np.float64) / np.sqrt(dim)
         matrix = rotation[None] * signs[:, None, :]
-        if role == "key" and self._key_unscale is not None:
-            matrix = matrix @ np.swapaxes(self._key_unscale.astype(np.float64), 1, 2)
-        elif role == "key" and self.key_scale is not None:
-            matrix = matrix / self.key_scale[:, None, :]
+        unweights = self._unweights[role]
+        if unweights is not None and unweights.ndim == 3:
+            matrix = matrix @ np.swapaxes(unweights.astype(np.float64), 1, 2)
+        elif unweights is not None:
+            matrix = matrix * unweights[:, None, :]
         decoder = np.ascontiguousarray(matrix, dtype=np.float32)
         decoder.flags.writeable = False
         self._decoders[role, heads, dim] = decoder
         return decoder
+
+
+def _unweights(weights: Float32Array) -> Float32Array:
+    """The inverse of per-channel multipliers [heads, d] or of per-head transforms [heads, d, d],
+    checked (rule 2)."""
+    if weights.ndim == 3:
+        if weights.shape[1] != weights.shape[2]:
+            raise ValueError(f"a key transform is square per head, got {weights.shape}")
+        if not np.isfinite(weights).all() or (np.linalg.det(weights) <= 0).any():
+            raise ValueError("a key transform must be invertible with a positive determinant")
+        inverse = np.linalg.inv(weights.astype(np.float64))
+        return np.ascontiguousarray(inverse, dtype=np.float32)
+    if weights.ndim != 2 or not (weights > 0).all():
+        raise ValueError("key_scale must be positive per-channel multipliers or transforms")
+    return np.ascontiguousarray(1.0 / weights.astype(np.float64), dtype=np.float32)

@@ -29,8 +29,8 @@ Theory of operation
    encoded): the scored positions read every K/V through the codec, but the prompt's hidden
    states carry no codec error.  ``write`` is what an engine whose prefill reads its K/V back
    from an encoded cache gets; ``decode`` is the lower bound of the loss.
-6. Calibration is not evaluation: the E8 key means and key scales come from
-   ``CALIBRATION_TEXT``, never from the prompts that are scored.
+6. Calibration is not evaluation: the E8 key means and key transforms come from
+   ``CALIBRATION_TEXTS`` (seven passages, ~2,300 tokens), never from the prompts that are scored.
 7. Bits: a codec's bits per element are measured from its encoded arrays at ``encode_tokens``;
    at a context of ``L`` tokens the sink costs 32 bits, the window 16, the rest the codec's
    (``CodecQuality.effective_bits``), and the longest context that fits a KV budget follows.
@@ -50,9 +50,14 @@ from ...model._model import ForwardChunk, LlamaModel, _rms_norm, _rope
 from .._plan import KVPlan
 from .._store import KVLayout, KVStorage
 from ._codec import DEFAULT_ENCODE_TOKENS, DEFAULT_SEED, ROLES, Float32Array, KVCodec, Role
-from ._e8_codec import E8Codec, key_transform_from
+from ._e8_codec import (
+    KEY_TRANSFORM_POWER,
+    KEY_TRANSFORM_SHRINK,
+    E8Codec,
+    key_transform_from,
+)
 from ._registry import codec_by_name
-from ._texts import CALIBRATION_TEXT, PROMPTS
+from ._texts import CALIBRATION_TEXTS, PROMPTS
 
 __all__ = [
     "DEFAULT_CONFIGS",
@@ -305,21 +310,57 @@ def capture_kv(
     return run.keys, run.values
 
 
-def calibrate(model: LlamaModel) -> tuple[list[Float32Array], list[Float32Array]]:
-    """Per layer, the key mean and the key transform (``_e8_codec`` rules 1-2) over
-    ``CALIBRATION_TEXT`` (rule 6), the sink excluded."""
+def calibrate(
+    model: LlamaModel,
+    texts: Sequence[str] = CALIBRATION_TEXTS,
+    *,
+    value_power: float | None = None,
+    key_power: float = KEY_TRANSFORM_POWER,
+    shrink: float = KEY_TRANSFORM_SHRINK,
+) -> tuple[list[Float32Array], list[Float32Array]]:
+    """Per layer, the E8 codec's constants (``_e8_codec`` rules 1-2) over the calibration
+    ``texts`` (rule 6), each run on its own, their sinks excluded: the key and value means
+    stacked [2, kv_heads, head_dim] and the key and value transforms stacked [2, kv_heads,
+    head_dim, head_dim].  The keys' transform weighs by the queries' second moment, the values'
+    by the output projection each KV head's values go through (``w_o``'s rows of its query
+    heads, from the weights); ``value_power`` None: keys only, the values' transform the
+    identity."""
     cfg = model.config
-    ids = model.tokenizer.encode(CALIBRATION_TEXT)
-    run = _forward(model, ids, last=len(ids), capture=True)
-    means = key_means(run.keys)
-    group = cfg.num_heads // cfg.num_kv_heads
-    transforms = []
+    heads, dim = cfg.num_kv_heads, cfg.head_dim
+    group = cfg.num_heads // heads
+    count = 0
+    shape = (heads, dim, dim)
+    sums = [[np.zeros((heads, dim)) for _ in range(cfg.num_layers)] for _ in ROLES]
+    products = [[np.zeros(shape) for _ in range(cfg.num_layers)] for _ in ROLES]
+    query_moments = [np.zeros(shape) for _ in range(cfg.num_layers)]
+    for text in texts:
+        ids = model.tokenizer.encode(text)
+        run = _forward(model, ids, last=len(ids), capture=True)
+        count += len(ids) - 1
+        for layer in range(cfg.num_layers):
+            queries = run.queries[layer][1:].reshape(-1, heads, group, dim)
+            query_moments[layer] += np.einsum("nhgi,nhgj->hij", queries, queries)
+            for role, x in enumerate((run.keys[layer], run.values[layer])):
+                rows = x[1:].astype(np.float64)
+                sums[role][layer] += rows.sum(axis=0)
+                products[role][layer] += np.einsum("nhi,nhj->hij", rows, rows)
+    means, transforms = [], []
     for layer in range(cfg.num_layers):
-        queries = run.queries[layer][1:].reshape(-1, cfg.num_kv_heads, group, cfg.head_dim)
-        keys = (run.keys[layer][1:] - means[layer]).astype(np.float64)
-        query_moment = np.einsum("nhgi,nhgj->hij", queries, queries) / queries.shape[0]
-        key_moment = np.einsum("nhi,nhj->hij", keys, keys) / keys.shape[0]
-        transforms.append(key_transform_from(query_moment, key_moment))
+        mean = [sums[role][layer] / count for role in range(2)]
+        moment = [
+            products[role][layer] / count - np.einsum("hi,hj->hij", mean[role], mean[role])
+            for role in range(2)
+        ]
+        key = key_transform_from(query_moments[layer] / count, moment[0], key_power, shrink)
+        if value_power is None:
+            means.append(np.ascontiguousarray(mean[0], dtype=np.float32))
+            transforms.append(key)
+            continue
+        w_o = np.asarray(model.w_o[layer], dtype=np.float64).reshape(heads, group, dim, -1)
+        output_metric = np.einsum("hgio,hgjo->hij", w_o, w_o)
+        value = key_transform_from(output_metric, moment[1], value_power, shrink)
+        means.append(np.ascontiguousarray(np.stack(mean), dtype=np.float32))
+        transforms.append(np.ascontiguousarray(np.stack([key, value]), dtype=np.float32))
     return means, transforms
 
 
@@ -517,5 +558,7 @@ def measure_quality(
         reference_logit_gap=gap,
         results=results,
         seconds=time.perf_counter() - started,
-        key_mean_norms=tuple(float(np.linalg.norm(m, axis=1).mean()) for m in means),
+        key_mean_norms=tuple(
+            float(np.linalg.norm(m[0] if m.ndim == 3 else m, axis=-1).mean()) for m in means
+        ),
     )

@@ -27,6 +27,7 @@ from backends.engine.kv.codecs._e8 import (
     nearest_in_codebook_brute_force,
 )
 from backends.engine.kv.codecs._e8_codec import (
+    VALUE_TRANSFORM_POWER,
     hadamard_transform,
     key_scale_from,
     key_transform_from,
@@ -385,6 +386,46 @@ def test_e8_key_transform_moves_the_error_off_the_query_subspace() -> None:
         codec_by_name("e8-2", key_scale=np.zeros((3, 64, 64), dtype=np.float32))
     with pytest.raises(ValueError, match="does not fit"):
         codec_by_name("e8-2", key_scale=transform[:2]).encode(x, "key")
+
+
+def test_e8_value_constants_centre_and_move_the_error_off_what_w_o_reads() -> None:
+    """Stacked per-role constants (rules 1-2): the values' mean is removed before coding and
+    added back (a shared offset costs no error), and their transform, from an output metric
+    that reads 8 rotated directions, shrinks the error along them; the keys' half is the same
+    codec as a keys-only transform."""
+    rng = np.random.default_rng(17)
+    x = gaussian(18, (64, 3, 64))
+    offset = (10.0 * rng.standard_normal((3, 64))).astype(np.float32)
+    basis = np.linalg.qr(rng.standard_normal((3, 64, 64)))[0]
+    spread = np.ones(64)
+    spread[:8] = 30.0
+    read = np.einsum("hij,j->hij", basis, spread)  # the directions an output projection reads
+    metric = np.einsum("hij,hkj->hik", read, read)
+    value_moment = np.einsum("thi,thj->hij", x, x).astype(np.float64) / x.shape[0]
+    key_t = key_transform_from(metric, value_moment)
+    value_t = key_transform_from(metric, value_moment, power=VALUE_TRANSFORM_POWER)
+    zeros = np.zeros((3, 64), dtype=np.float32)
+    identity = np.broadcast_to(np.eye(64, dtype=np.float32), (3, 64, 64))
+
+    def output_error(codec: KVCodec, data: Float32Array) -> float:
+        dv = codec.decode(codec.encode(data, "value")) - data
+        return float(np.square(np.einsum("thi,hij->thj", dv, read)).mean())
+
+    plain = codec_by_name("e8-2")
+    centred = codec_by_name("e8-2", key_mean=np.stack([zeros, offset]))
+    assert output_error(centred, x + offset) < 1.05 * output_error(plain, x)
+    assert output_error(plain, x + offset) > 3.0 * output_error(plain, x)
+    weighted = codec_by_name("e8-2", key_scale=np.stack([identity, value_t]))
+    assert output_error(weighted, x) < 0.6 * output_error(plain, x)
+    both = codec_by_name("e8-2", key_scale=np.stack([key_t, value_t]))
+    keys_only = codec_by_name("e8-2", key_scale=key_t)
+    assert np.array_equal(both.encode(x, "key").codes, keys_only.encode(x, "key").codes)
+    assert np.allclose(
+        both.decode(both.encode(x, "key")), keys_only.decode(keys_only.encode(x, "key"))
+    )
+    assert np.array_equal(
+        keys_only.encode(x, "value").codes, plain.encode(x, "value").codes
+    )  # a keys-only transform leaves values alone
 
 
 # --- the real model -------------------------------------------------------------------------------
