@@ -8,9 +8,14 @@ reproducible between the two calls.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypedDict
 
 import openai
+from openai.types.chat import (
+    ChatCompletionChunk,
+    ChatCompletionMessageParam,
+    ChatCompletionStreamOptionsParam,
+)
 
 from tests.fixtures_vllm import RunningVLLM
 from tests.utils import eventually, run_gateway
@@ -28,24 +33,34 @@ COUNTRIES = (
 )  # fmt: skip
 
 
-def _capital_question(country: str) -> list[dict[str, str]]:
+def _capital_question(country: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "user", "content": f"What is the capital of {country}? Answer with one word."}]
 
 
+class Sampling(TypedDict):
+    temperature: float
+    max_tokens: int
+    seed: int
+
+
 QUESTION = _capital_question("France")
-GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 24, "seed": 7}
+GREEDY: Sampling = {"temperature": 0, "max_tokens": 24, "seed": 7}
 
 
-def _view(chunk: Any) -> dict[str, Any]:
+def _view(chunk: ChatCompletionChunk) -> dict[str, Any]:
     data = chunk.model_dump()
     for volatile in ("id", "created"):
         data.pop(volatile, None)
     return data
 
 
-async def _streamed(client: openai.AsyncOpenAI, model: str, **extra: Any) -> list[dict[str, Any]]:
+async def _streamed(
+    client: openai.AsyncOpenAI,
+    model: str,
+    stream_options: ChatCompletionStreamOptionsParam | openai.Omit,
+) -> list[dict[str, Any]]:
     stream = await client.chat.completions.create(
-        model=model, messages=QUESTION, stream=True, **GREEDY, **extra
+        model=model, messages=QUESTION, stream=True, stream_options=stream_options, **GREEDY
     )
     return [_view(c) async for c in stream]
 
@@ -59,9 +74,13 @@ async def test_async_client_streamed_and_not_equal_direct(vllm_server: RunningVL
         b = await proxied.chat.completions.create(model=model, messages=QUESTION, **GREEDY)
         assert b.choices[0].message.content == a.choices[0].message.content
         assert b.usage == a.usage and b.usage is not None and b.usage.completion_tokens > 0
-        for extra in ({}, {"stream_options": {"include_usage": True}}):
-            assert await _streamed(proxied, model, **extra) == await _streamed(
-                direct, model, **extra
+        with_and_without_usage: list[ChatCompletionStreamOptionsParam | openai.Omit] = [
+            openai.omit,
+            {"include_usage": True},
+        ]
+        for options in with_and_without_usage:
+            assert await _streamed(proxied, model, options) == await _streamed(
+                direct, model, options
             )
         c = await direct.completions.create(
             model=model, prompt="The capital of France is", **GREEDY
@@ -107,7 +126,7 @@ async def test_sync_client_streamed_and_not_equal_direct(vllm_server: RunningVLL
 async def test_cached_tokens_reach_the_client_and_the_observation(
     vllm_server: RunningVLLM,
 ) -> None:
-    history = [
+    history: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": "You are a helpful assistant. " * 40},
         {"role": "user", "content": "Say hello."},
     ]
