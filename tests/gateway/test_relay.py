@@ -9,14 +9,18 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
+from openai.types.chat.chat_completion_stream_options_param import (
+    ChatCompletionStreamOptionsParam,
+)
 
 from tests.utils import eventually, run_gateway, run_sim
 
-CHAT = [{"role": "system", "content": "You are terse."},
+CHAT: list[ChatCompletionMessageParam] = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name three prime numbers."}]
 
 
-def _chunk_view(chunk: Any) -> dict[str, Any]:
+def _chunk_view(chunk: ChatCompletionChunk) -> dict[str, Any]:
     """What a client sees of a chunk, minus the fields that differ per call (id, time)."""
     data = chunk.model_dump()
     data.pop("id", None)
@@ -24,9 +28,11 @@ def _chunk_view(chunk: Any) -> dict[str, Any]:
     return data
 
 
-async def _stream(client: openai.AsyncOpenAI, **kwargs: Any) -> list[dict[str, Any]]:
+async def _stream(client: openai.AsyncOpenAI,
+                  stream_options: ChatCompletionStreamOptionsParam | openai.Omit = openai.omit,
+                  ) -> list[dict[str, Any]]:
     stream = await client.chat.completions.create(model="sim-model", messages=CHAT,
-                                                  stream=True, **kwargs)
+                                                  stream=True, stream_options=stream_options)
     return [_chunk_view(chunk) async for chunk in stream]
 
 
@@ -35,8 +41,9 @@ async def test_streamed_chat_equals_direct() -> None:
             run_gateway(sim.url) as gw:
         direct = openai.AsyncOpenAI(base_url=sim.base_url, api_key="x")
         proxied = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x")
-        for options in ({}, {"stream_options": {"include_usage": True}}):
-            assert await _stream(proxied, **options) == await _stream(direct, **options)
+        usage: ChatCompletionStreamOptionsParam = {"include_usage": True}
+        for options in (openai.omit, usage):
+            assert await _stream(proxied, options) == await _stream(direct, options)
         await direct.close()
         await proxied.close()
 
