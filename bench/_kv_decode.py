@@ -127,7 +127,7 @@ def decode_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The decode table for the codecs named (rules 1-3), with e8-2's targets where measured."""
-    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+    from threadpoolctl import threadpool_limits
 
     from backends.engine.kv.codecs._quality import calibrate
 

@@ -63,7 +63,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_limits
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))

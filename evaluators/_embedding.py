@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 from safetensors.numpy import load_file
-from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+from threadpoolctl import ThreadpoolController
 from tokenizers import Tokenizer
 
 __all__ = [

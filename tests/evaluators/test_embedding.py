@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+from threadpoolctl import ThreadpoolController
 
 from backends.vllm import vllm_python
 from evaluators import _embedding

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
-from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_info
 
 from .._arrays import Float32Array, IntArray
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_info
 
 from .._arrays import Float32Array
 from ._attention import MIN_GEMM_ROWS

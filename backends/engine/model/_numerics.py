@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from threadpoolctl import threadpool_info, threadpool_limits  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from .._arrays import Float32Array
 from ..kv._store import DEFAULT_BLOCK_SIZE

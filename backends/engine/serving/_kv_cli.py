@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 from rich.table import Table
-from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_limits
 
 from ..kv._plan import ENGINE_CODECS, WINDOW_TOKENS, WINDOWED_CODECS, KVPlan
 from ..kv._store import DEFAULT_BLOCK_SIZE

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
-from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_limits
 
 from ..kv._costmodel import CostCalibration, StepEstimate, calibrate_costs, estimate_step
 from ..kv._plan import ENGINE_CODECS, KVPlan

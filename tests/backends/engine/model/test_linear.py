@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_info, threadpool_limits  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from backends.engine.model._lanes import RowLanes, rows_are_independent
 from backends.engine.model._linear import (

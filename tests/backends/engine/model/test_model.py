@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
+from threadpoolctl import threadpool_info
 
 from backends.engine import ForwardChunk, KVLayout, LlamaModel, SamplingParams
 from backends.engine.kv._store import KVStorage
