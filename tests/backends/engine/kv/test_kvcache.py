@@ -19,9 +19,15 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 SEED = b"model-fingerprint"
 
 
+def _raw(pool: BlockPool) -> KVStorage:
+    """An fp32 pool's storage (a pool under a codec holds a CodedKVStorage)."""
+    assert isinstance(pool.storage, KVStorage)
+    return pool.storage
+
+
 def _fill(pool: BlockPool, block: int, value: float) -> None:
     data = np.full(LAYOUT.block_shape, value, dtype=np.float32)
-    pool.storage.write_block(block, data)
+    _raw(pool).write_block(block, data)
 
 
 def _cache_sequence(pool: BlockPool, tokens: list[int]) -> list[int]:
@@ -137,7 +143,7 @@ def test_pool_size_from_memory_limit() -> None:
     assert per_block == 2 * 2 * 2 * 4 * 4 * 4
     pool = BlockPool.for_memory(LAYOUT, 10 * per_block + per_block // 2)
     assert pool.num_blocks == 9  # one of the ten pays for the null block
-    assert pool.storage.keys.nbytes + pool.storage.values.nbytes == 10 * per_block
+    assert _raw(pool).keys.nbytes + _raw(pool).values.nbytes == 10 * per_block
     with pytest.raises(ValueError):
         BlockPool.for_memory(LAYOUT, per_block)
 
@@ -237,7 +243,7 @@ def test_export_import_round_trip() -> None:
     table = _cache_sequence(source, tokens)
     rng = np.random.default_rng(1)
     for block in table:
-        source.storage.write_block(block, rng.standard_normal(LAYOUT.block_shape, dtype=np.float32))
+        _raw(source).write_block(block, rng.standard_normal(LAYOUT.block_shape, dtype=np.float32))
     exported = source.export_blocks(table)
     assert [b.block_id for b in exported] == table
     assert exported[1].parent_hash == exported[0].block_hash
@@ -248,7 +254,7 @@ def test_export_import_round_trip() -> None:
     assert len(ids) == 3 and target.num_free_blocks == 5  # cached, unreferenced
     assert target.lookup(hash_blocks(SEED, tokens, 4)) == ids
     for block, original in zip(ids, exported, strict=True):
-        np.testing.assert_array_equal(target.storage.read_block(block), original.data)
+        np.testing.assert_array_equal(_raw(target).read_block(block), original.data)
     assert target.import_blocks(exported) == ids  # already cached: skipped
     assert target.stats().num_cached_blocks == 3
 

@@ -18,16 +18,21 @@ import numpy.typing as npt
 import pytest
 
 from backends.engine import Engine, LlamaModel, SamplingParams
+from backends.engine._arrays import Float32Array
 from backends.engine.kv._paged_codec import SERVED_CODECS, PagedCodec
 from backends.engine.kv._plan import KVPlan
 from backends.engine.kv.codecs._quality import calibrate
 from backends.engine.model._attention import OwnBlocks, attend, attend_decode, key_span
 from backends.engine.model._lanes import RowLanes
 from backends.engine.model._numerics import attention_rows_independent
+from backends.engine.serving._engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from backends.engine.serving._server_config import UnifiedServerConfig, engine_server_config
 
 from . import test_transfer
 from .test_transfer import KV_LIMIT, Node, _pull, _pull_fails, _retain, serving
+
+# What calibrate() returns: E8's per-layer means and transforms.
+Calibration = tuple[list[Float32Array], list[Float32Array]]
 
 start_node = test_transfer.start_node  # the fixture: engines stepped by loops, stopped at teardown
 
@@ -194,7 +199,8 @@ def test_fp32_is_no_paged_codec_and_a_window_is_whole_blocks() -> None:
         )
     with pytest.raises(ValueError, match="e8-3w"):
         engine_server_config(kv_codec="e8-3w")
-    assert engine_server_config(kv_codec="e8-2w").kv_codec == "e8-2w"
+    windowed = engine_server_config(kv_codec="e8-2w")
+    assert isinstance(windowed, UnifiedServerConfig) and windowed.kv_codec == "e8-2w"
     with pytest.raises(ValueError, match="router"):
         engine_server_config(
             role="router", kv_codec="fp8", prefill_urls=("http://a",), decode_urls=("http://b",)
@@ -206,15 +212,28 @@ def test_fp32_is_no_paged_codec_and_a_window_is_whole_blocks() -> None:
 
 
 @pytest.fixture(scope="module")
-def calibration(engine_model: LlamaModel):  # type: ignore[no-untyped-def]
+def calibration(engine_model: LlamaModel) -> Calibration:
     return calibrate(engine_model)
 
 
-def _engine(model: LlamaModel, name: str, calibration, **kwargs: int) -> Engine:  # type: ignore[no-untyped-def]
+def _engine(
+    model: LlamaModel,
+    name: str,
+    calibration: Calibration,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+) -> Engine:
     plan = _plan_or_name(name, model.config.num_layers)
-    if name.endswith("w"):  # each running sequence's 128-token raw window is paid up front
-        kwargs.setdefault("max_num_seqs", 4)
-    return Engine(model, KV_LIMIT, kv_codec=plan, kv_calibration=calibration, **kwargs)
+    if max_num_seqs is None:  # a windowed sequence's 128-token raw window is paid up front
+        max_num_seqs = 4 if name.endswith("w") else DEFAULT_MAX_NUM_SEQS
+    return Engine(
+        model,
+        KV_LIMIT,
+        kv_codec=plan,
+        kv_calibration=calibration,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
 
 
 def _run(engine: Engine, prompt: list[int], seed: int | None = None) -> list[tuple[int, float]]:
@@ -231,8 +250,8 @@ def _run(engine: Engine, prompt: list[int], seed: int | None = None) -> list[tup
 @pytest.mark.parametrize("name", EXACT_CODECS)
 def test_unified_prefix_cached_and_chunked_prefill_are_bitwise_equal(
     engine_model: LlamaModel,
-    calibration,
-    name: str,  # type: ignore[no-untyped-def]
+    calibration: Calibration,
+    name: str,
 ) -> None:
     prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
     unified = _engine(engine_model, name, calibration)
@@ -251,7 +270,7 @@ def test_unified_prefix_cached_and_chunked_prefill_are_bitwise_equal(
 
 def test_a_windowed_prefix_hit_reads_its_window_raw_or_is_cut_back(
     engine_model: LlamaModel,
-    calibration,  # type: ignore[no-untyped-def]
+    calibration: Calibration,
 ) -> None:
     """A conversation's next turn reuses all of its history (the last window's raw rows are kept
     as the released conversation's tail); a prompt that branches off further back than the
@@ -278,7 +297,7 @@ def test_a_windowed_prefix_hit_reads_its_window_raw_or_is_cut_back(
 @pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED, "e8-2w", WINDOW32])
 async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
     engine_model: LlamaModel,
-    calibration,  # type: ignore[no-untyped-def]
+    calibration: Calibration,
     start_node: Callable[[Engine], Node],
     name: str,
 ) -> None:
@@ -313,7 +332,7 @@ async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
 )
 async def test_a_node_refuses_blocks_of_another_codec_and_counts_it(
     engine_model: LlamaModel,
-    calibration,  # type: ignore[no-untyped-def]
+    calibration: Calibration,
     start_node: Callable[[Engine], Node],
     owner_codec: str,
     puller_codec: str,
@@ -336,7 +355,7 @@ async def test_a_node_refuses_blocks_of_another_codec_and_counts_it(
 @pytest.mark.parametrize("cache_bytes", [0, 3 * 24576])
 def test_a_decoded_cache_too_small_to_hold_anything_gives_the_same_tokens(
     engine_model: LlamaModel,
-    calibration,  # type: ignore[no-untyped-def]
+    calibration: Calibration,
     cache_bytes: int,
 ) -> None:
     """Every read a miss (or nearly): blocks decoded again from their codes give the bits the
@@ -367,7 +386,7 @@ FIXED_KV = (8 * 368640 + 737280 + 46080) * 4 // 3 + 4
 
 def test_a_fixed_kv_memory_admits_the_codec_ratio_more_tokens_and_answers_them(
     engine_model: LlamaModel,
-    calibration,  # type: ignore[no-untyped-def]
+    calibration: Calibration,
 ) -> None:
     """The longest prompt an engine admits at one --kv-gib, asked of the engines: e8-2 holds
     3,240 bytes a token against fp16's 23,040 (7.11x), so it admits >= 7x fp16's prompt, and it

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 import openai
 import orjson
 import pytest
 from click.testing import CliRunner
+from openai.types.chat import ChatCompletionMessageParam
 
 from backends.engine import LlamaModel, RunningEngineServer, engine_command
 from backends.engine.serving._router import ROUTER
@@ -40,14 +41,22 @@ QUESTIONS = [
     "Where should the longest ship go? "
     + " ".join(f"Ship {i} arrives at {8 + i} o'clock with {i * 4} crates." for i in range(7)),
 ]
-GREEDY: dict[str, Any] = {"temperature": 0}
-SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
+
+
+class Sampling(TypedDict, total=False):
+    temperature: float
+    top_p: float
+    seed: int
+
+
+GREEDY: Sampling = {"temperature": 0}
+SEEDED: Sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
 MAX_TOKENS = 12
 SMALL_KV_BYTES = 49 * 30 * 2 * 3 * 16 * 64 * 4  # 48 blocks of SmolLM2 (+ the null block)
 
 
 async def _turn(
-    server: RunningEngineServer, messages: list[dict[str, str]], sampling: dict[str, Any]
+    server: RunningEngineServer, messages: list[ChatCompletionMessageParam], sampling: Sampling
 ) -> tuple[str, int, int]:
     """``(answer, completion tokens, cached prompt tokens)`` of one streamed turn."""
     async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client:
@@ -69,13 +78,13 @@ async def _turn(
 
 async def _conversation(
     server: RunningEngineServer,
-    sampling: dict[str, Any],
+    sampling: Sampling,
     questions: list[str] = QUESTIONS,
     before_turn: Callable[[int], Awaitable[None]] | None = None,
 ) -> list[tuple[str, int, int]]:
     """Each turn's ``_turn`` over one conversation; ``before_turn(turn)`` runs ahead of each
     (a fault to set, other traffic to send)."""
-    messages = [{"role": "system", "content": SYSTEM}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM}]
     turns = []
     for turn, question in enumerate(questions):
         if before_turn is not None:
@@ -88,7 +97,7 @@ async def _conversation(
 
 async def _from_scratch(
     engine_model: LlamaModel,
-    sampling: dict[str, Any],
+    sampling: Sampling,
     questions: list[str] = QUESTIONS,
     **engine: Any,
 ) -> list[tuple[str, int, int]]:
@@ -116,7 +125,7 @@ def _router_count(router: RunningEngineServer, name: str, **labels: str) -> floa
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 async def test_unified_prefix_cached_and_disaggregated_give_the_same_tokens(
-    engine_model: LlamaModel, sampling: dict[str, Any]
+    engine_model: LlamaModel, sampling: Sampling
 ) -> None:
     expected = await _from_scratch(engine_model, sampling)
     async with serve_engine(engine_model) as cached:
@@ -198,7 +207,9 @@ async def test_tokens_survive_eviction_of_everything_a_turn_would_reuse(
                 # Two long conversations in between: the prefill node's LRU cache loses the
                 # history, and the decode node reclaims its retained set to run them.
                 for filler in range(2):
-                    other = [{"role": "user", "content": f"Story {filler}: " + SYSTEM * 3}]
+                    other: list[ChatCompletionMessageParam] = [
+                        {"role": "user", "content": f"Story {filler}: " + SYSTEM * 3}
+                    ]
                     await _turn(cluster.router, other, GREEDY)
 
         got = await _conversation(cluster.router, SEEDED, QUESTIONS[:2], before_turn=fillers)
@@ -228,9 +239,13 @@ async def test_a_dead_prefill_node_means_the_decode_node_computes(
 async def test_the_router_keeps_kv_params_to_itself_and_answers_errors_like_an_engine(
     engine_model: LlamaModel,
 ) -> None:
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Hi"},
+    ]
     body = {
         "model": MODEL,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+        "messages": messages,
         "max_tokens": 4,
         "temperature": 0,
     }
@@ -247,9 +262,9 @@ async def test_the_router_keeps_kv_params_to_itself_and_answers_errors_like_an_e
             raw = await resp.read()
         assert b"kv_transfer_params" not in raw and raw.endswith(b"data: [DONE]\n\n")
         # The decode node did retain the turn: the router filed it for the next one.
-        answer = whole["choices"][0]["message"]["content"]
-        follow_up = [
-            *body["messages"],
+        answer: str = whole["choices"][0]["message"]["content"]
+        follow_up: list[ChatCompletionMessageParam] = [
+            *messages,
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "Thanks!"},
         ]
