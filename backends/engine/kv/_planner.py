@@ -24,10 +24,11 @@ Theory of operation
 5. The sensitivity table is cached in a file keyed by the model's fingerprint and the
    measurement's settings; another budget re-plans from it in milliseconds.
 6. Per-token retention shares the budget (MultiAlloc's idea): a recent window of ``W`` tokens
-   kept raw costs, at a context of ``L`` tokens, the float32 rows of its complete blocks beyond
-   the block being filled, ``(W / block_size - 1) * raw_block_bytes / L`` bytes per token (what
-   ``PagedCodec.context_bits_per_element`` counts; the sink row and the block being filled are
-   paid under every plan alike).  ``split_budget`` plans the layers with what each window leaves;
+   kept raw costs, at a context of ``L`` tokens, the float16 rows of its complete blocks beyond
+   the block being filled, less the half block its float16 filling block saves against a plain
+   codec's float32 one: ``(min(L, W) / block_size - 2) * raw_block_bytes / L`` bytes per token
+   (what ``PagedCodec.context_bits_per_element`` counts; the sink row is paid alike).
+   ``split_budget`` plans the layers with what each window leaves;
    the split is chosen by measurement, not by the table: ``check_retention`` measures every
    (plan, window) whole-model at that context and the least KL wins (the table's losses were
    measured without a window, so they cannot price one).
@@ -383,9 +384,12 @@ def window_bytes_per_token(
     window_tokens: int, context_tokens: int, block_size: int, raw_block_bytes: int
 ) -> float:
     """Bytes per token a recent window's raw rows add at ``context_tokens`` (rule 6);
-    ``raw_block_bytes``: one block's float32 K and V, all layers."""
+    ``raw_block_bytes``: one block's float16 K and V rows (as a window holds them), all layers."""
+    if window_tokens == 0:
+        return 0.0
     blocks = max(1, window_tokens // block_size) - 1
-    return min(context_tokens // block_size, blocks) * raw_block_bytes / context_tokens
+    # Under a window the block being filled is float16 too: half the float32 one of a plain codec.
+    return (min(context_tokens // block_size, blocks) - 1) * raw_block_bytes / context_tokens
 
 
 def split_budget(
@@ -441,7 +445,7 @@ def check_retention(
     split on it (rule 6)."""
     cfg = model.config
     context = len(model.tokenizer.encode(prompt)[:max_tokens])
-    raw_block = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * table.block_size * 4
+    raw_block = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * table.block_size * 2
     plans = split_budget(
         table,
         budget_bytes_per_token,

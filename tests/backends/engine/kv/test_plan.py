@@ -133,7 +133,7 @@ def test_a_windowed_codec_is_its_base_codec_with_kivis_window(name: str) -> None
     assert windowed.fingerprint != base.fingerprint  # a node of one refuses the other's blocks
     assert windowed.block_bytes == base.block_bytes
     assert windowed.window_blocks == WINDOW_TOKENS // BS
-    assert windowed.window_bytes == LAYERS * 2 * HEADS * DIM * BS * 4
+    assert windowed.window_bytes == LAYERS * 2 * HEADS * DIM * BS * 2  # float16 rows
     assert windowed.packed_sizes == tuple(
         sorted(windowed.packed_bytes(f, w) for f in (False, True) for w in (False, True))
     )

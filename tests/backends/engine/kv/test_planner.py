@@ -116,7 +116,7 @@ def test_a_window_is_priced_as_the_engine_holds_it_and_split_from_one_budget() -
     between a windowed and a plain codec's bits at that context), and each window's plan gets
     what the window leaves of one budget."""
     layers, heads, dim, bs = 2, 3, 64, 16
-    raw_block = layers * 2 * heads * dim * bs * 4
+    raw_block = layers * 2 * heads * dim * bs * 2  # float16 rows
     for context in (48, 417, 1536):
         plain = PagedCodec("kivi-4", num_layers=layers, kv_heads=heads, head_dim=dim, block_size=bs)
         windowed = PagedCodec(
@@ -134,14 +134,19 @@ def test_a_window_is_priced_as_the_engine_holds_it_and_split_from_one_budget() -
             extra_bits * elements / 8
         )
     assert window_bytes_per_token(0, 417, bs, raw_block) == 0.0
-    assert window_bytes_per_token(128, 40, bs, raw_block) == 2 * raw_block / 40  # 2 blocks held
+    # 2 blocks held raw at float16, less the half of a plain codec's float32 block being filled
+    assert window_bytes_per_token(128, 40, bs, raw_block) == raw_block / 40
     loss = np.zeros((layers, 2, 2))
     loss[:, :, 1] = 0.1
     sizes = np.array([[6144, 2304], [6144, 1920]], dtype=np.int64)
     table = SensitivityTable(("fp16", "kivi-4"), loss, sizes, block_size=bs)
     budget = 2 * (6144 + 6144) / bs + 512
     plans = split_budget(table, budget, context_tokens=48, raw_block_bytes=raw_block)
-    assert [plan.window_tokens for plan in plans] == [0, 32]  # 64 leaves too little
-    assert plans[0] == KVPlan.uniform("fp16", layers)
-    room = budget - window_bytes_per_token(32, 48, bs, raw_block)
-    assert table.bytes_per_token(plans[1]) <= room < table.bytes_per_token(plans[0])
+    # A 32-token window is free here: its one complete block and the block being filled, both
+    # float16, weigh what a plain codec's float32 block being filled does. 64 and 128 cost.
+    assert [plan.window_tokens for plan in plans] == [0, 32, 64, 128]
+    assert plans[0] == KVPlan.uniform("fp16", layers) and plans[1].layers == plans[0].layers
+    room = budget - window_bytes_per_token(64, 48, bs, raw_block)
+    assert table.bytes_per_token(plans[2]) <= room < table.bytes_per_token(plans[0])
+    tight = split_budget(table, 1500, context_tokens=48, raw_block_bytes=raw_block)
+    assert [plan.window_tokens for plan in tight] == [0, 32]  # 64 leaves too little
