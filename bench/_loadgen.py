@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procs import CLOCK_TICKS, cpu_ticks_split, machine_ticks
@@ -216,17 +217,8 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         return await measure(spec, tally, send)
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
-
-
 def main() -> None:
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         if sys.argv[1:] != ["--serve"]:
             sys.stdout.write(json.dumps(runner.run(run(json.loads(sys.argv[1])))) + "\n")
             return

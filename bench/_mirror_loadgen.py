@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _loadgen import Tally, _stream_once, measure, open_session, warm_up
 from _procs import CLOCK_TICKS
@@ -124,12 +126,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    try:
-        import uvloop
-    except ImportError:
-        result = asyncio.run(run(spec))
-    else:
-        result = uvloop.run(run(spec))
+    result = uvloop.run(run(spec))
     sys.stdout.write(json.dumps(result) + "\n")
 
 

@@ -21,6 +21,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
+import uvloop
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -140,17 +141,8 @@ def serve_until_signalled(
     server: Callable[[], AbstractAsyncContextManager[Served]], describe: Callable[[Served], str]
 ) -> None:
     """Run ``server()`` until SIGINT or SIGTERM, printing ``describe(server)`` once it listens."""
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_serve_until_signalled(server, describe))
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
 
 
 async def _serve_until_signalled(
