@@ -52,7 +52,7 @@ from ..kv._paged_codec import PagedCodec
 from ..kv._plan import KVPlan
 from ..kv._retention import KVRetention, RetainedKV
 from ..kv._store import DEFAULT_BLOCK_SIZE, KVLayout
-from ..kv.codecs._quality import calibrate
+from ..kv.codecs._calibration_cache import cached_calibration
 from ..model._attention import MIN_GEMM_ROWS
 from ..model._model import ForwardChunk, LlamaModel
 from ..model._sampling import SamplingParams, sample_token
@@ -112,7 +112,8 @@ class Engine:
         kv_decoded_cache_bytes: int = DEFAULT_DECODED_CACHE_BYTES,
     ) -> None:
         """``kv_codec``: how complete KV blocks are stored (rule 8); ``kv_calibration``: E8's
-        per-layer key means and scales (``kv.codecs.calibrate(model)``, run here when None);
+        per-layer key means and scales (``calibrate(model)``, when None read from or kept in the
+        calibration cache, ``kv/codecs/_calibration_cache``);
         ``kv_decoded_cache_bytes``: the bound of the decoded blocks attention reads through
         under a codec (paid out of ``kv_limit_bytes``, see ``BlockPool.for_memory``)."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
@@ -516,7 +517,7 @@ def _paged_codec(
     if names == {"fp32"}:
         return None
     if calibration is None and any(n.startswith("e8") for n in names):
-        calibration = calibrate(model)
+        calibration = cached_calibration(model)
     means, scales = calibration if calibration is not None else (None, None)
     return PagedCodec(
         name,
