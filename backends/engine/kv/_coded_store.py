@@ -389,10 +389,19 @@ class CodedKVStorage:
         self._fill(layer, misses, keys, values)
         return self._group.views(keys, values, tables, self.blockwise_scores)
 
-    def seal(self, layer: int, blocks: IntArray, firsts: npt.NDArray[np.bool_]) -> None:
+    def seal(
+        self,
+        layer: int,
+        blocks: IntArray,
+        firsts: npt.NDArray[np.bool_],
+        queries: Float32Array | None = None,
+    ) -> None:
         """Encode one layer of complete ``blocks``; their raw slots become decoded cache entries
-        (rule 4); ``firsts``: which are a sequence's first block (sink)."""
-        for block, first in zip(blocks.tolist(), firsts.tolist(), strict=True):
+        (rule 4); ``firsts``: which are a sequence's first block (sink); ``queries``: [blocks,
+        heads, head_dim], each block's last query, which chooses its heavy hitters
+        (``_paged_codec`` rule 10; needed only when the codec keeps some)."""
+        for index, (block, first) in enumerate(zip(blocks.tolist(), firsts.tolist(), strict=True)):
+            query = None if queries is None else queries[index]
             key = (layer, block)
             slot = self._raw.pop(key)
             if self._half:  # rule 8: the float16 rows stay as the window's
@@ -403,6 +412,7 @@ class CodedKVStorage:
                     self._window_keys[:, slot].astype(np.float32),
                     self._window_values[:, slot].astype(np.float32),
                     bool(first),
+                    query,
                 )
                 if self.cache_entries:
                     slot = self._slot()
@@ -411,7 +421,7 @@ class CodedKVStorage:
                     self._cache(key, slot)
                 continue
             keys, values = self._arena_keys, self._arena_values
-            k, v = self.codec.seal(layer, block, keys[:, slot], values[:, slot], bool(first))
+            k, v = self.codec.seal(layer, block, keys[:, slot], values[:, slot], bool(first), query)
             if self.cache_entries:
                 keys[:, slot] = k
                 values[:, slot] = v

@@ -37,6 +37,14 @@ Rules
    (``window_bytes``, float16, all layers, K and V) beside its codes while it is in a window; a
    packed block carries them when it holds them, so a node pulling a conversation gets its
    window as it was held.
+10. A plan's heavy hitters (``heavy_tokens`` = ``h``, ``_plan`` rule 6): when a block is sealed
+   each layer keeps, per KV head, the ``h`` rows ``_heavy`` chooses from the query of the
+   block's last position (``seal``'s ``query``) and the block's raw keys, at float16, beside
+   its codes; decoding writes them over the decoded rows (the sink after them).  They are part
+   of the layer's blob -- codes, then the K rows [kv_heads, h, head_dim], the V rows and the
+   positions (uint8 [kv_heads, h]) -- so ``layer_bytes``, ``block_bytes``, the packed block, the
+   transfer's size checks and every count of bytes include them, and the choice, made from what
+   the block's hash covers, is the block's content as much as its codes are.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._heavy import MAX_BLOCK_ROWS, heavy_hitters
 from ._plan import ENGINE_CODECS, SERVED_CODECS, KVPlan
 from .codecs import EncodedBlock, KVCodec, Role, codec_by_name
 
@@ -59,6 +68,7 @@ UInt8Array = npt.NDArray[np.uint8]
 
 _ROLES: tuple[Role, Role] = ("key", "value")
 _PROBE_SEED = 14
+_HALF_MAX = float(np.finfo(np.float16).max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +101,7 @@ class PagedCodec:
         "codecs",
         "fingerprint",
         "head_dim",
+        "heavy_tokens",
         "kv_heads",
         "layer_bytes",
         "name",
@@ -124,6 +135,11 @@ class PagedCodec:
                 f"a KV window of {codec.window_tokens} tokens is not a multiple of the "
                 f"{block_size}-token block"
             )
+        if codec.heavy_tokens and not codec.heavy_tokens < block_size <= MAX_BLOCK_ROWS:
+            raise ValueError(
+                f"{codec.heavy_tokens} heavy-hitter tokens of a {block_size}-token block (fewer "
+                f"than the block, blocks of at most {MAX_BLOCK_ROWS})"
+            )
         if codec.num_layers != num_layers:
             raise ValueError(
                 f"a KV plan of {codec.num_layers} layers for a {num_layers}-layer model"
@@ -155,6 +171,8 @@ class PagedCodec:
             digest = hashlib.sha256(b"understudy.kv-plan.v1\x00")
             for names in codec.layers:
                 digest.update(f"{names.key},{names.value};".encode())
+            if codec.window_tokens or codec.heavy_tokens:
+                digest.update(f"window={codec.window_tokens};heavy={codec.heavy_tokens};".encode())
             digest.update(b"\x00")
         for constants in (key_means, key_scales):
             for array in constants or ():
@@ -173,8 +191,10 @@ class PagedCodec:
                     schemas[role_codec.name, role] = _parts(role_codec.encode(probe, role))
                 layer_schema.append(schemas[role_codec.name, role])
             self._schema.append(layer_schema)
+        self.heavy_tokens = codec.heavy_tokens
+        heavy_bytes = kv_heads * self.heavy_tokens * (2 * head_dim * 2 + 1)  # rule 10
         self.layer_bytes = [
-            sum(part.nbytes for parts in layer_schema for part in parts)
+            sum(part.nbytes for parts in layer_schema for part in parts) + heavy_bytes
             for layer_schema in self._schema
         ]
         self.block_bytes = sum(self.layer_bytes)
@@ -223,15 +243,27 @@ class PagedCodec:
         keys_t: Float32Array,
         values: Float32Array,
         first: bool,
+        query: Float32Array | None = None,
     ) -> tuple[Float32Array, Float32Array]:
         """Encode one layer of a complete block (``keys_t`` [kv_heads, head_dim, block_size],
-        ``values`` [kv_heads, block_size, head_dim], as stored); its decoded K^T and V."""
+        ``values`` [kv_heads, block_size, head_dim], as stored); its decoded K^T and V.
+        ``query``: [heads, head_dim], the query of the block's last position, which chooses the
+        heavy hitters (rule 10; needed only when the plan keeps some)."""
         k = np.ascontiguousarray(keys_t.transpose(2, 0, 1))
         v = np.ascontiguousarray(values.transpose(1, 0, 2))
         blobs = []
         for x, role, codec in zip((k, v), _ROLES, self.codecs[layer], strict=True):
             encoded = codec.encode(x, role)
             blobs += [encoded.codes.tobytes(), encoded.scales.tobytes(), encoded.zeros.tobytes()]
+        if self.heavy_tokens:
+            if query is None:
+                raise ValueError("sealing a block with heavy hitters needs its last query")
+            chosen = heavy_hitters(query, k, self.heavy_tokens, skip_sink=first)
+            heads = np.arange(self.kv_heads)[:, None]
+            for x in (k, v):
+                rows = np.clip(x[chosen, heads], -_HALF_MAX, _HALF_MAX)
+                blobs.append(rows.astype("<f2").tobytes())
+            blobs.append(chosen.tobytes())
         layers = self._encoded.get(block)
         if layers is None or len(layers) != self.num_layers:
             layers = self._encoded[block] = [b""] * self.num_layers
@@ -264,6 +296,17 @@ class PagedCodec:
             # fp32 in a plan decodes to a view of the stored bytes; the sink is written over it.
             out.append(decoded if decoded.flags.writeable else decoded.copy())
         k, v = out
+        if self.heavy_tokens:  # rule 10
+            h, heads = self.heavy_tokens, np.arange(self.kv_heads)[:, None]
+            size = self.kv_heads * h * self.head_dim
+            rows = np.frombuffer(blob, dtype="<f2", count=2 * size, offset=offset)
+            chosen = np.frombuffer(
+                blob, dtype=np.uint8, count=self.kv_heads * h, offset=offset + 4 * size
+            ).reshape(self.kv_heads, h)
+            if int(chosen.max()) >= self.block_size:
+                raise ValueError(f"a heavy-hitter position beyond the {self.block_size}-row block")
+            k[chosen, heads] = rows[:size].reshape(self.kv_heads, h, self.head_dim)
+            v[chosen, heads] = rows[size:].reshape(self.kv_heads, h, self.head_dim)
         if sink_block is not None:
             sink = self._sinks[sink_block]
             k[0] = sink[layer, 0]

@@ -18,6 +18,11 @@ Rules
    and role (``_paged_codec`` rule 9): part of the plan's identity, its name and its bytes.  A
    windowed codec (``WINDOWED_CODECS``: ``e8-2w``, ``kivi-4w``, ``kivi-2w``) IS the uniform plan
    of its base codec with KIVI's 128-token window.
+6. ``heavy_tokens`` (default 0) is how many rows of each complete block, per layer and KV head,
+   are kept at float16 beside the block's codes: the heavy hitters, the block's highest-attention
+   tokens (``_heavy``).  Like the window it is part of the plan's identity (its name, ``+h<n>``
+   on a uniform plan), and it is paid in the block's bytes.  It is less than the block size; the
+   engine checks that when it builds the plan's codec (the plan does not know the block size).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class KVPlan:
     layers: tuple[LayerCodecs, ...]
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     window_tokens: int = 0
+    heavy_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -85,15 +91,20 @@ class KVPlan:
         window = self.window_tokens
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"a KV plan's window_tokens is an int >= 0, got {window!r}")
+        heavy = self.heavy_tokens
+        if isinstance(heavy, bool) or not isinstance(heavy, int) or heavy < 0:
+            raise ValueError(f"a KV plan's heavy_tokens is an int >= 0, got {heavy!r}")
 
     @classmethod
-    def uniform(cls, name: str, num_layers: int, *, window_tokens: int = 0) -> KVPlan:
+    def uniform(
+        cls, name: str, num_layers: int, *, window_tokens: int = 0, heavy_tokens: int = 0
+    ) -> KVPlan:
         """``name`` for every layer's keys and values (rule 2); a windowed codec's name gives
         its base codec with ``WINDOW_TOKENS`` (rule 5)."""
         if name in WINDOWED_CODECS:
             name, window_tokens = WINDOWED_CODECS[name], WINDOW_TOKENS
         layers = tuple(LayerCodecs(name, name) for _ in range(num_layers))
-        return cls(layers, window_tokens=window_tokens)
+        return cls(layers, window_tokens=window_tokens, heavy_tokens=heavy_tokens)
 
     @classmethod
     def of(cls, keys: Sequence[str], values: Sequence[str]) -> KVPlan:
@@ -105,7 +116,7 @@ class KVPlan:
     def from_dict(cls, data: object) -> KVPlan:
         if not isinstance(data, Mapping) or not isinstance(data.get("layers"), list):
             raise ValueError('a KV plan is an object {"layers": [{"k": NAME, "v": NAME}, ...]}')
-        unknown = set(data) - {"layers", "meta", "window_tokens"}
+        unknown = set(data) - {"layers", "meta", "window_tokens", "heavy_tokens"}
         if unknown:
             raise ValueError(f"unknown KV plan keys: {', '.join(sorted(unknown))}")
         layers = []
@@ -116,7 +127,12 @@ class KVPlan:
         meta = data.get("meta", {})
         if not isinstance(meta, Mapping):
             raise ValueError("a KV plan's meta is an object")
-        return cls(tuple(layers), dict(meta), window_tokens=data.get("window_tokens", 0))
+        return cls(
+            tuple(layers),
+            dict(meta),
+            window_tokens=data.get("window_tokens", 0),
+            heavy_tokens=data.get("heavy_tokens", 0),
+        )
 
     @classmethod
     def load(cls, path: Path) -> KVPlan:
@@ -130,6 +146,8 @@ class KVPlan:
         out: dict[str, Any] = {"layers": [{"k": c.key, "v": c.value} for c in self.layers]}
         if self.window_tokens:
             out["window_tokens"] = self.window_tokens
+        if self.heavy_tokens:
+            out["heavy_tokens"] = self.heavy_tokens
         if self.meta:
             out["meta"] = dict(self.meta)
         return out
@@ -152,17 +170,18 @@ class KVPlan:
     @property
     def uniform_codec(self) -> str | None:
         """The one codec of a uniform plan -- a windowed codec's name for its base codec with
-        ``WINDOW_TOKENS`` -- None for a mixed one (rules 2 and 5)."""
+        ``WINDOW_TOKENS`` -- None for a mixed one (rules 2, 5 and 6)."""
         names = set(self.keys) | set(self.values)
         if len(names) != 1:
             return None
         name = names.pop()
+        heavy = f"+h{self.heavy_tokens}" if self.heavy_tokens else ""
         if not self.window_tokens:
-            return name
+            return name + heavy
         for windowed, base in WINDOWED_CODECS.items():
             if base == name and self.window_tokens == WINDOW_TOKENS:
-                return windowed
-        return f"{name}+w{self.window_tokens}"
+                return windowed + heavy
+        return f"{name}+w{self.window_tokens}{heavy}"
 
     @property
     def name(self) -> str:
@@ -173,6 +192,8 @@ class KVPlan:
         text = ";".join(f"{c.key},{c.value}" for c in self.layers)
         if self.window_tokens:
             text += f";window={self.window_tokens}"
+        if self.heavy_tokens:
+            text += f";heavy={self.heavy_tokens}"
         return "mixed-" + hashlib.sha256(text.encode()).hexdigest()[:8]
 
     def describe(self) -> str:

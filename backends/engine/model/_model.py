@@ -352,7 +352,12 @@ class LlamaModel:
             for members, tables in plan.decode_groups
         ]
         sealed = offsets[: plan.total] == bs - 1
-        kv.seal(layer, row_blocks[: plan.total][sealed], plan.positions[: plan.total][sealed] < bs)
+        kv.seal(
+            layer,
+            row_blocks[: plan.total][sealed],
+            plan.positions[: plan.total][sealed] < bs,
+            q[: plan.total][sealed],
+        )
         for (members, tables), owns in zip(plan.decode_groups, own_decode, strict=True):
             positions = plan.positions[members]
             if lanes is None:

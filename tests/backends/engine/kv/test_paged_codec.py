@@ -5,8 +5,9 @@ tokens bitwise.
 One suite parametrised over the codecs the engine serves, the windowed ones among them, a mixed
 plan (a codec per layer for keys and one for values, ``MIXED``) and e8-2 with a 32-token window
 (``WINDOW32``: two blocks, so that blocks leave the window within the short prompts here) as
-more codecs.  Engine tests are slow here (a step of SmolLM2 in numpy), so prompts are a few
-dozen tokens and answers a dozen.
+more codecs, and e8-2 keeping two heavy hitters per block and KV head (``HEAVY2``), alone and
+with the 32-token window (``WINDOW32_HEAVY2``).  Engine tests are slow here (a step of SmolLM2
+in numpy), so prompts are a few dozen tokens and answers a dozen.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ start_node = test_transfer.start_node  # the fixture: engines stepped by loops, 
 
 MIXED = "mixed"
 WINDOW32 = "e8-2+w32"
-CODED = [*(name for name in SERVED_CODECS if name != "fp32"), MIXED, WINDOW32]
-EXACT_CODECS = ("fp8", "kivi-4", "e8-2", MIXED, "e8-2w", "kivi-2w", WINDOW32)
-WINDOWED = ("e8-2w", WINDOW32)
+HEAVY2 = "e8-2+h2"
+WINDOW32_HEAVY2 = "e8-2+w32+h2"
+CODED = [*(name for name in SERVED_CODECS if name != "fp32"), MIXED, WINDOW32, HEAVY2]
+EXACT_CODECS = ("fp8", "kivi-4", "e8-2", MIXED, "e8-2w", "kivi-2w", WINDOW32, HEAVY2)
+WINDOWED = ("e8-2w", WINDOW32, WINDOW32_HEAVY2)
 BS = 16
 F32 = npt.NDArray[np.float32]
 HEADS, GROUP, DIM = 3, 3, 64
@@ -75,6 +78,10 @@ def _plan_or_name(name: str, num_layers: int) -> str | KVPlan:
         return mixed_plan(num_layers)
     if name == WINDOW32:
         return KVPlan.uniform("e8-2", num_layers, window_tokens=32)
+    if name == HEAVY2:
+        return KVPlan.uniform("e8-2", num_layers, heavy_tokens=2)
+    if name == WINDOW32_HEAVY2:
+        return KVPlan.uniform("e8-2", num_layers, window_tokens=32, heavy_tokens=2)
     return name
 
 
@@ -84,12 +91,14 @@ def _codec(name: str) -> PagedCodec:
     )
 
 
-def _sealed(codec: PagedCodec, keys_t: np.ndarray, values: np.ndarray, blocks: int):  # type: ignore[no-untyped-def]
-    """Stored K^T/V with every block decoded (sink raw), as the cache holds complete blocks."""
+def _sealed(codec: PagedCodec, q: F32, keys_t: F32, values: F32, blocks: int) -> tuple[F32, F32]:
+    """Stored K^T/V with every block decoded (sink raw), as the cache holds complete blocks;
+    ``q`` [tokens, HEADS, GROUP, DIM] gives each block's last query (heavy hitters)."""
     stored_k, stored_v = keys_t.copy(), values.copy()
     for block in range(blocks):
         cols = slice(block * BS, (block + 1) * BS)
-        k, v = codec.seal(0, block + 1, keys_t[:, :, cols], values[:, cols], block == 0)
+        last = q[(block + 1) * BS - 1].reshape(HEADS * GROUP, DIM)
+        k, v = codec.seal(0, block + 1, keys_t[:, :, cols], values[:, cols], block == 0, last)
         stored_k[:, :, cols], stored_v[:, cols] = k, v
     return stored_k, stored_v
 
@@ -106,7 +115,7 @@ def test_attention_reads_decoded_blocks_and_its_window_raw(name: str) -> None:
     q, keys_t, values = _qkv(3, tokens)
     codec = _codec(name)
     assert codec.window_blocks == {"e8-2w": 8, "kivi-4w": 8, "kivi-2w": 8, WINDOW32: 2}.get(name, 1)
-    stored_k, stored_v = _sealed(codec, keys_t, values, tokens // BS)
+    stored_k, stored_v = _sealed(codec, q, keys_t, values, tokens // BS)
     own = OwnBlocks(keys_t, values, 0, BS, codec.window_blocks)
     out = attend(q, 0, stored_k, stored_v, own=own)
     for position in (0, 5, 16, 47, 100, 127, 200, 255):
@@ -122,7 +131,7 @@ def test_attention_reads_decoded_blocks_and_its_window_raw(name: str) -> None:
         np.testing.assert_allclose(out[position], expected, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED, "e8-2w", WINDOW32])
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED, "e8-2w", WINDOW32, HEAVY2])
 def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
     """Rows of one prefill tile see different versions of a block, yet each row's output is the
     one decode gives it, where its own block is not sealed yet and its window's blocks are read
@@ -130,7 +139,7 @@ def test_a_prefill_row_has_the_bits_of_a_lone_decode(name: str) -> None:
     tokens = 256
     q, keys_t, values = _qkv(4, tokens)
     codec = _codec(name)
-    sealed_k, sealed_v = _sealed(codec, keys_t, values, tokens // BS)
+    sealed_k, sealed_v = _sealed(codec, q, keys_t, values, tokens // BS)
     # Where this kernel's own products break row independence (Haswell), the engine lane-maps
     # them and decodes each query through ``attend``: check that path instead.
     lanes = None if attention_rows_independent(64) else RowLanes()
@@ -176,8 +185,9 @@ def test_a_packed_block_round_trips_and_its_size_is_measured(name: str) -> None:
     codec = _codec(name)
     keys_t = rng.standard_normal((HEADS, DIM, BS), dtype=np.float32)
     values = rng.standard_normal((HEADS, BS, DIM), dtype=np.float32)
+    query = rng.standard_normal((HEADS * GROUP, DIM), dtype=np.float32)
     for first in (False, True):
-        k, v = codec.seal(0, 1, keys_t, values, first)
+        k, v = codec.seal(0, 1, keys_t, values, first, query)
         packed = codec.export(1)
         assert packed.size == codec.packed_bytes(first)
         other = _codec(name)
@@ -294,7 +304,7 @@ def test_a_windowed_prefix_hit_reads_its_window_raw_or_is_cut_back(
         assert out == _run(fresh, tokens)
 
 
-@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED, "e8-2w", WINDOW32])
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2", MIXED, "e8-2w", WINDOW32, WINDOW32_HEAVY2])
 async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
     engine_model: LlamaModel,
     calibration: Calibration,
@@ -314,7 +324,8 @@ async def test_a_codec_transfer_moves_fewer_bytes_and_gives_the_unified_tokens(
             assert answer == _run(_engine(engine_model, name, calibration), prompt)
             assert puller.engine.pool.stats().hits == 32
     if name in WINDOWED:  # both blocks lie in the window: they travel with their float16 rows
-        assert sizes["fp32"] / 2 < sizes[name] < sizes["fp32"] * 0.65
+        heavy = 2 * 2 / BS / 4 if name == WINDOW32_HEAVY2 else 0.0  # 2 rows of 16 at half fp32's
+        assert sizes["fp32"] / 2 < sizes[name] < sizes["fp32"] * (0.65 + heavy)
     else:
         assert sizes[name] < sizes["fp32"] / (2 if name == MIXED else 4)  # MIXED: fp32 layers
     print(f"{name}: {sizes[name]:.0f} bytes on the wire, fp32 {sizes['fp32']:.0f}")

@@ -150,3 +150,56 @@ def test_a_plan_with_a_window_round_trips_and_names_it(tmp_path: Path) -> None:
     assert KVPlan.uniform("e8-2", LAYERS, window_tokens=32).name == "e8-2+w32"
     with pytest.raises(ValueError, match="window_tokens"):
         KVPlan.from_dict({**plan.to_dict(), "window_tokens": -16})
+
+
+def test_a_plan_with_heavy_hitters_round_trips_and_names_them(tmp_path: Path) -> None:
+    plan = mixed_plan(LAYERS)
+    heavy = KVPlan(plan.layers, window_tokens=32, heavy_tokens=2)
+    path = tmp_path / "plan.json"
+    heavy.dump(path)
+    assert json.loads(path.read_text())["heavy_tokens"] == 2
+    assert KVPlan.load(path) == heavy != KVPlan(plan.layers, window_tokens=32)
+    assert "heavy_tokens" not in plan.to_dict()  # default 0: today's file
+    assert heavy.name not in (plan.name, KVPlan(plan.layers, window_tokens=32).name)
+    assert KVPlan.uniform("e8-2", LAYERS, heavy_tokens=2).name == "e8-2+h2"
+    assert KVPlan.uniform("e8-2w", LAYERS, heavy_tokens=1).name == "e8-2w+h1"
+    assert KVPlan.uniform("kivi-4", LAYERS, window_tokens=32, heavy_tokens=3).name == (
+        "kivi-4+w32+h3"
+    )
+    # Nodes exchange blocks only under one fingerprint: heavy hitters change it, mixed or not.
+    prints = {
+        _paged(KVPlan(plan.layers, heavy_tokens=h, window_tokens=w)).fingerprint
+        for h in (0, 2)
+        for w in (0, 32)
+    }
+    assert len(prints) == 4
+    assert _paged(KVPlan.uniform("e8-2", LAYERS, heavy_tokens=2)).fingerprint != (
+        _paged("e8-2").fingerprint
+    )
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None])
+def test_bad_heavy_hitter_counts_are_refused_with_the_field_named(bad: object) -> None:
+    data = {**mixed_plan(LAYERS).to_dict(), "heavy_tokens": bad}
+    with pytest.raises(ValueError, match="heavy_tokens"):
+        KVPlan.from_dict(data)
+
+
+@pytest.mark.parametrize("heavy", [BS, BS + 1])
+def test_a_block_keeps_fewer_heavy_hitters_than_its_rows(heavy: int) -> None:
+    with pytest.raises(ValueError, match="heavy-hitter tokens of a 16-token block"):
+        _paged(KVPlan.uniform("kivi-4", LAYERS, heavy_tokens=heavy))
+
+
+def test_heavy_hitters_are_paid_in_the_blocks_bytes_and_bits() -> None:
+    """Each layer's blob holds, per KV head, h float16 K rows, h float16 V rows and h uint8
+    positions; the block's bytes, its packed sizes and the context's bits count them."""
+    plain, heavy = _paged("kivi-2"), _paged(KVPlan.uniform("kivi-2", LAYERS, heavy_tokens=3))
+    extra = LAYERS * HEADS * 3 * (2 * DIM * 2 + 1)
+    assert heavy.block_bytes == plain.block_bytes + extra
+    assert heavy.bytes_per_token() == plain.bytes_per_token() + extra / BS
+    assert heavy.packed_bytes(True) == plain.packed_bytes(True) + extra
+    elements = LAYERS * 2 * HEADS * DIM
+    for tokens in (16, 100, 1000):
+        more = heavy.context_bits_per_element(tokens) - plain.context_bits_per_element(tokens)
+        assert more == pytest.approx(8 * extra * (tokens // BS) / (tokens * elements))
