@@ -32,6 +32,12 @@ Theory of operation
    the split is chosen by measurement, not by the table: ``check_retention`` measures every
    (plan, window) whole-model at that context and the least KL wins (the table's losses were
    measured without a window, so they cannot price one).
+7. Heavy hitters share it too (``kv._heavy``): ``h`` rows per complete block, layer and KV head
+   at float16 with a one-byte position, ``h * heavy_row_bytes / block_size`` bytes per token
+   (``heavy_row_bytes``: one such row over all layers and KV heads, K and V; what
+   ``PagedCodec.block_bytes`` adds).  ``split_budget`` tries every (heavy count, window) pair
+   and ``check_retention`` measures each whole-model with the heavy hitters in place
+   (``_quality`` rule 8); the least KL wins, as for windows.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ from .codecs._texts import PROMPTS
 
 __all__ = [
     "DEFAULT_PLAN_CODECS",
+    "DEFAULT_RETENTION_HEAVY",
     "DEFAULT_RETENTION_WINDOWS",
     "PlanCheck",
     "RetentionCheck",
@@ -75,6 +82,8 @@ __all__ = [
     "check_plan",
     "check_retention",
     "choose",
+    "heavy_bytes_per_token",
+    "heavy_row_bytes",
     "measure_sensitivity",
     "plan_for_budget",
     "split_budget",
@@ -85,6 +94,9 @@ DEFAULT_PLAN_CODECS: tuple[str, ...] = ENGINE_CODECS
 """Codecs a plan may use, per layer and role (fp32 among them: no loss, the most bytes)."""
 DEFAULT_RETENTION_WINDOWS: tuple[int, ...] = (0, 32, 64, 128)
 """Recent windows the budget split tries (rule 6): none, 2, 4 and 8 blocks (KIVI's 128)."""
+DEFAULT_RETENTION_HEAVY: tuple[int, ...] = (0, 1, 2)
+"""Heavy hitters per block and KV head the budget split tries (rule 7): each costs about one bit
+per element at 16-token blocks."""
 
 
 def block_bytes(name: str, role: Role, kv_heads: int, head_dim: int, block_size: int) -> int:
@@ -204,6 +216,7 @@ def measure_sensitivity(
 
                     def read(
                         at: int,
+                        _q: Float32Array,
                         k: Float32Array,
                         v: Float32Array,
                         layer: int = layer,
@@ -392,6 +405,17 @@ def window_bytes_per_token(
     return (min(context_tokens // block_size, blocks) - 1) * raw_block_bytes / context_tokens
 
 
+def heavy_row_bytes(num_layers: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of one heavy-hitter row per block over every layer and KV head: float16 K and V and
+    a one-byte position (rule 7, ``_paged_codec`` rule 10)."""
+    return num_layers * kv_heads * (2 * head_dim * 2 + 1)
+
+
+def heavy_bytes_per_token(heavy_tokens: int, block_size: int, row_bytes: int) -> float:
+    """Bytes per token ``heavy_tokens`` heavy hitters per block add (rule 7)."""
+    return heavy_tokens * row_bytes / block_size
+
+
 def split_budget(
     table: SensitivityTable,
     budget_bytes_per_token: float,
@@ -399,27 +423,36 @@ def split_budget(
     context_tokens: int,
     raw_block_bytes: int,
     windows: Sequence[int] = DEFAULT_RETENTION_WINDOWS,
+    heavies: Sequence[int] = (0,),
+    row_bytes: int = 0,
 ) -> list[KVPlan]:
-    """For each window that leaves room for a plan, the layers' plan of least predicted loss in
-    what it leaves, carrying the window (rule 6)."""
+    """For each heavy-hitter count and window that leave room for a plan, the layers' plan of
+    least predicted loss in what they leave, carrying both (rules 6 and 7; ``row_bytes``:
+    ``heavy_row_bytes``, needed when a count is not 0)."""
+    if any(heavies) and row_bytes <= 0:
+        raise ValueError("pricing heavy hitters needs the bytes of one heavy row")
     plans = []
-    for window in windows:
-        cost = window_bytes_per_token(window, context_tokens, table.block_size, raw_block_bytes)
-        plan = plan_for_budget(table, budget_bytes_per_token - cost)
-        if plan is not None:
-            plans.append(KVPlan(plan.layers, window_tokens=window))
+    for heavy in heavies:
+        for window in windows:
+            cost = window_bytes_per_token(
+                window, context_tokens, table.block_size, raw_block_bytes
+            ) + heavy_bytes_per_token(heavy, table.block_size, row_bytes)
+            plan = plan_for_budget(table, budget_bytes_per_token - cost)
+            if plan is not None:
+                plans.append(KVPlan(plan.layers, window_tokens=window, heavy_tokens=heavy))
     return plans
 
 
 @dataclass(frozen=True, slots=True)
 class RetentionCheck:
-    """Each split of one budget between a window and the layers' codecs, measured (rule 6)."""
+    """Each split of one budget between heavy hitters, a window and the layers' codecs,
+    measured (rules 6 and 7)."""
 
     budget_bytes_per_token: float
     context_tokens: int
     plans: tuple[KVPlan, ...]
     bytes_per_token: tuple[float, ...]
-    """Each plan's codes plus its window's raw rows, per token at ``context_tokens``."""
+    """Each plan's codes, heavy hitters and window's raw rows, per token at ``context_tokens``."""
     measured: tuple[CodecQuality, ...]
 
     @property
@@ -438,20 +471,24 @@ def check_retention(
     max_tokens: int | None,
     queries: int,
     windows: Sequence[int] = DEFAULT_RETENTION_WINDOWS,
+    heavies: Sequence[int] = DEFAULT_RETENTION_HEAVY,
     calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RetentionCheck:
     """Split the budget at the context of ``prompt`` (cut to ``max_tokens``) and measure every
-    split on it (rule 6)."""
+    split on it (rules 6 and 7)."""
     cfg = model.config
     context = len(model.tokenizer.encode(prompt)[:max_tokens])
     raw_block = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * table.block_size * 2
+    row_bytes = heavy_row_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     plans = split_budget(
         table,
         budget_bytes_per_token,
         context_tokens=context,
         raw_block_bytes=raw_block,
         windows=windows,
+        heavies=heavies,
+        row_bytes=row_bytes,
     )
     if not plans:
         raise ValueError(f"no split of {budget_bytes_per_token:.0f} bytes per token fits a plan")
@@ -468,6 +505,7 @@ def check_retention(
     sizes = tuple(
         table.bytes_per_token(plan)
         + window_bytes_per_token(plan.window_tokens, context, table.block_size, raw_block)
+        + heavy_bytes_per_token(plan.heavy_tokens, table.block_size, row_bytes)
         for plan in plans
     )
     return RetentionCheck(budget_bytes_per_token, context, tuple(plans), sizes, report.results)

@@ -34,6 +34,13 @@ Theory of operation
 7. Bits: a codec's bits per element are measured from its encoded arrays at ``encode_tokens``;
    at a context of ``L`` tokens the sink costs 32 bits, the window 16, the rest the codec's
    (``CodecQuality.effective_bits``), and the longest context that fits a KV budget follows.
+8. Heavy hitters (a plan's ``heavy_tokens`` = ``h``, ``kv._heavy``): in each complete block of
+   ``encode_tokens`` positions the ``h`` rows per KV head that the block's last query chooses
+   (the query of this pass, as the engine's is that of its own forward) are read at float16 in
+   place of their round trip, as the engine writes them over the decoded rows.  They cost
+   ``h / encode_tokens * (16 + 4 / head_dim)`` bits per element more (float16 K and V rows and a
+   one-byte position per KV head), added to the codec's bits as the engine adds them to a
+   block's bytes.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ...model._model import ForwardChunk, LlamaModel, _rms_norm, _rope
+from .._heavy import heavy_hitters
 from .._plan import KVPlan
 from .._store import KVLayout, KVStorage
 from ._codec import DEFAULT_ENCODE_TOKENS, DEFAULT_SEED, ROLES, Float32Array, KVCodec, Role
@@ -67,6 +75,8 @@ __all__ = [
     "Semantics",
     "calibrate",
     "capture_kv",
+    "heavy_bits_per_element",
+    "keep_heavy_hitters",
     "layer_codecs",
     "measure_quality",
     "plan_bits",
@@ -218,8 +228,11 @@ def _attention(
     return np.asarray(result, dtype=np.float32)
 
 
-ReadKV = Callable[[int, Float32Array, Float32Array], tuple[Float32Array, Float32Array] | None]
-"""What attention reads at a layer besides the exact K/V: their round trips (None: exact)."""
+ReadKV = Callable[
+    [int, Float32Array, Float32Array, Float32Array], tuple[Float32Array, Float32Array] | None
+]
+"""What attention reads at a layer besides the exact K/V: their round trips (None: exact),
+given the layer, every position's queries [tokens, heads, head_dim], keys and values."""
 
 
 @dataclass(slots=True)
@@ -232,6 +245,8 @@ class _Pass:
     queries: list[Float32Array]
     outputs: list[Float32Array]
     hidden: list[Float32Array] = field(default_factory=list)
+    all_queries: list[Float32Array] = field(default_factory=list)
+    """Each layer's queries at every position, when captured (they choose heavy hitters)."""
     """Each layer's input (the residual stream entering it), when captured."""
 
 
@@ -272,12 +287,13 @@ def _forward(
         q = _rope(qkv[:, :q_end].reshape(tokens, heads, dim), cos, sin)
         k = _rope(qkv[:, q_end:k_end].reshape(tokens, kv_heads, dim), cos, sin)
         v = np.ascontiguousarray(qkv[:, k_end:].reshape(tokens, kv_heads, dim))
-        far = None if read is None else read(layer, k, v)
+        far = None if read is None else read(layer, q, k, v)
         attn = _attention(q, 0, k, v, far, window, exact_before)
         if capture:
             run.keys.append(k)
             run.values.append(v)
             run.queries.append(q[tokens - last :].copy())
+            run.all_queries.append(q)
             run.outputs.append(attn[tokens - last :].copy())
         x += attn @ model.w_o[layer]
         h = _rms_norm(x, model.ffn_norm[layer], cfg.rms_norm_eps)
@@ -452,15 +468,48 @@ def plan_bits(pairs: LayerCodecPairs, kv_heads: int, head_dim: int, tokens: int)
     return float(np.mean(bits))
 
 
-def _reader(pairs: LayerCodecPairs, encode_tokens: int) -> ReadKV:
-    def read(layer: int, k: Float32Array, v: Float32Array) -> tuple[Float32Array, Float32Array]:
+def keep_heavy_hitters(
+    q: Float32Array,
+    k: Float32Array,
+    v: Float32Array,
+    far: tuple[Float32Array, Float32Array],
+    heavy_tokens: int,
+    encode_tokens: int,
+) -> None:
+    """Write each complete block's heavy hitters over ``far``'s round trips, at float16 (rule 8)."""
+    far_k, far_v = far
+    heads = np.arange(k.shape[1])[:, None]
+    for start in range(0, k.shape[0] - encode_tokens + 1, encode_tokens):
+        last = q[start + encode_tokens - 1]
+        block = slice(start, start + encode_tokens)
+        rows = start + heavy_hitters(last, k[block], heavy_tokens, skip_sink=start == 0)
+        far_k[rows, heads] = k[rows, heads].astype(np.float16)
+        far_v[rows, heads] = v[rows, heads].astype(np.float16)
+
+
+def heavy_bits_per_element(heavy_tokens: int, head_dim: int, encode_tokens: int) -> float:
+    """The bits per element heavy hitters add to a codec's (rule 8)."""
+    return heavy_tokens / encode_tokens * (16 + 4 / head_dim)
+
+
+def _reader(pairs: LayerCodecPairs, encode_tokens: int, heavy_tokens: int = 0) -> ReadKV:
+    def read(
+        layer: int, q: Float32Array, k: Float32Array, v: Float32Array
+    ) -> tuple[Float32Array, Float32Array]:
         key_codec, value_codec = pairs[layer]
-        return (
+        far = (
             round_trip(key_codec, k, "key", encode_tokens),
             round_trip(value_codec, v, "value", encode_tokens),
         )
+        if heavy_tokens:
+            keep_heavy_hitters(q, k, v, far, heavy_tokens, encode_tokens)
+        return far
 
     return read
+
+
+def _heavy_tokens(choice: CodecChoice) -> int:
+    return choice.heavy_tokens if isinstance(choice, KVPlan) else 0
 
 
 def choice_label(choice: CodecChoice) -> str:
@@ -497,6 +546,7 @@ def measure_quality(
         label: layer_codecs(choice, layers, means, key_scales, seed) for label, _, choice in keyed
     }
     tallies = {(label, window): _Tally() for label, window, _ in keyed}
+    heavy = {label: _heavy_tokens(choice) for label, _, choice in keyed}
     prompt_tokens: list[int] = []
     gap = 0.0
     for number, text in enumerate(prompts[:max_prompts]):
@@ -512,11 +562,12 @@ def measure_quality(
         ref_logp = _log_softmax(reference.logits)
         for label, window, _ in keyed:
             tally = tallies[label, window]
-            read = _reader(pairs[label], encode_tokens)
+            read = _reader(pairs[label], encode_tokens, heavy[label])
             errors = []
             for layer in range(layers):
                 k, v = reference.keys[layer], reference.values[layer]
-                out = _attention(reference.queries[layer], first, k, v, read(layer, k, v), window)
+                far = read(layer, reference.all_queries[layer], k, v)
+                out = _attention(reference.queries[layer], first, k, v, far, window)
                 exact = reference.outputs[layer]
                 errors.append(float(np.linalg.norm(out - exact) / np.linalg.norm(exact)))
             tally.layer_errors.append(errors)
@@ -539,7 +590,8 @@ def measure_quality(
         CodecQuality(
             codec=label,
             window_tokens=window,
-            bits_per_element=plan_bits(pairs[label], cfg.num_kv_heads, cfg.head_dim, encode_tokens),
+            bits_per_element=plan_bits(pairs[label], cfg.num_kv_heads, cfg.head_dim, encode_tokens)
+            + heavy_bits_per_element(heavy[label], cfg.head_dim, encode_tokens),
             elements_per_token=elements,
             attention_error_per_layer=tuple(
                 float(e) for e in np.mean(tallies[label, window].layer_errors, axis=0)

@@ -9,6 +9,7 @@ import pytest
 from backends.engine.kv._heavy import heavy_hitters
 from backends.engine.kv._paged_codec import PagedCodec
 from backends.engine.kv._plan import KVPlan
+from backends.engine.kv.codecs._quality import heavy_bits_per_element, keep_heavy_hitters
 
 from .test_paged_codec import BS, DIM, F32, GROUP, HEADS
 
@@ -120,3 +121,28 @@ def test_a_packed_block_with_a_position_beyond_the_block_is_refused() -> None:
     packed[codec.block_bytes - 1] = BS  # the last head's position
     with pytest.raises(ValueError, match="beyond the 16-row block"):
         codec.load(2, packed, False)
+
+
+def test_the_quality_measure_reads_each_complete_blocks_heavy_hitters_at_float16() -> None:
+    """``_quality`` rule 8: the rows the engine would keep, chosen by each complete block's last
+    query, replace their round trips; the block being filled and the other rows keep theirs."""
+    rng = np.random.default_rng(6)
+    tokens = 2 * BS + 5
+    q = rng.standard_normal((tokens, HEADS * GROUP, DIM), dtype=np.float32)
+    k = rng.standard_normal((tokens, HEADS, DIM), dtype=np.float32)
+    v = rng.standard_normal((tokens, HEADS, DIM), dtype=np.float32)
+    far = (np.zeros_like(k), np.zeros_like(v))  # a codec that keeps nothing
+    keep_heavy_hitters(q, k, v, far, 2, BS)
+    kept = np.zeros((tokens, HEADS), dtype=bool)
+    for block in range(2):
+        rows = slice(block * BS, (block + 1) * BS)
+        chosen = heavy_hitters(q[(block + 1) * BS - 1], k[rows], 2, skip_sink=block == 0)
+        for head in range(HEADS):
+            kept[block * BS + chosen[head], head] = True
+    assert kept.sum() == 2 * 2 * HEADS and not kept[0].any() and not kept[2 * BS :].any()
+    for x, back in zip((k, v), far, strict=True):
+        assert np.array_equal(back[kept], x[kept].astype(np.float16).astype(np.float32))
+        assert not back[~kept].any()
+    assert heavy_bits_per_element(2, DIM, BS) == pytest.approx(
+        8 * 2 * HEADS * (2 * DIM * 2 + 1) / (BS * 2 * HEADS * DIM)
+    )

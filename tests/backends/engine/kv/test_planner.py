@@ -15,6 +15,8 @@ from backends.engine.kv._plan import KVPlan
 from backends.engine.kv._planner import (
     SensitivityTable,
     choose,
+    heavy_bytes_per_token,
+    heavy_row_bytes,
     plan_for_budget,
     split_budget,
     window_bytes_per_token,
@@ -150,3 +152,43 @@ def test_a_window_is_priced_as_the_engine_holds_it_and_split_from_one_budget() -
     assert table.bytes_per_token(plans[2]) <= room < table.bytes_per_token(plans[0])
     tight = split_budget(table, 1500, context_tokens=48, raw_block_bytes=raw_block)
     assert [plan.window_tokens for plan in tight] == [0, 32]  # 64 leaves too little
+
+
+def test_heavy_hitters_are_priced_as_the_engine_holds_them_and_split_from_one_budget() -> None:
+    """A heavy-hitter count costs what ``PagedCodec`` adds to a block, and each (count, window)
+    pair's plan gets what they leave of one budget; a pair that leaves too little is dropped."""
+    layers, heads, dim, bs = 2, 3, 64, 16
+    row = heavy_row_bytes(layers, heads, dim)
+    for heavy in (1, 2, 5):
+        plain = PagedCodec("kivi-4", num_layers=layers, kv_heads=heads, head_dim=dim, block_size=bs)
+        kept = PagedCodec(
+            KVPlan.uniform("kivi-4", layers, heavy_tokens=heavy),
+            num_layers=layers,
+            kv_heads=heads,
+            head_dim=dim,
+            block_size=bs,
+        )
+        extra = kept.bytes_per_token() - plain.bytes_per_token()
+        assert heavy_bytes_per_token(heavy, bs, row) == extra
+    raw_block = layers * 2 * heads * dim * bs * 2
+    loss = np.zeros((layers, 2, 2))
+    loss[:, :, 1] = 0.1
+    sizes = np.array([[6144, 2304], [6144, 1920]], dtype=np.int64)
+    table = SensitivityTable(("fp16", "kivi-4"), loss, sizes, block_size=bs)
+    budget = 2 * (2304 + 1920) / bs + 2 * row / bs  # kivi-4 and two heavy rows, exactly
+    plans = split_budget(
+        table,
+        budget,
+        context_tokens=48,
+        raw_block_bytes=raw_block,
+        windows=(0, 32, 64),
+        heavies=(0, 2, 3),
+        row_bytes=row,
+    )
+    pairs = [(plan.heavy_tokens, plan.window_tokens) for plan in plans]
+    # 64 tokens cost two float16 blocks here, more than the budget leaves over kivi-4; 3 rows
+    # cost one row more than it has.  A 32-token window is free (rule 6).
+    assert pairs == [(0, 0), (0, 32), (2, 0), (2, 32)]
+    assert all(plan.layers == KVPlan.uniform("kivi-4", layers).layers for plan in plans)
+    with pytest.raises(ValueError, match="heavy row"):
+        split_budget(table, budget, context_tokens=48, raw_block_bytes=raw_block, heavies=(1,))
