@@ -21,7 +21,8 @@ from threadpoolctl import threadpool_limits
 from ..kv._plan import ENGINE_CODECS, WINDOW_TOKENS, WINDOWED_CODECS, KVPlan
 from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv.codecs import CODECS
-from ..kv.codecs._quality import CodecChoice, calibrate, measure_quality
+from ..kv.codecs._calibration_cache import cached_calibration
+from ..kv.codecs._quality import CodecChoice, measure_quality
 from ..kv.codecs._registry import E8_WINDOW
 from ..kv.codecs._summary import quality_rows
 from ..kv.codecs._texts import PROMPTS, QUESTIONS
@@ -145,7 +146,7 @@ def kv_quality_command(
     model = _load_model(gguf_path)
     say = _say(as_json)
     with threadpool_limits(threads, "blas"):
-        calibration = calibrate(model)
+        calibration = cached_calibration(model)
         configs = [_measured(c) for c in choices]
         report = measure_quality(
             model,

@@ -23,12 +23,14 @@ from ..kv._planner import (
     block_bytes,
     check_plan,
     check_retention,
+    heavy_bytes_per_token,
+    heavy_row_bytes,
     measure_sensitivity,
     plan_for_budget,
 )
 from ..kv._store import DEFAULT_BLOCK_SIZE
+from ..kv.codecs._calibration_cache import cached_calibration
 from ..kv.codecs._codec import ROLES
-from ..kv.codecs._quality import calibrate
 from ..kv.codecs._texts import PROMPTS
 from ._kv_cli import DEFAULT_CONTEXT, _gguf, _json, _load_model, _say, _text_options, _threads
 
@@ -112,6 +114,7 @@ def _retention_dict(split: RetentionCheck) -> dict[str, Any]:
         "splits": [
             {
                 "window_tokens": plan.window_tokens,
+                "heavy_tokens": plan.heavy_tokens,
                 "plan": plan.describe(),
                 "bytes_per_token": size,
                 "kl": quality.kl_nats,
@@ -123,6 +126,7 @@ def _retention_dict(split: RetentionCheck) -> dict[str, Any]:
             )
         ],
         "chosen_window_tokens": split.chosen.window_tokens,
+        "chosen_heavy_tokens": split.chosen.heavy_tokens,
     }
 
 
@@ -162,9 +166,10 @@ def _retention_dict(split: RetentionCheck) -> dict[str, Any]:
               help="Measure the plan's KL against the uniform codecs that fit the budget, on "
               "held-out prompts, and keep the better.")  # fmt: skip
 @click.option("--retention/--no-retention", default=False, show_default=True,
-              help="Also split the budget between the layers' codecs and a recent window kept "
-              "raw (0/32/64/128 tokens, priced at the held-out prompt's length), measure every "
-              "split there and write the best.")  # fmt: skip
+              help="Also split the budget between the layers' codecs, a recent window kept "
+              "raw (0/32/64/128 tokens, priced at the held-out prompt's length) and heavy "
+              "hitters (0/1/2 float16 rows per block and KV head), measure every split there "
+              "and write the best.")  # fmt: skip
 @click.option("--retention-tokens", type=click.IntRange(2), default=None,
               help="The held-out prompt cut to this many tokens for --retention, the context the "
               "window is priced at [default: --tokens].")  # fmt: skip
@@ -208,7 +213,7 @@ def plan_kv_command(
     say = _say(as_json)
     cache = cache or out.with_name(out.stem + ".sensitivity.json")
     with threadpool_limits(threads, "blas"):
-        calibration = calibrate(model)
+        calibration = cached_calibration(model)
         costs = calibrate_costs(model, names)
         settings = {
             "model": model.fingerprint.hex(),
@@ -273,7 +278,14 @@ def plan_kv_command(
         chosen = split.chosen
     meta: dict[str, Any] = {
         "budget_bytes_per_token": budget_bytes_per_token,
-        "bytes_per_token": table.bytes_per_token(chosen),
+        "bytes_per_token": table.bytes_per_token(chosen)
+        + heavy_bytes_per_token(
+            chosen.heavy_tokens,
+            table.block_size,
+            heavy_row_bytes(
+                model.config.num_layers, model.config.num_kv_heads, model.config.head_dim
+            ),
+        ),
         "predicted_kl": table.predicted_loss(chosen),
         "sensitivity": settings,
     }
@@ -281,7 +293,12 @@ def plan_kv_command(
         meta["check"] = _check_dict(check)
     if split is not None:
         meta["retention"] = _retention_dict(split)
-    written = KVPlan(chosen.layers, meta, window_tokens=chosen.window_tokens)
+    written = KVPlan(
+        chosen.layers,
+        meta,
+        window_tokens=chosen.window_tokens,
+        heavy_tokens=chosen.heavy_tokens,
+    )
     written.dump(out)
     estimates = _estimates(costs, table, chosen, batch, context)
     fp32_bytes = next(e.kv_bytes_per_token for e in estimates if e.codec == "fp32")
@@ -385,7 +402,8 @@ def _print_plan(
     if retention is not None:
         for row in retention["splits"]:
             console.print(
-                f"  window {row['window_tokens']:>3} + {row['plan']}: {row['bytes_per_token']:.0f} "
+                f"  window {row['window_tokens']:>3}, heavy {row['heavy_tokens']} + {row['plan']}: "
+                f"{row['bytes_per_token']:.0f} "
                 f"B/token at {retention['context_tokens']} tokens, KL {row['kl']:.5f}, top-1 "
                 f"{100 * row['top1']:.1f}%",
                 markup=False,

@@ -11,14 +11,10 @@ from __future__ import annotations
 import pytest
 
 from backends.engine import Engine, LlamaModel, SamplingParams
-from backends.engine._arrays import Float32Array
 from backends.engine.kv._blockpool import BlockHash, hash_blocks
 from backends.engine.kv._plan import KVPlan
-from backends.engine.kv.codecs._quality import calibrate
+from backends.engine.kv.codecs._calibration_cache import Calibration, cached_calibration
 from backends.engine.model._attention import MIN_GEMM_ROWS
-
-# What calibrate() returns: E8's per-layer means and transforms.
-Calibration = tuple[list[Float32Array], list[Float32Array]]
 
 KV_LIMIT = 64 << 20
 BS = 16
@@ -34,7 +30,7 @@ TOKENS = 40
 
 @pytest.fixture(scope="module")
 def calibration(engine_model: LlamaModel) -> Calibration:
-    return calibrate(engine_model)
+    return cached_calibration(engine_model)
 
 
 def _answer(engine: Engine, prompt: list[int]) -> tuple[list[tuple[int, float]], int]:
