@@ -156,7 +156,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     limit = state.config.server.max_header_bytes
     if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) > limit:
         state.metrics.rejected.labels("headers_too_large").inc()
-        state.metrics.requests.labels(route_of(request.path), "431").inc()
+        state.metrics.route(route_of(request.path)).answered(431).inc()
         return error_response(HeadersTooLarge(
             f"request headers exceed the limit of {limit} bytes in all"))
     return await relay(request, state)

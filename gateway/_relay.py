@@ -305,12 +305,12 @@ def _abort(request: web.Request) -> None:
 
 def _record(state: GatewayState, capture: Capture, request_id: str, route: Route,
             wall_started: float) -> None:
-    metrics = state.metrics
-    metrics.requests.labels(route, str(capture.status or 499)).inc()
+    series = state.metrics.route(route)
+    series.answered(capture.status or 499).inc()
     if capture.chunk_times:
-        metrics.ttft.labels(route).observe(capture.chunk_times[0] - capture.started)
+        series.ttft.observe(capture.chunk_times[0] - capture.started)
     if capture.ended is not None and capture.error is None:
-        metrics.e2e.labels(route).observe(capture.ended - capture.started)
+        series.e2e.observe(capture.ended - capture.started)
     # Parsing the captured answer costs per event: it is done only when a candidate waits
     # for it; the record of recent answers parses lazily, when someone reads it.
     state.observations.accept(capture, request_id, route, wall_started)

@@ -107,7 +107,8 @@ class Upstream:
         self.name = config.name
         base = URL(config.url)
         self._base = base
-        self._prefix = str(base)[len(str(base.origin())):]
+        # The path (and query) after the origin; the user and password go in a header.
+        self._prefix = str(base.with_user(None))[len(str(base.origin())):]
         self._host = base.raw_host or ""
         if base.explicit_port is not None:
             self._host += f":{base.explicit_port}"
@@ -141,16 +142,19 @@ class Upstream:
     def request_head(self, method: str, raw_path: str, headers: CIMultiDict[str],
                      body: bytes) -> bytes:
         """The request line and headers, as sent (``Host`` and the length computed)."""
-        lines = [f"{method} {self._prefix}{raw_path} HTTP/1.1\r\n", f"Host: {self._host}\r\n"]
-        lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
+        fields = headers.items()
+        text = (f"{method} {self._prefix}{raw_path} HTTP/1.1\r\nHost: {self._host}\r\n"
+                + "".join([f"{name}: {value}\r\n" for name, value in fields]))
+        lines = len(fields) + 3  # the request line, Host, the fields and the blank line
         if self._basic_auth is not None and "Authorization" not in headers:
-            lines.append(f"Authorization: {self._basic_auth}\r\n")
+            text += f"Authorization: {self._basic_auth}\r\n"
+            lines += 1
         if body or method in _BODY_METHODS:
-            lines.append(f"Content-Length: {len(body)}\r\n")
-        lines.append("\r\n")
-        text = "".join(lines)
+            text += f"Content-Length: {len(body)}\r\n"
+            lines += 1
+        text += "\r\n"
         # One CR and one LF per line, no NUL: no header value can smuggle a line in.
-        if text.count("\n") != len(lines) or text.count("\r") != len(lines) or "\0" in text:
+        if text.count("\n") != lines or text.count("\r") != lines or "\0" in text:
             raise ValueError("a header holds a line break or NUL")
         return text.encode("latin-1", "replace")
 

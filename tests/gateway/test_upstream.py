@@ -108,3 +108,17 @@ async def test_the_idle_deadline_ends_a_wait_for_a_client_that_never_catches_up(
             assert client.pieces == [EVENTS[0]] and client.drains == 1
     finally:
         silent.set()
+
+
+def test_the_request_head_keeps_the_base_path_under_credentials_and_refuses_line_breaks(
+) -> None:
+    """An upstream URL's user and password become Basic credentials, never part of the
+    path; a header value holding CR, LF or NUL is refused, never sent."""
+    upstream = Upstream(UpstreamConfig(name="p", url="http://user:pw@127.0.0.1:8000/base"))
+    head = upstream.request_head("POST", "/v1/models?x=1", CIMultiDict(Accept="*/*"), b"{}")
+    assert head == (b"POST /base/v1/models?x=1 HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+                    b"Accept: */*\r\nAuthorization: Basic dXNlcjpwdw==\r\n"
+                    b"Content-Length: 2\r\n\r\n")
+    for bad in ("a\nb", "a\rb", "a\0b", "a\r\nX-Smuggled: 1"):
+        with pytest.raises(ValueError, match="line break or NUL"):
+            upstream.request_head("GET", "/v1/models", CIMultiDict({"X-Tag": bad}), b"")
