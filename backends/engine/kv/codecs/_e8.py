@@ -23,11 +23,19 @@ Theory of operation
    sqrt(10)``: E8's covering radius is 1 (no vector is farther than 1 from the lattice), so at
    that radius the rounded point is always inside the ball and every vector gets a code.  The
    radially shrunk point is often not the nearest codebook point, though (~9% of Gaussian
-   vectors at unit scale, +5% squared error), so from the best of them a descent follows: step
-   to the nearest of the 240 lattice neighbours (the roots of E8, norm 2) that stays inside
-   the ball, while that brings the point closer.  On every test vector this reached the point a
-   brute-force search over all 56,881 finds (``nearest_in_codebook_brute_force``, kept as the
-   reference the tests compare with); the search itself is never needed on the encoding path.
+   vectors at unit scale, +5% squared error), so from the best of them a descent follows: up
+   to ``DESCENT_STEPS`` times, step to the nearest of the 240 lattice neighbours (the roots of
+   E8, norm 2) that stays inside the ball, while that brings the point closer by more than
+   1e-9.  On every test vector this reached the point a brute-force search over all 56,881
+   finds (``nearest_in_codebook_brute_force``, kept as the reference the tests compare with);
+   the search itself is never needed on the encoding path.
+5. Rules 1, 2 and 4 and the lookup run in C (``_e8core.c``, one row of 8 at a time, float64,
+   no BLAS and no fused multiply-add, ties to the first candidate): numpy's per-call overhead
+   on the 384 rows of a 16-token block was 2 ms of encoding per block, layer and role, and
+   every stream seals a block every 16 tokens in every layer.  The C owns the rule's constants
+   (``CODEBOOK_NORM2``, ``SHRINK``, ``DESCENT_STEPS``), exported here; rows must be finite
+   (a ``ValueError`` otherwise).  The tests hold the numpy form of rules 1-4 as it was
+   (``tests/backends/engine/kv/e8_reference.py``) and check the C gives the same codes.
 """
 
 from __future__ import annotations
@@ -37,9 +45,12 @@ import functools
 import numpy as np
 import numpy.typing as npt
 
+from . import _e8core
+
 __all__ = [
     "CODEBOOK_NORM2",
     "CODEBOOK_SIZE",
+    "DESCENT_STEPS",
     "SHRINK",
     "E8Codebook",
     "e8_codebook",
@@ -51,37 +62,37 @@ __all__ = [
 Float64Array = npt.NDArray[np.float64]
 IndexArray = npt.NDArray[np.uint16]
 
-CODEBOOK_NORM2 = 10
+CODEBOOK_NORM2 = _e8core.CODEBOOK_NORM2
 CODEBOOK_SIZE = 56_881
-_KEY_BASE = 13  # doubled coordinates lie in [-6, 6] inside the ball (|c| <= sqrt(10) < 3.5)
-_KEY_OFFSET = 6
-SHRINK = (0.9, 1.0 - 1.0 / np.sqrt(CODEBOOK_NORM2))
+SHRINK = _e8core.SHRINK
 """Rule 4's radii, as fractions of the ball's radius; the last is (sqrt(10) - 1) / sqrt(10)."""
-_DESCENT_STEPS = 4
-_DESCENT_ROWS = 8192  # rows per descent product: 8192 x 240 float64 = 16 MB
+DESCENT_STEPS = _e8core.DESCENT_STEPS
+"""Rule 4's most steps from the shrunk point to a closer neighbour."""
 _NORM_SLACK = 1e-9
+
+
+def _rows(x: Float64Array) -> Float64Array:
+    """``x`` as C-contiguous float64 rows of 8, checked."""
+    rows = np.ascontiguousarray(x, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != 8:
+        raise ValueError(f"E8 rows are [n, 8], got shape {rows.shape}")
+    return rows
 
 
 def nearest_d8(x: Float64Array) -> Float64Array:
     """The nearest point of D8 to each row of ``x`` [n, 8] (rule 1)."""
-    rounded = np.rint(x)
-    odd = np.remainder(rounded.sum(axis=1), 2.0) != 0.0
-    if odd.any():
-        rows = np.nonzero(odd)[0]
-        err = x[rows] - rounded[rows]
-        worst = np.abs(err).argmax(axis=1)
-        step = np.where(err[np.arange(rows.size), worst] >= 0.0, 1.0, -1.0)
-        rounded[rows, worst] += step
-    return rounded
+    rows = _rows(x)
+    out = np.empty_like(rows)
+    _e8core.nearest_d8(rows, out)
+    return out
 
 
 def nearest_e8(x: Float64Array) -> Float64Array:
     """The nearest point of E8 to each row of ``x`` [n, 8] (rule 2)."""
-    whole = nearest_d8(x)
-    half = nearest_d8(x - 0.5) + 0.5
-    closer = np.square(x - half).sum(axis=1) < np.square(x - whole).sum(axis=1)
-    whole[closer] = half[closer]
-    return whole
+    rows = _rows(x)
+    out = np.empty_like(rows)
+    _e8core.nearest_e8(rows, out)
+    return out
 
 
 def _shells(values: Float64Array) -> Float64Array:
@@ -99,16 +110,17 @@ def _shells(values: Float64Array) -> Float64Array:
 
 
 def _keys(points: Float64Array) -> npt.NDArray[np.int64]:
-    doubled = np.rint(points * 2.0).astype(np.int64) + _KEY_OFFSET
-    powers = _KEY_BASE ** np.arange(8, dtype=np.int64)
-    keys: npt.NDArray[np.int64] = doubled @ powers
+    """Rule 3's integer key of each lattice point (its doubled coordinates as digits)."""
+    rows = _rows(points)
+    keys = np.empty(rows.shape[0], dtype=np.int64)
+    _e8core.keys(rows, keys)
     return keys
 
 
 class E8Codebook:
     """The ``CODEBOOK_SIZE`` points of E8 in the ball of squared radius 10 (rule 3)."""
 
-    __slots__ = ("_keys", "_roots", "points", "points32")
+    __slots__ = ("_keys", "points", "points32", "roots")
 
     def __init__(self) -> None:
         integer = _shells(np.arange(-3.0, 4.0))
@@ -123,7 +135,12 @@ class E8Codebook:
         self.points32 = self.points.astype(np.float32)
         self.points32.flags.writeable = False
         self._keys = keys[order]
-        self._roots = self.points[np.abs(np.square(self.points).sum(axis=1) - 2.0) < 1e-9]
+        self._keys.flags.writeable = False
+        self.roots: Float64Array = np.ascontiguousarray(
+            self.points[np.abs(np.square(self.points).sum(axis=1) - 2.0) < 1e-9]
+        )
+        """The 240 points of norm 2, rule 4's steps, in the codebook's order."""
+        self.roots.flags.writeable = False
         if self.points.shape[0] != CODEBOOK_SIZE:
             raise AssertionError(f"E8 codebook has {self.points.shape[0]} points")
 
@@ -139,64 +156,11 @@ class E8Codebook:
         return np.where(hit, found, -1)
 
     def encode(self, x: Float64Array) -> IndexArray:
-        """The index of a codebook point near each row of ``x`` [n, 8] (rules 2 and 4)."""
-        index = self.index_of(nearest_e8(x))
-        outside = np.nonzero(index < 0)[0]
-        if outside.size:
-            index[outside] = self._shrunk(x[outside])
-        return index.astype(np.uint16)
-
-    def _shrunk(self, x: Float64Array) -> npt.NDArray[np.int64]:
-        """Rule 4 for rows of ``x`` whose nearest lattice point is outside the ball."""
-        norms = np.sqrt(np.square(x).sum(axis=1, keepdims=True))
-        radius = np.sqrt(CODEBOOK_NORM2)
-        best = np.zeros_like(x)
-        best_err = np.full(x.shape[0], np.inf)
-        for fraction in SHRINK:
-            factor = np.minimum(1.0, fraction * radius / np.maximum(norms, 1e-30))
-            candidate = nearest_e8(x * factor)
-            inside = np.square(candidate).sum(axis=1) <= CODEBOOK_NORM2 + _NORM_SLACK
-            err = np.square(candidate - x).sum(axis=1)
-            better = inside & (err < best_err)
-            best[better] = candidate[better]
-            best_err[better] = err[better]
-        if not np.isfinite(best_err).all():  # impossible by the covering radius (rule 4)
-            raise AssertionError("an E8 vector found no codebook point")
-        for start in range(0, x.shape[0], _DESCENT_ROWS):
-            rows = slice(start, start + _DESCENT_ROWS)
-            best[rows] = self._descend(x[rows], best[rows], best_err[rows])
-        index = self.index_of(best)
-        if (index < 0).any():
-            raise AssertionError("the E8 descent left the codebook")
-        return index
-
-    def _descend(self, x: Float64Array, point: Float64Array, err: Float64Array) -> Float64Array:
-        """Greedy steps to the nearest neighbour inside the ball while it is closer to ``x``.
-
-        For a root ``r`` (|r|^2 = 2): |x - p - r|^2 = err + 2 - 2 r.(x - p), and
-        |p + r|^2 = |p|^2 + 2 r.p + 2, so a step is two small products, no candidate arrays.
-        The products are ``einsum``'s own loops, not BLAS: an inner size of 8 gains nothing from
-        BLAS threads, which on a busy machine cost 10x, and the codes stay independent of the
-        BLAS kernel (``_codec`` rule 2).
-        """
-        point, err = point.copy(), err.copy()
-        roots_t = self._roots.T
-        active = np.arange(x.shape[0])
-        for _ in range(_DESCENT_STEPS):
-            p, e = point[active], err[active]
-            dist = e[:, None] + 2.0 - 2.0 * np.einsum("nk,kr->nr", x[active] - p, roots_t)
-            norm2 = np.square(p).sum(axis=1, keepdims=True) + 2.0
-            norm2 = norm2 + 2.0 * np.einsum("nk,kr->nr", p, roots_t)
-            dist[norm2 > CODEBOOK_NORM2 + _NORM_SLACK] = np.inf
-            pick = dist.argmin(axis=1)
-            picked = dist[np.arange(active.size), pick]
-            better = picked < e - 1e-9
-            active = active[better]
-            if not active.size:
-                break
-            point[active] += self._roots[pick[better]]
-            err[active] = picked[better]
-        return point
+        """The index of a codebook point near each row of ``x`` [n, 8] (rules 2, 4 and 5)."""
+        rows = _rows(x)
+        codes = np.empty(rows.shape[0], dtype=np.uint16)
+        _e8core.encode(rows, self._keys, self.roots, codes)
+        return codes
 
     def decode(self, index: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
         """The points of ``index`` (any shape), as float32 rows of 8."""

@@ -270,6 +270,16 @@ class E8Codec(BlockCodec):
 
     def _encode(self, x: Float32Array, role: Role) -> EncodedBlock:
         tokens, heads, dim = x.shape
+        scales, rows = self._lattice_rows(x, role)
+        codes = e8_codebook().encode(rows).reshape(tokens, heads, dim // E8_BLOCK)
+        return EncodedBlock(self.name, role, block_shape(x), codes, scales, _EMPTY)
+
+    def _lattice_rows(
+        self, x: Float32Array, role: Role
+    ) -> tuple[npt.NDArray[np.float16], npt.NDArray[np.float64]]:
+        """Rules 1-4: the float16 scale of each token-head and the scaled rotated vectors cut
+        into rows of 8 (float64), what the codebook codes (rule 5)."""
+        _, heads, dim = x.shape
         signs = rotation_signs(self.seed, self.layer, heads, dim)
         rotated = hadamard_transform(self._to_coded(x, role) * signs[None])
         rms = np.sqrt(np.square(rotated).mean(axis=2))
@@ -277,9 +287,7 @@ class E8Codec(BlockCodec):
         scales32 = scales.astype(np.float32)
         safe = np.where(scales32 > 0, scales32, np.float32(1.0))
         scaled = np.where(scales32[..., None] > 0, rotated / safe[..., None], 0.0)
-        blocks = scaled.reshape(-1, E8_BLOCK).astype(np.float64)
-        codes = e8_codebook().encode(blocks).reshape(tokens, heads, dim // E8_BLOCK)
-        return EncodedBlock(self.name, role, block_shape(x), codes, scales, _EMPTY)
+        return scales, scaled.reshape(-1, E8_BLOCK).astype(np.float64)
 
     def _decode(self, encoded: EncodedBlock) -> Float32Array:
         """Rule 8: codebook rows times the scales, then one product per head."""

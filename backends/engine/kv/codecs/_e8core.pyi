@@ -1,0 +1,18 @@
+"""Types of the C extension ``backends.engine.kv.codecs._e8core`` (``_e8core.c``)."""
+
+import numpy as np
+import numpy.typing as npt
+
+CODEBOOK_NORM2: int
+DESCENT_STEPS: int
+SHRINK: tuple[float, float]
+
+def nearest_d8(rows: npt.NDArray[np.float64], out: npt.NDArray[np.float64]) -> None: ...
+def nearest_e8(rows: npt.NDArray[np.float64], out: npt.NDArray[np.float64]) -> None: ...
+def keys(points: npt.NDArray[np.float64], out: npt.NDArray[np.int64]) -> None: ...
+def encode(
+    rows: npt.NDArray[np.float64],
+    keys: npt.NDArray[np.int64],
+    roots: npt.NDArray[np.float64],
+    out: npt.NDArray[np.uint16],
+) -> None: ...

@@ -1,0 +1,139 @@
+"""The E8 codebook search in C (``_e8core.c``) gives the codes of the numpy rule it replaced.
+
+``e8_reference`` holds that rule as numpy computed it; every row here must get the same code
+from both, and the same nearest lattice points: Gaussian rows from well inside the ball to far
+outside it, rows that sit on ties (zeros, half-integers, lattice and codebook points), extreme
+scales, the real model's keys and values as the codec hands them over, and bad input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from backends.engine import LlamaModel
+from backends.engine.kv.codecs import Role, codec_by_name
+from backends.engine.kv.codecs._e8 import (
+    CODEBOOK_NORM2,
+    DESCENT_STEPS,
+    SHRINK,
+    e8_codebook,
+    nearest_d8,
+    nearest_e8,
+    nearest_in_codebook_brute_force,
+)
+from backends.engine.kv.codecs._e8_codec import E8Codec
+from backends.engine.kv.codecs._quality import calibrate, capture_kv
+from backends.engine.kv.codecs._texts import CALIBRATION_TEXTS
+
+from .e8_reference import reference_codes, reference_nearest_d8, reference_nearest_e8
+
+Float64Array = npt.NDArray[np.float64]
+
+
+def assert_same_codes(x: Float64Array) -> None:
+    book = e8_codebook()
+    codes = book.encode(x)
+    assert codes.dtype == np.uint16 and codes.shape == (x.shape[0],)
+    np.testing.assert_array_equal(codes.astype(np.int64), reference_codes(x, book))
+    np.testing.assert_array_equal(nearest_e8(x), reference_nearest_e8(x))
+    np.testing.assert_array_equal(nearest_d8(x), reference_nearest_d8(x))
+
+
+def test_constants_are_the_rules() -> None:
+    assert CODEBOOK_NORM2 == 10 and DESCENT_STEPS == 4
+    assert SHRINK == (0.9, 1.0 - 1.0 / np.sqrt(10.0))
+
+
+@pytest.mark.parametrize("scale", [0.3, 0.8, 1.0, 1.4, 3.0, 30.0])
+def test_gaussian_rows_get_the_reference_codes(scale: float) -> None:
+    """From all inside the ball (0.3) to all outside it (30), where the shrink and the descent
+    decide."""
+    x = np.random.default_rng(int(scale * 10)).standard_normal((4000, 8)) * scale
+    assert_same_codes(x)
+
+
+def test_heavy_tailed_and_extreme_scales_get_the_reference_codes() -> None:
+    rng = np.random.default_rng(21)
+    t = rng.standard_t(2, size=(2000, 8))
+    tiny = rng.standard_normal((200, 8)) * 1e-300
+    huge = rng.standard_normal((200, 8)) * np.array([1e6, 1e30, 1e150, 1.0, 1.0, 1.0, 1.0, 1.0])
+    one_coordinate = np.zeros((64, 8))
+    one_coordinate[np.arange(64), np.arange(64) % 8] = np.geomspace(1e-8, 1e8, 64)
+    assert_same_codes(np.concatenate([t, tiny, huge, one_coordinate]))
+
+
+def test_ties_and_lattice_points_get_the_reference_codes() -> None:
+    """Rows where candidates tie exactly: the first in the rule's order wins in both."""
+    book = e8_codebook()
+    rng = np.random.default_rng(22)
+    halves = rng.integers(-8, 9, size=(3000, 8)) / 2.0
+    quarters = rng.integers(-16, 17, size=(3000, 8)) / 4.0
+    special = np.array(
+        [
+            [0.0] * 8,
+            [0.5] * 8,
+            [-0.5] * 8,
+            [0.25] * 8,
+            [1.5] * 8,
+            [3.5] * 8,
+            [-3.5] * 8,
+            [0.5, -0.5] * 4,
+            [3.0, 3.0, 0, 0, 0, 0, 0, 0],
+            [1.0, 0, 0, 0, 0, 0, 0, 0],
+            [5e-324] * 8,
+            [-0.0] * 8,
+        ]
+    )
+    outside = book.points[np.square(book.points).sum(axis=1) >= 8.0] * 1.05
+    assert_same_codes(np.concatenate([halves, quarters, special, book.points, outside]))
+    np.testing.assert_array_equal(book.encode(book.points), np.arange(len(book)))
+
+
+def test_outside_rows_are_as_close_as_brute_force() -> None:
+    """The rule's promise (``_e8`` rule 4) holds for the C search too."""
+    book = e8_codebook()
+    x = np.random.default_rng(23).standard_normal((1500, 8)) * 1.4
+    chosen = book.points[book.encode(x)]
+    brute = nearest_in_codebook_brute_force(x, book)
+    np.testing.assert_allclose(
+        np.square(chosen - x).sum(axis=1), np.square(brute - x).sum(axis=1), atol=1e-9
+    )
+
+
+def test_real_keys_and_values_get_the_reference_codes(engine_model: LlamaModel) -> None:
+    """The rows the codec hands the codebook for the model's own K/V, calibrated as served."""
+    means, scales = calibrate(engine_model)
+    ids = engine_model.tokenizer.encode(CALIBRATION_TEXTS[0])[:97]
+    keys, values = capture_kv(engine_model, ids)
+    rows = []
+    for layer in (0, 1, engine_model.config.num_layers // 2, engine_model.config.num_layers - 1):
+        codec = codec_by_name("e8-2", layer=layer, key_mean=means[layer], key_scale=scales[layer])
+        assert isinstance(codec, E8Codec)
+        roles: tuple[tuple[Role, npt.NDArray[np.float32]], ...] = (
+            ("key", keys[layer]),
+            ("value", values[layer]),
+        )
+        for role, block in roles:
+            for start in range(1, 97, 16):  # after the sink, as the cache codes them
+                rows.append(codec._lattice_rows(block[start : start + 16], role)[1])
+    x = np.concatenate(rows)
+    assert (e8_codebook().index_of(nearest_e8(x)) < 0).mean() > 0.05  # the descent is exercised
+    assert_same_codes(x)
+
+
+def test_bad_rows_are_refused() -> None:
+    book = e8_codebook()
+    for bad in (np.nan, np.inf, -np.inf, 1e200):
+        x = np.zeros((3, 8))
+        x[1, 4] = bad
+        with pytest.raises(ValueError, match="E8 row 1 is not finite"):
+            book.encode(x)
+        with pytest.raises(ValueError, match="E8 row 1 is not finite"):
+            nearest_e8(x)
+    with pytest.raises(ValueError, match=r"\[n, 8\]"):
+        book.encode(np.zeros((3, 7)))
+    with pytest.raises(ValueError, match=r"\[n, 8\]"):
+        nearest_d8(np.zeros(8))
+    assert book.encode(np.zeros((0, 8))).shape == (0,)
