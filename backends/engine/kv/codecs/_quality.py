@@ -482,7 +482,8 @@ def keep_heavy_hitters(
     for start in range(0, k.shape[0] - encode_tokens + 1, encode_tokens):
         last = q[start + encode_tokens - 1]
         block = slice(start, start + encode_tokens)
-        rows = start + heavy_hitters(last, k[block], heavy_tokens, skip_sink=start == 0)
+        chosen = heavy_hitters(last, k[block], heavy_tokens, skip_sink=start == 0)
+        rows = start + chosen.astype(np.intp)  # positions past 255 too
         far_k[rows, heads] = k[rows, heads].astype(np.float16)
         far_v[rows, heads] = v[rows, heads].astype(np.float16)
 

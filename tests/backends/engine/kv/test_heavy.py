@@ -127,19 +127,19 @@ def test_the_quality_measure_reads_each_complete_blocks_heavy_hitters_at_float16
     """``_quality`` rule 8: the rows the engine would keep, chosen by each complete block's last
     query, replace their round trips; the block being filled and the other rows keep theirs."""
     rng = np.random.default_rng(6)
-    tokens = 2 * BS + 5
+    tokens = 20 * BS + 5  # blocks past position 255 (positions are stored as uint8)
     q = rng.standard_normal((tokens, HEADS * GROUP, DIM), dtype=np.float32)
     k = rng.standard_normal((tokens, HEADS, DIM), dtype=np.float32)
     v = rng.standard_normal((tokens, HEADS, DIM), dtype=np.float32)
     far = (np.zeros_like(k), np.zeros_like(v))  # a codec that keeps nothing
     keep_heavy_hitters(q, k, v, far, 2, BS)
     kept = np.zeros((tokens, HEADS), dtype=bool)
-    for block in range(2):
+    for block in range(20):
         rows = slice(block * BS, (block + 1) * BS)
         chosen = heavy_hitters(q[(block + 1) * BS - 1], k[rows], 2, skip_sink=block == 0)
         for head in range(HEADS):
-            kept[block * BS + chosen[head], head] = True
-    assert kept.sum() == 2 * 2 * HEADS and not kept[0].any() and not kept[2 * BS :].any()
+            kept[block * BS + chosen[head].astype(np.intp), head] = True
+    assert kept.sum() == 20 * 2 * HEADS and not kept[0].any() and not kept[20 * BS :].any()
     for x, back in zip((k, v), far, strict=True):
         assert np.array_equal(back[kept], x[kept].astype(np.float16).astype(np.float32))
         assert not back[~kept].any()

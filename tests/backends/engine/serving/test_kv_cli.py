@@ -94,28 +94,33 @@ def test_plan_kv_splits_one_budget_between_a_window_and_the_layers(
 ) -> None:
     """At 48 tokens and 12 bits a 32-token window leaves room for a plan (it is free there: its
     float16 rows weigh what a plain codec's float32 block being filled does), a 64-token one
-    does not; both splits are measured, the lower KL is written with its window, and the engine
-    and kv-quality take that plan, window included."""
+    does not; 0, 1 and 2 heavy hitters per block fit beside either.  Every split is measured,
+    the lower KL is written with its window and heavy hitters, and the engine (its bytes per
+    token those the planner priced) and kv-quality take that plan."""
     out = tmp_path / "plan.json"
     args = ["--codecs", "kivi-4,e8-2", "--budget-bits", "12", "--out", str(out), *SMALL]
     _invoke(plan_kv_command, [*args, "--retention", "--no-verify"])
     plan = KVPlan.load(out)
     retention = plan.meta["retention"]
-    splits = {row["window_tokens"]: row for row in retention["splits"]}
-    assert set(splits) == {0, 32} and retention["context_tokens"] == 48
+    splits = {(row["heavy_tokens"], row["window_tokens"]): row for row in retention["splits"]}
+    assert set(splits) == {(h, w) for h in (0, 1, 2) for w in (0, 32)}
+    assert retention["context_tokens"] == 48
     budget = plan.meta["budget_bytes_per_token"]
     assert all(row["bytes_per_token"] <= budget for row in splits.values())
-    best = min(splits, key=lambda w: splits[w]["kl"])
-    assert plan.window_tokens == retention["chosen_window_tokens"] == best
-    print({w: round(row["kl"], 5) for w, row in splits.items()})
+    best = min(splits, key=lambda pair: splits[pair]["kl"])
+    assert plan.heavy_tokens == retention["chosen_heavy_tokens"] == best[0]
+    assert plan.window_tokens == retention["chosen_window_tokens"] == best[1]
+    print({pair: round(row["kl"], 5) for pair, row in splits.items()})
     engine = Engine(engine_model, 64 << 20, kv_codec=plan, max_num_seqs=2)
-    assert engine.pool.codec is not None and engine.pool.codec.window_blocks == max(1, best // 16)
+    assert engine.pool.codec is not None
+    assert engine.pool.codec.window_blocks == max(1, best[1] // 16)
+    assert engine.stats().kv_bytes_per_token == pytest.approx(plan.meta["bytes_per_token"])
     prompt = engine_model.tokenizer.encode("The harbour master counts the ships. " * 4)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     assert len(engine.generate(prompt, params)) == 20
     quality = _invoke(kv_quality_command, ["--plan", str(out), "--questions", "0", *SMALL])
     (row,) = quality["codecs"]  # measured on the planner's own prompt, not the held-out one
-    assert row["window_tokens"] == best and row["registry_name"] == plan.name
+    assert row["window_tokens"] == best[1] and row["registry_name"] == plan.name
 
 
 def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
