@@ -22,8 +22,15 @@ Rules of the measurement
    they stop short of a block's last position): the prompts count up token ids, so greedy
    answers repeat and drafts are accepted at 1 stream, where a step has rows to spare.
 
+5. ``--encode`` first times what a stream pays when it completes a block: encoding one block
+   (``DEFAULT_BLOCK_SIZE`` tokens, the model's own keys and values after the sink, calibrated
+   as served) per layer and role, each codec's per-layer codecs over the same blocks, rounds
+   alternating the codecs (``ENCODE_ROUNDS``, the best round), in microseconds per block and
+   as a ratio to kivi-2's.
+
 Run alone on a few codecs (the same measurement as ``bench/kvquant.py --decode-only``, which
-runs every served codec): ``.venv/bin/python bench/_kv_decode.py fp32 kivi-2 e8-2``.
+runs every served codec): ``.venv/bin/python bench/_kv_decode.py fp32 kivi-2 e8-2``;
+``--encode`` adds the encode table, ``--encode-only`` runs just it (seconds).
 """
 
 from __future__ import annotations
@@ -35,10 +42,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from backends.engine import Engine, LlamaModel
-from backends.engine.kv.codecs._codec import Float32Array
+from backends.engine.kv._store import DEFAULT_BLOCK_SIZE
+from backends.engine.kv.codecs import KVCodec, Role, codec_by_name
+from backends.engine.kv.codecs._codec import ROLES, Float32Array
+from backends.engine.kv.codecs._quality import capture_kv
+from backends.engine.kv.codecs._texts import CALIBRATION_TEXTS
 from backends.engine.model._sampling import SamplingParams
 
-__all__ = ["DECODE_STREAMS", "decode_rows", "decode_targets"]
+__all__ = ["DECODE_STREAMS", "decode_rows", "decode_targets", "encode_rows"]
 
 DECODE_STREAMS = (1, 8)
 DECODE_PROMPT_TOKENS = 128
@@ -49,6 +60,8 @@ _FIRST_ID = 1_000  # ordinary text tokens: above SmolLM2's special and byte toke
 _ROUND_STRIDE = 10_000
 TARGET_E8_VS_KIVI2 = 1.0
 TARGET_E8_VS_FP32 = 0.8
+ENCODE_BLOCKS = 8
+ENCODE_ROUNDS = 5
 
 
 def _sample(engine: Engine, streams: int, round_number: int) -> float:
@@ -103,6 +116,50 @@ def decode_rows(
     ]
 
 
+def encode_rows(
+    model: LlamaModel,
+    codecs: Sequence[str],
+    calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]],
+    say: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Per codec, microseconds to encode one block of one layer and role (rule 5)."""
+    layers = model.config.num_layers
+    ids = model.tokenizer.encode(CALIBRATION_TEXTS[0])[: 1 + ENCODE_BLOCKS * DEFAULT_BLOCK_SIZE]
+    keys, values = capture_kv(model, ids)
+    means, scales = calibration
+    work: list[tuple[int, Role, Float32Array]] = [
+        (layer, role, kv[layer][start : start + DEFAULT_BLOCK_SIZE])
+        for layer in range(layers)
+        for role, kv in zip(ROLES, (keys, values), strict=True)
+        for start in range(1, len(ids) - DEFAULT_BLOCK_SIZE + 1, DEFAULT_BLOCK_SIZE)
+    ]
+    built: dict[str, list[KVCodec]] = {
+        name: [
+            codec_by_name(name, layer=layer, key_mean=means[layer], key_scale=scales[layer])
+            for layer in range(layers)
+        ]
+        for name in codecs
+    }
+    best: dict[str, float] = {}
+    for round_number in range(ENCODE_ROUNDS):
+        for name, per_layer in built.items():
+            clock = time.perf_counter()
+            for layer, role, block in work:
+                per_layer[layer].encode(block, role)
+            micros = (time.perf_counter() - clock) / len(work) * 1e6
+            best[name] = min(micros, best.get(name, float("inf")))
+            say(f"encode round {round_number} {name}: {micros:.0f} us per block")
+    return [{"codec": name, "encode_us": best[name]} for name in codecs]
+
+
+def render_encode(rows: list[dict[str, Any]]) -> None:
+    """The encode table (rule 5), with each codec's ratio to kivi-2's where measured."""
+    kivi = next((row["encode_us"] for row in rows if row["codec"] == "kivi-2"), None)
+    for row in rows:
+        ratio = "" if kivi is None else f" ({row['encode_us'] / kivi:.2f}x kivi-2)"
+        print(f"{row['codec']:>8}: encode {row['encode_us']:.0f} us per block{ratio}")
+
+
 def decode_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """e8-2's decode rate against kivi-2's and fp32's, at each stream count (issue 14)."""
     by = {row["codec"]: row for row in rows}
@@ -134,14 +191,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Engine decode tokens/s per KV codec")
     parser.add_argument("codecs", nargs="+", help="served codecs, e.g. fp32 kivi-2 e8-2")
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (1: a shared box)")
+    parser.add_argument("--encode", action="store_true", help="also time encoding (rule 5)")
+    parser.add_argument("--encode-only", action="store_true", help="only time encoding")
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
         print(f"  {time.strftime('%H:%M:%S')} {line}", flush=True)
 
     model = LlamaModel.load()
+    calibration = calibrate(model)
     with threadpool_limits(args.threads, "blas"):
-        rows = decode_rows(model, args.codecs, calibrate(model), say)
+        if args.encode or args.encode_only:
+            render_encode(encode_rows(model, args.codecs, calibration, say))
+        rows = [] if args.encode_only else decode_rows(model, args.codecs, calibration, say)
     model.close()
     fp32 = next((row for row in rows if row["codec"] == "fp32"), None)
     for row in rows:
