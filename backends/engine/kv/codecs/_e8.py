@@ -30,9 +30,10 @@ Theory of operation
    finds (``nearest_in_codebook_brute_force``, kept as the reference the tests compare with);
    the search itself is never needed on the encoding path.
 5. Rules 1, 2 and 4 and the lookup run in C (``_e8core.c``, one row of 8 at a time, float64,
-   no BLAS and no fused multiply-add, ties to the first candidate): numpy's per-call overhead
-   on the 384 rows of a 16-token block was 2 ms of encoding per block, layer and role, and
-   every stream seals a block every 16 tokens in every layer.  The C owns the rule's constants
+   no BLAS and no fused multiply-add, ties to the first candidate; the descent's 240 products
+   share their partial sums): numpy's per-call overhead on the 384 rows of a 16-token block
+   was ~2 ms of encoding per block, layer and role, and every stream seals a block every 16
+   tokens in every layer.  The C owns the rule's constants
    (``CODEBOOK_NORM2``, ``SHRINK``, ``DESCENT_STEPS``), exported here; rows must be finite
    (a ``ValueError`` otherwise).  The tests hold the numpy form of rules 1-4 as it was
    (``tests/backends/engine/kv/e8_reference.py``) and check the C gives the same codes.

@@ -38,9 +38,10 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
    so the default calibration leaves values as they are.
 3. Each head's vectors are rotated by ``diag(s) H / sqrt(head_dim)``: ``H`` the Sylvester
    Hadamard matrix (``scipy.linalg.hadamard``), ``s`` random signs drawn from ``(seed,
-   layer)`` per head, applied as a fast Walsh-Hadamard transform (adds and subtracts in a fixed
-   order, no BLAS: the codes do not depend on the BLAS kernel or its threads; ``H`` is
-   symmetric and ``H H = head_dim I``, so the same transform undoes it).  Post-RoPE keys
+   layer)`` per head, applied as a fast Walsh-Hadamard transform (float32 adds and subtracts
+   in a fixed order, in C, ``_e8core``: no BLAS, so the codes do not depend on the BLAS kernel
+   or its threads; ``H`` is symmetric and ``H H = head_dim I``, so the same transform undoes
+   it).  Post-RoPE keys
    have outlier channels (a few channels 10x the others); the rotation spreads every channel
    over all of them, so the coordinates the lattice sees are near Gaussian.  Without it the
    attention error of E8 keys on this model is ~1.0.
@@ -49,7 +50,7 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
    ``DEFAULT_TAU`` was tuned on SmolLM2's real keys and values (mean squared error of the
    round trip; see ``_quality.tune_tau``).
 5. The scaled vector is cut into 8-blocks, each coded as the index (uint16) of its nearest
-   point in the 56,881-point codebook (``_e8``, rules 2-4).
+   point in the 56,881-point codebook (``_e8``, rules 2-5: a search in C).
 6. Bits per element: 16 bits per 8 elements + 16 bits of scale per ``head_dim`` elements =
    2 + 16/64 = 2.25 for head_dim 64 (7.1x fewer than fp16).  The key mean, the key scale and
    the signs are per layer, not per block, and are not counted (``_codec`` rule 3).
@@ -75,6 +76,7 @@ import numpy as np
 import numpy.typing as npt
 import scipy.linalg
 
+from . import _e8core
 from ._codec import (
     DEFAULT_SEED,
     ROLES,
@@ -128,17 +130,11 @@ def rotation_signs(seed: int, layer: int, kv_heads: int, head_dim: int) -> Float
 
 
 def hadamard_transform(x: Float32Array) -> Float32Array:
-    """``x @ H / sqrt(d)`` along the last axis (``H``: Sylvester Hadamard, ``d`` a power of 2)."""
-    dim = x.shape[-1]
-    lead = x.shape[:-1]
-    out = np.array(x, dtype=np.float32)
-    half = 1
-    while half < dim:
-        pairs = out.reshape(*lead, dim // (2 * half), 2, half)
-        low, high = pairs[..., 0, :], pairs[..., 1, :]
-        out = np.stack([low + high, low - high], axis=-2).reshape(*lead, dim)
-        half *= 2
-    out *= np.float32(1.0 / np.sqrt(dim))
+    """``x @ H / sqrt(d)`` along the last axis (``H``: Sylvester Hadamard, ``d`` a power of 2),
+    as butterflies in float32 (``_e8core``, rule 3)."""
+    rows = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(rows)
+    _e8core.hadamard(rows, rows.shape[-1], out)
     return out
 
 

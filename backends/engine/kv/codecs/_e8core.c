@@ -1,8 +1,9 @@
-/* backends.engine.kv.codecs._e8core: the E8 codebook search of _e8.py in C (issue 14).
+/* backends.engine.kv.codecs._e8core: the E8 codec's per-row arithmetic in C (issue 14).
  *
- * The rules are _e8.py's (its module comment, rules 1-4); this file is their arithmetic, one
- * row of 8 at a time, so that a 16-token block (384 rows) costs microseconds, not the
- * milliseconds of numpy's per-call overhead on arrays of that size.
+ * The rules are _e8.py's (its module comment, rules 1-4: the codebook search) and _e8_codec.py's
+ * rule 3 (the fast Walsh-Hadamard transform); this file is their arithmetic, one row at a time,
+ * so that a 16-token block (384 rows of 8) costs microseconds, not the milliseconds of numpy's
+ * per-call overhead on arrays of that size.
  *
  * Rules of the arithmetic:
  * 1. Every value is float64 and every operation is IEEE: no BLAS, no fused multiply-add
@@ -11,14 +12,18 @@
  *    select; it changes no value.)
  * 2. A squared norm is summed as numpy sums 8 values, pairwise:
  *    ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)); a dot product with a root of the
- *    descent is summed in coordinate order.  On lattice points (multiples of 1/2) every sum
- *    is exact; the order matters only where two candidates are within rounding of each other.
+ *    descent is summed in coordinate order, a half root's as its first four products plus its
+ *    last four.  On lattice points (multiples of 1/2) every sum is exact; the order matters
+ *    only where two candidates are within rounding of each other.
  * 3. Ties go to the first candidate in _e8.py's order: the worst coordinate is the first of
  *    the largest rounding errors, D8 wins over D8 + 1/2 when equally close, the first shrink
  *    fraction and the first root (in the codebook's order) win.
  * 4. A row must be finite with a finite squared norm (any float32 data is): anything else is
  *    a ValueError, not a code.
- * 5. The codebook is handed in by the caller (its sorted keys and its 240 roots, _e8.py rule
+ * 5. The Hadamard transform is float32, each butterfly stage a + b and a - b in the order
+ *    numpy's stages computed them, then one multiplication by float32(1 / sqrt(dim)): the same
+ *    bits as _e8_codec.py's numpy form had.
+ * 6. The codebook is handed in by the caller (its sorted keys and its 240 roots, _e8.py rule
  *    3); a point's key is its doubled coordinates offset by KEY_OFFSET, read as the digits of
  *    a base-KEY_BASE number, coordinate 0 the least significant.
  */
@@ -46,9 +51,8 @@ static inline double
 round_even(double v)
 {
     double a = fabs(v);
-    if (!(a < 4503599627370496.0))
-        return v;
-    return copysign((a + 4503599627370496.0) - 4503599627370496.0, v);
+    double rounded = copysign((a + 4503599627370496.0) - 4503599627370496.0, v);
+    return a < 4503599627370496.0 ? rounded : v;
 }
 
 static double
@@ -136,6 +140,7 @@ typedef struct {
     Py_ssize_t size;
     const double *roots;  /* [ROOTS, DIM], in the codebook's order */
     int16_t slot[ROOTS];  /* where root_sums puts each root's product */
+    double signs[2][4][8]; /* of EVEN4 and ODD4, for quarter_sums */
 } Codebook;
 
 /* The index of lattice point p, or -1 outside the ball or not in the book. */
@@ -181,50 +186,74 @@ shrunk(const double x[DIM], double best[DIM])
     return best_err;
 }
 
-/* r.v for all 240 roots r at once, into the slots of Codebook.slot.  Each is the sum of its 8
- * products in coordinate order (rule 2), the zero products left out (adding a zero changes no
- * sum that is not zero): a whole root's is +-v_i +-v_j; the half roots' share their prefixes,
- * kept as two lists, those with an even and those with an odd count of minuses so far, so that
- * a half root with minus mask m (an even count) lands at WHOLE_SUMS + m / 2. */
+/* The 4-bit minus masks with an even and with an odd count of minuses. */
+static const int EVEN4[8] = {0, 3, 5, 6, 9, 10, 12, 15};
+static const int ODD4[8] = {1, 2, 4, 7, 8, 11, 13, 14};
+
+/* The sums of 4 halves h[0..3] under each of 8 masks, in coordinate order (rule 2); signs[k][b]
+ * is -1 where mask b has bit k. */
 static void
-root_sums(const double v[DIM], double sums[SUMS])
+quarter_sums(const double h[4], const double signs[4][8], double out[8])
 {
-    int q = 0;
-    for (int i = 0; i < DIM; i++)
-        for (int j = i + 1; j < DIM; j++, q++) {
-            double plus = v[i] + v[j], minus = v[i] - v[j];
-            sums[4 * q] = plus;
-            sums[4 * q + 1] = minus;
-            sums[4 * q + 2] = -minus;
-            sums[4 * q + 3] = -plus;
-        }
-    double half[DIM], even[HALF_SUMS / 2], odd[HALF_SUMS / 2], next_even[HALF_SUMS / 2],
-        next_odd[HALF_SUMS / 2];
-    for (int k = 0; k < DIM; k++)
-        half[k] = 0.5 * v[k];
-    even[0] = half[0];
-    odd[0] = -half[0];
-    int n = 1;
-    for (int k = 1; k < DIM - 1; k++, n *= 2) {
-        for (int i = 0; i < n; i++) {
-            next_even[i] = even[i] + half[k];
-            next_even[n + i] = odd[i] - half[k];
-            next_odd[i] = odd[i] + half[k];
-            next_odd[n + i] = even[i] - half[k];
-        }
-        memcpy(even, next_even, 2 * n * sizeof(double));
-        memcpy(odd, next_odd, 2 * n * sizeof(double));
-    }
-    for (int i = 0; i < n; i++) {
-        sums[WHOLE_SUMS + i] = even[i] + half[DIM - 1];
-        sums[WHOLE_SUMS + n + i] = odd[i] - half[DIM - 1];
-    }
+    for (int b = 0; b < 8; b++)
+        out[b] = h[0] * signs[0][b];
+    for (int k = 1; k < 4; k++)
+        for (int b = 0; b < 8; b++)
+            out[b] += h[k] * signs[k][b];
 }
 
-/* Each root's slot in root_sums, or -1 if `roots` are not E8's 240 roots. */
-static int
-slot_roots(const double *roots, int16_t slot[ROOTS])
+/* r.v for all 240 roots r at once, into the slots of Codebook.slot (rule 2): a whole root's is
+ * +-v_i +-v_j (laid out by the distance j - i); a half root's is the sum of its first four
+ * products plus the sum of its last four, an even count of minuses being two even or two odd
+ * halves. */
+static void
+root_sums(const Codebook *book, const double v[DIM], double sums[SUMS])
 {
+    double *out = sums;
+    for (int t = 1; t < DIM; t++) {
+        int n = DIM - t;
+        for (int i = 0; i < n; i++) {
+            double plus = v[i] + v[i + t], minus = v[i] - v[i + t];
+            out[i] = plus;
+            out[n + i] = minus;
+            out[2 * n + i] = -minus;
+            out[3 * n + i] = -plus;
+        }
+        out += 4 * n;
+    }
+    double half[DIM], low_even[8], low_odd[8], high_even[8], high_odd[8];
+    for (int k = 0; k < DIM; k++)
+        half[k] = 0.5 * v[k];
+    quarter_sums(half, book->signs[0], low_even);
+    quarter_sums(half, book->signs[1], low_odd);
+    quarter_sums(half + 4, book->signs[0], high_even);
+    quarter_sums(half + 4, book->signs[1], high_odd);
+    for (int a = 0; a < 8; a++)
+        for (int b = 0; b < 8; b++) {
+            out[8 * a + b] = low_even[b] + high_even[a];
+            out[64 + 8 * a + b] = low_odd[b] + high_odd[a];
+        }
+}
+
+static int
+place_of(const int masks[8], int mask)
+{
+    for (int b = 0; b < 8; b++)
+        if (masks[b] == mask)
+            return b;
+    return -1;
+}
+
+/* Each root's slot in root_sums and quarter_sums' signs, or -1 if `roots` are not E8's 240
+ * roots. */
+static int
+slot_roots(const double *roots, int16_t slot[ROOTS], double signs[2][4][8])
+{
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 8; b++) {
+            signs[0][k][b] = EVEN4[b] >> k & 1 ? -1.0 : 1.0;
+            signs[1][k][b] = ODD4[b] >> k & 1 ? -1.0 : 1.0;
+        }
     for (int r = 0; r < ROOTS; r++) {
         const double *root = roots + r * DIM;
         int whole[2], count = 0, mask = 0, halves = 0;
@@ -241,11 +270,17 @@ slot_roots(const double *roots, int16_t slot[ROOTS])
             }
         }
         if (count == 2 && halves == 0) {
-            int i = whole[0], j = whole[1];
-            int q = i * (2 * DIM - i - 1) / 2 + (j - i - 1);
-            slot[r] = (int16_t)(4 * q + 2 * (root[i] < 0.0) + (root[j] < 0.0));
+            int i = whole[0], t = whole[1] - i, n = DIM - t, base = 0;
+            for (int u = 1; u < t; u++)
+                base += 4 * (DIM - u);
+            int sign = 2 * (root[i] < 0.0) + (root[i + t] < 0.0);
+            slot[r] = (int16_t)(base + sign * n + i);
         } else if (count == 0 && halves == DIM && !__builtin_parity((unsigned)mask)) {
-            slot[r] = (int16_t)(WHOLE_SUMS + mask / 2);
+            int low = mask & 15, high = mask >> 4;
+            int odd = __builtin_parity((unsigned)low);
+            const int *masks = odd ? ODD4 : EVEN4;
+            slot[r] = (int16_t)(WHOLE_SUMS + 64 * odd + 8 * place_of(masks, high)
+                                + place_of(masks, low));
         } else {
             return -1;
         }
@@ -262,8 +297,8 @@ descend(const Codebook *book, const double x[DIM], double point[DIM], double err
         double d[DIM], toward[SUMS], along[SUMS];
         for (int k = 0; k < DIM; k++)
             d[k] = x[k] - point[k];
-        root_sums(d, toward);
-        root_sums(point, along);
+        root_sums(book, d, toward);
+        root_sums(book, point, along);
         /* By slot, the squared distance after the step, infinite where it leaves the ball;
          * the least of them (min is exact in any order), then the first root in the
          * codebook's order at that distance (rule 3). */
@@ -472,8 +507,8 @@ e8core_encode(PyObject *module, PyObject *args)
         bad_row(bad);
         goto release_out;
     }
-    Codebook book = {keys.buf, keys.len / keys.itemsize, roots.buf, {0}};
-    if (slot_roots(book.roots, book.slot) < 0) {
+    Codebook book = {keys.buf, keys.len / keys.itemsize, roots.buf, {0}, {{{0.0}}}};
+    if (slot_roots(book.roots, book.slot, book.signs) < 0) {
         PyErr_SetString(PyExc_ValueError, "roots must be the 240 roots of E8");
         goto release_out;
     }
@@ -504,7 +539,63 @@ release_rows:
     return result;
 }
 
+/* Rule 5: x @ H / sqrt(dim) along rows of `dim` float32 (dim a power of two). */
+static void
+hadamard_rows(const float *x, float *out, Py_ssize_t n, Py_ssize_t dim)
+{
+    float scale = (float)(1.0 / sqrt((double)dim));
+    for (Py_ssize_t row = 0; row < n; row++) {
+        float *v = out + row * dim;
+        memcpy(v, x + row * dim, dim * sizeof(float));
+        for (Py_ssize_t half = 1; half < dim; half *= 2)
+            for (Py_ssize_t start = 0; start < dim; start += 2 * half)
+                for (Py_ssize_t i = start; i < start + half; i++) {
+                    float low = v[i], high = v[i + half];
+                    v[i] = low + high;
+                    v[i + half] = low - high;
+                }
+        for (Py_ssize_t i = 0; i < dim; i++)
+            v[i] *= scale;
+    }
+}
+
+static PyObject *
+e8core_hadamard(PyObject *module, PyObject *args)
+{
+    PyObject *rows_obj, *out_obj;
+    Py_ssize_t dim;
+    if (!PyArg_ParseTuple(args, "OnO", &rows_obj, &dim, &out_obj))
+        return NULL;
+    if (dim < 1 || (dim & (dim - 1))) {
+        PyErr_Format(PyExc_ValueError, "dim must be a power of two, got %zd", dim);
+        return NULL;
+    }
+    Py_buffer rows, out;
+    if (get_buffer(rows_obj, &rows, "rows", "f", 4, 0) < 0)
+        return NULL;
+    if (get_buffer(out_obj, &out, "out", "f", 4, 1) < 0) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t values = rows.len / rows.itemsize;
+    if (values % dim || out.len != rows.len) {
+        PyErr_Format(PyExc_ValueError, "rows of %zd and out of the same size, got %zd and %zd",
+                     dim, values, out.len / out.itemsize);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        hadamard_rows(rows.buf, out.buf, values / dim, dim);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef e8core_methods[] = {
+    {"hadamard", e8core_hadamard, METH_VARARGS,
+     "hadamard(rows, dim, out): x @ H / sqrt(dim) along rows of dim float32."},
     {"nearest_d8", e8core_nearest_d8, METH_VARARGS,
      "nearest_d8(rows, out): the nearest point of D8 to each row of 8 (float64)."},
     {"nearest_e8", e8core_nearest_e8, METH_VARARGS,
@@ -518,7 +609,7 @@ static PyMethodDef e8core_methods[] = {
 static struct PyModuleDef e8core_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "backends.engine.kv.codecs._e8core",
-    .m_doc = "The E8 codebook search of _e8.py in C (issue 14).",
+    .m_doc = "The E8 codec's per-row arithmetic in C (issue 14).",
     .m_size = -1,
     .m_methods = e8core_methods,
 };

@@ -1,9 +1,11 @@
-"""The E8 codebook rule as numpy, the way ``_e8`` computed it before its C search (issue 14).
+"""The E8 codebook rule and the Hadamard rotation as numpy, the way ``_e8`` and ``_e8_codec``
+computed them before their C forms (issue 14).
 
 A reference for tests only, like ``nearest_in_codebook_brute_force``: ``_e8core`` must give
-the same codes (``_e8`` rules 1-4).  Kept as it was, numpy's own order of operations included
-(``einsum``'s loops for the descent's products), so that a difference in the C is a difference
-in the rule, not in a rewrite of the reference.
+the same codes (``_e8`` rules 1-4) and the same rotated bits (``_e8_codec`` rule 3).  Kept as
+it was, numpy's own order of operations included (``einsum``'s loops for the descent's
+products), so that a difference in the C is a difference in the rule, not in a rewrite of the
+reference.
 """
 
 from __future__ import annotations
@@ -13,11 +15,32 @@ import numpy.typing as npt
 
 from backends.engine.kv.codecs._e8 import CODEBOOK_NORM2, SHRINK, E8Codebook
 
-__all__ = ["reference_codes", "reference_nearest_d8", "reference_nearest_e8"]
+__all__ = [
+    "reference_codes",
+    "reference_hadamard",
+    "reference_nearest_d8",
+    "reference_nearest_e8",
+]
 
+Float32Array = npt.NDArray[np.float32]
 Float64Array = npt.NDArray[np.float64]
 _DESCENT_STEPS = 4
 _NORM_SLACK = 1e-9
+
+
+def reference_hadamard(x: Float32Array) -> Float32Array:
+    """``x @ H / sqrt(d)`` along the last axis, one numpy stage per butterfly level."""
+    dim = x.shape[-1]
+    lead = x.shape[:-1]
+    out = np.array(x, dtype=np.float32)
+    half = 1
+    while half < dim:
+        pairs = out.reshape(*lead, dim // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        out = np.stack([low + high, low - high], axis=-2).reshape(*lead, dim)
+        half *= 2
+    out *= np.float32(1.0 / np.sqrt(dim))
+    return out
 
 
 def reference_nearest_d8(x: Float64Array) -> Float64Array:

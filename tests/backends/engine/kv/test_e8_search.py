@@ -23,11 +23,16 @@ from backends.engine.kv.codecs._e8 import (
     nearest_e8,
     nearest_in_codebook_brute_force,
 )
-from backends.engine.kv.codecs._e8_codec import E8Codec
+from backends.engine.kv.codecs._e8_codec import E8Codec, hadamard_transform
 from backends.engine.kv.codecs._quality import calibrate, capture_kv
 from backends.engine.kv.codecs._texts import CALIBRATION_TEXTS
 
-from .e8_reference import reference_codes, reference_nearest_d8, reference_nearest_e8
+from .e8_reference import (
+    reference_codes,
+    reference_hadamard,
+    reference_nearest_d8,
+    reference_nearest_e8,
+)
 
 Float64Array = npt.NDArray[np.float64]
 
@@ -121,6 +126,22 @@ def test_real_keys_and_values_get_the_reference_codes(engine_model: LlamaModel) 
     x = np.concatenate(rows)
     assert (e8_codebook().index_of(nearest_e8(x)) < 0).mean() > 0.05  # the descent is exercised
     assert_same_codes(x)
+
+
+@pytest.mark.parametrize("dim", [1, 8, 64, 128])
+def test_hadamard_gives_the_reference_bits(dim: int) -> None:
+    rng = np.random.default_rng(dim)
+    x = (rng.standard_t(3, size=(16, 3, dim)) * 10.0 ** rng.integers(-30, 30, (16, 3, 1))).astype(
+        np.float32
+    )
+    np.testing.assert_array_equal(hadamard_transform(x), reference_hadamard(x))
+    strided = x[:, ::2]
+    np.testing.assert_array_equal(hadamard_transform(strided), reference_hadamard(strided))
+
+
+def test_hadamard_refuses_a_dimension_not_a_power_of_two() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_transform(np.zeros((2, 48), dtype=np.float32))
 
 
 def test_bad_rows_are_refused() -> None:
