@@ -15,9 +15,9 @@ Rules of the measurement
    timed) and stops when the last one finishes; the rate is the tokens produced in between over
    that time.  Under a codec this covers what decode pays: reading decoded blocks through the
    pool's cache, a miss decoded again, and the block each stream completes encoded.
-3. Rounds alternate the codecs (``DECODE_ROUNDS``, each codec once per round, in order) and a
-   codec's figure is its best round: the machine is shared, and the best round is the one least
-   disturbed by others.  The ratios are what to read, not the absolute rates.
+3. Rounds alternate the codecs (``DECODE_ROUNDS``, or ``--rounds``; each codec once per round,
+   in order) and a codec's figure is its best round: the machine is shared, and the best round
+   is the one least disturbed by others.  The ratios are what to read, not the absolute rates.
 4. Every engine runs as served, prompt-lookup drafts included (``Engine`` rule 5; under a codec
    they stop short of a block's last position): the prompts count up token ids, so greedy
    answers repeat and drafts are accepted at 1 stream, where a step has rows to spare.
@@ -91,8 +91,10 @@ def decode_rows(
     codecs: Sequence[str],
     calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]],
     say: Callable[[str], None],
+    rounds: int = DECODE_ROUNDS,
 ) -> list[dict[str, Any]]:
-    """Per codec, decode tokens/s at each of ``DECODE_STREAMS`` (rules 1-3)."""
+    """Per codec, decode tokens/s at each of ``DECODE_STREAMS`` (rules 1-3), best of
+    ``rounds``."""
     engines = {
         name: Engine(
             model,
@@ -104,7 +106,7 @@ def decode_rows(
         for name in codecs
     }
     best: dict[tuple[str, int], float] = {}
-    for round_number in range(DECODE_ROUNDS):
+    for round_number in range(rounds):
         for streams in DECODE_STREAMS:
             for name, engine in engines.items():
                 rate = _sample(engine, streams, round_number)
@@ -191,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Engine decode tokens/s per KV codec")
     parser.add_argument("codecs", nargs="+", help="served codecs, e.g. fp32 kivi-2 e8-2")
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (1: a shared box)")
+    parser.add_argument("--rounds", type=int, default=DECODE_ROUNDS, help="decode rounds (rule 3)")
     parser.add_argument("--encode", action="store_true", help="also time encoding (rule 5)")
     parser.add_argument("--encode-only", action="store_true", help="only time encoding")
     args = parser.parse_args(argv)
@@ -203,7 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with threadpool_limits(args.threads, "blas"):
         if args.encode or args.encode_only:
             render_encode(encode_rows(model, args.codecs, calibration, say))
-        rows = [] if args.encode_only else decode_rows(model, args.codecs, calibration, say)
+        rows = (
+            []
+            if args.encode_only
+            else decode_rows(model, args.codecs, calibration, say, args.rounds)
+        )
     model.close()
     fp32 = next((row for row in rows if row["codec"] == "fp32"), None)
     for row in rows:
