@@ -80,11 +80,8 @@ from backends.engine.kv._planner import (  # noqa: E402
 )
 from backends.engine.kv._store import DEFAULT_BLOCK_SIZE  # noqa: E402
 from backends.engine.kv.codecs import measure_quality  # noqa: E402
-from backends.engine.kv.codecs._quality import (  # noqa: E402
-    DEFAULT_CONFIGS,
-    QualityReport,
-    calibrate,
-)
+from backends.engine.kv.codecs._calibration_cache import cached_calibration  # noqa: E402
+from backends.engine.kv.codecs._quality import DEFAULT_CONFIGS, QualityReport  # noqa: E402
 from backends.engine.kv.codecs._summary import quality_rows  # noqa: E402
 from backends.engine.kv.codecs._texts import PROMPTS  # noqa: E402
 
@@ -112,7 +109,7 @@ def plan_rows(
         return []
     cfg = model.config
     elements = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-    calibration = calibrate(model)
+    calibration = cached_calibration(model)
     table = measure_sensitivity(
         model,
         block_size=DEFAULT_BLOCK_SIZE,
@@ -140,22 +137,13 @@ def plan_rows(
             calibration=calibration,
             progress=say,
         )
-        best = check.best_uniform
         out.append(
             {
                 "budget_bits": bits,
                 "budget_bytes_per_token": budget,
                 "plan": plan.describe(),
-                "plan_bytes_per_token": check.plan_bytes_per_token,
                 "plan_predicted_kl": check.predicted_kl,
-                "plan_kl": check.plan_quality.kl_nats,
-                "plan_top1": check.plan_quality.top1,
-                "best_uniform": None if best is None else best.codec,
-                "best_uniform_bytes_per_token": None
-                if best is None
-                else check.uniform_bytes_per_token[best.codec],
-                "best_uniform_kl": None if best is None else best.kl_nats,
-                "best_uniform_top1": None if best is None else best.top1,
+                **check.against_best_uniform(),
                 "sensitivity_seconds": table.seconds,
             }
         )
@@ -215,7 +203,7 @@ def planner_targets(planner: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def engine_capacity_rows(model: LlamaModel, budget_bytes: int) -> list[dict[str, Any]]:
     """Per served codec: the longest prompt an engine admits at ``budget_bytes`` (measured)."""
-    calibration = calibrate(model)
+    calibration = cached_calibration(model)
     rows: list[dict[str, Any]] = []
     for name in ENGINE_CODECS:
         engine = Engine(
@@ -487,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget_mib << 20
     if args.decode_only:
         with threadpool_limits(args.threads, "blas"):
-            decode = decode_rows(model, ENGINE_CODECS, calibrate(model), say)
+            decode = decode_rows(model, ENGINE_CODECS, cached_calibration(model), say)
         model.close()
         render_decode(decode)
         print_targets(decode_targets(decode))
@@ -519,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             args.plan_queries,
             say,
         )
-        decode = decode_rows(model, ENGINE_CODECS, calibrate(model), say)
+        decode = decode_rows(model, ENGINE_CODECS, cached_calibration(model), say)
     model.close()
     table = quality_rows(report, args.context, budget)
     result = {

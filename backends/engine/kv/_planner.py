@@ -352,6 +352,22 @@ class PlanCheck:
             return KVPlan.uniform(best.codec, self.plan.num_layers)
         return self.plan
 
+    def against_best_uniform(self) -> dict[str, Any]:
+        """The plan's size and measured quality beside the best uniform codec's (what
+        ``plan-kv`` and ``bench/kvquant.py`` report)."""
+        best = self.best_uniform
+        return {
+            "plan_bytes_per_token": self.plan_bytes_per_token,
+            "plan_kl": self.plan_quality.kl_nats,
+            "plan_top1": self.plan_quality.top1,
+            "best_uniform": None if best is None else best.codec,
+            "best_uniform_bytes_per_token": None
+            if best is None
+            else self.uniform_bytes_per_token[best.codec],
+            "best_uniform_kl": None if best is None else best.kl_nats,
+            "best_uniform_top1": None if best is None else best.top1,
+        }
+
 
 def check_plan(
     model: LlamaModel,

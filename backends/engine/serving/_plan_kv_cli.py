@@ -80,21 +80,11 @@ def _estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
 
 
 def _check_dict(check: PlanCheck) -> dict[str, Any]:
-    best = check.best_uniform
-    plan = check.plan_quality
     return {
         "budget_bytes_per_token": check.budget_bytes_per_token,
         "plan": check.plan.name,
-        "plan_bytes_per_token": check.plan_bytes_per_token,
         "predicted_kl": check.predicted_kl,
-        "plan_kl": plan.kl_nats,
-        "plan_top1": plan.top1,
-        "best_uniform": None if best is None else best.codec,
-        "best_uniform_bytes_per_token": None
-        if best is None
-        else check.uniform_bytes_per_token[best.codec],
-        "best_uniform_kl": None if best is None else best.kl_nats,
-        "best_uniform_top1": None if best is None else best.top1,
+        **check.against_best_uniform(),
         "uniform_fitting": {
             q.codec: {
                 "kl": q.kl_nats,
