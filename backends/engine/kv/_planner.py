@@ -21,8 +21,9 @@ Theory of operation
 4. Additivity is an assumption, so the planner checks its result: ``plan-kv`` measures the
    plan's whole-model KL beside every uniform codec that fits the same budget and keeps the
    best measured (``PlanCheck``).
-5. The sensitivity table is cached in a file keyed by the model's fingerprint and the
-   measurement's settings; another budget re-plans from it in milliseconds.
+5. The sensitivity table is cached in a file keyed by the model's fingerprint, E8's calibration
+   constants (``calibration_digest``) and the measurement's settings; another budget re-plans
+   from it in milliseconds.
 6. Per-token retention shares the budget (MultiAlloc's idea): a recent window of ``W`` tokens
    kept raw costs, at a context of ``L`` tokens, the float16 rows of its complete blocks beyond
    the block being filled, less the half block its float16 filling block saves against a plain
@@ -42,6 +43,7 @@ Theory of operation
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -56,6 +58,7 @@ import numpy.typing as npt
 from .._arrays import Float32Array, Float64Array
 from ..model._model import LlamaModel
 from ._plan import ENGINE_CODECS, KVPlan
+from .codecs._calibration_cache import cached_calibration
 from .codecs._codec import ROLES, Role
 from .codecs._quality import (
     DEFAULT_QUERIES,
@@ -63,7 +66,6 @@ from .codecs._quality import (
     CodecQuality,
     _forward,
     _log_softmax,
-    calibrate,
     layer_codecs,
     measure_quality,
     round_trip,
@@ -79,6 +81,7 @@ __all__ = [
     "RetentionCheck",
     "SensitivityTable",
     "block_bytes",
+    "calibration_digest",
     "check_plan",
     "check_retention",
     "choose",
@@ -177,6 +180,16 @@ class SensitivityTable:
         return table if table.settings == settings else None
 
 
+def calibration_digest(calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]]) -> str:
+    """A short hash of E8's calibration constants, which a sensitivity table is measured
+    under (rule 5): a table measured under other constants is measured again."""
+    digest = hashlib.sha256()
+    for arrays in calibration:
+        for array in arrays:
+            digest.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def measure_sensitivity(
     model: LlamaModel,
     *,
@@ -194,7 +207,7 @@ def measure_sensitivity(
     say = progress or (lambda _: None)
     cfg = model.config
     layers = cfg.num_layers
-    means, scales = calibration if calibration is not None else calibrate(model)
+    means, scales = calibration if calibration is not None else cached_calibration(model)
     pairs = {name: layer_codecs(name, layers, means, scales) for name in codecs}
     loss = np.zeros((layers, 2, len(codecs)), dtype=np.float64)
     texts = list(prompts[:max_prompts])
@@ -254,6 +267,7 @@ def measure_sensitivity(
         block_size=block_size,
         settings={
             "model": model.fingerprint.hex(),
+            "calibration": calibration_digest((means, scales)),
             "codecs": list(codecs),
             "prompt_tokens": used,
             "queries": queries,

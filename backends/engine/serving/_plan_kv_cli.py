@@ -21,6 +21,7 @@ from ..kv._planner import (
     RetentionCheck,
     SensitivityTable,
     block_bytes,
+    calibration_digest,
     check_plan,
     check_retention,
     heavy_bytes_per_token,
@@ -207,6 +208,7 @@ def plan_kv_command(
         costs = calibrate_costs(model, names)
         settings = {
             "model": model.fingerprint.hex(),
+            "calibration": calibration_digest(calibration),
             "codecs": list(names),
             "prompt_tokens": [len(model.tokenizer.encode(t)[:tokens]) for t in PROMPTS[:prompts]],
             "queries": queries,

@@ -14,6 +14,7 @@ from backends.engine.kv._paged_codec import PagedCodec
 from backends.engine.kv._plan import KVPlan
 from backends.engine.kv._planner import (
     SensitivityTable,
+    calibration_digest,
     choose,
     heavy_bytes_per_token,
     heavy_row_bytes,
@@ -81,6 +82,17 @@ def test_plan_for_budget_on_served_codecs(tmp_path: Path) -> None:
     assert again is not None and np.array_equal(again.loss, table.loss)
     assert SensitivityTable.cached(path, {"x": 2}) is None
     assert SensitivityTable.cached(tmp_path / "missing.json", {"x": 1}) is None
+
+
+def test_a_table_is_keyed_by_the_calibration_it_was_measured_under() -> None:
+    rng = np.random.default_rng(0)
+    means = [rng.standard_normal((3, 64)).astype(np.float32) for _ in range(2)]
+    scales = [rng.standard_normal((3, 64, 64)).astype(np.float32) for _ in range(2)]
+    digest = calibration_digest((means, scales))
+    assert digest == calibration_digest(([m.copy() for m in means], [s.copy() for s in scales]))
+    nudged = [m.copy() for m in means]
+    nudged[1][2, 5] = np.nextafter(nudged[1][2, 5], np.float32(np.inf))
+    assert calibration_digest((nudged, scales)) != digest
 
 
 def _costs(dequant: float = 0.0) -> CostCalibration:
