@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from backends.engine._arrays import Float32Array, Float64Array
 from backends.engine.kv.codecs._e8 import CODEBOOK_NORM2, SHRINK, E8Codebook
 
 __all__ = [
@@ -22,8 +23,6 @@ __all__ = [
     "reference_nearest_e8",
 ]
 
-Float32Array = npt.NDArray[np.float32]
-Float64Array = npt.NDArray[np.float64]
 _DESCENT_STEPS = 4
 _NORM_SLACK = 1e-9
 
