@@ -17,6 +17,7 @@ Rules (DESIGN.md invariant 1):
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from gateway._upstream import Upstream
 
 __all__ = ["MAX_HELD_BYTES", "ClientStream", "RelayedResponse", "RequestPlan",
            "UsageEventFilter", "plan_request", "read_body", "relay"]
+
+log = logging.getLogger("understudy.gateway")
 
 MAX_HELD_BYTES = 64 * 1024
 """The most of an answer that is not a stream held back to leave with its head."""
@@ -239,6 +242,8 @@ async def _relay_answer(request: web.Request, state: GatewayState, upstream: Ups
         except UpstreamError as exc:
             state.metrics.upstream_errors.labels(upstream.name, exc.kind).inc()
             capture.error = exc.kind
+            # Rare and otherwise seen only as a count: say which request was cut, and why.
+            log.warning("request %s cut mid-answer: %s (%s)", request_id, exc, exc.kind)
             _abort(request)  # the answer had begun: cut it, never end it cleanly
             return response
         # A whole answer that came before the client stream went live (a small one) goes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any
 
@@ -156,7 +157,10 @@ async def test_upstream_hang_before_first_byte_is_504() -> None:
         assert 'kind="first_byte_timeout"' in (await _metrics(gw.url))
 
 
-async def test_upstream_hang_mid_stream_cuts_the_answer_after_idle_timeout() -> None:
+async def test_upstream_hang_mid_stream_cuts_the_answer_after_idle_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="understudy.gateway")
     async with run_sim(fault="hang_mid_stream", fault_after_chunks=3, itl_ms=1) as sim, \
             run_gateway(sim.url, primary={"idle_timeout_s": 0.3}) as gw:
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
@@ -170,6 +174,9 @@ async def test_upstream_hang_mid_stream_cuts_the_answer_after_idle_timeout() -> 
         assert received >= 1
         assert 'kind="idle_timeout"' in (await _metrics(gw.url))
         await eventually(lambda: sim.stats.in_flight == 0)
+    # A cut is logged with its request and cause, not only counted.
+    assert any("cut mid-answer" in r.getMessage() and "idle_timeout" in r.getMessage()
+               for r in caplog.records)
 
 
 async def test_upstream_reset_mid_stream_is_a_cut_answer_and_gateway_survives() -> None:
