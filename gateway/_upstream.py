@@ -142,19 +142,16 @@ class Upstream:
     def request_head(self, method: str, raw_path: str, headers: CIMultiDict[str],
                      body: bytes) -> bytes:
         """The request line and headers, as sent (``Host`` and the length computed)."""
-        fields = headers.items()
-        text = (f"{method} {self._prefix}{raw_path} HTTP/1.1\r\nHost: {self._host}\r\n"
-                + "".join([f"{name}: {value}\r\n" for name, value in fields]))
-        lines = len(fields) + 3  # the request line, Host, the fields and the blank line
+        lines = [f"{method} {self._prefix}{raw_path} HTTP/1.1\r\n", f"Host: {self._host}\r\n"]
+        lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
         if self._basic_auth is not None and "Authorization" not in headers:
-            text += f"Authorization: {self._basic_auth}\r\n"
-            lines += 1
+            lines.append(f"Authorization: {self._basic_auth}\r\n")
         if body or method in _BODY_METHODS:
-            text += f"Content-Length: {len(body)}\r\n"
-            lines += 1
-        text += "\r\n"
+            lines.append(f"Content-Length: {len(body)}\r\n")
+        lines.append("\r\n")
+        text = "".join(lines)
         # One CR and one LF per line, no NUL: no header value can smuggle a line in.
-        if text.count("\n") != lines or text.count("\r") != lines or "\0" in text:
+        if text.count("\n") != len(lines) or text.count("\r") != len(lines) or "\0" in text:
             raise ValueError("a header holds a line break or NUL")
         return text.encode("latin-1", "replace")
 
