@@ -9,7 +9,9 @@ Rules
 1. A file is named by a hash of all the constants are a function of: the model's fingerprint
    (its weights) and the source of the codecs package (the calibration texts, the settings,
    the code) and of the model package (the forward pass it runs).  An edit of any of them
-   names a new file, so a file is never stale; old files are left for the user to delete.
+   names a new file, so a file is never stale.  Old files are of no more use: once a new file
+   is written only the ``KEPT_FILES`` most recent stay (a process still reading an older one
+   keeps its open file; one about to open it finds it gone and calibrates, as for rule 3).
 2. The file is written under a temporary name in the same folder and renamed into place: a
    reader sees a whole file or none, and two processes calibrating at once write the same
    constants.
@@ -39,7 +41,7 @@ from ...model._model import LlamaModel
 from . import _quality
 from ._codec import Float32Array
 
-__all__ = ["Calibration", "cache_dir", "cached_calibration"]
+__all__ = ["KEPT_FILES", "Calibration", "cache_dir", "cached_calibration"]
 
 log = logging.getLogger("understudy.engine")
 
@@ -47,6 +49,9 @@ Calibration = tuple[list[Float32Array], list[Float32Array]]
 """What ``calibrate`` gives: per layer, the key means and the key transforms."""
 
 _FORMAT = b"understudy-kv-calibration-1"
+
+KEPT_FILES = 8
+"""Calibration files a folder keeps (rule 1): ~1.5 MB each for SmolLM2-135M."""
 
 
 def cache_dir() -> Path:
@@ -74,6 +79,7 @@ def cached_calibration(
     calibration = compute(model)
     try:
         _write(path, calibration)
+        _prune(path)
     except OSError as exc:
         log.warning("KV calibration not kept in %s: %s", path.parent, exc)
     return calibration
@@ -110,3 +116,12 @@ def _write(path: Path, calibration: Calibration) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _prune(kept: Path) -> None:
+    """Rule 1: the ``KEPT_FILES`` most recent files of ``kept``'s folder stay, ``kept`` among
+    them."""
+    others = [p for p in kept.parent.glob("*.npz") if p != kept]
+    others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in others[KEPT_FILES - 1:]:
+        old.unlink(missing_ok=True)

@@ -5,13 +5,19 @@ with arrays of the real shapes; the engine's own use of the cache runs in the en
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from backends.engine import LlamaModel
-from backends.engine.kv.codecs._calibration_cache import Calibration, cache_dir, cached_calibration
+from backends.engine.kv.codecs._calibration_cache import (
+    KEPT_FILES,
+    Calibration,
+    cache_dir,
+    cached_calibration,
+)
 
 
 class Counting:
@@ -83,6 +89,21 @@ def test_another_model_or_code_names_another_file(
     other = Counting(seed=1)
     cached_calibration(engine_model, tmp_path, other)
     assert other.calls == 1 and len(list(tmp_path.iterdir())) == 2
+
+
+def test_only_the_most_recent_files_are_kept(engine_model: LlamaModel, tmp_path: Path) -> None:
+    old = [tmp_path / f"{i:032x}.npz" for i in range(KEPT_FILES + 2)]
+    for age, path in enumerate(old):  # old[0] the most recent of them
+        path.write_bytes(b"an earlier calibration")
+        os.utime(path, (1e9 - age, 1e9 - age))
+    cached_calibration(engine_model, tmp_path, Counting())
+    left = sorted(tmp_path.glob("*.npz"))
+    assert len(left) == KEPT_FILES
+    assert set(old[: KEPT_FILES - 1]) < set(left)  # the newest old ones, and the new file
+    other = tmp_path / "notes.txt"
+    other.write_text("not a calibration")
+    cached_calibration(engine_model, tmp_path, Counting())  # read back: nothing removed
+    assert len(list(tmp_path.glob("*.npz"))) == KEPT_FILES and other.exists()
 
 
 def test_folder_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
