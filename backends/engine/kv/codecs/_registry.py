@@ -25,7 +25,7 @@ E8_WINDOW = 128
 def _e8(window: int, name: str) -> CodecSpec:
     return CodecSpec(
         name,
-        f"E8 lattice, 2 bits/dim + a float16 scale per token-head, Hadamard-rotated"
+        f"E8 lattice, 2 bits/dim + an 8-bit log scale per token-head, Hadamard-rotated"
         f"{f', {window}-token window' if window else ''}",
         lambda layer, seed, key_mean, key_scale: E8Codec(
             layer=layer,

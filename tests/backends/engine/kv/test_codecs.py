@@ -27,7 +27,11 @@ from backends.engine.kv.codecs._e8 import (
     nearest_in_codebook_brute_force,
 )
 from backends.engine.kv.codecs._e8_codec import (
+    SCALE_INDEX_OF_ONE,
+    SCALE_LEVELS,
+    SCALE_STEPS_PER_OCTAVE,
     VALUE_TRANSFORM_POWER,
+    E8Codec,
     hadamard_transform,
     key_scale_from,
     key_transform_from,
@@ -62,8 +66,8 @@ EXPECTED: dict[str, Expected] = {
     "kivi-8": Expected(0.01, 0.01, bits=(9.0, 9.0), window=128),
     "kivi-4": Expected(0.1, 0.13, bits=(5.0, 5.0), window=128),
     "kivi-2": Expected(0.42, 0.6, bits=(3.0, 3.0), window=128),
-    "e8-2": Expected(0.32, 0.3, bits=(2.25, 2.25)),
-    "e8-2w": Expected(0.32, 0.3, bits=(2.25, 2.25), window=128),
+    "e8-2": Expected(0.32, 0.3, bits=(2.125, 2.125)),
+    "e8-2w": Expected(0.32, 0.3, bits=(2.125, 2.125), window=128),
 }
 
 
@@ -318,6 +322,34 @@ def test_hadamard_transform_is_scipy_hadamard() -> None:
         hadamard_transform(x), x @ (scipy.linalg.hadamard(64) / 8.0), atol=1e-5
     )
     np.testing.assert_allclose(hadamard_transform(hadamard_transform(x)), x, atol=1e-5)
+
+
+def test_e8_scale_is_the_nearest_log_level_in_one_byte() -> None:
+    """Rule 4: one uint8 per token-head, the level nearest ``RMS / tau`` in the log domain,
+    levels 2 ** (1/16) apart around 1.0, 0 for an all-zero vector, the ends taken beyond the
+    range; decoding multiplies by the level encoding divided by."""
+    assert SCALE_LEVELS[0] == 0.0 and SCALE_LEVELS[SCALE_INDEX_OF_ONE] == 1.0
+    exponents = (np.arange(1, 256) - SCALE_INDEX_OF_ONE) / SCALE_STEPS_PER_OCTAVE
+    np.testing.assert_allclose(SCALE_LEVELS[1:], 2.0**exponents, rtol=1e-7)
+    rng = np.random.default_rng(30)
+    x = gaussian(31, (64, 3, 64)) * (10.0 ** rng.uniform(-2.5, 2.5, (64, 3, 1))).astype(np.float32)
+    x[5] = 0.0
+    x[6, 0] = 1e-6  # below the lowest level
+    x[7, 1] = 1e6  # above the highest
+    codec = codec_by_name("e8-2")
+    assert isinstance(codec, E8Codec)
+    scales, rows = codec._lattice_rows(x, "value")
+    assert scales.dtype == np.uint8 and scales.shape == (64, 3)
+    assert (scales[5] == 0).all() and (scales[6:8].min(), scales[6:8].max()) == (1, 255)
+    rms = np.sqrt(np.square(x.astype(np.float64)).mean(axis=2)) / codec.tau
+    live = rms > 0
+    gaps = np.abs(np.log2(SCALE_LEVELS[1:, None, None]) - np.log2(np.where(live, rms, 1.0)))
+    inside = live & (rms > SCALE_LEVELS[1]) & (rms < SCALE_LEVELS[255])
+    np.testing.assert_array_equal(scales[inside], 1 + gaps.argmin(axis=0)[inside])
+    np.testing.assert_array_equal(rows.reshape(64, 3, 64)[5], 0.0)
+    decoded = codec.decode(codec.encode(x, "value"))
+    errors = np.sqrt(np.square(decoded - x).sum(axis=2) / np.square(x).sum(axis=2).clip(1e-30))
+    assert errors[inside].max() < 0.5 and np.median(errors[inside]) < 0.3
 
 
 def test_e8_key_mean_and_seed() -> None:
