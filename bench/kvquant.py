@@ -3,6 +3,7 @@
     .venv/bin/python bench/kvquant.py [--quick] [--prompts N] [--tokens N] [--queries N]
                                       [--budget-mib 64] [--context 1536] [--threads 1]
                                       [--quality-only] [--codec NAME ...]
+                                      [--setup default|issue]
 
 SmolLM2-135M (the reference engine's weights) reads ordinary prose (three paragraphs written
 into ``backends.engine.kv.codecs``, ~420-450 tokens each) once in fp32 and once per codec with its
@@ -46,6 +47,14 @@ the engine's 16-token blocks), and each plan's whole-model KL measured on a held
 every uniform codec that fits the same bytes; the target is the plan beating the best of them
 (``--plan-budget-bits 0`` skips it).
 
+``--setup issue``: only the quality table, in issue 14's own setup (3 texts x 1,500 tokens, no
+recent window; ``_quality.ISSUE_SETUP``): the three ``LONG_PROMPTS`` cut to 1,500 tokens, every
+position from 128 on scored (1,372 per text), write semantics, fp8, kivi-4, kivi-2, e8-2 and
+e8-2w, bits@L at 1,500 tokens, beside the figures the issue quotes for that setup (kivi-2 0.46-0.50
+and 77-81 %, kivi-4 0.09 and 96.5 %, fp8 0.065 and 95.6 %) and its targets, to
+kvquant-issue.json.  ``--prompts``, ``--tokens``, ``--queries``, ``--codec`` cut it down
+(``--quick``: one text of 256 tokens, the last 128 scored).
+
 Results go to stdout and to bench/results/kvquant.json (``--semantics decode`` to
 kvquant-decode.json).
 """
@@ -81,7 +90,12 @@ from backends.engine.kv._planner import (  # noqa: E402
 from backends.engine.kv._store import DEFAULT_BLOCK_SIZE  # noqa: E402
 from backends.engine.kv.codecs import measure_quality  # noqa: E402
 from backends.engine.kv.codecs._calibration_cache import cached_calibration  # noqa: E402
-from backends.engine.kv.codecs._quality import DEFAULT_CONFIGS, QualityReport  # noqa: E402
+from backends.engine.kv.codecs._quality import (  # noqa: E402
+    DEFAULT_CONFIGS,
+    ISSUE_SETUP,
+    QualityReport,
+    measure_setup,
+)
 from backends.engine.kv.codecs._summary import quality_rows  # noqa: E402
 from backends.engine.kv.codecs._texts import PROMPTS  # noqa: E402
 
@@ -99,6 +113,15 @@ TARGET_E8W_BITS = 3.4
 DEFAULT_PLAN_BUDGET_BITS = (3.0, 4.5)
 DEFAULT_PLAN_TOKENS = 128
 DEFAULT_PLAN_QUERIES = 64
+ISSUE_FIGURES: dict[str, tuple[str, str]] = {
+    "fp8": ("0.065", "95.6%"),
+    "kivi-4": ("0.09", "96.5%"),
+    "kivi-2": ("0.46-0.50", "77-81%"),
+    "e8-2": ("<= 0.38 target", ">= 82% target"),
+    "e8-2w": ("<= 0.10 target", "-"),
+}
+"""Attention error and top-1 as issue 14 quotes them for its setup (3 texts x 1,500 tokens, no
+window), and its targets for E8."""
 
 
 def plan_rows(
@@ -414,6 +437,55 @@ def quality_only(
     return 0
 
 
+def issue_setup(
+    model: LlamaModel, args: argparse.Namespace, configs: list[tuple[str, int]], say: Any
+) -> int:
+    """``--setup issue``: the quality table in issue 14's setup beside the issue's figures."""
+    quick = QUICK if args.quick else {}
+    prompts = quick.get("prompts") if args.prompts is None else args.prompts
+    tokens = quick.get("tokens") if args.tokens is None else args.tokens
+    with threadpool_limits(args.threads, "blas"):
+        report = measure_setup(
+            model,
+            ISSUE_SETUP,
+            configs=configs,
+            max_prompts=prompts,
+            max_tokens=tokens,
+            queries=args.queries,  # None: every position after the setup's unscored head
+            calibration=cached_calibration(model),
+            progress=say,
+        )
+    model.close()
+    args.context = max(report.prompt_tokens) if args.context is None else args.context
+    table = quality_rows(report, args.context, args.budget_mib << 20)
+    result = {
+        "setup": {**setup(report, args), "name": ISSUE_SETUP.name},
+        "codecs": table,
+        "issue_figures": ISSUE_FIGURES,
+        "targets": targets(table),
+    }
+    render(result)
+    beside = Table(title="beside the figures issue 14 quotes for its setup")
+    for column in ("codec", "attn err", "issue's", "top-1", "issue's ", f"bits@{args.context}"):
+        beside.add_column(column, justify="left" if column == "codec" else "right")
+    for row in table:
+        attention, top1 = ISSUE_FIGURES.get(row["codec"], ("-", "-"))
+        beside.add_row(
+            row["codec"],
+            f"{row['attention_error']:.3f}",
+            attention,
+            f"{100 * row['top1']:.1f}%",
+            top1,
+            f"{row['bits_at_context']:.3f}",
+        )
+    Console(width=200).print(beside)
+    path = RESULTS_PATH.with_name("kvquant-issue.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="one prompt of 256 tokens")
@@ -421,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, help="cut each prompt to this many tokens")
     parser.add_argument("--queries", type=int, help="positions scored per prompt")
     parser.add_argument("--budget-mib", type=int, default=DEFAULT_BUDGET_MIB)
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="for bits@L")
+    parser.add_argument(
+        "--context", type=int, help=f"for bits@L (default {DEFAULT_CONTEXT}; --setup issue: 1500)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (1: a shared box)")
     parser.add_argument(
         "--semantics",
@@ -460,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted({name for name, _ in DEFAULT_CONFIGS}),
         help="measure this codec's default configurations only (repeatable; default: all)",
     )
+    parser.add_argument(
+        "--setup",
+        choices=("default", "issue"),
+        default="default",
+        help="issue: only the quality table, in issue 14's setup (3 texts x 1,500 tokens)",
+    )
     parser.add_argument("--plan-tokens", type=int, default=DEFAULT_PLAN_TOKENS)
     parser.add_argument("--plan-queries", type=int, default=DEFAULT_PLAN_QUERIES)
     args = parser.parse_args(argv)
@@ -480,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
         render_decode(decode)
         print_targets(decode_targets(decode))
         return 0
+    if args.setup == "issue":
+        chosen = [c for c in ISSUE_SETUP.configs if args.codec is None or c[0] in args.codec]
+        return issue_setup(model, args, chosen, say)
+    if args.context is None:
+        args.context = DEFAULT_CONTEXT
     configs = [c for c in DEFAULT_CONFIGS if args.codec is None or c[0] in args.codec]
     if args.quality_only:
         return quality_only(model, args, plan, configs, say)

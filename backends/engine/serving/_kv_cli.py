@@ -3,6 +3,9 @@
 
 Both commands are bounded by named defaults (prompts, tokens, scored positions) so that a
 default run finishes in a few minutes on two cores; ``--json`` prints one JSON document.
+``kv-quality --long`` measures in issue 14's own setup instead (``_quality.ISSUE_SETUP``: the
+``LONG_PROMPTS``, 3 texts x 1,500 tokens, every position from 128 on scored), the options left
+at their defaults taking that setup's.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ..kv._plan import ENGINE_CODECS, WINDOW_TOKENS, WINDOWED_CODECS, KVPlan
 from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv.codecs import CODECS
 from ..kv.codecs._calibration_cache import cached_calibration
-from ..kv.codecs._quality import CodecChoice, measure_quality
+from ..kv.codecs._quality import ISSUE_SETUP, CodecChoice, measure_quality, measure_setup
 from ..kv.codecs._registry import E8_WINDOW
 from ..kv.codecs._summary import quality_rows
 from ..kv.codecs._texts import PROMPTS, QUESTIONS
@@ -121,10 +124,18 @@ def _text_options(
     "--encode-tokens", type=click.IntRange(1), default=DEFAULT_BLOCK_SIZE, show_default=True,
     help="Tokens per encoded block (the engine's block size).",
 )  # fmt: skip
+@click.option(
+    "--long", "long_setup", is_flag=True,
+    help="Issue 14's setup: 3 long texts x 1,500 tokens, every position from 128 on scored, "
+    "fp8, kivi-4, kivi-2, e8-2 and e8-2w; --prompts, --tokens, --queries and --codec given "
+    "cut it down.",
+)  # fmt: skip
 @_threads
 @_json
 @_gguf
+@click.pass_context
 def kv_quality_command(
+    ctx: click.Context,
     codecs: tuple[str, ...],
     plans: tuple[Path, ...],
     prompts: int,
@@ -133,31 +144,53 @@ def kv_quality_command(
     questions: int,
     answer_tokens: int,
     encode_tokens: int,
+    long_setup: bool,
     threads: int,
     as_json: bool,
     gguf_path: Path | None,
 ) -> None:
     """Measure KV codecs on the real model against fp32: attention-output error per layer,
     next-token KL and top-1 on real text, and agreement of greedy answers."""
-    if queries >= tokens:
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+
+    if long_setup and not given("tokens"):
+        tokens = ISSUE_SETUP.tokens
+    long_queries = queries if given("queries") else None
+    if (not long_setup or long_queries is not None) and queries >= tokens:
         raise click.UsageError("--queries must be below --tokens")
-    names = codecs or (() if plans else tuple(CODECS))
+    default_names = tuple(name for name, _ in ISSUE_SETUP.configs) if long_setup else CODECS
+    names = codecs or (() if plans else tuple(default_names))
     choices: list[CodecChoice] = [*names, *(_load_plan(p) for p in plans)]
     model = _load_model(gguf_path)
     say = _say(as_json)
     with threadpool_limits(threads, "blas"):
         calibration = cached_calibration(model)
         configs = [_measured(c) for c in choices]
-        report = measure_quality(
-            model,
-            configs=configs,
-            max_prompts=prompts,
-            max_tokens=tokens,
-            queries=queries,
-            encode_tokens=encode_tokens,
-            calibration=calibration,
-            progress=say,
-        )
+        if long_setup:
+            report = measure_setup(
+                model,
+                ISSUE_SETUP,
+                configs=configs,
+                max_prompts=prompts if given("prompts") else None,
+                max_tokens=tokens,
+                queries=long_queries,
+                encode_tokens=encode_tokens,
+                calibration=calibration,
+                progress=say,
+            )
+        else:
+            report = measure_quality(
+                model,
+                configs=configs,
+                max_prompts=prompts,
+                max_tokens=tokens,
+                queries=queries,
+                encode_tokens=encode_tokens,
+                calibration=calibration,
+                progress=say,
+            )
         served = [c for c in choices if not isinstance(c, str) or c in ENGINE_CODECS]
         served = [c for c in served if c != "fp32"]
         answers = (
@@ -172,7 +205,8 @@ def kv_quality_command(
             if questions
             else []
         )
-    rows = quality_rows(report, DEFAULT_CONTEXT, _BUDGET_MIB << 20)
+    context = max(report.prompt_tokens) if long_setup else DEFAULT_CONTEXT
+    rows = quality_rows(report, context, _BUDGET_MIB << 20)
     by_codec = {a.codec: a for a in answers}
     for row in rows:
         agreement = by_codec.get(row["registry_name"])
@@ -191,7 +225,9 @@ def kv_quality_command(
             "reference_logit_gap": report.reference_logit_gap,
             "seconds": report.seconds + sum(a.seconds for a in answers),
             "threads": threads,
-            "context": DEFAULT_CONTEXT,
+            "setup": ISSUE_SETUP.name if long_setup else "default",
+            "semantics": report.semantics,
+            "context": context,
             "budget_mib": _BUDGET_MIB,
         },
         "codecs": rows,

@@ -41,6 +41,12 @@ Theory of operation
    ``h / encode_tokens * (16 + 4 / head_dim)`` bits per element more (float16 K and V rows and a
    one-byte position per KV head), added to the codec's bits as the engine adds them to a
    block's bytes.
+9. Setups (``QualitySetup``): a text set and what of it is scored, under one name.  The default
+   is the table above (``PROMPTS``, ~450 tokens each, the last 128 positions, write semantics);
+   ``ISSUE_SETUP`` is issue 14's own (3 texts x 1,500 tokens, no recent window): the
+   ``LONG_PROMPTS`` cut to 1,500 tokens, every position from 128 on scored, write semantics --
+   the variant whose fp8, KIVI-4 and KIVI-2 figures match the ones the issue quotes for that
+   setup (``bench/kvquant.py --setup issue`` reports them side by side).
 """
 
 from __future__ import annotations
@@ -65,13 +71,15 @@ from ._e8_codec import (
     key_transform_from,
 )
 from ._registry import codec_by_name
-from ._texts import CALIBRATION_TEXTS, PROMPTS
+from ._texts import CALIBRATION_TEXTS, LONG_PROMPTS, PROMPTS
 
 __all__ = [
     "DEFAULT_CONFIGS",
+    "ISSUE_SETUP",
     "CodecChoice",
     "CodecQuality",
     "QualityReport",
+    "QualitySetup",
     "Semantics",
     "calibrate",
     "capture_kv",
@@ -79,6 +87,7 @@ __all__ = [
     "keep_heavy_hitters",
     "layer_codecs",
     "measure_quality",
+    "measure_setup",
     "plan_bits",
     "round_trip",
     "tune_tau",
@@ -104,6 +113,42 @@ DEFAULT_QUERIES = 128
 Semantics = Literal["write", "decode"]
 """Rule 5: ``write``, every read goes through the codec, the prompt's own included; ``decode``,
 the prompt before the scored positions is computed at full precision (KIVI's prefill)."""
+ISSUE_CONFIGS: tuple[tuple[str, int], ...] = (
+    ("fp8", 0),
+    ("kivi-4", 0),
+    ("kivi-2", 0),
+    ("e8-2", 0),
+    ("e8-2w", 128),
+)
+"""The codecs issue 14 quotes figures for in its setup, each without a window but ``e8-2w``."""
+ISSUE_TOKENS = 1500
+ISSUE_UNSCORED = 128
+"""Positions before the first scored one in the issue's setup (rule 9)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QualitySetup:
+    """What a measurement reads and scores (rule 9): ``prompts`` each cut to ``tokens``, the
+    last ``queries`` positions of each scored under ``semantics``, the ``configs`` measured."""
+
+    name: str
+    prompts: tuple[str, ...]
+    tokens: int
+    queries: int
+    semantics: Semantics
+    configs: tuple[tuple[str, int], ...]
+
+
+ISSUE_SETUP = QualitySetup(
+    name="issue",
+    prompts=LONG_PROMPTS,
+    tokens=ISSUE_TOKENS,
+    queries=ISSUE_TOKENS - ISSUE_UNSCORED,
+    semantics="write",
+    configs=ISSUE_CONFIGS,
+)
+"""Issue 14's setup: 3 texts x 1,500 tokens, no window (``e8-2w``'s aside), every position
+from 128 on scored, write semantics (rule 9)."""
 SINK_BITS = 32
 WINDOW_BITS = 16
 FP16_BITS = 16
@@ -614,4 +659,36 @@ def measure_quality(
         key_mean_norms=tuple(
             float(np.linalg.norm(m[0] if m.ndim == 3 else m, axis=-1).mean()) for m in means
         ),
+    )
+
+
+def measure_setup(
+    model: LlamaModel,
+    setup: QualitySetup = ISSUE_SETUP,
+    *,
+    configs: Sequence[tuple[CodecChoice, int]] | None = None,
+    max_prompts: int | None = None,
+    max_tokens: int | None = None,
+    queries: int | None = None,
+    encode_tokens: int = DEFAULT_ENCODE_TOKENS,
+    progress: Callable[[str], None] | None = None,
+    calibration: tuple[Sequence[Float32Array], Sequence[Float32Array]] | None = None,
+) -> QualityReport:
+    """``measure_quality`` in ``setup`` (rule 9); ``configs``, ``max_prompts``, ``max_tokens``
+    and ``queries`` override the setup's (a cut-down run), and a cut without ``queries`` keeps
+    the setup's unscored head: ``max_tokens - (setup.tokens - setup.queries)`` scored."""
+    tokens = setup.tokens if max_tokens is None else max_tokens
+    if queries is None:
+        queries = tokens - (setup.tokens - setup.queries)
+    return measure_quality(
+        model,
+        configs=setup.configs if configs is None else configs,
+        prompts=setup.prompts,
+        max_prompts=max_prompts,
+        max_tokens=tokens,
+        queries=queries,
+        encode_tokens=encode_tokens,
+        semantics=setup.semantics,
+        progress=progress,
+        calibration=calibration,
     )
