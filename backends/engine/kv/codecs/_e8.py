@@ -31,7 +31,9 @@ Theory of operation
    the search itself is never needed on the encoding path.
 5. Rules 1, 2 and 4 and the lookup run in C (``_e8core.c``, one row of 8 at a time, float64,
    no BLAS and no fused multiply-add, ties to the first candidate; the descent's 240 products
-   share their partial sums): numpy's per-call overhead on the 384 rows of a 16-token block
+   share their partial sums and only the few that bring the point closer are checked against
+   the ball; a point's index is its rank in rule 3's order, counted from small tables rather
+   than searched): numpy's per-call overhead on the 384 rows of a 16-token block
    was ~2 ms of encoding per block, layer and role, and every stream seals a block every 16
    tokens in every layer.  The C owns the rule's constants
    (``CODEBOOK_NORM2``, ``SHRINK``, ``DESCENT_STEPS``), exported here; rows must be finite
@@ -160,7 +162,7 @@ class E8Codebook:
         """The index of a codebook point near each row of ``x`` [n, 8] (rules 2, 4 and 5)."""
         rows = _rows(x)
         codes = np.empty(rows.shape[0], dtype=np.uint16)
-        _e8core.encode(rows, self._keys, self.roots, codes)
+        _e8core.encode(rows, codes)
         return codes
 
     def decode(self, index: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:

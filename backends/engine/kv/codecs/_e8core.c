@@ -23,9 +23,11 @@
  * 5. The Hadamard transform is float32, each butterfly stage a + b and a - b in the order
  *    numpy's stages computed them, then one multiplication by float32(1 / sqrt(dim)): the same
  *    bits as _e8_codec.py's numpy form had.
- * 6. The codebook is handed in by the caller (its sorted keys and its 240 roots, _e8.py rule
- *    3); a point's key is its doubled coordinates offset by KEY_OFFSET, read as the digits of
- *    a base-KEY_BASE number, coordinate 0 the least significant.
+ * 6. The codebook is rule 3's ball, ordered by rule 3's key: a point's doubled coordinates offset
+ *    by KEY_OFFSET, read as the digits of a base-KEY_BASE number, coordinate 0 the least
+ *    significant (keys() gives it; _e8.py sorts the points by it).  A point's code is its rank
+ *    in that order, counted from tables built when the module loads (index_of), so the C
+ *    needs no codebook handed in; the tests hold it equal to _e8.py's sorted keys.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -42,7 +44,6 @@
 #define KEY_OFFSET 6
 #define DESCENT_STEPS 4
 #define DESCENT_GAIN 1e-9
-#define ROOTS 240
 
 /* ------------------------------------------------------------------ the lattice, one row */
 
@@ -130,35 +131,80 @@ key_of(const double p[DIM])
 
 /* ------------------------------------------------------------------ the codebook */
 
-#define PAIRS 28                     /* the roots +-e_i +-e_j: 4 per pair i < j */
-#define WHOLE_SUMS (4 * PAIRS)
-#define HALF_SUMS 128                /* the roots (+-1/2)^8 with an even count of minuses */
-#define SUMS (WHOLE_SUMS + HALF_SUMS)
+/* Rule 6: a point's code is its rank in the order of its key, counted, not searched.  In
+ * doubled coordinates q = 2p (all even: D8; all odd: D8 + 1/2) a codebook point has
+ * sum(q^2) <= 4 * NORM2 and sum(q) = 0 mod 4, and the key orders points by q[7], then q[6],
+ * ..., then q[0].  So the points before q are, for each coordinate k from 7 down, those that
+ * agree with q above k and are smaller at k: for each smaller value v there, the completions
+ * of coordinates 0..k-1 of the same kind (all even or all odd, fixed by coordinate 7) within
+ * what is left of the budget and with the sum mod 4 still owed.  BELOW holds those counts
+ * summed over v, built once when the module loads; a code is then 8 table reads. */
+#define QMAX (2 * 3)                 /* the largest |q| in the ball: p = 3, since 3.5^2 > 10 */
+#define BUDGET (4 * NORM2_INT)       /* sum(q^2) of the ball */
+#define VALUES (2 * QMAX + 1)        /* q + QMAX, a key digit (KEY_BASE) */
+#define CODEBOOK_SIZE 56881          /* _e8.py rule 3; checked when BELOW is built */
 
-typedef struct {
-    const int64_t *keys; /* sorted, one per codebook point */
-    Py_ssize_t size;
-    const double *roots;  /* [ROOTS, DIM], in the codebook's order */
-    int16_t slot[ROOTS];  /* where root_sums puts each root's product */
-    double signs[2][4][8]; /* of EVEN4 and ODD4, for quarter_sums */
-} Codebook;
+/* BELOW[kind][m][owed][budget][v + QMAX]: points of m free coordinates after one set to a
+ * value below v, of the kind, summed over those values. */
+static uint32_t BELOW[2][DIM][4][BUDGET + 1][VALUES + 1];
 
-/* The index of lattice point p, or -1 outside the ball or not in the book. */
+static int
+mod4(int v)
+{
+    return ((v % 4) + 4) % 4;
+}
+
+/* Builds BELOW; the count of codebook points, which must be CODEBOOK_SIZE. */
+static long
+build_below(void)
+{
+    /* count[kind][m][owed][budget]: completions of m coordinates of the kind. */
+    static uint32_t count[2][DIM][4][BUDGET + 1];
+    for (int kind = 0; kind < 2; kind++) {
+        for (int budget = 0; budget <= BUDGET; budget++)
+            count[kind][0][0][budget] = 1;
+        for (int m = 1; m < DIM; m++)
+            for (int owed = 0; owed < 4; owed++)
+                for (int budget = 0; budget <= BUDGET; budget++) {
+                    uint32_t total = 0;
+                    for (int v = -QMAX; v <= QMAX; v++)
+                        if ((v & 1) == kind && v * v <= budget)
+                            total += count[kind][m - 1][mod4(owed - v)][budget - v * v];
+                    count[kind][m][owed][budget] = total;
+                }
+        for (int m = 0; m < DIM; m++)
+            for (int owed = 0; owed < 4; owed++)
+                for (int budget = 0; budget <= BUDGET; budget++) {
+                    uint32_t total = 0;
+                    for (int v = -QMAX; v <= QMAX; v++) {
+                        BELOW[kind][m][owed][budget][v + QMAX] = total;
+                        if ((v & 1) == kind && v * v <= budget)
+                            total += count[kind][m][mod4(owed - v)][budget - v * v];
+                    }
+                    BELOW[kind][m][owed][budget][VALUES] = total;
+                }
+    }
+    return (long)BELOW[0][DIM - 1][0][BUDGET][VALUES] + BELOW[1][DIM - 1][0][BUDGET][VALUES];
+}
+
+/* The code of lattice point p, or -1 outside the ball. */
 static Py_ssize_t
-index_of(const Codebook *book, const double p[DIM])
+index_of(const double p[DIM])
 {
     if (norm2(p) > NORM2 + NORM_SLACK)
         return -1;
-    int64_t key = key_of(p);
-    Py_ssize_t low = 0, high = book->size;
-    while (low < high) {
-        Py_ssize_t mid = low + (high - low) / 2;
-        if (book->keys[mid] < key)
-            low = mid + 1;
-        else
-            high = mid;
+    int q[DIM];
+    for (int k = 0; k < DIM; k++)
+        q[k] = (int)round_even(p[k] * 2.0);
+    int kind = q[DIM - 1] & 1, owed = 0, budget = BUDGET;
+    Py_ssize_t rank = BELOW[0][DIM - 1][0][BUDGET][q[DIM - 1] + QMAX]
+                      + BELOW[1][DIM - 1][0][BUDGET][q[DIM - 1] + QMAX];
+    for (int k = DIM - 1; k > 0; k--) {
+        owed = mod4(owed - q[k]);
+        budget -= q[k] * q[k];
+        rank += BELOW[kind][k - 1][owed][budget][q[k - 1] + QMAX];
     }
-    return low < book->size && book->keys[low] == key ? low : -1;
+    return rank;
 }
 
 /* _e8.py rule 4, first half: the closest inside the ball of the rows shrunk to each fraction. */
@@ -186,28 +232,68 @@ shrunk(const double x[DIM], double best[DIM])
     return best_err;
 }
 
+/* The roots in the order root_sums gives their products: the roots +-e_i +-e_j (4 per pair
+ * i < j, laid out by the distance j - i), then the 128 roots (+-1/2)^8 with an even count of
+ * minuses. */
+#define PAIRS 28
+#define WHOLE_SUMS (4 * PAIRS)
+#define HALF_SUMS 128
+#define SUMS (WHOLE_SUMS + HALF_SUMS)
+
 /* The 4-bit minus masks with an even and with an odd count of minuses. */
 static const int EVEN4[8] = {0, 3, 5, 6, 9, 10, 12, 15};
 static const int ODD4[8] = {1, 2, 4, 7, 8, 11, 13, 14};
 
-/* The sums of 4 halves h[0..3] under each of 8 masks, in coordinate order (rule 2); signs[k][b]
- * is -1 where mask b has bit k. */
+/* ROOT[s]: the root whose product root_sums puts in slot s; ROOT_CODE[s] its code (the
+ * codebook's order, rule 3's tie-break).  Built once at load. */
+static double ROOT[SUMS][DIM];
+static Py_ssize_t ROOT_CODE[SUMS];
+
 static void
-quarter_sums(const double h[4], const double signs[4][8], double out[8])
+build_roots(void)
 {
-    for (int b = 0; b < 8; b++)
-        out[b] = h[0] * signs[0][b];
-    for (int k = 1; k < 4; k++)
-        for (int b = 0; b < 8; b++)
-            out[b] += h[k] * signs[k][b];
+    int slot = 0;
+    for (int t = 1; t < DIM; t++) {
+        int n = DIM - t;
+        for (int sign = 0; sign < 4; sign++)
+            for (int i = 0; i < n; i++, slot++) {
+                memset(ROOT[slot], 0, sizeof(ROOT[slot]));
+                ROOT[slot][i] = sign & 2 ? -1.0 : 1.0;
+                ROOT[slot][i + t] = sign & 1 ? -1.0 : 1.0;
+            }
+    }
+    for (int odd = 0; odd < 2; odd++) {
+        const int *masks = odd ? ODD4 : EVEN4;
+        for (int a = 0; a < 8; a++)
+            for (int b = 0; b < 8; b++, slot++) {
+                int mask = masks[b] | masks[a] << 4;
+                for (int k = 0; k < DIM; k++)
+                    ROOT[slot][k] = mask >> k & 1 ? -0.5 : 0.5;
+            }
+    }
+    for (int s = 0; s < SUMS; s++)
+        ROOT_CODE[s] = index_of(ROOT[s]);
 }
 
-/* r.v for all 240 roots r at once, into the slots of Codebook.slot (rule 2): a whole root's is
- * +-v_i +-v_j (laid out by the distance j - i); a half root's is the sum of its first four
- * products plus the sum of its last four, an even count of minuses being two even or two odd
- * halves. */
+/* out[mask] = ((a0 + a1) + a2) + a3 with a_k = -h_k where mask has bit k, else h_k: the sum of
+ * 4 products with halves in coordinate order (rule 2; a product with +-1/2 is exact). */
 static void
-root_sums(const Codebook *book, const double v[DIM], double sums[SUMS])
+signed_sums(const double h[4], double out[16])
+{
+    double two[4], three[8];
+    for (int m = 0; m < 4; m++)
+        two[m] = (m & 1 ? -h[0] : h[0]) + (m & 2 ? -h[1] : h[1]);
+    for (int m = 0; m < 8; m++)
+        three[m] = two[m & 3] + (m & 4 ? -h[2] : h[2]);
+    for (int m = 0; m < 16; m++)
+        out[m] = three[m & 7] + (m & 8 ? -h[3] : h[3]);
+}
+
+/* r.v for all 240 roots r at once, in ROOT's order (rule 2): a whole root's is +-v_i +-v_j; a
+ * half root's is the sum of its first four products plus the sum of its last four, an even
+ * count of minuses being two even or two odd halves. */
+static void
+root_sums(const double v[DIM], double sums[SUMS])
 {
     double *out = sums;
     for (int t = 1; t < DIM; t++) {
@@ -221,124 +307,73 @@ root_sums(const Codebook *book, const double v[DIM], double sums[SUMS])
         }
         out += 4 * n;
     }
-    double half[DIM], low_even[8], low_odd[8], high_even[8], high_odd[8];
+    double half[DIM], low[16], high[16];
     for (int k = 0; k < DIM; k++)
         half[k] = 0.5 * v[k];
-    quarter_sums(half, book->signs[0], low_even);
-    quarter_sums(half, book->signs[1], low_odd);
-    quarter_sums(half + 4, book->signs[0], high_even);
-    quarter_sums(half + 4, book->signs[1], high_odd);
+    signed_sums(half, low);
+    signed_sums(half + 4, high);
     for (int a = 0; a < 8; a++)
         for (int b = 0; b < 8; b++) {
-            out[8 * a + b] = low_even[b] + high_even[a];
-            out[64 + 8 * a + b] = low_odd[b] + high_odd[a];
+            out[8 * a + b] = low[EVEN4[b]] + high[EVEN4[a]];
+            out[64 + 8 * a + b] = low[ODD4[b]] + high[ODD4[a]];
         }
-}
-
-static int
-place_of(const int masks[8], int mask)
-{
-    for (int b = 0; b < 8; b++)
-        if (masks[b] == mask)
-            return b;
-    return -1;
-}
-
-/* Each root's slot in root_sums and quarter_sums' signs, or -1 if `roots` are not E8's 240
- * roots. */
-static int
-slot_roots(const double *roots, int16_t slot[ROOTS], double signs[2][4][8])
-{
-    for (int k = 0; k < 4; k++)
-        for (int b = 0; b < 8; b++) {
-            signs[0][k][b] = EVEN4[b] >> k & 1 ? -1.0 : 1.0;
-            signs[1][k][b] = ODD4[b] >> k & 1 ? -1.0 : 1.0;
-        }
-    for (int r = 0; r < ROOTS; r++) {
-        const double *root = roots + r * DIM;
-        int whole[2], count = 0, mask = 0, halves = 0;
-        for (int k = 0; k < DIM; k++) {
-            if (root[k] == 1.0 || root[k] == -1.0) {
-                if (count == 2)
-                    return -1;
-                whole[count++] = k;
-            } else if (root[k] == 0.5 || root[k] == -0.5) {
-                halves++;
-                mask |= (root[k] < 0.0) << k;
-            } else if (root[k] != 0.0) {
-                return -1;
-            }
-        }
-        if (count == 2 && halves == 0) {
-            int i = whole[0], t = whole[1] - i, n = DIM - t, base = 0;
-            for (int u = 1; u < t; u++)
-                base += 4 * (DIM - u);
-            int sign = 2 * (root[i] < 0.0) + (root[i + t] < 0.0);
-            slot[r] = (int16_t)(base + sign * n + i);
-        } else if (count == 0 && halves == DIM && !__builtin_parity((unsigned)mask)) {
-            int low = mask & 15, high = mask >> 4;
-            int odd = __builtin_parity((unsigned)low);
-            const int *masks = odd ? ODD4 : EVEN4;
-            slot[r] = (int16_t)(WHOLE_SUMS + 64 * odd + 8 * place_of(masks, high)
-                                + place_of(masks, low));
-        } else {
-            return -1;
-        }
-    }
-    return 0;
 }
 
 /* _e8.py rule 4, second half: step to the nearest root neighbour inside the ball while it is
- * closer.  |x - p - r|^2 = err + 2 - 2 r.(x - p) and |p + r|^2 = |p|^2 + 2 r.p + 2. */
+ * closer.  |x - p - r|^2 = err + 2 - 2 r.(x - p) and |p + r|^2 = |p|^2 + 2 r.p + 2.  The step
+ * taken is the least distance over the roots inside the ball if that is below err - gain, so
+ * only the roots below err - gain (about ten of the 240 on the model's rows, two or three of
+ * them inside the ball) need the ball checked, and the least of those, first in the codebook's
+ * order on a tie, is the step: the same as the least over every root inside the ball.  r.p is
+ * exact (p and r are multiples of 1/2 in the ball), so its order of summation does not
+ * matter. */
 static void
-descend(const Codebook *book, const double x[DIM], double point[DIM], double err)
+descend(const double x[DIM], double point[DIM], double err)
 {
     for (int step = 0; step < DESCENT_STEPS; step++) {
-        double d[DIM], toward[SUMS], along[SUMS];
+        double d[DIM], toward[SUMS];
         for (int k = 0; k < DIM; k++)
             d[k] = x[k] - point[k];
-        root_sums(book, d, toward);
-        root_sums(book, point, along);
-        /* By slot, the squared distance after the step, infinite where it leaves the ball;
-         * the least of them (min is exact in any order), then the first root in the
-         * codebook's order at that distance (rule 3). */
-        double start = err + 2.0, base = norm2(point) + 2.0, dist[SUMS];
+        root_sums(d, toward);
+        double start = err + 2.0, limit = err - DESCENT_GAIN, base = norm2(point) + 2.0;
+        double picked = INFINITY;
+        int pick = -1;
         for (int s = 0; s < SUMS; s++) {
-            double after = start - 2.0 * toward[s], norm_after = base + 2.0 * along[s];
-            dist[s] = norm_after > NORM2 + NORM_SLACK ? INFINITY : after;
+            double after = start - 2.0 * toward[s];
+            if (!(after < limit) || after > picked)
+                continue;
+            if (after == picked && ROOT_CODE[s] > ROOT_CODE[pick])
+                continue;
+            double along = 0.0;
+            for (int k = 0; k < DIM; k++)
+                along += ROOT[s][k] * point[k];
+            if (base + 2.0 * along > NORM2 + NORM_SLACK)
+                continue;
+            picked = after;
+            pick = s;
         }
-        double low[4] = {INFINITY, INFINITY, INFINITY, INFINITY};
-        for (int s = 0; s < SUMS; s += 4)
-            for (int lane = 0; lane < 4; lane++)
-                low[lane] = dist[s + lane] < low[lane] ? dist[s + lane] : low[lane];
-        double picked = low[0];
-        for (int lane = 1; lane < 4; lane++)
-            picked = low[lane] < picked ? low[lane] : picked;
-        if (!(picked < err - DESCENT_GAIN))
+        if (pick < 0)
             return;
-        int pick = 0;
-        while (dist[book->slot[pick]] != picked)
-            pick++;
         for (int k = 0; k < DIM; k++)
-            point[k] += book->roots[pick * DIM + k];
+            point[k] += ROOT[pick][k];
         err = picked;
     }
 }
 
 /* Rules 2-4 for one row: its code, or -1 (the descent left the book: a bug). */
 static Py_ssize_t
-encode_row(const Codebook *book, const double x[DIM])
+encode_row(const double x[DIM])
 {
     double point[DIM];
     nearest_e8(x, point);
-    Py_ssize_t index = index_of(book, point);
+    Py_ssize_t index = index_of(point);
     if (index >= 0)
         return index;
     double err = shrunk(x, point);
     if (!isfinite(err))
         return -1;
-    descend(book, x, point, err);
-    return index_of(book, point);
+    descend(x, point, err);
+    return index_of(point);
 }
 
 /* ------------------------------------------------------------------ Python boundary */
@@ -479,63 +514,43 @@ e8core_keys(PyObject *module, PyObject *args)
 static PyObject *
 e8core_encode(PyObject *module, PyObject *args)
 {
-    PyObject *rows_obj, *keys_obj, *roots_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OOOO", &rows_obj, &keys_obj, &roots_obj, &out_obj))
+    PyObject *rows_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "OO", &rows_obj, &out_obj))
         return NULL;
-    Py_buffer rows, keys, roots, out;
-    PyObject *result = NULL;
+    Py_buffer rows, out;
     if (get_buffer(rows_obj, &rows, "rows", "d", 8, 0) < 0)
         return NULL;
-    if (get_buffer(keys_obj, &keys, "keys", "lq", 8, 0) < 0)
-        goto release_rows;
-    if (get_buffer(roots_obj, &roots, "roots", "d", 8, 0) < 0)
-        goto release_keys;
-    if (get_buffer(out_obj, &out, "out", "H", 2, 1) < 0)
-        goto release_roots;
+    if (get_buffer(out_obj, &out, "out", "H", 2, 1) < 0) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    PyObject *result = NULL;
     Py_ssize_t n = row_count(&rows, &out, 1);
-    if (n < 0)
-        goto release_out;
-    if (roots.len != ROOTS * DIM * (Py_ssize_t)sizeof(double) || keys.len == 0
-        || keys.len / keys.itemsize > 65536) {
-        PyErr_SetString(PyExc_ValueError,
-                         "the codebook is up to 65,536 sorted keys and 240 roots of 8");
-        goto release_out;
-    }
-    const double *x = rows.buf;
-    Py_ssize_t bad = first_bad_row(x, n);
-    if (bad >= 0) {
-        bad_row(bad);
-        goto release_out;
-    }
-    Codebook book = {keys.buf, keys.len / keys.itemsize, roots.buf, {0}, {{{0.0}}}};
-    if (slot_roots(book.roots, book.slot, book.signs) < 0) {
-        PyErr_SetString(PyExc_ValueError, "roots must be the 240 roots of E8");
-        goto release_out;
-    }
-    uint16_t *codes = out.buf;
-    Py_ssize_t lost = -1;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t index = encode_row(&book, x + i * DIM);
-        if (index < 0) {
-            lost = i;
-            break;
+    if (n >= 0) {
+        const double *x = rows.buf;
+        Py_ssize_t bad = first_bad_row(x, n), lost = -1;
+        if (bad >= 0) {
+            bad_row(bad);
+        } else {
+            uint16_t *codes = out.buf;
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < n; i++) {
+                Py_ssize_t index = encode_row(x + i * DIM);
+                if (index < 0) {
+                    lost = i;
+                    break;
+                }
+                codes[i] = (uint16_t)index;
+            }
+            Py_END_ALLOW_THREADS
+            if (lost >= 0)
+                PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
+            else
+                result = Py_NewRef(Py_None);
         }
-        codes[i] = (uint16_t)index;
     }
-    Py_END_ALLOW_THREADS
-    if (lost >= 0)
-        PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
-    else
-        result = Py_NewRef(Py_None);
-release_out:
-    PyBuffer_Release(&out);
-release_roots:
-    PyBuffer_Release(&roots);
-release_keys:
-    PyBuffer_Release(&keys);
-release_rows:
     PyBuffer_Release(&rows);
+    PyBuffer_Release(&out);
     return result;
 }
 
@@ -603,7 +618,7 @@ static PyMethodDef e8core_methods[] = {
     {"keys", e8core_keys, METH_VARARGS,
      "keys(points, out): the codebook key (int64) of each lattice point."},
     {"encode", e8core_encode, METH_VARARGS,
-     "encode(rows, keys, roots, out): the code (uint16) of each row of 8."},
+     "encode(rows, out): the code (uint16) of each row of 8."},
     {NULL}};
 
 static struct PyModuleDef e8core_module = {
@@ -618,12 +633,18 @@ static struct PyModuleDef e8core_module = {
 PyMODINIT_FUNC
 PyInit__e8core(void)
 {
+    if (build_below() != CODEBOOK_SIZE) {
+        PyErr_SetString(PyExc_AssertionError, "E8 codebook counted wrong");
+        return NULL;
+    }
+    build_roots();
     PyObject *module = PyModule_Create(&e8core_module);
     if (module == NULL)
         return NULL;
     PyObject *shrink = Py_BuildValue("(dd)", SHRINK_FIRST, 1.0 - 1.0 / sqrt(NORM2));
     if (PyModule_AddIntConstant(module, "CODEBOOK_NORM2", NORM2_INT) < 0
         || PyModule_AddIntConstant(module, "DESCENT_STEPS", DESCENT_STEPS) < 0
+        || PyModule_AddIntConstant(module, "CODEBOOK_SIZE", CODEBOOK_SIZE) < 0
         || PyModule_AddObject(module, "SHRINK", shrink) < 0) {
         Py_XDECREF(shrink);
         Py_DECREF(module);

@@ -4,6 +4,7 @@ import numpy as np
 import numpy.typing as npt
 
 CODEBOOK_NORM2: int
+CODEBOOK_SIZE: int
 DESCENT_STEPS: int
 SHRINK: tuple[float, float]
 
@@ -11,9 +12,4 @@ def hadamard(rows: npt.NDArray[np.float32], dim: int, out: npt.NDArray[np.float3
 def nearest_d8(rows: npt.NDArray[np.float64], out: npt.NDArray[np.float64]) -> None: ...
 def nearest_e8(rows: npt.NDArray[np.float64], out: npt.NDArray[np.float64]) -> None: ...
 def keys(points: npt.NDArray[np.float64], out: npt.NDArray[np.int64]) -> None: ...
-def encode(
-    rows: npt.NDArray[np.float64],
-    keys: npt.NDArray[np.int64],
-    roots: npt.NDArray[np.float64],
-    out: npt.NDArray[np.uint16],
-) -> None: ...
+def encode(rows: npt.NDArray[np.float64], out: npt.NDArray[np.uint16]) -> None: ...

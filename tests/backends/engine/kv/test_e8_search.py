@@ -13,9 +13,10 @@ import numpy.typing as npt
 import pytest
 
 from backends.engine import LlamaModel
-from backends.engine.kv.codecs import Role, codec_by_name
+from backends.engine.kv.codecs import Role, _e8core, codec_by_name
 from backends.engine.kv.codecs._e8 import (
     CODEBOOK_NORM2,
+    CODEBOOK_SIZE,
     DESCENT_STEPS,
     SHRINK,
     e8_codebook,
@@ -49,6 +50,7 @@ def assert_same_codes(x: Float64Array) -> None:
 def test_constants_are_the_rules() -> None:
     assert CODEBOOK_NORM2 == 10 and DESCENT_STEPS == 4
     assert SHRINK == (0.9, 1.0 - 1.0 / np.sqrt(10.0))
+    assert _e8core.CODEBOOK_SIZE == CODEBOOK_SIZE == len(e8_codebook())
 
 
 @pytest.mark.parametrize("scale", [0.3, 0.8, 1.0, 1.4, 3.0, 30.0])
