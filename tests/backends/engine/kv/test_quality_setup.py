@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from backends.engine import LlamaModel, kv_quality_command
 from backends.engine.kv.codecs._quality import ISSUE_SETUP, measure_setup
 from backends.engine.kv.codecs._texts import CALIBRATION_TEXTS, LONG_PROMPTS, PROMPTS
+from backends.engine.serving._kv_cli import _LONG_CODECS, _measured
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 SHINGLE_WORDS = 6
@@ -47,6 +48,10 @@ def test_measure_setup_keeps_the_unscored_head_when_cut(engine_model: LlamaModel
     fp32, e8 = report.results
     assert fp32.kl_nats < 1e-9 and fp32.top1 == 1.0 and fp32.positions == 16
     assert 0.0 < e8.attention_error < 1.0
+
+
+def test_kv_quality_long_measures_the_setups_configs() -> None:
+    assert [_measured(name) for name in _LONG_CODECS] == list(ISSUE_SETUP.configs)
 
 
 @pytest.mark.slow
