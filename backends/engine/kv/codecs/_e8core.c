@@ -248,6 +248,7 @@ static const int ODD4[8] = {1, 2, 4, 7, 8, 11, 13, 14};
  * codebook's order, rule 3's tie-break).  Built once at load. */
 static double ROOT[SUMS][DIM];
 static Py_ssize_t ROOT_CODE[SUMS];
+static int PAIR_BASE[DIM]; /* the slot of the first root +-e_i +-e_(i+t), by t */
 
 static void
 build_roots(void)
@@ -255,6 +256,7 @@ build_roots(void)
     int slot = 0;
     for (int t = 1; t < DIM; t++) {
         int n = DIM - t;
+        PAIR_BASE[t] = slot;
         for (int sign = 0; sign < 4; sign++)
             for (int i = 0; i < n; i++, slot++) {
                 memset(ROOT[slot], 0, sizeof(ROOT[slot]));
@@ -289,60 +291,111 @@ signed_sums(const double h[4], double out[16])
         out[m] = three[m & 7] + (m & 8 ? -h[3] : h[3]);
 }
 
-/* r.v for all 240 roots r at once, in ROOT's order (rule 2): a whole root's is +-v_i +-v_j; a
- * half root's is the sum of its first four products plus the sum of its last four, an even
- * count of minuses being two even or two odd halves. */
-static void
-root_sums(const double v[DIM], double sums[SUMS])
+/* One look of the descent: the roots whose step would end closer than `limit` (their slots
+ * and distances after the step), gathered without a branch per root. */
+typedef struct {
+    double start, limit;
+    int count;
+    int slot[SUMS];
+    double after[SUMS];
+} Look;
+
+/* Keeps the root in slot s, whose product with x - point is `toward`, if it is a step. */
+static inline void
+consider(Look *look, int s, double toward)
 {
-    double *out = sums;
-    for (int t = 1; t < DIM; t++) {
-        int n = DIM - t;
-        for (int i = 0; i < n; i++) {
-            double plus = v[i] + v[i + t], minus = v[i] - v[i + t];
-            out[i] = plus;
-            out[n + i] = minus;
-            out[2 * n + i] = -minus;
-            out[3 * n + i] = -plus;
-        }
-        out += 4 * n;
+    double after = look->start - 2.0 * toward;
+    look->slot[look->count] = s;
+    look->after[look->count] = after;
+    look->count += after < look->limit;
+}
+
+/* Whether no root whose product is at most `most` can be a step. */
+static inline int
+beyond(const Look *look, double most)
+{
+    return !(look->start - 2.0 * most < look->limit);
+}
+
+/* The products r.d of the descent are the rule's (rule 2): a whole root's +-d_i +-d_j, a half
+ * root's the sum of its first four products plus the sum of its last four (an even count of
+ * minuses is two even or two odd quarters).  Rounding is monotonic, so a bound on a group's
+ * products rules the whole group out (beyond): the four roots of a pair i < j have at most
+ * |d_i| + |d_j|, a coordinate pairs with no other above |d_i| + max |d|, and half roots at most
+ * their low quarter plus the largest high quarter of the same parity.  What is left -- about
+ * 45 roots on the model's rows, 10 of them steps -- is considered one by one, with exactly
+ * the products the rule computes, in any order (the tie-break is by code, not by when a root
+ * is seen). */
+static void
+look_around(const double d[DIM], Look *look)
+{
+    double magnitude[DIM], most = 0.0;
+    for (int k = 0; k < DIM; k++) {
+        magnitude[k] = fabs(d[k]);
+        most = magnitude[k] > most ? magnitude[k] : most;
     }
+    int live[DIM], count = 0;
+    for (int k = 0; k < DIM; k++) {
+        live[count] = k;
+        count += !beyond(look, magnitude[k] + most);
+    }
+    for (int a = 0; a < count; a++)
+        for (int b = a + 1; b < count; b++) {
+            int i = live[a], j = live[b];
+            if (beyond(look, magnitude[i] + magnitude[j]))
+                continue;
+            int n = DIM - (j - i), slot = PAIR_BASE[j - i] + i;
+            double plus = d[i] + d[j], minus = d[i] - d[j];
+            consider(look, slot, plus);
+            consider(look, slot + n, minus);
+            consider(look, slot + 2 * n, -minus);
+            consider(look, slot + 3 * n, -plus);
+        }
     double half[DIM], low[16], high[16];
     for (int k = 0; k < DIM; k++)
-        half[k] = 0.5 * v[k];
+        half[k] = 0.5 * d[k];
     signed_sums(half, low);
     signed_sums(half + 4, high);
-    for (int a = 0; a < 8; a++)
+    for (int odd = 0; odd < 2; odd++) {
+        const int *masks = odd ? ODD4 : EVEN4;
+        double top = high[masks[0]];
+        for (int a = 1; a < 8; a++)
+            top = high[masks[a]] > top ? high[masks[a]] : top;
         for (int b = 0; b < 8; b++) {
-            out[8 * a + b] = low[EVEN4[b]] + high[EVEN4[a]];
-            out[64 + 8 * a + b] = low[ODD4[b]] + high[ODD4[a]];
+            double quarter = low[masks[b]];
+            if (beyond(look, quarter + top))
+                continue;
+            for (int a = 0; a < 8; a++)
+                consider(look, WHOLE_SUMS + 64 * odd + 8 * a + b, quarter + high[masks[a]]);
         }
+    }
 }
 
 /* _e8.py rule 4, second half: step to the nearest root neighbour inside the ball while it is
  * closer.  |x - p - r|^2 = err + 2 - 2 r.(x - p) and |p + r|^2 = |p|^2 + 2 r.p + 2.  The step
  * taken is the least distance over the roots inside the ball if that is below err - gain, so
- * only the roots below err - gain (about ten of the 240 on the model's rows, two or three of
- * them inside the ball) need the ball checked, and the least of those, first in the codebook's
- * order on a tie, is the step: the same as the least over every root inside the ball.  r.p is
- * exact (p and r are multiples of 1/2 in the ball), so its order of summation does not
- * matter. */
+ * only the roots below err - gain need the ball checked, and the least of those, first in the
+ * codebook's order on a tie, is the step: the same as the least over every root inside the
+ * ball.  r.p is exact (p and r are multiples of 1/2 in the ball), so its order of summation
+ * does not matter. */
 static void
 descend(const double x[DIM], double point[DIM], double err)
 {
     for (int step = 0; step < DESCENT_STEPS; step++) {
-        double d[DIM], toward[SUMS];
+        double d[DIM];
         for (int k = 0; k < DIM; k++)
             d[k] = x[k] - point[k];
-        root_sums(d, toward);
-        double start = err + 2.0, limit = err - DESCENT_GAIN, base = norm2(point) + 2.0;
-        double picked = INFINITY;
+        Look look;
+        look.start = err + 2.0;
+        look.limit = err - DESCENT_GAIN;
+        look.count = 0;
+        look_around(d, &look);
+        double base = norm2(point) + 2.0, picked = INFINITY;
         int pick = -1;
-        for (int s = 0; s < SUMS; s++) {
-            double after = start - 2.0 * toward[s];
-            if (!(after < limit) || after > picked)
-                continue;
-            if (after == picked && ROOT_CODE[s] > ROOT_CODE[pick])
+        for (int c = 0; c < look.count; c++) {
+            int s = look.slot[c];
+            double after = look.after[c];
+            if (after > picked || (after == picked && ROOT_CODE[s] > ROOT_CODE[pick]))
                 continue;
             double along = 0.0;
             for (int k = 0; k < DIM; k++)

@@ -160,3 +160,74 @@ def test_bad_rows_are_refused() -> None:
     with pytest.raises(ValueError, match=r"\[n, 8\]"):
         nearest_d8(np.zeros(8))
     assert book.encode(np.zeros((0, 8))).shape == (0,)
+
+
+def _products_in_c_order(d: Float64Array, roots: Float64Array) -> Float64Array:
+    """``r . d`` for every root, summed as ``_e8core`` sums them (its rule 2): a whole root's
+    two products added, a half root's first four products in order plus its last four."""
+    terms = d[:, None, :] * roots[None]
+    whole = np.abs(roots).max(axis=1) == 1.0
+    first, second = np.nonzero(roots[whole])[1].reshape(-1, 2).T
+    out = np.empty(terms.shape[:2])
+    out[:, whole] = terms[:, whole, first] + terms[:, whole, second]
+    t = terms[:, ~whole]
+    low = ((t[..., 0] + t[..., 1]) + t[..., 2]) + t[..., 3]
+    high = ((t[..., 4] + t[..., 5]) + t[..., 6]) + t[..., 7]
+    out[:, ~whole] = low + high
+    return out
+
+
+def _codes_by_full_scan(x: Float64Array) -> npt.NDArray[np.int64]:
+    """Rules 2-4 with every root of the descent scanned and its product summed in the C's order:
+    what ``_e8core``'s pruned look must give exactly, ties and thresholds included."""
+    book = e8_codebook()
+    roots = book.roots
+    codes = book.index_of(reference_nearest_e8(x))
+    rows = np.nonzero(codes < 0)[0]
+    xs = x[rows]
+    norms = np.sqrt(np.square(xs).sum(axis=1, keepdims=True))
+    point, err = np.zeros_like(xs), np.full(rows.size, np.inf)
+    for fraction in SHRINK:
+        factor = np.minimum(1.0, fraction * np.sqrt(CODEBOOK_NORM2) / np.maximum(norms, 1e-30))
+        candidate = reference_nearest_e8(xs * factor)
+        candidate_err = np.square(candidate - xs).sum(axis=1)
+        inside = np.square(candidate).sum(axis=1) <= CODEBOOK_NORM2 + 1e-9
+        better = inside & (candidate_err < err)
+        point[better], err[better] = candidate[better], candidate_err[better]
+    active = np.arange(rows.size)
+    for _ in range(DESCENT_STEPS):
+        p, e = point[active], err[active]
+        after = (e[:, None] + 2.0) - 2.0 * _products_in_c_order(xs[active] - p, roots)
+        along = (np.square(p).sum(axis=1, keepdims=True) + 2.0) + 2.0 * (p @ roots.T)  # exact
+        after[along > CODEBOOK_NORM2 + 1e-9] = np.inf
+        pick = after.argmin(axis=1)  # the first root in the codebook's order on a tie
+        picked = after[np.arange(active.size), pick]
+        step = picked < e - 1e-9
+        active, pick, picked = active[step], pick[step], picked[step]
+        point[active] += roots[pick]
+        err[active] = picked
+    codes[rows] = book.index_of(point)
+    return codes
+
+
+def test_rows_at_the_descent_threshold_get_the_full_scan_codes() -> None:
+    """Rows moved so that a step's gain sits at the descent's threshold (1e-9) or within
+    rounding of it: the C looks at only the roots its bounds cannot rule out, and must pick
+    what a scan of all 240 picks (a bound off by 1e-6 fails here).  Against the numpy rule
+    ``reference_codes`` a few of these rows differ, in the C before this search too: einsum
+    sums a half root's eight products in another order, and at an exact threshold the last
+    bit decides."""
+    book = e8_codebook()
+    x = np.random.default_rng(24).standard_normal((2000, 8)) * 1.4
+    x = x[book.index_of(nearest_e8(x)) < 0]
+    p = book.points[book.encode(x)]
+    inside = np.square(p[:, None, :] + book.roots[None]).sum(axis=2) <= CODEBOOK_NORM2
+    toward = np.where(inside, (x - p) @ book.roots.T, -np.inf)
+    root = book.roots[toward.argmax(axis=1)]
+    product = np.einsum("nk,nk->n", x - p, root)
+    rows = [
+        x + ((1.0 + gain - product) / 2.0)[:, None] * root
+        for gain in (-1e-7, -1e-12, 0.0, 4e-10, 5e-10, 6e-10, 1e-9, 1e-7, 1e-5)
+    ]
+    y = np.concatenate(rows)
+    np.testing.assert_array_equal(book.encode(y).astype(np.int64), _codes_by_full_scan(y))
