@@ -49,10 +49,11 @@ every uniform codec that fits the same bytes; the target is the plan beating the
 
 ``--setup issue``: only the quality table, in issue 14's own setup (3 texts x 1,500 tokens, no
 recent window; ``_quality.ISSUE_SETUP``): the three ``LONG_PROMPTS`` cut to 1,500 tokens, every
-position from 128 on scored (1,372 per text), write semantics, fp8, kivi-4, kivi-2, e8-2 and
-e8-2w (and kivi-2 with the 128-token window), bits@L at 1,500 tokens, beside the figures the
-issue quotes for that setup (kivi-2 0.46-0.50 and 77-81 %, kivi-4 0.09 and 96.5 %, fp8 0.065 and
-95.6 %, kivi-2 +w128 0.14 at 4.2 bits) and its targets, to
+position from 128 on scored (1,372 per text), step semantics (each scored position one decode
+step over a cache holding the codec's round trip of the exact K/V, ``_quality`` rule 5); fp8,
+kivi-4, kivi-2, e8-2, e8-2w and kivi-2 with the 128-token window; bits@L at 1,500 tokens; beside
+the figures the issue quotes for that setup (kivi-2 0.46-0.50 and 77-81 %, kivi-4 0.09 and
+96.5 %, fp8 0.065 and 95.6 %, kivi-2 +w128 0.14 at 4.2 bits) and its targets, to
 kvquant-issue.json.  ``--prompts``, ``--tokens``, ``--queries``, ``--codec`` cut it down
 (``--quick``: one text of 256 tokens, the last 128 scored).
 
@@ -501,9 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (1: a shared box)")
     parser.add_argument(
         "--semantics",
-        choices=("write", "decode"),
+        choices=("write", "decode", "step"),
         default="write",
-        help="write: the prompt's own attention reads encoded K/V too; decode: exact prefill",
+        help="write: the prompt's own attention reads encoded K/V too; decode: exact prefill; "
+        "step: each scored position one decode step over the exact K/V's round trip (the "
+        "issue setup's)",
     )
     parser.add_argument(
         "--plan-budget-bits",

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from backends.engine import LlamaModel, kv_quality_command
-from backends.engine.kv.codecs._quality import ISSUE_SETUP, measure_setup
+from backends.engine.kv.codecs._quality import ISSUE_SETUP, measure_quality, measure_setup
 from backends.engine.kv.codecs._texts import CALIBRATION_TEXTS, LONG_PROMPTS, PROMPTS
 from backends.engine.serving._kv_cli import _LONG_CODECS, _measured
 
@@ -39,15 +39,26 @@ def test_long_prompts_are_long_and_held_out(engine_model: LlamaModel) -> None:
 
 
 def test_measure_setup_keeps_the_unscored_head_when_cut(engine_model: LlamaModel) -> None:
-    assert ISSUE_SETUP.tokens - ISSUE_SETUP.queries == 128 and ISSUE_SETUP.semantics == "write"
-    report = measure_setup(
-        engine_model, configs=(("fp32", 0), ("e8-2", 0)), max_prompts=1, max_tokens=144
+    assert ISSUE_SETUP.tokens - ISSUE_SETUP.queries == 128 and ISSUE_SETUP.semantics == "step"
+    configs = (("fp32", 0), ("kivi-2", 0))
+    report = measure_setup(engine_model, configs=configs, max_prompts=1, max_tokens=192)
+    assert report.prompt_tokens == (192,) and report.queries == 64
+    assert report.semantics == "step"
+    fp32, kivi = report.results
+    assert fp32.kl_nats < 1e-9 and fp32.top1 == 1.0 and fp32.positions == 64
+    assert 0.0 < kivi.attention_error < 1.0
+    # step: no error carried from one position to the next, so less loss than write's
+    write = measure_quality(
+        engine_model,
+        configs=configs[1:],
+        prompts=LONG_PROMPTS[:1],
+        max_tokens=192,
+        queries=64,
+        semantics="write",
     )
-    assert report.prompt_tokens == (144,) and report.queries == 16
-    assert report.semantics == "write"
-    fp32, e8 = report.results
-    assert fp32.kl_nats < 1e-9 and fp32.top1 == 1.0 and fp32.positions == 16
-    assert 0.0 < e8.attention_error < 1.0
+    (kivi_write,) = write.results
+    assert kivi_write.attention_error == pytest.approx(kivi.attention_error)  # rule 4: the same
+    assert kivi.kl_nats < 0.8 * kivi_write.kl_nats
 
 
 def test_kv_quality_long_measures_the_setups_configs() -> None:
