@@ -96,7 +96,7 @@ def test_bench_setup_issue_reports_beside_the_issue_figures(
     assert bench.main([*argv, "--codec", "e8-2"]) == 0
     result = json.loads((tmp_path / "kvquant-issue.json").read_text())
     assert result["setup"]["name"] == "issue" and result["setup"]["context"] == 136
-    assert [row["codec"] for row in result["codecs"]] == ["kivi-2", "e8-2"]
+    assert [row["codec"] for row in result["codecs"]] == ["kivi-2", "kivi-2 +w128", "e8-2"]
     assert result["setup"]["queries"] == 8 and result["codecs"][0]["positions"] == 8
     assert result["issue_figures"]["kivi-2"] == ["0.46-0.50", "77-81%"]
     assert {check["what"] for check in result["targets"]} >= {"e8-2 top-1 >= 82%"}
