@@ -25,6 +25,7 @@ from ..kv._plan import ENGINE_CODECS, WINDOW_TOKENS, WINDOWED_CODECS, KVPlan
 from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv.codecs import CODECS
 from ..kv.codecs._calibration_cache import cached_calibration
+from ..kv.codecs._codec import DEFAULT_ENCODE_TOKENS
 from ..kv.codecs._quality import ISSUE_SETUP, CodecChoice, measure_quality, measure_setup
 from ..kv.codecs._registry import E8_WINDOW
 from ..kv.codecs._summary import quality_rows
@@ -132,9 +133,9 @@ def _text_options(
 )  # fmt: skip
 @click.option(
     "--long", "long_setup", is_flag=True,
-    help="Issue 14's setup: 3 long texts x 1,500 tokens, every position from 128 on scored, "
-    "fp8, kivi-4, kivi-2, e8-2 and e8-2w; --prompts, --tokens, --queries and --codec given "
-    "cut it down.",
+    help="Issue 14's setup: 3 long texts x 1,500 tokens, every position from 128 on scored as "
+    "one decode step over the round-tripped exact K/V, blocks of 32; fp8, kivi-4, kivi-2, "
+    "kivi-2w, e8-2, e8-2w. Options given override it.",
 )  # fmt: skip
 @_threads
 @_json
@@ -181,7 +182,7 @@ def kv_quality_command(
                 max_prompts=prompts if given("prompts") else None,
                 max_tokens=tokens,
                 queries=long_queries,
-                encode_tokens=encode_tokens,
+                encode_tokens=encode_tokens if given("encode_tokens") else DEFAULT_ENCODE_TOKENS,
                 calibration=calibration,
                 progress=say,
             )

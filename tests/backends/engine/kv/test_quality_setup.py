@@ -77,6 +77,7 @@ def test_kv_quality_long_takes_the_setup_and_its_cuts() -> None:
     setup = document["setup"]
     assert setup["setup"] == "issue" and setup["prompt_tokens"] == [140]
     assert setup["queries"] == 12 and setup["context"] == 140
+    assert setup["semantics"] == "step" and setup["encode_tokens"] == 32  # not kv-quality's 16
     (row,) = document["codecs"]
     assert row["codec"] == "e8-2w" and row["window_tokens"] == 128
 
