@@ -31,6 +31,9 @@ Rules
    never reads a decoded block where a fresh prefill reads raw: a prompt that branches off
    further back than the window recomputes.  Raw rows are paid like sink rows (rule 7): the
    reserve pays ``window_blocks - 1`` blocks of them per running sequence, blocks the rest.
+   A block holding raw rows holds no codes (``_paged_codec`` rule 9), yet its pool block is
+   paid too: admission counts ``block_bytes`` more per such block than is held (safe, not
+   tight; ``PagedCodec.context_bits_per_element`` counts what is held).
 """
 
 from __future__ import annotations

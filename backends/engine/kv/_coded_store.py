@@ -23,13 +23,17 @@ Rules
 8. Under a codec with a recent window (``PagedCodec.window_blocks`` > 1, ``_paged_codec`` rule
    9) the raw rows are held at float16, in an arena of their own: ``write`` rounds them, a raw
    slot is a float16 slot, and ``seal`` encodes the block from those values and keeps the slot
-   as a WINDOW slot beside the codes (pinned, not a cache entry), caching the decoded rows in a
-   float32 slot.  A query reads its window from ``raw_rows`` (raw and window slots alike), so
-   ``gather`` gives a raw block the null slot's zeros: a query never reads its own block's
-   stored rows (``_attention`` rule 5) and later blocks are masked.  A block missing from
-   ``raw_rows`` is a broken invariant, never a silent decode.  Window slots are dropped only
-   when asked (``drop_window``: the pool, when no running sequence's window holds the block and
-   it is no cached conversation's tail) or with the block (rule 6).
+   as a WINDOW slot in place of the codes (pinned, not a cache entry; ``_paged_codec`` rule 9:
+   the codes are not kept while the rows are), caching the decoded rows in a float32 slot.
+   The codes are made again from the window rows, to the same bytes, when the block's decoded
+   rows are read and not cached (a miss), when it is exported, and -- kept -- when its rows
+   are dropped (``drop_window``), so at every moment each layer of a sealed block holds its
+   codes or its window rows.  A query reads its window from ``raw_rows`` (raw and window
+   slots alike), so ``gather`` gives a raw block the null slot's zeros: a query never reads its
+   own block's stored rows (``_attention`` rule 5) and later blocks are masked.  A block
+   missing from ``raw_rows`` is a broken invariant, never a silent decode.  Window slots are
+   dropped only when asked (``drop_window``: the pool, when no running sequence's window holds
+   the block and it is no cached conversation's tail) or with the block (rule 6).
 """
 
 from __future__ import annotations
@@ -204,7 +208,25 @@ class CodedKVStorage:
             self._free.append(old)
 
     def _decode(self, layer: int, block: int) -> tuple[Float32Array, Float32Array]:
-        return self.codec.decode_block_layer(layer, block)
+        """One layer of a sealed block decoded: from its codes, or from codes made again from its
+        window rows (rule 8)."""
+        if self.codec.has_layer(layer, block):
+            return self.codec.decode_block_layer(layer, block)
+        slot = self._window.get((layer, block))
+        if slot is None:
+            raise RuntimeError(f"block {block} layer {layer}: neither codes nor window rows")
+        blob = self._encode_window(layer, block, slot, store=False)
+        return self.codec.decode_blob(layer, block, blob)
+
+    def _encode_window(self, layer: int, block: int, slot: int, *, store: bool) -> bytes:
+        """The codes of a block held as window rows, made from the rows in ``slot`` (rule 8)."""
+        return self.codec.encode_rows(
+            layer,
+            block,
+            self._window_keys[:, slot].astype(np.float32),
+            self._window_values[:, slot].astype(np.float32),
+            store=store,
+        )
 
     def _raw_slot(self, layer: int, block: int) -> int:
         key = (layer, block)
@@ -254,7 +276,9 @@ class CodedKVStorage:
             slot = self._decoded.pop(key, None)
             if slot is not None:
                 self._free.append(slot)
-        self.drop_window(block)
+            slot = self._window.pop(key, None)
+            if slot is not None:
+                self._window_free.append(slot)
         self.codec.forget(block)
 
     # -- the recent window (rule 8) ---------------------------------------------------------
@@ -264,11 +288,16 @@ class CodedKVStorage:
         return {block for layer, block in self._window if layer == 0}
 
     def drop_window(self, block: int) -> None:
-        """Drop ``block``'s raw window rows (it left every window that reads it)."""
+        """Drop ``block``'s raw window rows (it left every window that reads it), keeping the
+        codes made from them first (rule 8)."""
         for layer in range(self.layout.num_layers):
-            slot = self._window.pop((layer, block), None)
-            if slot is not None:
-                self._window_free.append(slot)
+            slot = self._window.get((layer, block))
+            if slot is None:
+                continue
+            if not self.codec.has_layer(layer, block):
+                self._encode_window(layer, block, slot, store=True)
+            del self._window[layer, block]
+            self._window_free.append(slot)
 
     def raw_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
         """``(K^T [kv_heads, head_dim, n * bs], V [kv_heads, n * bs, head_dim])``: copies of the
@@ -298,17 +327,25 @@ class CodedKVStorage:
         )
 
     def export(self, block: int) -> npt.NDArray[np.uint8]:
-        """The packed block (``PagedCodec.export``), with its raw window rows if it holds them."""
+        """The packed block (``PagedCodec.export``), with its raw window rows if it holds them;
+        the codes of a block held as rows are made from them for the export (rule 8)."""
         layers = range(self.layout.num_layers)
-        if not all((layer, block) in self._window for layer in layers):
-            return self.codec.export(block)
-        ids = [self._window[layer, block] for layer in layers]
+        ids = [self._window.get((layer, block)) for layer in layers]
+        codes = [
+            self.codec.export_layer(layer, block)
+            if slot is None or self.codec.has_layer(layer, block)
+            else self._encode_window(layer, block, slot, store=False)
+            for layer, slot in zip(layers, ids, strict=True)
+        ]
+        if not all(slot is not None for slot in ids):
+            return self.codec.export(block, codes=codes)
         rows = b"".join(
             self._window_keys[:, slot].astype("<f2").tobytes()
             + self._window_values[:, slot].astype("<f2").tobytes()
             for slot in ids
+            if slot is not None
         )
-        return self.codec.export(block, rows)
+        return self.codec.export(block, rows, codes)
 
     def _resolve(self, layer: int, table: IntArray) -> tuple[IntArray, list[tuple[int, int]]]:
         """Slot ids of ``table`` (0 where a block must be decoded) and the misses
@@ -413,6 +450,7 @@ class CodedKVStorage:
                     self._window_values[:, slot].astype(np.float32),
                     bool(first),
                     query,
+                    keep=False,
                 )
                 if self.cache_entries:
                     slot = self._slot()
@@ -453,3 +491,5 @@ class CodedKVStorage:
                     start + per_role : start + 2 * per_role
                 ].reshape(self._window_values.shape[0], *self._window_values.shape[2:])
                 self._window[layer, block] = slot
+            if self._half:  # rule 8: the rows are held, not the codes
+                self.codec.release_codes(block)

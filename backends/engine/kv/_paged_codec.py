@@ -34,9 +34,14 @@ Rules
    block.  The window, the block being filled among it, is held at float16 (``_coded_store``
    rule 8: rows are rounded to float16 when written, so what a block encodes and what a window
    reads are the same however the work was split).  A sealed block keeps those rows
-   (``window_bytes``, float16, all layers, K and V) beside its codes while it is in a window; a
-   packed block carries them when it holds them, so a node pulling a conversation gets its
-   window as it was held.
+   (``window_bytes``, float16, all layers, K and V) while it is in a window, and only them: its
+   codes are a function of those rows (encoding is deterministic, ``kv.codecs`` rule 2), so
+   ``seal(keep=False)`` returns the decoded rows without keeping the codes, ``encode_rows``
+   makes them again from the rows -- kept when the rows are dropped (the block left every
+   window), or for one read of the decoded block, or for an export -- and every way gives the
+   same bytes.  A packed block carries its rows when it holds them (with its codes, made for
+   the export), so a node pulling a conversation gets its window as it was held, and
+   ``release_codes`` drops the codes of such a block again where the rows are kept.
 10. A plan's heavy hitters (``heavy_tokens`` = ``h``, ``_plan`` rule 6): when a block is sealed
    each layer keeps, per KV head, the ``h`` rows ``_heavy`` chooses from the query of the
    block's last position (``seal``'s ``query``) and the block's raw keys, at float16, beside
@@ -44,7 +49,9 @@ Rules
    of the layer's blob -- codes, then the K rows [kv_heads, h, head_dim], the V rows and the
    positions (uint8 [kv_heads, h]) -- so ``layer_bytes``, ``block_bytes``, the packed block, the
    transfer's size checks and every count of bytes include them, and the choice, made from what
-   the block's hash covers, is the block's content as much as its codes are.
+   the block's hash covers, is the block's content as much as its codes are.  A block held as
+   window rows only (rule 9) keeps its choice (``choice_bytes``, the positions of every layer)
+   until its codes are made: ``encode_rows`` takes the rows from the choice, not a new query.
 """
 
 from __future__ import annotations
@@ -93,11 +100,13 @@ class PagedCodec:
     """A codec per layer and role over blocks of ``block_size`` tokens, and the encoded blocks."""
 
     __slots__ = (
+        "_choices",
         "_encoded",
         "_schema",
         "_sinks",
         "block_bytes",
         "block_size",
+        "choice_bytes",
         "codecs",
         "fingerprint",
         "head_dim",
@@ -201,7 +210,9 @@ class PagedCodec:
         self.sink_bytes = num_layers * 2 * kv_heads * head_dim * 4
         self.window_blocks = max(1, codec.window_tokens // block_size)
         self.window_bytes = self.sink_bytes * block_size // 2 if codec.window_tokens else 0
+        self.choice_bytes = num_layers * kv_heads * self.heavy_tokens  # rule 10, all layers
         self._encoded: dict[int, list[bytes]] = {}
+        self._choices: dict[int, list[bytes]] = {}
         self._sinks: dict[int, Float32Array] = {}
 
     @property
@@ -214,13 +225,19 @@ class PagedCodec:
 
     def context_bits_per_element(self, tokens: int) -> float:
         """True bits per element the cache holds for one sequence of ``tokens`` tokens: the codes
-        of its complete blocks, its sink row, and the raw rows of the block being filled and of
-        the complete blocks in its window (rule 9: float16 under a window, else float32), over
-        every layer's K and V."""
+        of its complete blocks out of its window, its sink row, and the raw rows of the block
+        being filled and of the complete blocks in its window (rule 9: float16 under a window,
+        else float32; a window's complete blocks hold their heavy-hitter choice, not codes),
+        over every layer's K and V."""
         complete = tokens // self.block_size
-        raw_blocks = 1 + min(complete, self.window_blocks - 1)
+        windowed = min(complete, self.window_blocks - 1)
         row_bytes = self.window_bytes or self.sink_bytes * self.block_size
-        held = complete * self.block_bytes + self.sink_bytes + raw_blocks * row_bytes
+        held = (
+            (complete - windowed) * self.block_bytes
+            + windowed * self.choice_bytes
+            + self.sink_bytes
+            + (1 + windowed) * row_bytes
+        )
         return 8.0 * held / (tokens * self.sink_bytes // 4)
 
     def packed_bytes(self, first: bool, window: bool = False) -> int:
@@ -244,39 +261,97 @@ class PagedCodec:
         values: Float32Array,
         first: bool,
         query: Float32Array | None = None,
+        *,
+        keep: bool = True,
     ) -> tuple[Float32Array, Float32Array]:
         """Encode one layer of a complete block (``keys_t`` [kv_heads, head_dim, block_size],
         ``values`` [kv_heads, block_size, head_dim], as stored); its decoded K^T and V.
         ``query``: [heads, head_dim], the query of the block's last position, which chooses the
-        heavy hitters (rule 10; needed only when the plan keeps some)."""
+        heavy hitters (rule 10; needed only when the plan keeps some).  ``keep=False``: the
+        block is held as window rows (rule 9): the codes are not kept, the heavy-hitter choice
+        is, for ``encode_rows``."""
         k = np.ascontiguousarray(keys_t.transpose(2, 0, 1))
+        chosen = b""
+        if self.heavy_tokens:
+            if query is None:
+                raise ValueError("sealing a block with heavy hitters needs its last query")
+            chosen = heavy_hitters(query, k, self.heavy_tokens, skip_sink=first).tobytes()
+        blob = self._blob(layer, k, values, chosen)
+        if keep:
+            self._store(layer, block, blob)
+        else:
+            choices = self._choices.get(block)
+            if choices is None or len(choices) != self.num_layers:
+                choices = self._choices[block] = [b""] * self.num_layers
+            choices[layer] = chosen
+        if first:
+            sink = self._sinks.setdefault(
+                block, np.zeros((self.num_layers, 2, self.kv_heads, self.head_dim), np.float32)
+            )
+            sink[layer, 0] = k[0]
+            sink[layer, 1] = values[:, 0]
+        elif layer == 0:
+            self._sinks.pop(block, None)
+        return self._decode_layer(layer, blob, block if first else None)
+
+    def _blob(self, layer: int, k: Float32Array, values: Float32Array, chosen: bytes) -> bytes:
+        """One layer's codes of a block (``k`` [block_size, kv_heads, head_dim], ``values`` as
+        stored), with the heavy hitters ``chosen`` (uint8 [kv_heads, h] bytes, rule 10)."""
         v = np.ascontiguousarray(values.transpose(1, 0, 2))
         blobs = []
         for x, role, codec in zip((k, v), _ROLES, self.codecs[layer], strict=True):
             encoded = codec.encode(x, role)
             blobs += [encoded.codes.tobytes(), encoded.scales.tobytes(), encoded.zeros.tobytes()]
         if self.heavy_tokens:
-            if query is None:
-                raise ValueError("sealing a block with heavy hitters needs its last query")
-            chosen = heavy_hitters(query, k, self.heavy_tokens, skip_sink=first)
+            positions = np.frombuffer(chosen, dtype=np.uint8).reshape(self.kv_heads, -1)
             heads = np.arange(self.kv_heads)[:, None]
             for x in (k, v):
-                rows = np.clip(x[chosen, heads], -_HALF_MAX, _HALF_MAX)
+                rows = np.clip(x[positions, heads], -_HALF_MAX, _HALF_MAX)
                 blobs.append(rows.astype("<f2").tobytes())
-            blobs.append(chosen.tobytes())
+            blobs.append(chosen)
+        return b"".join(blobs)
+
+    def _store(self, layer: int, block: int, blob: bytes) -> None:
         layers = self._encoded.get(block)
         if layers is None or len(layers) != self.num_layers:
             layers = self._encoded[block] = [b""] * self.num_layers
-        layers[layer] = b"".join(blobs)
-        if first:
-            sink = self._sinks.setdefault(
-                block, np.zeros((self.num_layers, 2, self.kv_heads, self.head_dim), np.float32)
-            )
-            sink[layer, 0] = k[0]
-            sink[layer, 1] = v[0]
-        elif layer == 0:
-            self._sinks.pop(block, None)
-        return self._decode_layer(layer, layers[layer], block if first else None)
+        layers[layer] = blob
+
+    def encode_rows(
+        self, layer: int, block: int, keys_t: Float32Array, values: Float32Array, *, store: bool
+    ) -> bytes:
+        """The codes of one layer of a block sealed with ``keep=False`` (rule 9), from its window
+        rows (as ``seal`` takes them) and the heavy-hitter choice made at seal: the bytes
+        ``seal`` would have kept.  ``store``: keep them (the rows are being dropped)."""
+        chosen = b""
+        if self.heavy_tokens:
+            choices = self._choices.get(block)
+            chosen = choices[layer] if choices else b""
+            if not chosen:  # kept meanwhile (an export off the engine thread): the same bytes
+                return self.export_layer(layer, block)
+        k = np.ascontiguousarray(keys_t.transpose(2, 0, 1))
+        blob = self._blob(layer, k, values, chosen)
+        if store:
+            self._store(layer, block, blob)
+            choices = self._choices.get(block)
+            if choices is not None:  # the kept codes hold the choice now
+                choices[layer] = b""
+                if not any(choices):
+                    del self._choices[block]
+        return blob
+
+    def decode_blob(self, layer: int, block: int, blob: bytes) -> tuple[Float32Array, Float32Array]:
+        """One layer of ``block`` decoded from codes ``encode_rows`` made (its sink written
+        over), as ``decode_block_layer`` decodes kept codes."""
+        return self._decode_layer(layer, blob, block if block in self._sinks else None)
+
+    def release_codes(self, block: int) -> None:
+        """Drop a loaded block's codes, keeping its heavy-hitter choice: its window rows are
+        held instead (rule 9)."""
+        layers = self._encoded.pop(block, None)
+        if layers is not None and self.heavy_tokens:
+            size = self.kv_heads * self.heavy_tokens
+            self._choices[block] = [blob[len(blob) - size :] for blob in layers]
 
     def _decode_layer(
         self, layer: int, blob: bytes, sink_block: int | None
@@ -319,6 +394,13 @@ class PagedCodec:
         layers = self._encoded.get(block)
         return layers is not None and len(layers) > layer and bool(layers[layer])
 
+    def export_layer(self, layer: int, block: int) -> bytes:
+        """One layer's kept codes of ``block`` (``KeyError`` if it has none)."""
+        blob = self._encoded[block][layer]
+        if not blob:
+            raise KeyError(f"block {block} layer {layer} has not been encoded")
+        return blob
+
     def decode_block_layer(self, layer: int, block: int) -> tuple[Float32Array, Float32Array]:
         """One layer of a sealed block decoded again: the bits ``seal`` returned (decoding is
         deterministic), as K^T [kv_heads, head_dim, block_size] and V."""
@@ -326,8 +408,9 @@ class PagedCodec:
         return self._decode_layer(layer, layers[layer], block if block in self._sinks else None)
 
     def forget(self, block: int) -> None:
-        """Drop ``block``'s codes and sink row (the block is handed out again)."""
+        """Drop ``block``'s codes, heavy-hitter choice and sink row (it is handed out again)."""
         self._encoded.pop(block, None)
+        self._choices.pop(block, None)
         self._sinks.pop(block, None)
 
     def sink_blocks(self) -> list[int]:
@@ -336,19 +419,23 @@ class PagedCodec:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of codes and sink rows held now."""
+        """Bytes of codes, held heavy-hitter choices and sink rows now."""
         codes = sum(len(blob) for layers in self._encoded.values() for blob in layers)
-        return codes + len(self._sinks) * self.sink_bytes
+        choices = sum(len(chosen) for layers in self._choices.values() for chosen in layers)
+        return codes + choices + len(self._sinks) * self.sink_bytes
 
     # -- whole blocks (prefix cache, retention, transfer) ----------------------------------
 
-    def export(self, block: int, window_rows: bytes = b"") -> UInt8Array:
+    def export(
+        self, block: int, window_rows: bytes = b"", codes: Sequence[bytes] | None = None
+    ) -> UInt8Array:
         """The packed block: every layer's K and V arrays, then the raw sink row if first, then
-        ``window_rows`` (``window_bytes`` of raw rows, rule 9, or none)."""
+        ``window_rows`` (``window_bytes`` of raw rows, rule 9, or none).  ``codes``: every
+        layer's, made by ``encode_rows`` for a block held as rows (None: the kept ones)."""
         if window_rows and len(window_rows) != self.window_bytes:
             raise ValueError(f"window rows of {len(window_rows)} bytes, not {self.window_bytes}")
-        layers = self._encoded.get(block)
-        if layers is None or not all(layers):
+        layers = self._encoded.get(block) if codes is None else list(codes)
+        if layers is None or len(layers) != self.num_layers or not all(layers):
             raise KeyError(f"block {block} has not been encoded")
         parts = [*layers]
         sink = self._sinks.get(block)

@@ -25,11 +25,15 @@ Theory of operation
    constants (``calibration_digest``) and the measurement's settings; another budget re-plans
    from it in milliseconds.
 6. Per-token retention shares the budget (MultiAlloc's idea): a recent window of ``W`` tokens
-   kept raw costs, at a context of ``L`` tokens, the float16 rows of its complete blocks beyond
-   the block being filled, less the half block its float16 filling block saves against a plain
-   codec's float32 one: ``(min(L, W) / block_size - 2) * raw_block_bytes / L`` bytes per token
-   (what ``PagedCodec.context_bits_per_element`` counts; the sink row is paid alike).
-   ``split_budget`` plans the layers with what each window leaves;
+   kept raw holds, at a context of ``L`` tokens, ``n = min(L, W - block_size) / block_size``
+   complete blocks as float16 rows in place of their codes (``_paged_codec`` rule 9; with
+   heavy hitters each keeps its choice, ``choice_bytes``), and its block being filled at
+   float16 saves half the float32 one of a plain codec: ``((n - 1) * raw_block_bytes - n *
+   (code_block_bytes - choice_bytes)) / L`` bytes per token against the plain codec (what
+   ``PagedCodec.context_bits_per_element`` counts; the sink row is paid alike).  So the plan's
+   codes (and heavy rows) are held for ``L - n * block_size`` of the ``L`` tokens, and
+   ``split_budget`` plans the layers with what each window leaves of the budget over that
+   share;
    the split is chosen by measurement, not by the table: ``check_retention`` measures every
    (plan, window) whole-model at that context and the least KL wins (the table's losses were
    measured without a window, so they cannot price one).
@@ -88,9 +92,11 @@ __all__ = [
     "heavy_bytes_per_token",
     "heavy_row_bytes",
     "measure_sensitivity",
+    "plan_bytes_per_token",
     "plan_for_budget",
     "split_budget",
     "window_bytes_per_token",
+    "window_held_blocks",
 ]
 
 DEFAULT_PLAN_CODECS: tuple[str, ...] = ENGINE_CODECS
@@ -423,16 +429,34 @@ def check_plan(
     )
 
 
+def window_held_blocks(window_tokens: int, context_tokens: int, block_size: int) -> int:
+    """Complete blocks a recent window holds as float16 rows, not codes, at ``context_tokens``
+    (rule 6)."""
+    if window_tokens == 0:
+        return 0
+    return min(context_tokens // block_size, max(1, window_tokens // block_size) - 1)
+
+
 def window_bytes_per_token(
-    window_tokens: int, context_tokens: int, block_size: int, raw_block_bytes: int
+    window_tokens: int,
+    context_tokens: int,
+    block_size: int,
+    raw_block_bytes: int,
+    *,
+    code_block_bytes: float,
+    choice_bytes: int = 0,
 ) -> float:
-    """Bytes per token a recent window's raw rows add at ``context_tokens`` (rule 6);
-    ``raw_block_bytes``: one block's float16 K and V rows (as a window holds them), all layers."""
+    """Bytes per token a recent window adds at ``context_tokens`` against the plain plan (rule
+    6): its raw rows, less the codes its complete blocks do not hold.  ``raw_block_bytes``: one
+    block's float16 K and V rows (as a window holds them), all layers; ``code_block_bytes``: one
+    block's codes and heavy rows under the plan; ``choice_bytes``: one block's heavy-hitter
+    positions, all layers (``PagedCodec.choice_bytes``)."""
     if window_tokens == 0:
         return 0.0
-    blocks = max(1, window_tokens // block_size) - 1
+    held = window_held_blocks(window_tokens, context_tokens, block_size)
     # Under a window the block being filled is float16 too: half the float32 one of a plain codec.
-    return (min(context_tokens // block_size, blocks) - 1) * raw_block_bytes / context_tokens
+    rows = (held - 1) * raw_block_bytes
+    return (rows - held * (code_block_bytes - choice_bytes)) / context_tokens
 
 
 def heavy_row_bytes(num_layers: int, kv_heads: int, head_dim: int) -> int:
@@ -455,22 +479,61 @@ def split_budget(
     windows: Sequence[int] = DEFAULT_RETENTION_WINDOWS,
     heavies: Sequence[int] = (0,),
     row_bytes: int = 0,
+    choice_bytes: int = 0,
 ) -> list[KVPlan]:
     """For each heavy-hitter count and window that leave room for a plan, the layers' plan of
     least predicted loss in what they leave, carrying both (rules 6 and 7; ``row_bytes``:
-    ``heavy_row_bytes``, needed when a count is not 0)."""
+    ``heavy_row_bytes``, needed when a count is not 0; ``choice_bytes``: one heavy hitter's
+    positions in a block, all layers, what a window's block keeps of each)."""
     if any(heavies) and row_bytes <= 0:
         raise ValueError("pricing heavy hitters needs the bytes of one heavy row")
+    bs = table.block_size
+    largest = table.num_layers * int(table.block_bytes.max(axis=1).sum()) / bs
     plans = []
     for heavy in heavies:
         for window in windows:
-            cost = window_bytes_per_token(
-                window, context_tokens, table.block_size, raw_block_bytes
-            ) + heavy_bytes_per_token(heavy, table.block_size, row_bytes)
-            plan = plan_for_budget(table, budget_bytes_per_token - cost)
+            held = window_held_blocks(window, context_tokens, bs)
+            share = 1.0 - held * bs / context_tokens  # of the tokens whose codes are held
+            rows = window_bytes_per_token(
+                window,
+                context_tokens,
+                bs,
+                raw_block_bytes,
+                code_block_bytes=0.0,
+                choice_bytes=heavy * choice_bytes,
+            )
+            left = budget_bytes_per_token - rows
+            if left < 0:
+                continue
+            heavy_cost = heavy_bytes_per_token(heavy, bs, row_bytes)
+            # Every complete block in the window: no codes held, any plan fits.
+            room = largest if share <= 0 else min(largest, left / share - heavy_cost)
+            plan = plan_for_budget(table, room)
             if plan is not None:
                 plans.append(KVPlan(plan.layers, window_tokens=window, heavy_tokens=heavy))
     return plans
+
+
+def plan_bytes_per_token(
+    table: SensitivityTable,
+    plan: KVPlan,
+    context_tokens: int,
+    raw_block_bytes: int,
+    row_bytes: int,
+    choice_bytes: int,
+) -> float:
+    """A plan's codes, heavy hitters and window at ``context_tokens``, per token (rules 6, 7)."""
+    codes = table.bytes_per_token(plan) + heavy_bytes_per_token(
+        plan.heavy_tokens, table.block_size, row_bytes
+    )
+    return codes + window_bytes_per_token(
+        plan.window_tokens,
+        context_tokens,
+        table.block_size,
+        raw_block_bytes,
+        code_block_bytes=codes * table.block_size,
+        choice_bytes=plan.heavy_tokens * choice_bytes,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,6 +574,7 @@ def check_retention(
     context = len(model.tokenizer.encode(prompt)[:max_tokens])
     raw_block = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * table.block_size * 2
     row_bytes = heavy_row_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    choice_bytes = cfg.num_layers * cfg.num_kv_heads
     plans = split_budget(
         table,
         budget_bytes_per_token,
@@ -519,6 +583,7 @@ def check_retention(
         windows=windows,
         heavies=heavies,
         row_bytes=row_bytes,
+        choice_bytes=choice_bytes,
     )
     if not plans:
         raise ValueError(f"no split of {budget_bytes_per_token:.0f} bytes per token fits a plan")
@@ -533,9 +598,7 @@ def check_retention(
         progress=progress,
     )
     sizes = tuple(
-        table.bytes_per_token(plan)
-        + window_bytes_per_token(plan.window_tokens, context, table.block_size, raw_block)
-        + heavy_bytes_per_token(plan.heavy_tokens, table.block_size, row_bytes)
+        plan_bytes_per_token(table, plan, context, raw_block, row_bytes, choice_bytes)
         for plan in plans
     )
     return RetentionCheck(budget_bytes_per_token, context, tuple(plans), sizes, report.results)

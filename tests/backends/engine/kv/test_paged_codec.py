@@ -20,6 +20,7 @@ import pytest
 
 from backends.engine import Engine, LlamaModel, SamplingParams
 from backends.engine._arrays import Float32Array
+from backends.engine.kv._coded_store import CodedKVStorage
 from backends.engine.kv._paged_codec import SERVED_CODECS, PagedCodec
 from backends.engine.kv._plan import KVPlan
 from backends.engine.kv.codecs._quality import calibrate
@@ -275,6 +276,73 @@ def test_unified_prefix_cached_and_chunked_prefill_are_bitwise_equal(
     assert unified.pool.bytes_per_token < Engine(engine_model, KV_LIMIT).pool.bytes_per_token
 
 
+@pytest.mark.parametrize("name", [WINDOW32, WINDOW32_HEAVY2])
+def test_a_window_block_holds_its_rows_not_its_codes_and_the_bits_are_counted(
+    engine_model: LlamaModel,
+    calibration: Calibration,
+    name: str,
+) -> None:
+    """``_paged_codec`` rule 9: after every step, a complete block in the running window holds
+    its float16 rows and no codes, an older one its codes and no rows, and what the cache holds
+    for the sequence -- codes, heavy-hitter choices, sink, window and filling rows -- is
+    ``context_bits_per_element`` of its computed tokens.  The codes a block keeps when it
+    leaves the window are those a seal of its window rows makes."""
+    prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
+    engine = _engine(engine_model, name, calibration)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    storage, codec = engine.pool.storage, engine.pool.codec
+    assert isinstance(storage, CodedKVStorage) and codec is not None
+    cfg = engine_model.config
+    reference = PagedCodec(
+        _plan_or_name(name, cfg.num_layers),
+        num_layers=cfg.num_layers,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        block_size=BS,
+        key_means=calibration[0],
+        key_scales=calibration[1],
+    )
+    query = np.ones((cfg.num_heads, cfg.head_dim), np.float32)  # heavy rows: not compared
+    codes_bytes = reference.layer_bytes[0] - reference.choice_bytes // cfg.num_layers * (
+        1 + 4 * cfg.head_dim
+    )
+    elements = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    rows: dict[int, list[tuple[F32, F32]]] = {}
+    steps = left = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        request = engine._requests.get("r")
+        if request is None:
+            break
+        computed = request.num_computed
+        complete = request.block_table[: computed // BS]
+        window = set(complete[len(complete) - codec.window_blocks + 1 :])
+        assert storage.window_blocks() == window
+        for index, block in enumerate(complete):
+            kept = [codec.has_layer(layer, block) for layer in range(cfg.num_layers)]
+            assert kept == [block not in window] * cfg.num_layers
+            if block in window:
+                rows[block] = [
+                    storage.raw_rows(layer, np.array([block])) for layer in range(cfg.num_layers)
+                ]
+            elif block in rows:  # it left the window in this step
+                for layer, (keys_t, values) in enumerate(rows.pop(block)):
+                    reference.seal(layer, 1, keys_t, values, index == 0, query)
+                    assert (
+                        codec.export_layer(layer, block)[:codes_bytes]
+                        == reference.export_layer(layer, 1)[:codes_bytes]
+                    )
+                left += 1
+        if computed % BS == 0:  # the next block is not handed out yet; the count holds it
+            continue
+        raw = len(window) + storage.stats().raw_slots // cfg.num_layers
+        held = codec.resident_bytes + raw * codec.window_bytes
+        bits = 8.0 * held / (computed * elements)
+        assert bits == pytest.approx(codec.context_bits_per_element(computed))
+        steps += 1
+    assert steps >= 2 and left >= 2  # blocks 1 and 2 of 46 + 20 tokens
+
+
 # -- the disaggregated transfer --------------------------------------------------------------
 
 
@@ -363,22 +431,26 @@ async def test_a_node_refuses_blocks_of_another_codec_and_counts_it(
 # -- the pool holds codes: memory and the decoded-block cache --------------------------------
 
 
+@pytest.mark.parametrize("name", ["e8-2", WINDOW32_HEAVY2])
 @pytest.mark.parametrize("cache_bytes", [0, 3 * 24576])
 def test_a_decoded_cache_too_small_to_hold_anything_gives_the_same_tokens(
     engine_model: LlamaModel,
     calibration: Calibration,
     cache_bytes: int,
+    name: str,
 ) -> None:
     """Every read a miss (or nearly): blocks decoded again from their codes give the bits the
-    cache gives, through prefill, prefix reuse and decode."""
+    cache gives, through prefill, prefix reuse and decode; under a window, a block held as rows
+    is decoded from codes made again from its rows (``_coded_store`` rule 8)."""
     prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
-    roomy = _engine(engine_model, "e8-2", calibration)
+    roomy = _engine(engine_model, name, calibration)
     tight = Engine(
         engine_model,
         KV_LIMIT,
-        kv_codec="e8-2",
+        kv_codec=_plan_or_name(name, engine_model.config.num_layers),
         kv_calibration=calibration,
         kv_decoded_cache_bytes=cache_bytes,
+        max_num_seqs=4,
     )
     fresh = _run(roomy, prompt)
     assert _run(tight, prompt) == fresh

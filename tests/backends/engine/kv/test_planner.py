@@ -18,6 +18,7 @@ from backends.engine.kv._planner import (
     choose,
     heavy_bytes_per_token,
     heavy_row_bytes,
+    plan_bytes_per_token,
     plan_for_budget,
     split_budget,
     window_bytes_per_token,
@@ -127,43 +128,68 @@ def test_the_cost_model_names_each_bound() -> None:
 
 def test_a_window_is_priced_as_the_engine_holds_it_and_split_from_one_budget() -> None:
     """The window's bytes per token at a context are the engine's own count (the difference
-    between a windowed and a plain codec's bits at that context), and each window's plan gets
-    what the window leaves of one budget."""
+    between a windowed and a plain plan's bits at that context: its float16 rows less the codes
+    its complete blocks do not hold, heavy hitters or not), and each window's plan gets what
+    the window leaves of one budget over the tokens whose codes are held."""
     layers, heads, dim, bs = 2, 3, 64, 16
     raw_block = layers * 2 * heads * dim * bs * 2  # float16 rows
-    for context in (48, 417, 1536):
-        plain = PagedCodec("kivi-4", num_layers=layers, kv_heads=heads, head_dim=dim, block_size=bs)
-        windowed = PagedCodec(
-            KVPlan.uniform("kivi-4", layers, window_tokens=32),
-            num_layers=layers,
-            kv_heads=heads,
-            head_dim=dim,
-            block_size=bs,
-        )
-        extra_bits = windowed.context_bits_per_element(context) - plain.context_bits_per_element(
-            context
-        )
-        elements = layers * 2 * heads * dim
-        assert window_bytes_per_token(32, context, bs, raw_block) == pytest.approx(
-            extra_bits * elements / 8
-        )
-    assert window_bytes_per_token(0, 417, bs, raw_block) == 0.0
-    # 2 blocks held raw at float16, less the half of a plain codec's float32 block being filled
-    assert window_bytes_per_token(128, 40, bs, raw_block) == raw_block / 40
+    elements = layers * 2 * heads * dim
+    for context in (20, 40, 48, 417, 1536):
+        for window, heavy in ((32, 0), (128, 0), (64, 2)):
+            plain = PagedCodec(
+                KVPlan.uniform("kivi-4", layers, heavy_tokens=heavy),
+                num_layers=layers,
+                kv_heads=heads,
+                head_dim=dim,
+                block_size=bs,
+            )
+            windowed = PagedCodec(
+                KVPlan.uniform("kivi-4", layers, window_tokens=window, heavy_tokens=heavy),
+                num_layers=layers,
+                kv_heads=heads,
+                head_dim=dim,
+                block_size=bs,
+            )
+            extra_bits = windowed.context_bits_per_element(
+                context
+            ) - plain.context_bits_per_element(context)
+            priced = window_bytes_per_token(
+                window,
+                context,
+                bs,
+                raw_block,
+                code_block_bytes=plain.block_bytes,
+                choice_bytes=windowed.choice_bytes,
+            )
+            assert priced == pytest.approx(extra_bits * elements / 8)
+    assert window_bytes_per_token(0, 417, bs, raw_block, code_block_bytes=4224) == 0.0
+    # 2 blocks held raw at float16 and not as codes, less the half of a plain codec's float32
+    # block being filled
+    assert (
+        window_bytes_per_token(128, 40, bs, raw_block, code_block_bytes=4224)
+        == (raw_block - 2 * 4224) / 40
+    )
     loss = np.zeros((layers, 2, 2))
     loss[:, :, 1] = 0.1
     sizes = np.array([[6144, 2304], [6144, 1920]], dtype=np.int64)
     table = SensitivityTable(("fp16", "kivi-4"), loss, sizes, block_size=bs)
     budget = 2 * (6144 + 6144) / bs + 512
     plans = split_budget(table, budget, context_tokens=48, raw_block_bytes=raw_block)
-    # A 32-token window is free here: its one complete block and the block being filled, both
-    # float16, weigh what a plain codec's float32 block being filled does. 64 and 128 cost.
+    # At 48 tokens a 32-token window holds one of the three complete blocks as rows (no codes),
+    # and 64 or 128 all three: fp16 everywhere fits each.
     assert [plan.window_tokens for plan in plans] == [0, 32, 64, 128]
-    assert plans[0] == KVPlan.uniform("fp16", layers) and plans[1].layers == plans[0].layers
-    room = budget - window_bytes_per_token(64, 48, bs, raw_block)
-    assert table.bytes_per_token(plans[2]) <= room < table.bytes_per_token(plans[0])
-    tight = split_budget(table, 1500, context_tokens=48, raw_block_bytes=raw_block)
-    assert [plan.window_tokens for plan in tight] == [0, 32]  # 64 leaves too little
+    assert all(plan.layers == KVPlan.uniform("fp16", layers).layers for plan in plans)
+    kivi = KVPlan.uniform("kivi-4", layers)
+    budget = table.bytes_per_token(kivi)  # 528: kivi-4 exactly
+    tight = split_budget(table, budget, context_tokens=417, raw_block_bytes=raw_block)
+    # 32 tokens: one block's codes not held pays for its rows and leaves kivi-4 room (one fp16
+    # cell more costs 240); 64 and 128 hold 3 and 7 blocks of rows, more than they save.
+    assert [plan.window_tokens for plan in tight] == [0, 32]
+    assert all(plan.layers == kivi.layers for plan in tight)
+    for plan in tight:
+        assert plan_bytes_per_token(table, plan, 417, raw_block, 0, 0) <= budget
+    wide = KVPlan.uniform("kivi-4", layers, window_tokens=64)
+    assert plan_bytes_per_token(table, wide, 417, raw_block, 0, 0) > budget
 
 
 def test_heavy_hitters_are_priced_as_the_engine_holds_them_and_split_from_one_budget() -> None:
@@ -198,9 +224,14 @@ def test_heavy_hitters_are_priced_as_the_engine_holds_them_and_split_from_one_bu
         row_bytes=row,
     )
     pairs = [(plan.heavy_tokens, plan.window_tokens) for plan in plans]
-    # 64 tokens cost two float16 blocks here, more than the budget leaves over kivi-4; 3 rows
-    # cost one row more than it has.  A 32-token window is free (rule 6).
-    assert pairs == [(0, 0), (0, 32), (2, 0), (2, 32)]
-    assert all(plan.layers == KVPlan.uniform("kivi-4", layers).layers for plan in plans)
+    # 64 tokens hold all three complete blocks as two float16 blocks more than a plain codec,
+    # more than the whole budget; 3 rows cost one row more than it has without a window.  A
+    # 32-token window holds one of the three blocks as rows, not codes (rule 6): its room is
+    # 3/2 of the budget, which pays for 3 rows too.
+    assert pairs == [(0, 0), (0, 32), (2, 0), (2, 32), (3, 32)]
+    for plan in plans:
+        assert plan_bytes_per_token(table, plan, 48, raw_block, row, 0) <= budget
+        if plan.window_tokens == 0:
+            assert plan.layers == KVPlan.uniform("kivi-4", layers).layers
     with pytest.raises(ValueError, match="heavy row"):
         split_budget(table, budget, context_tokens=48, raw_block_bytes=raw_block, heavies=(1,))

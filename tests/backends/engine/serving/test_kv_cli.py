@@ -92,9 +92,11 @@ def test_plan_kv_beats_the_best_uniform_codec_and_the_engine_serves_its_plan(
 def test_plan_kv_splits_one_budget_between_a_window_and_the_layers(
     engine_model: LlamaModel, tmp_path: Path
 ) -> None:
-    """At 48 tokens and 12 bits a 32-token window leaves room for a plan (it is free there: its
-    float16 rows weigh what a plain codec's float32 block being filled does), a 64-token one
-    does not; 0, 1 and 2 heavy hitters per block fit beside either.  Every split is measured,
+    """At 48 tokens and 12 bits every window leaves room for a plan: a window's complete blocks
+    hold float16 rows in place of codes (``_paged_codec`` rule 9), so a 32-token one is cheaper
+    than none there, and a 64- or 128-token one holds all three blocks as rows -- two float16
+    blocks more than a plain codec, 15,360 of the budget's 17,280 bytes a token -- and any plan
+    fits beside them; 0, 1 and 2 heavy hitters per block fit beside each.  Every split is measured,
     the lower KL is written with its window and heavy hitters, and the engine (its bytes per
     token those the planner priced) and kv-quality take that plan."""
     out = tmp_path / "plan.json"
@@ -103,7 +105,7 @@ def test_plan_kv_splits_one_budget_between_a_window_and_the_layers(
     plan = KVPlan.load(out)
     retention = plan.meta["retention"]
     splits = {(row["heavy_tokens"], row["window_tokens"]): row for row in retention["splits"]}
-    assert set(splits) == {(h, w) for h in (0, 1, 2) for w in (0, 32)}
+    assert set(splits) == {(h, w) for h in (0, 1, 2) for w in (0, 32, 64, 128)}
     assert retention["context_tokens"] == 48
     budget = plan.meta["budget_bytes_per_token"]
     assert all(row["bytes_per_token"] <= budget for row in splits.values())
