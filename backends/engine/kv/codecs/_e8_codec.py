@@ -58,10 +58,25 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
    scales 0.3580 / 0.2210 / 72.9 %, 16 levels an octave 0.3585 / 0.2208 / 71.9 %, 8 an octave
    (twice the span) 0.3600 / 0.2387 / 70.6 %.  ``DEFAULT_TAU`` was tuned on SmolLM2's real
    keys and values (mean squared error of the round trip; see ``_quality.tune_tau``).
+4b. Block scales (``block_scales``, on for ``e8-2``): each 8-block of a token-head takes one of
+   two levels near its token-head's, ``BLOCK_SCALE_STEPS`` = -5 and +3 steps of the uint8 index
+   (x 0.81 and x 1.14; indexes kept in 1..255), the one whose code has the smaller squared error
+   in the rotated space (the low one on a tie; the sum of the 8 squares in a fixed order of
+   adds, so the choice does not depend on a SIMD path); one bit per block, packed after the
+   token-head's index (``scales`` [tokens, heads, 1 + blocks / 8] uint8).  A block's norm varies
+   about its token-head's RMS (chi-squared, 8 degrees): a small block gets a finer grid, a large
+   one a wider ball.  It costs one more bit per 8 elements, 1/8 bit per element, and one more
+   codebook search per block; on unit Gaussians the mean squared error per coordinate falls
+   0.0901 -> 0.0742 (-18 %, the 6 dB per bit of rate theory gives 1/8 bit per element: -16 %;
+   the best pair of a sweep over -9..+6 steps and tau 0.9-1.2).  On issue 14's first 1,500-token
+   text (attention error / KL / top-1): 0.400 / 0.120 / 80.8 % -> 0.358 / 0.102 / 83.2 %.
+   ``e8-2w`` leaves it off: its window already spends the bits (3.32 bits at 1,536 tokens, the
+   issue's bound 3.4).
 5. The scaled vector is cut into 8-blocks, each coded as the index (uint16) of its nearest
    point in the 56,881-point codebook (``_e8``, rules 2-5: a search in C).
 6. Bits per element: 16 bits per 8 elements + 8 bits of scale per ``head_dim`` elements =
-   2 + 8/64 = 2.125 for head_dim 64 (7.5x fewer than fp16).  The key mean, the key scale and
+   2 + 8/64 = 2.125 for head_dim 64 (7.5x fewer than fp16); with block scales one more bit per
+   8 elements (a whole byte per head of 64), 2.25 (7.1x fewer).  The key mean, the key scale and
    the signs are per layer, not per block, and are not counted (``_codec`` rule 3).
 7. The attention-sink token (position 0) draws far more attention than any other and its key
    is an outlier; the cache keeps it at full precision (a read-time policy like the recent
@@ -99,6 +114,7 @@ from ._codec import (
 from ._e8 import e8_codebook
 
 __all__ = [
+    "BLOCK_SCALE_STEPS",
     "DEFAULT_TAU",
     "E8_BLOCK",
     "KEY_SCALE_POWER",
@@ -130,6 +146,9 @@ SCALE_STEPS_PER_OCTAVE = 16
 """Levels of the uint8 scale per factor of 2 (rule 4; a power of 2: the levels are square roots)."""
 SCALE_INDEX_OF_ONE = 128
 """The scale index of level 1.0 (rule 4): 127 levels below it, 127 above."""
+BLOCK_SCALE_STEPS = (-5, 3)
+"""The two levels an 8-block may take, in steps of ``SCALE_LEVELS`` from its token-head's
+(rule 4b): x 2 ** (-5/16) = 0.81 or x 2 ** (3/16) = 1.14."""
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
@@ -230,13 +249,14 @@ class E8Codec(BlockCodec):
     stacked [2, kv_heads, head_dim]; ``key_scale`` the keys' per-channel multipliers [kv_heads,
     head_dim], their transform [kv_heads, head_dim, head_dim], or the keys' and the values'
     transforms stacked [2, kv_heads, head_dim, head_dim] (rules 1-2; the registry's one pair of
-    per-layer constants carries both roles)."""
+    per-layer constants carries both roles); ``block_scales``: rule 4b's bit per 8-block."""
 
     __slots__ = (
         "_decoders",
         "_means",
         "_unweights",
         "_weights",
+        "block_scales",
         "key_mean",
         "key_scale",
         "layer",
@@ -255,6 +275,7 @@ class E8Codec(BlockCodec):
         key_scale: Float32Array | None = None,
         tau: float = DEFAULT_TAU,
         window_tokens: int = 0,
+        block_scales: bool = True,
         name: str = "e8-2",
     ) -> None:
         if tau <= 0:
@@ -264,6 +285,7 @@ class E8Codec(BlockCodec):
         self.seed = seed
         self.tau = tau
         self.window_tokens = window_tokens
+        self.block_scales = block_scales
         self.key_mean = None if key_mean is None else np.asarray(key_mean, dtype=np.float32)
         self.key_scale = None if key_scale is None else np.asarray(key_scale, dtype=np.float32)
         self._decoders: dict[tuple[Role, int, int], Float32Array] = {}
@@ -306,32 +328,44 @@ class E8Codec(BlockCodec):
 
     def _encode(self, x: Float32Array, role: Role) -> EncodedBlock:
         tokens, heads, dim = x.shape
-        scales, rows = self._lattice_rows(x, role)
-        codes = e8_codebook().encode(rows).reshape(tokens, heads, dim // E8_BLOCK)
-        return EncodedBlock(self.name, role, block_shape(x), codes, scales, _EMPTY)
+        rotated = self._rotated(x, role)
+        scales = _token_scales(rotated, self.tau)
+        if not self.block_scales:
+            rows = _scaled_rows(rotated, SCALE_LEVELS[scales][..., None])
+            codes = e8_codebook().encode(rows).reshape(tokens, heads, dim // E8_BLOCK)
+            return EncodedBlock(self.name, role, block_shape(x), codes, scales, _EMPTY)
+        codes, high = _block_scaled_codes(rotated, scales)
+        flags = np.packbits(high, axis=-1, bitorder="little")
+        metadata = np.concatenate([scales[..., None], flags], axis=-1)
+        return EncodedBlock(self.name, role, block_shape(x), codes, metadata, _EMPTY)
+
+    def _rotated(self, x: Float32Array, role: Role) -> Float32Array:
+        """Rules 1-3: the centred, weighted, sign-flipped and Hadamard-rotated vectors."""
+        _, heads, dim = x.shape
+        signs = rotation_signs(self.seed, self.layer, heads, dim)
+        return hadamard_transform(self._to_coded(x, role) * signs[None])
 
     def _lattice_rows(
         self, x: Float32Array, role: Role
     ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float64]]:
-        """Rules 1-4: the uint8 scale index of each token-head and the scaled rotated vectors cut
-        into rows of 8 (float64), what the codebook codes (rule 5)."""
-        _, heads, dim = x.shape
-        signs = rotation_signs(self.seed, self.layer, heads, dim)
-        rotated = hadamard_transform(self._to_coded(x, role) * signs[None])
-        rms = np.sqrt(np.square(rotated).mean(axis=2)) / np.float32(self.tau)
-        nearest = 1 + np.searchsorted(_SCALE_CUTS, rms.astype(np.float64))
-        scales = np.where(rms > 0, nearest, 0).astype(np.uint8)
-        scales32 = SCALE_LEVELS[scales]
-        safe = np.where(scales32 > 0, scales32, np.float32(1.0))
-        scaled = np.where(scales32[..., None] > 0, rotated / safe[..., None], 0.0)
-        return scales, scaled.reshape(-1, E8_BLOCK).astype(np.float64)
+        """Rules 1-4 without block scales: the uint8 scale index of each token-head and the
+        rotated vectors divided by its level, cut into rows of 8 (float64)."""
+        rotated = self._rotated(x, role)
+        scales = _token_scales(rotated, self.tau)
+        return scales, _scaled_rows(rotated, SCALE_LEVELS[scales][..., None])
 
     def _decode(self, encoded: EncodedBlock) -> Float32Array:
         """Rule 8: codebook rows times the scales, then one product per head."""
         tokens, heads, dim = encoded.shape
-        points = e8_codebook().decode(encoded.codes).reshape(tokens, heads, dim)
-        points *= SCALE_LEVELS[encoded.scales][..., None]
-        out = np.matmul(points.transpose(1, 0, 2), self._decoder(encoded.role, heads, dim))
+        blocks = dim // E8_BLOCK
+        points = e8_codebook().decode(encoded.codes).reshape(tokens, heads, blocks, E8_BLOCK)
+        if self.block_scales:
+            high = np.unpackbits(encoded.scales[..., 1:], axis=-1, count=blocks, bitorder="little")
+            points *= SCALE_LEVELS[_block_levels(encoded.scales[..., 0], high)][..., None]
+        else:
+            points *= SCALE_LEVELS[encoded.scales][..., None, None]
+        flat = points.reshape(tokens, heads, dim)
+        out = np.matmul(flat.transpose(1, 0, 2), self._decoder(encoded.role, heads, dim))
         mean = self._means[encoded.role]
         if mean is not None:
             out += mean[:, None, :]
@@ -355,6 +389,58 @@ class E8Codec(BlockCodec):
         decoder.flags.writeable = False
         self._decoders[role, heads, dim] = decoder
         return decoder
+
+
+def _token_scales(rotated: Float32Array, tau: float) -> npt.NDArray[np.uint8]:
+    """Rule 4: the uint8 index of the level nearest each token-head's ``RMS / tau``."""
+    rms = np.sqrt(np.square(rotated).mean(axis=2)) / np.float32(tau)
+    nearest = 1 + np.searchsorted(_SCALE_CUTS, rms.astype(np.float64))
+    return np.where(rms > 0, nearest, 0).astype(np.uint8)
+
+
+def _scaled_rows(rotated: Float32Array, levels: Float32Array) -> npt.NDArray[np.float64]:
+    """``rotated`` divided by ``levels`` (broadcast; 0 where a level is 0: an all-zero vector),
+    cut into float64 rows of 8 (rule 5)."""
+    safe = np.where(levels > 0, levels, np.float32(1.0))
+    scaled = np.where(levels > 0, rotated / safe, np.float32(0.0))
+    return scaled.reshape(-1, E8_BLOCK).astype(np.float64)
+
+
+def _block_levels(
+    scales: npt.NDArray[np.uint8], high: npt.NDArray[np.uint8]
+) -> npt.NDArray[np.intp]:
+    """Rule 4b: each 8-block's level index [tokens, heads, blocks] from its token-head's index
+    and its flag (0: ``BLOCK_SCALE_STEPS[0]`` steps, 1: ``[1]``), kept in 1..255; 0 stays 0."""
+    low_step, high_step = BLOCK_SCALE_STEPS
+    steps = np.where(high > 0, high_step, low_step)
+    token = scales.astype(np.intp)[..., None]
+    return np.where(token > 0, np.clip(token + steps, 1, 255), 0)
+
+
+def _block_scaled_codes(
+    rotated: Float32Array, scales: npt.NDArray[np.uint8]
+) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
+    """Rule 4b: each 8-block coded at both of its levels; the codes [tokens, heads, blocks] of
+    the one with the smaller squared error (the low one on a tie) and the flags (1: high)."""
+    tokens, heads, dim = rotated.shape
+    blocks = dim // E8_BLOCK
+    codebook = e8_codebook()
+    target = rotated.reshape(-1, E8_BLOCK).astype(np.float64)
+    found = []
+    for flag in (0, 1):
+        index = _block_levels(scales, np.full((tokens, heads, blocks), flag, dtype=np.uint8))
+        levels = SCALE_LEVELS[index].reshape(-1, 1)
+        codes = codebook.encode(_scaled_rows(rotated.reshape(-1, E8_BLOCK), levels))
+        miss = codebook.points[codes] * levels.astype(np.float64) - target
+        squares = np.square(miss)
+        error = ((squares[:, 0] + squares[:, 1]) + (squares[:, 2] + squares[:, 3])) + (
+            (squares[:, 4] + squares[:, 5]) + (squares[:, 6] + squares[:, 7])
+        )  # a fixed order of adds: the choice must not depend on a SIMD path
+        found.append((codes, error))
+    (low_codes, low_error), (high_codes, high_error) = found
+    high = high_error < low_error
+    codes = np.where(high, high_codes, low_codes).reshape(tokens, heads, blocks)
+    return codes, high.reshape(tokens, heads, blocks).astype(np.uint8)
 
 
 def _unweights(weights: Float32Array) -> Float32Array:

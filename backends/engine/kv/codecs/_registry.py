@@ -23,9 +23,11 @@ E8_WINDOW = 128
 
 
 def _e8(window: int, name: str) -> CodecSpec:
+    block_scales = not window  # a window spends the bits instead (``_e8_codec`` rule 4b)
+    scales = "8-bit log scale per token-head" + (" and 1 bit per 8-block" if block_scales else "")
     return CodecSpec(
         name,
-        f"E8 lattice, 2 bits/dim + an 8-bit log scale per token-head, Hadamard-rotated"
+        f"E8 lattice, 2 bits/dim + an {scales}, Hadamard-rotated"
         f"{f', {window}-token window' if window else ''}",
         lambda layer, seed, key_mean, key_scale: E8Codec(
             layer=layer,
@@ -33,6 +35,7 @@ def _e8(window: int, name: str) -> CodecSpec:
             key_mean=key_mean,
             key_scale=key_scale,
             window_tokens=window,
+            block_scales=block_scales,
             name=name,
         ),
     )

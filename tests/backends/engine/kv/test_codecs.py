@@ -27,6 +27,7 @@ from backends.engine.kv.codecs._e8 import (
     nearest_in_codebook_brute_force,
 )
 from backends.engine.kv.codecs._e8_codec import (
+    BLOCK_SCALE_STEPS,
     SCALE_INDEX_OF_ONE,
     SCALE_LEVELS,
     SCALE_STEPS_PER_OCTAVE,
@@ -66,7 +67,7 @@ EXPECTED: dict[str, Expected] = {
     "kivi-8": Expected(0.01, 0.01, bits=(9.0, 9.0), window=128),
     "kivi-4": Expected(0.1, 0.13, bits=(5.0, 5.0), window=128),
     "kivi-2": Expected(0.42, 0.6, bits=(3.0, 3.0), window=128),
-    "e8-2": Expected(0.32, 0.3, bits=(2.125, 2.125)),
+    "e8-2": Expected(0.32, 0.3, bits=(2.25, 2.25)),
     "e8-2w": Expected(0.32, 0.3, bits=(2.125, 2.125), window=128),
 }
 
@@ -350,6 +351,41 @@ def test_e8_scale_is_the_nearest_log_level_in_one_byte() -> None:
     decoded = codec.decode(codec.encode(x, "value"))
     errors = np.sqrt(np.square(decoded - x).sum(axis=2) / np.square(x).sum(axis=2).clip(1e-30))
     assert errors[inside].max() < 0.5 and np.median(errors[inside]) < 0.3
+
+
+def test_e8_block_scales_take_the_closer_of_two_levels() -> None:
+    """Rule 4b: each 8-block is coded at its token-head's level moved -5 or +3 steps, the one
+    with the smaller squared error (ties low); one bit per block after the token-head's index;
+    decoding applies the same level; e8-2w keeps one scale per token-head."""
+    x = gaussian(32, (16, 3, 64)) * np.float32(3.0)
+    x[4] = 0.0
+    codec = codec_by_name("e8-2")
+    assert isinstance(codec, E8Codec) and codec.block_scales
+    encoded = codec.encode(x, "value")
+    assert encoded.scales.dtype == np.uint8 and encoded.scales.shape == (16, 3, 2)
+    token, _ = codec._lattice_rows(x, "value")
+    np.testing.assert_array_equal(encoded.scales[..., 0], token)
+    high = np.unpackbits(encoded.scales[..., 1:], axis=-1, count=8, bitorder="little")
+    assert 0.1 < high.mean() < 0.9  # both levels in use
+    rotated = codec._rotated(x, "value").reshape(16, 3, 8, 8).astype(np.float64)
+    book = e8_codebook()
+    errors = []
+    for step in BLOCK_SCALE_STEPS:
+        level = SCALE_LEVELS[np.clip(token.astype(int) + step, 1, 255)].astype(np.float64)
+        scaled = rotated / level[..., None, None]
+        points = nearest_in_codebook_brute_force(scaled.reshape(-1, 8), book)
+        miss = points.reshape(rotated.shape) * level[..., None, None] - rotated
+        errors.append(np.square(miss).sum(axis=-1))
+    live = token > 0
+    chosen = np.where(high > 0, errors[1], errors[0])
+    np.testing.assert_allclose(chosen[live], np.minimum(*errors)[live], rtol=1e-9, atol=1e-12)
+    assert (encoded.scales[4] == 0).all() and (codec.decode(encoded)[4] == 0).all()
+    single = E8Codec(block_scales=False)
+    plain = single.encode(x, "value")
+    assert plain.scales.shape == (16, 3) and np.array_equal(plain.scales, token)
+    assert relative_error(codec.decode(encoded), x) < 0.93 * relative_error(single.decode(plain), x)
+    window = codec_by_name("e8-2w")
+    assert isinstance(window, E8Codec) and not window.block_scales
 
 
 def test_e8_key_mean_and_seed() -> None:
