@@ -55,7 +55,10 @@ Processes exchange KV blocks only when their numerics fingerprints agree.
    Without a codec (fp32) none of this runs.  Under a codec with a recent window of ``window``
    blocks the same steps run over the query's window -- its own block and the ``window - 1``
    before it, one product of their columns for the scores and one for ``P @ V`` -- so the
-   window's raw rows, not their decoded version, reach the row.
+   window's raw rows, not their decoded version, reach the row.  Where the products take
+   ``lanes``, these two do not: they are ``_lanes.summed_product`` (no BLAS, rule 6 there), the
+   same bits for a row in a prefill segment and alone, at ~10 numpy calls against a padded
+   lane-mapped call and a thread hand-off each.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ._lanes import RowLanes
+from ._lanes import RowLanes, summed_product
 
 __all__ = [
     "KEY_CHUNK",
@@ -261,6 +264,12 @@ def _product(lanes: RowLanes | None) -> Callable[[Float32Array, Float32Array], F
     return np.matmul if lanes is None else lanes.matmul
 
 
+def _own_product(lanes: RowLanes | None) -> Callable[[Float32Array, Float32Array], Float32Array]:
+    """Rule 5's own-block products: BLAS where its rows are independent, else without it
+    (``_lanes`` rule 6): a few rows and 16-144 columns, which a lane-mapped call would pad."""
+    return np.matmul if lanes is None else summed_product
+
+
 def _own_scores(
     scores: Float32Array,
     q_rows: Float32Array,
@@ -272,7 +281,7 @@ def _own_scores(
     """Write each segment's scores over its raw own block (rule 5); the correction to apply
     once the scores are exponentiated (``_softmax_times_values``).  ``q_rows``: the queries of
     ``scores``' rows."""
-    product = _product(lanes)
+    product = _own_product(lanes)
     for a, b, block in segments:
         columns, local = own.read_raw(block)
         keys = np.ascontiguousarray(own.keys_t[head, :, local])
@@ -369,26 +378,33 @@ def _own_decode(
     positions: npt.NDArray[np.intp],
     own: Sequence[OwnBlocks],
 ) -> Callable[[Float32Array], Float32Array]:
-    """``_own_scores`` for one query per sequence: the same products, one per sequence and head
-    (``scores`` [seqs, kv_heads, rows, span], ``q_rows`` [seqs, kv_heads, rows, head_dim])."""
+    """``_own_scores`` for one query per sequence (``scores`` [seqs, kv_heads, rows, span],
+    ``q_rows`` [seqs, kv_heads, rows, head_dim]): the same products, one per sequence and head,
+    made as one stacked product per width of raw columns (a stack of 2-D products of the same
+    shapes, so the same bits as ``_own_scores``' one by one) rather than a call per sequence and
+    head."""
     reads = [
         (raw, *raw.read_raw(int(position) // raw.block_size))
         for raw, position in zip(own, positions.tolist(), strict=True)
     ]
-    for seq, (raw, cols, local) in enumerate(reads):
-        for head in range(scores.shape[1]):
-            keys = np.ascontiguousarray(raw.keys_t[head, :, local])
-            scores[seq, head, :, cols] = np.matmul(q_rows[seq, head], keys)
+    groups: dict[int, list[int]] = {}
+    for seq, (_, cols, _) in enumerate(reads):
+        groups.setdefault(cols.stop - cols.start, []).append(seq)
+    for seqs in groups.values():
+        keys = np.stack([reads[seq][0].keys_t[:, :, reads[seq][2]] for seq in seqs])
+        made = np.matmul(q_rows[seqs], keys)
+        for seq, rows in zip(seqs, made, strict=True):
+            scores[seq, :, :, reads[seq][1]] = rows
 
     def correct(weights: Float32Array) -> Float32Array:
         width = own[0].values.shape[-1]
         out = np.zeros((*weights.shape[:-1], width), dtype=np.float32)
-        for seq, (raw, cols, local) in enumerate(reads):
-            for head in range(weights.shape[1]):
-                taken = weights[seq, head, :, cols].copy()
-                weights[seq, head, :, cols] = 0.0
-                values = np.ascontiguousarray(raw.values[head, local])
-                out[seq, head] = np.matmul(taken, values)
+        for seqs in groups.values():
+            taken = np.stack([weights[seq, :, :, reads[seq][1]] for seq in seqs])
+            for seq in seqs:
+                weights[seq, :, :, reads[seq][1]] = 0.0
+            values = np.stack([reads[seq][0].values[:, reads[seq][2]] for seq in seqs])
+            out[seqs] = np.matmul(taken, values)
         return out
 
     return correct

@@ -28,6 +28,13 @@ Theory of operation -- the engine owns the bits, not the kernel
 The cost is the padding lanes: on Haswell half of each call, and a decode step's few rows ride in
 a call of 12 rows.  ``Numerics`` (``_numerics``) takes this path only where the kernel's own
 products are not row-independent.
+
+6. Small products need no BLAS at all: ``summed_product`` multiplies elementwise and sums the
+   inner axis by halving, a fixed order of float32 adds, each exact per element (IEEE 754), so a
+   row's bits depend on nothing but the row -- not its neighbours, the kernel or a SIMD width.
+   For the few rows and 16-144 columns of attention's own-block products (``_attention`` rule
+   5) it costs ~10 numpy calls where a lane-mapped product pays a padded call and, from 32
+   columns, a hand-off to the column threads.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ __all__ = [
     "Product",
     "RowLanes",
     "rows_are_independent",
+    "summed_product",
 ]
 
 Product = Callable[[Float32Array, Float32Array], Float32Array]
@@ -161,6 +169,21 @@ class RowLanes:
             call[take] = x[done : done + take.size]
             out[done : done + take.size] = (call @ weight)[take]
             done += take.size
+
+
+def summed_product(x: Float32Array, weight: Float32Array) -> Float32Array:
+    """``x @ weight`` ([rows, inner] @ [inner, cols]) without BLAS (rule 6): the products
+    ``x[r, k] * weight[k, c]`` summed over ``k`` by adding halves, an odd last term carried."""
+    terms = x[:, :, None] * weight[None]
+    while terms.shape[1] > 1:
+        count = terms.shape[1]
+        half = count // 2
+        if count % 2:
+            terms = np.concatenate([terms[:, :half] + terms[:, half:-1], terms[:, -1:]], axis=1)
+        else:  # in place: the halves do not overlap
+            terms = np.add(terms[:, :half], terms[:, half:], out=terms[:, :half])
+    out: Float32Array = np.ascontiguousarray(terms[:, 0])
+    return out
 
 
 def _openblas_threads() -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from backends.engine.model._lanes import RowLanes, rows_are_independent
+from backends.engine.model._lanes import RowLanes, rows_are_independent, summed_product
 from backends.engine.model._linear import (
     FEW_ROWS,
     TILE,
@@ -79,6 +79,28 @@ def test_lane_mapped_rows_do_not_depend_on_their_batch(inner: int, cols: int) ->
             assert lanes.matmul(x[lo:hi], weight).tobytes() == whole[lo:hi].tobytes(), (lo, hi)
         workers.close()  # the same parts, on the caller alone: the same bits
         assert lanes.matmul(x[5:9], weight).tobytes() == whole[5:9].tobytes()
+
+
+@pytest.mark.parametrize(("inner", "cols"), [(64, 16), (16, 64), (144, 64), (64, 144), (1, 8)])
+def test_summed_product_rows_do_not_depend_on_their_batch(inner: int, cols: int) -> None:
+    """``_lanes`` rule 6: the product of attention's own blocks, BLAS-free, adds its terms by
+    halving; a row's bits are the same alone, padded or in any batch, and near ``x @ w``."""
+    rng = np.random.default_rng(7 * inner + cols)
+    weight = rng.standard_normal((inner, cols), dtype=np.float32)
+    x = rng.standard_normal((48, inner), dtype=np.float32)
+    whole = summed_product(x, weight)
+    assert whole.dtype == np.float32 and whole.shape == (48, cols)
+    np.testing.assert_allclose(whole, x @ weight, rtol=1e-4, atol=1e-4)
+    assert rows_are_independent(summed_product, weight)
+    for lo, hi in ((0, 1), (3, 7), (47, 48), (10, 42)):
+        assert summed_product(x[lo:hi], weight).tobytes() == whole[lo:hi].tobytes(), (lo, hi)
+    halves = x[:, :, None] * weight[None]  # the order written out for the first row and column
+    terms = list(halves[0, :, 0])
+    while len(terms) > 1:
+        half = len(terms) // 2
+        pairs = [np.float32(terms[i] + terms[half + i]) for i in range(half)]
+        terms = pairs + terms[2 * half :]
+    assert terms[0].tobytes() == whole[0, 0].tobytes()
 
 
 def test_columns_are_shared_only_with_one_blas_thread() -> None:
