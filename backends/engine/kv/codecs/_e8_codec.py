@@ -61,8 +61,9 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
 4b. Block scales (``block_scales``, on for ``e8-2``): each 8-block of a token-head takes one of
    two levels near its token-head's, ``BLOCK_SCALE_STEPS`` = -5 and +3 steps of the uint8 index
    (x 0.81 and x 1.14; indexes kept in 1..255), the one whose code has the smaller squared error
-   in the rotated space (the low one on a tie; the sum of the 8 squares in a fixed order of
-   adds, so the choice does not depend on a SIMD path); one bit per block, packed after the
+   in the rotated space (the low one on a tie; in C, ``_e8core.encode_scaled``: the block divided
+   by each level in float64, both searched, the 8 squares summed in a fixed order, so the choice
+   does not depend on a SIMD path); one bit per block, packed after the
    token-head's index (``scales`` [tokens, heads, 1 + blocks / 8] uint8).  A block's norm varies
    about its token-head's RMS (chi-squared, 8 degrees): a small block gets a finer grid, a large
    one a wider ball.  It costs one more bit per 8 elements, 1/8 bit per element, and one more
@@ -421,26 +422,24 @@ def _block_scaled_codes(
     rotated: Float32Array, scales: npt.NDArray[np.uint8]
 ) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
     """Rule 4b: each 8-block coded at both of its levels; the codes [tokens, heads, blocks] of
-    the one with the smaller squared error (the low one on a tie) and the flags (1: high)."""
+    the one whose point times its level is nearer the block (the low one on a tie) and the
+    flags (1: high), both found in C (``_e8core.encode_scaled``: the division in float64, the
+    squared distance summed in a fixed order, so the choice does not depend on a SIMD path)."""
     tokens, heads, dim = rotated.shape
-    blocks = dim // E8_BLOCK
-    codebook = e8_codebook()
-    target = rotated.reshape(-1, E8_BLOCK).astype(np.float64)
-    found = []
-    for flag in (0, 1):
-        index = _block_levels(scales, np.full((tokens, heads, blocks), flag, dtype=np.uint8))
-        levels = SCALE_LEVELS[index].reshape(-1, 1)
-        codes = codebook.encode(_scaled_rows(rotated.reshape(-1, E8_BLOCK), levels))
-        miss = codebook.points[codes] * levels.astype(np.float64) - target
-        squares = np.square(miss)
-        error = ((squares[:, 0] + squares[:, 1]) + (squares[:, 2] + squares[:, 3])) + (
-            (squares[:, 4] + squares[:, 5]) + (squares[:, 6] + squares[:, 7])
-        )  # a fixed order of adds: the choice must not depend on a SIMD path
-        found.append((codes, error))
-    (low_codes, low_error), (high_codes, high_error) = found
-    high = high_error < low_error
-    codes = np.where(high, high_codes, low_codes).reshape(tokens, heads, blocks)
-    return codes, high.reshape(tokens, heads, blocks).astype(np.uint8)
+    shape = (tokens, heads, dim // E8_BLOCK)
+    levels = np.stack(
+        [SCALE_LEVELS[_block_levels(scales, np.full(shape, flag, np.uint8))] for flag in (0, 1)],
+        axis=-1,
+    )
+    codes = np.empty(shape, dtype=np.uint16)
+    high = np.empty(shape, dtype=np.uint8)
+    _e8core.encode_scaled(
+        rotated.reshape(-1, E8_BLOCK).astype(np.float64),
+        levels.reshape(-1, 2).astype(np.float64),
+        codes,
+        high,
+    )
+    return codes, high
 
 
 def _unweights(weights: Float32Array) -> Float32Array:

@@ -413,11 +413,10 @@ descend(const double x[DIM], double point[DIM], double err)
     }
 }
 
-/* Rules 2-4 for one row: its code, or -1 (the descent left the book: a bug). */
+/* Rules 2-4 for one row: its code and `point`, or -1 (the descent left the book: a bug). */
 static Py_ssize_t
-encode_row(const double x[DIM])
+encode_row(const double x[DIM], double point[DIM])
 {
-    double point[DIM];
     nearest_e8(x, point);
     Py_ssize_t index = index_of(point);
     if (index >= 0)
@@ -427,6 +426,46 @@ encode_row(const double x[DIM])
         return -1;
     descend(x, point, err);
     return index_of(point);
+}
+
+/* One row coded at `level` (x / level; a level of 0 codes the origin): its code, or -1, and
+ * the squared distance from its point times the level to x (rule 2's sum). */
+static Py_ssize_t
+encode_at(const double x[DIM], double level, double *err)
+{
+    double scaled[DIM], point[DIM], miss[DIM];
+    for (int k = 0; k < DIM; k++)
+        scaled[k] = level > 0.0 ? x[k] / level : 0.0;
+    Py_ssize_t index = encode_row(scaled, point);
+    for (int k = 0; k < DIM; k++)
+        miss[k] = point[k] * level - x[k];
+    *err = norm2(miss);
+    return index;
+}
+
+/* _e8_codec rule 4b for one row of the rotated vector: the code of the nearer of its two
+ * levels' points (times the level) to x, the low level on a tie, or -1; `high` says which.
+ * The high level is searched first; the low one is skipped where it cannot win: every point
+ * of the low level lies within sqrt(NORM2) * level of the origin, so none is nearer x than
+ * |x| - that radius (the bound taken with a margin of 1e-6 for rounding).  A row far outside
+ * the low level's ball is the costly one to search (the shrink and the descent). */
+static Py_ssize_t
+encode_scaled_row(const double x[DIM], const double level[2], uint8_t *high)
+{
+    double high_err, low_err;
+    Py_ssize_t high_index = encode_at(x, level[1], &high_err);
+    if (high_index < 0)
+        return -1;
+    double gap = sqrt(norm2(x)) - sqrt(NORM2 + NORM_SLACK) * level[0];
+    if (gap > 0.0 && gap * gap > high_err * (1.0 + 1e-6)) {
+        *high = 1;
+        return high_index;
+    }
+    Py_ssize_t low_index = encode_at(x, level[0], &low_err);
+    if (low_index < 0)
+        return -1;
+    *high = high_err < low_err;
+    return *high ? high_index : low_index;
 }
 
 /* ------------------------------------------------------------------ Python boundary */
@@ -587,8 +626,9 @@ e8core_encode(PyObject *module, PyObject *args)
         } else {
             uint16_t *codes = out.buf;
             Py_BEGIN_ALLOW_THREADS
+            double point[DIM];
             for (Py_ssize_t i = 0; i < n; i++) {
-                Py_ssize_t index = encode_row(x + i * DIM);
+                Py_ssize_t index = encode_row(x + i * DIM, point);
                 if (index < 0) {
                     lost = i;
                     break;
@@ -604,6 +644,70 @@ e8core_encode(PyObject *module, PyObject *args)
     }
     PyBuffer_Release(&rows);
     PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *
+e8core_encode_scaled(PyObject *module, PyObject *args)
+{
+    PyObject *rows_obj, *levels_obj, *codes_obj, *high_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &rows_obj, &levels_obj, &codes_obj, &high_obj))
+        return NULL;
+    Py_buffer rows, levels, codes, high;
+    if (get_buffer(rows_obj, &rows, "rows", "d", 8, 0) < 0)
+        return NULL;
+    if (get_buffer(levels_obj, &levels, "levels", "d", 8, 0) < 0) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    if (get_buffer(codes_obj, &codes, "codes", "H", 2, 1) < 0) {
+        PyBuffer_Release(&rows);
+        PyBuffer_Release(&levels);
+        return NULL;
+    }
+    if (get_buffer(high_obj, &high, "high", "B", 1, 1) < 0) {
+        PyBuffer_Release(&rows);
+        PyBuffer_Release(&levels);
+        PyBuffer_Release(&codes);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = row_count(&rows, &codes, 1);
+    if (n >= 0 && (levels.len / levels.itemsize != 2 * n || high.len != n)) {
+        PyErr_Format(PyExc_ValueError, "levels must hold 2 and high 1 item per row (%zd rows)", n);
+        n = -1;
+    }
+    if (n >= 0) {
+        const double *x = rows.buf, *level = levels.buf;
+        Py_ssize_t bad = first_bad_row(x, n), lost = -1;
+        for (Py_ssize_t i = 0; bad < 0 && i < 2 * n; i++)
+            if (!(isfinite(level[i]) && level[i] >= 0.0))
+                bad = i / 2;
+        if (bad >= 0) {
+            bad_row(bad);
+        } else {
+            uint16_t *out = codes.buf;
+            uint8_t *flags = high.buf;
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < n; i++) {
+                Py_ssize_t index = encode_scaled_row(x + i * DIM, level + 2 * i, flags + i);
+                if (index < 0) {
+                    lost = i;
+                    break;
+                }
+                out[i] = (uint16_t)index;
+            }
+            Py_END_ALLOW_THREADS
+            if (lost >= 0)
+                PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
+            else
+                result = Py_NewRef(Py_None);
+        }
+    }
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&levels);
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&high);
     return result;
 }
 
@@ -672,6 +776,9 @@ static PyMethodDef e8core_methods[] = {
      "keys(points, out): the codebook key (int64) of each lattice point."},
     {"encode", e8core_encode, METH_VARARGS,
      "encode(rows, out): the code (uint16) of each row of 8."},
+    {"encode_scaled", e8core_encode_scaled, METH_VARARGS,
+     "encode_scaled(rows, levels, codes, high): each row of 8 coded at the nearer of its two "
+     "levels (float64 [n, 2]); its code (uint16) and which level (uint8, 1: the second)."},
     {NULL}};
 
 static struct PyModuleDef e8core_module = {
