@@ -20,7 +20,6 @@ from ._answer import (
     SSE_CONTENT_TYPE,
     AnswerWriter,
     ClientGone,
-    ResponseIdentity,
     client_left,
     json_response,
     response_id,
@@ -30,6 +29,7 @@ from ._app import ServedApp, ServedModel, install_openai_app, serve_app, serve_u
 from ._bodies import (
     SIMULATED_VLLM_VERSION,
     RequestKind,
+    ResponseIdentity,
     Usage,
     embedding_response,
 )

@@ -16,13 +16,19 @@ Rules
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import hdrs, web
 
-from ._bodies import RequestKind, Usage, chat_chunk, completion_chunk, full_response, usage_chunk
+from ._bodies import (
+    RequestKind,
+    ResponseIdentity,
+    Usage,
+    full_response,
+    token_chunk,
+    usage_chunk,
+)
 
 __all__ = [
     "DONE_EVENT",
@@ -30,7 +36,6 @@ __all__ = [
     "SSE_CONTENT_TYPE",
     "AnswerWriter",
     "ClientGone",
-    "ResponseIdentity",
     "client_left",
     "json_response",
     "response_id",
@@ -70,17 +75,6 @@ def response_id(kind: RequestKind, request: web.Request) -> str:
     """The id of the answer to ``request`` (rule 4)."""
     base = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:ID_HEX_DIGITS]
     return _ID_PREFIXES[kind] + base
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseIdentity:
-    """The fields every body of one answer repeats."""
-
-    kind: RequestKind
-    response_id: str
-    created: int
-    model: str
-    fingerprint: str
 
 
 class AnswerWriter:
@@ -126,50 +120,26 @@ class AnswerWriter:
     ) -> dict[str, Any]:
         """The chunk of a token whose text is ``text`` and that makes ``completion_tokens``
         generated so far; ``text=None`` is the chat role chunk that precedes the tokens."""
-        ident = self.identity
+        identity = self.identity
         running = (self._prompt_tokens, completion_tokens) if self._continuous_usage else None
         fingerprint = (
-            ident.fingerprint if finish_reason is not None and not self._include_usage else None
+            identity.fingerprint if finish_reason is not None and not self._include_usage else None
         )
-        if ident.kind == "chat":
-            chunk = chat_chunk(
-                request_id=ident.response_id,
-                created=ident.created,
-                model=ident.model,
-                delta={"role": "assistant", "content": ""} if text is None else {"content": text},
-                finish_reason=finish_reason,
-                first=text is None,
-                running_usage=running,
-                fingerprint=fingerprint,
-            )
-        else:
-            chunk = completion_chunk(
-                request_id=ident.response_id,
-                created=ident.created,
-                model=ident.model,
-                text=text or "",
-                finish_reason=finish_reason,
-                running_usage=running,
-                fingerprint=fingerprint,
-            )
+        chunk = token_chunk(
+            identity,
+            text=text,
+            finish_reason=finish_reason,
+            running_usage=running,
+            fingerprint=fingerprint,
+        )
         if stop_reason is not None:
             chunk["choices"][0]["stop_reason"] = stop_reason
         return chunk
 
     async def end_stream(self, usage: Usage) -> None:
         """The usage chunk (when asked for), ``[DONE]``, and the end of the response."""
-        ident = self.identity
         if self._include_usage:
-            await self.event(
-                usage_chunk(
-                    kind=ident.kind,
-                    request_id=ident.response_id,
-                    created=ident.created,
-                    model=ident.model,
-                    usage=usage,
-                    fingerprint=ident.fingerprint,
-                )
-            )
+            await self.event(usage_chunk(self.identity, usage))
         await self._close()
 
     async def fail_stream(self, error: dict[str, Any]) -> None:
@@ -184,17 +154,7 @@ class AnswerWriter:
 
     def full_body(self, *, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
         """The whole (non-streamed) body of the answer."""
-        ident = self.identity
-        return full_response(
-            kind=ident.kind,
-            request_id=ident.response_id,
-            created=ident.created,
-            model=ident.model,
-            text=text,
-            finish_reason=finish_reason,
-            usage=usage,
-            fingerprint=ident.fingerprint,
-        )
+        return full_response(self.identity, text=text, finish_reason=finish_reason, usage=usage)
 
     async def send(self, body: dict[str, Any], status: int) -> None:
         """Write one whole JSON response now."""

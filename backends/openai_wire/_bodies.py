@@ -19,12 +19,12 @@ from typing import Any, Literal
 __all__ = [
     "SIMULATED_VLLM_VERSION",
     "RequestKind",
+    "ResponseIdentity",
     "Usage",
-    "chat_chunk",
-    "completion_chunk",
     "embedding_response",
     "full_response",
     "model_list",
+    "token_chunk",
     "usage_body",
     "usage_chunk",
 ]
@@ -82,34 +82,65 @@ def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]
     }
 
 
-def chat_chunk(
+@dataclass(frozen=True, slots=True)
+class ResponseIdentity:
+    """The fields every body of one answer repeats."""
+
+    kind: RequestKind
+    response_id: str
+    created: int
+    model: str
+    fingerprint: str
+
+
+def _head(identity: ResponseIdentity, *, stream: bool) -> dict[str, Any]:
+    """The keys every body of an answer opens with."""
+    if identity.kind != "chat":
+        object_name = "text_completion"
+    else:
+        object_name = "chat.completion.chunk" if stream else "chat.completion"
+    return {
+        "id": identity.response_id,
+        "object": object_name,
+        "created": identity.created,
+        "model": identity.model,
+    }
+
+
+def token_chunk(
+    identity: ResponseIdentity,
     *,
-    request_id: str,
-    created: int,
-    model: str,
-    delta: dict[str, str],
+    text: str | None,
     finish_reason: str | None,
-    first: bool = False,
     running_usage: tuple[int, int] | None = None,
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if finish_reason is not None:
-        choice["stop_reason"] = None
-    if not first:
-        choice["token_ids"] = None
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
+    """The chunk of one token whose text is ``text`` (rule 1); for a chat, ``text=None`` is
+    the role chunk that precedes the tokens and carries the (null) prompt fields."""
+    choice: dict[str, Any]
+    first = identity.kind == "chat" and text is None
+    if identity.kind == "chat":
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""} if first else {"content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        if not first:
+            choice["token_ids"] = None
+    else:
+        choice = {
+            "index": 0,
+            "text": text or "",
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "prompt_token_ids": None,
+            "token_ids": None,
+        }
+    chunk = {**_head(identity, stream=True), "choices": [choice]}
     if running_usage is not None:
         chunk["usage"] = _running_usage(*running_usage)
     if first:
@@ -120,73 +151,20 @@ def chat_chunk(
     return chunk
 
 
-def completion_chunk(
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    running_usage: tuple[int, int] | None = None,
-    fingerprint: str | None = None,
-) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "prompt_token_ids": None,
-                "token_ids": None,
-            }
-        ],
-    }
-    if running_usage is not None:
-        chunk["usage"] = _running_usage(*running_usage)
-    if fingerprint is not None:
-        chunk["system_fingerprint"] = fingerprint
-    return chunk
-
-
-def usage_chunk(
-    *,
-    kind: RequestKind,
-    request_id: str,
-    created: int,
-    model: str,
-    usage: Usage,
-    fingerprint: str,
-) -> dict[str, Any]:
+def usage_chunk(identity: ResponseIdentity, usage: Usage) -> dict[str, Any]:
     return {
-        "id": request_id,
-        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-        "created": created,
-        "model": model,
+        **_head(identity, stream=True),
         "choices": [],
-        "usage": usage_body(usage, kind=kind, stream=True),
-        "system_fingerprint": fingerprint,
+        "usage": usage_body(usage, kind=identity.kind, stream=True),
+        "system_fingerprint": identity.fingerprint,
     }
 
 
 def full_response(
-    *,
-    kind: RequestKind,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str,
-    usage: Usage,
-    fingerprint: str,
+    identity: ResponseIdentity, *, text: str, finish_reason: str, usage: Usage
 ) -> dict[str, Any]:
-    usage_json = usage_body(usage, kind=kind, stream=False)
-    if kind == "chat":
+    choice: dict[str, Any]
+    if identity.kind == "chat":
         message = {
             "role": "assistant",
             "content": text,
@@ -196,7 +174,7 @@ def full_response(
             "function_call": None,
             "reasoning": None,
         }
-        choice: dict[str, Any] = {
+        choice = {
             "index": 0,
             "message": message,
             "logprobs": None,
@@ -205,45 +183,29 @@ def full_response(
             "token_ids": None,
             "routed_experts": None,
         }
-        head = {"id": request_id, "object": "chat.completion", "created": created}
-        return {
-            **head,
-            "model": model,
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": fingerprint,
-            "usage": usage_json,
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": None,
             "prompt_logprobs": None,
             "prompt_token_ids": None,
-            "prompt_text": None,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "metrics": None,
+            "routed_experts": None,
         }
-    choice = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": None,
-        "token_ids": None,
-        "prompt_logprobs": None,
-        "prompt_token_ids": None,
-        "routed_experts": None,
-    }
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
+    body = {
+        **_head(identity, stream=False),
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": fingerprint,
-        "usage": usage_json,
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-        "metrics": None,
+        "system_fingerprint": identity.fingerprint,
+        "usage": usage_body(usage, kind=identity.kind, stream=False),
     }
+    if identity.kind == "chat":
+        body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+    body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    return body
 
 
 def embedding_response(
