@@ -126,6 +126,14 @@ def test_the_cost_model_names_each_bound() -> None:
     assert half.dequant_s == pytest.approx(1000 * 30 * 1e-6 / 2)
 
 
+def _kivi4(
+    layers: int, heads: int, dim: int, bs: int, *, window: int = 0, heavy: int = 0
+) -> PagedCodec:
+    """kivi-4 on every layer of a small layout, with a raw window and heavy hitters."""
+    plan = KVPlan.uniform("kivi-4", layers, window_tokens=window, heavy_tokens=heavy)
+    return PagedCodec(plan, num_layers=layers, kv_heads=heads, head_dim=dim, block_size=bs)
+
+
 def test_a_window_is_priced_as_the_engine_holds_it_and_split_from_one_budget() -> None:
     """The window's bytes per token at a context are the engine's own count (the difference
     between a windowed and a plain plan's bits at that context: its float16 rows less the codes
@@ -136,20 +144,8 @@ def test_a_window_is_priced_as_the_engine_holds_it_and_split_from_one_budget() -
     elements = layers * 2 * heads * dim
     for context in (20, 40, 48, 417, 1536):
         for window, heavy in ((32, 0), (128, 0), (64, 2)):
-            plain = PagedCodec(
-                KVPlan.uniform("kivi-4", layers, heavy_tokens=heavy),
-                num_layers=layers,
-                kv_heads=heads,
-                head_dim=dim,
-                block_size=bs,
-            )
-            windowed = PagedCodec(
-                KVPlan.uniform("kivi-4", layers, window_tokens=window, heavy_tokens=heavy),
-                num_layers=layers,
-                kv_heads=heads,
-                head_dim=dim,
-                block_size=bs,
-            )
+            plain = _kivi4(layers, heads, dim, bs, heavy=heavy)
+            windowed = _kivi4(layers, heads, dim, bs, window=window, heavy=heavy)
             extra_bits = windowed.context_bits_per_element(
                 context
             ) - plain.context_bits_per_element(context)
@@ -199,13 +195,7 @@ def test_heavy_hitters_are_priced_as_the_engine_holds_them_and_split_from_one_bu
     row = heavy_row_bytes(layers, heads, dim)
     for heavy in (1, 2, 5):
         plain = PagedCodec("kivi-4", num_layers=layers, kv_heads=heads, head_dim=dim, block_size=bs)
-        kept = PagedCodec(
-            KVPlan.uniform("kivi-4", layers, heavy_tokens=heavy),
-            num_layers=layers,
-            kv_heads=heads,
-            head_dim=dim,
-            block_size=bs,
-        )
+        kept = _kivi4(layers, heads, dim, bs, heavy=heavy)
         extra = kept.bytes_per_token() - plain.bytes_per_token()
         assert heavy_bytes_per_token(heavy, bs, row) == extra
     raw_block = layers * 2 * heads * dim * bs * 2
