@@ -44,6 +44,7 @@
 #define KEY_OFFSET 6
 #define DESCENT_STEPS 4
 #define DESCENT_GAIN 1e-9
+#define PRUNE_MARGIN 1e-6
 
 /* ------------------------------------------------------------------ the lattice, one row */
 
@@ -447,7 +448,7 @@ encode_at(const double x[DIM], double level, double *err)
  * levels' points (times the level) to x, the low level on a tie, or -1; `high` says which.
  * The high level is searched first; the low one is skipped where it cannot win: every point
  * of the low level lies within sqrt(NORM2) * level of the origin, so none is nearer x than
- * |x| - that radius (the bound taken with a margin of 1e-6 for rounding).  A row far outside
+ * |x| - that radius (the bound taken with a margin of PRUNE_MARGIN for rounding).  A row far outside
  * the low level's ball is the costly one to search (the shrink and the descent). */
 static Py_ssize_t
 encode_scaled_row(const double x[DIM], const double level[2], uint8_t *high)
@@ -457,7 +458,7 @@ encode_scaled_row(const double x[DIM], const double level[2], uint8_t *high)
     if (high_index < 0)
         return -1;
     double gap = sqrt(norm2(x)) - sqrt(NORM2 + NORM_SLACK) * level[0];
-    if (gap > 0.0 && gap * gap > high_err * (1.0 + 1e-6)) {
+    if (gap > 0.0 && gap * gap > high_err * (1.0 + PRUNE_MARGIN)) {
         *high = 1;
         return high_index;
     }
@@ -603,6 +604,29 @@ e8core_keys(PyObject *module, PyObject *args)
     return result;
 }
 
+/* Rules 2-4 (and 4b where `level` is not NULL: two levels a row, `high` set) over n rows, the
+ * GIL released: the first row that found no codebook point (a bug), or -1. */
+static Py_ssize_t
+encode_rows(const double *x, const double *level, Py_ssize_t n, uint16_t *codes, uint8_t *high)
+{
+    Py_ssize_t lost = -1;
+    Py_BEGIN_ALLOW_THREADS
+    double point[DIM];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t index = level == NULL ? encode_row(x + i * DIM, point)
+                                         : encode_scaled_row(x + i * DIM, level + 2 * i, high + i);
+        if (index < 0) {
+            lost = i;
+            break;
+        }
+        codes[i] = (uint16_t)index;
+    }
+    Py_END_ALLOW_THREADS
+    if (lost >= 0)
+        PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
+    return lost;
+}
+
 static PyObject *
 e8core_encode(PyObject *module, PyObject *args)
 {
@@ -619,28 +643,11 @@ e8core_encode(PyObject *module, PyObject *args)
     PyObject *result = NULL;
     Py_ssize_t n = row_count(&rows, &out, 1);
     if (n >= 0) {
-        const double *x = rows.buf;
-        Py_ssize_t bad = first_bad_row(x, n), lost = -1;
-        if (bad >= 0) {
+        Py_ssize_t bad = first_bad_row(rows.buf, n);
+        if (bad >= 0)
             bad_row(bad);
-        } else {
-            uint16_t *codes = out.buf;
-            Py_BEGIN_ALLOW_THREADS
-            double point[DIM];
-            for (Py_ssize_t i = 0; i < n; i++) {
-                Py_ssize_t index = encode_row(x + i * DIM, point);
-                if (index < 0) {
-                    lost = i;
-                    break;
-                }
-                codes[i] = (uint16_t)index;
-            }
-            Py_END_ALLOW_THREADS
-            if (lost >= 0)
-                PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
-            else
-                result = Py_NewRef(Py_None);
-        }
+        else if (encode_rows(rows.buf, NULL, n, out.buf, NULL) < 0)
+            result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&rows);
     PyBuffer_Release(&out);
@@ -679,30 +686,14 @@ e8core_encode_scaled(PyObject *module, PyObject *args)
     }
     if (n >= 0) {
         const double *x = rows.buf, *level = levels.buf;
-        Py_ssize_t bad = first_bad_row(x, n), lost = -1;
+        Py_ssize_t bad = first_bad_row(x, n);
         for (Py_ssize_t i = 0; bad < 0 && i < 2 * n; i++)
             if (!(isfinite(level[i]) && level[i] >= 0.0))
                 bad = i / 2;
-        if (bad >= 0) {
+        if (bad >= 0)
             bad_row(bad);
-        } else {
-            uint16_t *out = codes.buf;
-            uint8_t *flags = high.buf;
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < n; i++) {
-                Py_ssize_t index = encode_scaled_row(x + i * DIM, level + 2 * i, flags + i);
-                if (index < 0) {
-                    lost = i;
-                    break;
-                }
-                out[i] = (uint16_t)index;
-            }
-            Py_END_ALLOW_THREADS
-            if (lost >= 0)
-                PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
-            else
-                result = Py_NewRef(Py_None);
-        }
+        else if (encode_rows(x, level, n, codes.buf, high.buf) < 0)
+            result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&rows);
     PyBuffer_Release(&levels);
