@@ -20,7 +20,7 @@ import pytest
 
 from backends.engine import Engine, LlamaModel, SamplingParams
 from backends.engine._arrays import Float32Array
-from backends.engine.kv._coded_store import CodedKVStorage
+from backends.engine.kv._coded_store import DEFAULT_DECODED_CACHE_BYTES, CodedKVStorage
 from backends.engine.kv._paged_codec import SERVED_CODECS, PagedCodec
 from backends.engine.kv._plan import KVPlan
 from backends.engine.kv.codecs._quality import calibrate
@@ -233,6 +233,9 @@ def _engine(
     calibration: Calibration,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    *,
+    enable_prefix_caching: bool = True,
+    kv_decoded_cache_bytes: int = DEFAULT_DECODED_CACHE_BYTES,
 ) -> Engine:
     plan = _plan_or_name(name, model.config.num_layers)
     if max_num_seqs is None:  # a windowed sequence's 128-token raw window is paid up front
@@ -244,6 +247,8 @@ def _engine(
         kv_calibration=calibration,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        kv_decoded_cache_bytes=kv_decoded_cache_bytes,
     )
 
 
@@ -362,13 +367,7 @@ def test_a_windowed_prefix_hit_reads_its_window_raw_or_is_cut_back(
         before = engine.pool.stats().hits
         out = _run(engine, tokens)
         assert engine.pool.stats().hits - before == hit
-        fresh = Engine(
-            engine_model,
-            KV_LIMIT,
-            kv_codec=_plan_or_name(WINDOW32, engine_model.config.num_layers),
-            kv_calibration=calibration,
-            enable_prefix_caching=False,
-        )
+        fresh = _engine(engine_model, WINDOW32, calibration, enable_prefix_caching=False)
         assert out == _run(fresh, tokens)
 
 
@@ -444,13 +443,8 @@ def test_a_decoded_cache_too_small_to_hold_anything_gives_the_same_tokens(
     is decoded from codes made again from its rows (``_coded_store`` rule 8)."""
     prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
     roomy = _engine(engine_model, name, calibration)
-    tight = Engine(
-        engine_model,
-        KV_LIMIT,
-        kv_codec=_plan_or_name(name, engine_model.config.num_layers),
-        kv_calibration=calibration,
-        kv_decoded_cache_bytes=cache_bytes,
-        max_num_seqs=4,
+    tight = _engine(
+        engine_model, name, calibration, max_num_seqs=4, kv_decoded_cache_bytes=cache_bytes
     )
     fresh = _run(roomy, prompt)
     assert _run(tight, prompt) == fresh
