@@ -29,6 +29,7 @@ from ._bodies import (
     token_chunk,
     usage_chunk,
 )
+from ._requests import StreamOptions
 
 __all__ = [
     "DONE_EVENT",
@@ -86,14 +87,12 @@ class AnswerWriter:
         identity: ResponseIdentity,
         *,
         prompt_tokens: int,
-        include_usage: bool,
-        continuous_usage: bool,
+        stream_options: StreamOptions,
     ) -> None:
         self._request = request
         self.identity = identity
         self._prompt_tokens = prompt_tokens
-        self._include_usage = include_usage
-        self._continuous_usage = continuous_usage
+        self._stream_options = stream_options
         self.response: web.StreamResponse | None = None  # once the headers are sent
 
     async def open_stream(self, content_type: str = SSE_CONTENT_TYPE) -> web.StreamResponse:
@@ -120,10 +119,12 @@ class AnswerWriter:
     ) -> dict[str, Any]:
         """The chunk of a token whose text is ``text`` and that makes ``completion_tokens``
         generated so far; ``text=None`` is the chat role chunk that precedes the tokens."""
-        identity = self.identity
-        running = (self._prompt_tokens, completion_tokens) if self._continuous_usage else None
+        identity, options = self.identity, self._stream_options
+        running = (self._prompt_tokens, completion_tokens) if options.continuous_usage else None
         fingerprint = (
-            identity.fingerprint if finish_reason is not None and not self._include_usage else None
+            identity.fingerprint
+            if finish_reason is not None and not options.include_usage
+            else None
         )
         chunk = token_chunk(
             identity,
@@ -138,7 +139,7 @@ class AnswerWriter:
 
     async def end_stream(self, usage: Usage) -> None:
         """The usage chunk (when asked for), ``[DONE]``, and the end of the response."""
-        if self._include_usage:
+        if self._stream_options.include_usage:
             await self.event(usage_chunk(self.identity, usage))
         await self._close()
 

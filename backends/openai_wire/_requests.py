@@ -33,11 +33,19 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StreamOptions:
-    """``stream`` and what ``stream_options`` asks of the stream."""
+    """``stream`` and what ``stream_options`` asks of the stream (by default, nothing: the
+    answer is written whole). As vLLM reads them, ``continuous_usage`` comes only with
+    ``include_usage``, and that only in a stream."""
 
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+    def __post_init__(self) -> None:
+        if self.continuous_usage and not self.include_usage:
+            raise ValueError("continuous usage comes only with include_usage")
+        if self.include_usage and not self.stream:
+            raise ValueError("include_usage asks something of a stream")
 
 
 def decode_body(raw: bytes) -> Any:
@@ -76,7 +84,7 @@ def stream_options(body: dict[str, Any]) -> StreamOptions:
     stream = optional_bool(body, "stream") or False
     options = body.get("stream_options")
     if options is None:
-        return StreamOptions(stream=stream, include_usage=False, continuous_usage=False)
+        return StreamOptions(stream=stream)
     if not isinstance(options, dict):
         raise schema_error(
             "model_type",

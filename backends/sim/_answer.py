@@ -33,6 +33,7 @@ from backends.openai_wire import (
     ClientGone,
     RequestKind,
     ResponseIdentity,
+    StreamOptions,
     Usage,
     client_left,
 )
@@ -60,8 +61,7 @@ class AnswerPlan:
     tokens: tuple[str, ...]
     finish_reason: Literal["stop", "length"]
     usage: Usage
-    include_usage: bool
-    continuous_usage: bool
+    stream_options: StreamOptions
 
     @property
     def kind(self) -> RequestKind:
@@ -93,8 +93,7 @@ class PacedAnswer:
             request,
             plan.identity,
             prompt_tokens=plan.usage.prompt_tokens,
-            include_usage=plan.include_usage,
-            continuous_usage=plan.continuous_usage,
+            stream_options=plan.stream_options,
         )
         self._loop = asyncio.get_running_loop()
         self._arrived_at = self._loop.time()

@@ -216,7 +216,7 @@ async def _answer(
         return "faulted"
     if fault == "hang_before_first_byte":
         await writer.pause(None)
-    if parsed.stream:
+    if parsed.stream_options.stream:
         return await writer.stream(fault)
     if parsed.kind != "embedding":
         return await writer.whole(fault, writer.full_body())
@@ -290,6 +290,5 @@ def _plan(
             completion_tokens=len(tokens),
             cached_tokens=cached,
         ),
-        include_usage=parsed.include_usage,
-        continuous_usage=parsed.continuous_usage,
+        stream_options=parsed.stream_options,
     )

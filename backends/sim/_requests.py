@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from backends.openai_wire import (
     RequestKind,
+    StreamOptions,
     chat_messages,
     check_message_role,
     check_room,
@@ -40,9 +41,7 @@ class InferenceRequest:
     """The parts of a request body the simulator's answer depends on."""
 
     kind: RequestKind
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
+    stream_options: StreamOptions
     max_tokens: int | None
     prompt_tokens: int
     # What the answer text is a function of: the messages, the prompt, or the inputs.
@@ -87,9 +86,7 @@ def parse_request(
     )
     return InferenceRequest(
         kind=kind,
-        stream=options.stream,
-        include_usage=options.include_usage,
-        continuous_usage=options.continuous_usage,
+        stream_options=options,
         max_tokens=max_tokens,
         prompt_tokens=prompt_tokens,
         prompt_key=prompt_key,
@@ -128,9 +125,7 @@ def _parse_embedding(body: dict[str, Any]) -> InferenceRequest:
     )
     return InferenceRequest(
         kind="embedding",
-        stream=False,
-        include_usage=False,
-        continuous_usage=False,
+        stream_options=StreamOptions(),
         max_tokens=None,
         prompt_tokens=tokens,
         prompt_key=inputs,

@@ -77,8 +77,7 @@ class EngineAnswer:
             request,
             identity,
             prompt_tokens=len(generation.prompt_ids),
-            include_usage=generation.include_usage,
-            continuous_usage=generation.continuous_usage,
+            stream_options=generation.stream_options,
         )
         self._kv_source = kv_source
         self._kv_params: dict[str, Any] | None = None

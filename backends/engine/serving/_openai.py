@@ -25,6 +25,7 @@ import jinja2
 from backends.openai_wire import (
     RequestError,
     RequestKind,
+    StreamOptions,
     chat_messages,
     check_message_role,
     check_room,
@@ -79,9 +80,7 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
+    stream_options: StreamOptions
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -133,9 +132,7 @@ def parse_generation_request(
         prompt_ids=tuple(prompt),
         params=params,
         stop=_stop_strings(body),
-        stream=options.stream,
-        include_usage=options.include_usage,
-        continuous_usage=options.continuous_usage,
+        stream_options=options,
     )
 
 

@@ -283,7 +283,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
                     status=upstream.status,
                     content_type=upstream.content_type,
                 )
-            if generation.stream:
+            if generation.stream_options.stream:
                 return await _relay_stream(request, upstream, router, routed)
             answer = await upstream.json()
             router.file(routed, answer.get("kv_transfer_params"))

@@ -231,7 +231,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     kv_params = None if kv_node is None else kv_node.transfer_params
     writer = EngineAnswer(request, handle, generation, identity, tokenizer, kv_params)
     try:
-        if generation.stream:
+        if generation.stream_options.stream:
             return await writer.stream()
         return await writer.whole()
     except (ClientGone, ConnectionResetError):
