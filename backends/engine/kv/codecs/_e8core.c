@@ -526,87 +526,71 @@ bad_row(Py_ssize_t row)
     return NULL;
 }
 
-typedef void (*RowFunction)(const double *, double *);
+/* What one call does over its checked rows (n rows of 8 float64 at x, the out buffer): 0, or
+ * -1 with an exception set. */
+typedef int (*RowsJob)(const double *x, Py_ssize_t n, void *out);
 
+/* The boundary of a call taking (rows, out): rows of 8 finite float64, `out_per_row` items of
+ * one of `out_formats` per row in a writable out; `job` runs over them. */
 static PyObject *
-apply_rows(PyObject *args, RowFunction function)
+run_on_rows(PyObject *args, const char *rows_name, const char *out_formats,
+            Py_ssize_t out_itemsize, Py_ssize_t out_per_row, RowsJob job)
 {
     PyObject *rows_obj, *out_obj;
     if (!PyArg_ParseTuple(args, "OO", &rows_obj, &out_obj))
         return NULL;
     Py_buffer rows, out;
-    if (get_buffer(rows_obj, &rows, "rows", "d", 8, 0) < 0)
+    if (get_buffer(rows_obj, &rows, rows_name, "d", 8, 0) < 0)
         return NULL;
-    if (get_buffer(out_obj, &out, "out", "d", 8, 1) < 0) {
+    if (get_buffer(out_obj, &out, "out", out_formats, out_itemsize, 1) < 0) {
         PyBuffer_Release(&rows);
         return NULL;
     }
     PyObject *result = NULL;
-    Py_ssize_t n = row_count(&rows, &out, DIM);
+    Py_ssize_t n = row_count(&rows, &out, out_per_row);
     if (n >= 0) {
-        const double *x = rows.buf;
-        Py_ssize_t bad = first_bad_row(x, n);
-        if (bad >= 0) {
+        Py_ssize_t bad = first_bad_row(rows.buf, n);
+        if (bad >= 0)
             bad_row(bad);
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < n; i++)
-                function(x + i * DIM, (double *)out.buf + i * DIM);
-            Py_END_ALLOW_THREADS
+        else if (job(rows.buf, n, out.buf) == 0)
             result = Py_NewRef(Py_None);
-        }
     }
     PyBuffer_Release(&rows);
     PyBuffer_Release(&out);
     return result;
 }
 
-static PyObject *
-e8core_nearest_d8(PyObject *module, PyObject *args)
+static int
+nearest_d8_job(const double *x, Py_ssize_t n, void *out)
 {
-    return apply_rows(args, nearest_d8);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        nearest_d8(x + i * DIM, (double *)out + i * DIM);
+    Py_END_ALLOW_THREADS
+    return 0;
 }
 
-static PyObject *
-e8core_nearest_e8(PyObject *module, PyObject *args)
+static int
+nearest_e8_job(const double *x, Py_ssize_t n, void *out)
 {
-    return apply_rows(args, nearest_e8);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        nearest_e8(x + i * DIM, (double *)out + i * DIM);
+    Py_END_ALLOW_THREADS
+    return 0;
 }
 
-static PyObject *
-e8core_keys(PyObject *module, PyObject *args)
+static int
+keys_job(const double *p, Py_ssize_t n, void *out)
 {
-    PyObject *points_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OO", &points_obj, &out_obj))
-        return NULL;
-    Py_buffer points, out;
-    if (get_buffer(points_obj, &points, "points", "d", 8, 0) < 0)
-        return NULL;
-    if (get_buffer(out_obj, &out, "out", "lq", 8, 1) < 0) {
-        PyBuffer_Release(&points);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t n = row_count(&points, &out, 1);
-    if (n >= 0) {
-        const double *p = points.buf;
-        Py_ssize_t bad = first_bad_row(p, n);
-        if (bad >= 0) {
-            bad_row(bad);
-        } else {
-            for (Py_ssize_t i = 0; i < n; i++)
-                ((int64_t *)out.buf)[i] = key_of(p + i * DIM);
-            result = Py_NewRef(Py_None);
-        }
-    }
-    PyBuffer_Release(&points);
-    PyBuffer_Release(&out);
-    return result;
+    for (Py_ssize_t i = 0; i < n; i++)
+        ((int64_t *)out)[i] = key_of(p + i * DIM);
+    return 0;
 }
 
 /* Rules 2-4 (and 4b where `level` is not NULL: two levels a row, `high` set) over n rows, the
- * GIL released: the first row that found no codebook point (a bug), or -1. */
-static Py_ssize_t
+ * GIL released: 0, or -1 with an exception set (a row that found no codebook point: a bug). */
+static int
 encode_rows(const double *x, const double *level, Py_ssize_t n, uint16_t *codes, uint8_t *high)
 {
     Py_ssize_t lost = -1;
@@ -622,36 +606,40 @@ encode_rows(const double *x, const double *level, Py_ssize_t n, uint16_t *codes,
         codes[i] = (uint16_t)index;
     }
     Py_END_ALLOW_THREADS
-    if (lost >= 0)
-        PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
-    return lost;
+    if (lost < 0)
+        return 0;
+    PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
+    return -1;
+}
+
+static int
+encode_job(const double *x, Py_ssize_t n, void *out)
+{
+    return encode_rows(x, NULL, n, out, NULL);
+}
+
+static PyObject *
+e8core_nearest_d8(PyObject *module, PyObject *args)
+{
+    return run_on_rows(args, "rows", "d", 8, DIM, nearest_d8_job);
+}
+
+static PyObject *
+e8core_nearest_e8(PyObject *module, PyObject *args)
+{
+    return run_on_rows(args, "rows", "d", 8, DIM, nearest_e8_job);
+}
+
+static PyObject *
+e8core_keys(PyObject *module, PyObject *args)
+{
+    return run_on_rows(args, "points", "lq", 8, 1, keys_job);
 }
 
 static PyObject *
 e8core_encode(PyObject *module, PyObject *args)
 {
-    PyObject *rows_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OO", &rows_obj, &out_obj))
-        return NULL;
-    Py_buffer rows, out;
-    if (get_buffer(rows_obj, &rows, "rows", "d", 8, 0) < 0)
-        return NULL;
-    if (get_buffer(out_obj, &out, "out", "H", 2, 1) < 0) {
-        PyBuffer_Release(&rows);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t n = row_count(&rows, &out, 1);
-    if (n >= 0) {
-        Py_ssize_t bad = first_bad_row(rows.buf, n);
-        if (bad >= 0)
-            bad_row(bad);
-        else if (encode_rows(rows.buf, NULL, n, out.buf, NULL) < 0)
-            result = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&out);
-    return result;
+    return run_on_rows(args, "rows", "H", 2, 1, encode_job);
 }
 
 static PyObject *
@@ -692,7 +680,7 @@ e8core_encode_scaled(PyObject *module, PyObject *args)
                 bad = i / 2;
         if (bad >= 0)
             bad_row(bad);
-        else if (encode_rows(x, level, n, codes.buf, high.buf) < 0)
+        else if (encode_rows(x, level, n, codes.buf, high.buf) == 0)
             result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&rows);
