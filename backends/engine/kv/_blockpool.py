@@ -353,7 +353,7 @@ class BlockPool:
         owed = self.sink_blocks
         if owed == 0:
             return
-        empty = sum(1 for b in self._free if b not in self._cached)
+        empty = self._empty_free_blocks(owed)
         for block in list(self._free):
             if empty >= owed:
                 break
@@ -436,6 +436,18 @@ class BlockPool:
                 del self._free[block]
             self._refs[block] += 1
             self._tails.discard(block)
+
+    def _empty_free_blocks(self, enough: int) -> int:
+        """Free blocks holding no cached KV, counted up to ``enough``: empty blocks sit at the
+        front of the free list (a released uncached block goes there, allocation takes from
+        there), so a settled pool stops after a few, not after every free block."""
+        empty = 0
+        for block in self._free:
+            if block not in self._cached:
+                empty += 1
+                if empty >= enough:
+                    break
+        return empty
 
     def allocate(self, count: int) -> list[int]:
         """``count`` fresh blocks with one reference each, evicting LRU cached blocks."""
