@@ -1,5 +1,9 @@
 """The aiohttp application: routes, lifecycle, and the serve loop.
 
+The proxy's socket is served by the front (``_front.py``): ``/v1/`` requests are read and
+relayed there; a connection whose request is for anything else is handed to this app,
+whose ``/v1/`` route (``_proxy``) relays the rest of that connection's requests.
+
 Lifecycle (one place): ``cleanup_ctx`` opens the upstream pools at start and closes them
 last. Shutdown order, kept by aiohttp's runner with ``shutdown_timeout``: stop accepting,
 let in-flight relays finish within the timeout, cancel the rest, then close the pools.
@@ -23,12 +27,12 @@ from gateway._admin import build_admin_app, check_admin_binding
 from gateway._config import GatewayConfig
 from gateway._connections import ConnectionGuard, GatewayRunner
 from gateway._destinations import masked_url
-from gateway._exceptions import HeadersTooLarge, error_response
+from gateway._front import FrontRunner
 from gateway._memory import return_large_buffers
-from gateway._metrics import EvaluationCollector, GatewayMetrics, route_of
+from gateway._metrics import EvaluationCollector, GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
-from gateway._relay import relay
+from gateway._relay import AiohttpClient, relay
 from gateway._routing import Backend, Routing, Upstreams
 from gateway._scorekeeper import Scorekeeper
 from gateway._scrape import BackendLoad
@@ -152,14 +156,11 @@ async def _mirroring(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    limit = state.config.server.max_header_bytes
-    if sum(len(k) + len(v) + 4 for k, v in request.raw_headers) > limit:
-        state.metrics.rejected.labels("headers_too_large").inc()
-        state.metrics.route(route_of(request.path)).answered(431).inc()
-        return error_response(HeadersTooLarge(
-            f"request headers exceed the limit of {limit} bytes in all"))
-    return await relay(request, state)
+    """A ``/v1/`` request on a connection the front handed to aiohttp (``_front.py``)."""
+    client = AiohttpClient(request)
+    await relay(client, request.app[STATE])
+    assert client.response is not None
+    return client.response
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -178,16 +179,18 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    """The runner every gateway is served by (CLI and tests alike); its client
-    connections are bounded as ``_connections.py`` says."""
+    """The runner every gateway is served by (CLI and tests alike): ``/v1/`` requests
+    are served by the front (``_front.py``), the rest by aiohttp; client connections are
+    bounded as ``_connections.py`` says, in both."""
     state = app[STATE]
     config = state.config
     closed = state.metrics.connections_closed
     guard = ConnectionGuard(config.server, lambda reason: closed.labels(reason).inc())
     state.metrics.connections_open.set_function(lambda: guard.open)
-    runner = GatewayRunner(
+    runner = FrontRunner(
         app,
         guard,
+        state,
         handler_cancellation=True,  # a client that goes away cancels its upstream call
         shutdown_timeout=config.server.shutdown_timeout_s,
         access_log=None,

@@ -12,6 +12,9 @@ Rules (DESIGN.md invariant 1):
    forwarded untouched: the backend judges it.
 4. Once the response has begun, an upstream failure can no longer become a 502/504: the
    client connection is aborted so the client sees a cut answer, never a clean end.
+5. The relay does not know which server read the request: it talks to a
+   :class:`RelayClient`, the front's (``_front.py``, every ``/v1/`` request on a
+   connection it kept) or aiohttp's (:class:`AiohttpClient`, on a connection handed over).
 """
 
 from __future__ import annotations
@@ -20,16 +23,19 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.http_writer import StreamWriter
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from evaluators import Capture, observe
 from gateway._exceptions import (
+    GatewayError,
+    HeadersTooLarge,
     RequestTooLarge,
     UpstreamError,
     error_response,
@@ -41,8 +47,9 @@ from gateway._sampler import session_key
 from gateway._state import GatewayState
 from gateway._upstream import Upstream
 
-__all__ = ["MAX_HELD_BYTES", "ClientStream", "RelayedResponse", "RequestPlan",
-           "UsageEventFilter", "plan_request", "read_body", "relay"]
+__all__ = ["MAX_HELD_BYTES", "AiohttpClient", "ClientStream", "RelayClient", "RelayStream",
+           "RelayedResponse", "RequestPlan", "UsageEventFilter", "plan_request", "read_body",
+           "relay"]
 
 log = logging.getLogger("understudy.gateway")
 
@@ -64,7 +71,55 @@ class RequestPlan:
     injected_usage: bool
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+class RelayStream(Protocol):
+    """The client's writer of one answer (a ``ClientSink``): the upstream's ``ClientWriter``."""
+
+    def write(self, piece: bytes) -> bool: ...
+
+    @property
+    def gone(self) -> bool: ...
+
+    async def drain(self) -> None: ...
+
+
+class RelayClient(Protocol):
+    """The client's half of one relayed request, whichever server read it (rule 5)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def raw_path(self) -> str: ...
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+    @property
+    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]: ...
+    @property
+    def content_length(self) -> int | None: ...
+    @property
+    def content(self) -> StreamReader: ...
+    @property
+    def client_ip(self) -> str | None: ...
+    @property
+    def scheme(self) -> str: ...
+
+    def refuse(self, error: GatewayError, request_id: str | None) -> None:
+        """Answer ``error`` (OpenAI-style JSON); nothing of an answer was sent yet."""
+
+    async def begin(self, status: int, reason: str, headers: CIMultiDict[str], *,
+                    live_soon: bool) -> RelayStream:
+        """The answer's head (held until the first write or the end, see ``ClientStream``)
+        and the writer of its body."""
+
+    async def end(self, stream: RelayStream) -> None:
+        """The answer's end: what ``stream`` still holds, then the end of the body."""
+
+    def cut(self) -> None:
+        """Abort the connection: the answer had begun (rule 4)."""
+
+
+async def read_body(request: RelayClient | web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds "
                               f"the limit of {limit} bytes")
@@ -157,24 +212,30 @@ def _stamp(event: bytes, fingerprint: bytes | None) -> bytes:
     return event[:end] + b',"system_fingerprint":' + fingerprint + event[end:]
 
 
-async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse:
+async def relay(client: RelayClient, state: GatewayState) -> None:
     """Handle one proxied request end to end; never raises for upstream failures."""
     loop = asyncio.get_running_loop()
     started, wall_started = loop.time(), time.time()
     # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID.
-    request_id = request.headers.get(REQUEST_ID_HEADER) or os.urandom(16).hex()
-    route = route_of(request.path)
+    request_id = client.headers.get(REQUEST_ID_HEADER) or os.urandom(16).hex()
+    route = route_of(client.path)
     metrics = state.metrics
+    limit = state.config.server.max_header_bytes
+    if sum(len(k) + len(v) + 4 for k, v in client.raw_headers) > limit:
+        metrics.rejected.labels("headers_too_large").inc()
+        metrics.route(route).answered(431).inc()
+        client.refuse(HeadersTooLarge(
+            f"request headers exceed the limit of {limit} bytes in all"), None)
+        return
     routing = state.routing  # one snapshot: the whole request goes where it says
     capture = Capture(started=started, max_bytes=state.config.capture.max_bytes,
                       max_chunk_times=state.config.capture.max_chunk_times)
     metrics.in_flight.inc()
     try:
-        body = await read_body(request, state.config.server.max_body_bytes)
-        plan = plan_request(route, request.method, body)
-        peer = request.transport.get_extra_info("peername") if request.transport else None
-        headers = forwarded_headers(request.headers, request_id=request_id,
-                                    client_ip=peer[0] if peer else None, scheme=request.scheme)
+        body = await read_body(client, state.config.server.max_body_bytes)
+        plan = plan_request(route, client.method, body)
+        headers = forwarded_headers(client.headers, request_id=request_id,
+                                    client_ip=client.client_ip, scheme=client.scheme)
         backend = routing.primary
         if state.mirror.active or routing.canary is not None:
             session = session_key(headers, plan.payload, state.config.mirror.session_header,
@@ -184,18 +245,18 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
                 backend = routing.canary.backend
                 state.mirror.skip("canary")
             elif state.mirror.active:
-                state.mirror.offer(route, request.method, request.raw_path, headers,
+                state.mirror.offer(route, client.method, client.raw_path, headers,
                                    plan.body, plan.payload, request_id, session)
         upstream = state.upstreams.get(backend)
-        return await _forward(request, state, upstream, plan, headers, capture, request_id)
+        await _forward(client, state, upstream, plan, headers, capture, request_id)
     except RequestTooLarge as exc:
         metrics.rejected.labels("body_too_large").inc()
         capture.status = exc.status_hint
-        return error_response(exc, request_id)
+        client.refuse(exc, request_id)
     except UpstreamError as exc:  # before the answer began: it becomes a 502/504
         metrics.upstream_errors.labels(exc.upstream, exc.kind).inc()
         capture.status, capture.error = exc.status_hint, exc.kind
-        return error_response(exc, request_id)
+        client.refuse(exc, request_id)
     except asyncio.CancelledError:  # the client went away; the upstream call is closed
         capture.error = "client_disconnected"
         raise
@@ -205,9 +266,9 @@ async def relay(request: web.Request, state: GatewayState) -> web.StreamResponse
         _record(state, capture, request_id, route, wall_started)
 
 
-async def _forward(request: web.Request, state: GatewayState, upstream: Upstream,
+async def _forward(client: RelayClient, state: GatewayState, upstream: Upstream,
                    plan: RequestPlan, headers: CIMultiDict[str], capture: Capture,
-                   request_id: str) -> web.StreamResponse:
+                   request_id: str) -> None:
     capture.backend = upstream.name
     in_flight = state.in_flight
     in_flight[upstream.name] += 1
@@ -216,40 +277,103 @@ async def _forward(request: web.Request, state: GatewayState, upstream: Upstream
     capture.backend_running = None if load is None else load.running(upstream.name)
     capture.sent = asyncio.get_running_loop().time()
     try:
-        return await _relay_answer(request, state, upstream, plan, headers, capture,
-                                   request_id)
+        await _relay_answer(client, state, upstream, plan, headers, capture, request_id)
     finally:
         in_flight[upstream.name] -= 1
         if not in_flight[upstream.name]:
             del in_flight[upstream.name]
 
 
-async def _relay_answer(request: web.Request, state: GatewayState, upstream: Upstream,
+async def _relay_answer(client: RelayClient, state: GatewayState, upstream: Upstream,
                         plan: RequestPlan, headers: CIMultiDict[str], capture: Capture,
-                        request_id: str) -> web.StreamResponse:
-    async with upstream.call(request.method, request.raw_path, upstream.credentials(headers),
+                        request_id: str) -> None:
+    async with upstream.call(client.method, client.raw_path, upstream.credentials(headers),
                              plan.body, capture) as up:
         usage_filter = UsageEventFilter() if plan.injected_usage and capture.streamed else None
-        response = RelayedResponse(
-            status=up.status, reason=up.reason,
-            headers=downstream_headers(up.headers, request_id=request_id,
-                                       body_rewritten=usage_filter is not None),
-        )
-        await response.prepare(request)  # the head is buffered, not yet sent
-        client = ClientStream(request, live_soon=capture.streamed)
+        stream = await client.begin(
+            up.status, up.reason,
+            downstream_headers(up.headers, request_id=request_id,
+                               body_rewritten=usage_filter is not None),
+            live_soon=capture.streamed)
         try:
-            await upstream.read(up, capture, client, usage_filter)
+            await upstream.read(up, capture, stream, usage_filter)
         except UpstreamError as exc:
             state.metrics.upstream_errors.labels(upstream.name, exc.kind).inc()
             capture.error = exc.kind
             # Rare and otherwise seen only as a count: say which request was cut, and why.
             log.warning("request %s cut mid-answer: %s (%s)", request_id, exc, exc.kind)
-            _abort(request)  # the answer had begun: cut it, never end it cleanly
-            return response
+            client.cut()  # the answer had begun: cut it, never end it cleanly
+            return
         # A whole answer that came before the client stream went live (a small one) goes
         # out with the head and the end in one write.
-        await response.write_eof(client.held())
-        return response
+        await client.end(stream)
+
+
+class AiohttpClient:
+    """A :class:`RelayClient` on aiohttp's server: a ``/v1/`` request on a connection the
+    front handed to aiohttp (``_front.py`` rule 1). ``response`` is the handler's answer."""
+
+    __slots__ = ("_request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def method(self) -> str:
+        return self._request.method
+
+    @property
+    def path(self) -> str:
+        return self._request.path
+
+    @property
+    def raw_path(self) -> str:
+        return self._request.raw_path
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        return self._request.headers
+
+    @property
+    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]:
+        return self._request.raw_headers
+
+    @property
+    def content_length(self) -> int | None:
+        return self._request.content_length
+
+    @property
+    def content(self) -> StreamReader:
+        return self._request.content
+
+    @property
+    def client_ip(self) -> str | None:
+        transport = self._request.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        return str(peer[0]) if peer else None
+
+    @property
+    def scheme(self) -> str:
+        return self._request.scheme
+
+    def refuse(self, error: GatewayError, request_id: str | None) -> None:
+        self.response = error_response(error, request_id)
+
+    async def begin(self, status: int, reason: str, headers: CIMultiDict[str], *,
+                    live_soon: bool) -> ClientStream:
+        self.response = response = RelayedResponse(status=status, reason=reason,
+                                                   headers=headers)
+        await response.prepare(self._request)  # the head is buffered, not yet sent
+        return ClientStream(self._request, live_soon=live_soon)
+
+    async def end(self, stream: RelayStream) -> None:
+        assert self.response is not None and isinstance(stream, ClientStream)
+        await self.response.write_eof(stream.held())
+
+    def cut(self) -> None:
+        if self._request.transport is not None:
+            self._request.transport.abort()
 
 
 class RelayedResponse(web.StreamResponse):
@@ -301,11 +425,6 @@ class ClientStream(ClientSink):
         """The pieces not yet written (the whole answer if it never went live)."""
         held, self._held = self._held, None
         return b"".join(held) if held else b""
-
-
-def _abort(request: web.Request) -> None:
-    if request.transport is not None:
-        request.transport.abort()
 
 
 def _record(state: GatewayState, capture: Capture, request_id: str, route: Route,
