@@ -168,6 +168,7 @@ class PagedCodec:
                     layer=layer,
                     key_mean=None if key_means is None else key_means[layer],
                     key_scale=None if key_scales is None else key_scales[layer],
+                    windowed=codec.window_tokens > 0,
                 )
         self.codecs: list[tuple[KVCodec, KVCodec]] = [
             (built[layer, names.key], built[layer, names.value])

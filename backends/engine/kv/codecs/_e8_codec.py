@@ -58,9 +58,10 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
    scales 0.3580 / 0.2210 / 72.9 %, 16 levels an octave 0.3585 / 0.2208 / 71.9 %, 8 an octave
    (twice the span) 0.3600 / 0.2387 / 70.6 %.  ``DEFAULT_TAU`` was tuned on SmolLM2's real
    keys and values (mean squared error of the round trip; see ``_quality.tune_tau``).
-4b. Block scales (``block_scales``, on for ``e8-2``): each 8-block of a token-head takes one of
-   two levels near its token-head's, ``BLOCK_SCALE_STEPS`` = -5 and +3 steps of the uint8 index
-   (x 0.81 and x 1.14; indexes kept in 1..255), the one whose code has the smaller squared error
+4b. Block scales (``block_scale_roles``: keys and values of ``e8-2``, keys only of ``e8-2w``):
+   each 8-block of a token-head takes one of two levels near its token-head's,
+   ``BLOCK_SCALE_STEPS`` = -5 and +3 steps of the uint8 index (x 0.81 and x 1.14; indexes kept
+   in 1..255), the one whose code has the smaller squared error
    in the rotated space (the low one on a tie; in C, ``_e8core.encode_scaled``: the block divided
    by each level in float64, both searched, the 8 squares summed in a fixed order, so the choice
    does not depend on a SIMD path); one bit per block, packed after the
@@ -71,8 +72,10 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
    0.0901 -> 0.0742 (-18 %, the 6 dB per bit of rate theory gives 1/8 bit per element: -16 %;
    the best pair of a sweep over -9..+6 steps and tau 0.9-1.2).  On issue 14's first 1,500-token
    text (attention error / KL / top-1): 0.400 / 0.120 / 80.8 % -> 0.357 / 0.098 / 83.4 %.
-   ``e8-2w`` leaves it off: its window already spends the bits (3.32 bits at 1,536 tokens, the
-   issue's bound 3.4).
+   ``e8-2w`` gives it its keys only: its window spends most of the bits (the issue's bound is 3.4
+   bits at 1,500 tokens: 3.39 so, 3.44 with values' block scales too), and keys carry most of a
+   windowed error (the first text, one scale: 0.142; exact keys 0.052, exact values 0.130; block
+   scales on the keys 0.115, on both 0.113).
 5. The scaled vector is cut into 8-blocks, each coded as the index (uint16) of its nearest
    point in the 56,881-point codebook (``_e8``, rules 2-5: a search in C).
 6. Bits per element: 16 bits per 8 elements + 8 bits of scale per ``head_dim`` elements =
@@ -250,14 +253,15 @@ class E8Codec(BlockCodec):
     stacked [2, kv_heads, head_dim]; ``key_scale`` the keys' per-channel multipliers [kv_heads,
     head_dim], their transform [kv_heads, head_dim, head_dim], or the keys' and the values'
     transforms stacked [2, kv_heads, head_dim, head_dim] (rules 1-2; the registry's one pair of
-    per-layer constants carries both roles); ``block_scales``: rule 4b's bit per 8-block."""
+    per-layer constants carries both roles); ``block_scale_roles``: the roles that take rule
+    4b's bit per 8-block."""
 
     __slots__ = (
         "_decoders",
         "_means",
         "_unweights",
         "_weights",
-        "block_scales",
+        "block_scale_roles",
         "key_mean",
         "key_scale",
         "layer",
@@ -276,7 +280,7 @@ class E8Codec(BlockCodec):
         key_scale: Float32Array | None = None,
         tau: float = DEFAULT_TAU,
         window_tokens: int = 0,
-        block_scales: bool = True,
+        block_scale_roles: tuple[Role, ...] = ROLES,
         name: str = "e8-2",
     ) -> None:
         if tau <= 0:
@@ -286,7 +290,7 @@ class E8Codec(BlockCodec):
         self.seed = seed
         self.tau = tau
         self.window_tokens = window_tokens
-        self.block_scales = block_scales
+        self.block_scale_roles = block_scale_roles
         self.key_mean = None if key_mean is None else np.asarray(key_mean, dtype=np.float32)
         self.key_scale = None if key_scale is None else np.asarray(key_scale, dtype=np.float32)
         self._decoders: dict[tuple[Role, int, int], Float32Array] = {}
@@ -331,7 +335,7 @@ class E8Codec(BlockCodec):
         tokens, heads, dim = x.shape
         rotated = self._rotated(x, role)
         scales = _token_scales(rotated, self.tau)
-        if not self.block_scales:
+        if role not in self.block_scale_roles:
             rows = _scaled_rows(rotated, SCALE_LEVELS[scales][..., None])
             codes = e8_codebook().encode(rows).reshape(tokens, heads, dim // E8_BLOCK)
             return EncodedBlock(self.name, role, block_shape(x), codes, scales, _EMPTY)
@@ -360,7 +364,7 @@ class E8Codec(BlockCodec):
         tokens, heads, dim = encoded.shape
         blocks = dim // E8_BLOCK
         points = e8_codebook().decode(encoded.codes).reshape(tokens, heads, blocks, E8_BLOCK)
-        if self.block_scales:
+        if encoded.role in self.block_scale_roles:
             high = np.unpackbits(encoded.scales[..., 1:], axis=-1, count=blocks, bitorder="little")
             points *= SCALE_LEVELS[_block_levels(encoded.scales[..., 0], high)][..., None]
         else:

@@ -491,8 +491,10 @@ def layer_codecs(
     means: Sequence[Float32Array],
     key_scales: Sequence[Float32Array],
     seed: int = DEFAULT_SEED,
+    window: int = 0,
 ) -> LayerCodecPairs:
-    """Per layer, the codec of its keys and the codec of its values."""
+    """Per layer, the codec of its keys and the codec of its values, built as the engine builds
+    them for a cache with a ``window`` (``codec_by_name``'s ``windowed``)."""
     # A name may be any registry codec (e8-2w too); a plan names served codecs only.
     if isinstance(choice, str):
         names = [(choice, choice)] * num_layers
@@ -505,7 +507,12 @@ def layer_codecs(
         for name in pair:
             if (layer, name) not in built:
                 built[layer, name] = codec_by_name(
-                    name, layer=layer, seed=seed, key_mean=means[layer], key_scale=key_scales[layer]
+                    name,
+                    layer=layer,
+                    seed=seed,
+                    key_mean=means[layer],
+                    key_scale=key_scales[layer],
+                    windowed=window > 0,
                 )
     return [(built[i, k], built[i, v]) for i, (k, v) in enumerate(names)]
 
@@ -613,7 +620,8 @@ def measure_quality(
     means, key_scales = calibration if calibration is not None else calibrate(model)
     keyed = [(choice_label(choice), window, choice) for choice, window in configs]
     pairs = {
-        label: layer_codecs(choice, layers, means, key_scales, seed) for label, _, choice in keyed
+        (label, window): layer_codecs(choice, layers, means, key_scales, seed, window)
+        for label, window, choice in keyed
     }
     tallies = {(label, window): _Tally() for label, window, _ in keyed}
     heavy = {label: _heavy_tokens(choice) for label, _, choice in keyed}
@@ -632,7 +640,7 @@ def measure_quality(
         ref_logp = _log_softmax(reference.logits)
         for label, window, _ in keyed:
             tally = tallies[label, window]
-            read = _reader(pairs[label], encode_tokens, heavy[label])
+            read = _reader(pairs[label, window], encode_tokens, heavy[label])
             errors, fars = [], []
             for layer in range(layers):
                 k, v = reference.keys[layer], reference.values[layer]
@@ -668,7 +676,9 @@ def measure_quality(
         CodecQuality(
             codec=label,
             window_tokens=window,
-            bits_per_element=plan_bits(pairs[label], cfg.num_kv_heads, cfg.head_dim, encode_tokens)
+            bits_per_element=plan_bits(
+                pairs[label, window], cfg.num_kv_heads, cfg.head_dim, encode_tokens
+            )
             + heavy_bits_per_element(heavy[label], cfg.head_dim, encode_tokens),
             elements_per_token=elements,
             attention_error_per_layer=tuple(

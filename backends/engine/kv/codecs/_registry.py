@@ -11,20 +11,28 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ..._arrays import Float32Array
-from ._codec import DEFAULT_SEED, CodecSpec, KVCodec
+from ._codec import DEFAULT_SEED, ROLES, CodecSpec, KVCodec, Role
 from ._e8_codec import E8Codec
 from ._float import Float8Codec, Float16Codec, Float32Codec
 from ._kivi import KIVI_WINDOW, KiviCodec
 
-__all__ = ["CODECS", "E8_WINDOW", "codec_by_name"]
+__all__ = ["CODECS", "E8_WINDOW", "WINDOWED_BUILDS", "codec_by_name"]
 
 E8_WINDOW = 128
 """Recent tokens ``e8-2w`` keeps at full precision (KIVI's window)."""
 
 
+WINDOWED_BUILDS: Mapping[str, str] = MappingProxyType({"e8-2": "e8-2w"})
+"""What a codec is built as for a cache with a recent window (a plan's ``window_tokens``, the
+windowed codecs): ``e8-2`` as ``e8-2w``, block scales on the keys only (``_e8_codec`` rule 4b),
+so that ``--kv-codec e8-2w`` serves what ``kv-quality`` measures as ``e8-2w``."""
+
+
 def _e8(window: int, name: str) -> CodecSpec:
-    block_scales = not window  # a window spends the bits instead (``_e8_codec`` rule 4b)
-    scales = "8-bit log scale per token-head" + (" and 1 bit per 8-block" if block_scales else "")
+    # A window spends most of the bits: block scales for the keys only (``_e8_codec`` rule 4b).
+    block_scale_roles: tuple[Role, ...] = ("key",) if window else ROLES
+    blocks = "8-block of the keys" if window else "8-block"
+    scales = f"8-bit log scale per token-head and 1 bit per {blocks}"
     return CodecSpec(
         name,
         f"E8 lattice, 2 bits/dim + an {scales}, Hadamard-rotated"
@@ -35,7 +43,7 @@ def _e8(window: int, name: str) -> CodecSpec:
             key_mean=key_mean,
             key_scale=key_scale,
             window_tokens=window,
-            block_scales=block_scales,
+            block_scale_roles=block_scale_roles,
             name=name,
         ),
     )
@@ -74,11 +82,15 @@ def codec_by_name(
     seed: int = DEFAULT_SEED,
     key_mean: Float32Array | None = None,
     key_scale: Float32Array | None = None,
+    windowed: bool = False,
 ) -> KVCodec:
     """The codec ``name`` for ``layer``: ``seed``, ``key_mean`` and ``key_scale`` [kv_heads,
     head_dim] (the layer's calibrated key mean and per-channel key multipliers) matter to the
-    codecs that rotate, centre and weigh (E8); the others ignore them.  Unknown names raise
-    ``KeyError`` naming the known ones."""
+    codecs that rotate, centre and weigh (E8); the others ignore them.  ``windowed``: the layer
+    is read with a recent window, so ``name`` is built as ``WINDOWED_BUILDS`` says.  Unknown
+    names raise ``KeyError`` naming the known ones."""
+    if windowed:
+        name = WINDOWED_BUILDS.get(name, name)
     try:
         spec = CODECS[name]
     except KeyError:

@@ -68,7 +68,7 @@ EXPECTED: dict[str, Expected] = {
     "kivi-4": Expected(0.1, 0.13, bits=(5.0, 5.0), window=128),
     "kivi-2": Expected(0.42, 0.6, bits=(3.0, 3.0), window=128),
     "e8-2": Expected(0.32, 0.3, bits=(2.25, 2.25)),
-    "e8-2w": Expected(0.32, 0.3, bits=(2.125, 2.125), window=128),
+    "e8-2w": Expected(0.32, 0.3, bits=(2.1875, 2.1875), window=128),
 }
 
 
@@ -356,11 +356,12 @@ def test_e8_scale_is_the_nearest_log_level_in_one_byte() -> None:
 def test_e8_block_scales_take_the_closer_of_two_levels() -> None:
     """Rule 4b: each 8-block is coded at its token-head's level moved -5 or +3 steps, the one
     with the smaller squared error (ties low); one bit per block after the token-head's index;
-    decoding applies the same level; e8-2w keeps one scale per token-head."""
+    decoding applies the same level; e8-2w gives them to its keys only, and a windowed cache
+    builds e8-2 as e8-2w."""
     x = gaussian(32, (16, 3, 64)) * np.float32(3.0)
     x[4] = 0.0
     codec = codec_by_name("e8-2")
-    assert isinstance(codec, E8Codec) and codec.block_scales
+    assert isinstance(codec, E8Codec) and codec.block_scale_roles == ("key", "value")
     encoded = codec.encode(x, "value")
     assert encoded.scales.dtype == np.uint8 and encoded.scales.shape == (16, 3, 2)
     token, _ = codec._lattice_rows(x, "value")
@@ -380,12 +381,18 @@ def test_e8_block_scales_take_the_closer_of_two_levels() -> None:
     chosen = np.where(high > 0, errors[1], errors[0])
     np.testing.assert_allclose(chosen[live], np.minimum(*errors)[live], rtol=1e-9, atol=1e-12)
     assert (encoded.scales[4] == 0).all() and (codec.decode(encoded)[4] == 0).all()
-    single = E8Codec(block_scales=False)
+    single = E8Codec(block_scale_roles=())
     plain = single.encode(x, "value")
     assert plain.scales.shape == (16, 3) and np.array_equal(plain.scales, token)
     assert relative_error(codec.decode(encoded), x) < 0.93 * relative_error(single.decode(plain), x)
-    window = codec_by_name("e8-2w")
-    assert isinstance(window, E8Codec) and not window.block_scales
+    for window in (codec_by_name("e8-2w"), codec_by_name("e8-2", windowed=True)):
+        assert isinstance(window, E8Codec) and window.name == "e8-2w"
+        keys, values = window.encode(x, "key"), window.encode(x, "value")
+        assert keys.scales.shape == (16, 3, 2) and values.scales.shape == (16, 3)
+        np.testing.assert_array_equal(values.codes, plain.codes)
+        np.testing.assert_array_equal(keys.codes, codec.encode(x, "key").codes)
+        assert keys.bits_per_element == 2.25 and values.bits_per_element == 2.125
+        assert window.bits_per_element(3, 64) == 2.1875
 
 
 def test_e8_key_mean_and_seed() -> None:
