@@ -15,6 +15,8 @@ Rules:
 2. Requests are parsed by aiohttp's parser with aiohttp's bounds (``max_header_field_bytes``,
    ``max_header_count``); what it refuses is answered as aiohttp's guarded handler answers:
    OpenAI-style JSON, 431 for header overflows, else 400, counted, and the connection closed.
+   ``Expect: 100-continue`` is answered ``100 Continue`` as the request starts (aiohttp's
+   default expect handler does the same), so a client waiting for it sends its body at once.
 3. One request at a time per connection. Pipelined requests wait in the parser (it pauses
    after each whole message) and the connection stops reading while one waits. A pipelined
    request that is not ``/v1/`` cannot be handed over (its bytes are parsed already): the
@@ -83,6 +85,7 @@ _MAX_METHOD = 16
 _METHOD = re.compile(rb"[A-Z]{1,16}\Z")
 _NO_BODY_STATUSES = frozenset({204, 304})
 _TERMINAL_CHUNK = b"0\r\n\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 # Where a connection is (rule 4's deadlines are kept for the first two).
 _HEAD, _IDLE, _BUSY = range(3)
@@ -330,6 +333,9 @@ class FrontConnection(BaseProtocol):
             if self.transport is not None:
                 self.transport.close()
             return
+        if message.version >= (1, 1) and self.transport is not None \
+                and message.headers.get("Expect", "").lower() == "100-continue":
+            self.transport.write(_CONTINUE)  # as aiohttp's default expect handler does
         self._request = request = FrontRequest(self, message, payload)
         self._task = self._loop.create_task(self._serve(request))
 

@@ -114,6 +114,18 @@ async def test_a_pipelined_request_that_is_not_v1_closes_after_the_answers_befor
         assert await asyncio.wait_for(reader.read(), 5) == b""  # RFC 9112 9.3.2: retried
 
 
+async def test_a_client_that_expects_100_continue_gets_it_then_the_answer() -> None:
+    async with gateway() as gw, connection(gw) as (reader, writer):
+        whole = post(CHAT, extra="Expect: 100-continue\r\n")
+        head, _, body = whole.partition(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        head, answer = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["choices"]
+
+
 async def test_http10_answers_close_or_keep_alive_as_asked() -> None:
     async with gateway() as gw:
         async with connection(gw) as (reader, writer):
