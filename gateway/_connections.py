@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
@@ -33,7 +34,14 @@ from aiohttp.web_request import BaseRequest
 
 from gateway._config import ServerConfig
 
-__all__ = ["ConnectionClose", "ConnectionGuard", "GatewayRunner", "openai_error_body"]
+__all__ = [
+    "ConnectionClose",
+    "ConnectionGuard",
+    "GatewayRunner",
+    "ParserRefusal",
+    "openai_error_body",
+    "parser_refusal",
+]
 
 ConnectionClose = Literal[
     "max_connections", "max_connections_per_ip", "header_timeout", "keepalive_timeout",
@@ -46,6 +54,25 @@ ConnectionClose = Literal[
 def openai_error_body(message: str, error_type: str, code: int) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": error_type, "param": None,
                                    "code": code}})
+
+
+@dataclass(frozen=True, slots=True)
+class ParserRefusal:
+    """How a request the HTTP parser refused is answered and counted (rule 4)."""
+
+    status: int
+    message: str
+    reason: ConnectionClose
+
+
+_HEADERS_TOO_LARGE = ParserRefusal(431, "request header fields too large", "headers_too_large")
+_MALFORMED = ParserRefusal(400, "malformed HTTP request", "bad_request")
+
+
+def parser_refusal(exc: HttpProcessingError) -> ParserRefusal:
+    """A header line or count past the bounds is a 431; anything else the parser refuses, 400."""
+    overflow = isinstance(exc, LineTooLong) or "Too many headers" in str(exc)
+    return _HEADERS_TOO_LARGE if overflow else _MALFORMED
 
 
 _BUSY = openai_error_body("too many connections; retry later", "server_busy", 503)
@@ -154,12 +181,10 @@ class _GuardedHandler(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         """aiohttp's own error answers, as OpenAI-style JSON (rule 4)."""
         if isinstance(exc, HttpProcessingError):
-            overflow = isinstance(exc, LineTooLong) or "Too many headers" in str(exc)
-            status = 431 if overflow else status
-            self._guard.closed("headers_too_large" if overflow else "bad_request")
-            text = ("request header fields too large" if overflow
-                    else "malformed HTTP request")
-            error_type = "invalid_request_error"
+            refusal = parser_refusal(exc)
+            status = refusal.status if refusal.status == 431 else status
+            self._guard.closed(refusal.reason)
+            text, error_type = refusal.message, "invalid_request_error"
         else:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
             text, error_type = "internal error of the gateway", "internal_error"

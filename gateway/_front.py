@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import StreamReader, web
 from aiohttp.base_protocol import BaseProtocol
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import HttpParser, HttpRequestParser, RawRequestMessage
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
@@ -57,6 +57,7 @@ from gateway._connections import (
     GatewayRunner,
     _GuardedServer,
     openai_error_body,
+    parser_refusal,
 )
 from gateway._relay import MAX_HELD_BYTES, relay
 from gateway._relaycore import ClientSink
@@ -307,11 +308,9 @@ class FrontConnection(BaseProtocol):
         self._closing = True
         if self._request is not None:
             return  # an answer is in flight: the connection closes after it
-        overflow = isinstance(exc, LineTooLong) or "Too many headers" in str(exc)
-        self._server.guard.closed("headers_too_large" if overflow else "bad_request")
-        self._write_error(431 if overflow else 400,
-                          "request header fields too large" if overflow
-                          else "malformed HTTP request", "invalid_request_error", None)
+        refusal = parser_refusal(exc)
+        self._server.guard.closed(refusal.reason)
+        self._write_error(refusal.status, refusal.message, "invalid_request_error", None)
 
     def _write_error(self, status: int, message: str, error_type: str,
                      request_id: str | None) -> None:

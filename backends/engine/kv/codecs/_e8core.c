@@ -560,24 +560,28 @@ run_on_rows(PyObject *args, const char *rows_name, const char *out_formats,
     return result;
 }
 
+/* `nearest` over n rows into rows of out, the GIL released. */
 static int
-nearest_d8_job(const double *x, Py_ssize_t n, void *out)
+nearest_rows(const double *x, Py_ssize_t n, double *out,
+             void (*nearest)(const double[DIM], double[DIM]))
 {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
-        nearest_d8(x + i * DIM, (double *)out + i * DIM);
+        nearest(x + i * DIM, out + i * DIM);
     Py_END_ALLOW_THREADS
     return 0;
 }
 
 static int
+nearest_d8_job(const double *x, Py_ssize_t n, void *out)
+{
+    return nearest_rows(x, n, out, nearest_d8);
+}
+
+static int
 nearest_e8_job(const double *x, Py_ssize_t n, void *out)
 {
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        nearest_e8(x + i * DIM, (double *)out + i * DIM);
-    Py_END_ALLOW_THREADS
-    return 0;
+    return nearest_rows(x, n, out, nearest_e8);
 }
 
 static int
