@@ -89,7 +89,8 @@ def render_table(title: str, header: list[str], rows: list[list[str]], *,
 
 
 def write_results(path: Path, document: dict[str, Any]) -> str:
-    """Write a run's results as JSON; the line that says where, for the log."""
+    """Write a run's results as JSON; the line that says where (from the repository root
+    when inside it), for the log."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2) + "\n")
-    return f"results: {path.relative_to(REPO_ROOT)}"
+    return f"results: {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}"

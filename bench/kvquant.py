@@ -64,7 +64,6 @@ kvquant-decode.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -81,6 +80,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _kv_decode import DECODE_STREAMS, decode_rows, decode_targets  # noqa: E402
+from _report import RESULTS_DIR, write_results  # noqa: E402
 
 from backends.engine import Engine, LlamaModel  # noqa: E402
 from backends.engine.kv._paged_codec import ENGINE_CODECS  # noqa: E402
@@ -101,7 +101,7 @@ from backends.engine.kv.codecs._quality import (  # noqa: E402
 from backends.engine.kv.codecs._summary import quality_rows  # noqa: E402
 from backends.engine.kv.codecs._texts import PROMPTS  # noqa: E402
 
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "kvquant.json"
+RESULTS_PATH = RESULTS_DIR / "kvquant.json"
 DEFAULT_BUDGET_MIB = 64
 DEFAULT_CONTEXT = 1536
 DEFAULT_ENGINE_BUDGET_MIB = 16
@@ -434,9 +434,7 @@ def quality_only(
     result = {"setup": setup(report, args), "codecs": table, "targets": targets(table)}
     render(result)
     path = RESULTS_PATH.with_name(f"kvquant-quality-{args.semantics}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {path.relative_to(REPO_ROOT)}")
+    print(write_results(path, result))
     return 0
 
 
@@ -482,10 +480,7 @@ def issue_setup(
             f"{row['bits_at_context']:.3f}",
         )
     Console(width=200).print(beside)
-    path = RESULTS_PATH.with_name("kvquant-issue.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {path}")
+    print(write_results(RESULTS_PATH.with_name("kvquant-issue.json"), result))
     return 0
 
 
@@ -619,9 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     path = RESULTS_PATH
     if args.semantics != "write":
         path = path.with_name(f"kvquant-{args.semantics}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {path.relative_to(REPO_ROOT)}")
+    print(write_results(path, result))
     return 0
 
 
