@@ -34,10 +34,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Final
 
 import numpy as np
-import numpy.typing as npt
 from scipy import stats
 
-from evaluators._statistics import DEFAULT_CONFIDENCE, DEFAULT_SEED
+from evaluators._statistics import DEFAULT_CONFIDENCE, DEFAULT_SEED, FloatArray
 from evaluators._strata import (
     MIN_STRATUM_SAMPLES,
     StratifiedComparison,
@@ -74,7 +73,6 @@ LOAD_CURVE_QUANTILE: Final = 0.9
 MAX_THEIL_SEN_POINTS: Final = 2000
 UNKNOWN: Final = "unknown"
 
-FloatArray = npt.NDArray[np.float64]
 Values = Sequence[float] | FloatArray
 
 

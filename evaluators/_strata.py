@@ -43,10 +43,9 @@ from itertools import pairwise
 from typing import Any, Final
 
 import numpy as np
-import numpy.typing as npt
 from scipy import stats
 
-from evaluators._statistics import DEFAULT_CONFIDENCE
+from evaluators._statistics import DEFAULT_CONFIDENCE, FloatArray
 
 __all__ = [
     "EXACT_SHIFT_MAX_PAIRS",
@@ -61,8 +60,6 @@ __all__ = [
 MIN_STRATUM_SAMPLES: Final = 5
 SHIFT_SEARCH_STEPS: Final = 60
 EXACT_SHIFT_MAX_PAIRS: Final = 1 << 20
-
-FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True, slots=True)
