@@ -15,6 +15,7 @@ import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -187,36 +188,20 @@ def _hashes(node: Node, tokens: Sequence[int]) -> list[BlockHash]:
     return hash_blocks(node.engine.pool.seed, tokens, node.engine.block_size)
 
 
-async def _pull(
-    puller: Node,
-    source: KVSource,
-    tokens: Sequence[int],
-    *,
-    min_blocks: int = 0,
-    release_after: bool = False,
-    timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
-) -> int:
+async def _pull(puller: Node, source: KVSource, tokens: Sequence[int], **options: Any) -> int:
+    """``pull_missing_blocks`` of ``tokens`` into ``puller``; ``options`` are its keywords
+    (``min_blocks``, ``release_after``, ``timeout_s``), its own defaults where not given."""
     return await pull_missing_blocks(
-        puller.loop,
-        puller.metrics,
-        source,
-        _hashes(puller, tokens),
-        min_blocks=min_blocks,
-        release_after=release_after,
-        timeout_s=timeout_s,
+        puller.loop, puller.metrics, source, _hashes(puller, tokens), **options
     )
 
 
 async def _pull_fails(
-    puller: Node,
-    source: KVSource,
-    tokens: Sequence[int],
-    *,
-    timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+    puller: Node, source: KVSource, tokens: Sequence[int], **options: Any
 ) -> str:
     """Pull, expecting a failure; its outcome, after checking nothing was imported."""
     with pytest.raises(KVTransferError) as caught:
-        await _pull(puller, source, tokens, timeout_s=timeout_s)
+        await _pull(puller, source, tokens, **options)
     cached = await puller.loop.call(lambda e: e.cached_prefix_blocks(tokens))
     assert cached == [], "a failed pull left blocks in the puller's cache"
     return caught.value.outcome
