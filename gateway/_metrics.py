@@ -103,7 +103,11 @@ class GatewayMetrics:
 
         self.requests = counter("understudy_requests", "Requests answered, by route and status.",
                                 "route", "status")
+        self.relaying = 0
+        """Requests being relayed now: a plain count, read by its gauge at scrape time (a
+        gauge's inc and dec take its lock each: ~1.4 µs per request, timeit)."""
         self.in_flight = gauge("understudy_requests_in_flight", "Requests being relayed now.")
+        self.in_flight.set_function(lambda: self.relaying)
         self.ttft = latency(
             "understudy_primary_ttft_seconds",
             "Time from request to the first body chunk of the primary's answer.", "route")

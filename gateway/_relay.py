@@ -120,11 +120,18 @@ class RelayClient(Protocol):
 
 
 async def read_body(request: RelayClient | web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds "
+    length = request.content_length
+    if length is not None and length > limit:
+        raise RequestTooLarge(f"request body of {length} bytes exceeds "
                               f"the limit of {limit} bytes")
+    content = request.content
+    if content.is_eof():  # all of it came with the head (a small request): one join, no loop
+        whole = content.read_nowait()
+        if len(whole) > limit:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+        return whole
     body = bytearray()
-    while chunk := await request.content.readany():
+    while chunk := await content.readany():
         body += chunk
         if len(body) > limit:
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
@@ -230,7 +237,7 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
     routing = state.routing  # one snapshot: the whole request goes where it says
     capture = Capture(started=started, max_bytes=state.config.capture.max_bytes,
                       max_chunk_times=state.config.capture.max_chunk_times)
-    metrics.in_flight.inc()
+    metrics.relaying += 1
     try:
         body = await read_body(client, state.config.server.max_body_bytes)
         plan = plan_request(route, client.method, body)
@@ -261,7 +268,7 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
         capture.error = "client_disconnected"
         raise
     finally:
-        metrics.in_flight.dec()
+        metrics.relaying -= 1
         capture.ended = loop.time()
         _record(state, capture, request_id, route, wall_started)
 

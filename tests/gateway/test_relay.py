@@ -251,7 +251,7 @@ async def test_client_disconnect_cancels_upstream_request() -> None:
         resp.close()  # the client goes away mid-stream
         await eventually(lambda: sim.stats.cancelled == 1)
         assert sim.stats.in_flight == 0 and sim.stats.completed == 0
-        await eventually(lambda: gw.state.metrics.in_flight._value.get() == 0)
+        await eventually(lambda: gw.state.metrics.relaying == 0)
         assert gw.state.observations.snapshot()[-1].error == "client_disconnected"
 
 
