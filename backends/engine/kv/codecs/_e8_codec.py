@@ -360,16 +360,19 @@ class E8Codec(BlockCodec):
         return scales, _scaled_rows(rotated, SCALE_LEVELS[scales][..., None])
 
     def _decode(self, encoded: EncodedBlock) -> Float32Array:
-        """Rule 8: codebook rows times the scales, then one product per head."""
+        """Rule 8: codebook rows times the scales (in C, ``_e8core.decode_scaled``: the float32
+        products numpy made, from the C's own table of points), then one product per head."""
         tokens, heads, dim = encoded.shape
-        blocks = dim // E8_BLOCK
-        points = e8_codebook().decode(encoded.codes).reshape(tokens, heads, blocks, E8_BLOCK)
-        if encoded.role in self.block_scale_roles:
-            high = np.unpackbits(encoded.scales[..., 1:], axis=-1, count=blocks, bitorder="little")
-            points *= SCALE_LEVELS[_block_levels(encoded.scales[..., 0], high)][..., None]
-        else:
-            points *= SCALE_LEVELS[encoded.scales][..., None, None]
-        flat = points.reshape(tokens, heads, dim)
+        flat = np.empty((tokens, heads, dim), dtype=np.float32)
+        scales = np.ascontiguousarray(encoded.scales, dtype=np.uint8)
+        block_scaled = encoded.role in self.block_scale_roles
+        _e8core.decode_scaled(
+            np.ascontiguousarray(encoded.codes, dtype=np.uint16),
+            scales,
+            scales.shape[-1] if block_scaled else 1,
+            _level_pairs() if block_scaled else SCALE_LEVELS,
+            flat,
+        )
         out = np.matmul(flat.transpose(1, 0, 2), self._decoder(encoded.role, heads, dim))
         mean = self._means[encoded.role]
         if mean is not None:
@@ -397,10 +400,13 @@ class E8Codec(BlockCodec):
 
 
 def _token_scales(rotated: Float32Array, tau: float) -> npt.NDArray[np.uint8]:
-    """Rule 4: the uint8 index of the level nearest each token-head's ``RMS / tau``."""
-    rms = np.sqrt(np.square(rotated).mean(axis=2)) / np.float32(tau)
-    nearest = 1 + np.searchsorted(_SCALE_CUTS, rms.astype(np.float64))
-    return np.where(rms > 0, nearest, 0).astype(np.uint8)
+    """Rule 4: the uint8 index of the level nearest each token-head's ``RMS / tau``, in C
+    (``_e8core.token_scales``: the float32 RMS numpy's ``sqrt(square(x).mean())`` gives, then
+    the count of ``_SCALE_CUTS`` below it, as ``searchsorted`` counts)."""
+    rows = np.ascontiguousarray(rotated, dtype=np.float32)
+    scales = np.empty(rows.shape[:-1], dtype=np.uint8)
+    _e8core.token_scales(rows, tau, _SCALE_CUTS, scales)
+    return scales
 
 
 def _scaled_rows(rotated: Float32Array, levels: Float32Array) -> npt.NDArray[np.float64]:
@@ -426,22 +432,33 @@ _BOTH_FLAGS = np.array([0, 1], dtype=np.uint8)
 """Rule 4b's two flags, low and high: ``_block_levels`` of both levels of each token-head."""
 
 
+@functools.cache
+def _level_pairs() -> Float32Array:
+    """Rule 4b's two levels (low, high) of every token-head scale index: float32 [256, 2],
+    read-only, what ``SCALE_LEVELS[_block_levels(scales, flags)]`` gives, looked up in C."""
+    pairs = np.ascontiguousarray(
+        SCALE_LEVELS[_block_levels(np.arange(256, dtype=np.uint8), _BOTH_FLAGS)]
+    )
+    pairs.flags.writeable = False
+    return pairs
+
+
 def _block_scaled_codes(
     rotated: Float32Array, scales: npt.NDArray[np.uint8]
 ) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint8]]:
     """Rule 4b: each 8-block coded at both of its levels; the codes [tokens, heads, blocks] of
     the one whose point times its level is nearer the block (the low one on a tie) and the
-    flags (1: high), both found in C (``_e8core.encode_scaled``: the division in float64, the
-    squared distance summed in a fixed order, so the choice does not depend on a SIMD path)."""
+    flags (1: high), both found in C (``_e8core.encode_scaled``: the block and its levels taken
+    to float64, the division in float64, the squared distance summed in a fixed order, so the
+    choice does not depend on a SIMD path)."""
     tokens, heads, dim = rotated.shape
     shape = (tokens, heads, dim // E8_BLOCK)
-    both = SCALE_LEVELS[_block_levels(scales, _BOTH_FLAGS)].astype(np.float64)
-    levels = np.repeat(both[:, :, None, :], shape[2], axis=2)
     codes = np.empty(shape, dtype=np.uint16)
     high = np.empty(shape, dtype=np.uint8)
     _e8core.encode_scaled(
-        rotated.reshape(-1, E8_BLOCK).astype(np.float64),
-        levels.reshape(-1, 2),
+        np.ascontiguousarray(rotated, dtype=np.float32),
+        np.ascontiguousarray(scales, dtype=np.uint8),
+        _level_pairs(),
         codes,
         high,
     )

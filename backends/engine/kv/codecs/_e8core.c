@@ -1,9 +1,12 @@
 /* backends.engine.kv.codecs._e8core: the E8 codec's per-row arithmetic in C (issue 14).
  *
  * The rules are _e8.py's (its module comment, rules 1-4: the codebook search) and _e8_codec.py's
- * rule 3 (the fast Walsh-Hadamard transform); this file is their arithmetic, one row at a time,
- * so that a 16-token block (384 rows of 8) costs microseconds, not the milliseconds of numpy's
- * per-call overhead on arrays of that size.
+ * rules 3 (the fast Walsh-Hadamard transform), 4 (a token-head's scale index), 4b (the block
+ * scales' choice) and 8's first half (codebook rows times their levels); this file is their
+ * arithmetic, one row at a time, so that a 16-token block (384 rows of 8) costs microseconds,
+ * not the milliseconds of numpy's per-call overhead on arrays of that size (and a block sealed
+ * between two layers' attention finds numpy's code and data out of the caches: each call it
+ * saves is worth more there than on a warm loop).
  *
  * Rules of the arithmetic:
  * 1. Every value is float64 and every operation is IEEE: no BLAS, no fused multiply-add
@@ -27,7 +30,12 @@
  *    by KEY_OFFSET, read as the digits of a base-KEY_BASE number, coordinate 0 the least
  *    significant (keys() gives it; _e8.py sorts the points by it).  A point's code is its rank
  *    in that order, counted from tables built when the module loads (index_of), so the C
- *    needs no codebook handed in; the tests hold it equal to _e8.py's sorted keys.
+ *    needs no codebook handed in; the tests hold it equal to _e8.py's sorted keys.  The way
+ *    back, a code's point, is a table (POINT) built from the same counts when the module loads.
+ * 7. Where the C stands in for numpy (a scale index, a decoded row) it does numpy's float32
+ *    operations in numpy's order -- a squared row summed as numpy's pairwise sum, sqrt and
+ *    division correctly rounded, a product per element -- so the bits are numpy's: the codes
+ *    and the decoded rows are what _e8_codec's numpy form gave (the tests compare them).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -206,6 +214,51 @@ index_of(const double p[DIM])
         rank += BELOW[kind][k - 1][owed][budget][q[k - 1] + QMAX];
     }
     return rank;
+}
+
+/* POINT[code]: the doubled coordinates of the codebook's point of that code (index_of's
+ * inverse, one digit at a time from coordinate 7 down: the value whose count of points below
+ * it is the most not above what is left of the code), built once at load and checked against
+ * index_of; 8 bytes a point, so decoding reads 455 KB, not the 1.8 MB of float32 points. */
+static int8_t POINT[CODEBOOK_SIZE][DIM];
+
+/* Builds POINT: 0, or -1 where a code does not come back to itself. */
+static int
+build_points(void)
+{
+    for (Py_ssize_t code = 0; code < CODEBOOK_SIZE; code++) {
+        Py_ssize_t left = code;
+        int q[DIM], kind = 0, owed = 0, budget = BUDGET;
+        for (int k = DIM - 1; k >= 0; k--) {
+            int v = -QMAX;
+            for (int next = -QMAX + 1; next <= QMAX; next++) {
+                Py_ssize_t below = k == DIM - 1 ? (Py_ssize_t)BELOW[0][k][0][BUDGET][next + QMAX]
+                                                      + BELOW[1][k][0][BUDGET][next + QMAX]
+                                                : BELOW[kind][k][owed][budget][next + QMAX];
+                if (below > left)
+                    break;
+                v = next;
+            }
+            left -= k == DIM - 1 ? (Py_ssize_t)BELOW[0][k][0][BUDGET][v + QMAX]
+                                       + BELOW[1][k][0][BUDGET][v + QMAX]
+                                 : BELOW[kind][k][owed][budget][v + QMAX];
+            if (k == DIM - 1)
+                kind = v & 1;
+            q[k] = v;
+            owed = mod4(owed - v);
+            budget -= v * v;
+            if (budget < 0)
+                return -1;
+        }
+        double p[DIM];
+        for (int k = 0; k < DIM; k++) {
+            POINT[code][k] = (int8_t)q[k];
+            p[k] = 0.5 * q[k];
+        }
+        if (left != 0 || index_of(p) != code)
+            return -1;
+    }
+    return 0;
 }
 
 /* _e8.py rule 4, first half: the closest inside the ball of the rows shrunk to each fraction. */
@@ -592,17 +645,16 @@ keys_job(const double *p, Py_ssize_t n, void *out)
     return 0;
 }
 
-/* Rules 2-4 (and 4b where `level` is not NULL: two levels a row, `high` set) over n rows, the
- * GIL released: 0, or -1 with an exception set (a row that found no codebook point: a bug). */
+/* Rules 2-4 over n rows, the GIL released: 0, or -1 with an exception set (a row that found
+ * no codebook point: a bug). */
 static int
-encode_rows(const double *x, const double *level, Py_ssize_t n, uint16_t *codes, uint8_t *high)
+encode_rows(const double *x, Py_ssize_t n, uint16_t *codes)
 {
     Py_ssize_t lost = -1;
     Py_BEGIN_ALLOW_THREADS
     double point[DIM];
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t index = level == NULL ? encode_row(x + i * DIM, point)
-                                         : encode_scaled_row(x + i * DIM, level + 2 * i, high + i);
+        Py_ssize_t index = encode_row(x + i * DIM, point);
         if (index < 0) {
             lost = i;
             break;
@@ -619,7 +671,7 @@ encode_rows(const double *x, const double *level, Py_ssize_t n, uint16_t *codes,
 static int
 encode_job(const double *x, Py_ssize_t n, void *out)
 {
-    return encode_rows(x, NULL, n, out, NULL);
+    return encode_rows(x, n, out);
 }
 
 static PyObject *
@@ -646,51 +698,242 @@ e8core_encode(PyObject *module, PyObject *args)
     return run_on_rows(args, "rows", "H", 2, 1, encode_job);
 }
 
+/* Releases the buffers of a call, in any number (NULL-terminated). */
+static void
+release_all(Py_buffer **views)
+{
+    for (; *views != NULL; views++)
+        PyBuffer_Release(*views);
+}
+
+/* Gets the buffers of a call, each a C-contiguous run of items of its format, writable where
+ * asked; on a failure the ones already got are released: 0, or -1 with an exception set. */
+static int
+get_buffers(PyObject **objs, Py_buffer **views, const char **names, const char **formats,
+            const Py_ssize_t *itemsizes, const int *writable, int count)
+{
+    for (int i = 0; i < count; i++) {
+        if (get_buffer(objs[i], views[i], names[i], formats[i], itemsizes[i], writable[i]) < 0) {
+            views[i] = NULL;
+            release_all(views);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* _e8_codec rule 4b over the rotated vectors of a block: rows of `dim` float32 (token-heads,
+ * dim a multiple of 8), each token-head's uint8 scale index and the two levels of every index
+ * (float32 [256, 2]: _e8_codec's SCALE_LEVELS at its two block steps).  Each 8-block's row and
+ * levels are taken to float64 (exact) and coded as encode_scaled_row codes them: its code and
+ * which level, the GIL released. */
 static PyObject *
 e8core_encode_scaled(PyObject *module, PyObject *args)
 {
-    PyObject *rows_obj, *levels_obj, *codes_obj, *high_obj;
-    if (!PyArg_ParseTuple(args, "OOOO", &rows_obj, &levels_obj, &codes_obj, &high_obj))
+    PyObject *objs[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4]))
         return NULL;
-    Py_buffer rows, levels, codes, high;
-    if (get_buffer(rows_obj, &rows, "rows", "d", 8, 0) < 0)
+    Py_buffer rotated, scales, table, codes, high;
+    Py_buffer *views[] = {&rotated, &scales, &table, &codes, &high, NULL};
+    const char *names[] = {"rotated", "scales", "table", "codes", "high"};
+    const char *formats[] = {"f", "B", "f", "H", "B"};
+    const Py_ssize_t sizes[] = {4, 1, 4, 2, 1};
+    const int writable[] = {0, 0, 0, 1, 1};
+    if (get_buffers(objs, views, names, formats, sizes, writable, 5) < 0)
         return NULL;
-    if (get_buffer(levels_obj, &levels, "levels", "d", 8, 0) < 0) {
-        PyBuffer_Release(&rows);
-        return NULL;
-    }
-    if (get_buffer(codes_obj, &codes, "codes", "H", 2, 1) < 0) {
-        PyBuffer_Release(&rows);
-        PyBuffer_Release(&levels);
-        return NULL;
-    }
-    if (get_buffer(high_obj, &high, "high", "B", 1, 1) < 0) {
-        PyBuffer_Release(&rows);
-        PyBuffer_Release(&levels);
-        PyBuffer_Release(&codes);
-        return NULL;
-    }
     PyObject *result = NULL;
-    Py_ssize_t n = row_count(&rows, &codes, 1);
-    if (n >= 0 && (levels.len / levels.itemsize != 2 * n || high.len != n)) {
-        PyErr_Format(PyExc_ValueError, "levels must hold 2 and high 1 item per row (%zd rows)", n);
-        n = -1;
+    Py_ssize_t values = rotated.len / 4, heads = scales.len, n = values / DIM;
+    if (table.len / 4 != 2 * 256 || heads == 0 || values % heads || (values / heads) % DIM
+        || codes.len / 2 != n || high.len != n) {
+        PyErr_Format(PyExc_ValueError,
+                     "rows of a multiple of 8 per scale, a table of 512 levels and a code and a "
+                     "flag per 8-block, got %zd values, %zd scales, %zd levels, %zd codes and "
+                     "%zd flags", values, heads, table.len / 4, codes.len / 2, high.len);
+        goto done;
     }
-    if (n >= 0) {
-        const double *x = rows.buf, *level = levels.buf;
-        Py_ssize_t bad = first_bad_row(x, n);
-        for (Py_ssize_t i = 0; bad < 0 && i < 2 * n; i++)
-            if (!(isfinite(level[i]) && level[i] >= 0.0))
-                bad = i / 2;
-        if (bad >= 0)
-            bad_row(bad);
-        else if (encode_rows(x, level, n, codes.buf, high.buf) == 0)
-            result = Py_NewRef(Py_None);
+    const float *x = rotated.buf, *level = table.buf;
+    const uint8_t *scale = scales.buf;
+    Py_ssize_t blocks = n / heads;
+    for (Py_ssize_t i = 0; i < 2 * 256; i++)
+        if (!(isfinite(level[i]) && level[i] >= 0.0f)) {
+            PyErr_SetString(PyExc_ValueError, "levels must be finite and >= 0");
+            goto done;
+        }
+    double row[DIM];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (int k = 0; k < DIM; k++)
+            row[k] = x[i * DIM + k];
+        if (!isfinite(norm2(row))) {
+            bad_row(i);
+            goto done;
+        }
     }
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&levels);
-    PyBuffer_Release(&codes);
-    PyBuffer_Release(&high);
+    Py_ssize_t lost = -1;
+    Py_BEGIN_ALLOW_THREADS
+    uint16_t *code = codes.buf;
+    uint8_t *flag = high.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float *pair = level + 2 * scale[i / blocks];
+        double both[2] = {pair[0], pair[1]};
+        for (int k = 0; k < DIM; k++)
+            row[k] = x[i * DIM + k];
+        Py_ssize_t index = encode_scaled_row(row, both, flag + i);
+        if (index < 0) {
+            lost = i;
+            break;
+        }
+        code[i] = (uint16_t)index;
+    }
+    Py_END_ALLOW_THREADS
+    if (lost >= 0)
+        PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
+    else
+        result = Py_NewRef(Py_None);
+done:
+    release_all(views);
+    return result;
+}
+
+/* _e8_codec rule 8's first half: each code's codebook point (POINT, halved: exact in float32)
+ * times its level, a float32 product, into rows of 8 float32.  A token-head has `width` bytes
+ * of scales: its index, then (width > 1) a flag per 8-block, packed little bit first; its
+ * blocks' level is table[index] (width 1, table [256]) or table[2 * index + flag] (table [256,
+ * 2]).  A code beyond the codebook is a ValueError. */
+static PyObject *
+e8core_decode_scaled(PyObject *module, PyObject *args)
+{
+    PyObject *objs[4];
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "OOnOO", &objs[0], &objs[1], &width, &objs[2], &objs[3]))
+        return NULL;
+    Py_buffer codes, scales, table, out;
+    Py_buffer *views[] = {&codes, &scales, &table, &out, NULL};
+    const char *names[] = {"codes", "scales", "table", "out"};
+    const char *formats[] = {"H", "B", "f", "f"};
+    const Py_ssize_t sizes[] = {2, 1, 4, 4};
+    const int writable[] = {0, 0, 0, 1};
+    if (get_buffers(objs, views, names, formats, sizes, writable, 4) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = codes.len / 2;
+    Py_ssize_t heads = width > 0 ? scales.len / width : 0;
+    Py_ssize_t blocks = heads > 0 ? n / heads : 0;
+    if (width < 1 || heads == 0 || scales.len % width || n % heads
+        || (width > 1 && width != 1 + (blocks + 7) / 8) || table.len / 4 != (width > 1 ? 512 : 256)
+        || out.len / 4 != n * DIM) {
+        PyErr_Format(PyExc_ValueError,
+                     "%zd codes with %zd scale bytes of width %zd, a table of %zd levels and %zd "
+                     "out do not fit", n, scales.len, width, table.len / 4, out.len / 4);
+        goto done;
+    }
+    const uint16_t *code = codes.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (code[i] >= CODEBOOK_SIZE) {
+            PyErr_Format(PyExc_ValueError, "E8 code %d is beyond the %d-point codebook",
+                         (int)code[i], CODEBOOK_SIZE);
+            goto done;
+        }
+    const uint8_t *scale = scales.buf;
+    const float *level = table.buf;
+    float *row = out.buf;
+    for (Py_ssize_t th = 0; th < heads; th++) {
+        const uint8_t *meta = scale + th * width;
+        for (Py_ssize_t b = 0; b < blocks; b++, row += DIM) {
+            float at = width > 1 ? level[2 * meta[0] + (meta[1 + b / 8] >> (b % 8) & 1)]
+                                 : level[meta[0]];
+            const int8_t *q = POINT[code[th * blocks + b]];
+            for (int k = 0; k < DIM; k++)
+                row[k] = ((float)q[k] * 0.5f) * at;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_all(views);
+    return result;
+}
+
+/* numpy's float32 sum of n values (its pairwise_sum, as add.reduce runs it over a contiguous
+ * axis): under 8 in order; up to 128 in 8 running sums, combined pairwise, then the rest in
+ * order; beyond, the two halves (the first a multiple of 8) summed so and added. */
+static float
+numpy_sum(const float *a, Py_ssize_t n)
+{
+    if (n < 8) {
+        float res = 0.0f;
+        for (Py_ssize_t i = 0; i < n; i++)
+            res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        float r[8];
+        Py_ssize_t i;
+        for (int j = 0; j < 8; j++)
+            r[j] = a[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++)
+                r[j] += a[i + j];
+        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++)
+            res += a[i];
+        return res;
+    }
+    Py_ssize_t half = n / 2;
+    half -= half % 8;
+    return numpy_sum(a, half) + numpy_sum(a + half, n - half);
+}
+
+/* _e8_codec rule 4 over rows of `dim` float32: each row's uint8 scale index, from the float32
+ * RMS / tau as numpy computed it (np.square, then mean: 0 + the pairwise sum, divided by dim;
+ * np.sqrt; divided by tau), then the count of the 254 cuts (float64) below it, plus 1; 0 where
+ * the RMS is not above 0. */
+static PyObject *
+e8core_token_scales(PyObject *module, PyObject *args)
+{
+    PyObject *objs[3];
+    float tau;
+    if (!PyArg_ParseTuple(args, "OfOO", &objs[0], &tau, &objs[1], &objs[2]))
+        return NULL;
+    Py_buffer rotated, cuts, out;
+    Py_buffer *views[] = {&rotated, &cuts, &out, NULL};
+    const char *names[] = {"rotated", "cuts", "out"};
+    const char *formats[] = {"f", "d", "B"};
+    const Py_ssize_t sizes[] = {4, 8, 1};
+    const int writable[] = {0, 0, 1};
+    if (get_buffers(objs, views, names, formats, sizes, writable, 3) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t values = rotated.len / 4, rows = out.len, count = cuts.len / 8;
+    if (rows == 0 || values % rows || values / rows > 4096 || count != 254) {
+        PyErr_Format(PyExc_ValueError,
+                     "%zd values in %zd rows (at most 4096 a row) and %zd cuts (254) do not fit",
+                     values, rows, count);
+        goto done;
+    }
+    Py_ssize_t dim = values / rows;
+    const float *x = rotated.buf;
+    const double *cut = cuts.buf;
+    uint8_t *index = out.buf;
+    float square[4096];
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        const float *v = x + row * dim;
+        for (Py_ssize_t i = 0; i < dim; i++)
+            square[i] = v[i] * v[i];
+        float mean = (0.0f + numpy_sum(square, dim)) / (float)dim;
+        float rms = sqrtf(mean) / tau;
+        double wide = rms;
+        Py_ssize_t low = 0, high = count; /* the first cut >= wide: numpy's searchsorted */
+        while (low < high) {
+            Py_ssize_t mid = low + (high - low) / 2;
+            if (cut[mid] < wide)
+                low = mid + 1;
+            else
+                high = mid;
+        }
+        index[row] = rms > 0.0f ? (uint8_t)(1 + low) : 0;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_all(views);
     return result;
 }
 
@@ -760,8 +1003,15 @@ static PyMethodDef e8core_methods[] = {
     {"encode", e8core_encode, METH_VARARGS,
      "encode(rows, out): the code (uint16) of each row of 8."},
     {"encode_scaled", e8core_encode_scaled, METH_VARARGS,
-     "encode_scaled(rows, levels, codes, high): each row of 8 coded at the nearer of its two "
-     "levels (float64 [n, 2]); its code (uint16) and which level (uint8, 1: the second)."},
+     "encode_scaled(rotated, scales, table, codes, high): each 8-block of rows of float32 coded "
+     "at the nearer of its token-head's two levels (table float32 [256, 2] by the uint8 scale "
+     "index); its code (uint16) and which level (uint8, 1: the second)."},
+    {"token_scales", e8core_token_scales, METH_VARARGS,
+     "token_scales(rotated, tau, cuts, out): each row's uint8 scale index (rows of float32, "
+     "254 float64 cuts)."},
+    {"decode_scaled", e8core_decode_scaled, METH_VARARGS,
+     "decode_scaled(codes, scales, width, table, out): each code's codebook point times its "
+     "level (table by scale index, and flag where width > 1) into rows of 8 float32."},
     {NULL}};
 
 static struct PyModuleDef e8core_module = {
@@ -781,6 +1031,10 @@ PyInit__e8core(void)
         return NULL;
     }
     build_roots();
+    if (build_points() < 0) {
+        PyErr_SetString(PyExc_AssertionError, "E8 codebook points counted wrong");
+        return NULL;
+    }
     PyObject *module = PyModule_Create(&e8core_module);
     if (module == NULL)
         return NULL;

@@ -14,8 +14,22 @@ def nearest_e8(rows: npt.NDArray[np.float64], out: npt.NDArray[np.float64]) -> N
 def keys(points: npt.NDArray[np.float64], out: npt.NDArray[np.int64]) -> None: ...
 def encode(rows: npt.NDArray[np.float64], out: npt.NDArray[np.uint16]) -> None: ...
 def encode_scaled(
-    rows: npt.NDArray[np.float64],
-    levels: npt.NDArray[np.float64],
+    rotated: npt.NDArray[np.float32],
+    scales: npt.NDArray[np.uint8],
+    table: npt.NDArray[np.float32],
     codes: npt.NDArray[np.uint16],
     high: npt.NDArray[np.uint8],
+) -> None: ...
+def token_scales(
+    rotated: npt.NDArray[np.float32],
+    tau: float,
+    cuts: npt.NDArray[np.float64],
+    out: npt.NDArray[np.uint8],
+) -> None: ...
+def decode_scaled(
+    codes: npt.NDArray[np.uint16],
+    scales: npt.NDArray[np.uint8],
+    width: int,
+    table: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
 ) -> None: ...

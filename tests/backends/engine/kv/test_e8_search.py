@@ -14,6 +14,7 @@ import pytest
 
 from backends.engine import LlamaModel
 from backends.engine.kv.codecs import Role, _e8core, codec_by_name
+from backends.engine.kv.codecs._codec import EncodedBlock
 from backends.engine.kv.codecs._e8 import (
     CODEBOOK_NORM2,
     CODEBOOK_SIZE,
@@ -24,7 +25,15 @@ from backends.engine.kv.codecs._e8 import (
     nearest_e8,
     nearest_in_codebook_brute_force,
 )
-from backends.engine.kv.codecs._e8_codec import E8Codec, hadamard_transform
+from backends.engine.kv.codecs._e8_codec import (
+    _SCALE_CUTS,
+    SCALE_LEVELS,
+    E8Codec,
+    _block_levels,
+    _level_pairs,
+    _token_scales,
+    hadamard_transform,
+)
 from backends.engine.kv.codecs._quality import calibrate, capture_kv
 from backends.engine.kv.codecs._texts import CALIBRATION_TEXTS
 
@@ -231,3 +240,116 @@ def test_rows_at_the_descent_threshold_get_the_full_scan_codes() -> None:
     ]
     y = np.concatenate(rows)
     np.testing.assert_array_equal(book.encode(y).astype(np.int64), _codes_by_full_scan(y))
+
+
+def _reference_token_scales(rotated: npt.NDArray[np.float32], tau: float) -> npt.NDArray[np.uint8]:
+    """``_e8_codec`` rule 4 as numpy computed it before ``_e8core.token_scales``."""
+    rms = np.sqrt(np.square(rotated).mean(axis=2)) / np.float32(tau)
+    nearest = 1 + np.searchsorted(_SCALE_CUTS, rms.astype(np.float64))
+    return np.where(rms > 0, nearest, 0).astype(np.uint8)
+
+
+@pytest.mark.parametrize("dim", [8, 64, 128, 512])
+def test_token_scales_are_numpys(dim: int) -> None:
+    """The C's scale index is numpy's, bit for bit: sums of 8 to 512 squares (numpy's pairwise
+    order, recursive beyond 128), RMS from 1e-25 to 1e20, a zero row, overflow, NaN, and RMS
+    on the cuts between levels."""
+    rng = np.random.default_rng(dim + 1)
+    x = rng.standard_normal((64, 3, dim)) * 10.0 ** rng.uniform(-25, 20, (64, 3, 1))
+    on_cuts = np.zeros((len(_SCALE_CUTS), 3, dim))
+    on_cuts[:, :, 0] = (_SCALE_CUTS * np.sqrt(dim))[:, None]
+    rows = np.concatenate([x, on_cuts]).astype(np.float32)
+    rows[0, 0] = 0.0
+    rows[1, 1, 0] = np.inf
+    rows[1, 2, 0] = np.nan
+    rows[2, 0, :] = 3e38
+    for tau in (1.0, 0.93, 1.2):
+        with np.errstate(all="ignore"):
+            expected = _reference_token_scales(rows, tau)
+        np.testing.assert_array_equal(_token_scales(rows, tau), expected)
+        assert expected[0, 0] == 0 and expected[2, 0] == 255
+
+
+def _reference_decode(codec: E8Codec, encoded: EncodedBlock) -> npt.NDArray[np.float32]:
+    """``_e8_codec`` rule 8 as numpy computed it before ``_e8core.decode_scaled``: the float32
+    codebook rows times their levels, then the codec's product per head."""
+    tokens, heads, dim = encoded.shape
+    blocks = dim // 8
+    points = e8_codebook().points32[encoded.codes.astype(np.intp)]
+    points = points.reshape(tokens, heads, blocks, 8)
+    if encoded.role in codec.block_scale_roles:
+        high = np.unpackbits(encoded.scales[..., 1:], axis=-1, count=blocks, bitorder="little")
+        points *= SCALE_LEVELS[_block_levels(encoded.scales[..., 0], high)][..., None]
+    else:
+        points *= SCALE_LEVELS[encoded.scales][..., None, None]
+    flat = points.reshape(tokens, heads, dim)
+    out = np.matmul(flat.transpose(1, 0, 2), codec._decoder(encoded.role, heads, dim))
+    mean = codec._means[encoded.role]
+    if mean is not None:
+        out += mean[:, None, :]
+    return np.ascontiguousarray(out.transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("dim", [8, 64, 128])
+def test_decoded_blocks_are_numpys(dim: int) -> None:
+    """The C's rows times levels are numpy's products: with and without block scales (one flag
+    byte or more), every scale index (clipped at 1 and 255), zero token-heads, a key mean."""
+    rng = np.random.default_rng(dim + 2)
+    mean = rng.standard_normal((3, dim)).astype(np.float32)
+    codecs = (E8Codec(key_mean=mean), E8Codec(block_scale_roles=("key",), name="e8-2w"))
+    for codec in codecs:
+        for tokens in (1, 5, 16):
+            spread = 10.0 ** rng.uniform(-2.5, 2.5, (tokens, 3, 1))
+            x = (rng.standard_normal((tokens, 3, dim)) * spread).astype(np.float32)
+            x[0, 1] = 0.0
+            roles: tuple[Role, ...] = ("key", "value")
+            for role in roles:
+                encoded = codec.encode(x, role)
+                expected = _reference_decode(codec, encoded)
+                np.testing.assert_array_equal(codec.decode(encoded), expected)
+                scales = encoded.scales.copy()
+                index = scales[..., 0] if scales.ndim == 3 else scales  # a view: written over
+                index[...] = rng.integers(0, 256, index.shape)
+                every = EncodedBlock(
+                    codec.name, role, encoded.shape, encoded.codes, scales, encoded.zeros
+                )
+                np.testing.assert_array_equal(codec.decode(every), _reference_decode(codec, every))
+
+
+def test_a_code_beyond_the_codebook_is_refused() -> None:
+    codec = E8Codec()
+    encoded = codec.encode(np.ones((2, 1, 8), dtype=np.float32), "value")
+    codes = encoded.codes.copy()
+    codes[1, 0, 0] = CODEBOOK_SIZE
+    bad = EncodedBlock(codec.name, "value", encoded.shape, codes, encoded.scales, encoded.zeros)
+    with pytest.raises(ValueError, match="beyond the 56881-point codebook"):
+        codec.decode(bad)
+
+
+@pytest.mark.parametrize("scale", [0.2, 1.0, 3.0, 40.0])
+def test_block_scale_choice_is_the_nearer_level(scale: float) -> None:
+    """``_e8_codec`` rule 4b from the C's float32 rows and table of level pairs: each 8-block's
+    code is its search at the nearer of its two levels (squared error summed pairwise, the low
+    level on a tie), whatever the C's bound skipped."""
+    rng = np.random.default_rng(int(scale * 10) + 3)
+    x = (rng.standard_normal((16, 3, 64)) * scale).astype(np.float32)
+    x[3, 1] = 0.0
+    codec = E8Codec()
+    encoded = codec.encode(x, "value")
+    rotated = codec._rotated(x, "value")
+    rows = rotated.reshape(-1, 8).astype(np.float64)
+    pairs = _level_pairs()[encoded.scales[..., 0]].astype(np.float64)
+    levels = np.repeat(pairs[:, :, None, :], 8, axis=2).reshape(-1, 2)
+    book = e8_codebook()
+    codes, errors = [], []
+    for level in (levels[:, 0:1], levels[:, 1:2]):
+        scaled = np.where(level > 0, rows / np.where(level > 0, level, 1.0), 0.0)
+        code = book.encode(scaled)
+        miss = np.square(book.points[code] * level - rows)
+        low_half = (miss[:, 0] + miss[:, 1]) + (miss[:, 2] + miss[:, 3])
+        errors.append(low_half + ((miss[:, 4] + miss[:, 5]) + (miss[:, 6] + miss[:, 7])))
+        codes.append(code)
+    high = errors[1] < errors[0]
+    np.testing.assert_array_equal(encoded.codes.reshape(-1), np.where(high, codes[1], codes[0]))
+    flags = np.unpackbits(encoded.scales[..., 1:], axis=-1, count=8, bitorder="little")
+    np.testing.assert_array_equal(flags.reshape(-1), high.astype(np.uint8))
