@@ -294,7 +294,9 @@ def test_a_window_block_holds_its_rows_not_its_codes_and_the_bits_are_counted(
     leaves the window are those a seal of its window rows makes."""
     prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
     engine = _engine(engine_model, name, calibration)
-    engine.add_request("r", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    # 46 + 40 tokens: blocks leave the window however many tokens the greedy answer's drafts
+    # let a step take (at 20, the e8-2 codes of tau 0.85 drafted past block 2's exit).
+    engine.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     storage, codec = engine.pool.storage, engine.pool.codec
     assert isinstance(storage, CodedKVStorage) and codec is not None
     cfg = engine_model.config
@@ -345,7 +347,7 @@ def test_a_window_block_holds_its_rows_not_its_codes_and_the_bits_are_counted(
         bits = 8.0 * held / (computed * elements)
         assert bits == pytest.approx(codec.context_bits_per_element(computed))
         steps += 1
-    assert steps >= 2 and left >= 2  # blocks 1 and 2 of 46 + 20 tokens
+    assert steps >= 2 and left >= 2  # at least blocks 1 and 2 of 46 + 40 tokens
 
 
 # -- the disaggregated transfer --------------------------------------------------------------
