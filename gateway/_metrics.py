@@ -7,12 +7,17 @@ so several gateways in one process (tests) do not collide.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from evaluators import PipelineState, PipelineStats
 from evaluators.store import WriterStats
@@ -62,6 +67,40 @@ def route_of(path: str) -> Route:
     return _ROUTE_BY_PATH.get(path.rstrip("/"), "other")
 
 
+class LatencyHistogram(Histogram):
+    """A ``Histogram`` whose children count in plain Python numbers: the same exported
+    series (``_bucket``, ``_count``, ``_sum``, ``_created``), without the lock per bucket
+    and per sum that ``Histogram.observe`` takes (~2 µs a call; the relay observes two per
+    request). No lock: every observation and every scrape runs on the event loop's thread.
+    Exemplars are not kept (none is ever given).
+    """
+
+    def _metric_init(self) -> None:
+        self._created = time.time()
+        self._counts = [0] * len(self._upper_bounds)
+        self._total = 0.0
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        self._raise_if_not_observable()  # type: ignore[no-untyped-call]
+        # The first bucket whose bound is at least ``amount``, as Histogram's own loop.
+        self._counts[bisect_left(self._upper_bounds, amount)] += 1
+        self._total += amount
+
+    def _child_samples(self) -> Iterable[Sample]:
+        samples = []
+        acc = 0.0
+        for bound, count in zip(self._upper_bounds, self._counts, strict=True):
+            acc += count
+            le = floatToGoString(bound)  # type: ignore[no-untyped-call]
+            samples.append(Sample("_bucket", {"le": le}, acc, None, None))
+        samples.append(Sample("_count", {}, acc, None, None))
+        if self._upper_bounds[0] >= 0:
+            samples.append(Sample("_sum", {}, self._total, None, None))
+        if prometheus_metrics._use_created:  # PROMETHEUS_DISABLE_CREATED_SERIES, as Histogram
+            samples.append(Sample("_created", {}, self._created, None, None))
+        return tuple(samples)
+
+
 class RouteSeries:
     """One route's per-request series, their labelled children looked up once.
 
@@ -99,7 +138,8 @@ class GatewayMetrics:
             return Gauge(name, doc, labels, registry=self.registry)
 
         def latency(name: str, doc: str, *labels: str) -> Histogram:
-            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+            return LatencyHistogram(name, doc, labels, buckets=LATENCY_BUCKETS,
+                                    registry=self.registry)
 
         self.requests = counter("understudy_requests", "Requests answered, by route and status.",
                                 "route", "status")

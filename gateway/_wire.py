@@ -78,7 +78,9 @@ idle timeout fires late (rule 6)."""
 
 _DIGITS = re.compile(r"[0-9]{1,19}")
 # Control characters other than a CRLF line end: never valid in a response head.
-_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+# The bytes a response head may hold (CR and LF only as CRLF, counted apart): deleting them
+# leaves the control characters, if any. A regex over the head cost ~3 µs per answer.
+_HEAD_BYTES = bytes(b for b in range(256) if b in (0x09, 0x0a, 0x0d) or (b >= 0x20 and b != 0x7f))
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 
@@ -280,14 +282,18 @@ class Connection(BodyFraming, asyncio.Protocol):
             if end > MAX_HEAD_BYTES:
                 raise MalformedResponse("response head too large")
             head, data = data[:end], data[end + 4:]
+            # Every CR followed by LF and every LF preceded by CR: no bare line break.
+            if head.translate(None, _HEAD_BYTES) or not (
+                    head.count(b"\r") == head.count(b"\r\n") == head.count(b"\n")):
+                raise MalformedResponse("control character in the response head")
             status = self._read_head(head.decode("latin-1"))
             if status is not None:  # an interim 1xx answer: the real one follows
                 continue
             return data
 
     def _read_head(self, text: str) -> int | None:
-        if _FORBIDDEN.search(text):
-            raise MalformedResponse("control character in the response head")
+        """The head's status if it is an interim one; ``text`` holds no control character
+        and no bare CR or LF (checked by ``_parse_head``)."""
         lines = text.split("\r\n")
         version, _, rest = lines[0].partition(" ")
         code, _, reason = rest.partition(" ")
