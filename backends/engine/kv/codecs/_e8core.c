@@ -23,6 +23,8 @@
  *    fraction and the first root (in the codebook's order) win.
  * 4. A row must be finite with a finite squared norm (any float32 data is): anything else is
  *    a ValueError, not a code.
+ * 4b. The key transform (_e8_codec rule 2) is float32, each output summed in the order of its
+ *    inputs from 0 (transform_rows): not numpy's einsum order, but one fixed order.
  * 5. The Hadamard transform is float32, each butterfly stage a + b and a - b in the order
  *    numpy's stages computed them, then one multiplication by float32(1 / sqrt(dim)): the same
  *    bits as _e8_codec.py's numpy form had.
@@ -759,24 +761,20 @@ e8core_encode_scaled(PyObject *module, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "levels must be finite and >= 0");
             goto done;
         }
-    double row[DIM];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        for (int k = 0; k < DIM; k++)
-            row[k] = x[i * DIM + k];
-        if (!isfinite(norm2(row))) {
-            bad_row(i);
-            goto done;
-        }
-    }
-    Py_ssize_t lost = -1;
+    Py_ssize_t bad = -1, lost = -1;
     Py_BEGIN_ALLOW_THREADS
     uint16_t *code = codes.buf;
     uint8_t *flag = high.buf;
+    double row[DIM];
     for (Py_ssize_t i = 0; i < n; i++) {
         const float *pair = level + 2 * scale[i / blocks];
         double both[2] = {pair[0], pair[1]};
         for (int k = 0; k < DIM; k++)
             row[k] = x[i * DIM + k];
+        if (!isfinite(norm2(row))) {
+            bad = i;
+            break;
+        }
         Py_ssize_t index = encode_scaled_row(row, both, flag + i);
         if (index < 0) {
             lost = i;
@@ -785,7 +783,9 @@ e8core_encode_scaled(PyObject *module, PyObject *args)
         code[i] = (uint16_t)index;
     }
     Py_END_ALLOW_THREADS
-    if (lost >= 0)
+    if (bad >= 0)
+        bad_row(bad);
+    else if (lost >= 0)
         PyErr_Format(PyExc_AssertionError, "E8 row %zd found no codebook point", lost);
     else
         result = Py_NewRef(Py_None);
@@ -991,9 +991,82 @@ e8core_hadamard(PyObject *module, PyObject *args)
     return result;
 }
 
+/* _e8_codec rule 2: each token-head's row times its head's matrix, out[i] = sum over j of
+ * x[j] * m[i][j], summed in float32 in the order of j from 0 (rule 1: a fixed order, so the
+ * same bits on every machine; the loop runs over i innermost, reading the matrix transposed,
+ * `columns`[h][j][i] = m[h][i][j], which a compiler may spread over SIMD lanes without changing
+ * any element's order of addition). */
+static void
+transform_rows(const float *x, const float *columns, float *out, Py_ssize_t rows,
+               Py_ssize_t heads, Py_ssize_t dim)
+{
+    enum { CHUNK = 16 }; /* outputs summed at once, in registers (4 SSE vectors) */
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        const float *v = x + row * dim;
+        const float *m = columns + (row % heads) * dim * dim;
+        float *o = out + row * dim;
+        Py_ssize_t first = 0;
+        for (; first + CHUNK <= dim; first += CHUNK) {
+            float sum[CHUNK] = {0.0f};
+            for (Py_ssize_t j = 0; j < dim; j++) {
+                const float *column = m + j * dim + first;
+                for (int i = 0; i < CHUNK; i++)
+                    sum[i] += v[j] * column[i];
+            }
+            memcpy(o + first, sum, sizeof(sum));
+        }
+        for (Py_ssize_t i = first; i < dim; i++) {
+            float sum = 0.0f;
+            for (Py_ssize_t j = 0; j < dim; j++)
+                sum += v[j] * m[j * dim + i];
+            o[i] = sum;
+        }
+    }
+}
+
+static PyObject *
+e8core_transform(PyObject *module, PyObject *args)
+{
+    PyObject *objs[3];
+    Py_ssize_t heads, dim;
+    if (!PyArg_ParseTuple(args, "OOnnO", &objs[0], &objs[1], &heads, &dim, &objs[2]))
+        return NULL;
+    if (heads < 1 || dim < 1) {
+        PyErr_Format(PyExc_ValueError, "heads and dim must be positive, got %zd and %zd", heads,
+                     dim);
+        return NULL;
+    }
+    Py_buffer rows, columns, out;
+    Py_buffer *views[] = {&rows, &columns, &out, NULL};
+    const char *names[] = {"rows", "columns", "out"};
+    const char *formats[] = {"f", "f", "f"};
+    const Py_ssize_t sizes[] = {4, 4, 4};
+    const int writable[] = {0, 0, 1};
+    if (get_buffers(objs, views, names, formats, sizes, writable, 3) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t values = rows.len / 4;
+    if (values % (heads * dim) || out.len != rows.len || columns.len / 4 != heads * dim * dim) {
+        PyErr_Format(PyExc_ValueError,
+                     "rows of %zd heads x %zd, columns [%zd, %zd, %zd] and out of the rows' "
+                     "size, got %zd, %zd and %zd values", heads, dim, heads, dim, dim, values,
+                     columns.len / 4, out.len / 4);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        transform_rows(rows.buf, columns.buf, out.buf, values / dim, heads, dim);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    release_all(views);
+    return result;
+}
+
 static PyMethodDef e8core_methods[] = {
     {"hadamard", e8core_hadamard, METH_VARARGS,
      "hadamard(rows, dim, out): x @ H / sqrt(dim) along rows of dim float32."},
+    {"transform", e8core_transform, METH_VARARGS,
+     "transform(rows, columns, heads, dim, out): each row of dim float32 times its head's "
+     "matrix (columns: the matrices transposed, float32 [heads, dim, dim]), in a fixed order."},
     {"nearest_d8", e8core_nearest_d8, METH_VARARGS,
      "nearest_d8(rows, out): the nearest point of D8 to each row of 8 (float64)."},
     {"nearest_e8", e8core_nearest_e8, METH_VARARGS,

@@ -30,8 +30,10 @@ from backends.engine.kv.codecs._e8_codec import (
     SCALE_LEVELS,
     E8Codec,
     _block_levels,
+    _block_scaled_codes,
     _level_pairs,
     _token_scales,
+    _transformed,
     hadamard_transform,
 )
 from backends.engine.kv.codecs._quality import calibrate, capture_kv
@@ -155,6 +157,31 @@ def test_hadamard_refuses_a_dimension_not_a_power_of_two() -> None:
         hadamard_transform(np.zeros((2, 48), dtype=np.float32))
 
 
+@pytest.mark.parametrize(("heads", "dim"), [(3, 64), (2, 24), (1, 1)])
+def test_key_transform_sums_each_output_in_input_order(heads: int, dim: int) -> None:
+    """Rule 2 in C: each output the float32 sum of its products in the inputs' order, from 0
+    (outputs 16 at a time and a tail: both in that order)."""
+    rng = np.random.default_rng(dim)
+    x = (rng.standard_t(3, size=(16, heads, dim)) * 10.0).astype(np.float32)
+    matrices = rng.standard_normal((heads, dim, dim)).astype(np.float32)
+    expected = np.zeros_like(x)
+    for j in range(dim):
+        expected += x[:, :, j : j + 1] * matrices[None, :, :, j]
+    columns = np.ascontiguousarray(matrices.transpose(0, 2, 1))
+    np.testing.assert_array_equal(_transformed(x, columns), expected)
+    np.testing.assert_array_equal(_transformed(x[::2], columns), expected[::2])
+
+
+def test_key_transform_refuses_mismatched_shapes() -> None:
+    rows, out = np.zeros((4, 2, 8), dtype=np.float32), np.zeros((4, 2, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="columns"):
+        _e8core.transform(rows, np.zeros((2, 8, 4), dtype=np.float32), 2, 8, out)
+    with pytest.raises(ValueError, match="positive"):
+        _e8core.transform(rows, np.zeros((2, 8, 8), dtype=np.float32), 0, 8, out)
+    with pytest.raises(TypeError, match="format"):
+        _e8core.transform(rows.astype(np.float64), np.zeros((2, 8, 8), dtype=np.float32), 2, 8, out)
+
+
 def test_bad_rows_are_refused() -> None:
     book = e8_codebook()
     for bad in (np.nan, np.inf, -np.inf, 1e200):
@@ -164,6 +191,11 @@ def test_bad_rows_are_refused() -> None:
             book.encode(x)
         with pytest.raises(ValueError, match="E8 row 1 is not finite"):
             nearest_e8(x)
+    for bad in (np.nan, np.inf, -np.inf):  # rule 4b's rows, float32 (1e200 is none)
+        rotated = np.ones((1, 1, 24), dtype=np.float32)
+        rotated[0, 0, 12] = bad
+        with pytest.raises(ValueError, match="E8 row 1 is not finite"):
+            _block_scaled_codes(rotated, np.full((1, 1), 128, dtype=np.uint8))
     with pytest.raises(ValueError, match=r"\[n, 8\]"):
         book.encode(np.zeros((3, 7)))
     with pytest.raises(ValueError, match=r"\[n, 8\]"):

@@ -15,7 +15,7 @@ import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, Unpack
 
 import numpy as np
 import pytest
@@ -188,16 +188,26 @@ def _hashes(node: Node, tokens: Sequence[int]) -> list[BlockHash]:
     return hash_blocks(node.engine.pool.seed, tokens, node.engine.block_size)
 
 
-async def _pull(puller: Node, source: KVSource, tokens: Sequence[int], **options: Any) -> int:
-    """``pull_missing_blocks`` of ``tokens`` into ``puller``; ``options`` are its keywords
-    (``min_blocks``, ``release_after``, ``timeout_s``), its own defaults where not given."""
+class PullOptions(TypedDict, total=False):
+    """``pull_missing_blocks``'s keywords, typed: a test names only those it sets."""
+
+    min_blocks: int
+    release_after: bool
+    timeout_s: float
+
+
+async def _pull(
+    puller: Node, source: KVSource, tokens: Sequence[int], **options: Unpack[PullOptions]
+) -> int:
+    """``pull_missing_blocks`` of ``tokens`` into ``puller``; its own defaults where ``options``
+    does not set a keyword."""
     return await pull_missing_blocks(
         puller.loop, puller.metrics, source, _hashes(puller, tokens), **options
     )
 
 
 async def _pull_fails(
-    puller: Node, source: KVSource, tokens: Sequence[int], **options: Any
+    puller: Node, source: KVSource, tokens: Sequence[int], **options: Unpack[PullOptions]
 ) -> str:
     """Pull, expecting a failure; its outcome, after checking nothing was imported."""
     with pytest.raises(KVTransferError) as caught:
