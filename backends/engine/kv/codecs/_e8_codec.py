@@ -30,7 +30,7 @@ Rules (one block ``x`` [tokens, kv_heads, head_dim], one layer)
    tokens the weaker power and heavier shrink had won: a 64 x 64 matrix needs the data).
    Applied in C (``_e8core.transform``: each output a float32 sum over its inputs in their
    order, not BLAS), so the codes do not depend on the BLAS kernel or a SIMD width (numpy's
-   ``einsum`` did the same work in ~5x the time: 63 -> ~10 us for a 16-token block of keys);
+   ``einsum`` did the same work in 3x the time: 54 -> 18 us for a 16-token block of keys);
    the inverse is computed once per codec.  Free like the mean: per-layer constants,
    no bits per block.  Values may carry a transform of their own (``key_scale`` stacked [2,
    kv_heads, head_dim, head_dim]): what the model reads of a value's error is ``dv W_o``, so
