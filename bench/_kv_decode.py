@@ -36,6 +36,12 @@ Rules of the measurement
    wall and CPU (``floor_N``, ``cpu_floor_N``; None at 1 stream, where drafts make the steps
    differ).  A disturbance hits a few steps of one round; the floor drops it without dropping
    the steps where a codec does its extra work.
+3c. Where the floor exists, it is also split by what the steps do (``seal_split``): the step in
+   which the streams complete a block (the prompts end on a block boundary, so step ``i`` writes
+   position ``DECODE_PROMPT_TOKENS + i``, and the step writing a block's last position seals it,
+   every stream at once) against the steps that seal nothing.  Those read the cache and run the
+   model by the same code under every codec, so their ratio says whether the codecs' read paths
+   differ; the sealing steps' difference is what one codec's encoding costs over another's.
 4. Every engine runs as served, prompt-lookup drafts included (``Engine`` rule 5; under a codec
    they stop short of a block's last position): the prompts count up token ids, so greedy
    answers repeat and drafts are accepted at 1 stream, where a step has rows to spare.
@@ -75,7 +81,9 @@ __all__ = [
     "decode_rows",
     "decode_targets",
     "encode_rows",
+    "render_seal_split",
     "round_ratios",
+    "seal_split",
 ]
 
 DECODE_STREAMS = (1, 8)
@@ -139,17 +147,50 @@ def _sample(engine: Engine, streams: int, round_number: int) -> Sample:
     return Sample(produced, time.perf_counter() - clock, time.process_time() - cpu, tuple(steps))
 
 
-def _floor(samples: Sequence[Sample]) -> tuple[float, float] | None:
-    """Rule 3b: tokens per wall and per CPU second of the per-step floor -- each step's least
-    time over the rounds, summed -- or None where rounds took different steps (drafts)."""
+def _step_floors(samples: Sequence[Sample]) -> list[tuple[int, float, float]] | None:
+    """Rule 3b: each step position's tokens and least wall and CPU time over the rounds, or
+    None where rounds took different steps (drafts)."""
     shapes = {tuple(tokens for tokens, _, _ in sample.steps) for sample in samples}
     if len(shapes) != 1:
         return None
-    tokens = sum(next(iter(shapes)))
-    count = len(samples[0].steps)
-    wall = sum(min(sample.steps[i][1] for sample in samples) for i in range(count))
-    cpu = sum(min(sample.steps[i][2] for sample in samples) for i in range(count))
-    return tokens / wall, tokens / cpu
+    return [
+        (tokens, min(sample.steps[i][1] for sample in samples),
+         min(sample.steps[i][2] for sample in samples))
+        for i, tokens in enumerate(next(iter(shapes)))
+    ]
+
+
+def _floor(steps: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
+    """Rule 3b: tokens per wall and per CPU second of the per-step floor."""
+    tokens = sum(count for count, _, _ in steps)
+    return tokens / sum(wall for _, wall, _ in steps), tokens / sum(cpu for _, _, cpu in steps)
+
+
+def sealing_steps(count: int) -> set[int]:
+    """Rule 3c: the steps (from 0, after every stream started) that write a block's last
+    position, so seal it."""
+    return {
+        i for i in range(count) if (DECODE_PROMPT_TOKENS + i + 1) % DEFAULT_BLOCK_SIZE == 0
+    }
+
+
+def seal_split(
+    rows: list[dict[str, Any]], codec: str, other: str, streams: int
+) -> tuple[float, float, int] | None:
+    """Rule 3c: ``codec``'s tokens per CPU second over ``other``'s on the floor's steps that seal
+    nothing, and ``codec``'s extra CPU milliseconds on each sealing step (their mean, and how
+    many there are); None without a floor for both."""
+    by = {row["codec"]: row for row in rows}
+    floors = by[codec][f"step_floors_{streams}"], by[other][f"step_floors_{streams}"]
+    if floors[0] is None or floors[1] is None or len(floors[0]) != len(floors[1]):
+        return None
+    sealing = sealing_steps(len(floors[0]))
+    if not sealing or len(sealing) == len(floors[0]):
+        return None
+    reads = [[step for i, step in enumerate(floor) if i not in sealing] for floor in floors]
+    read_ratio = _floor(reads[0])[1] / _floor(reads[1])[1]
+    extra = statistics.mean(floors[0][i][2] - floors[1][i][2] for i in sealing)
+    return read_ratio, extra * 1e3, len(sealing)
 
 
 def decode_rows(
@@ -195,7 +236,9 @@ def decode_rows(
             cpu_rates = [x.cpu_rate for x in samples[name, streams]]
             row[f"decode_{streams}"], row[f"cpu_{streams}"] = max(rates), max(cpu_rates)
             row[f"rounds_{streams}"], row[f"cpu_rounds_{streams}"] = rates, cpu_rates
-            floor = _floor(samples[name, streams])
+            steps = _step_floors(samples[name, streams])
+            row[f"step_floors_{streams}"] = steps
+            floor = None if steps is None else _floor(steps)
             row[f"floor_{streams}"], row[f"cpu_floor_{streams}"] = floor or (None, None)
         rows.append(row)
     return rows
@@ -327,6 +370,24 @@ def render_rounds(rows: list[dict[str, Any]]) -> None:
                 )
 
 
+def render_seal_split(rows: list[dict[str, Any]]) -> None:
+    """Rule 3c for each codec against kivi-2 where both have a floor."""
+    if not any(row["codec"] == "kivi-2" for row in rows):
+        return
+    for row in rows:
+        for streams in DECODE_STREAMS:
+            split = None if row["codec"] == "kivi-2" else seal_split(
+                rows, row["codec"], "kivi-2", streams)
+            if split is None:
+                continue
+            read_ratio, extra_ms, sealing = split
+            print(
+                f"{row['codec']:>8} / kivi-2  x{streams}, step floor: {read_ratio:.3f} on the"
+                f" steps that seal nothing; {extra_ms:+.1f} ms CPU on each of the {sealing}"
+                f" sealing step(s)"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The decode table for the codecs named (rules 1-3), with e8-2's targets where measured."""
     from threadpoolctl import threadpool_limits
@@ -371,6 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         print(f"{row['codec']:>8}: " + ", ".join(cells))
     render_rounds(rows)
+    render_seal_split(rows)
     for check in decode_targets(rows):
         print(f"{'met' if check['met'] else 'MISSED'}: {check['what']} ({check['measured']:.2f})")
     return 0

@@ -79,7 +79,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _kv_decode import DECODE_STREAMS, decode_rows, decode_targets  # noqa: E402
+from _kv_decode import (  # noqa: E402
+    DECODE_STREAMS,
+    decode_rows,
+    decode_targets,
+    render_seal_split,
+)
 from _report import RESULTS_DIR, write_results  # noqa: E402
 
 from backends.engine import Engine, LlamaModel  # noqa: E402
@@ -558,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             decode = decode_rows(model, ENGINE_CODECS, cached_calibration(model), say)
         model.close()
         render_decode(decode)
+        render_seal_split(decode)
         print_targets(decode_targets(decode))
         return 0
     if args.setup == "issue":
@@ -611,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     render(result)
     render_engine(capacity, args.engine_budget_mib)
     render_decode(decode)
+    render_seal_split(decode)
     path = RESULTS_PATH
     if args.semantics != "write":
         path = path.with_name(f"kvquant-{args.semantics}.json")
