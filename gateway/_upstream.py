@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from yarl import URL
 
+from evaluators import Capture
 from gateway._config import UpstreamConfig
 from gateway._exceptions import translate_upstream_errors
 from gateway._headers import allowed_only, with_credentials
@@ -45,8 +46,6 @@ from gateway._wire import Connection, ConnectionPool, Disconnected
 
 if TYPE_CHECKING:
     from multidict import CIMultiDict, CIMultiDictProxy
-
-    from evaluators import Capture
 
 __all__ = ["BodyTee", "ChunkFilter", "ClientWriter", "Upstream", "UpstreamAnswer",
            "UpstreamCall"]
@@ -270,7 +269,10 @@ class BodyTee(Tee):
 
     def __init__(self, conn: Connection, capture: Capture, out: ClientWriter | None,
                  chunk_filter: ChunkFilter | None) -> None:
-        super().__init__(conn, capture.add_chunk, out, chunk_filter)
+        # A Capture's common case is appended by the C base on its slots (its rule 4);
+        # another class (a subclass too) is only called.
+        super().__init__(conn, capture.add_chunk, out, chunk_filter,
+                         capture if type(capture) is Capture else None)
 
     def _stop_reading(self) -> None:
         """The client is past its high-water mark, or gone (rule 3)."""

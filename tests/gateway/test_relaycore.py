@@ -2,13 +2,15 @@
 
 The wire tests (test_wire.py) and the relay tests drive it over real sockets; these check
 what they cannot see: the generic (non-C) callee paths, the chunk framing byte for byte,
-and that connection/tee cycles are collected.
+the capture appended in C as ``Capture.add_chunk`` appends it, and that connection/tee
+cycles are collected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import random
 
 import pytest
 
@@ -163,6 +165,58 @@ def test_usage_filter_pending_and_held_through_the_c_base() -> None:
     assert filt.feed(usage) == b'data: {"choices":[{"finish_reason":"stop"}],' \
         b'"system_fingerprint":"fp"}\n\n'
     assert filt._done and filt.feed(b"!") == b"rest!" and filt.flush() == b""
+
+
+def _captured(capture: Capture) -> tuple[object, ...]:
+    return (capture.chunk_times, capture.total_bytes, bytes(capture.body),
+            bytes(capture.tail), capture.truncated)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_capture_appended_in_c_as_add_chunk_appends(seed: int) -> None:
+    """Rule 4 of _relaycore.c: a piece that fits is appended on the Capture's slots, one
+    that does not (and every piece once truncated) goes to add_chunk; either way the
+    capture ends as add_chunk alone leaves it, piece by piece."""
+    rng = random.Random(seed)
+    max_bytes, max_times = rng.choice([0, 1, 64, 700, 5000]), rng.choice([0, 1, 3, 1000])
+    in_c = Capture(started=0.0, max_bytes=max_bytes, max_chunk_times=max_times)
+    in_python = Capture(started=0.0, max_bytes=max_bytes, max_chunk_times=max_times)
+    called: list[bytes] = []
+
+    def add_chunk(now: float, chunk: bytes) -> None:
+        called.append(chunk)
+        in_c.add_chunk(now, chunk)
+
+    framing = Framing()
+    tee = Tee(framing, add_chunk, None, None, in_c)
+    for i in range(rng.randint(1, 80)):
+        piece = rng.randbytes(rng.choice([0, 1, 9, 64, 300, 20_000]))
+        fits = not in_c.truncated and len(in_c.body) + len(piece) <= in_c.max_bytes
+        framing.last_read = float(i)
+        tee.piece(piece)
+        in_python.add_chunk(float(i), piece)
+        assert _captured(in_c) == _captured(in_python)
+        assert (called[-1:] == [piece]) is not fits  # here when it fits, else add_chunk
+        called.clear()
+
+
+def test_capture_of_another_class_is_only_called() -> None:
+    class Counting(Capture):
+        calls = 0
+
+        def add_chunk(self, now: float, chunk: bytes) -> None:
+            self.calls += 1
+            super().add_chunk(now, chunk)
+
+    capture = Counting(started=0.0, max_bytes=64, max_chunk_times=8)
+    tee = BodyTee(Framing(), capture, None, None)  # type: ignore[arg-type]
+    tee.piece(b"abc")
+    tee(b"de")
+    assert capture.calls == 2 and bytes(capture.body) == b"abcde"
+    plain = Capture(started=0.0, max_bytes=64, max_chunk_times=8)
+    bare = Tee(Framing(), plain.add_chunk, None, None, object())  # no such slots: called
+    bare.piece(b"xyz")
+    assert bytes(plain.body) == b"xyz" and plain.total_bytes == 3
 
 
 async def test_connection_and_tee_cycles_are_collected() -> None:
