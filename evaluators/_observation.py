@@ -87,6 +87,9 @@ class Capture:
     backend_running: int | None = None
 
     def add_chunk(self, now: float, chunk: bytes) -> None:
+        # The relay does this method's common case (a chunk that fits, not truncated) in C on
+        # the slots (gateway/_relaycore.c rule 4); tests/gateway/test_relaycore.py holds the
+        # two equal field by field, so a change here must be made there too.
         if len(self.chunk_times) < self.max_chunk_times:
             self.chunk_times.append(now)
         self.total_bytes += len(chunk)
