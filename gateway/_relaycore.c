@@ -855,14 +855,24 @@ capture_here(Tee *self, PyObject *now, PyObject *piece)
     return 1;
 }
 
+/* The class find_capture_slots found last, and its offsets: the same class every answer, so
+ * its six lookups (~0.9 us) are done once, not per request (a strong reference, so that the
+ * address cannot be another class's while cached). */
+static PyTypeObject *slots_class;
+static Py_ssize_t slots_of_class[CAP_SLOTS];
+
 /* Where rule 4 finds the slots of ``capture``'s class: each a slot (a member descriptor
  * holding an object); 0 when one is not, -1 on error. */
 static int
 find_capture_slots(PyObject *capture, Py_ssize_t *at)
 {
+    PyTypeObject *type = Py_TYPE(capture);
+    if (type == slots_class) {
+        memcpy(at, slots_of_class, sizeof(slots_of_class));
+        return 1;
+    }
     for (int i = 0; i < CAP_SLOTS; i++) {
-        PyObject *descr = PyObject_GetAttrString((PyObject *)Py_TYPE(capture),
-                                                 capture_slot_names[i]);
+        PyObject *descr = PyObject_GetAttrString((PyObject *)type, capture_slot_names[i]);
         if (descr == NULL) {
             if (!PyErr_ExceptionMatches(PyExc_AttributeError))
                 return -1;
@@ -879,6 +889,9 @@ find_capture_slots(PyObject *capture, Py_ssize_t *at)
         if (!slot)
             return 0;
     }
+    Py_INCREF(type);
+    Py_XSETREF(slots_class, type);
+    memcpy(slots_of_class, at, sizeof(slots_of_class));
     return 1;
 }
 

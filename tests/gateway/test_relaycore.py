@@ -214,6 +214,34 @@ def test_capture_of_another_class_is_only_called() -> None:
     assert bytes(plain.body) == b"xyz" and plain.total_bytes == 3
 
 
+def test_capture_slots_found_per_class() -> None:
+    """Rule 4 keeps the slot offsets of the last class it saw: a class with the same slot
+    names at other offsets (it has none of Capture's others), seen after Capture (and Capture
+    after it), is written at its own offsets."""
+
+    class Reordered:
+        __slots__ = ("body", "chunk_times", "max_bytes", "max_chunk_times", "total_bytes",
+                     "truncated")
+
+        def __init__(self) -> None:
+            self.body, self.max_bytes, self.truncated = bytearray(), 64, False
+            self.total_bytes, self.max_chunk_times = 0, 8
+            self.chunk_times: list[float] = []
+
+        def add_chunk(self, now: float, chunk: bytes) -> None:
+            raise AssertionError("a piece that fits is appended in C")
+
+    captures: list[Capture | Reordered] = [
+        Capture(started=0.0, max_bytes=64, max_chunk_times=8), Reordered(),
+        Capture(started=0.0, max_bytes=64, max_chunk_times=8)]
+    framing = Framing()
+    for capture in captures:
+        framing.last_read = 2.5
+        Tee(framing, capture.add_chunk, None, None, capture).piece(b"abc")
+        assert (bytes(capture.body), capture.total_bytes, capture.chunk_times,
+                capture.truncated) == (b"abc", 3, [2.5], False)
+
+
 async def test_connection_and_tee_cycles_are_collected() -> None:
     pool = ConnectionPool.__new__(ConnectionPool)
     pool.loop = asyncio.get_running_loop()
