@@ -55,6 +55,8 @@
 #define DESCENT_STEPS 4
 #define DESCENT_GAIN 1e-9
 #define PRUNE_MARGIN 1e-6
+#define LATTICE_SLACK 1e-12
+#define ONTO_SLACK 1e-8
 
 /* ------------------------------------------------------------------ the lattice, one row */
 
@@ -93,27 +95,29 @@ distance2(const double x[DIM], const double p[DIM])
     return pairwise_sum(t);
 }
 
-/* _e8.py rule 1: round; on an odd sum, round the worst coordinate the other way. */
+/* _e8.py rule 1: round; on an odd sum, round the worst coordinate the other way.  The worst is
+ * found without a branch per coordinate (the first whose miss equals the largest miss: the
+ * same coordinate as a scan keeping the first of the largest), and the flip is a select, so
+ * the parity, a coin toss, costs no mispredicted branch. */
 static void
 nearest_d8(const double x[DIM], double out[DIM])
 {
-    double sum = 0.0;
+    double sum = 0.0, miss[DIM], most = 0.0;
     for (int k = 0; k < DIM; k++) {
         out[k] = round_even(x[k]);
         sum += out[k];
     }
-    if (fabs(sum) < 9007199254740992.0 ? !((int64_t)sum & 1) : fmod(sum, 2.0) == 0.0)
-        return;
-    int worst = 0;
-    double worst_err = -1.0;
     for (int k = 0; k < DIM; k++) {
-        double err = fabs(x[k] - out[k]);
-        if (err > worst_err) {
-            worst_err = err;
-            worst = k;
-        }
+        miss[k] = fabs(x[k] - out[k]);
+        most = miss[k] > most ? miss[k] : most;
     }
-    out[worst] += x[worst] - out[worst] >= 0.0 ? 1.0 : -1.0;
+    unsigned largest = 0;
+    for (int k = 0; k < DIM; k++)
+        largest |= (unsigned)(miss[k] == most) << k;
+    int worst = __builtin_ctz(largest);
+    int odd = fabs(sum) < 9007199254740992.0 ? (int)((int64_t)sum & 1) : fmod(sum, 2.0) != 0.0;
+    double flipped = out[worst] + (x[worst] - out[worst] >= 0.0 ? 1.0 : -1.0);
+    out[worst] = odd ? flipped : out[worst];
 }
 
 /* _e8.py rule 2: the closer of the nearest points of D8 and of D8 + 1/2. */
@@ -198,12 +202,17 @@ build_below(void)
     return (long)BELOW[0][DIM - 1][0][BUDGET][VALUES] + BELOW[1][DIM - 1][0][BUDGET][VALUES];
 }
 
-/* The code of lattice point p, or -1 outside the ball. */
-static Py_ssize_t
-index_of(const double p[DIM])
+/* Whether lattice point p lies in the ball (the codebook's points). */
+static inline int
+in_ball(const double p[DIM])
 {
-    if (norm2(p) > NORM2 + NORM_SLACK)
-        return -1;
+    return norm2(p) <= NORM2 + NORM_SLACK;
+}
+
+/* The code of lattice point p in the ball. */
+static Py_ssize_t
+rank_of(const double p[DIM])
+{
     int q[DIM];
     for (int k = 0; k < DIM; k++)
         q[k] = (int)round_even(p[k] * 2.0);
@@ -216,6 +225,13 @@ index_of(const double p[DIM])
         rank += BELOW[kind][k - 1][owed][budget][q[k - 1] + QMAX];
     }
     return rank;
+}
+
+/* The code of lattice point p, or -1 outside the ball. */
+static Py_ssize_t
+index_of(const double p[DIM])
+{
+    return in_ball(p) ? rank_of(p) : -1;
 }
 
 /* POINT[code]: the doubled coordinates of the codebook's point of that code (index_of's
@@ -484,44 +500,125 @@ encode_row(const double x[DIM], double point[DIM])
     return index_of(point);
 }
 
-/* One row coded at `level` (x / level; a level of 0 codes the origin): its code, or -1, and
- * the squared distance from its point times the level to x (rule 2's sum). */
-static Py_ssize_t
-encode_at(const double x[DIM], double level, double *err)
+/* One level's search of one row for encode_scaled_row: the row over the level (a level of 0
+ * codes the origin) and its point; `found` once the point lies in the ball, then `err`, the
+ * squared distance from the point times the level to x (rule 2's sum); until then (the slow
+ * path owed) `bound`, a lower bound of that error (encode_scaled_row's rules a and b).  The
+ * point's code is counted only for the level that wins. */
+typedef struct {
+    double level, scaled[DIM], point[DIM], err, bound;
+    int found;
+} LevelSearch;
+
+static double
+level_err(const double x[DIM], const double point[DIM], double level)
 {
-    double scaled[DIM], point[DIM], miss[DIM];
-    for (int k = 0; k < DIM; k++)
-        scaled[k] = level > 0.0 ? x[k] / level : 0.0;
-    Py_ssize_t index = encode_row(scaled, point);
+    double miss[DIM];
     for (int k = 0; k < DIM; k++)
         miss[k] = point[k] * level - x[k];
-    *err = norm2(miss);
-    return index;
+    return norm2(miss);
+}
+
+/* The fast path at `level` (rule 2: the nearest lattice point); where that leaves the ball,
+ * the bound of encode_scaled_row's rules a and b (`gap`: x's norm less the level's radius). */
+static void
+search_fast(const double x[DIM], double level, double gap, LevelSearch *s)
+{
+    s->level = level;
+    for (int k = 0; k < DIM; k++)
+        s->scaled[k] = level > 0.0 ? x[k] / level : 0.0;
+    nearest_e8(s->scaled, s->point);
+    s->found = in_ball(s->point);
+    if (s->found) {
+        s->err = level_err(x, s->point, level);
+        return;
+    }
+    double far = distance2(s->scaled, s->point), scaled2 = norm2(s->scaled);
+    double lattice = far > LATTICE_SLACK * (scaled2 + 1.0) ? level * level * far : 0.0;
+    double ball = 0.0;
+    if (gap > 0.0) {
+        double onto[DIM], nearest[DIM], factor = sqrt(NORM2 + NORM_SLACK) / sqrt(scaled2);
+        for (int k = 0; k < DIM; k++)
+            onto[k] = s->scaled[k] * factor;
+        nearest_e8(onto, nearest);
+        double apart = distance2(onto, nearest);
+        ball = gap * gap + (apart > ONTO_SLACK ? level * level * apart * (1.0 - ONTO_SLACK) : 0.0);
+    }
+    s->bound = lattice > ball ? lattice : ball;
+}
+
+/* The slow path owed by search_fast (rule 4: the shrink and the descent): 0, or -1 where it
+ * finds no point in the ball (a bug). */
+static int
+search_slow(const double x[DIM], LevelSearch *s)
+{
+    double err = shrunk(s->scaled, s->point);
+    if (!isfinite(err))
+        return -1;
+    descend(s->scaled, s->point, err);
+    if (!in_ball(s->point))
+        return -1;
+    s->found = 1;
+    s->err = level_err(x, s->point, s->level);
+    return 0;
+}
+
+/* Whether an error of at least `bound` surely exceeds `err` (PRUNE_MARGIN for rounding). */
+static inline int
+surely_above(double bound, double err)
+{
+    return bound > err * (1.0 + PRUNE_MARGIN);
 }
 
 /* _e8_codec rule 4b for one row of the rotated vector: the code of the nearer of its two
  * levels' points (times the level) to x, the low level on a tie, or -1; `high` says which.
- * The high level is searched first; the low one is skipped where it cannot win: every point
- * of the low level lies within sqrt(NORM2) * level of the origin, so none is nearer x than
- * |x| - that radius (the bound taken with a margin of PRUNE_MARGIN for rounding).  A row far outside
- * the low level's ball is the costly one to search (the shrink and the descent). */
+ * A level whose fast path leaves the ball owes the costly slow path (the shrink and the
+ * descent); it is skipped where it cannot win, which changes no code or flag.  In the row over
+ * the level, s = x / level, every point the level can take is a lattice point in the ball of
+ * radius R = sqrt(NORM2 + NORM_SLACK), so its error over level^2 is at least:
+ * a. where s lies outside that ball, (|s| - R)^2 plus the squared distance from s's projection
+ *    onto the sphere, s R / |s|, to its nearest lattice point (the ball is convex: for any p in
+ *    it, |s - p|^2 >= |s - proj|^2 + |proj - p|^2).  The first term is taken in x's units as
+ *    the gap |x| - R level; the second, whose rounding (~1e-15) is absolute, only above
+ *    ONTO_SLACK and shrunk by that fraction.
+ * b. the squared distance from s to its nearest lattice point, the fast path's (rounding moves
+ *    it by ~1e-16 of |s|: used only where it is above LATTICE_SLACK of |s|^2 + 1).
+ *    A level's bound is the larger of a and b.
+ * c. A skipped level must lose: the low one only where its bound is above the high one's error
+ *    (a tie is the low level's), the high one where its bound is above the low one's, both
+ *    with PRUNE_MARGIN for the rounding of the errors; so where both owe the slow path, the
+ *    one of the smaller bound is searched first.  The high level's fast path comes first, and
+ *    where it lands in the ball the low level's gap alone may skip even its fast path.
+ * d. Rows are float32 and levels float32 (encode_scaled), so s and its squared norm are
+ *    finite: the slow path always finds a point (-1 stays a bug's), and skipping a search
+ *    cannot hide one.
+ * The code is counted (rank_of) only for the level that wins. */
 static Py_ssize_t
 encode_scaled_row(const double x[DIM], const double level[2], uint8_t *high)
 {
-    double high_err, low_err;
-    Py_ssize_t high_index = encode_at(x, level[1], &high_err);
-    if (high_index < 0)
-        return -1;
-    double gap = sqrt(norm2(x)) - sqrt(NORM2 + NORM_SLACK) * level[0];
-    if (gap > 0.0 && gap * gap > high_err * (1.0 + PRUNE_MARGIN)) {
+    double norm = sqrt(norm2(x)), radius = sqrt(NORM2 + NORM_SLACK);
+    LevelSearch s[2]; /* the low level, the high level */
+    search_fast(x, level[1], norm - radius * level[1], &s[1]);
+    double low_gap = norm - radius * level[0];
+    if (s[1].found && low_gap > 0.0 && surely_above(low_gap * low_gap, s[1].err)) {
         *high = 1;
-        return high_index;
+        return rank_of(s[1].point);
     }
-    Py_ssize_t low_index = encode_at(x, level[0], &low_err);
-    if (low_index < 0)
+    search_fast(x, level[0], low_gap, &s[0]);
+    if (!s[0].found && !s[1].found && search_slow(x, &s[s[1].bound < s[0].bound]) < 0)
         return -1;
-    *high = high_err < low_err;
-    return *high ? high_index : low_index;
+    for (int j = 0; j < 2; j++) {
+        if (s[j].found)
+            continue;
+        if (surely_above(s[j].bound, s[1 - j].err)) {
+            *high = (uint8_t)(1 - j);
+            return rank_of(s[1 - j].point);
+        }
+        if (search_slow(x, &s[j]) < 0)
+            return -1;
+    }
+    *high = s[1].err < s[0].err;
+    return rank_of(s[*high].point);
 }
 
 /* ------------------------------------------------------------------ Python boundary */
