@@ -114,10 +114,12 @@ nearest_d8(const double x[DIM], double out[DIM])
     unsigned largest = 0;
     for (int k = 0; k < DIM; k++)
         largest |= (unsigned)(miss[k] == most) << k;
-    int worst = __builtin_ctz(largest);
     int odd = fabs(sum) < 9007199254740992.0 ? (int)((int64_t)sum & 1) : fmod(sum, 2.0) != 0.0;
-    double flipped = out[worst] + (x[worst] - out[worst] >= 0.0 ? 1.0 : -1.0);
-    out[worst] = odd ? flipped : out[worst];
+    int worst = odd ? __builtin_ctz(largest) : DIM;
+    for (int k = 0; k < DIM; k++) {
+        double flipped = out[k] + (x[k] - out[k] >= 0.0 ? 1.0 : -1.0);
+        out[k] = k == worst ? flipped : out[k];
+    }
 }
 
 /* _e8.py rule 2: the closer of the nearest points of D8 and of D8 + 1/2. */
@@ -862,10 +864,15 @@ e8core_encode_scaled(PyObject *module, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     uint16_t *code = codes.buf;
     uint8_t *flag = high.buf;
-    double row[DIM];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const float *pair = level + 2 * scale[i / blocks];
-        double both[2] = {pair[0], pair[1]};
+    double row[DIM], both[2];
+    const uint8_t *head = scale;
+    for (Py_ssize_t i = 0, left = 0; i < n; i++, left--) {
+        if (left == 0) { /* a token-head's first 8-block: its levels */
+            both[0] = level[2 * *head];
+            both[1] = level[2 * *head + 1];
+            head++;
+            left = blocks;
+        }
         for (int k = 0; k < DIM; k++)
             row[k] = x[i * DIM + k];
         if (!isfinite(norm2(row))) {

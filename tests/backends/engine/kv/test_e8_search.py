@@ -385,3 +385,54 @@ def test_block_scale_choice_is_the_nearer_level(scale: float) -> None:
     np.testing.assert_array_equal(encoded.codes.reshape(-1), np.where(high, codes[1], codes[0]))
     flags = np.unpackbits(encoded.scales[..., 1:], axis=-1, count=8, bitorder="little")
     np.testing.assert_array_equal(flags.reshape(-1), high.astype(np.uint8))
+
+
+def test_block_scale_choice_holds_where_the_bounds_skip_a_search() -> None:
+    """``_e8core.encode_scaled_row`` skips a level's slow path only where its bound says the
+    level must lose (its rules a-c): rows just inside and outside a level's ball, on its lattice
+    inside and outside the ball, far outside, with levels equal, zero or in either order, get
+    the choice that searching both levels gives (the low level on a tie)."""
+    rng = np.random.default_rng(4)
+    table = rng.choice([0.3, 0.84, 1.0, 1.09, 2.5], size=(256, 2)).astype(np.float32)
+    table[:4] = [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (1.09, 0.84)]
+    tokens, heads, dim = 16, 8, 64
+    scales = rng.integers(0, 256, size=(tokens, heads)).astype(np.uint8)
+    scales[0] = np.arange(heads) % 4
+    pairs = table[scales].astype(np.float64)  # [tokens, heads, 2]
+    chosen = pairs[..., rng.integers(0, 2)]
+    level = np.where(chosen > 0, chosen, 1.0)[..., None, None]
+    direction = rng.standard_normal((tokens, heads, dim // 8, 8))
+    direction /= np.linalg.norm(direction, axis=-1, keepdims=True)
+    book = e8_codebook()
+    on_lattice = book.points[rng.integers(0, CODEBOOK_SIZE, size=direction.shape[:-1])]
+    radius = np.sqrt(CODEBOOK_NORM2)
+    shell = (*direction.shape[:-1], 1)
+    kinds = [
+        direction * radius * rng.uniform(0.98, 1.02, size=shell),
+        direction * radius * rng.uniform(1.0, 1.7, size=shell),
+        on_lattice,
+        on_lattice * 2.0,
+        on_lattice * 1.25 + rng.standard_normal(direction.shape) * 1e-7,
+        direction * 40.0,
+    ]
+    book_codes, book_high = [], []
+    for rows in kinds:
+        x = (rows * level).reshape(tokens, heads, dim).astype(np.float32)
+        codes = np.empty((tokens, heads, dim // 8), dtype=np.uint16)
+        high = np.empty_like(codes, dtype=np.uint8)
+        _e8core.encode_scaled(x, scales, table, codes, high)
+        flat = x.reshape(-1, 8).astype(np.float64)
+        levels = np.repeat(pairs[:, :, None, :], dim // 8, axis=2).reshape(-1, 2)
+        found, errors = [], []
+        for at in (levels[:, 0:1], levels[:, 1:2]):
+            code = book.encode(np.where(at > 0, flat / np.where(at > 0, at, 1.0), 0.0))
+            miss = np.square(book.points[code] * at - flat)
+            low_half = (miss[:, 0] + miss[:, 1]) + (miss[:, 2] + miss[:, 3])
+            errors.append(low_half + ((miss[:, 4] + miss[:, 5]) + (miss[:, 6] + miss[:, 7])))
+            found.append(code)
+        expected_high = errors[1] < errors[0]
+        book_codes.append((codes.reshape(-1), np.where(expected_high, found[1], found[0])))
+        book_high.append((high.reshape(-1), expected_high.astype(np.uint8)))
+    for (got, expected), (got_high, expected_high) in zip(book_codes, book_high, strict=True):
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(got_high, expected_high)
