@@ -864,27 +864,23 @@ e8core_encode_scaled(PyObject *module, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     uint16_t *code = codes.buf;
     uint8_t *flag = high.buf;
-    double row[DIM], both[2];
-    const uint8_t *head = scale;
-    for (Py_ssize_t i = 0, left = 0; i < n; i++, left--) {
-        if (left == 0) { /* a token-head's first 8-block: its levels */
-            both[0] = level[2 * *head];
-            both[1] = level[2 * *head + 1];
-            head++;
-            left = blocks;
+    for (Py_ssize_t h = 0; h < heads && bad < 0 && lost < 0; h++) {
+        const double both[2] = {level[2 * scale[h]], level[2 * scale[h] + 1]};
+        for (Py_ssize_t i = h * blocks; i < (h + 1) * blocks; i++) {
+            double row[DIM];
+            for (int k = 0; k < DIM; k++)
+                row[k] = x[i * DIM + k];
+            if (!isfinite(norm2(row))) {
+                bad = i;
+                break;
+            }
+            Py_ssize_t index = encode_scaled_row(row, both, flag + i);
+            if (index < 0) {
+                lost = i;
+                break;
+            }
+            code[i] = (uint16_t)index;
         }
-        for (int k = 0; k < DIM; k++)
-            row[k] = x[i * DIM + k];
-        if (!isfinite(norm2(row))) {
-            bad = i;
-            break;
-        }
-        Py_ssize_t index = encode_scaled_row(row, both, flag + i);
-        if (index < 0) {
-            lost = i;
-            break;
-        }
-        code[i] = (uint16_t)index;
     }
     Py_END_ALLOW_THREADS
     if (bad >= 0)
