@@ -9,6 +9,11 @@ Rules:
    replica's own row shows what load alone does to that ratio.
 3. What the demo would promote: among the candidates the judge PASSes, the one with the
    lowest TTFT ratio (nothing when none passes).
+4. A card keeps every reason of the judge's, ordered by its metric's verdict (worst first),
+   then by family -- quality, reliability, latency, throughput, cost: what a switch must not
+   lose first -- then as the judge listed them. The printed scorecard shows the first reason
+   of each family and points to the report for the rest: a candidate that fails on quality
+   and on cost says both, whichever the judge's metric order put first.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ __all__ = ["CandidateCard", "Scorecard", "card_from_report", "render", "would_pr
 SIMILARITY = "quality.semantic_similarity"
 EXACT = "quality.exact_match"
 TTFT = "latency.ttft_s"
+FAMILIES = ("quality", "reliability", "latency", "throughput", "cost")
+"""Rule 4's order of metric families (a metric's family is its name up to the first dot)."""
+_SEVERITY = {"FAIL": 3, "INCONCLUSIVE": 2, "MARGINAL": 1, "PASS": 0}
 ITL = "latency.itl_mean_s"
 THROUGHPUT = "throughput.output_tps"
 COST = "cost.usd"
@@ -44,6 +52,7 @@ class CandidateCard:
     description: str
     verdict: str
     reasons: tuple[str, ...]
+    """The judge's reasons, in rule 4's order."""
     samples: int
     similarity: float | None
     similarity_floor: float | None
@@ -80,6 +89,29 @@ def _metric(report: Mapping[str, Any], name: str) -> dict[str, Any]:
     return {}
 
 
+def _family(reason: str) -> str:
+    """The family of a reason's metric: ``quality`` of ``quality.exact_match: ...``."""
+    return reason.partition(":")[0].partition(".")[0]
+
+
+def _ordered_reasons(report: Mapping[str, Any]) -> tuple[str, ...]:
+    """Rule 4's order of the report's reasons."""
+    severity = {m.get("metric"): _SEVERITY.get(str(m.get("verdict")), 0)
+                for m in report.get("metrics") or ()}
+    rank = {family: i for i, family in enumerate(FAMILIES)}
+    reasons = [str(r) for r in report.get("reasons") or ()]
+    return tuple(sorted(reasons, key=lambda r: (-severity.get(r.partition(":")[0], 0),
+                                                rank.get(_family(r), len(rank)))))
+
+
+def _headline(reasons: Sequence[str]) -> tuple[str, ...]:
+    """Rule 4: the first reason of each family, in the card's order."""
+    first: dict[str, str] = {}
+    for reason in reasons:
+        first.setdefault(_family(reason), reason)
+    return tuple(first.values())
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -111,7 +143,7 @@ def card_from_report(name: str, description: str, report: Mapping[str, Any], *,
     return CandidateCard(
         name=name, description=description,
         verdict=str(report.get("verdict")) if judged else "-",
-        reasons=tuple(report.get("reasons") or ()) if judged else (),
+        reasons=_ordered_reasons(report) if judged else (),
         samples=max(samples.values(), default=0),
         similarity=similarity.get("mean"), similarity_floor=floor.get("mean_baseline"),
         exact_match=_metric(report, EXACT).get("mean"),
@@ -173,5 +205,9 @@ def render(console: Console, card: Scorecard, replica: str) -> None:
         if c.name == replica:
             continue
         console.print(f"[bold]{escape(c.name)}[/]: {_verdict(c.verdict)}")
-        for reason in c.reasons[:4]:
+        shown = _headline(c.reasons)
+        for reason in shown:
             console.print(f"  - {escape(reason)}")
+        if len(c.reasons) > len(shown):
+            console.print(f"  [dim](+{len(c.reasons) - len(shown)} more in "
+                          f"report-{escape(c.name)}.json)[/]")

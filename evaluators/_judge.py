@@ -36,7 +36,9 @@ Rules:
    its verdict and statistics are shown but do not count.
 5. The candidate's verdict is the worst over gated metrics, FAIL > INCONCLUSIVE >
    MARGINAL > PASS; with no gated metric it is INCONCLUSIVE. Every reason that is not a
-   pass is listed, prefixed with its metric.
+   pass is listed, prefixed with its metric, the worst first (by severity, then in metric
+   order): a refused promotion and the demo's scorecard cite the first few, so those are
+   the ones that decided the verdict.
 6. Like with like (DESIGN.md, "a mirror is not production's conditions"): a per-backend
    metric that carries its :class:`LoadConditions` (the latencies) is compared
    - with the noise-floor replica's own values (``replica``: a replica of the primary
@@ -289,12 +291,10 @@ def judge(
         return Verdict(Outcome.INCONCLUSIVE, ("no gated metric to judge",), tuple(verdicts),
                        more_needed)
     overall = max((v.outcome for v in gated), key=SEVERITY.__getitem__)
-    reasons = tuple(
-        f"{v.metric}: {check.reason}"
-        for v in gated
-        for check in v.checks
-        if check.outcome is not Outcome.PASS
-    )
+    failing = [(v.metric, check) for v in gated for check in v.checks
+               if check.outcome is not Outcome.PASS]
+    failing.sort(key=lambda pair: -SEVERITY[pair[1].outcome])  # stable: metric order kept
+    reasons = tuple(f"{metric}: {check.reason}" for metric, check in failing)
     if overall is Outcome.PASS:
         reasons = (f"all {len(gated)} gated metrics pass",)
     if sample_bias is not None and sample_bias.skew and not sample_bias.refuse:

@@ -142,6 +142,21 @@ def test_a_failure_outranks_an_inconclusive_metric() -> None:
     assert any(r.startswith(f"{ITL}: ") for r in verdict.reasons)
 
 
+def test_the_reasons_that_decided_the_verdict_come_first() -> None:
+    """Rule 5: a failing metric's reasons before an inconclusive one's, even where the
+    inconclusive metric comes first in metric order (ITL sorts before TTFT)."""
+    rng = _rng(9)
+    samples = {
+        ITL: MetricSamples(candidate=_latency(rng, 10), baseline=_latency(rng, 10)),
+        TTFT_METRIC: MetricSamples(candidate=_latency(rng, 300, 1.5),
+                                   baseline=_latency(rng, 300)),
+    }
+    for order in (samples, dict(reversed(samples.items()))):
+        reasons = judge(order, Gates(), DIRECTIONS).reasons
+        assert reasons[0].startswith(f"{TTFT_METRIC}: "), reasons
+        assert reasons[-1].startswith(f"{ITL}: too few samples"), reasons
+
+
 def test_significant_but_tolerable_worsening_is_marginal() -> None:
     rng = _rng(10)
     baseline = rng.lognormal(np.log(0.05), 0.1, 400)
