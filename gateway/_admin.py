@@ -7,8 +7,9 @@ Rules:
    read. With no token the API refuses to listen on a non-loopback address (checked at
    start). The scorecard page's static files (``_scorecard.py``) hold no data and are
    served without it; the data they fetch is behind it like every other route.
-2. Bodies are validated with pydantic; every error is an OpenAI-style JSON body with the
-   right 4xx, never a 500 or a traceback. The token never reaches a log.
+2. Bodies are validated with pydantic, strictly: a string or a boolean where a number
+   belongs, or NaN/Infinity, is a 422, never coerced. Every error is an OpenAI-style JSON
+   body with the right 4xx, never a 500 or a traceback. The token never reaches a log.
 3. Changes take effect without a restart: the handlers hand them to the ``Promoter``,
    which stores each before it applies it to the live gateway, wholly or not at all.
    When the store cannot take a change in time the answer is 503 (``ChangeNotStored``,
@@ -73,7 +74,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # -- bodies and views -------------------------------------------------------------------
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class CandidateUpdate(_Body):
@@ -231,7 +232,8 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
 async def _body(request: web.Request, model: type[Model]) -> Model:
     raw = await request.read()
     try:
-        return model.model_validate_json(raw or b"{}")
+        # Strict (rule 2): "0.5" is no rate and true no interval, as JSON types go.
+        return model.model_validate_json(raw or b"{}", strict=True)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
                              for e in exc.errors(include_url=False))

@@ -25,7 +25,7 @@ from aiohttp import web
 from evaluators import EvaluationSink, MemorySink
 from gateway._admin import build_admin_app, check_admin_binding
 from gateway._config import GatewayConfig
-from gateway._connections import ConnectionGuard, GatewayRunner
+from gateway._connections import ConnectionGuard, GatewayRunner, openai_error_body
 from gateway._destinations import masked_url
 from gateway._front import FrontRunner
 from gateway._memory import return_large_buffers
@@ -98,8 +98,13 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     app.cleanup_ctx.append(_routing_sync)
     app.cleanup_ctx.append(_mirroring)
     app.router.add_get("/health", _health)
+    app.router.add_route("*", "/health", _method_not_allowed)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_route("*", "/metrics", _method_not_allowed)
     app.router.add_route("*", "/v1/{tail:.*}", _proxy)
+    # Routes, not a middleware: aiohttp's own 404/405 are plain text, and a middleware
+    # would sit on every relayed request too.
+    app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
 
 
@@ -176,6 +181,18 @@ async def _health(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     body = request.app[STATE].metrics.exposition()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def _method_not_allowed(request: web.Request) -> web.Response:
+    """``/health`` and ``/metrics`` asked with another method than GET (or HEAD)."""
+    return web.Response(status=405, headers={"Allow": "GET, HEAD"}, content_type="application/json",
+                        body=openai_error_body(f"{request.path} answers only GET and HEAD",
+                                               "invalid_request_error", 405))
+
+
+async def _not_found(request: web.Request) -> web.Response:
+    return web.Response(status=404, content_type="application/json", body=openai_error_body(
+        "not found: the gateway serves /v1/..., /health and /metrics", "not_found_error", 404))
 
 
 def make_runner(app: web.Application) -> web.AppRunner:

@@ -29,6 +29,7 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from yarl import URL
 
 from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig
 from evaluators.store import StoreConfig
@@ -145,6 +146,14 @@ class UpstreamConfig(_Section):
             raise ValueError(
                 f"upstream url must start with http:// or https://, got scheme {scheme[:16]!r}"
             )
+        # Refused here, where it is a 422 (admin API) or a config error, not later where the
+        # upstream's pool is built from it after the change was stored.
+        try:
+            host = URL(url).host
+        except ValueError:  # yarl's words may quote the netloc, password and all
+            raise ValueError("upstream url is not a valid URL (its host or port)") from None
+        if not host:
+            raise ValueError("upstream url names no host")
         url = url.rstrip("/")
         return url.removesuffix("/v1")
 
@@ -159,6 +168,9 @@ class CaptureConfig(_Section):
 
 class CandidateConfig(UpstreamConfig):
     """A deployment under test: it receives a sample of the primary's traffic."""
+
+    # An infinite timeout is no bound, and NaN no number (the admin API takes this model).
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     url: str = Field(..., repr=False)  # may hold a password

@@ -98,6 +98,19 @@ class Promoter:
 
     # -- candidates ---------------------------------------------------------------------
 
+    def _check_backend_name(self, config: CandidateConfig) -> None:
+        """Refuse a candidate named as the primary, or as the rollback target at another
+        URL: the store knows a backend by its name, so adding it would rewrite that
+        backend's row (its URL and role) under the scores it already has."""
+        routing = self.routing
+        if config.name == routing.primary.name:
+            raise Conflict(f"{config.name!r} is the primary; a primary is not its own "
+                           "candidate (pick another name)")
+        previous = routing.previous
+        if previous is not None and config.name == previous.name and config.url != previous.url:
+            raise Conflict(f"{config.name!r} is the rollback target, at another URL; pick "
+                           "another name")
+
     def _candidate(self, name: str) -> Candidate:
         candidate = self._mirror.candidates.get(name)
         if candidate is None:
@@ -108,6 +121,7 @@ class Promoter:
         async with self._lock:
             if config.name in self._mirror.candidates:
                 raise Conflict(f"candidate {config.name!r} exists; PATCH it or DELETE it first")
+            self._check_backend_name(config)
             role: BackendRole = "secondary" if config.role == "secondary" else "candidate"
             await self._sync.record(
                 f"adding candidate {config.name}",

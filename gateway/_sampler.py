@@ -31,7 +31,10 @@ def sampled(candidate: str, key: str, rate: float) -> bool:
         return True
     if rate <= 0.0:
         return False
-    digest = hashlib.blake2b(key.encode(), digest_size=8, key=candidate.encode()[:64]).digest()
+    # A header's bytes that are not UTF-8 reach ``key`` as lone surrogates (aiohttp's
+    # surrogateescape): hashed as they are, never an UnicodeEncodeError on the request.
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8,
+                             key=candidate.encode()[:64]).digest()
     return int.from_bytes(digest, "big") / _SCALE < rate
 
 

@@ -7,7 +7,9 @@ record (its scores and its chunk gaps) and keeps nothing but the rows: the Obser
 Rules:
 1. Identities (request id, session key, backend and metric names) longer than the
    columns hold make the record invalid; descriptive strings (route, model, finish
-   reason, error) are cut to their column.
+   reason, error) are cut to their column. A client's header bytes that are not UTF-8
+   (lone surrogates in the request id or session key) are kept as backslash escapes:
+   no database driver can encode them, and one such row would fail its whole batch.
 2. Unknown stays unknown: a missing usage gives NULL token counts, never 0.
 3. ITL is derived from ``chunk_gaps_s``: the mean, and the p99 by nearest rank.
 """
@@ -78,10 +80,10 @@ def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: byt
     The session key and the prompt's hash are keyed hashes (``_hash_key.py``) unless
     ``store_session_keys``; the prompt's text is kept only with ``store_prompts``.
     """
-    _identity("request_id", exchange.request_id, REQUEST_ID_LENGTH)
-    _identity("session_key", exchange.session_key, NAME_LENGTH)
-    session_key = exchange.session_key if store_session_keys else (
-        SESSION_KEY_PREFIX + keyed_digest(hash_key, exchange.session_key.encode()))
+    request_id = _identity("request_id", exchange.request_id, REQUEST_ID_LENGTH)
+    session_key = _identity("session_key", exchange.session_key, NAME_LENGTH)
+    if not store_session_keys:
+        session_key = SESSION_KEY_PREFIX + keyed_digest(hash_key, session_key.encode())
     _identity("candidate", exchange.candidate, NAME_LENGTH)
     primary, candidate = exchange.primary, exchange.candidate_observation
     _identity("primary backend", primary.backend, NAME_LENGTH)
@@ -101,7 +103,7 @@ def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: byt
     )
     return Record(
         exchange={
-            "request_id": exchange.request_id,
+            "request_id": request_id,
             "session_key": session_key,
             "route": exchange.route[:ROUTE_LENGTH],
             "model": _cut(primary.model or candidate.model, NAME_LENGTH),
@@ -178,9 +180,12 @@ def _value(metric: str, value: float | None) -> float | None:
     return float(value)
 
 
-def _identity(what: str, value: str, limit: int) -> None:
+def _identity(what: str, value: str, limit: int) -> str:
+    if not value.isascii():  # rule 1: lone surrogates become backslash escapes
+        value = value.encode("utf-8", "backslashreplace").decode()
     if len(value) > limit:
         raise InvalidRecord(f"{what} longer than {limit} characters")
+    return value
 
 
 def _cut(value: str | None, limit: int) -> str | None:

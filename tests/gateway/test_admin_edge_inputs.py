@@ -1,0 +1,172 @@
+"""Edge inputs at the gateway's HTTP surfaces, each answered with the right 4xx in OpenAI's
+error shape (or served), never a 500, and never at the cost of data already accepted."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from gateway._config import load_config
+from tests.utils import eventually, run_gateway, run_sim
+
+CHAT = orjson.dumps({"model": "sim-model", "max_tokens": 4,
+                     "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def _call(http: aiohttp.ClientSession, method: str, url: str,
+                **kwargs: Any) -> tuple[int, Any]:
+    async with http.request(method, url, **kwargs) as resp:
+        assert resp.content_type == "application/json", (method, url, await resp.text())
+        return resp.status, await resp.json()
+
+
+def _is_error(body: Any, status: int) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return (isinstance(error, dict) and isinstance(error.get("message"), str)
+            and isinstance(error.get("type"), str) and error.get("code") == status)
+
+
+async def _raw_chat(url: str, extra_headers: bytes) -> bytes:
+    """POST a chat with header bytes no HTTP client library would send; the status line."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n" + extra_headers
+                     + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(CHAT) + CHAT)
+        async with asyncio.timeout(10):
+            answer = await reader.read()
+    finally:
+        writer.close()
+    return answer.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.parametrize("url", ["http://", "http:///v1", "http://[::1",
+                                 "http://127.0.0.1:99999", "http://u:pw-s3cret@127.0.0.1:x"])
+async def test_a_candidate_url_without_a_valid_host_or_port_is_422(url: str) -> None:
+    """These were 500s (yarl's ValueError past the handler), and "http://" was stored as a
+    change before building the candidate failed."""
+    async with run_sim() as sim, run_gateway(sim.url) as gw, aiohttp.ClientSession() as http:
+        status, body = await _call(http, "POST", gw.admin_url + "/candidates",
+                                   json={"name": "c", "url": url})
+        assert status == 422 and _is_error(body, 422), body
+        assert "url" in body["error"]["message"] and "s3cret" not in body["error"]["message"]
+        assert (await _call(http, "GET", gw.admin_url + "/candidates")) == (
+            200, {"candidates": []})
+        async with http.post(gw.base_url + "/chat/completions", data=CHAT,
+                             headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 200
+
+
+def test_a_configured_url_without_a_host_is_a_config_error_that_hides_it() -> None:
+    with pytest.raises(ValidationError, match="not a valid URL") as caught:
+        load_config(None, {"primary": {"url": "http://user:pw-s3cret@[::1"}})
+    assert "s3cret" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/candidates", b'{"name": "x", "url": "%s", "sample_rate": "0.5"}'),
+    ("POST", "/candidates", b'{"name": "x", "url": "%s", "sample_rate": true}'),
+    ("POST", "/candidates", b'{"name": "x", "url": "%s", "request_timeout_s": Infinity}'),
+    ("POST", "/candidates", b'{"name": "x", "url": "%s", "connect_timeout_s": 1e400}'),
+    ("PATCH", "/candidates/c", b'{"forward_credentials": "yes"}'),
+    ("PATCH", "/candidates/c", b'{"forward_credentials": 1}'),
+    ("PATCH", "/candidates/c", b'{"max_concurrency": "8"}'),
+    ("PATCH", "/candidates/c", b'{"request_timeout_s": Infinity}'),
+    ("POST", "/candidates/c/canary", b'{"interval_s": true}'),
+    ("POST", "/candidates/c/canary", b'{"steps": [true, 100]}'),
+    ("POST", "/candidates/c/canary", b'{"steps": [NaN, 100]}'),
+    ("POST", "/candidates/c/promote", b'{"force": "true", "reason": "r"}'),
+])
+async def test_admin_bodies_take_json_types_as_they_are(method: str, path: str,
+                                                       body: bytes) -> None:
+    """A string or boolean where a number or flag belongs, or NaN/Infinity, is a 422: lax
+    coercion had made `"interval_s": true` a canary stepping every second."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}]) as gw, \
+            aiohttp.ClientSession() as http:
+        status, answer = await _call(http, method, gw.admin_url + path,
+                                     data=body.replace(b"%s", sim.url.encode()),
+                                     headers={"Content-Type": "application/json"})
+        assert status == 422 and _is_error(answer, 422), answer
+        _, view = await _call(http, "GET", gw.admin_url + "/candidates/c")
+        assert view["forward_credentials"] is False and view["max_concurrency"] == 4
+        assert (await _call(http, "GET", gw.admin_url + "/routing"))[1]["canary"] is None
+        # Integers where floats belong are JSON numbers all the same.
+        status, view = await _call(http, "PATCH", gw.admin_url + "/candidates/c",
+                                   json={"sample_rate": 0, "request_timeout_s": 30})
+        assert status == 200 and view["sample_rate"] == 0.0
+
+
+async def test_non_utf8_session_and_request_ids_are_served_and_stored(tmp_path: Any) -> None:
+    """Header bytes that are not UTF-8 reach the gateway as lone surrogates: they made every
+    such request a 500 while a canary ran (or a sample rate was below 1), and failed the
+    score writer's whole batch, other clients' exchanges with it."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'edge.db'}"
+    async with run_sim(ttft_ms=1, itl_ms=1, tokens=4) as primary, \
+            run_sim(ttft_ms=1, itl_ms=1, tokens=4) as candidate, \
+            run_gateway(primary.url, candidates=[{"name": "cand", "url": candidate.url}],
+                        evaluation={"enabled": True, "store": {"url": url}}) as gw, \
+            aiohttp.ClientSession() as http:
+        for i in range(4):
+            assert await _raw_chat(gw.url, b"X-Request-Id: r-\xff\xfe-%d\r\n"
+                                   b"X-Session-Id: s-\xc3\x28-%d\r\n" % (i, i)) == (
+                b"HTTP/1.1 200 OK")
+            assert await _raw_chat(gw.url, b"X-Request-Id: plain-%d\r\n" % i) == (
+                b"HTTP/1.1 200 OK")
+        await eventually(lambda: gw.written_records >= 8, within_s=30)
+
+        status, _ = await _call(http, "POST", gw.admin_url + "/candidates/cand/canary",
+                                json={"steps": [50, 100], "interval_s": 3600})
+        assert status == 202
+        for i in range(4):
+            assert await _raw_chat(gw.url, b"X-Session-Id: s-\xff-%d\r\n" % i) == (
+                b"HTTP/1.1 200 OK")
+
+
+async def test_the_proxys_own_routes_answer_404_and_405_in_json() -> None:
+    async with run_sim() as sim, run_gateway(sim.url) as gw, aiohttp.ClientSession() as http:
+        for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+            for path in ("/health", "/metrics"):
+                async with http.request(method, gw.url + path) as resp:
+                    assert resp.status == 405, (method, path)
+                    assert resp.content_type == "application/json"
+                    assert _is_error(await resp.json(), 405)
+                    assert resp.headers["Allow"] == "GET, HEAD"
+        for path in ("/", "/v1", "/V1/models", "/admin/v1/candidates", "/nope?x=%ff"):
+            status, body = await _call(http, "GET", gw.url + path)
+            assert status == 404 and _is_error(body, 404), path
+        async with http.head(gw.url + "/health") as resp:
+            assert resp.status == 200
+        status, body = await _call(http, "GET", gw.url + "/health")
+        assert status == 200 and body["status"] == "ok"
+
+
+async def test_a_candidate_cannot_take_a_routed_backends_name() -> None:
+    """A candidate named as the primary (or as the rollback target, at another URL) would
+    rewrite that backend's row in the store, under the scores it already has."""
+    async with run_sim() as primary, run_sim(variant="b") as other, \
+            run_gateway(primary.url, candidates=[{"name": "c", "url": other.url}]) as gw, \
+            aiohttp.ClientSession() as http:
+        candidates = gw.admin_url + "/candidates"
+        status, body = await _call(http, "POST", candidates,
+                                   json={"name": "primary", "url": other.url})
+        assert status == 409 and _is_error(body, 409), body
+        status, body = await _call(http, "POST", candidates + "/c/promote",
+                                   json={"force": True, "reason": "edge test"})
+        assert status == 200 and body["routing"]["previous"]["name"] == "primary", body
+        status, body = await _call(http, "POST", candidates,
+                                   json={"name": "c", "url": other.url})
+        assert status == 409 and "primary" in body["error"]["message"]
+        status, body = await _call(http, "POST", candidates,
+                                   json={"name": "primary", "url": other.url})
+        assert status == 409 and "rollback target" in body["error"]["message"]
+        # The old primary, where it is, may be mirrored to (compared with its successor).
+        status, _ = await _call(http, "POST", candidates,
+                                json={"name": "primary", "url": primary.url})
+        assert status == 201
