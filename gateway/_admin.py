@@ -230,7 +230,10 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
 
 
 async def _body(request: web.Request, model: type[Model]) -> Model:
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except ConnectionResetError:  # the client left mid-body: its fault, not a traceback
+        raise RequestError("the request body was cut short") from None
     try:
         # Strict (rule 2): "0.5" is no rate and true no interval, as JSON types go.
         return model.model_validate_json(raw or b"{}", strict=True)
@@ -281,8 +284,10 @@ def _auth(token: str | None, open_paths: frozenset[str] = frozenset()) -> Middle
         if token is not None and request.path not in open_paths:
             scheme, _, provided = request.headers.get("Authorization", "").partition(" ")
             provided = provided.strip()
-            # compare_digest even for an empty value, so its timing tells nothing either.
-            matches = hmac.compare_digest(provided.encode(), token.encode())
+            # compare_digest even for an empty value, so its timing tells nothing either;
+            # surrogatepass: a header's non-UTF-8 bytes are a wrong token, not a 500.
+            matches = hmac.compare_digest(provided.encode("utf-8", "surrogatepass"),
+                                          token.encode())
             if scheme.lower() != "bearer" or not provided or not matches:
                 raise Unauthorized("missing or wrong bearer token")
         return await handler(request)

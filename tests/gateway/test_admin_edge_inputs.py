@@ -4,6 +4,7 @@ error shape (or served), never a 500, and never at the cost of data already acce
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 from gateway._config import load_config
 from tests.utils import eventually, run_gateway, run_sim
 
+TOKEN = "edge-admin-token-0123"
 CHAT = orjson.dumps({"model": "sim-model", "max_tokens": 4,
                      "messages": [{"role": "user", "content": "hi"}]})
 
@@ -170,3 +172,49 @@ async def test_a_candidate_cannot_take_a_routed_backends_name() -> None:
         status, _ = await _call(http, "POST", candidates,
                                 json={"name": "primary", "url": primary.url})
         assert status == 201
+
+
+async def _raw_admin(url: str, request: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("authorization", [b"Bearer " + TOKEN.encode() + b"\xff",
+                                           b"Bearer \xff\xfe", b"Bearer \xc3\x28"])
+async def test_a_token_with_non_utf8_bytes_is_401_not_500(authorization: bytes) -> None:
+    async with run_sim() as sim, run_gateway(sim.url, admin={"token": TOKEN}) as gw:
+        answer = await _raw_admin(gw.admin_url, b"GET /admin/v1/routing HTTP/1.1\r\nHost: x\r\n"
+                                  b"Authorization: " + authorization
+                                  + b"\r\nConnection: close\r\n\r\n")
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401 "), head
+        assert _is_error(orjson.loads(body), 401)
+        async with aiohttp.ClientSession() as http:
+            status, _ = await _call(http, "GET", gw.admin_url + "/routing",
+                                    headers={"Authorization": f"Bearer {TOKEN}"})
+            assert status == 200
+
+
+async def test_a_body_cut_short_is_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A client that leaves before its declared body is whole: nobody to answer, and no
+    'Error handling request' traceback in the log either."""
+    caplog.set_level(logging.DEBUG)
+    async with run_sim() as sim, run_gateway(sim.url) as gw:
+        for method, path in (("POST", "/candidates"), ("POST", "/rollback")):
+            host, port = gw.admin_url.removeprefix("http://").split("/")[0].split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"{method} /admin/v1{path} HTTP/1.1\r\nHost: x\r\n".encode()
+                         + b"Content-Length: 100\r\nConnection: close\r\n\r\n{\"name\"")
+            writer.write_eof()
+            async with asyncio.timeout(10):
+                await reader.read()
+            writer.close()
+        async with aiohttp.ClientSession() as http:
+            assert (await _call(http, "GET", gw.admin_url + "/routing"))[0] == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
