@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -125,6 +126,9 @@ HeaderName = Annotated[str, Field(min_length=1, max_length=128,
                                   pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")]
 """An HTTP field name (RFC 9110 token)."""
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+"""What no URL nor header value may hold (nor may a URL hold a space)."""
+
 
 class UpstreamConfig(_Section):
     """One backend the gateway talks to. ``url`` is the server root (``/v1`` is stripped)."""
@@ -140,6 +144,9 @@ class UpstreamConfig(_Section):
     @field_validator("url")
     @classmethod
     def _root_url(cls, url: str) -> str:
+        url = url.strip()  # e.g. read from a file with its newline
+        if _CONTROL.search(url) or " " in url:
+            raise ValueError("upstream url holds a space or a control character")
         if not url.startswith(("http://", "https://")):
             # The URL itself may carry a password: name only its scheme.
             scheme = url.partition("://")[0] if "://" in url else ""
@@ -156,6 +163,14 @@ class UpstreamConfig(_Section):
             raise ValueError("upstream url names no host")
         url = url.rstrip("/")
         return url.removesuffix("/v1")
+
+    @field_validator("api_key")
+    @classmethod
+    def _sendable_key(cls, key: SecretStr | None) -> SecretStr | None:
+        """Refused here: in a header a line break or NUL fails every request sent with it."""
+        if key is not None and _CONTROL.search(key.get_secret_value()):
+            raise ValueError("api_key holds a control character (a line break, NUL, ...)")
+        return key
 
 
 class CaptureConfig(_Section):

@@ -218,3 +218,26 @@ async def test_a_body_cut_short_is_no_traceback(caplog: pytest.LogCaptureFixture
         async with aiohttp.ClientSession() as http:
             assert (await _call(http, "GET", gw.admin_url + "/routing"))[0] == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("fields", [{"api_key": "k-s3cret\r\nX-Injected: 1"},
+                                    {"api_key": "k-s3cret\u0000"},
+                                    {"url": "http://127.0.0.1:8000/\u0000"},
+                                    {"url": "http://127.0.0.1:8000/a b"}])
+async def test_a_candidate_that_could_never_be_sent_to_is_422(
+        fields: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
+    """A line break or NUL in the api_key (or a URL with one, or a space) was taken, then
+    every mirrored request failed on it with a traceback in the log."""
+    caplog.set_level(logging.DEBUG)
+    async with run_sim() as sim, run_gateway(sim.url) as gw, aiohttp.ClientSession() as http:
+        status, body = await _call(http, "POST", gw.admin_url + "/candidates",
+                                   json={"name": "c", "url": sim.url, **fields})
+        assert status == 422 and _is_error(body, 422), body
+        assert "s3cret" not in body["error"]["message"]
+        assert (await _call(http, "GET", gw.admin_url + "/candidates"))[1] == {"candidates": []}
+    assert "s3cret" not in caplog.text
+
+
+def test_a_configured_url_keeps_working_with_surrounding_whitespace() -> None:
+    config = load_config(None, {"primary": {"url": " http://127.0.0.1:8000/v1\n"}})
+    assert config.primary.url == "http://127.0.0.1:8000"
