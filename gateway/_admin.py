@@ -66,6 +66,9 @@ log = logging.getLogger("understudy.admin")
 ADMIN_STATE = web.AppKey("admin_state", GatewayState)
 PREFIX = "/admin/v1"
 MAX_ADMIN_BODY_BYTES = 64 * 1024
+MIN_CANARY_INTERVAL_S = 1.0
+"""Each canary interval ends in a judgement (store reads, a verdict): a shorter one had the
+judge run back to back, a CPU core spent for as long as the canary ran."""
 
 Model = TypeVar("Model", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -138,7 +141,7 @@ class RollbackBody(_Body):
 class CanaryBody(_Body):
     steps: list[float] = Field(default_factory=lambda: [1.0, 5.0, 25.0, 50.0, 100.0],
                                min_length=1, max_length=20)
-    interval_s: float = Field(60.0, gt=0, le=86400)
+    interval_s: float = Field(60.0, ge=MIN_CANARY_INTERVAL_S, le=86400)
     actor: str = Field("admin", min_length=1, max_length=100)
 
     @field_validator("steps")

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from gateway._admin import MIN_CANARY_INTERVAL_S
 from gateway._config import load_config
 from tests.utils import eventually, run_gateway, run_sim
 
@@ -241,3 +242,18 @@ async def test_a_candidate_that_could_never_be_sent_to_is_422(
 def test_a_configured_url_keeps_working_with_surrounding_whitespace() -> None:
     config = load_config(None, {"primary": {"url": " http://127.0.0.1:8000/v1\n"}})
     assert config.primary.url == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize("interval_s", [1e-6, 0.5])
+async def test_a_canary_interval_below_the_minimum_is_422(interval_s: float) -> None:
+    """An interval of 1 µs had the judge run back to back: a core spent while it ran."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}]) as gw, \
+            aiohttp.ClientSession() as http:
+        status, body = await _call(http, "POST", gw.admin_url + "/candidates/c/canary",
+                                   json={"steps": [50, 100], "interval_s": interval_s})
+        assert status == 422 and "interval_s" in body["error"]["message"], body
+        assert (await _call(http, "GET", gw.admin_url + "/routing"))[1]["canary"] is None
+        status, _ = await _call(http, "POST", gw.admin_url + "/candidates/c/canary",
+                                json={"steps": [50, 100], "interval_s": MIN_CANARY_INTERVAL_S})
+        assert status == 202
