@@ -36,6 +36,7 @@ from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig
 from evaluators.store import StoreConfig
 
 __all__ = [
+    "MAX_CANDIDATES",
     "MIN_ADMIN_TOKEN_LENGTH",
     "AdminConfig",
     "CandidateConfig",
@@ -83,6 +84,9 @@ DEFAULT_CAPTURE_CHUNK_TIMES = 8192
 DEFAULT_RECENT_OBSERVATIONS = 256
 DEFAULT_MEMORY_BUDGET = 256 * MiB
 DEFAULT_CANDIDATE_CONCURRENCY = 4
+MAX_CANDIDATES = 64
+"""Candidates (and secondaries) at once, configured or added at runtime: each holds up to
+``max_concurrency`` (<= 1024) worker tasks and its own connection pool."""
 DEFAULT_BUFFER_ITEMS = 256
 DEFAULT_BUFFER_BYTES = 32 * MiB
 DEFAULT_CANDIDATE_REQUEST_TIMEOUT_S = 300.0
@@ -287,7 +291,7 @@ class GatewayConfig(BaseSettings):
     primary: UpstreamConfig = UpstreamConfig()
     capture: CaptureConfig = CaptureConfig()
     mirror: MirrorConfig = MirrorConfig()
-    candidates: tuple[CandidateConfig, ...] = ()
+    candidates: tuple[CandidateConfig, ...] = Field((), max_length=MAX_CANDIDATES)
     admin: AdminConfig = AdminConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
     record: RecordConfig = RecordConfig()

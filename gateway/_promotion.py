@@ -39,7 +39,7 @@ from typing import Any, Final
 
 from evaluators import Outcome
 from evaluators.store import AuditNote, BackendRole
-from gateway._config import CandidateConfig
+from gateway._config import MAX_CANDIDATES, CandidateConfig
 from gateway._exceptions import ChangeNotStored, Conflict, InvalidBody, NotFound
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Candidate, Mirror
@@ -122,6 +122,9 @@ class Promoter:
             if config.name in self._mirror.candidates:
                 raise Conflict(f"candidate {config.name!r} exists; PATCH it or DELETE it first")
             self._check_backend_name(config)
+            if len(self._mirror.candidates) >= MAX_CANDIDATES:
+                raise Conflict(f"there are {MAX_CANDIDATES} candidates, the most a gateway "
+                               "holds (MAX_CANDIDATES); remove one first")
             role: BackendRole = "secondary" if config.role == "secondary" else "candidate"
             await self._sync.record(
                 f"adding candidate {config.name}",

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway._admin import MIN_CANARY_INTERVAL_S
-from gateway._config import load_config
+from gateway._config import MAX_CANDIDATES, load_config
 from tests.utils import eventually, run_gateway, run_sim
 
 TOKEN = "edge-admin-token-0123"
@@ -257,3 +257,25 @@ async def test_a_canary_interval_below_the_minimum_is_422(interval_s: float) -> 
         status, _ = await _call(http, "POST", gw.admin_url + "/candidates/c/canary",
                                 json={"steps": [50, 100], "interval_s": MIN_CANARY_INTERVAL_S})
         assert status == 202
+
+
+async def test_the_number_of_candidates_is_bounded() -> None:
+    """Each candidate holds worker tasks and a pool: 50 added with max_concurrency 1024 had
+    made 51,200 tasks, and nothing stopped a thousand."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c0", "url": sim.url}]) as gw, \
+            aiohttp.ClientSession() as http:
+        for i in range(1, MAX_CANDIDATES):
+            status, _ = await _call(http, "POST", gw.admin_url + "/candidates",
+                                    json={"name": f"c{i}", "url": sim.url})
+            assert status == 201
+        status, body = await _call(http, "POST", gw.admin_url + "/candidates",
+                                   json={"name": "one-more", "url": sim.url})
+        assert status == 409 and "MAX_CANDIDATES" in body["error"]["message"], body
+        assert (await _call(http, "DELETE", gw.admin_url + "/candidates/c0"))[0] == 200
+        status, _ = await _call(http, "POST", gw.admin_url + "/candidates",
+                                json={"name": "one-more", "url": sim.url})
+        assert status == 201
+    with pytest.raises(ValidationError, match="candidates"):
+        load_config(None, {"candidates": [{"name": f"c{i}", "url": "http://127.0.0.1:1"}
+                                          for i in range(MAX_CANDIDATES + 1)]})
