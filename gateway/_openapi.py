@@ -41,8 +41,12 @@ def openapi_document(title: str, version: str, operations: list[Operation]) -> d
                 "404": _error("Unknown candidate"),
                 "409": _error("Conflict with the current state"),
                 "422": _error("Validation failed"),
+                "503": _error("The store could not take the change in time; nothing was "
+                              "applied (type store_unavailable)"),
             },
         }
+        if op.body is not None:
+            entry["responses"]["413"] = _error("Body over the admin API's limit")
         parameters = [
             {"name": part[1:-1], "in": "path", "required": True,
              "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]+$", "maxLength": 64}}

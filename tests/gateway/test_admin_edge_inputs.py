@@ -12,7 +12,7 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from gateway._admin import MIN_CANARY_INTERVAL_S
+from gateway._admin import MAX_ADMIN_BODY_BYTES, MIN_CANARY_INTERVAL_S, admin_openapi
 from gateway._config import MAX_CANDIDATES, load_config
 from tests.utils import eventually, run_gateway, run_sim
 
@@ -279,3 +279,21 @@ async def test_the_number_of_candidates_is_bounded() -> None:
     with pytest.raises(ValidationError, match="candidates"):
         load_config(None, {"candidates": [{"name": f"c{i}", "url": "http://127.0.0.1:1"}
                                           for i in range(MAX_CANDIDATES + 1)]})
+
+
+def test_the_openapi_document_declares_the_413_and_503_the_api_answers() -> None:
+    """A body over MAX_ADMIN_BODY_BYTES is a 413 and a change the store cannot take a 503
+    (README), both in the error shape: the document had neither."""
+    for path, operations in admin_openapi()["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert "503" in responses, (method, path)
+            assert ("413" in responses) == ("requestBody" in operation), (method, path)
+
+
+async def test_a_body_over_the_limit_is_413_in_the_error_shape() -> None:
+    async with run_sim() as sim, run_gateway(sim.url) as gw, aiohttp.ClientSession() as http:
+        status, body = await _call(http, "POST", gw.admin_url + "/candidates",
+                                   data=b" " * (MAX_ADMIN_BODY_BYTES + 1),
+                                   headers={"Content-Type": "application/json"})
+        assert status == 413 and _is_error(body, 413), body
