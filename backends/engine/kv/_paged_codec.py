@@ -57,6 +57,7 @@ Rules
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,20 +81,22 @@ _HALF_MAX = float(np.finfo(np.float16).max)
 
 @dataclass(frozen=True, slots=True)
 class _Part:
+    """One array of an encoded layer and role: its shape, dtype and, counted once (a block's
+    decode reads six of them), its element count and bytes."""
+
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
+    count: int
+    nbytes: int
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+def _part(array: npt.NDArray[Any]) -> _Part:
+    count = math.prod(array.shape)
+    return _Part(array.shape, array.dtype, count, count * array.dtype.itemsize)
 
 
 def _parts(block: EncodedBlock) -> tuple[_Part, _Part, _Part]:
-    return (
-        _Part(block.codes.shape, block.codes.dtype),
-        _Part(block.scales.shape, block.scales.dtype),
-        _Part(block.zeros.shape, block.zeros.dtype),
-    )
+    return _part(block.codes), _part(block.scales), _part(block.zeros)
 
 
 class PagedCodec:
@@ -363,8 +366,7 @@ class PagedCodec:
         for role, parts, codec in zip(_ROLES, self._schema[layer], self.codecs[layer], strict=True):
             arrays = []
             for part in parts:
-                count = int(np.prod(part.shape))
-                array = np.frombuffer(blob, dtype=part.dtype, count=count, offset=offset)
+                array = np.frombuffer(blob, dtype=part.dtype, count=part.count, offset=offset)
                 arrays.append(array.reshape(part.shape))
                 offset += part.nbytes
             encoded = EncodedBlock(codec.name, role, shape, arrays[0], arrays[1], arrays[2])

@@ -458,6 +458,31 @@ def test_a_decoded_cache_too_small_to_hold_anything_gives_the_same_tokens(
     assert roomy_stats is not None and roomy_stats.hits > 0
 
 
+@pytest.mark.parametrize("name", ["kivi-4", "e8-2"])
+def test_a_decoded_cache_smaller_than_the_blocks_read_still_hits(
+    engine_model: LlamaModel,
+    calibration: Calibration,
+    name: str,
+) -> None:
+    """``_coded_store`` rule 3b: every step reads the sequence's blocks, layer by layer, in the
+    same order; with room for about half of them, a cache that put each miss on top would evict
+    every block just before it is read again (no hits once decoding starts); blocks decoded on a
+    miss enter at the bottom, so decoding finds the cache's share of them.  Same tokens."""
+    prompt = engine_model.tokenizer.encode(PROMPT_TEXT)
+    layers = engine_model.config.num_layers
+    read = (len(prompt) // BS) * layers  # complete blocks a decode step reads, all layers
+    roomy = _engine(engine_model, name, calibration)
+    fresh = _run(roomy, prompt)
+    roomy_stats = roomy.stats().decoded_cache
+    assert roomy_stats is not None
+    half = _engine(engine_model, name, calibration,
+                   kv_decoded_cache_bytes=read // 2 * roomy_stats.entry_bytes)
+    assert _run(half, prompt) == fresh
+    stats = half.stats().decoded_cache
+    assert stats is not None and 0 < stats.capacity < read and stats.misses > 0
+    assert stats.hits >= 0.3 * (stats.hits + stats.misses), stats
+
+
 # fp16 holds 8 blocks here after its reserve (one running sequence's raw block and sink row,
 # and the decoded cache's quarter of the limit).
 FIXED_KV = (8 * 368640 + 737280 + 46080) * 4 // 3 + 4
