@@ -210,6 +210,15 @@ class CandidateConfig(UpstreamConfig):
     # noise floor that candidates' quality differences must exceed.
     role: Literal["candidate", "secondary"] = "candidate"
 
+    @field_validator("name")
+    @classmethod
+    def _not_a_dot_segment(cls, name: str) -> str:
+        """A name is a path segment of the admin API (``/candidates/NAME``): ``.`` or ``..``
+        would be resolved away by browsers and most clients before it reached the gateway."""
+        if name in (".", ".."):
+            raise ValueError("a candidate name cannot be '.' or '..'")
+        return name
+
 
 class MirrorConfig(_Section):
     memory_budget_bytes: int = Field(DEFAULT_MEMORY_BUDGET, ge=0)

@@ -15,6 +15,11 @@ Rules (DESIGN.md invariant 1):
 5. The relay does not know which server read the request: it talks to a
    :class:`RelayClient`, the front's (``_front.py``, every ``/v1/`` request on a
    connection it kept) or aiohttp's (:class:`AiohttpClient`, on a connection handed over).
+6. Only ``/v1/`` is forwarded, so a path with a ``.`` or ``..`` segment (percent-encoded,
+   or behind an encoded slash or a backslash, too) is refused with a 400, never forwarded:
+   ``/v1/models/../../reset_prefix_cache`` would reach the backend's other endpoints
+   through anything between them that resolves dot segments (nginx, for one). No OpenAI
+   route has such a segment.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 import orjson
 from aiohttp import StreamReader, web
@@ -36,6 +42,7 @@ from evaluators import Capture, observe
 from gateway._exceptions import (
     GatewayError,
     HeadersTooLarge,
+    RequestError,
     RequestTooLarge,
     UpstreamError,
     error_response,
@@ -234,6 +241,12 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
         client.refuse(HeadersTooLarge(
             f"request headers exceed the limit of {limit} bytes in all"), None)
         return
+    if _has_dot_segment(client.raw_path):
+        metrics.rejected.labels("dot_segment").inc()
+        metrics.route(route).answered(400).inc()
+        client.refuse(RequestError(
+            "the path has a '.' or '..' segment; the gateway forwards only /v1/ paths"), None)
+        return
     routing = state.routing  # one snapshot: the whole request goes where it says
     capture = Capture(started=started, max_bytes=state.config.capture.max_bytes,
                       max_chunk_times=state.config.capture.max_chunk_times)
@@ -271,6 +284,16 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
         metrics.relaying -= 1
         capture.ended = loop.time()
         _record(state, capture, request_id, route, wall_started)
+
+
+def _has_dot_segment(raw_path: str) -> bool:
+    """Rule 6: whether the path, percent-decoded, has a ``.`` or ``..`` segment (a
+    backslash counted as a slash)."""
+    path = raw_path.partition("?")[0]
+    if "." not in path and "%" not in path:  # the common case, without decoding
+        return False
+    segments = unquote(path).replace("\\", "/").split("/")
+    return "." in segments or ".." in segments
 
 
 async def _forward(client: RelayClient, state: GatewayState, upstream: Upstream,

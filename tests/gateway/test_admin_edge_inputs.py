@@ -297,3 +297,44 @@ async def test_a_body_over_the_limit_is_413_in_the_error_shape() -> None:
                                    data=b" " * (MAX_ADMIN_BODY_BYTES + 1),
                                    headers={"Content-Type": "application/json"})
         assert status == 413 and _is_error(body, 413), body
+
+
+async def _raw_request_line(url: str, target: bytes) -> tuple[bytes, bytes]:
+    """GET ``target`` as sent (no client library resolves its dot segments): the status line
+    and the body."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        async with asyncio.timeout(10):
+            answer = await reader.read()
+    finally:
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], body
+
+
+@pytest.mark.parametrize("target", [
+    b"/v1/models/../../reset_prefix_cache", b"/v1/%2E%2E/%2e%2e/sleep", b"/v1/..%2fmetrics",
+    b"/v1/./models", b"/v1/models/..", b"/v1/..\\metrics", b"/v1/models/%2e?x=1",
+])
+async def test_a_path_with_a_dot_segment_is_refused_not_forwarded(target: bytes) -> None:
+    """``_relay`` rule 6: found by probing -- these reached the backend as sent, so anything
+    between the two that resolves dot segments would expose the backend's other endpoints."""
+    async with run_sim() as sim, run_gateway(sim.url) as gw, aiohttp.ClientSession() as http:
+        status, body = await _raw_request_line(gw.url, target)
+        assert status.startswith(b"HTTP/1.1 400 "), (target, status)
+        assert _is_error(orjson.loads(body), 400), body
+        async with http.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+        assert 'understudy_requests_rejected_total{reason="dot_segment"} 1.0' in text
+        served, _ = await _raw_request_line(gw.url, b"/v1/models?name=a..b")
+        assert served.startswith(b"HTTP/1.1 200 "), served
+
+
+def test_a_candidate_name_cannot_be_a_dot_segment() -> None:
+    for name in (".", ".."):
+        with pytest.raises(ValidationError, match=r"cannot be '\.' or '\.\.'"):
+            load_config(None, {"candidates": [{"name": name, "url": "http://127.0.0.1:9"}]})
+    config = load_config(None, {"candidates": [{"name": "v1.2", "url": "http://127.0.0.1:9"}]})
+    assert config.candidates[0].name == "v1.2"
