@@ -72,7 +72,10 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
     if print_config:
         click.echo(repr(config))
         return
-    run(config)
+    try:
+        run(config)
+    except OSError as exc:  # a port in use, an address not ours: refused, no traceback
+        raise click.ClickException(f"cannot serve: {exc}") from exc
 
 
 main.add_command(sim_command)

@@ -5,6 +5,7 @@ quality loss (``kv._planner``), and what bounds a decode step on this machine
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,14 @@ def plan_kv_command(
     quality loss, and say what bounds a decode step on this machine."""
     if budget_bits is not None and budget_bytes_per_token is not None:
         raise click.UsageError("give --budget-bits or --budget-bytes-per-token, not both")
+    # FloatRange lets nan and inf through; either would be found out only after minutes of
+    # measuring, as a plan that fits nothing or a budget that means nothing.
+    for flag, value in (
+        ("--budget-bits", budget_bits),
+        ("--budget-bytes-per-token", budget_bytes_per_token),
+    ):
+        if value is not None and not math.isfinite(value):
+            raise click.UsageError(f"{flag} must be a finite number above 0, got {value}")
     if queries >= tokens:
         raise click.UsageError("--queries must be below --tokens")
     names = tuple(name.strip() for name in codecs.split(",") if name.strip())

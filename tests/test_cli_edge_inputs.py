@@ -1,0 +1,44 @@
+"""Bad command-line input is refused up front, with a usage error naming the option, before
+anything heavy (a model load, a measurement) starts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from backends.engine import plan_kv_command
+
+
+@pytest.mark.parametrize("flag", ["--budget-bits", "--budget-bytes-per-token"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_plan_kv_refuses_a_non_finite_budget_before_measuring(flag: str, value: str) -> None:
+    result = CliRunner().invoke(plan_kv_command, [flag, value])
+    assert result.exit_code == 2, result.output
+    assert flag in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sim", "--host", "127.0.0.1"],
+        ["serve", "--host", "127.0.0.1", "--primary", "http://127.0.0.1:9"],
+    ],
+    ids=["sim", "serve"],
+)
+def test_a_port_in_use_is_a_one_line_refusal_not_a_traceback(args: list[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", *args, "--port", str(port)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "Error: cannot serve:" in done.stderr and "address already in use" in done.stderr
