@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -23,6 +24,10 @@ REQUEST_TIMEOUT_S = 120.0  # a promotion runs the judge first
 def _call(admin: tuple[str, str | None], method: str, path: str,
           body: dict[str, Any] | None = None) -> Any:
     url, token = admin[0].rstrip("/"), admin[1]
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        # urllib would raise on 'notaurl' and open file:// or ftp:// URLs as they come
+        raise click.UsageError(f"--admin-url must be an http:// or https:// URL, got {admin[0]!r}")
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url + path, data=data, method=method)
     request.add_header("Content-Type", "application/json")

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from backends.engine import plan_kv_command
+from gateway.cli import main
 
 
 @pytest.mark.parametrize("flag", ["--budget-bits", "--budget-bytes-per-token"])
@@ -42,3 +43,11 @@ def test_a_port_in_use_is_a_one_line_refusal_not_a_traceback(args: list[str]) ->
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert "Error: cannot serve:" in done.stderr and "address already in use" in done.stderr
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1", "file:///etc", "http://"])
+def test_an_admin_url_that_is_not_http_is_a_usage_error(url: str) -> None:
+    result = CliRunner().invoke(main, ["routing", "--admin-url", url])
+    assert result.exit_code == 2, result.output
+    assert "--admin-url must be an http:// or https:// URL" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
