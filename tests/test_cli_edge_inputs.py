@@ -51,3 +51,19 @@ def test_an_admin_url_that_is_not_http_is_a_usage_error(url: str) -> None:
     assert result.exit_code == 2, result.output
     assert "--admin-url must be an http:// or https:// URL" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1"])
+def test_load_refuses_a_url_that_is_not_http(url: str) -> None:
+    result = CliRunner().invoke(main, ["load", "--url", url, "--sessions", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--url must be an http:// or https:// URL" in result.output
+
+
+def test_load_names_the_server_it_cannot_reach() -> None:
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        result = CliRunner().invoke(main, ["load", "--url", url, "--sessions", "1"])
+    assert result.exit_code == 1, result.output
+    assert f"cannot reach {url}" in result.output

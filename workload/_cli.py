@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import urllib.parse
 from pathlib import Path
 
 import click
@@ -60,6 +61,9 @@ def load_command(url: str, sessions: int, turns: int, rate: float, think_s: floa
                  timeout_s: float, replay_path: Path | None, speed: float,
                  max_requests: int | None, api_key: str | None, as_json: bool) -> None:
     """Drive agentic multi-turn sessions (or a recorded replay) against URL."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise click.UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
     for name in QUIET_LOGGERS:  # a line per request would bury the summary
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
@@ -79,6 +83,8 @@ def load_command(url: str, sessions: int, turns: int, rate: float, think_s: floa
             summary = asyncio.run(run_workload(spec, url, api_key=api_key))
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
+    except openai.APIConnectionError as exc:  # its message names no address
+        raise click.ClickException(f"cannot reach {url}: {exc}") from exc
     except (ValueError, RuntimeError, openai.OpenAIError) as exc:
         # A file that is not a recording; a server that cannot be reached or lists no model.
         raise click.ClickException(str(exc)) from exc
