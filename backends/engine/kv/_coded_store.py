@@ -17,11 +17,11 @@ Rules
    they outnumber the cache an LRU that puts every miss on top evicts each block just before it
    is read again and nothing ever hits -- a kivi-4 engine over a 3,175-token prompt at the
    default 64 MiB: 30 hits in 77,460 reads, 21-25 s of CPU for 24 tokens, 6.5-6.9 s with this
-   rule (44 % hits), 3.1-3.9 s with a cache that holds every block.  Entering at the bottom keeps what the cache held, so a step finds the cache's
-   share of its blocks; the few that enter on top let a working set that changed take the cache
-   over (the bimodal insertion of Qureshi et al., "Adaptive insertion policies for
-   high-performance caching", ISCA 2007).  A sealed block enters on top (rule 4): the next step
-   reads it.
+   rule (44 % hits), 3.1-3.9 s with a cache that holds every block.  Entering at the bottom
+   keeps what the cache held, so a step finds the cache's share of its blocks; the few that
+   enter on top let a working set that changed take the cache over (the bimodal insertion of
+   Qureshi et al., "Adaptive insertion policies for high-performance caching", ISCA 2007).  A
+   sealed block enters on top (rule 4): the next step reads it.
 4. ``seal`` encodes a raw slot's block and overwrites the slot with its decoded rows, which then
    becomes the cache's most recent entry: the block is decoded once, by the pass that completes it.
 5. A read of a block that is neither raw nor cached is a miss: the block's layer is decoded from
