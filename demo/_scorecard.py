@@ -32,12 +32,12 @@ __all__ = ["CandidateCard", "Scorecard", "card_from_report", "render", "would_pr
 SIMILARITY = "quality.semantic_similarity"
 EXACT = "quality.exact_match"
 TTFT = "latency.ttft_s"
-FAMILIES = ("quality", "reliability", "latency", "throughput", "cost")
-"""Rule 4's order of metric families (a metric's family is its name up to the first dot)."""
-_SEVERITY = {"FAIL": 3, "INCONCLUSIVE": 2, "MARGINAL": 1, "PASS": 0}
 ITL = "latency.itl_mean_s"
 THROUGHPUT = "throughput.output_tps"
 COST = "cost.usd"
+FAMILIES = ("quality", "reliability", "latency", "throughput", "cost")
+"""Rule 4's order of metric families (a metric's family is its name up to the first dot)."""
+_SEVERITY = {"FAIL": 3, "INCONCLUSIVE": 2, "MARGINAL": 1, "PASS": 0}
 _STYLE = {"PASS": "green", "MARGINAL": "yellow", "FAIL": "red", "INCONCLUSIVE": "magenta"}
 
 
