@@ -17,7 +17,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -140,22 +140,32 @@ Served = TypeVar("Served", bound=ServedApp)
 def serve_until_signalled(
     server: Callable[[], AbstractAsyncContextManager[Served]], describe: Callable[[Served], str]
 ) -> None:
-    """Run ``server()`` until SIGINT or SIGTERM, printing ``describe(server)`` once it listens."""
+    """Run ``server()`` until SIGINT or SIGTERM, printing ``describe(server)`` once it listens.
+    A server that cannot listen (its port in use, an address not this host's) ends the command
+    with one line and exit status 1, not a traceback."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve_until_signalled(server, describe))
+        refused = runner.run(_serve_until_signalled(server, describe))
+    if refused is not None:
+        raise SystemExit(f"Error: cannot serve: {refused}")
 
 
 async def _serve_until_signalled(
     server: Callable[[], AbstractAsyncContextManager[Served]], describe: Callable[[Served], str]
-) -> None:
+) -> OSError | None:
+    """Serve until stopped; the error of a server that could not start listening, or None."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in _STOP_SIGNALS:
         loop.add_signal_handler(signum, stop.set)
     try:
-        async with server() as served:
+        async with AsyncExitStack() as stack:
+            try:
+                served = await stack.enter_async_context(server())
+            except OSError as exc:
+                return exc
             print(describe(served), flush=True)
             await stop.wait()
+        return None
     finally:
         for signum in _STOP_SIGNALS:
             loop.remove_signal_handler(signum)

@@ -112,10 +112,7 @@ def sim_command(
         )
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
-    try:
-        serve_until_signalled(
-            lambda: running_sim(config),
-            lambda sim: f"sim: serving {config.model!r} on {sim.root_url}",
-        )
-    except OSError as exc:  # a port in use, an address not ours: refused, no traceback
-        raise click.ClickException(f"cannot serve: {exc}") from exc
+    serve_until_signalled(
+        lambda: running_sim(config),
+        lambda sim: f"sim: serving {config.model!r} on {sim.root_url}",
+    )

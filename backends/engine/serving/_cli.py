@@ -164,10 +164,7 @@ def engine_command(
             f"{kv_plan}: a KV plan of {plan.num_layers} layers for a "
             f"{model.config.num_layers}-layer model"
         )
-    try:
-        serve_until_signalled(
-            lambda: running_engine_server(config, model),
-            lambda server: f"engine ({config.role}): {server.describe()}",
-        )
-    except OSError as exc:  # a port in use, an address not ours: refused, no traceback
-        raise click.ClickException(f"cannot serve: {exc}") from exc
+    serve_until_signalled(
+        lambda: running_engine_server(config, model),
+        lambda server: f"engine ({config.role}): {server.describe()}",
+    )
