@@ -24,7 +24,8 @@ Rules (DESIGN.md invariants 1 and 7):
    most ``batch_size`` (what was queued when it took the last one); ``stats`` has the
    batches, the last one's size and the queue's depth, for the gateway's metrics.
 3. Every accepted exchange is scored and submitted to the ScoreWriter (which stores it or
-   counts its own drop) or counted as dropped: ``scoring_error`` (by the child),
+   counts its own drop) or counted as dropped: ``scoring_error`` or ``store_error`` (by
+   the child: it failed to score, or the writer raised on it),
    ``shutdown`` (not scored within ``drain_timeout_s`` at close) or ``process_exit``
    (the child died while running). A child that dies takes with it what it had not
    reported as scored (at most ``STATS_INTERVAL_S`` of work may be counted lost although

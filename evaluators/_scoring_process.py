@@ -17,8 +17,9 @@ Theory of operation:
    (``score_batch``: the semantic model runs once over all its texts) and hands the
    scores to the writer on the loop's thread (``call_soon_threadsafe``; the writer is
    not thread-safe). An exchange that fails to score is dropped and counted
-   (``scoring_error``). Batches and the size of the last one are counted for the
-   gateway's metrics.
+   (``scoring_error``); one the writer raises on is dropped and counted
+   (``store_error``), and the rest of its batch is still submitted. Batches and the
+   size of the last one are counted for the gateway's metrics.
 3. Every ``STATS_INTERVAL_S`` the child sends a :class:`Snapshot` of its counters and
    its writer's; the parent keeps the latest.
 4. Drain: on :class:`Drain` (``expected`` = how many exchanges the parent put on the
@@ -306,9 +307,16 @@ class _ScoringProcess:
 
     def _store(self, writer: ScoreWriter, scored: list[tuple[Exchange, list[Score]]],
                errors: int) -> None:
+        stored = 0
         for exchange, scores in scored:
-            writer.submit(exchange, scores)
-        self._scored += len(scored)
+            try:
+                writer.submit(exchange, scores)
+            except Exception:  # one record the writer cannot take costs that one only
+                log.exception("storing exchange %s failed", exchange.request_id)
+                self._dropped["store_error"] += 1
+            else:
+                stored += 1
+        self._scored += stored
         if errors:
             self._dropped["scoring_error"] += errors
         self._batches += 1

@@ -9,21 +9,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import multiprocessing
 import os
 import signal
 import sys
 import time
 from asyncio.subprocess import Process
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import cast
 
 import pytest
 
-from evaluators import EvaluationPipeline, EvaluationProcessError, PipelineState
+from evaluators import (
+    EvaluationPipeline,
+    EvaluationProcessError,
+    Exchange,
+    PipelineState,
+    Score,
+    ScorerConfig,
+)
 from evaluators._pipeline import DEFAULT_BATCH_SIZE
-from evaluators._scoring_process import MAX_BATCH_SIZE, STATS_INTERVAL_S
-from evaluators.store import StoreConfig, upgrade
+from evaluators._scoring_process import (
+    MAX_BATCH_SIZE,
+    STATS_INTERVAL_S,
+    ProcessSettings,
+    _ScoringProcess,
+)
+from evaluators.store import ScoreWriter, StoreConfig, upgrade
 from tests.evaluators.test_store import make_exchange
 from tests.fixtures_db import sqlite_url
 from tests.utils import eventually
@@ -84,6 +99,37 @@ async def test_scores_and_stores_in_a_child_process(pipeline: EvaluationPipeline
     state: PipelineState = pipeline.state
     assert state is PipelineState.CLOSED and _gone(pid)
     assert not pipeline.submit(make_exchange("late"))
+
+
+class _WriterRefusingOne:
+    """A writer whose ``submit`` raises on one request id (fault injection)."""
+
+    def __init__(self, bad: str) -> None:
+        self.bad = bad
+        self.taken: list[str] = []
+
+    def submit(self, exchange: Exchange, scores: Sequence[Score] = ()) -> bool:
+        if exchange.request_id == self.bad:
+            raise RuntimeError("a record the writer cannot build")
+        self.taken.append(exchange.request_id)
+        return True
+
+
+def test_an_exchange_the_writer_raises_on_costs_that_exchange_only(
+        store: StoreConfig) -> None:
+    settings = ProcessSettings(store, (), ScorerConfig(), batch_size=8, drain_timeout_s=1.0,
+                               niceness=0, log_level=logging.INFO)
+    parent, child = multiprocessing.Pipe()
+    with contextlib.closing(parent), contextlib.closing(child):
+        process = _ScoringProcess(settings, multiprocessing.Queue(), child, os.getpid())
+        writer = _WriterRefusingOne("r1")
+        batch: list[tuple[Exchange, list[Score]]] = [(make_exchange(f"r{i}"), [])
+                                                     for i in range(4)]
+        process._store(cast(ScoreWriter, writer), batch, errors=1)
+    # the exchanges after the one refused are still submitted, and every one is counted
+    assert writer.taken == ["r0", "r2", "r3"]
+    assert process._scored == 3
+    assert process._dropped == {"store_error": 1, "scoring_error": 1}
 
 
 def test_batch_size_is_bounded(store: StoreConfig) -> None:
