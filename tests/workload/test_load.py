@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from backends.sim import RecordedRequest
 from gateway.cli import main
-from tests.utils import run_gateway, run_sim
+from tests.utils import eventually, run_gateway, run_sim
 from workload import TurnResult, WorkloadSpec, run_workload
 
 FAST = {"ttft_ms": 5.0, "itl_ms": 1.0, "tokens": 8}
@@ -68,7 +68,12 @@ async def test_through_a_gateway_sessions_are_sampled_whole() -> None:
         async with run_gateway(primary.url, candidates=half) as gateway:
             spec = WorkloadSpec(sessions=8, turns=3, rate=100, think_s=0.02, duration_s=30)
             summary = await run_workload(spec, gateway.base_url)
-            await asyncio.sleep(0.3)  # the mirror's replays finish off the hot path
+            # The mirror's replays finish off the hot path, after the client's answers:
+            # wait until each of the 24 requests is mirrored and joined or not sampled.
+            await eventually(lambda: gateway.metric(
+                "understudy_mirror_joined_total", candidate="cand") + gateway.metric(
+                "understudy_mirror_dropped_total", candidate="cand",
+                reason="not_sampled") == 24)
         seen_primary = _by_session(list(primary.stats.requests))
         seen_candidate = _by_session(list(candidate.stats.requests))
     assert summary.turns == 24 and summary.errors == 0
