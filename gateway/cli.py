@@ -10,6 +10,7 @@ import click
 from pydantic import ValidationError
 
 from backends.engine import engine_command, kv_quality_command, plan_kv_command
+from backends.openai_wire import ConfigError, config_error
 from backends.sim import sim_command
 from demo import demo_command
 from gateway._admin import check_admin_binding
@@ -67,8 +68,10 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
         config = load_config(config_path, overrides)
         if not print_config:
             check_admin_binding(config.admin)  # refused here: a clear message, no traceback
-    except (ValidationError, OSError, ValueError) as exc:
-        raise click.ClickException(f"invalid configuration: {exc}") from exc
+    except ValidationError as exc:  # a ValueError: caught first, a line per field
+        raise config_error(exc) from exc
+    except (OSError, ValueError) as exc:  # no file, not TOML, an unguarded admin listener
+        raise ConfigError([f"invalid configuration: {exc}"]) from exc
     if print_config:
         click.echo(repr(config))
         return

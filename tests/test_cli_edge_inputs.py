@@ -67,3 +67,39 @@ def test_load_names_the_server_it_cannot_reach() -> None:
         result = CliRunner().invoke(main, ["load", "--url", url, "--sessions", "1"])
     assert result.exit_code == 1, result.output
     assert f"cannot reach {url}" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "problems"),
+    [
+        (
+            ["serve", "--port", "70000"],
+            ["server.port: Input should be less than or equal to 65535"],
+        ),
+        (
+            ["serve", "--port", "70000", "--primary", "ftp://127.0.0.1"],
+            [
+                "server.port: Input should be less than or equal to 65535",
+                "primary.url: upstream url must start with http:// or https://, got scheme 'ftp'",
+            ],
+        ),
+        (["sim", "--fault-rate", "2"], ["fault_rate: Input should be less than or equal to 1"]),
+        (
+            ["engine", "--kv-gib", "0"],
+            ["unified.kv_limit_bytes: Input should be greater than or equal to 1048576"],
+        ),
+        (
+            ["load", "--url", "http://127.0.0.1:9", "--sessions", "0"],
+            ["sessions: Input should be greater than or equal to 1"],
+        ),
+    ],
+    ids=["serve", "serve-two-fields", "sim", "engine", "load"],
+)
+def test_an_invalid_setting_reads_alike_in_every_command(
+    args: list[str], problems: list[str]
+) -> None:
+    """A line per invalid field, no pydantic header nor URL, and a usage error's exit status."""
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"Error: {problem}" for problem in problems]
+    assert result.exception is None or isinstance(result.exception, SystemExit)

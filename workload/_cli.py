@@ -13,6 +13,7 @@ import openai
 from pydantic import ValidationError
 from rich.console import Console
 
+from backends.openai_wire import config_error
 from workload._driver import run_workload
 from workload._replay import replay_workload
 from workload._spec import DEFAULT_SESSION_HEADER, ReplaySpec, WorkloadSpec, WorkloadSummary
@@ -66,23 +67,26 @@ def load_command(url: str, sessions: int, turns: int, rate: float, think_s: floa
         raise click.UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
     for name in QUIET_LOGGERS:  # a line per request would bury the summary
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
+    try:  # the flags alone: a ValidationError while driving is no usage error
         if replay_path is not None:
             replay = ReplaySpec.model_validate(dict(
                 speed=speed, duration_s=duration_s, concurrency=concurrency, model=model,
                 session_header=session_header, request_timeout_s=timeout_s, drain_s=drain_s,
                 **({"max_requests": max_requests} if max_requests is not None else {})))
-            summary = asyncio.run(replay_workload(replay_path, url, spec=replay,
-                                                  api_key=api_key))
         else:
             spec = WorkloadSpec.model_validate(dict(
                 sessions=sessions, turns=turns, rate=rate, think_s=think_s,
                 duration_s=duration_s, drain_s=drain_s, concurrency=concurrency, model=model,
                 max_tokens=max_tokens, tool_choice=tool_choice, seed=seed,
                 session_header=session_header, request_timeout_s=timeout_s))
-            summary = asyncio.run(run_workload(spec, url, api_key=api_key))
     except ValidationError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise config_error(exc) from exc
+    try:
+        if replay_path is not None:
+            summary = asyncio.run(replay_workload(replay_path, url, spec=replay,
+                                                  api_key=api_key))
+        else:
+            summary = asyncio.run(run_workload(spec, url, api_key=api_key))
     except openai.APIConnectionError as exc:  # its message names no address
         raise click.ClickException(f"cannot reach {url}: {exc}") from exc
     except (ValueError, RuntimeError, openai.OpenAIError) as exc:

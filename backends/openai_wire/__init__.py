@@ -11,6 +11,9 @@ SDK -- cannot tell them from vLLM, nor one from another, by the bytes:
   model list) and ``AnswerWriter``, which writes them as a JSON body or an SSE stream;
 - the app: ``install_openai_app`` (FastAPI-style errors, ``/v1/models``), ``serve_app``,
   ``serve_until_signalled`` (the command line's loop);
+- the command line's settings: ``config_error`` turns a ``ValidationError`` into a
+  ``ConfigError``, one ``Error: <field>: <message>`` line per field and exit status 2, for every
+  ``understudy`` command alike;
 - metrics: ``VLLMSeries``, vLLM's Prometheus series, named and bucketed as vLLM does.
 """
 
@@ -33,6 +36,7 @@ from ._bodies import (
     Usage,
     embedding_response,
 )
+from ._config_error import ConfigError, config_error
 from ._errors import RequestError, error_body, invalid_value, schema_error
 from ._fields import is_token_ids, optional_bool, optional_float, optional_int
 from ._metrics import LABELS, RequestOutcome, VLLMSeries, metrics_response
@@ -56,6 +60,7 @@ __all__ = [
     "SSE_CONTENT_TYPE",
     "AnswerWriter",
     "ClientGone",
+    "ConfigError",
     "RequestError",
     "RequestKind",
     "RequestOutcome",
@@ -70,6 +75,7 @@ __all__ = [
     "check_room",
     "client_left",
     "completion_prompt",
+    "config_error",
     "decode_body",
     "embedding_response",
     "error_body",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from pydantic import ValidationError
 
-from backends.openai_wire import serve_until_signalled
+from backends.openai_wire import config_error, serve_until_signalled
 from backends.sim._config import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_ERROR_STATUS,
@@ -111,7 +111,7 @@ def sim_command(
             fault_after_chunks=fault_after_chunks,
         )
     except ValidationError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise config_error(exc) from exc
     serve_until_signalled(
         lambda: running_sim(config),
         lambda sim: f"sim: serving {config.model!r} on {sim.root_url}",

@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 from pydantic import ValidationError
 
-from backends.openai_wire import serve_until_signalled
+from backends.openai_wire import config_error, serve_until_signalled
 
 from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
 from ..kv._paged_codec import SERVED_CODECS
@@ -148,7 +148,7 @@ def engine_command(
     try:
         config = engine_server_config(role=role, **given)
     except ValidationError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise config_error(exc) from exc
     plan = None
     if kv_plan is not None:
         try:

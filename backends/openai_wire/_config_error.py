@@ -1,0 +1,51 @@
+"""Invalid settings on the command line, worded and ended alike by every ``understudy`` command.
+
+A command that builds a pydantic model from its flags, a file or the environment (``serve``,
+``sim``, ``engine``, ``load``) turns the ``ValidationError`` into ``config_error(exc)``: one
+line per invalid field, ``Error: <field>: <message>``, without pydantic's header, its
+``errors.pydantic.dev`` URL or the value given (it may be a token or a password), and exit
+status 2, a usage error, as click gives a bad flag.  It lives here, beside
+``serve_until_signalled``, because this is the package every command can import: ``backends``
+imports neither ``gateway`` nor ``workload``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import IO, Any
+
+import click
+from pydantic import ValidationError
+
+__all__ = ["CONFIG_ERROR_EXIT_STATUS", "ConfigError", "config_error"]
+
+CONFIG_ERROR_EXIT_STATUS = 2
+"""Click's own for a usage error (a bad flag, a missing argument)."""
+_VALUE_ERROR_PREFIX = "Value error, "
+"""What pydantic puts before a validator's own words."""
+
+
+class ConfigError(click.ClickException):
+    """Settings a command refuses: ``Error: <problem>`` for each, exit status 2."""
+
+    exit_code = CONFIG_ERROR_EXIT_STATUS
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(" ".join(problem.splitlines()) for problem in problems)
+        super().__init__("\n".join(self.problems))
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        for problem in self.problems:  # ``err``: stderr unless ``file`` is given
+            click.echo(f"Error: {problem}", file=file, err=True)
+
+
+def config_error(exc: ValidationError) -> ConfigError:
+    """``exc`` as one ``<field>: <message>`` problem per invalid field."""
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        field = ".".join(str(part) for part in error["loc"]) or exc.title
+        message = error["msg"]
+        if error["type"] == "value_error":
+            message = message.removeprefix(_VALUE_ERROR_PREFIX)
+        problems.append(f"{field}: {message}")
+    return ConfigError(problems)
