@@ -485,7 +485,10 @@ def build_admin_app(state: GatewayState) -> web.Application:
 
     app.router.add_get(PREFIX + "/openapi.json", openapi)
     for op, handler in OPERATIONS:
-        app.router.add_route(op.method, PREFIX + op.path, handler)
+        if op.method == "GET":  # HEAD too (aiohttp answers it with the GET's head)
+            app.router.add_get(PREFIX + op.path, handler)
+        else:
+            app.router.add_route(op.method, PREFIX + op.path, handler)
     for path, (body, headers) in page.items():
         app.router.add_get(path, _static(body, headers))
     return app

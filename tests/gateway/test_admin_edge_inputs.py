@@ -338,3 +338,15 @@ def test_a_candidate_name_cannot_be_a_dot_segment() -> None:
             load_config(None, {"candidates": [{"name": name, "url": "http://127.0.0.1:9"}]})
     config = load_config(None, {"candidates": [{"name": "v1.2", "url": "http://127.0.0.1:9"}]})
     assert config.candidates[0].name == "v1.2"
+
+
+async def test_head_on_an_admin_get_route_is_its_head_without_a_body() -> None:
+    """Monitoring probes send HEAD: it was a 405 on every admin GET route."""
+    async with run_sim() as sim, run_gateway(sim.url) as gw, aiohttp.ClientSession() as http:
+        for path in ("/candidates", "/routing", "/openapi.json"):
+            async with http.get(gw.admin_url + path) as got, \
+                    http.head(gw.admin_url + path) as head:
+                assert (head.status, head.content_type) == (200, got.content_type), path
+                assert await head.read() == b""
+        async with http.head(gw.admin_url + "/candidates/nobody") as resp:
+            assert resp.status == 404
