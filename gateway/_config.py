@@ -3,15 +3,23 @@
 Precedence, highest first: command-line flags, ``UNDERSTUDY_*`` environment variables
 (nested with ``__``, e.g. ``UNDERSTUDY_PRIMARY__URL``), the TOML file, the defaults below.
 Building a config has no side effects; starting the gateway does.
+
+An ``UNDERSTUDY_*`` variable that names no setting is refused by ``load_config``, as an
+unknown TOML key is: a typo (a letter missing from ``UNDERSTUDY_ADMIN_TOKEN``) would
+otherwise leave the setting unset without a word. The variables other parts of understudy
+read are known names too (``OTHER_ENVIRONMENT``).
 """
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import re
+import types
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -23,6 +31,7 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -38,6 +47,7 @@ from evaluators.store import StoreConfig
 __all__ = [
     "MAX_CANDIDATES",
     "MIN_ADMIN_TOKEN_LENGTH",
+    "OTHER_ENVIRONMENT",
     "AdminConfig",
     "CandidateConfig",
     "CaptureConfig",
@@ -47,6 +57,7 @@ __all__ = [
     "RecordConfig",
     "ServerConfig",
     "UpstreamConfig",
+    "check_environment",
     "load_config",
     "parse_candidate_flag",
 ]
@@ -54,7 +65,21 @@ __all__ = [
 KiB = 1024
 MiB = 1024 * KiB
 
+ENV_PREFIX = "UNDERSTUDY_"
+ENV_NESTED_DELIMITER = "__"
 ADMIN_TOKEN_ENV = "UNDERSTUDY_ADMIN_TOKEN"
+OTHER_ENVIRONMENT: frozenset[str] = frozenset({
+    ADMIN_TOKEN_ENV,               # the admin token, read below besides UNDERSTUDY_ADMIN__TOKEN
+    "UNDERSTUDY_ADMIN_URL",        # the admin commands' API root (gateway/_cli_admin.py)
+    "UNDERSTUDY_HOME",             # models, vLLM, static embeddings (backends/vllm, evaluators)
+    "UNDERSTUDY_CACHE_DIR",        # the KV codecs' calibration cache (backends/engine)
+    "UNDERSTUDY_VLLM_PYTHON",      # scripts/setup-vllm.sh
+    "UNDERSTUDY_TEST_PG",          # the tests' PostgreSQL (tests/fixtures_db.py)
+    "UNDERSTUDY_BENCH_PG_ADMIN",   # bench/store.py
+    "UNDERSTUDY_STORE__URL",       # Alembic's database URL (migrations/env.py)
+})  # fmt: skip
+"""``UNDERSTUDY_*`` variables that are no gateway setting but are read elsewhere in understudy
+(``tests/gateway/test_config.py`` finds every one the tree reads)."""
 MIN_ADMIN_TOKEN_LENGTH = 16
 """Characters an admin token needs at least; an empty or blank token counts as none."""
 DEFAULT_ADMIN_STORE_TIMEOUT_S = 5.0
@@ -292,7 +317,8 @@ class AdminConfig(_Section):
 class GatewayConfig(BaseSettings):
     # Errors name the field and the rule, never the value: it may be a token or a password.
     model_config = SettingsConfigDict(
-        env_prefix="UNDERSTUDY_", env_nested_delimiter="__", frozen=True, extra="forbid",
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER, frozen=True,
+        extra="forbid",
         hide_input_in_errors=True,
     )
 
@@ -331,6 +357,7 @@ class GatewayConfig(BaseSettings):
 
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> GatewayConfig:
     """Read ``path`` (TOML), apply the environment, then ``overrides`` (nested dict of flags)."""
+    check_environment(os.environ)
     overrides = overrides or {}
     # BaseSettings takes keys such as ``_env_file`` as options of its own, past
     # ``extra="forbid"``: they are unknown keys here like any other.
@@ -353,6 +380,68 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     # Validated once, above; handed back as a plain GatewayConfig, so that a config compares,
     # copies and pickles alike whichever file it came from.
     return GatewayConfig.model_construct(loaded.model_fields_set, **dict(loaded))
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse each ``UNDERSTUDY_*`` variable that names no setting nor ``OTHER_ENVIRONMENT``:
+    a ValidationError whose field is the variable, with the known name it is closest to."""
+    known = [*_setting_variables(GatewayConfig, ENV_PREFIX), *sorted(OTHER_ENVIRONMENT)]
+    # Matched without the prefix, which every name shares and would make anything look close.
+    by_suffix = {name.removeprefix(ENV_PREFIX): name for name in known}
+    errors: list[Any] = []
+    for variable in sorted(environ):
+        # pydantic-settings matches names case-insensitively (case_sensitive=False).
+        name = variable.upper()
+        if not name.startswith(ENV_PREFIX) or name in OTHER_ENVIRONMENT or _names_setting(name):
+            continue
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), by_suffix, n=1)
+        hint = f"; did you mean {by_suffix[close[0]]}?" if close else ""
+        message = PydanticCustomError(
+            "unknown_variable", "names no setting{hint}", {"hint": hint})
+        errors.append({"type": message, "loc": (variable,), "input": None})
+    if errors:
+        raise ValidationError.from_exception_data(GatewayConfig.__name__, errors, hide_input=True)
+
+
+def _names_setting(variable: str) -> bool:
+    """Whether pydantic-settings reads ``variable`` (upper case) into GatewayConfig: a section,
+    a key of one, or anything below a mapping (its keys are the user's to name)."""
+    model: type[BaseModel] | None = GatewayConfig
+    for part in variable.removeprefix(ENV_PREFIX).split(ENV_NESTED_DELIMITER):
+        if model is None:  # below a value that is not a section
+            return False
+        fields = {name.upper(): field for name, field in model.model_fields.items()}
+        if part not in fields:
+            return False
+        annotation = fields[part].annotation
+        if any(get_origin(kind) in (dict, Mapping) for kind in _kinds(annotation)):
+            return True
+        model = _section(annotation)
+    return True
+
+
+def _setting_variables(model: type[BaseModel], prefix: str) -> Iterator[str]:
+    """Every variable that names a section or a key of ``model``, under ``prefix``."""
+    for name, field in model.model_fields.items():
+        variable = prefix + name.upper()
+        yield variable
+        section = _section(field.annotation)
+        if section is not None:
+            yield from _setting_variables(section, variable + ENV_NESTED_DELIMITER)
+
+
+def _kinds(annotation: Any) -> tuple[Any, ...]:
+    """The members of a union (``X | None``), or the annotation itself."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (its one model, if a union with None), or None for a value."""
+    models = [kind for kind in _kinds(annotation)
+              if isinstance(kind, type) and issubclass(kind, BaseModel)]
+    return models[0] if len(models) == 1 else None
 
 
 _CANDIDATE_FLAG_KEYS = {

@@ -3,6 +3,7 @@ anything heavy (a model load, a measurement) starts."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -103,3 +104,19 @@ def test_an_invalid_setting_reads_alike_in_every_command(
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [f"Error: {problem}" for problem in problems]
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_serve_refuses_a_misspelt_variable_in_one_line_naming_the_one_meant() -> None:
+    secret = "t" * 20
+    env = {name: value for name, value in os.environ.items()
+           if not name.upper().startswith("UNDERSTUDY_")}  # fmt: skip
+    env["UNDERSTUDY_ADMIN_TOKN"] = secret  # the admin token, misspelt
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--print-config"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr  # as any invalid setting (above)
+    assert done.stderr.splitlines() == [
+        "Error: UNDERSTUDY_ADMIN_TOKN: names no setting; did you mean UNDERSTUDY_ADMIN_TOKEN?"
+    ]
+    assert secret not in done.stderr + done.stdout

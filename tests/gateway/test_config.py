@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from gateway import GatewayConfig, load_config
+from gateway._config import OTHER_ENVIRONMENT, check_environment
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "understudy.toml"
 
@@ -74,3 +77,87 @@ def test_a_named_file_must_exist_and_configs_are_one_type(tmp_path: Path) -> Non
         load_config(tmp_path / "missing.toml")
     assert type(load_config(EXAMPLE)) is GatewayConfig
     assert load_config(EXAMPLE) == load_config(EXAMPLE)
+
+
+# Misspelt names are set on purpose here: the scan below skips this file.
+@pytest.mark.parametrize(
+    ("variable", "problem"),
+    [
+        ("UNDERSTUDY_ADMIN_TOKN", "names no setting; did you mean UNDERSTUDY_ADMIN_TOKEN?"),
+        ("UNDERSTUDY_SERVER_PORT", "names no setting; did you mean UNDERSTUDY_SERVER__PORT?"),
+        ("UNDERSTUDY_PRIMARY__URLL", "names no setting; did you mean UNDERSTUDY_PRIMARY__URL?"),
+        ("UNDERSTUDY_SERVER__PORT__X", "names no setting; did you mean UNDERSTUDY_SERVER__PORT?"),
+        ("understudy_hom", "names no setting; did you mean UNDERSTUDY_HOME?"),
+        ("UNDERSTUDY_QQQQ", "names no setting"),
+    ],
+)
+def test_an_unknown_understudy_variable_is_refused_with_the_name_it_is_closest_to(
+    monkeypatch: pytest.MonkeyPatch, variable: str, problem: str
+) -> None:
+    _clear_understudy_environment(monkeypatch)
+    monkeypatch.setenv(variable, "s3cret-value-not-echoed")
+    with pytest.raises(ValidationError) as caught:
+        load_config(EXAMPLE)
+    errors = caught.value.errors(include_url=False)
+    assert [(error["loc"], error["msg"]) for error in errors] == [((variable,), problem)]
+    assert "s3cret-value-not-echoed" not in str(caught.value)
+
+
+def test_every_setting_and_every_variable_read_elsewhere_is_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _clear_understudy_environment(monkeypatch)
+    check_environment({name: "" for name in OTHER_ENVIRONMENT})
+    check_environment({
+        "UNDERSTUDY_SERVER__PORT": "1",
+        "understudy_server__port": "1",  # pydantic-settings reads names case-insensitively
+        "UNDERSTUDY_PRIMARY": "{}",  # a whole section, as JSON
+        "UNDERSTUDY_EVALUATION__STORE__URL": "sqlite+aiosqlite:///x.db",
+        "UNDERSTUDY_EVALUATION__SCORING__PRICES__MY_MODEL__MODE": "per_token",  # a mapping's key
+        "UNDERSTUDY_CANDIDATES": "[]",
+        "PATH": "/bin", "NOT_UNDERSTUDY_X": "",
+    })  # fmt: skip
+    monkeypatch.setenv("UNDERSTUDY_HOME", "/nowhere")
+    monkeypatch.setenv("UNDERSTUDY_SERVER__PORT", "9999")
+    assert load_config(EXAMPLE).server.port == 9999
+
+
+_READERS = ("gateway", "evaluators", "backends", "workload", "demo", "bench", "tests", "scripts",
+            "migrations", "deploy", "docs", "examples", ".ci")  # fmt: skip
+_READER_FILES = ("docker-compose.yml", "Dockerfile", "alembic.ini", "README.md")
+_NAME = re.compile(r"\bUNDERSTUDY_[A-Za-z0-9_]*[A-Za-z0-9]")
+_NOT_VARIABLES = {"UNDERSTUDY_IMAGE"}  # tests/deploy/_stack.py: a Python constant, the image tag
+
+
+def test_every_understudy_variable_the_tree_names_is_known() -> None:
+    """A variable read by a script, a test or another package is in OTHER_ENVIRONMENT, so that
+    the gateway does not refuse it; every other name the tree mentions is a setting."""
+    root = EXAMPLE.parents[1]
+    files = [path for folder in _READERS for path in (root / folder).rglob("*") if path.is_file()]
+    files += [root / name for name in _READER_FILES]
+    skipped = {Path(__file__).resolve(), root / "tests" / "test_cli_edge_inputs.py"}
+    named = set()
+    for path in files:
+        if path.resolve() in skipped or path.suffix in (".so", ".pyc", ".png", ".gguf"):
+            continue
+        try:
+            named.update(_NAME.findall(path.read_text(encoding="utf-8")))
+        except UnicodeDecodeError:
+            continue
+    assert "UNDERSTUDY_HOME" in named and "UNDERSTUDY_ADMIN_URL" in named  # the scan works
+    unknown = sorted(name for name in named - _NOT_VARIABLES if not _known(name))
+    assert not unknown, f"read somewhere but refused by the gateway: {unknown}"
+
+
+def _known(name: str) -> bool:
+    try:
+        check_environment({name: ""})
+    except ValidationError:
+        return False
+    return True
+
+
+def _clear_understudy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("UNDERSTUDY_"):
+            monkeypatch.delenv(name)
