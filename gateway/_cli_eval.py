@@ -9,9 +9,11 @@ from typing import Any
 
 import click
 import orjson
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from backends.openai_wire import ConfigError, config_error
 from evaluators import Report, build_report
 from evaluators.store import (
     create_engine,
@@ -36,8 +38,10 @@ def _config(config_path: Path | None, db_url: str | None) -> GatewayConfig:
         overrides = {"evaluation": {"store": {"url": db_url}}}
     try:
         return load_config(config_path, overrides)
-    except (ValueError, OSError) as exc:
-        raise click.ClickException(f"invalid configuration: {exc}") from exc
+    except ValidationError as exc:  # a ValueError: caught first, a line per field
+        raise config_error(exc) from exc
+    except (ValueError, OSError) as exc:  # no file, not TOML
+        raise ConfigError([f"invalid configuration: {exc}"]) from exc
 
 
 _config_option = click.option("--config", "config_path", type=click.Path(

@@ -93,8 +93,16 @@ def test_load_names_the_server_it_cannot_reach() -> None:
             ["load", "--url", "http://127.0.0.1:9", "--sessions", "0"],
             ["sessions: Input should be greater than or equal to 1"],
         ),
+        (
+            ["db", "upgrade", "--db", "nope"],
+            ["evaluation.store.url: not a database URL: <invalid url>"],
+        ),
+        (
+            ["report", "--db", "nope", "c"],
+            ["evaluation.store.url: not a database URL: <invalid url>"],
+        ),
     ],
-    ids=["serve", "serve-two-fields", "sim", "engine", "load"],
+    ids=["serve", "serve-two-fields", "sim", "engine", "load", "db", "report"],
 )
 def test_an_invalid_setting_reads_alike_in_every_command(
     args: list[str], problems: list[str]

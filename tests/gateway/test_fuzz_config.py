@@ -1,7 +1,7 @@
 """Property-based fuzzing of ``load_config`` on arbitrary TOML documents.
 
-Property: it returns a config or raises pydantic's ``ValidationError`` (what the CLI turns
-into "invalid configuration: ..."), never another type, and the message never holds a
+Property: it returns a config or raises pydantic's ``ValidationError`` (which the commands print
+as "Error: <field>: <message>" lines), never another type, and the message never holds a
 secret value (API keys, the admin token, a URL's password).
 
 Defects found here and fixed: top-level keys that are ``BaseSettings.__init__`` options
