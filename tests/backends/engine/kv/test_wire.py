@@ -40,6 +40,7 @@ from backends.engine.kv._wire import (
     read_frame,
     write_frame,
 )
+from tests.utils import fuzz_settings
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4)
 SEED = bytes(range(32))  # a model fingerprint: sha256-sized, as the engine's is
@@ -120,6 +121,7 @@ def test_extra_keys_of_every_type_round_trip_with_their_type() -> None:
 _EXTRA_KEYS = st.one_of(st.text(max_size=12), st.integers(-(2**70), 2**70), st.binary(max_size=12))
 
 
+@fuzz_settings(100)
 @given(
     tokens=st.lists(st.integers(0, 2**31 - 1), max_size=LAYOUT.block_size * 2),
     extra_keys=st.lists(_EXTRA_KEYS, max_size=5),
