@@ -15,8 +15,11 @@ Rules (DESIGN.md invariant 8):
    cost bounded by the gates' ``max_judged_exchanges`` (the newest scored exchanges).
 3. A canary moves live sessions to a candidate step by step (session-consistent). After
    each interval the judge looks at the candidate: FAIL rolls the canary back at once,
-   INCONCLUSIVE holds the step, PASS or MARGINAL moves to the next step; passing the last
-   step (100 %) promotes. A step the store cannot take is tried again next interval.
+   INCONCLUSIVE holds the step, PASS or MARGINAL moves to the next step; at the last step
+   (100 %) only a PASS promotes (rule 1, on that same judgement), MARGINAL holds it. A
+   step the store cannot take (503), or that another replica's change overtook (409), is
+   tried again next interval, on the routing the replica then serves; the driver ends
+   only when its canary does.
    Each step is judged on the scores since it began (``step_started_at``), never on the
    whole stored window: what an earlier step (or a mirror before it) measured does not
    vouch for this one.  The 100 % step serves every session live, so nothing is mirrored
@@ -197,14 +200,21 @@ class Promoter:
                 raise Conflict(f"promotion of {name} refused: the judge says {verdict} "
                                f"({'; '.join(reasons[:3])}); pass force with a reason "
                                "to override")
-            routing = await self._sync.commit(
-                lambda r: r.promoted(Backend(name, candidate.config.url)),
-                audit=lambda new: AuditNote(actor, "promote", name, {
-                    "force": force, "reason": reason, "routing": new.to_dict(),
-                    "verdict": verdict}, judgement.verdict_id))
-            await self._stop_driver()  # the promoted routing has no canary
-            self._done("promote", name, verdict)
-            return RoutingChange(routing, judgement)
+            return await self._promote(candidate, judgement, actor=actor, force=force,
+                                       reason=reason)
+
+    async def _promote(self, candidate: Candidate, judgement: Judgement, *, actor: str,
+                       force: bool, reason: str | None) -> RoutingChange:
+        """Switch to ``candidate`` on ``judgement`` (the lock held, the judge heard)."""
+        name, verdict = candidate.name, judgement.label
+        routing = await self._sync.commit(
+            lambda r: r.promoted(Backend(name, candidate.config.url)),
+            audit=lambda new: AuditNote(actor, "promote", name, {
+                "force": force, "reason": reason, "routing": new.to_dict(),
+                "verdict": verdict}, judgement.verdict_id))
+        await self._stop_driver()  # the promoted routing has no canary
+        self._done("promote", name, verdict)
+        return RoutingChange(routing, judgement)
 
     async def rollback(self, *, actor: str, reason: str | None) -> RoutingChange:
         async with self._lock:
@@ -266,7 +276,7 @@ class Promoter:
             try:
                 if await self._judge_step(name, actor):
                     return
-            except ChangeNotStored as exc:
+            except (ChangeNotStored, Conflict, NotFound) as exc:  # 503 or 409: rule 3
                 log.warning("canary %s: %s; trying again in %.0f s", name, exc,
                             canary.interval_s)
 
@@ -280,6 +290,8 @@ class Promoter:
             canary = self.routing.canary
             if canary is None or canary.backend.name != name:
                 return True
+            if canary != current:  # it changed while judged: that window is not its own
+                return False
             if judgement.outcome is Outcome.FAIL:
                 await self._sync.commit(_without_canary, audit=lambda _: AuditNote(
                     actor, "canary_rollback", name, {
@@ -292,16 +304,19 @@ class Promoter:
                 return True
             if judgement.outcome in (Outcome.INCONCLUSIVE, None):
                 return False
-            if canary.step + 1 < len(canary.steps):
-                step = canary.next_step(time.time())
-                await self._sync.commit(partial(Routing.with_canary, canary=step),
-                                        audit=lambda _: AuditNote(actor, "canary_step", name, {
-                                            "step": step.step, "percent": step.percent,
-                                            "verdict": verdict}, verdict_id))
-                self._done("canary_step", name, verdict)
-                return False
-        await self.promote(name, actor=actor, force=False, reason=None, since=since)
-        return True
+            if canary.step + 1 == len(canary.steps):
+                if judgement.outcome is not Outcome.PASS:
+                    return False  # MARGINAL holds the last step: only a PASS promotes
+                await self._promote(self._candidate(name), judgement, actor=actor,
+                                    force=False, reason=None)
+                return True
+            step = canary.next_step(time.time())
+            await self._sync.commit(partial(Routing.with_canary, canary=step),
+                                    audit=lambda _: AuditNote(actor, "canary_step", name, {
+                                        "step": step.step, "percent": step.percent,
+                                        "verdict": verdict}, verdict_id))
+            self._done("canary_step", name, verdict)
+            return False
 
     def _done(self, action: str, target: str, verdict: str | None = None) -> None:
         log.info("admin: %s %s (verdict %s)", action, target, verdict)
