@@ -9,7 +9,10 @@ Rules (DESIGN.md invariant 8):
    on an empty database, stores its configured one as version 1.
 2. A change is committed to the database first, from the version this replica last saw
    (compare-and-set); if another replica changed it meanwhile, the change is refused
-   (409) and this replica adopts the newer routing.
+   (409) and this replica adopts the newer routing. The change is decided on that version
+   (the canary it saw, the primary it saw) and is never laid over a newer one it has not
+   seen: a stored version newer than this replica's is a 409 too, even if this replica
+   has not heard of it yet (its LISTEN lost, its next poll not due).
 3. Replicas learn of a change within ``poll_interval_s`` by polling, and at once on
    PostgreSQL through LISTEN/NOTIFY.
 4. Without a database (evaluation disabled) the routing is this process's alone. With
@@ -192,8 +195,12 @@ class RoutingSync:
                      audit: Callable[[Routing], AuditNote] | None = None) -> Routing:
         """Rules 2 and 5: store ``change(current)`` with its audit entry, then serve it."""
         async with self._commit_lock:
-            await self._adopt_newer(await self.store_call("reading the routing", load_routing))
+            # The routing the caller decided on (no await since it looked): a change is
+            # never laid over a newer routing it has not seen (rule 2).
             current = self._routing
+            await self._adopt_newer(await self.store_call("reading the routing", load_routing))
+            if self._routing.version != current.version:
+                raise _changed_meanwhile(self._routing)
             new = change(current)
             note = audit(new) if audit is not None else None
             saved = await self.store_call(
@@ -204,9 +211,9 @@ class RoutingSync:
                 with contextlib.suppress(ChangeNotStored):
                     await self._adopt_newer(
                         await self.store_call("reading the routing", load_routing))
-                raise Conflict("the routing was changed by another replica meanwhile; "
-                               "look at it again and retry")
-            await self._apply(new)
+                raise _changed_meanwhile(self._routing)
+            if new.version > self._routing.version:  # a poll may have adopted a newer one
+                await self._apply(new)
             log.info("routing: version %d, primary %s%s", new.version, new.primary.name,
                      f", canary {new.canary.backend.name} at {new.canary.percent}%"
                      if new.canary else "")
@@ -234,3 +241,10 @@ class RoutingSync:
     def _notified(self) -> None:
         task = asyncio.get_running_loop().create_task(self.refresh())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _changed_meanwhile(adopted: Routing) -> Conflict:
+    return Conflict(f"the routing was changed by another replica meanwhile (now version "
+                    f"{adopted.version}, primary {adopted.primary.name}"
+                    f"{f', canary {adopted.canary.backend.name}' if adopted.canary else ''}); "
+                    "look at it again and retry")

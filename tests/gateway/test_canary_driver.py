@@ -5,6 +5,7 @@ canary does, never on an answer it did not expect (a refusal, another replica's 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,12 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import MemorySink, Outcome
-from evaluators.store import create_engine, upgrade
+from evaluators.store import create_engine, load_routing, save_routing, upgrade
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
-from gateway._routing import Backend, Routing
+from gateway._routing import Backend, Canary, Routing
 from gateway._scorekeeper import Scorekeeper
 from gateway._sync import RoutingSync
 from tests.fixtures_db import sqlite_url
@@ -110,3 +111,27 @@ async def test_marginal_holds_the_last_step_and_a_pass_then_promotes(driven: Dri
     await eventually(lambda: not _driving(driven.promoter))
     assert await driven.actions() == ["canary_start", "canary_step", "promote"]
 
+
+async def test_the_driver_outlives_another_replicas_change(driven: Driven) -> None:
+    driven.judge.outcome = Outcome.INCONCLUSIVE
+    await driven.promoter.start_canary("c", actor="t", steps=(50.0, 100.0),
+                                       interval_s=INTERVAL_S)
+    seen = driven.sync.routing
+    assert seen.canary is not None
+    # Another replica restarts the canary with three steps; this one has not heard yet.
+    theirs = seen.with_canary(Canary(seen.canary.backend, (25.0, 50.0, 100.0), 0,
+                                     INTERVAL_S, seen.canary.step_started_at))
+    assert await save_routing(driven.engine, theirs.version, theirs.to_dict(),
+                              expected=seen.version)
+    judged = driven.judge.judged
+    await eventually(lambda: driven.judge.judged > judged)
+    driven.judge.outcome = Outcome.PASS  # this driver's next step meets their routing
+    await eventually(lambda: driven.sync.routing.version > theirs.version, within_s=10)
+    stored = await load_routing(driven.engine)
+    assert stored is not None
+    canary = Routing.from_dict(stored[1]).canary
+    # Their canary, stepped on from their routing: never this replica's two steps again.
+    assert canary is not None and canary.steps == (25.0, 50.0, 100.0)
+    assert _driving(driven.promoter) or driven.sync.routing.primary.name == "c"
+    await eventually(lambda: driven.sync.routing.primary.name == "c", within_s=10)
+    await asyncio.sleep(0)
