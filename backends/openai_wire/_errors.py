@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "RequestError",
+    "body_not_parsed",
     "error_body",
     "error_type_for_status",
     "invalid_json",
@@ -108,6 +109,15 @@ def invalid_json(position: int, reason: str) -> RequestError:
         "JSON decode error",
         {},
         ctx={"error": reason},
+    )
+
+
+def body_not_parsed() -> RequestError:
+    """A body the JSON parser raised on with something else than a syntax error (nesting too
+    deep, an integer too long): FastAPI's ``HTTPException(400, "There was an error parsing
+    the body")``, which vLLM's handler words with the status's phrase as its type."""
+    return RequestError(
+        "There was an error parsing the body", status=400, err_type=_SCHEMA_ERROR_TYPE
     )
 
 

@@ -14,7 +14,14 @@ from typing import Any
 import orjson
 
 from ._bodies import RequestKind
-from ._errors import RequestError, invalid_json, invalid_value, schema_error, unknown_model
+from ._errors import (
+    RequestError,
+    body_not_parsed,
+    invalid_json,
+    invalid_value,
+    schema_error,
+    unknown_model,
+)
 from ._fields import is_token_ids, optional_bool, optional_int
 
 __all__ = [
@@ -49,7 +56,9 @@ class StreamOptions:
 
 
 def decode_body(raw: bytes) -> Any:
-    """The JSON body, or the error FastAPI gives for invalid JSON."""
+    """The JSON body, or the error FastAPI gives for invalid JSON (a 400 in every case: a
+    body too deeply nested or with an integer too long for the standard library's parser is
+    FastAPI's "error parsing the body", not a 500)."""
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -60,6 +69,8 @@ def decode_body(raw: bytes) -> Any:
             raise invalid_json(std.pos, std.msg) from exc
         except UnicodeDecodeError:
             pass
+        except (RecursionError, ValueError):
+            raise body_not_parsed() from None
         raise invalid_json(exc.pos, exc.msg) from exc
 
 

@@ -1,0 +1,67 @@
+"""Bad input to the backends' own HTTP servers (the simulator, the engine, the router) gets a
+clear 4xx error body, as vLLM words it, never a 500 or a traceback in the log.
+
+Each case was a 500 once; each test serves a real app on a loopback socket and sends the
+exact bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+import pytest
+
+from backends.sim import SimConfig, running_sim
+
+CHAT = "/v1/chat/completions"
+# FastAPI's answer to a body its JSON parser raises on without a syntax error.
+NOT_PARSED = {
+    "error": {
+        "message": "There was an error parsing the body",
+        "type": "Bad Request",
+        "param": None,
+        "code": 400,
+    }
+}
+
+
+def sim_config() -> SimConfig:
+    return SimConfig(port=0, ttft_ms=1.0, itl_ms=1.0, tokens=4, model="sim-model")
+
+
+async def post_raw(root: str, path: str, payload: bytes) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(root + path, data=payload, headers=headers) as resp:
+            return resp.status, await resp.json()
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(nested(100_000), id="nested-past-the-recursion-limit"),
+        pytest.param(
+            b'{"messages": [{"role": "user", "content": "x"}], "x": ' + nested(5_000) + b"}",
+            id="nested-field",
+        ),
+        pytest.param(
+            b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": '
+            + b"9" * 5_000
+            + b"}",
+            id="integer-past-the-digit-limit",
+        ),
+    ],
+)
+async def test_a_body_the_parser_raises_on_is_a_400(
+    payload: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    async with running_sim(sim_config()) as sim:
+        assert await post_raw(sim.root_url, CHAT, payload) == (400, NOT_PARSED)
+    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
