@@ -55,12 +55,19 @@ class StreamOptions:
             raise ValueError("include_usage asks something of a stream")
 
 
+# orjson reads 1,024 levels of nesting but writes only 254, and the servers write a client's
+# body again (the router forwards it, the simulator hashes its messages), so a body nested
+# deeper is refused at the door as one too deep for FastAPI's parser is (vLLM's parser takes
+# ~990 levels; no OpenAI body needs more than a handful).
+MAX_BODY_NESTING = 254
+
+
 def decode_body(raw: bytes) -> Any:
     """The JSON body, or the error FastAPI gives for invalid JSON (a 400 in every case: a
-    body too deeply nested or with an integer too long for the standard library's parser is
-    FastAPI's "error parsing the body", not a 500)."""
+    body nested deeper than ``MAX_BODY_NESTING`` or with an integer too long for the standard
+    library's parser is FastAPI's "error parsing the body", not a 500)."""
     try:
-        return orjson.loads(raw)
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         # vLLM (FastAPI) reports the standard library's wording, so ask it for the reason.
         try:
@@ -72,6 +79,13 @@ def decode_body(raw: bytes) -> Any:
         except (RecursionError, ValueError):
             raise body_not_parsed() from None
         raise invalid_json(exc.pos, exc.msg) from exc
+    # Counting brackets is cheap and bounds the depth, so only a body with many is written.
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_NESTING:
+        try:
+            orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            raise body_not_parsed() from None
+    return body
 
 
 def request_object(body: object, *, served_model: str) -> dict[str, Any]:

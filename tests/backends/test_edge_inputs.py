@@ -13,7 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from backends.engine import LlamaModel
 from backends.sim import SimConfig, running_sim
+from tests.fixtures_engine import serve_disaggregated
 
 CHAT = "/v1/chat/completions"
 # FastAPI's answer to a body its JSON parser raises on without a syntax error.
@@ -64,4 +66,37 @@ async def test_a_body_the_parser_raises_on_is_a_400(
     caplog.set_level(logging.WARNING)
     async with running_sim(sim_config()) as sim:
         assert await post_raw(sim.root_url, CHAT, payload) == (400, NOT_PARSED)
+    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+
+
+# orjson writes at most 254 levels: deeper bodies were read, then a 500 where a server wrote
+# them again (the simulator's answer digest of the messages, the router's forwarded body).
+DEEP_MESSAGE = (
+    b'{"messages": [{"role": "user", "content": "x", "x": ' + nested(300) + b"}]}"
+)
+DEEP_FIELD = b'{"messages": [{"role": "user", "content": "x"}], "x": ' + nested(300) + b"}"
+SHALLOW_ENOUGH = b'{"messages": [{"role": "user", "content": "x"}], "x": ' + nested(253) + b"}"
+
+
+async def test_the_simulator_refuses_a_body_nested_too_deep_to_write(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING)
+    async with running_sim(sim_config()) as sim:
+        assert await post_raw(sim.root_url, CHAT, DEEP_MESSAGE) == (400, NOT_PARSED)
+        status, _ = await post_raw(sim.root_url, CHAT, SHALLOW_ENOUGH)
+        assert status == 200
+    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+
+
+async def test_the_router_refuses_a_body_nested_too_deep_to_forward(
+    engine_model: LlamaModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    async with serve_disaggregated(engine_model) as cluster:
+        root = cluster.router.root_url
+        assert await post_raw(root, CHAT, DEEP_FIELD) == (400, NOT_PARSED)
+        body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "x": [[1]]}'
+        status, _ = await post_raw(root, CHAT, body)
+        assert status == 200
     assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
