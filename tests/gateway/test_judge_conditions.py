@@ -323,9 +323,12 @@ async def test_scraped_running_count_reveals_load_the_gateway_does_not_see(
                                      json=body) as resp:
                     await resp.read()
 
+        load = gw.state.backend_load
+        assert load is not None
         hidden = [asyncio.create_task(direct()) for _ in range(hidden_clients)]
-        try:
-            await asyncio.sleep(1.5)  # scraped at least twice under the hidden load
+        try:  # the mirrored traffic starts once a scrape has seen the hidden load
+            await eventually(lambda: (load.running("shared") or 0) >= hidden_clients - 2,
+                             within_s=10)
             await _mirrored(gw, "shared", lambda: _phases(http, gw, ((1, 80),)))
         finally:
             stop.set()
