@@ -13,6 +13,9 @@ Rules:
    migrates and the others find the schema at head. The lock goes with the transaction's
    commit or rollback, or with its connection if the process dies.
 2. SQLite needs no lock: it has one writer at a time and DDL is transactional.
+3. A database at a revision this code does not know (migrated by a newer understudy) is
+   refused with :class:`StoreRejected` naming both revisions, before anything is run:
+   retrying cannot cure it, and a newer schema is not this code's to write.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators.store._engine import create_engine
-from evaluators.store._errors import StoreError, translate_store_errors
+from evaluators.store._errors import StoreError, StoreRejected, translate_store_errors
 
 __all__ = [
     "MIGRATION_LOCK_KEY",
@@ -91,6 +94,7 @@ async def _run(url: str | AsyncEngine, verb: Literal["upgrade", "downgrade"],
                revision: str) -> None:
     def migrate(connection: Connection) -> None:
         config = _config(connection)
+        _refuse_unknown_revision(connection, config)
         if verb == "upgrade":
             command.upgrade(config, revision)
         else:
@@ -99,6 +103,19 @@ async def _run(url: str | AsyncEngine, verb: Literal["upgrade", "downgrade"],
     with translate_store_errors():
         async with _engine_for(url) as engine, engine.begin() as connection:
             await connection.run_sync(migrate)
+
+
+def _refuse_unknown_revision(connection: Connection, config: Config) -> None:
+    """Rule 3."""
+    script = ScriptDirectory.from_config(config)
+    known = {revision.revision for revision in script.walk_revisions()}
+    heads = MigrationContext.configure(connection).get_current_heads()
+    unknown = sorted(head for head in heads if head not in known)
+    if unknown:
+        raise StoreRejected(
+            f"the database's schema is at revision {', '.join(map(repr, unknown))}, which this "
+            f"understudy does not know (its newest is {script.get_current_head()!r}): a newer "
+            "understudy migrated it; run that version, or use another database")
 
 
 def _config(connection: Connection | None) -> Config:
