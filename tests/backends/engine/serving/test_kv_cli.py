@@ -137,3 +137,31 @@ def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
     broken.write_text('{"layers": [{"k": "int3", "v": "fp8"}]}')
     bad_plan = runner.invoke(kv_quality_command, ["--plan", str(broken)])
     assert bad_plan.exit_code == 2 and "int3" in bad_plan.output
+
+
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (["--budget-bits", "1000"], "--budget-bits: 1000 bits per element is outside"),
+        (["--budget-bits", "1"], "--budget-bits: 1 bits per element is outside"),
+        (["--budget-bytes-per-token", "1e9"], "--budget-bytes-per-token: 1e+09 bytes per token"),
+        (["--codecs", "fp16,fp32"], "--budget-bits: 4.5 bits per element is outside"),
+    ],
+    ids=["above-fp32", "below-e8-2", "bytes-above-fp32", "default-below-fp16"],
+)
+def test_a_budget_no_codec_can_meet_is_refused_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], refusal: str
+) -> None:
+    """No codec stores more than fp32's 32 bits per element, and below the lightest codec
+    allowed no plan fits: either was found out after minutes of measuring."""
+
+    def no_load(*_: object, **__: object) -> LlamaModel:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(LlamaModel, "load", no_load)
+    result = CliRunner().invoke(plan_kv_command, args)
+    assert result.exit_code == 2, result.output
+    assert refusal in result.output
+    lightest = "fp16" if "fp16,fp32" in args else "e8-2"
+    assert f"({lightest}, the lightest of --codecs)" in result.output
+    assert "(fp32, the heaviest codec)" in result.output
