@@ -100,3 +100,18 @@ async def test_the_router_refuses_a_body_nested_too_deep_to_forward(
         status, _ = await post_raw(root, CHAT, body)
         assert status == 200
     assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+
+
+async def test_the_router_files_a_short_turn_without_a_warning(
+    engine_model: LlamaModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A turn shorter than a KV block (a two-token prompt, one token answered) retains
+    # nothing: the decode node's whole body carries ``kv_transfer_params: null``, which the
+    # router logged as "bad kv_transfer_params" on every such request.
+    caplog.set_level(logging.WARNING)
+    async with serve_disaggregated(engine_model) as cluster:
+        body = b'{"prompt": "hi", "max_tokens": 1}'
+        status, answer = await post_raw(cluster.router.root_url, "/v1/completions", body)
+    assert status == 200
+    assert answer["kv_transfer_params"] is None
+    assert [record.getMessage() for record in caplog.records] == []

@@ -189,6 +189,8 @@ class Router:
 
     def file(self, routed: _Routed, params: object) -> None:
         """Keep a decode node's ``kv_transfer_params`` for the conversation's next turn."""
+        if params is None:
+            return  # the turn retained nothing (shorter than a block): no warning
         try:
             source = KVSource.from_params(params)
         except ValueError as exc:
