@@ -5,8 +5,8 @@ answer through this package as peers, so a client -- the gateway, its evaluators
 SDK -- cannot tell them from vLLM, nor one from another, by the bytes:
 
 - requests: ``decode_body``, ``request_object``, ``stream_options``, the typed field readers,
-  ``requested_max_tokens`` and ``check_room``, refusing with vLLM's statuses and wording
-  (``RequestError``);
+  ``requested_max_tokens``, ``check_room`` and ``sampling_fields``, refusing with vLLM's
+  statuses and wording (``RequestError``);
 - answers: the bodies (``_bodies``: chunks, the usage chunk, whole responses, embeddings, the
   model list) and ``AnswerWriter``, which writes them as a JSON body or an SSE stream;
 - the app: ``install_openai_app`` (FastAPI-style errors, ``/v1/models``), ``serve_app``,
@@ -38,7 +38,14 @@ from ._bodies import (
 )
 from ._config_error import ConfigError, config_error
 from ._errors import RequestError, error_body, invalid_value, schema_error
-from ._fields import is_token_ids, optional_bool, optional_float, optional_int
+from ._fields import (
+    SamplingFields,
+    is_token_ids,
+    optional_bool,
+    optional_float,
+    optional_int,
+    sampling_fields,
+)
 from ._metrics import LABELS, RequestOutcome, VLLMSeries, metrics_response
 from ._requests import (
     StreamOptions,
@@ -65,6 +72,7 @@ __all__ = [
     "RequestKind",
     "RequestOutcome",
     "ResponseIdentity",
+    "SamplingFields",
     "ServedApp",
     "ServedModel",
     "StreamOptions",
@@ -90,6 +98,7 @@ __all__ = [
     "request_object",
     "requested_max_tokens",
     "response_id",
+    "sampling_fields",
     "schema_error",
     "serve_app",
     "serve_until_signalled",

@@ -7,11 +7,19 @@ in the same words.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from ._errors import invalid_value, schema_error
 
-__all__ = ["is_token_ids", "optional_bool", "optional_float", "optional_int"]
+__all__ = [
+    "SamplingFields",
+    "is_token_ids",
+    "optional_bool",
+    "optional_float",
+    "optional_int",
+    "sampling_fields",
+]
 
 
 def is_token_ids(value: object) -> TypeGuard[list[int]]:
@@ -61,3 +69,33 @@ def optional_bool(body: dict[str, Any], name: str) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
     raise schema_error("bool_type", f"body.{name}", "Input should be a valid boolean", value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFields:
+    """A body's ``temperature``, ``top_p`` and ``top_k`` as given (None: unset)."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+
+
+def sampling_fields(body: dict[str, Any]) -> SamplingFields:
+    """``temperature``, ``top_p`` and ``top_k``, refused out of range as vLLM's
+    ``SamplingParams`` refuses them (top_k -1 and 0 both disable it)."""
+    temperature = optional_float(body, "temperature")
+    if temperature is not None and temperature < 0:
+        raise invalid_value(
+            f"temperature must be non-negative, got {temperature}.",
+            param="temperature",
+            value=temperature,
+        )
+    top_p = optional_float(body, "top_p")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise invalid_value(f"top_p must be in (0, 1], got {top_p}.", param="top_p", value=top_p)
+    top_k = optional_int(body, "top_k")
+    if top_k is not None and top_k < -1:
+        raise invalid_value(
+            f"top_k must be 0 (disable), or at least 1, got {top_k}.", param="top_k", value=top_k
+        )
+    return SamplingFields(temperature=temperature, top_p=top_p, top_k=top_k)

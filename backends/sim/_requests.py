@@ -14,10 +14,10 @@ from backends.openai_wire import (
     completion_prompt,
     invalid_value,
     is_token_ids,
-    optional_float,
     optional_int,
     request_object,
     requested_max_tokens,
+    sampling_fields,
     schema_error,
     stream_options,
 )
@@ -71,7 +71,6 @@ def parse_request(
     if n not in (None, 1):
         raise invalid_value("The simulator answers with one choice.", param="n", value=n)
     seed = optional_int(body, "seed", minimum=None)
-    temperature = optional_float(body, "temperature")
     max_tokens, max_tokens_param = requested_max_tokens(kind, body)
     if kind == "chat":
         prompt_key: object = _chat_messages(body)
@@ -84,6 +83,7 @@ def parse_request(
         prompt_tokens=prompt_tokens,
         max_model_len=max_model_len,
     )
+    temperature = sampling_fields(body).temperature
     return InferenceRequest(
         kind=kind,
         stream_options=options,

@@ -33,10 +33,10 @@ from backends.openai_wire import (
     invalid_value,
     is_token_ids,
     optional_bool,
-    optional_float,
     optional_int,
     request_object,
     requested_max_tokens,
+    sampling_fields,
     schema_error,
     stream_options,
 )
@@ -101,7 +101,7 @@ def parse_generation_request(
         raise RequestError("The engine serves no embedding model.", param="model", status=404)
     body = request_object(body, served_model=served_model)
     options = stream_options(body)
-    n = optional_int(body, "n")
+    n = optional_int(body, "n", minimum=1)
     if n not in (None, 1):
         raise invalid_value("The engine answers with one choice.", param="n", value=n)
     for name, neutral in _NEUTRAL.items():
@@ -118,11 +118,12 @@ def parse_generation_request(
         max_tokens=max_tokens, param=name, prompt_tokens=len(prompt), max_model_len=max_model_len
     )
     room = max_model_len - len(prompt)
+    sampling = sampling_fields(body)
     params = SamplingParams(
         max_tokens=room if max_tokens is None else min(max_tokens, room),
-        temperature=_temperature(body),
-        top_p=_top_p(body),
-        top_k=_top_k(body),
+        temperature=_temperature(sampling.temperature),
+        top_p=1.0 if sampling.top_p is None else sampling.top_p,
+        top_k=0 if sampling.top_k is None or sampling.top_k < 0 else sampling.top_k,
         seed=_seed(body),
         stop_token_ids=_stop_token_ids(body, tokenizer.vocab_size),
         ignore_eos=optional_bool(body, "ignore_eos") or False,
@@ -209,35 +210,10 @@ def _completion_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[i
 # -- options ---------------------------------------------------------------------------------
 
 
-def _temperature(body: dict[str, Any]) -> float:
-    value = optional_float(body, "temperature")
+def _temperature(value: float | None) -> float:
     if value is None:
         return _DEFAULT_TEMPERATURE
-    if value < 0:
-        raise invalid_value(
-            f"temperature must be non-negative, got {value}.", param="temperature", value=value
-        )
     return 0.0 if value < _GREEDY_TEMPERATURE else value
-
-
-def _top_p(body: dict[str, Any]) -> float:
-    value = optional_float(body, "top_p")
-    if value is None:
-        return 1.0
-    if not 0.0 < value <= 1.0:
-        raise invalid_value(f"top_p must be in (0, 1], got {value}.", param="top_p", value=value)
-    return value
-
-
-def _top_k(body: dict[str, Any]) -> int:
-    value = optional_int(body, "top_k")
-    if value is None or value in (-1, 0):
-        return 0
-    if value < 0:
-        raise invalid_value(
-            f"top_k must be 0 (disable), or at least 1, got {value}.", param="top_k", value=value
-        )
-    return value
 
 
 def _seed(body: dict[str, Any]) -> int | None:

@@ -136,6 +136,23 @@ ERROR_CASES: dict[str, tuple[str, bytes]] = {
         "/v1/chat/completions",
         b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
     ),
+    "temperature_negative": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": -1}',
+    ),
+    "top_p_zero": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0}',
+    ),
+    "top_k_below_minus_one": (
+        "/v1/completions",
+        b'{"prompt": "x", "top_k": -5}',
+    ),
+    "n_zero": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "n": 0}',
+    ),
+    "body_nested_too_deep": ("/v1/chat/completions", b"[" * 300 + b"]" * 300),
     "max_tokens_zero": (
         "/v1/chat/completions",
         b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
@@ -371,6 +388,20 @@ async def test_the_simulator_has_vllm_wording() -> None:
             }
         },
     )
+    # vLLM's SamplingParams checks, which the simulator once let pass (200).
+    assert errors["temperature_negative"] == (
+        400,
+        {
+            "error": {
+                "message": "temperature must be non-negative, got -1.0. "
+                "(parameter=temperature, value=-1.0)",
+                "type": "BadRequestError",
+                "param": "temperature",
+                "code": 400,
+            }
+        },
+    )
+    assert errors["top_p_zero"][0] == errors["top_k_below_minus_one"][0] == 400
     status, body = errors["unknown_model"]
     assert status == 404
     assert body == {
