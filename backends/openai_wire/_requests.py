@@ -121,9 +121,20 @@ def stream_options(body: dict[str, Any]) -> StreamOptions:
         raise invalid_value(
             "Stream options can only be defined when `stream=True`.", param="stream_options"
         )
-    include = bool(options.get("include_usage", False))
-    continuous = include and bool(options.get("continuous_usage_stats", False))
+    include = _stream_option(options, "include_usage")
+    continuous = include and _stream_option(options, "continuous_usage_stats")
     return StreamOptions(stream=stream, include_usage=include, continuous_usage=continuous)
+
+
+def _stream_option(options: dict[str, Any], name: str) -> bool:
+    """A flag of ``stream_options``: a boolean or null (unset), as ``stream`` is read; any
+    other value was taken for its truth ("no" meant yes)."""
+    value = options.get(name)
+    if value is None or isinstance(value, bool):
+        return value is True
+    raise schema_error(
+        "bool_type", f"body.stream_options.{name}", "Input should be a valid boolean", value
+    )
 
 
 # vLLM's CompletionRequest.max_tokens default (the legacy OpenAI API's default too).

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from backends.engine import LlamaModel
@@ -115,3 +116,21 @@ async def test_the_router_files_a_short_turn_without_a_warning(
     assert status == 200
     assert answer["kv_transfer_params"] is None
     assert [record.getMessage() for record in caplog.records] == []
+
+
+@pytest.mark.parametrize("flag", ["include_usage", "continuous_usage_stats"])
+async def test_a_stream_option_that_is_not_a_boolean_is_a_400(flag: str) -> None:
+    # It was taken for its truth: {"include_usage": "no"} sent the usage chunk.
+    payload = orjson.dumps(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"include_usage": True, flag: "no"},
+        }
+    )
+    async with running_sim(sim_config()) as sim:
+        status, body = await post_raw(sim.root_url, CHAT, payload)
+    assert status == 400
+    assert body["error"]["param"] == f"body.stream_options.{flag}"
+    assert body["error"]["type"] == "Bad Request"
+    assert "Input should be a valid boolean" in body["error"]["message"]
