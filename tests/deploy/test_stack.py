@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.utils import free_port
+from tests.utils import free_ports
 
 from ._stack import PROMETHEUS_CONFIG, ROOT, TEST_ADMIN_TOKEN, option, require_tool, services
 
@@ -177,7 +177,8 @@ def test_the_stack_runs_without_containers_and_prometheus_scrapes_it(
 ) -> None:
     prometheus_bin = require_tool("prometheus")
     started = time.monotonic()
-    ports = {name: free_port() for name in (*STARTED, "gateway", "admin", "prometheus")}
+    names = (*STARTED, "gateway", "admin", "prometheus")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     config = gateway_config(ports, pg_database, tmp_path / "understudy.toml")
     os.environ["UNDERSTUDY_ADMIN_TOKEN"] = TEST_ADMIN_TOKEN
     try:

@@ -15,7 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from gateway._admin import admin_openapi
-from tests.utils import free_port
+from tests.utils import free_ports
 
 if TYPE_CHECKING:  # the alias exists for type checkers only
     from schemathesis.specs.openapi.schemas import OpenApiCase
@@ -39,7 +39,7 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
 @pytest.fixture(scope="module")
 def admin_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real gateway (evaluation on, SQLite) in front of a simulator, in subprocesses."""
-    sim_port, port, admin = free_port(), free_port(), free_port()
+    sim_port, port, admin = free_ports(3)
     db = tmp_path_factory.mktemp("fuzz") / "fuzz.db"
     env = {**os.environ, "UNDERSTUDY_ADMIN_TOKEN": TOKEN}
     cli = [sys.executable, "-m", "gateway.cli", "--log-level", "ERROR"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.utils import free_port, run_sim
+from tests.utils import free_ports, run_sim
 
 TOKEN = "replica-admin-token"
 POLL_INTERVAL_S = 1.0
@@ -21,7 +21,7 @@ POLL_INTERVAL_S = 1.0
 
 @asynccontextmanager
 async def _replica(primary: str, candidate: str, db: str) -> AsyncIterator[tuple[str, str]]:
-    port, admin = free_port(), free_port()
+    port, admin = free_ports(2)
     env = {**os.environ, "UNDERSTUDY_ADMIN_TOKEN": TOKEN,
            "UNDERSTUDY_ADMIN__ROUTING_POLL_INTERVAL_S": str(POLL_INTERVAL_S)}
     process = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block
