@@ -16,9 +16,10 @@ import pytest
 
 from backends.engine import LlamaModel
 from backends.sim import SimConfig, running_sim
-from tests.fixtures_engine import serve_disaggregated
+from tests.fixtures_engine import serve_disaggregated, serve_engine
 
 CHAT = "/v1/chat/completions"
+PREFILL_ROUTE = "/kv/v1/prefill"  # a prefill node's route for the router
 # FastAPI's answer to a body its JSON parser raises on without a syntax error.
 NOT_PARSED = {
     "error": {
@@ -134,3 +135,12 @@ async def test_a_stream_option_that_is_not_a_boolean_is_a_400(flag: str) -> None
     assert body["error"]["param"] == f"body.stream_options.{flag}"
     assert body["error"]["type"] == "Bad Request"
     assert "Input should be a valid boolean" in body["error"]["message"]
+
+
+async def test_a_prefill_node_refuses_booleans_as_token_ids(engine_model: LlamaModel) -> None:
+    # JSON true and false were taken for token ids 1 and 0 and computed.
+    async with serve_engine(engine_model, role="prefill") as node:
+        payload = orjson.dumps({"prompt_token_ids": [True] * 40})
+        status, body = await post_raw(node.root_url, PREFILL_ROUTE, payload)
+    assert status == 400
+    assert body["error"]["param"] == "prompt_token_ids"

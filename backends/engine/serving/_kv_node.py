@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from backends.openai_wire import RequestError, decode_body, json_response
+from backends.openai_wire import RequestError, decode_body, is_token_ids, json_response
 
 from ..kv._blockpool import BlockHash, hash_blocks
 from ..kv._retention import RetainedKV
@@ -192,11 +192,7 @@ def _prefill_body(body: object, node: KVNode) -> tuple[list[int], KVSource | Non
         raise RequestError("The body must be a JSON object.", param="body")
     prompt = body.get("prompt_token_ids")
     vocab = node.engine_loop.engine.model.config.vocab_size
-    if (
-        not isinstance(prompt, list)
-        or not prompt
-        or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt)
-    ):
+    if not is_token_ids(prompt) or not all(0 <= t < vocab for t in prompt):  # bools are not ids
         raise RequestError(
             f"prompt_token_ids must be a non-empty list of token ids in [0, {vocab}).",
             param="prompt_token_ids",
