@@ -19,6 +19,7 @@ from backends.sim import SimConfig, running_sim
 from tests.fixtures_engine import serve_disaggregated, serve_engine
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 PREFILL_ROUTE = "/kv/v1/prefill"  # a prefill node's route for the router
 # FastAPI's answer to a body its JSON parser raises on without a syntax error.
 NOT_PARSED = {
@@ -113,7 +114,7 @@ async def test_the_router_files_a_short_turn_without_a_warning(
     caplog.set_level(logging.WARNING)
     async with serve_disaggregated(engine_model) as cluster:
         body = b'{"prompt": "hi", "max_tokens": 1}'
-        status, answer = await post_raw(cluster.router.root_url, "/v1/completions", body)
+        status, answer = await post_raw(cluster.router.root_url, COMPLETIONS, body)
     assert status == 200
     assert answer["kv_transfer_params"] is None
     assert [record.getMessage() for record in caplog.records] == []
@@ -144,3 +145,31 @@ async def test_a_prefill_node_refuses_booleans_as_token_ids(engine_model: LlamaM
         status, body = await post_raw(node.root_url, PREFILL_ROUTE, payload)
     assert status == 400
     assert body["error"]["param"] == "prompt_token_ids"
+
+
+# Each changes vLLM's answer; the engine implements none of them and answered as if unset.
+UNSUPPORTED = {
+    "min_tokens": 5,
+    "min_p": 0.5,
+    "use_beam_search": True,
+    "include_stop_str_in_output": True,
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["the"],
+    "response_format": {"type": "json_object"},
+    "guided_choice": ["yes", "no"],
+}
+
+
+async def test_the_engine_refuses_options_it_does_not_implement(
+    engine_model: LlamaModel,
+) -> None:
+    async with serve_engine(engine_model) as engine:
+        for name, value in UNSUPPORTED.items():
+            body = {"prompt": "x", "max_tokens": 1, name: value}
+            status, answer = await post_raw(engine.root_url, COMPLETIONS, orjson.dumps(body))
+            assert (status, answer["error"]["param"]) == (400, name)
+            assert "not supported by this engine" in answer["error"]["message"]
+        neutral = {"min_tokens": 0, "min_p": 0.0, "response_format": {"type": "text"}}
+        body = {"prompt": "x", "max_tokens": 1, **neutral}
+        status, _ = await post_raw(engine.root_url, COMPLETIONS, orjson.dumps(body))
+        assert status == 200

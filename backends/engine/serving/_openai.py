@@ -69,6 +69,22 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "logit_bias": (None, {}),
     "prompt_logprobs": (None, 0),
     "suffix": (None, ""),
+    # vLLM's sampling and output extras, which would change the answer.
+    "min_tokens": (None, 0),
+    "min_p": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "include_stop_str_in_output": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "prompt_embeds": (None,),
 }
 
 
