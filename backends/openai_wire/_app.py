@@ -2,7 +2,9 @@
 
 - ``install_openai_app``: the FastAPI-style error middleware (an unknown route or method is
   ``{"detail": ...}``, a bug a JSON error with status 500, as vLLM's exception handler
-  answers) and ``GET /v1/models`` for the one served model.
+  answers; a body past the app's ``client_max_size`` a JSON 413, one aiohttp cannot read (a
+  false Content-Encoding) a JSON 400, a client gone mid-body nothing, and no traceback for
+  any of these) and ``GET /v1/models`` for the one served model.
 - ``serve_app``: an app on a real socket until the block exits; in-flight answers get
   ``SHUTDOWN_TIMEOUT_S`` to finish at shutdown.
 - ``serve_until_signalled``: the command line's loop (uvloop where installed) around a running
@@ -24,8 +26,9 @@ from typing import TypeVar
 import uvloop
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from aiohttp.web import RequestPayloadError
 
-from ._answer import ID_HEX_DIGITS, json_response
+from ._answer import ID_HEX_DIGITS, client_left, json_response
 from ._bodies import model_list
 from ._errors import error_body
 
@@ -76,9 +79,22 @@ async def _fastapi_style_errors(request: web.Request, handler: Handler) -> web.S
         if headers is not None:
             response.headers.update(headers)
         return response
+    except web.HTTPRequestEntityTooLarge as exc:
+        return json_response(error_body(exc.text or exc.reason, status=exc.status), exc.status)
     except web.HTTPException:
         raise
+    except RequestPayloadError as exc:
+        # A body aiohttp cannot read: a Content-Encoding it cannot decode, a broken chunk.
+        message = f"The request body could not be read: {' '.join(str(exc).split())}"
+        # The rest cannot be read either: end the body, or aiohttp reads on to drain it after
+        # the answer, meets the same error and logs it; and close the connection after it.
+        request.content.feed_eof()
+        response = json_response(error_body(message, status=400), 400)
+        response.force_close()
+        return response
     except Exception as exc:
+        if isinstance(exc, ConnectionResetError) and client_left(request):
+            return web.Response()  # the client left (mid-body, mid-answer): nobody to tell
         log.exception("unexpected error answering %s %s", request.method, request.path)
         return json_response(error_body(f"{type(exc).__name__}: {exc}", status=500), 500)
 

@@ -7,14 +7,17 @@ exact bytes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from backends.engine import LlamaModel
+from backends.openai_wire import ServedModel, install_openai_app, serve_app
 from backends.sim import SimConfig, running_sim
 from tests.fixtures_engine import serve_disaggregated, serve_engine
 
@@ -173,3 +176,55 @@ async def test_the_engine_refuses_options_it_does_not_implement(
         body = {"prompt": "x", "max_tokens": 1, **neutral}
         status, _ = await post_raw(engine.root_url, COMPLETIONS, orjson.dumps(body))
         assert status == 200
+
+
+def no_tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.exc_info]
+
+
+async def test_a_body_aiohttp_cannot_read_is_a_json_400(caplog: pytest.LogCaptureFixture) -> None:
+    # A Content-Encoding the body does not have was a 500 with a traceback.
+    caplog.set_level(logging.WARNING)
+    payload = b'{"messages": [{"role": "user", "content": "x"}]}'
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    async with running_sim(sim_config()) as sim, aiohttp.ClientSession() as session:
+        async with session.post(sim.root_url + CHAT, data=payload, headers=headers) as resp:
+            status, body = resp.status, await resp.json()
+    assert status == 400
+    assert body["error"]["type"] == "BadRequestError"
+    assert body["error"]["message"].startswith("The request body could not be read:")
+    assert no_tracebacks(caplog) == []
+
+
+async def test_a_client_gone_mid_body_leaves_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+    async with running_sim(sim_config()) as sim:
+        _, writer = await asyncio.open_connection(sim.host, sim.port)
+        writer.write(head + b'{"messages": [')
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the handler is reading the body
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.sleep(0.2)  # and notices the client left
+        status, _ = await post_raw(sim.root_url, CHAT, b'{"messages": []}')
+        assert status == 400  # still answering
+    assert no_tracebacks(caplog) == []
+
+
+async def test_a_body_past_the_size_limit_is_a_json_413() -> None:
+    # aiohttp's own 413 was plain text, not an OpenAI error body.
+    app = web.Application(client_max_size=64)
+    install_openai_app(app, ServedModel("tiny", 16))
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=await request.read())
+
+    app.router.add_post(CHAT, echo)
+    async with serve_app(app, "127.0.0.1", 0) as served:
+        status, body = await post_raw(served.root_url, CHAT, b"[" + b"1, " * 100 + b"1]")
+    assert status == 413
+    assert body["error"]["code"] == 413
+    assert "64" in body["error"]["message"]
