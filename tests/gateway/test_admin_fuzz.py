@@ -24,12 +24,14 @@ TOKEN = "fuzz-admin-token-0123"
 schema = schemathesis.openapi.from_dict(admin_openapi())
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
+def _wait_healthy(url: str, process: subprocess.Popen[bytes],
+                  headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert process.poll() is None, f"{url} exited"
         try:
-            with urllib.request.urlopen(url, timeout=1):
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+                                        timeout=1):
                 return
         except OSError:
             time.sleep(0.2)
@@ -54,7 +56,10 @@ def admin_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         _wait_healthy(f"http://127.0.0.1:{sim_port}/health", processes[0])
         _wait_healthy(f"http://127.0.0.1:{port}/health", processes[1])
-        yield f"http://127.0.0.1:{admin}/admin/v1"
+        # The admin API starts listening after the relay answers /health.
+        root = f"http://127.0.0.1:{admin}/admin/v1"
+        _wait_healthy(root + "/candidates", processes[1], {"Authorization": f"Bearer {TOKEN}"})
+        yield root
     finally:
         for process in processes:
             process.terminate()

@@ -16,6 +16,7 @@ import aiohttp
 from tests.utils import free_ports, run_sim
 
 TOKEN = "replica-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 POLL_INTERVAL_S = 1.0
 
 
@@ -34,9 +35,10 @@ async def _replica(primary: str, candidate: str, db: str) -> AsyncIterator[tuple
             deadline = time.monotonic() + 60
             while True:
                 assert process.poll() is None, "the gateway exited"
-                try:
-                    async with http.get(url + "/health") as resp:
-                        if resp.status == 200:
+                try:  # the admin API starts listening after the relay answers /health
+                    async with http.get(url + "/health") as health, http.get(
+                            admin_url + "/routing", headers=AUTH) as routing:
+                        if health.status == routing.status == 200:
                             break
                 except aiohttp.ClientError:
                     pass
@@ -49,8 +51,7 @@ async def _replica(primary: str, candidate: str, db: str) -> AsyncIterator[tuple
 
 
 async def _routing(http: aiohttp.ClientSession, admin_url: str) -> dict[str, Any]:
-    async with http.get(admin_url + "/routing",
-                        headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+    async with http.get(admin_url + "/routing", headers=AUTH) as resp:
         assert resp.status == 200
         return await resp.json()  # type: ignore[no-any-return]
 
