@@ -247,17 +247,18 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, config.server.host, config.server.port)
-        await site.start()
-        port = runner.addresses[0][1] if runner.addresses else config.server.port
-        log.info("understudy gateway on http://%s:%s -> primary %s",
-                 config.server.host, port, masked_url(config.primary.url))
+        # The admin listener first: once the proxy's port answers /health, every port does.
         if config.admin.port is not None:
             admin_runner = make_admin_runner(app)
             await admin_runner.setup()
             await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
             log.info("understudy admin API on http://%s:%s/admin/v1", config.admin.host,
                      admin_runner.addresses[0][1])
+        site = web.TCPSite(runner, config.server.host, config.server.port)
+        await site.start()
+        port = runner.addresses[0][1] if runner.addresses else config.server.port
+        log.info("understudy gateway on http://%s:%s -> primary %s",
+                 config.server.host, port, masked_url(config.primary.url))
         # Everything built so far lives until shutdown: keep the collector from scanning it.
         gc.freeze()
         if on_ready is not None:
