@@ -50,6 +50,7 @@ from ._metrics import LABELS, RequestOutcome, VLLMSeries, metrics_response
 from ._requests import (
     StreamOptions,
     chat_messages,
+    check_message_content,
     check_message_role,
     check_room,
     completion_prompt,
@@ -79,6 +80,7 @@ __all__ = [
     "Usage",
     "VLLMSeries",
     "chat_messages",
+    "check_message_content",
     "check_message_role",
     "check_room",
     "client_left",

@@ -28,6 +28,7 @@ __all__ = [
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "StreamOptions",
     "chat_messages",
+    "check_message_content",
     "check_message_role",
     "check_room",
     "completion_prompt",
@@ -201,6 +202,17 @@ def check_message_role(index: int, message: object) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise schema_error("missing", f"body.messages.{index}.role", "Field required", message)
     return message
+
+
+def check_message_content(index: int, message: dict[str, Any]) -> str | list[Any] | None:
+    """Message ``index``'s ``content``: text, a list of content parts (each server reads the
+    parts it supports) or null; anything else is refused as FastAPI refuses it."""
+    content = message.get("content")
+    if content is None or isinstance(content, str | list):
+        return content
+    raise schema_error(
+        "string_type", f"body.messages.{index}.content", "Input should be a valid string", content
+    )
 
 
 def completion_prompt(body: dict[str, Any]) -> object:

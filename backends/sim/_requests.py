@@ -9,6 +9,7 @@ from backends.openai_wire import (
     RequestKind,
     StreamOptions,
     chat_messages,
+    check_message_content,
     check_message_role,
     check_room,
     completion_prompt,
@@ -139,7 +140,7 @@ def _parse_embedding(body: dict[str, Any]) -> InferenceRequest:
 def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = chat_messages(body)
     for index, message in enumerate(messages):
-        check_message_role(index, message)
+        check_message_content(index, check_message_role(index, message))
     return messages
 
 

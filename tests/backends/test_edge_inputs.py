@@ -228,3 +228,18 @@ async def test_a_body_past_the_size_limit_is_a_json_413() -> None:
     assert status == 413
     assert body["error"]["code"] == 413
     assert "64" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("content", [5, {"text": "x"}, True], ids=["int", "object", "bool"])
+async def test_message_content_that_is_not_text_is_refused_alike(
+    engine_model: LlamaModel, content: object
+) -> None:
+    # The simulator answered 200 where the engine (and vLLM) refuse.
+    payload = orjson.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+    async with running_sim(sim_config()) as sim:
+        simulated = await post_raw(sim.root_url, CHAT, payload)
+    async with serve_engine(engine_model) as engine:
+        served = await post_raw(engine.root_url, CHAT, payload)
+    assert simulated == served
+    status, body = simulated
+    assert (status, body["error"]["param"]) == (400, "body.messages.0.content")

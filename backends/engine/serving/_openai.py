@@ -27,6 +27,7 @@ from backends.openai_wire import (
     RequestKind,
     StreamOptions,
     chat_messages,
+    check_message_content,
     check_message_role,
     check_room,
     completion_prompt,
@@ -171,7 +172,7 @@ def _chat_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
 def _chat_message(index: int, message: object) -> dict[str, str]:
     """One message with its content as plain text (text parts joined by newlines, as vLLM)."""
     message = check_message_role(index, message)
-    content = message.get("content")
+    content = check_message_content(index, message)
     if content is None:
         text = ""
     elif isinstance(content, str):
@@ -193,13 +194,6 @@ def _chat_message(index: int, message: object) -> dict[str, str]:
                 )
             parts.append(part["text"])
         text = "\n".join(parts)
-    else:
-        raise schema_error(
-            "string_type",
-            f"body.messages.{index}.content",
-            "Input should be a valid string",
-            content,
-        )
     return {"role": message["role"], "content": text}
 
 
