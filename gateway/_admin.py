@@ -38,7 +38,6 @@ from gateway._config import (
 )
 from gateway._destinations import RefusedDestination, check_candidate_url, masked_url
 from gateway._exceptions import (
-    Conflict,
     GatewayError,
     InvalidBody,
     NotFound,
@@ -54,6 +53,7 @@ from gateway._scorecard import (
     Distributions,
     TrafficSeries,
     distributions,
+    judged_report,
     scorecard_files,
     traffic_series,
 )
@@ -347,11 +347,8 @@ async def resume_candidate(request: web.Request) -> web.Response:
 
 async def candidate_report(request: web.Request) -> web.Response:
     candidate = _candidate(request)
-    scorekeeper = request.app[ADMIN_STATE].scorekeeper
-    if scorekeeper is None:
-        raise Conflict("evaluation is disabled in this gateway ([evaluation] enabled = false)")
     since = _window_start(request.query.get("window_s"))
-    report = await scorekeeper.report(candidate.name, since)
+    report = await judged_report(request.app[ADMIN_STATE], candidate.name, since)
     return web.Response(body=orjson.dumps(report.to_dict()), content_type="application/json")
 
 

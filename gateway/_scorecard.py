@@ -15,6 +15,10 @@ Rules:
    traffic series covers at most :data:`MAX_TRAFFIC_SPAN_S` of ``traffic_counts``
    windows. Each read is one store call within the admin's ``store_timeout_s``; a store
    that does not answer in time, or fails, is a 503 with the reason.
+4. A candidate's report (``GET /candidates/NAME/report``) is judged as the promoter
+   judges: its reads and its verdict's write are each one store call within
+   ``store_timeout_s``, the statistics between them bounded by the gates' cap; a store
+   that does not answer in time, or fails, is a 503 with the reason, never a 500.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Final
 import numpy as np
 from pydantic import BaseModel
 
-from evaluators import METRICS
+from evaluators import METRICS, Report
 from evaluators.store import (
     TRAFFIC_SEEN,
     StoredSamples,
@@ -54,6 +58,7 @@ __all__ = [
     "Distributions",
     "TrafficSeries",
     "distributions",
+    "judged_report",
     "scorecard_files",
     "traffic_series",
 ]
@@ -255,6 +260,24 @@ async def traffic_series(state: GatewayState, since: datetime | None) -> Traffic
         window_s=TRAFFIC_WINDOW_S, windows=windows, seen=[seen[w] for w in windows],
         drops=[DropSeries(candidate=c, reason=r, counts=[per[w] for w in windows])
                for (c, r), per in sorted(dropped.items())])
+
+
+async def judged_report(state: GatewayState, candidate: str,
+                        since: datetime | None) -> Report:
+    """Rule 4: ``candidate``'s report on its scores since ``since``, its verdict recorded."""
+    scorekeeper = state.scorekeeper
+    if scorekeeper is None:
+        raise Conflict("evaluation is disabled in this gateway ([evaluation] enabled = false)")
+    # As the promoter judges: a call that overruns is left to unwind in the background
+    # (a black-holed connection can take long to), the answer does not wait for it.
+    inputs = await state.sync.store_call(f"reading {candidate}'s scores",
+                                         lambda _: scorekeeper.read(candidate, since))
+    if inputs is None:
+        raise ChangeNotStored("the store is not attached", "unavailable")
+    report = await scorekeeper.judge(inputs)
+    recorded = await state.sync.store_call(f"recording the verdict on {candidate}",
+                                           lambda _: scorekeeper.record(report))
+    return report if recorded is None else recorded
 
 
 def _scorekeeper(state: GatewayState) -> Scorekeeper:
