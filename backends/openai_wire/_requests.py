@@ -216,12 +216,13 @@ def check_message_content(index: int, message: dict[str, Any]) -> str | list[Any
 
 
 def completion_prompt(body: dict[str, Any]) -> object:
-    """A completion's ``prompt``, not empty, a batch of one taken out of its list."""
+    """A completion's ``prompt``, not empty, a batch of one taken out of its list (and then
+    not empty either: ``[""]`` and ``[[]]`` are no prompt)."""
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and not is_token_ids(prompt):
+        prompt = prompt[0]  # a batch of one
     if prompt is None or prompt == "" or prompt == []:
         raise invalid_value(
             "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
         )
-    if isinstance(prompt, list) and len(prompt) == 1 and not is_token_ids(prompt):
-        return prompt[0]  # a batch of one
     return prompt

@@ -243,3 +243,27 @@ async def test_message_content_that_is_not_text_is_refused_alike(
     assert simulated == served
     status, body = simulated
     assert (status, body["error"]["param"]) == (400, "body.messages.0.content")
+
+
+@pytest.mark.parametrize("prompt", [[""], [[]]], ids=["empty-text", "no-ids"])
+async def test_a_batch_of_one_empty_prompt_is_no_prompt(
+    engine_model: LlamaModel, prompt: object
+) -> None:
+    # The simulator answered 200; the engine refused it as "more than one prompt".
+    payload = orjson.dumps({"prompt": prompt, "max_tokens": 1})
+    expected = (
+        400,
+        {
+            "error": {
+                "message": "Either prompt or prompt_embeds must be provided and non-empty. "
+                "(parameter=prompt)",
+                "type": "BadRequestError",
+                "param": "prompt",
+                "code": 400,
+            }
+        },
+    )
+    async with running_sim(sim_config()) as sim:
+        assert await post_raw(sim.root_url, COMPLETIONS, payload) == expected
+    async with serve_engine(engine_model) as engine:
+        assert await post_raw(engine.root_url, COMPLETIONS, payload) == expected
