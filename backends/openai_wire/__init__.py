@@ -5,8 +5,8 @@ answer through this package as peers, so a client -- the gateway, its evaluators
 SDK -- cannot tell them from vLLM, nor one from another, by the bytes:
 
 - requests: ``decode_body``, ``request_object``, ``stream_options``, the typed field readers,
-  ``requested_max_tokens``, ``check_room`` and ``sampling_fields``, refusing with vLLM's
-  statuses and wording (``RequestError``);
+  ``requested_max_tokens``, ``check_room``, ``sampling_fields`` and ``stop_fields``, refusing
+  with vLLM's statuses and wording (``RequestError``);
 - answers: the bodies (``_bodies``: chunks, the usage chunk, whole responses, embeddings, the
   model list) and ``AnswerWriter``, which writes them as a JSON body or an SSE stream;
 - the app: ``install_openai_app`` (FastAPI-style errors, ``/v1/models``), ``serve_app``,
@@ -40,11 +40,13 @@ from ._config_error import ConfigError, config_error
 from ._errors import RequestError, error_body, invalid_value, schema_error
 from ._fields import (
     SamplingFields,
+    StopFields,
     is_token_ids,
     optional_bool,
     optional_float,
     optional_int,
     sampling_fields,
+    stop_fields,
 )
 from ._metrics import LABELS, RequestOutcome, VLLMSeries, metrics_response
 from ._requests import (
@@ -76,6 +78,7 @@ __all__ = [
     "SamplingFields",
     "ServedApp",
     "ServedModel",
+    "StopFields",
     "StreamOptions",
     "Usage",
     "VLLMSeries",
@@ -105,5 +108,6 @@ __all__ = [
     "serve_app",
     "serve_until_signalled",
     "sse_event",
+    "stop_fields",
     "stream_options",
 ]

@@ -14,11 +14,13 @@ from ._errors import invalid_value, schema_error
 
 __all__ = [
     "SamplingFields",
+    "StopFields",
     "is_token_ids",
     "optional_bool",
     "optional_float",
     "optional_int",
     "sampling_fields",
+    "stop_fields",
 ]
 
 
@@ -99,3 +101,35 @@ def sampling_fields(body: dict[str, Any]) -> SamplingFields:
             f"top_k must be 0 (disable), or at least 1, got {top_k}.", param="top_k", value=top_k
         )
     return SamplingFields(temperature=temperature, top_p=top_p, top_k=top_k)
+
+
+@dataclass(frozen=True, slots=True)
+class StopFields:
+    """A body's stop conditions as given: ``stop`` strings (empty ones dropped, as they stop
+    nothing), ``stop_token_ids`` and ``ignore_eos``."""
+
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+
+def stop_fields(body: dict[str, Any]) -> StopFields:
+    """``stop`` (a string or a list of them), ``stop_token_ids`` (a list of integers) and
+    ``ignore_eos``, refused with FastAPI's schema errors when of another type; each server
+    bounds and range-checks what it uses."""
+    stop = body.get("stop")
+    items = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise schema_error("string_type", "body.stop", "Input should be a valid string", stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (
+        isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
+        raise schema_error(
+            "int_type", "body.stop_token_ids", "Input should be a valid integer", ids
+        )
+    return StopFields(
+        stop=tuple(s for s in items if s),
+        stop_token_ids=() if ids is None else tuple(ids),
+        ignore_eos=optional_bool(body, "ignore_eos") or False,
+    )

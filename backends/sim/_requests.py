@@ -20,6 +20,7 @@ from backends.openai_wire import (
     requested_max_tokens,
     sampling_fields,
     schema_error,
+    stop_fields,
     stream_options,
 )
 from backends.sim._text import count_words
@@ -85,6 +86,7 @@ def parse_request(
         max_model_len=max_model_len,
     )
     temperature = sampling_fields(body).temperature
+    stop_fields(body)  # the simulator's answer stops at its length; the fields must still parse
     return InferenceRequest(
         kind=kind,
         stream_options=options,

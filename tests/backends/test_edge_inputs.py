@@ -267,3 +267,22 @@ async def test_a_batch_of_one_empty_prompt_is_no_prompt(
         assert await post_raw(sim.root_url, COMPLETIONS, payload) == expected
     async with serve_engine(engine_model) as engine:
         assert await post_raw(engine.root_url, COMPLETIONS, payload) == expected
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"stop": 5}, {"stop": [["x"]]}, {"stop_token_ids": ["x"]}, {"ignore_eos": "yes"}],
+    ids=["stop-number", "stop-nested", "stop-token-ids-text", "ignore-eos-text"],
+)
+async def test_stop_fields_of_the_wrong_type_are_refused_alike(
+    engine_model: LlamaModel, field: dict[str, object]
+) -> None:
+    # The simulator answered 200 where the engine (and vLLM) refuse.
+    payload = orjson.dumps({"prompt": "x", "max_tokens": 1, **field})
+    async with running_sim(sim_config()) as sim:
+        simulated = await post_raw(sim.root_url, COMPLETIONS, payload)
+    async with serve_engine(engine_model) as engine:
+        served = await post_raw(engine.root_url, COMPLETIONS, payload)
+    assert simulated == served
+    status, body = simulated
+    assert (status, body["error"]["param"]) == (400, f"body.{next(iter(field))}")

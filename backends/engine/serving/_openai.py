@@ -39,6 +39,7 @@ from backends.openai_wire import (
     requested_max_tokens,
     sampling_fields,
     schema_error,
+    stop_fields,
     stream_options,
 )
 
@@ -135,21 +136,21 @@ def parse_generation_request(
         max_tokens=max_tokens, param=name, prompt_tokens=len(prompt), max_model_len=max_model_len
     )
     room = max_model_len - len(prompt)
-    sampling = sampling_fields(body)
+    sampling, stops = sampling_fields(body), stop_fields(body)
     params = SamplingParams(
         max_tokens=room if max_tokens is None else min(max_tokens, room),
         temperature=_temperature(sampling.temperature),
         top_p=1.0 if sampling.top_p is None else sampling.top_p,
         top_k=0 if sampling.top_k is None or sampling.top_k < 0 else sampling.top_k,
         seed=_seed(body),
-        stop_token_ids=_stop_token_ids(body, tokenizer.vocab_size),
-        ignore_eos=optional_bool(body, "ignore_eos") or False,
+        stop_token_ids=_stop_token_ids(stops.stop_token_ids, tokenizer.vocab_size),
+        ignore_eos=stops.ignore_eos,
     )
     return GenerationRequest(
         kind=kind,
         prompt_ids=tuple(prompt),
         params=params,
-        stop=_stop_strings(body),
+        stop=_stop_strings(stops.stop),
         stream_options=options,
     )
 
@@ -232,32 +233,17 @@ def _seed(body: dict[str, Any]) -> int | None:
     return None if value is None else value % _SEED_MODULUS
 
 
-def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise schema_error("string_type", "body.stop", "Input should be a valid string", stop)
-    if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in items):
+def _stop_strings(stop: tuple[str, ...]) -> tuple[str, ...]:
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
         raise invalid_value(
             f"At most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} "
             "characters are supported.",
             param="stop",
         )
-    return tuple(s for s in items if s)
+    return stop
 
 
-def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
-    ids = body.get("stop_token_ids")
-    if ids is None:
-        return ()
-    if not isinstance(ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in ids
-    ):
-        raise schema_error(
-            "int_type", "body.stop_token_ids", "Input should be a valid integer", ids
-        )
+def _stop_token_ids(ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
     if any(not 0 <= t < vocab_size for t in ids):
         raise invalid_value(f"stop_token_ids must be in [0, {vocab_size}).", param="stop_token_ids")
-    return tuple(ids)
+    return ids
