@@ -11,7 +11,6 @@ the store holds both or neither.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,6 +47,8 @@ class AuditNote:
     verdict_id: int | None = None
 
 ROUTING_CHANNEL = "understudy_routing"
+LISTEN_CLOSE_TIMEOUT_S = 2.0
+"""How long closing the LISTEN connection may wait for the server before dropping it."""
 _ROW_ID = 1
 
 routing_state = sa.Table(
@@ -127,8 +128,12 @@ class RoutingListener:
         self._connection = connection
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._connection.close()
+        """Say goodbye to the server within ``LISTEN_CLOSE_TIMEOUT_S``, else drop the
+        socket: a server that no longer answers (a black hole) must not hold a shutdown."""
+        try:
+            await self._connection.close(timeout=LISTEN_CLOSE_TIMEOUT_S)
+        except Exception:  # timed out, or the connection was already broken
+            self._connection.terminate()
 
 
 async def listen_for_routing(engine: AsyncEngine,
