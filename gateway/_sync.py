@@ -58,6 +58,11 @@ log = logging.getLogger("understudy.routing")
 
 T = TypeVar("T")
 
+_ROUTING_IF_LATE = ("if the store took it late after all, every replica adopts it from there: "
+                    "GET /admin/v1/routing shows it")
+_CHANGE_IF_LATE = ("if the store took it late after all, the audit log holds an entry for a "
+                   "change no replica applied: look at GET /admin/v1/candidates, and retry")
+
 
 class RoutingSync:
     """The routing this replica serves (``routing``), and how it changes (the rules above).
@@ -150,11 +155,12 @@ class RoutingSync:
             await self._listener.close()
         await asyncio.gather(*self._abandoned, return_exceptions=True)
 
-    async def store_call(self, what: str,
-                         work: Callable[[AsyncEngine], Awaitable[T]]) -> T | None:
+    async def store_call(self, what: str, work: Callable[[AsyncEngine], Awaitable[T]], *,
+                         if_late: str = _ROUTING_IF_LATE) -> T | None:
         """Rule 5: one store call of an admin change, within ``store_timeout_s``.
 
-        None without a database (rule 4): the change is this process's alone.
+        None without a database (rule 4): the change is this process's alone. ``if_late``
+        tells the operator, in the 503 of an overrun, what a late commit would leave.
         """
         engine = self._engine
         if engine is None:
@@ -172,8 +178,7 @@ class RoutingSync:
             self._metrics.admin_store_failures.labels("timeout").inc()
             raise ChangeNotStored(
                 f"{what}: the store did not answer within {self._store_timeout_s:g} s; this "
-                "replica applied nothing (if the store took it late after all, every replica "
-                "adopts it from there: GET /admin/v1/routing shows it)", "timeout")
+                f"replica applied nothing ({if_late})", "timeout")
         try:
             with translate_store_errors(what):
                 return task.result()
@@ -188,8 +193,13 @@ class RoutingSync:
 
     async def record(self, what: str, audit: AuditNote,
                      backend: tuple[str, BackendRole, str] | None = None) -> None:
-        """Rule 5: store a change that is not a routing change, before it is applied."""
-        await self.store_call(what, lambda engine: record_change(engine, audit, backend))
+        """Rule 5: store a change that is not a routing change, before it is applied.
+
+        Such a change lives in this replica only: no replica adopts it from the store, so
+        an overrun's 503 does not say one would.
+        """
+        await self.store_call(what, lambda engine: record_change(engine, audit, backend),
+                              if_late=_CHANGE_IF_LATE)
 
     async def commit(self, change: Callable[[Routing], Routing],
                      audit: Callable[[Routing], AuditNote] | None = None) -> Routing:
