@@ -17,7 +17,8 @@ EXPORTED: dict[str, str] = {
         ClientGone ConfigError RequestError RequestKind RequestOutcome ResponseIdentity
         SamplingFields ServedApp ServedModel StopFields StreamOptions Usage VLLMSeries
         chat_messages
-        check_message_content check_message_role check_room client_left completion_prompt
+        check_message_content check_message_role check_room choice_count client_left
+        completion_prompt
         config_error decode_body embedding_response error_body install_openai_app invalid_value
         is_token_ids json_response metrics_response optional_bool optional_float optional_int
         request_object requested_max_tokens response_id sampling_fields schema_error serve_app

@@ -41,6 +41,7 @@ from ._errors import RequestError, error_body, invalid_value, schema_error
 from ._fields import (
     SamplingFields,
     StopFields,
+    choice_count,
     is_token_ids,
     optional_bool,
     optional_float,
@@ -86,6 +87,7 @@ __all__ = [
     "check_message_content",
     "check_message_role",
     "check_room",
+    "choice_count",
     "client_left",
     "completion_prompt",
     "config_error",

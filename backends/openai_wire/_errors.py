@@ -21,6 +21,7 @@ __all__ = [
     "error_type_for_status",
     "invalid_json",
     "invalid_value",
+    "sampling_params_error",
     "schema_error",
     "unknown_model",
 ]
@@ -124,6 +125,12 @@ def body_not_parsed() -> RequestError:
 def invalid_value(message: str, *, param: str, value: object = None) -> RequestError:
     suffix = f"parameter={param}" if value is None else f"parameter={param}, value={value}"
     return RequestError(f"{message} ({suffix})", param=param)
+
+
+def sampling_params_error(message: str) -> RequestError:
+    """A value vLLM's ``SamplingParams`` refuses with a bare ``ValueError`` (``n``, ``top_k``):
+    its message as it is, no param, unlike ``invalid_value``'s."""
+    return RequestError(message)
 
 
 def unknown_model(model: object, served: str) -> RequestError:

@@ -10,11 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from ._errors import invalid_value, schema_error
+from ._errors import invalid_value, sampling_params_error, schema_error
 
 __all__ = [
     "SamplingFields",
     "StopFields",
+    "choice_count",
     "is_token_ids",
     "optional_bool",
     "optional_float",
@@ -97,10 +98,16 @@ def sampling_fields(body: dict[str, Any]) -> SamplingFields:
         raise invalid_value(f"top_p must be in (0, 1], got {top_p}.", param="top_p", value=top_p)
     top_k = optional_int(body, "top_k")
     if top_k is not None and top_k < -1:
-        raise invalid_value(
-            f"top_k must be 0 (disable), or at least 1, got {top_k}.", param="top_k", value=top_k
-        )
+        raise sampling_params_error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
     return SamplingFields(temperature=temperature, top_p=top_p, top_k=top_k)
+
+
+def choice_count(body: dict[str, Any]) -> int | None:
+    """``n``, the choices asked for, refused below 1 as vLLM's ``SamplingParams`` refuses it."""
+    n = optional_int(body, "n")
+    if n is not None and n < 1:
+        raise sampling_params_error(f"n must be at least 1, got {n}.")
+    return n
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,7 +81,9 @@ def decode_body(raw: bytes) -> Any:
             raise body_not_parsed() from None
         raise invalid_json(exc.pos, exc.msg) from exc
     # Counting brackets is cheap and bounds the depth, so only a body with many is written.
-    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_NESTING:
+    # A body that is no object is refused as vLLM refuses it (``request_object``), and is
+    # never hashed nor forwarded: its depth does not matter.
+    if isinstance(body, dict) and raw.count(b"[") + raw.count(b"{") > MAX_BODY_NESTING:
         try:
             orjson.dumps(body)
         except orjson.JSONEncodeError:

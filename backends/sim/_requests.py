@@ -12,6 +12,7 @@ from backends.openai_wire import (
     check_message_content,
     check_message_role,
     check_room,
+    choice_count,
     completion_prompt,
     invalid_value,
     is_token_ids,
@@ -69,7 +70,7 @@ def parse_request(
     if kind == "embedding":
         return _parse_embedding(body)
     options = stream_options(body)
-    n = optional_int(body, "n", minimum=1)
+    n = choice_count(body)
     if n not in (None, 1):
         raise invalid_value("The simulator answers with one choice.", param="n", value=n)
     seed = optional_int(body, "seed", minimum=None)

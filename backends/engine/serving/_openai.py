@@ -30,6 +30,7 @@ from backends.openai_wire import (
     check_message_content,
     check_message_role,
     check_room,
+    choice_count,
     completion_prompt,
     invalid_value,
     is_token_ids,
@@ -119,7 +120,7 @@ def parse_generation_request(
         raise RequestError("The engine serves no embedding model.", param="model", status=404)
     body = request_object(body, served_model=served_model)
     options = stream_options(body)
-    n = optional_int(body, "n", minimum=1)
+    n = choice_count(body)
     if n not in (None, 1):
         raise invalid_value("The engine answers with one choice.", param="n", value=n)
     for name, neutral in _NEUTRAL.items():
