@@ -3,8 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Final
 
-__all__ = ["TcpRelay"]
+from sqlalchemy.engine import make_url
+
+__all__ = ["QUICK_RETRIES", "TcpRelay", "relayed_database"]
+
+QUICK_RETRIES: Final[dict[str, Any]] = {
+    "flush_interval_s": 0.05, "retry_base_s": 0.05, "retry_max_s": 0.2, "connect_timeout_s": 1}
+"""A store config's timings for a test that cuts its database: it notices and retries in
+tenths of a second."""
+
+
+@asynccontextmanager
+async def relayed_database(database_url: str) -> AsyncIterator[tuple[TcpRelay, str]]:
+    """The database at ``database_url`` behind a started relay: (the relay, the URL through
+    it); the relay is closed on the way out."""
+    url = make_url(database_url)
+    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
+    await relay.start()
+    try:
+        yield relay, url.set(port=relay.port).render_as_string(hide_password=False)
+    finally:
+        await relay.close()
 
 
 class TcpRelay:

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators.store import (
@@ -36,7 +35,7 @@ from tests.evaluators.test_store import (
     make_exchange,
     written,
 )
-from tests.tcp_relay import TcpRelay
+from tests.tcp_relay import TcpRelay, relayed_database
 from tests.utils import eventually
 
 SUBMIT_MEDIAN_LIMIT_S = 200e-6
@@ -49,13 +48,10 @@ connect timeout or the writer's backoff, hundreds of milliseconds at least."""
 async def relayed(pg_database: str) -> AsyncIterator[tuple[TcpRelay, str]]:
     """A migrated database, and a relay in front of it: (relay, URL through the relay)."""
     await upgrade(pg_database)
-    url = make_url(pg_database)
-    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
-    await relay.start()
     try:
-        yield relay, url.set(port=relay.port).render_as_string(hide_password=False)
+        async with relayed_database(pg_database) as relayed:
+            yield relayed
     finally:
-        await relay.close()
         await downgrade(pg_database, "base")
 
 

@@ -24,10 +24,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from sqlalchemy.engine import URL, make_url
 
 from evaluators.store import upgrade
-from tests.tcp_relay import TcpRelay
+from tests.tcp_relay import QUICK_RETRIES, relayed_database
 from tests.utils import (
     RunningGateway,
     answering_once,
@@ -307,16 +306,12 @@ async def _chats(session: aiohttp.ClientSession, gw: RunningGateway, n: int) -> 
 async def test_store_fault_mid_run(fault: str, pg_database: str) -> None:
     await upgrade(pg_database)
     async with _baseline():  # the relay's pumps and sockets included
-        await _store_fault_mid_run(fault, make_url(pg_database))
+        await _store_fault_mid_run(fault, pg_database)
 
 
-async def _store_fault_mid_run(fault: str, url: URL) -> None:
-    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
-    await relay.start()
-    store = {"url": url.set(port=relay.port).render_as_string(hide_password=False),
-             "flush_interval_s": 0.05, "retry_base_s": 0.05, "retry_max_s": 0.2,
-             "connect_timeout_s": 1}
-    try:
+async def _store_fault_mid_run(fault: str, database_url: str) -> None:
+    async with relayed_database(database_url) as (relay, through_relay):
+        store = {"url": through_relay, **QUICK_RETRIES}
         async with run_sim(ttft_ms=1, itl_ms=0, tokens=4) as primary, \
                 run_sim(ttft_ms=1, itl_ms=0, tokens=4) as cand, \
                 run_gateway(primary.url, candidates=[{"name": "c", "url": cand.url}],
@@ -354,5 +349,3 @@ async def _store_fault_mid_run(fault: str, url: URL) -> None:
                     while (await _healthy(session, gw))["status"] != "ok":  # noqa: ASYNC110
                         await asyncio.sleep(0.2)
             await _settled(gw)
-    finally:
-        await relay.close()

@@ -18,10 +18,9 @@ import asyncpg
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from sqlalchemy.engine import make_url
 
 from evaluators.store import upgrade
-from tests.tcp_relay import TcpRelay
+from tests.tcp_relay import QUICK_RETRIES, TcpRelay, relayed_database
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 STORE_TIMEOUT_S = 1.0
@@ -50,18 +49,8 @@ class Outage:
 @pytest.fixture
 async def outage(pg_database: str) -> AsyncIterator[Outage]:
     await upgrade(pg_database)
-    url = make_url(pg_database)
-    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
-    await relay.start()
-    through_relay = url.set(port=relay.port).render_as_string(hide_password=False)
-    store = {
-        "url": through_relay,
-        "flush_interval_s": 0.05,
-        "retry_base_s": 0.05,
-        "retry_max_s": 0.2,
-        "connect_timeout_s": 1,
-    }
-    try:
+    async with relayed_database(pg_database) as (relay, through_relay):
+        store = {"url": through_relay, **QUICK_RETRIES}
         async with (
             run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary,
             run_sim(ttft_ms=0, itl_ms=0, tokens=2) as cand,
@@ -74,8 +63,6 @@ async def outage(pg_database: str) -> AsyncIterator[Outage]:
             aiohttp.ClientSession() as http,
         ):
             yield Outage(gw, relay, cand.url, http)
-    finally:
-        await relay.close()
 
 
 def _refused(status: int, body: Any, took_s: float) -> None:

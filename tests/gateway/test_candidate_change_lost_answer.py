@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import aiohttp
 import asyncpg
-from sqlalchemy.engine import make_url
 
 from evaluators.store import upgrade
-from tests.tcp_relay import TcpRelay
+from tests.tcp_relay import QUICK_RETRIES, relayed_database
 from tests.utils import run_gateway, run_sim
 
 STORE_TIMEOUT_S = 1.0
@@ -21,13 +20,8 @@ STORE_TIMEOUT_S = 1.0
 async def test_a_lost_answer_to_a_candidate_change_says_what_it_leaves(
         pg_database: str) -> None:
     await upgrade(pg_database)
-    url = make_url(pg_database)
-    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
-    await relay.start()
-    store = {"url": url.set(port=relay.port).render_as_string(hide_password=False),
-             "flush_interval_s": 0.05, "retry_base_s": 0.05, "retry_max_s": 0.2,
-             "connect_timeout_s": 1}
-    try:
+    async with relayed_database(pg_database) as (relay, through_relay):
+        store = {"url": through_relay, **QUICK_RETRIES}
         async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
                 run_gateway(primary.url,
                             evaluation={"enabled": True, "store": store,
@@ -46,8 +40,6 @@ async def test_a_lost_answer_to_a_candidate_change_says_what_it_leaves(
             assert "GET /admin/v1/candidates" in message
             assert "late" not in gw.state.mirror.candidates
             await relay.restore()
-    finally:
-        await relay.close()
     connection = await asyncpg.connect(pg_database.replace("+asyncpg", ""), timeout=5)
     try:
         stored = await connection.fetchval(

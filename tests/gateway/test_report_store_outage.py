@@ -10,10 +10,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from sqlalchemy.engine import make_url
 
 from evaluators.store import upgrade
-from tests.tcp_relay import TcpRelay
+from tests.tcp_relay import QUICK_RETRIES, TcpRelay, relayed_database
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 STORE_TIMEOUT_S = 1.0
@@ -23,13 +22,8 @@ ANSWER_WITHIN_S = STORE_TIMEOUT_S + 1.5
 @pytest.fixture
 async def gateway(pg_database: str) -> AsyncIterator[tuple[RunningGateway, TcpRelay]]:
     await upgrade(pg_database)
-    url = make_url(pg_database)
-    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
-    await relay.start()
-    store = {"url": url.set(port=relay.port).render_as_string(hide_password=False),
-             "flush_interval_s": 0.05, "retry_base_s": 0.05, "retry_max_s": 0.2,
-             "connect_timeout_s": 1}
-    try:
+    async with relayed_database(pg_database) as (relay, through_relay):
+        store = {"url": through_relay, **QUICK_RETRIES}
         async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
                 run_sim(ttft_ms=0, itl_ms=0, tokens=2) as cand, \
                 run_gateway(primary.url, candidates=[{"name": "c", "url": cand.url}],
@@ -43,8 +37,6 @@ async def gateway(pg_database: str) -> AsyncIterator[tuple[RunningGateway, TcpRe
                 yield gw, relay
             finally:
                 await relay.restore()  # the gateway stops against a store that answers
-    finally:
-        await relay.close()
 
 
 async def _report(http: aiohttp.ClientSession, gw: RunningGateway) -> tuple[int, Any, float]:

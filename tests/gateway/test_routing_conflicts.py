@@ -15,10 +15,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
-from sqlalchemy.engine import make_url
 
 from evaluators.store import upgrade
-from tests.tcp_relay import TcpRelay
+from tests.tcp_relay import QUICK_RETRIES, TcpRelay, relayed_database
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 STORE_TIMEOUT_S = 2.0
@@ -27,13 +26,8 @@ STORE_TIMEOUT_S = 2.0
 @asynccontextmanager
 async def _replica(pg_database: str, primary: str, candidates: list[dict[str, Any]],
                    poll_s: float) -> AsyncIterator[tuple[RunningGateway, TcpRelay]]:
-    url = make_url(pg_database)
-    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
-    await relay.start()
-    store = {"url": url.set(port=relay.port).render_as_string(hide_password=False),
-             "flush_interval_s": 0.05, "retry_base_s": 0.05, "retry_max_s": 0.2,
-             "connect_timeout_s": 1}
-    try:
+    async with relayed_database(pg_database) as (relay, through_relay):
+        store = {"url": through_relay, **QUICK_RETRIES}
         async with run_gateway(
                 primary, candidates=candidates,
                 evaluation={"enabled": True, "store": store, "scorers": ["exact_match"]},
@@ -43,8 +37,6 @@ async def _replica(pg_database: str, primary: str, candidates: list[dict[str, An
             assert scorekeeper is not None
             await eventually(lambda: scorekeeper.store_status.state == "up", within_s=30)
             yield gw, relay
-    finally:
-        await relay.close()
 
 
 async def _admin(http: aiohttp.ClientSession, gw: RunningGateway, method: str, path: str,

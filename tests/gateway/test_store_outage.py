@@ -3,22 +3,15 @@ what it drops past its bound, and catches up when the database returns."""
 
 from __future__ import annotations
 
-from sqlalchemy.engine import make_url
-
 from evaluators.store import upgrade
-from tests.tcp_relay import TcpRelay
+from tests.tcp_relay import QUICK_RETRIES, relayed_database
 from tests.utils import eventually, run_gateway, run_sim, timed_chats
 
 
 async def test_database_outage_never_reaches_the_client(pg_database: str) -> None:
     await upgrade(pg_database)
-    url = make_url(pg_database)
-    relay = TcpRelay(url.host or "127.0.0.1", url.port or 5432)
-    await relay.start()
-    through_relay = url.set(port=relay.port).render_as_string(hide_password=False)
-    store = {"url": through_relay, "flush_interval_s": 0.05, "retry_base_s": 0.05,
-             "retry_max_s": 0.2, "connect_timeout_s": 1, "queue_rows": 100}
-    try:
+    async with relayed_database(pg_database) as (relay, through_relay):
+        store = {"url": through_relay, **QUICK_RETRIES, "queue_rows": 100}
         async with run_sim(ttft_ms=1, itl_ms=0, tokens=4) as primary, \
                 run_sim(ttft_ms=1, itl_ms=0, tokens=4) as candidate, \
                 run_gateway(primary.url, candidates=[{"name": "c", "url": candidate.url}],
@@ -44,5 +37,3 @@ async def test_database_outage_never_reaches_the_client(pg_database: str) -> Non
             await relay.restore()
             await timed_chats(gw, 5, "after")
             await eventually(lambda: gw.written_records >= 5 + 5, within_s=60)
-    finally:
-        await relay.close()
