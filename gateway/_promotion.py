@@ -175,12 +175,14 @@ class Promoter:
             return Judgement(None, None, ("evaluation is disabled: no verdict",))
         window = None if since is None else datetime.fromtimestamp(since, UTC)
         inputs = await self._sync.store_call(f"reading {name}'s scores",
-                                             lambda _: scorekeeper.read(name, window))
+                                             lambda _: scorekeeper.read(name, window),
+                                             if_late=None)
         if inputs is None:  # the store is not attached: nothing to judge with
             return Judgement(None, None, ("the store is not attached: no verdict",))
         judged = await scorekeeper.judge(inputs)  # statistics: bounded by the gates' cap
         report = await self._sync.store_call(f"recording the verdict on {name}",
-                                             lambda _: scorekeeper.record(judged))
+                                             lambda _: scorekeeper.record(judged),
+                                             if_late=None)
         report = judged if report is None else report
         return Judgement(report.verdict.outcome, report.verdict_id, report.verdict.reasons)
 

@@ -271,12 +271,14 @@ async def judged_report(state: GatewayState, candidate: str,
     # As the promoter judges: a call that overruns is left to unwind in the background
     # (a black-holed connection can take long to), the answer does not wait for it.
     inputs = await state.sync.store_call(f"reading {candidate}'s scores",
-                                         lambda _: scorekeeper.read(candidate, since))
+                                         lambda _: scorekeeper.read(candidate, since),
+                                         if_late=None)
     if inputs is None:
         raise ChangeNotStored("the store is not attached", "unavailable")
     report = await scorekeeper.judge(inputs)
     recorded = await state.sync.store_call(f"recording the verdict on {candidate}",
-                                           lambda _: scorekeeper.record(report))
+                                           lambda _: scorekeeper.record(report),
+                                           if_late=None)
     return report if recorded is None else recorded
 
 

@@ -156,11 +156,12 @@ class RoutingSync:
         await asyncio.gather(*self._abandoned, return_exceptions=True)
 
     async def store_call(self, what: str, work: Callable[[AsyncEngine], Awaitable[T]], *,
-                         if_late: str = _ROUTING_IF_LATE) -> T | None:
+                         if_late: str | None = _ROUTING_IF_LATE) -> T | None:
         """Rule 5: one store call of an admin change, within ``store_timeout_s``.
 
         None without a database (rule 4): the change is this process's alone. ``if_late``
-        tells the operator, in the 503 of an overrun, what a late commit would leave.
+        tells the operator, in the 503 of an overrun, what a late commit would leave; None
+        for a call that changes no routing nor candidate (a read, a verdict's record).
         """
         engine = self._engine
         if engine is None:
@@ -176,9 +177,10 @@ class RoutingSync:
             self._abandoned.add(task)
             task.add_done_callback(self._forget)
             self._metrics.admin_store_failures.labels("timeout").inc()
+            late = "" if if_late is None else f" ({if_late})"
             raise ChangeNotStored(
                 f"{what}: the store did not answer within {self._store_timeout_s:g} s; this "
-                f"replica applied nothing ({if_late})", "timeout")
+                f"replica applied nothing{late}", "timeout")
         try:
             with translate_store_errors(what):
                 return task.result()
