@@ -166,6 +166,7 @@ class CanaryView(BaseModel):
     percent: float
     interval_s: float
     step_started_at: float
+    actor: str
 
 
 class RoutingView(BaseModel):

@@ -65,12 +65,14 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
         scorekeeper.attach_traffic(mirror.traffic)
         scorekeeper.attach_candidates(lambda: [c.config for c in mirror.candidates.values()])
 
-    async def stop_mirroring_primary(new: Routing) -> None:
+    async def serve_routing(new: Routing) -> None:
         if new.primary.name in mirror.candidates:  # a primary is not its own candidate
             await mirror.remove_candidate(new.primary.name)
+        promoter.follow(new)  # a canary it holds is driven here too (Promoter rule 5)
 
-    sync = RoutingSync(routing, stop_mirroring_primary, metrics,
+    sync = RoutingSync(routing, serve_routing, metrics,
                        config.admin.routing_poll_interval_s, config.admin.store_timeout_s)
+    promoter = Promoter(sync, mirror, metrics, scorekeeper)
 
     def scrape_targets() -> dict[str, str]:
         primary = sync.routing.primary
@@ -87,7 +89,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
         observations=RecentObservations(config.capture.recent_observations),
         mirror=mirror,
         scorekeeper=scorekeeper,
-        promoter=Promoter(sync, mirror, metrics, scorekeeper),
+        promoter=promoter,
         backend_load=backend_load,
     )
     # Entered in this order, left in reverse: the mirror drains into evaluation, which

@@ -19,7 +19,7 @@ Rules (DESIGN.md invariant 8):
    (100 %) only a PASS promotes (rule 1, on that same judgement), MARGINAL holds it. A
    step the store cannot take (503), or that another replica's change overtook (409), is
    tried again next interval, on the routing the replica then serves; the driver ends
-   only when its canary does.
+   only when the routing has no canary.
    Each step is judged on the scores since it began (``step_started_at``), never on the
    whole stored window: what an earlier step (or a mirror before it) measured does not
    vouch for this one.  The 100 % step serves every session live, so nothing is mirrored
@@ -27,6 +27,14 @@ Rules (DESIGN.md invariant 8):
    (``Canary.judged_since``).
 4. Routing changes go through ``RoutingSync.commit``, which makes them the replicas' state
    too. One lock orders every change of this replica, candidates' included.
+5. Every replica drives the canary of the routing it serves (``follow``): the one that
+   started it, one that adopts it from another, one that starts on a stored routing that
+   holds it. So a canary outlives the restart or the loss of the replica it was started
+   on. The drivers share one clock, the store's routing: a step is judged once it is
+   ``interval_s`` old (``step_started_at``), a held step again ``interval_s`` after this
+   replica's last judgement of it; when two replicas decide the same step, the store's
+   compare-and-set lets the first through and the other adopts it (rule 4). Each
+   replica's judgement is its own verdict in the store.
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ class Promoter:
         self._metrics = metrics
         self._scorekeeper = scorekeeper
         self._canary_task: asyncio.Task[None] | None = None
+        self._closed = False
         self._lock = asyncio.Lock()
 
     @property
@@ -237,14 +246,12 @@ class Promoter:
             if self.routing.canary is not None:
                 raise Conflict(f"a canary of {self.routing.canary.backend.name} is running")
             canary = Canary(Backend(name, candidate.config.url), steps, 0, interval_s,
-                            time.time())
+                            time.time(), actor=actor)
             routing = await self._sync.commit(
                 partial(Routing.with_canary, canary=canary),
                 audit=lambda _: AuditNote(actor, "canary_start", name, {
                     "steps": list(steps), "interval_s": interval_s, "verdict": None}))
-            await self._stop_driver()
-            self._canary_task = asyncio.create_task(self._drive(name, actor),
-                                                    name=f"canary-{name}")
+            self.follow(routing)
             self._done("canary_start", name)
             return RoutingChange(routing)
 
@@ -261,7 +268,18 @@ class Promoter:
             self._done("canary_abort", canary.backend.name)
             return RoutingChange(routing)
 
+    def follow(self, routing: Routing) -> None:
+        """Rule 5: drive the canary of ``routing``, unless this replica drives it already.
+
+        Called with each routing this replica comes to serve, its own changes and those it
+        adopts."""
+        if routing.canary is None or self._closed:
+            return
+        if self._canary_task is None or self._canary_task.done():
+            self._canary_task = asyncio.create_task(self._drive(), name="canary-driver")
+
     async def close(self) -> None:
+        self._closed = True
         await self._stop_driver()
 
     async def _stop_driver(self) -> None:
@@ -271,29 +289,31 @@ class Promoter:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _drive(self, name: str, actor: str) -> None:
-        """One judgement per interval; see rule 3."""
-        while (canary := self.routing.canary) is not None and canary.backend.name == name:
-            await asyncio.sleep(canary.interval_s)
+    async def _drive(self) -> None:
+        """Judge the routing's canary whenever it is due (rules 3 and 5), until the routing
+        has none."""
+        judged_at = 0.0
+        while (canary := self.routing.canary) is not None:
+            due = max(canary.step_started_at, judged_at) + canary.interval_s
+            await asyncio.sleep(max(0.0, due - time.time()))
+            if self.routing.canary != canary:
+                continue  # stepped or replaced meanwhile: the new one keeps its own clock
+            judged_at = time.time()
             try:
-                if await self._judge_step(name, actor):
-                    return
+                await self._judge_step(canary)
             except (ChangeNotStored, Conflict, NotFound) as exc:  # 503 or 409: rule 3
-                log.warning("canary %s: %s; trying again in %.0f s", name, exc,
-                            canary.interval_s)
+                log.warning("canary %s: %s; trying again in %.0f s", canary.backend.name,
+                            exc, canary.interval_s)
 
-    async def _judge_step(self, name: str, actor: str) -> bool:
-        """One step of rule 3; True when the canary is over (rolled back or promoted)."""
-        current = self.routing.canary
-        since = current.judged_since if current is not None else None
-        judgement = await self._judge(name, since)
+    async def _judge_step(self, current: Canary) -> None:
+        """One step of rule 3, for the canary ``current`` as this replica serves it."""
+        name, actor = current.backend.name, current.actor
+        judgement = await self._judge(name, current.judged_since)
         verdict, verdict_id, reasons = judgement.label, judgement.verdict_id, judgement.reasons
         async with self._lock:
             canary = self.routing.canary
-            if canary is None or canary.backend.name != name:
-                return True
             if canary != current:  # it changed while judged: that window is not its own
-                return False
+                return
             if judgement.outcome is Outcome.FAIL:
                 await self._sync.commit(_without_canary, audit=lambda _: AuditNote(
                     actor, "canary_rollback", name, {
@@ -303,22 +323,21 @@ class Promoter:
                 self._done("canary_rollback", name, verdict)
                 log.warning("canary %s rolled back at %s%%: %s", name, canary.percent,
                             "; ".join(reasons[:3]))
-                return True
+                return
             if judgement.outcome in (Outcome.INCONCLUSIVE, None):
-                return False
+                return
             if canary.step + 1 == len(canary.steps):
                 if judgement.outcome is not Outcome.PASS:
-                    return False  # MARGINAL holds the last step: only a PASS promotes
+                    return  # MARGINAL holds the last step: only a PASS promotes
                 await self._promote(self._candidate(name), judgement, actor=actor,
                                     force=False, reason=None)
-                return True
+                return
             step = canary.next_step(time.time())
             await self._sync.commit(partial(Routing.with_canary, canary=step),
                                     audit=lambda _: AuditNote(actor, "canary_step", name, {
                                         "step": step.step, "percent": step.percent,
                                         "verdict": verdict}, verdict_id))
             self._done("canary_step", name, verdict)
-            return False
 
     def _done(self, action: str, target: str, verdict: str | None = None) -> None:
         log.info("admin: %s %s (verdict %s)", action, target, verdict)

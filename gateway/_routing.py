@@ -49,6 +49,7 @@ class Canary:
     # canary and nothing is mirrored to compare, so that step is judged on the scores since
     # then (None: the canary started at 100 %).
     measured_since: float | None = None
+    actor: str = "admin"  # who started it: the actor of its steps' audit entries
 
     @property
     def percent(self) -> float:
@@ -61,12 +62,14 @@ class Canary:
 
     def next_step(self, now: float) -> Canary:
         measured = self.step_started_at if self.percent < 100 else self.measured_since
-        return Canary(self.backend, self.steps, self.step + 1, self.interval_s, now, measured)
+        return Canary(self.backend, self.steps, self.step + 1, self.interval_s, now, measured,
+                      self.actor)
 
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend.to_dict(), "steps": list(self.steps),
                 "step": self.step, "percent": self.percent, "interval_s": self.interval_s,
-                "step_started_at": self.step_started_at, "measured_since": self.measured_since}
+                "step_started_at": self.step_started_at, "measured_since": self.measured_since,
+                "actor": self.actor}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Canary:
@@ -74,7 +77,7 @@ class Canary:
         measured = data.get("measured_since")
         return cls(Backend(backend["name"], backend["url"]), tuple(data["steps"]),
                    int(data["step"]), float(data["interval_s"]), float(data["step_started_at"]),
-                   None if measured is None else float(measured))
+                   None if measured is None else float(measured), str(data.get("actor", "admin")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,14 @@
-"""The canary's driver (``Promoter`` rule 3) against a real store, with a judge told
+"""The canary's driver (``Promoter`` rules 3 and 5) against a real store, with a judge told
 what to say: it holds, steps and promotes as the rule says, and it ends only when its
 canary does, never on an answer it did not expect (a refusal, another replica's change).
+A replica that starts on a stored canary drives it, and replicas driving one canary
+together step it once per interval.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,35 +61,64 @@ class Driven:
     engine: AsyncEngine
 
     async def actions(self) -> list[str]:
-        async with self.engine.connect() as connection:
-            rows = await connection.execute(sa.text("SELECT action FROM audit_log ORDER BY id"))
-            return [row.action for row in rows]
+        return [action for action, _ in await _actions(self.engine)]
+
+
+@dataclass
+class Replica:
+    """One gateway replica's routing and promoter, wired as ``gateway/_app.py`` wires them:
+    each routing it comes to serve is followed (``Promoter`` rule 5)."""
+
+    promoter: Promoter
+    sync: RoutingSync
+    judge: ToldJudge
+
+    @classmethod
+    async def start(cls, engine: AsyncEngine, *, poll_interval_s: float = 60) -> Replica:
+        metrics = GatewayMetrics()
+        mirror = Mirror(MirrorConfig(), (CandidateConfig(name="c", url="http://127.0.0.1:9"),),
+                        CaptureConfig(), metrics, MemorySink(10))
+
+        async def serve(routing: Routing) -> None:
+            promoter.follow(routing)
+
+        sync = RoutingSync(Routing.configured(Backend("primary", "http://127.0.0.1:8")), serve,
+                           metrics, poll_interval_s=poll_interval_s)
+        judge = ToldJudge(Outcome.MARGINAL)
+        promoter = Promoter(sync, mirror, metrics, cast(Scorekeeper, judge))
+        await sync.start(engine)
+        return cls(promoter, sync, judge)
+
+    async def stop(self) -> None:
+        await self.promoter.close()
+        await self.sync.stop()
+
+
+async def _actions(engine: AsyncEngine) -> list[tuple[str, str]]:
+    async with engine.connect() as connection:
+        rows = await connection.execute(sa.text("SELECT action, actor FROM audit_log ORDER BY id"))
+        return [(row.action, row.actor) for row in rows]
 
 
 @pytest.fixture
-async def driven(tmp_path: Path) -> AsyncIterator[Driven]:
+async def store(tmp_path: Path) -> AsyncIterator[AsyncEngine]:
     url = sqlite_url(tmp_path)
     await upgrade(url)
     engine = create_engine(url)
-    metrics = GatewayMetrics()
-    mirror = Mirror(MirrorConfig(), (CandidateConfig(name="c", url="http://127.0.0.1:9"),),
-                    CaptureConfig(), metrics, MemorySink(10))
-
-    async def nothing(_: Routing) -> None:
-        pass
-
-    # Polls far apart: this replica hears of another's change only when it asks.
-    sync = RoutingSync(Routing.configured(Backend("primary", "http://127.0.0.1:8")), nothing,
-                       metrics, poll_interval_s=60)
-    await sync.start(engine)
-    judge = ToldJudge(Outcome.MARGINAL)
-    promoter = Promoter(sync, mirror, metrics, cast(Scorekeeper, judge))
     try:
-        yield Driven(promoter, sync, judge, engine)
+        yield engine
     finally:
-        await promoter.close()
-        await sync.stop()
         await engine.dispose()
+
+
+@pytest.fixture
+async def driven(store: AsyncEngine) -> AsyncIterator[Driven]:
+    # Polls far apart: this replica hears of another's change only when it asks.
+    replica = await Replica.start(store)
+    try:
+        yield Driven(replica.promoter, replica.sync, replica.judge, store)
+    finally:
+        await replica.stop()
 
 
 def _driving(promoter: Promoter) -> bool:
@@ -135,3 +167,57 @@ async def test_the_driver_outlives_another_replicas_change(driven: Driven) -> No
     assert _driving(driven.promoter) or driven.sync.routing.primary.name == "c"
     await eventually(lambda: driven.sync.routing.primary.name == "c", within_s=10)
     await asyncio.sleep(0)
+
+
+async def test_a_replica_that_starts_on_a_stored_canary_drives_it(store: AsyncEngine) -> None:
+    """The replica the canary was started on goes away; one that starts later on the same
+    store takes the canary on from its stored step, in its starter's name."""
+    first = await Replica.start(store)
+    first.judge.outcome = Outcome.PASS
+    await first.promoter.start_canary("c", actor="ops", steps=(25.0, 50.0, 100.0),
+                                      interval_s=INTERVAL_S)
+    await eventually(lambda: (canary := first.sync.routing.canary) is not None
+                     and canary.percent == 50.0)
+    await first.stop()  # gone mid-canary: nothing drives it now
+    stored = await load_routing(store)
+    assert stored is not None
+    canary = Routing.from_dict(stored[1]).canary
+    assert canary is not None and canary.percent in (50.0, 100.0)
+
+    second = await Replica.start(store)
+    try:
+        second.judge.outcome = Outcome.PASS
+        await eventually(lambda: second.sync.routing.primary.name == "c", within_s=10)
+        assert second.sync.routing.canary is None
+        actions = await _actions(store)
+        assert actions[0] == ("canary_start", "ops") and actions[-1] == ("promote", "ops")
+        assert [a for a, _ in actions].count("canary_step") == 2
+        assert {actor for _, actor in actions} == {"ops"}
+    finally:
+        await second.stop()
+
+
+async def test_replicas_driving_one_canary_step_it_once_per_interval(store: AsyncEngine) -> None:
+    """Two replicas, each driving the canary they both serve: every step is taken once,
+    and no sooner than an interval after the one before."""
+    interval_s = 0.3
+    replicas = [await Replica.start(store, poll_interval_s=0.05) for _ in range(2)]
+    try:
+        for replica in replicas:
+            replica.judge.outcome = Outcome.PASS
+        started = await replicas[0].promoter.start_canary(
+            "c", actor="ops", steps=(25.0, 50.0, 100.0), interval_s=interval_s)
+        assert started.routing.canary is not None
+        await eventually(lambda: replicas[1].sync.routing.canary is not None)
+        assert _driving(replicas[1].promoter)  # it adopted the canary and drives it too
+        await eventually(lambda: all(r.sync.routing.primary.name == "c" for r in replicas),
+                         within_s=15)
+        promoted_at = time.time()
+        actions = [action for action, _ in await _actions(store)]
+        assert actions == ["canary_start", "canary_step", "canary_step", "promote"]
+        # Three judged steps, each at least an interval old when it was judged.
+        assert promoted_at - started.routing.canary.step_started_at >= 3 * interval_s
+        assert sum(r.judge.judged for r in replicas) >= 3
+    finally:
+        for replica in replicas:
+            await replica.stop()

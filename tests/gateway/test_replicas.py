@@ -1,4 +1,5 @@
-"""Two gateway processes sharing one PostgreSQL converge on a promotion."""
+"""Two gateway processes sharing one PostgreSQL converge on a promotion, and a canary
+started on one is carried on by the other when the first goes away."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import sqlalchemy as sa
 
+from evaluators.store import create_engine
 from tests.utils import free_ports, run_sim
 
 TOKEN = "replica-admin-token"
@@ -21,10 +24,11 @@ POLL_INTERVAL_S = 1.0
 
 
 @asynccontextmanager
-async def _replica(primary: str, candidate: str, db: str) -> AsyncIterator[tuple[str, str]]:
+async def _replica(primary: str, candidate: str, db: str,
+                   **settings: str) -> AsyncIterator[tuple[str, str]]:
     port, admin = free_ports(2)
     env = {**os.environ, "UNDERSTUDY_ADMIN_TOKEN": TOKEN,
-           "UNDERSTUDY_ADMIN__ROUTING_POLL_INTERVAL_S": str(POLL_INTERVAL_S)}
+           "UNDERSTUDY_ADMIN__ROUTING_POLL_INTERVAL_S": str(POLL_INTERVAL_S), **settings}
     process = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block
         [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
          "--primary", primary, "--candidate", f"cand={candidate}", "--port", str(port),
@@ -99,3 +103,52 @@ async def test_two_replicas_converge_on_a_promotion_and_a_rollback(pg_database: 
         assert (await _routing(http, admin_a))["version"] == 3
         assert url_a != url_b
     print(f"replica B converged in {converged_s * 1000:.0f} ms")
+
+
+# Gates loose enough for a few dozen exchanges of an identical candidate to PASS.
+LOOSE_GATES = {"UNDERSTUDY_EVALUATION__GATES__MIN_SAMPLES": "8",
+               "UNDERSTUDY_EVALUATION__GATES__MAX_MEDIAN_SHIFT_RATIO": "3.0",
+               "UNDERSTUDY_EVALUATION__GATES__MAX_STD_RATIO": "10.0",
+               "UNDERSTUDY_EVALUATION__GATES__MAX_TTFT_P99_RATIO": "10.0",
+               "UNDERSTUDY_EVALUATION__GATES__MAX_E2E_P99_RATIO": "10.0",
+               "UNDERSTUDY_EVALUATION__GATES__MARGINAL_BAND": "0.0"}
+
+
+async def test_a_canary_outlives_the_replica_it_was_started_on(pg_database: str) -> None:
+    """Replica A starts a canary and is stopped at its first step; replica B, which serves
+    the same routing, judges it on the traffic it relays, steps it and promotes."""
+    async with run_sim(ttft_ms=1, itl_ms=0, tokens=4) as primary, \
+            run_sim(ttft_ms=1, itl_ms=0, tokens=4) as candidate, \
+            _replica(primary.url, candidate.url, pg_database, **LOOSE_GATES) as (url_b, admin_b), \
+            aiohttp.ClientSession() as http:
+        async with _replica(primary.url, candidate.url, pg_database,
+                            **LOOSE_GATES) as (_, admin_a):
+            async with http.post(admin_a + "/candidates/cand/canary", headers=AUTH,
+                                 json={"steps": [50, 100], "interval_s": 1.0,
+                                       "actor": "ops"}) as resp:
+                assert resp.status == 202, await resp.text()
+        # A is gone; B heard of the canary within its poll interval.
+        deadline = time.monotonic() + 3 * POLL_INTERVAL_S
+        while (await _routing(http, admin_b))["canary"] is None:
+            assert time.monotonic() < deadline, "replica B never served the canary"
+            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 60
+        round_ = 0
+        while (routing := await _routing(http, admin_b))["primary"]["name"] != "cand":
+            assert time.monotonic() < deadline, f"the canary was not carried on: {routing}"
+            for i in range(4):  # traffic through B: mirrored to the candidate and scored
+                async with http.post(url_b + "/v1/chat/completions", json={
+                        "model": "sim-model",
+                        "messages": [{"role": "user", "content": f"r{round_} {i}"}]}) as resp:
+                    assert resp.status == 200
+            round_ += 1
+        assert routing["canary"] is None
+    engine = create_engine(pg_database)
+    try:
+        async with engine.connect() as connection:
+            rows = (await connection.execute(sa.text(
+                "SELECT action, actor FROM audit_log ORDER BY id"))).all()
+    finally:
+        await engine.dispose()
+    actions = [(row.action, row.actor) for row in rows]
+    assert actions[-1] == ("promote", "ops") and ("canary_step", "ops") in actions, actions
