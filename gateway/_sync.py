@@ -14,7 +14,10 @@ Rules (DESIGN.md invariant 8):
    seen: a stored version newer than this replica's is a 409 too, even if this replica
    has not heard of it yet (its LISTEN lost, its next poll not due).
 3. Replicas learn of a change within ``poll_interval_s`` by polling, and at once on
-   PostgreSQL through LISTEN/NOTIFY.
+   PostgreSQL through LISTEN/NOTIFY. A LISTEN that is lost (the server restarted, the
+   network cut) or cannot be set up at start is set up again in the background, within
+   seconds of the store's return, and the routing is read once then (a change made
+   meanwhile is adopted at once); polling covers the time between.
 4. Without a database (evaluation disabled) the routing is this process's alone. With
    one that is not reachable yet (``attach`` before ``start``: a store outage at start),
    changes go to the database and fail there; none is applied to this replica alone.
@@ -118,11 +121,7 @@ class RoutingSync:
         if stored is not None:
             await self._adopt(engine, Routing.from_dict(stored[1]))
         self._poller = asyncio.create_task(self._poll(), name="routing-poll")
-        try:
-            self._listener = await listen_for_routing(engine, self._notified)
-        except StoreError as exc:
-            log.warning("routing: LISTEN unavailable (%s); polling every %.1fs", exc,
-                        self._poll_interval_s)
+        self._listener = await listen_for_routing(engine, self._notified)  # rule 3
 
     async def _adopt(self, engine: AsyncEngine, stored: Routing) -> None:
         """Rule 1: join the stored history, unless the configured primary changed."""

@@ -3,14 +3,19 @@ the admin changes written with it.
 
 A replica changes it only from the version it last saw (compare-and-set), so two
 replicas never overwrite each other's change unseen. PostgreSQL replicas are told of a
-change at once (``NOTIFY`` here, ``listen_for_routing`` on their side); every replica also
-polls. A change's audit entry commits in
+change at once (``NOTIFY`` here, ``listen_for_routing`` on their side), over a LISTEN
+connection that sets itself up again when it is lost or was never up
+(``RoutingListener``); every replica also polls. A change's audit entry commits in
 the same transaction as the change (``save_routing(..., audit=)``, ``record_change``):
 the store holds both or neither.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,6 +40,8 @@ __all__ = [
     "save_routing",
 ]
 
+log = logging.getLogger("understudy.store")
+
 
 @dataclass(frozen=True, slots=True)
 class AuditNote:
@@ -49,6 +56,13 @@ class AuditNote:
 ROUTING_CHANNEL = "understudy_routing"
 LISTEN_CLOSE_TIMEOUT_S = 2.0
 """How long closing the LISTEN connection may wait for the server before dropping it."""
+LISTEN_CONNECT_TIMEOUT_S = 5.0
+"""How long one connect of the LISTEN connection may take (a black-holed server)."""
+LISTEN_RETRY_BASE_S = 0.5
+"""The wait before the first try to set a lost LISTEN up again; it doubles per failure..."""
+LISTEN_RETRY_MAX_S = 5.0
+"""...up to this: a replica hears of changes again within seconds of the store's return."""
+_LISTEN_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
 _ROW_ID = 1
 
 routing_state = sa.Table(
@@ -122,38 +136,121 @@ async def _append(connection: AsyncConnection, audit: AuditNote, at: datetime) -
 
 
 class RoutingListener:
-    """A connection of its own that LISTENs for stored routing versions; ``close`` ends it."""
+    """A connection of its own that LISTENs for stored routing versions, kept up by a
+    task of its own (rules 1-3 below); ``close`` ends both.
 
-    def __init__(self, connection: Any) -> None:
+    1. The connection's loss (asyncpg's termination listener: a restarted server, a cut
+       network) or a connect that fails, at start or later, is retried after a backoff
+       that starts at ``LISTEN_RETRY_BASE_S`` and doubles up to ``LISTEN_RETRY_MAX_S``;
+       each connect gets ``LISTEN_CONNECT_TIMEOUT_S``. Replicas poll meanwhile.
+    2. An outage is logged once, at WARNING, when it begins, and once, at INFO, when it
+       ends; never with the password (the DSN holds it; only the driver sees it).
+    3. After each LISTEN the task sets up again, ``on_change`` is called once: a version
+       stored while this replica was not listening is read at once, not at the next poll.
+    """
+
+    def __init__(self, dsn: str, on_change: Callable[[], None]) -> None:
+        self._dsn = dsn
+        self._on_change = on_change
+        self._connection: asyncpg.Connection | None = None
+        self._lost = asyncio.Event()
+        self._lost.set()
+        self._keeper: asyncio.Task[None] | None = None
+
+    async def _listen(self) -> None:
+        """One LISTEN on a new connection, or :class:`StoreUnavailable`."""
+        try:
+            connection = await asyncpg.connect(self._dsn, timeout=LISTEN_CONNECT_TIMEOUT_S)
+        except _LISTEN_ERRORS as exc:
+            raise _unavailable(exc) from exc
+        connection.add_termination_listener(self._terminated)
+        try:
+            await connection.add_listener(ROUTING_CHANNEL, lambda *_: self._on_change())
+        except _LISTEN_ERRORS as exc:
+            connection.terminate()
+            raise _unavailable(exc) from exc
+        except asyncio.CancelledError:  # closed while setting up: leave no connection open
+            connection.terminate()
+            raise
+        if connection.is_closed():  # lost before this task saw its LISTEN through
+            raise StoreUnavailable("LISTEN: the connection closed as it was set up")
         self._connection = connection
+        self._lost.clear()
+
+    def _terminated(self, connection: object) -> None:
+        if connection is self._connection:
+            self._lost.set()
+
+    async def start(self) -> None:
+        """Set up the first LISTEN before returning if the server lets it, then keep one
+        up (rule 1): one that cannot be set up now is retried in the background."""
+        unavailable = None
+        try:
+            await self._listen()
+        except StoreUnavailable as exc:
+            unavailable = exc
+        self._keeper = asyncio.get_running_loop().create_task(
+            self._keep_listening(unavailable), name="routing-listen")
+
+    async def _keep_listening(self, unavailable: StoreUnavailable | None) -> None:
+        """Rules 1-3."""
+        while True:
+            await self._lost.wait()
+            if unavailable is None:
+                log.warning("routing LISTEN connection lost; reconnecting (replicas poll "
+                            "meanwhile)")
+            else:
+                log.warning("routing LISTEN unavailable (%s); retrying (replicas poll "
+                            "meanwhile)", unavailable)
+            since = time.monotonic()
+            delay = LISTEN_RETRY_BASE_S
+            while True:
+                await asyncio.sleep(delay)
+                try:
+                    await self._listen()
+                    break
+                except StoreUnavailable as exc:
+                    log.debug("routing LISTEN: still unavailable: %s", exc)
+                    delay = min(delay * 2, LISTEN_RETRY_MAX_S)
+            log.info("routing LISTEN back after %.1f s", time.monotonic() - since)
+            unavailable = None
+            self._on_change()
 
     async def close(self) -> None:
-        """Say goodbye to the server within ``LISTEN_CLOSE_TIMEOUT_S``, else drop the
-        socket: a server that no longer answers (a black hole) must not hold a shutdown."""
+        """Stop reconnecting, then say goodbye to the server within
+        ``LISTEN_CLOSE_TIMEOUT_S``, else drop the socket: a server that no longer answers
+        (a black hole) must not hold a shutdown."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
         try:
-            await self._connection.close(timeout=LISTEN_CLOSE_TIMEOUT_S)
+            await connection.close(timeout=LISTEN_CLOSE_TIMEOUT_S)
         except Exception:  # timed out, or the connection was already broken
-            self._connection.terminate()
+            connection.terminate()
 
 
 async def listen_for_routing(engine: AsyncEngine,
                              on_change: Callable[[], None]) -> RoutingListener | None:
-    """Call ``on_change`` each time a replica stores a routing version (``NOTIFY``).
+    """Call ``on_change`` each time a replica stores a routing version (``NOTIFY``), and
+    each time the LISTEN is set up again after it was lost (:class:`RoutingListener`).
 
-    None where the database cannot notify (SQLite: its replicas poll). A LISTEN that cannot
-    be set up raises :class:`StoreUnavailable`. The password leaves the engine's URL only
-    for the driver's connect, never for a log.
+    None where the database cannot notify (SQLite: its replicas poll). The first LISTEN is
+    set up before this returns; one that cannot be is retried in the background, as a
+    lost one is. The password leaves the engine's URL only for the driver's connect,
+    never for a log.
     """
     if engine.dialect.name != "postgresql":
         return None
-    dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    try:
-        connection = await asyncpg.connect(dsn)
-    except (OSError, asyncpg.PostgresError) as exc:
-        raise StoreUnavailable(f"LISTEN: {type(exc).__name__}: {exc}"[:300]) from exc
-    try:
-        await connection.add_listener(ROUTING_CHANNEL, lambda *_: on_change())
-    except (OSError, asyncpg.PostgresError) as exc:
-        await RoutingListener(connection).close()
-        raise StoreUnavailable(f"LISTEN: {type(exc).__name__}: {exc}"[:300]) from exc
-    return RoutingListener(connection)
+    listener = RoutingListener(
+        engine.url.set(drivername="postgresql").render_as_string(hide_password=False),
+        on_change)
+    await listener.start()
+    return listener
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailable:
+    return StoreUnavailable(f"LISTEN: {type(exc).__name__}: {exc}"[:300])

@@ -48,8 +48,13 @@ async def _admin(http: aiohttp.ClientSession, gw: RunningGateway, method: str, p
 
 async def _lose_listen(gw: RunningGateway, relay: TcpRelay) -> None:
     """Cut every connection of ``gw`` to the store (its LISTEN included), then let it
-    reconnect: its pool comes back, its LISTEN does not."""
+    reconnect: its pool comes back. Its LISTEN would come back too, within a second
+    (``RoutingSync`` rule 3): it is closed, so that ``gw`` stays deaf to the other
+    replica's changes, however slow this machine, and learns of them only by asking."""
     await relay.cut()
+    listener = gw.state.sync._listener
+    if listener is not None:
+        await listener.close()
     await relay.restore()
 
 
