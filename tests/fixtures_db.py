@@ -12,9 +12,13 @@ import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
+import sqlalchemy as sa
+
+from evaluators.store import create_engine
 
 PG_ADMIN_URL = os.environ.get("UNDERSTUDY_TEST_PG", "postgresql://root@127.0.0.1:5432/postgres")
 
@@ -55,3 +59,15 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return sqlite_url(tmp_path)
     url: str = request.getfixturevalue("pg_database")
     return url
+
+
+async def audit_log(url: str) -> list[sa.Row[Any]]:
+    """Every row of the store's audit log at ``url`` (actor, action, target, detail), oldest
+    first."""
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as connection:
+            return list(await connection.execute(sa.text(
+                "SELECT actor, action, target, detail FROM audit_log ORDER BY id")))
+    finally:
+        await engine.dispose()

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from evaluators.store import create_engine
 from gateway._routing import Backend, Canary
+from tests.fixtures_db import audit_log
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 LOOSE_GATES = {"min_samples": 8, "max_median_shift_ratio": 3.0, "max_std_ratio": 10.0,
@@ -46,14 +47,8 @@ async def _post(http: aiohttp.ClientSession, url: str, body: Any = None) -> tupl
 
 async def _audit(url: str) -> list[tuple[str, str, Any]]:
     """(action, target, detail with the actor) of every audit row, oldest first."""
-    engine = create_engine(url)
-    try:
-        async with engine.connect() as connection:
-            rows = await connection.execute(sa.text(
-                "SELECT actor, action, target, detail FROM audit_log ORDER BY id"))
-            return [(r.action, r.target, {**_json(r.detail), "actor": r.actor}) for r in rows]
-    finally:
-        await engine.dispose()
+    return [(r.action, r.target, {**_json(r.detail), "actor": r.actor})
+            for r in await audit_log(url)]
 
 
 async def test_promotion_refused_on_fail_and_inconclusive_allowed_with_force(

@@ -13,9 +13,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-import sqlalchemy as sa
+import pytest
 
-from evaluators.store import create_engine
+from tests.fixtures_db import audit_log
 from tests.utils import free_ports, run_sim
 
 TOKEN = "replica-admin-token"
@@ -114,6 +114,7 @@ LOOSE_GATES = {"UNDERSTUDY_EVALUATION__GATES__MIN_SAMPLES": "8",
                "UNDERSTUDY_EVALUATION__GATES__MARGINAL_BAND": "0.0"}
 
 
+@pytest.mark.timeout(300)
 async def test_a_canary_outlives_the_replica_it_was_started_on(pg_database: str) -> None:
     """Replica A starts a canary and is stopped at its first step; replica B, which serves
     the same routing, judges it on the traffic it relays, steps it and promotes."""
@@ -128,11 +129,13 @@ async def test_a_canary_outlives_the_replica_it_was_started_on(pg_database: str)
                                        "actor": "ops"}) as resp:
                 assert resp.status == 202, await resp.text()
         # A is gone; B heard of the canary within its poll interval.
-        deadline = time.monotonic() + 3 * POLL_INTERVAL_S
+        deadline = time.monotonic() + 10 * POLL_INTERVAL_S
         while (await _routing(http, admin_b))["canary"] is None:
             assert time.monotonic() < deadline, "replica B never served the canary"
             await asyncio.sleep(0.05)
-        deadline = time.monotonic() + 60
+        # Scoring, then two judged steps of at least 1 s: ~25 s on an idle machine.
+        started = time.monotonic()
+        deadline = started + 180
         round_ = 0
         while (routing := await _routing(http, admin_b))["primary"]["name"] != "cand":
             assert time.monotonic() < deadline, f"the canary was not carried on: {routing}"
@@ -143,12 +146,6 @@ async def test_a_canary_outlives_the_replica_it_was_started_on(pg_database: str)
                     assert resp.status == 200
             round_ += 1
         assert routing["canary"] is None
-    engine = create_engine(pg_database)
-    try:
-        async with engine.connect() as connection:
-            rows = (await connection.execute(sa.text(
-                "SELECT action, actor FROM audit_log ORDER BY id"))).all()
-    finally:
-        await engine.dispose()
-    actions = [(row.action, row.actor) for row in rows]
+        print(f"replica B promoted the canary {time.monotonic() - started:.1f} s after A left")
+    actions = [(row.action, row.actor) for row in await audit_log(pg_database)]
     assert actions[-1] == ("promote", "ops") and ("canary_step", "ops") in actions, actions
