@@ -87,6 +87,7 @@ class RoutingSync:
         self._commit_lock = asyncio.Lock()
         self._store_timeout_s = store_timeout_s
         self._abandoned: set[asyncio.Task[Any]] = set()  # store calls that overran (rule 5)
+        self._refreshing: set[asyncio.Task[None]] = set()  # reads a NOTIFY started
         metrics.routing_version.set(initial.version)
 
     @property
@@ -152,6 +153,9 @@ class RoutingSync:
                 await self._poller
         if self._listener is not None:
             await self._listener.close()
+        for task in list(self._refreshing):
+            task.cancel()
+        await asyncio.gather(*self._refreshing, return_exceptions=True)
         await asyncio.gather(*self._abandoned, return_exceptions=True)
 
     async def store_call(self, what: str, work: Callable[[AsyncEngine], Awaitable[T]], *,
@@ -250,8 +254,14 @@ class RoutingSync:
                 log.warning("routing: cannot read the routing state: %s", exc)
 
     def _notified(self) -> None:
-        task = asyncio.get_running_loop().create_task(self.refresh())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task = asyncio.get_running_loop().create_task(self.refresh(), name="routing-notified")
+        self._refreshing.add(task)
+        task.add_done_callback(self._refreshed)
+
+    def _refreshed(self, task: asyncio.Task[None]) -> None:
+        self._refreshing.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("routing: cannot read the routing state after a notify: %s", exc)
 
 
 def _changed_meanwhile(adopted: Routing) -> Conflict:
