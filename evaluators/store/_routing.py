@@ -62,6 +62,10 @@ LISTEN_RETRY_BASE_S = 0.5
 """The wait before the first try to set a lost LISTEN up again; it doubles per failure..."""
 LISTEN_RETRY_MAX_S = 5.0
 """...up to this: a replica hears of changes again within seconds of the store's return."""
+LISTEN_PING_INTERVAL_S = 10.0
+"""How long the LISTEN connection may stay quiet before it is asked to answer a query..."""
+LISTEN_PING_TIMEOUT_S = 5.0
+"""...within this, or it is taken for lost: a server behind a dropped route never says so."""
 _LISTEN_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
 _ROW_ID = 1
 
@@ -147,7 +151,14 @@ class RoutingListener:
        ends; never with the password (the DSN holds it; only the driver sees it).
     3. After each LISTEN the task sets up again, ``on_change`` is called once: a version
        stored while this replica was not listening is read at once, not at the next poll.
+    4. A connection that stays quiet for ``LISTEN_PING_INTERVAL_S`` is asked ``SELECT 1``;
+       no answer within ``LISTEN_PING_TIMEOUT_S`` counts as a loss (rule 1): a server that
+       vanished without a reset (a dropped route, a silent firewall) is noticed too.
     """
+
+    connect_timeout_s = LISTEN_CONNECT_TIMEOUT_S
+    ping_interval_s = LISTEN_PING_INTERVAL_S
+    ping_timeout_s = LISTEN_PING_TIMEOUT_S
 
     def __init__(self, dsn: str, on_change: Callable[[], None]) -> None:
         self._dsn = dsn
@@ -160,7 +171,7 @@ class RoutingListener:
     async def _listen(self) -> None:
         """One LISTEN on a new connection, or :class:`StoreUnavailable`."""
         try:
-            connection = await asyncpg.connect(self._dsn, timeout=LISTEN_CONNECT_TIMEOUT_S)
+            connection = await asyncpg.connect(self._dsn, timeout=self.connect_timeout_s)
         except _LISTEN_ERRORS as exc:
             raise _unavailable(exc) from exc
         connection.add_termination_listener(self._terminated)
@@ -195,8 +206,11 @@ class RoutingListener:
     async def _keep_listening(self, unavailable: StoreUnavailable | None) -> None:
         """Rules 1-3."""
         while True:
-            await self._lost.wait()
-            if unavailable is None:
+            silent = await self._watch()
+            if silent:
+                log.warning("routing LISTEN connection stopped answering; reconnecting "
+                            "(replicas poll meanwhile)")
+            elif unavailable is None:
                 log.warning("routing LISTEN connection lost; reconnecting (replicas poll "
                             "meanwhile)")
             else:
@@ -215,6 +229,25 @@ class RoutingListener:
             log.info("routing LISTEN back after %.1f s", time.monotonic() - since)
             unavailable = None
             self._on_change()
+
+    async def _watch(self) -> bool:
+        """Rule 4: return once the connection is lost; True where it stopped answering."""
+        while True:
+            try:
+                await asyncio.wait_for(self._lost.wait(), self.ping_interval_s)
+                return False
+            except TimeoutError:
+                pass
+            connection = self._connection
+            if connection is None:
+                return False
+            try:
+                await asyncio.wait_for(connection.fetchval("SELECT 1"), self.ping_timeout_s)
+            except _LISTEN_ERRORS:
+                self._connection = None
+                connection.terminate()
+                self._lost.set()
+                return True
 
     async def close(self) -> None:
         """Stop reconnecting, then say goodbye to the server within

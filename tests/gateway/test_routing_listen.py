@@ -20,6 +20,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators.store import (
+    RoutingListener,
     StoreConfig,
     create_engine,
     listen_for_routing,
@@ -144,4 +145,28 @@ async def test_a_listen_that_cannot_be_set_up_at_start_is_retried(
             await engine.dispose()
     unavailable = [r for r in caplog.records if "LISTEN unavailable" in r.getMessage()]
     assert len(unavailable) == 1 and unavailable[0].levelno == logging.WARNING
+    assert not any(PASSWORD in r.getMessage() for r in caplog.records)
+
+
+async def test_a_listen_whose_server_stops_answering_is_set_up_again(
+        pg_database: str, direct: AsyncEngine, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A black hole (a dropped route: no reset, no answer) is noticed by the listener's
+    ping (rule 4), not only a closed connection."""
+    monkeypatch.setattr(RoutingListener, "ping_interval_s", 0.3)
+    monkeypatch.setattr(RoutingListener, "ping_timeout_s", 0.3)
+    monkeypatch.setattr(RoutingListener, "connect_timeout_s", 1.0)
+    caplog.set_level(logging.DEBUG)
+
+    def silent() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "stopped answering" in r.getMessage()]
+
+    async with _replica(pg_database) as (sync, relay):
+        relay.black_hole()
+        await eventually(lambda: len(silent()) == 1, within_s=3.0)
+        version = await _store_next(direct, "b")
+        await relay.restore()
+        print(f"black hole: adopted {await _adopts(sync, version):.2f} s after restore")
+        await _adopts(sync, await _store_next(direct, "c"), within_s=1.0)
+    assert silent()[0].levelno == logging.WARNING
     assert not any(PASSWORD in r.getMessage() for r in caplog.records)
