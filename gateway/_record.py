@@ -21,7 +21,8 @@ Rules:
    of the same length (so a replay keeps the prompt sizes) and token ids by zeros. Tool
    definitions and sampling parameters are written as sent.
 6. The file holds at most ``max_bytes``: a line that would pass the bound is not written,
-   counted as ``max_bytes``. An existing file is moved to ``<path>.1`` at start.
+   counted as ``max_bytes``. An existing file is moved to ``<path>.1`` at start; a path that
+   is a directory is refused at start (never moved).
 7. Stopping: the writer gets ``drain_timeout_s`` to write what is queued; what is left is
    counted as ``shutdown``; then the file is closed.
 """
@@ -164,7 +165,9 @@ class TrafficRecorder:
         await asyncio.to_thread(self._close)
 
     def _open(self) -> IO[bytes]:
-        if self.path.exists() and self.path.stat().st_size > 0:
+        # Only a regular file is a recording to keep: a directory (or a device) named by
+        # mistake is not moved aside; opening it fails and the gateway does not start.
+        if self.path.is_file() and self.path.stat().st_size > 0:
             self.path.replace(self.path.with_name(self.path.name + ".1"))
         return self.path.open("wb")
 

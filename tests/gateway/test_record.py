@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from gateway._record import redact
 from tests.utils import eventually, run_gateway, run_sim
@@ -139,3 +140,15 @@ def test_redact_keeps_structure_and_sizes() -> None:
     part = out["messages"][0]["content"][0]
     assert part["type"] == "text" and len(part["text"]) == 11 and "hello" not in part["text"]
     assert out["messages"][0]["name"] != "Alice"
+
+
+async def test_a_directory_as_the_path_is_refused_not_moved_aside(tmp_path: Path) -> None:
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("kept")
+    async with run_sim(tokens=4) as sim:
+        with pytest.raises(IsADirectoryError):
+            async with run_gateway(sim.url, record={"path": str(folder)}):
+                pass
+    assert (folder / "keep.txt").read_text() == "kept"
+    assert not (tmp_path / "logs.1").exists()
