@@ -136,6 +136,11 @@ class WorkloadSummary:
     by_depth: tuple[DepthStats, ...]
     results: tuple[TurnResult, ...]
     not_sent: int = 0  # turns or recorded requests cut by a bound (duration, count, route)
+    errors_by_kind: tuple[tuple[str, int], ...] = ()  # ("http_500", 3), ...: most first
+
+    def __post_init__(self) -> None:
+        if sum(count for _, count in self.errors_by_kind) != self.errors:
+            raise ValueError(f"errors_by_kind {self.errors_by_kind} must add up to {self.errors}")
 
     def to_json(self, *, results: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -143,6 +148,7 @@ class WorkloadSummary:
             "sessions_completed": self.sessions_completed,
             "turns": self.turns,
             "errors": self.errors,
+            "errors_by_kind": dict(self.errors_by_kind),
             "not_sent": self.not_sent,
             "wall_s": round(self.wall_s, 3),
             "by_depth": [_fields(d) for d in self.by_depth],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 from rich.table import Table
@@ -57,6 +57,8 @@ def summarize(results: Iterable[TurnResult], wall_s: float, not_sent: int = 0
         sessions_completed=len(sessions - failed_sessions),
         turns=len(ordered),
         errors=sum(1 for r in ordered if not r.ok),
+        errors_by_kind=tuple(Counter(r.error for r in ordered if r.error is not None)
+                             .most_common()),
         wall_s=wall_s,
         by_depth=tuple(depths),
         results=ordered,
@@ -72,12 +74,21 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _kinds(summary: WorkloadSummary) -> str:
+    """`` (http_500: 3, timeout: 1)``: what the errors were, so a refused connection, a
+    server's 500 and a timeout are told apart; empty without errors."""
+    if not summary.errors_by_kind:
+        return ""
+    return " (" + ", ".join(f"{kind}: {count}" for kind, count in summary.errors_by_kind) + ")"
+
+
 def summary_table(summary: WorkloadSummary, title: str = "understudy load") -> Table:
-    """Sessions, turns and errors in the caption; TTFT / e2e p50 and p99 by turn depth."""
+    """Sessions, turns and errors (by kind) in the caption; TTFT / e2e p50 and p99 by turn
+    depth."""
     table = Table(title=title, caption=(
         f"{summary.sessions} sessions ({summary.sessions_completed} completed), "
-        f"{summary.turns} turns, {summary.errors} errors, {summary.not_sent} not sent, "
-        f"{summary.wall_s:.1f} s"))
+        f"{summary.turns} turns, {summary.errors} errors{_kinds(summary)}, "
+        f"{summary.not_sent} not sent, {summary.wall_s:.1f} s"))
     for header in ("turn", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms",
                    "e2e p99 ms", "prompt tok", "cached tok"):
         table.add_column(header, justify="right")

@@ -3,12 +3,15 @@ the round trip gateway ``[record]`` -> ``understudy load --replay`` -> gateway."
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from tests.utils import eventually, run_gateway, run_sim
+from gateway.cli import main
+from tests.utils import eventually, free_port, run_gateway, run_sim
 from workload import ReplaySpec, WorkloadSpec, read_records, replay_workload, run_workload
 
 FAST = {"ttft_ms": 5.0, "itl_ms": 1.0, "tokens": 8}
@@ -77,3 +80,19 @@ async def test_record_then_replay_round_trip(tmp_path: Path) -> None:
     # Sessions stay sessions (each file has its own pseudonyms).
     pairs = {(old.session, new.session) for old, new in zip(before, after, strict=True)}
     assert len(pairs) == len({s for s, _ in pairs}) == len({s for _, s in pairs}) == 4
+
+
+async def test_the_summary_says_what_the_errors_were(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    _write(path, [{"offset_s": i * 0.01, "route": "/v1/chat/completions", "session": "a",
+                   "body": _chat("x")} for i in range(4)])
+    async with run_sim(fault="error", error_status=503, fault_rate=0.5, **FAST) as sim:
+        summary = await replay_workload(path, sim.url, spec=ReplaySpec(concurrency=1))
+        args = ["load", "--url", sim.url, "--replay", str(path), "--concurrency", "1"]
+        table = await asyncio.to_thread(CliRunner().invoke, main, args)
+        as_json = await asyncio.to_thread(CliRunner().invoke, main, [*args, "--json"])
+    refused = await replay_workload(path, f"http://127.0.0.1:{free_port()}")
+    assert summary.errors == 2 and summary.errors_by_kind == (("http_503", 2),)
+    assert refused.errors_by_kind == (("connection", 4),)
+    assert "2 errors (http_503: 2)" in table.output
+    assert json.loads(as_json.output.splitlines()[-1])["errors_by_kind"] == {"http_503": 2}
