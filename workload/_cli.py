@@ -1,12 +1,21 @@
-"""``understudy load``: the workload generator (or a recorded replay) from the command line."""
+"""``understudy load``: the workload generator (or a recorded replay) from the command line.
+
+Ctrl-C (SIGINT) or SIGTERM ends a run early as ``stop`` does (the drivers' rule): the summary
+of what was sent is printed and the exit status is 128 + the signal's number; a second one
+interrupts at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import signal
+import threading
 import urllib.parse
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import click
 import openai
@@ -22,6 +31,7 @@ from workload._summary import summary_table
 __all__ = ["load_command"]
 
 QUIET_LOGGERS = ("httpx", "httpx2", "openai")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @click.command("load")
@@ -83,18 +93,55 @@ def load_command(url: str, sessions: int, turns: int, rate: float, think_s: floa
         raise config_error(exc) from exc
     try:
         if replay_path is not None:
-            summary = asyncio.run(replay_workload(replay_path, url, spec=replay,
-                                                  api_key=api_key))
+            path = replay_path
+            summary, stopped_by = _run_until_signalled(lambda stop: replay_workload(
+                path, url, spec=replay, api_key=api_key, stop=stop))
         else:
-            summary = asyncio.run(run_workload(spec, url, api_key=api_key))
+            summary, stopped_by = _run_until_signalled(lambda stop: run_workload(
+                spec, url, api_key=api_key, stop=stop))
     except openai.APIConnectionError as exc:  # its message names no address
         raise click.ClickException(f"cannot reach {url}: {exc}") from exc
     except (ValueError, RuntimeError, openai.OpenAIError) as exc:
         # A file that is not a recording; a server that cannot be reached or lists no model.
         raise click.ClickException(str(exc)) from exc
     _print(summary, as_json)
+    if stopped_by is not None:
+        click.echo(f"Stopped by {stopped_by.name}: the summary covers what was sent before it.",
+                   err=True)
+        raise SystemExit(128 + stopped_by.value)
     if summary.turns == 0 or summary.errors == summary.turns:
         raise SystemExit(1)
+
+
+def _run_until_signalled(run: Callable[[asyncio.Event], Coroutine[Any, Any, WorkloadSummary]]
+                         ) -> tuple[WorkloadSummary, signal.Signals | None]:
+    """``run(stop)`` with ``stop`` set by the first SIGINT or SIGTERM; the summary and that
+    signal (None: the run ended by itself). The handlers are removed at the first signal, so
+    a second one interrupts at once. Off the main thread (a test's runner) signals are not
+    ours to take: none is handled."""
+    received: list[signal.Signals] = []
+    handled = STOP_SIGNALS if threading.current_thread() is threading.main_thread() else ()
+
+    async def main() -> WorkloadSummary:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        def on_signal(signum: signal.Signals) -> None:
+            received.append(signum)
+            for each in handled:
+                loop.remove_signal_handler(each)
+            stop.set()
+
+        for signum in handled:
+            loop.add_signal_handler(signum, on_signal, signum)
+        try:
+            return await run(stop)
+        finally:
+            for signum in handled:
+                loop.remove_signal_handler(signum)
+
+    summary = asyncio.run(main())
+    return summary, (received[0] if received else None)
 
 
 def _print(summary: WorkloadSummary, as_json: bool) -> None:

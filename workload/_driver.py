@@ -15,11 +15,15 @@ Rules:
    ``cancelled``. Every turn sent is reported exactly once, to ``on_turn`` and in the summary.
 5. Every request carries ``session_header: <session id>``, so a gateway samples whole
    sessions (DESIGN.md invariant 5).
+6. ``stop`` set (the command's Ctrl-C) ends the run early: no session starts after it (those
+   not started are counted as not sent), turns in flight are cancelled at once and recorded
+   as ``cancelled``, and the summary of what was sent is returned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +35,7 @@ from workload._script import SYSTEM_PROMPT, TOOLS, SessionScript
 from workload._spec import MAX_SESSIONS, THINK_JITTER, TurnResult, WorkloadSpec, WorkloadSummary
 from workload._summary import summarize
 
-__all__ = ["OnTurn", "resolve_model", "run_workload"]
+__all__ = ["OnTurn", "resolve_model", "run_workload", "settle", "stopped_within"]
 
 OnTurn = Callable[[TurnResult], None]
 """Called once per turn sent, as soon as it ends (rule 4): a progress display's hook."""
@@ -49,23 +53,56 @@ async def resolve_model(client: AsyncOpenAI, model: str | None) -> str:
     raise RuntimeError("the server lists no model; pass one")
 
 
+async def stopped_within(stop: asyncio.Event, delay_s: float) -> bool:
+    """Wait ``delay_s`` or until ``stop`` is set, whichever comes first; whether it is set."""
+    if delay_s > 0 and not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay_s)
+    return stop.is_set()
+
+
+async def settle(tasks: list[asyncio.Task[None]], timeout_s: float, stop: asyncio.Event
+                 ) -> None:
+    """Wait for ``tasks`` up to ``timeout_s`` or until ``stop`` is set; cancel those left
+    (each records its turn as ``cancelled``) and await them all. A task's exception is a bug
+    (or a failing ``on_turn``), not a server's failure: it is raised."""
+    if not tasks:
+        return
+    all_done = asyncio.ensure_future(asyncio.wait(tasks))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((all_done, stopped), timeout=max(0.0, timeout_s),
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        all_done.cancel()
+        stopped.cancel()
+    for task in tasks:
+        task.cancel()  # a finished one is left as it is
+    for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(outcome, Exception):
+            raise outcome
+
+
 async def run_workload(spec: WorkloadSpec, base_url: str, *, api_key: str | None = None,
-                       on_turn: OnTurn | None = None) -> WorkloadSummary:
+                       on_turn: OnTurn | None = None, stop: asyncio.Event | None = None
+                       ) -> WorkloadSummary:
     """Run ``spec`` against ``base_url`` (a server root or an OpenAI base URL ending in
-    ``/v1``) and return its summary; ``on_turn`` sees each turn as it ends."""
+    ``/v1``) and return its summary; ``on_turn`` sees each turn as it ends; ``stop`` ends
+    the run early (rule 6)."""
     client = open_client(base_url, api_key, spec.request_timeout_s)
     try:
         async with asyncio.timeout(spec.request_timeout_s):
             model = await resolve_model(client, spec.model)
-        return await _Run(spec, client, model, on_turn).run()
+        return await _Run(spec, client, model, on_turn, stop or asyncio.Event()).run()
     finally:
         await client.close()
 
 
 class _Run:
     def __init__(self, spec: WorkloadSpec, client: AsyncOpenAI, model: str,
-                 on_turn: OnTurn | None) -> None:
+                 on_turn: OnTurn | None, stop: asyncio.Event) -> None:
         self.spec = spec
+        self.stop = stop
         self.client = client
         self.model = model
         self.on_turn = on_turn
@@ -85,22 +122,16 @@ class _Run:
         for index in range(spec.sessions):  # rule 1
             if index:
                 at += arrivals.expovariate(spec.rate)
-            if at >= spec.duration_s:
-                self.not_sent += (spec.sessions - index) * spec.turns
+            if (at >= spec.duration_s
+                    or await stopped_within(self.stop, self.started + at - loop.time())):
+                self.not_sent += (spec.sessions - index) * spec.turns  # rules 1, 6
                 break
-            delay = self.started + at - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(self._session(index), name=f"load-session-{index}"))
-        if tasks:
-            drain_until = self.deadline + spec.drain_s
-            _, late = await asyncio.wait(tasks, timeout=max(0.0, drain_until - loop.time()))
-            for task in late:  # rule 4
+        try:
+            await settle(tasks, self.deadline + spec.drain_s - loop.time(), self.stop)  # rule 4
+        finally:
+            for task in tasks:
                 task.cancel()
-            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-            for outcome in outcomes:
-                if isinstance(outcome, Exception):
-                    raise outcome  # a bug (or a failing on_turn), not a server's failure
         return summarize(self.results, loop.time() - self.started, self.not_sent)
 
     async def _session(self, index: int) -> None:

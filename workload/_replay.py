@@ -15,6 +15,9 @@ Rules:
    its body.
 4. Requests still in flight ``drain_s`` after the last send time are cancelled and recorded
    as ``cancelled``.
+5. ``stop`` set (the command's Ctrl-C) ends the replay early: records not yet sent are counted
+   as not sent, requests in flight are cancelled at once (``cancelled``), and the summary of
+   what was sent is returned.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from workload._call import ReplayRoute, open_client, send
-from workload._driver import OnTurn, result_of
+from workload._driver import OnTurn, result_of, settle, stopped_within
 from workload._spec import ReplaySpec, TurnResult, WorkloadSummary
 from workload._summary import summarize
 
@@ -84,10 +87,11 @@ def _record(doc: Any) -> TrafficRecord:
 
 
 async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None = None,
-                          api_key: str | None = None, on_turn: OnTurn | None = None
-                          ) -> WorkloadSummary:
-    """Send the records of ``path`` to ``base_url`` as rules 1-4 say."""
+                          api_key: str | None = None, on_turn: OnTurn | None = None,
+                          stop: asyncio.Event | None = None) -> WorkloadSummary:
+    """Send the records of ``path`` to ``base_url`` as rules 1-5 say."""
     spec = spec or ReplaySpec()
+    stop = stop or asyncio.Event()
     records = read_records(path, spec.max_requests)
     client = open_client(base_url, api_key, spec.request_timeout_s)
     loop = asyncio.get_running_loop()
@@ -127,19 +131,12 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
             if at >= spec.duration_s or route is None:
                 not_sent += 1
                 continue
-            delay = started + at - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            if await stopped_within(stop, started + at - loop.time()):
+                not_sent += len(records) - index  # rule 5
+                break
             last_at = at
             tasks.append(asyncio.create_task(one(index, item, route)))
-        if tasks:
-            drain_until = started + last_at + spec.drain_s  # rule 4
-            _, late = await asyncio.wait(tasks, timeout=max(0.0, drain_until - loop.time()))
-            for task in late:
-                task.cancel()
-            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(outcome, Exception):
-                    raise outcome
+        await settle(tasks, started + last_at + spec.drain_s - loop.time(), stop)  # rule 4
     finally:
         for task in tasks:
             task.cancel()

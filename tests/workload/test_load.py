@@ -161,3 +161,19 @@ async def test_cli_unreachable_server_is_a_clear_error() -> None:
     result = await asyncio.to_thread(CliRunner().invoke, main, ["load", "--url", url,
                                                                  "--timeout-s", "5"])
     assert result.exit_code == 1 and "Error:" in result.output
+
+
+async def test_stop_ends_a_run_at_once_with_its_summary() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    async with run_sim(ttft_ms=5000, tokens=4) as slow:
+        spec = WorkloadSpec(sessions=20, turns=2, rate=10, think_s=0, duration_s=60)
+        run = asyncio.create_task(run_workload(spec, slow.url, stop=stop))
+        await eventually(lambda: len(slow.stats.requests) >= 2)
+        stop.set()
+        began = loop.time()
+        summary = await asyncio.wait_for(run, 5)
+        took = loop.time() - began
+    assert took < 1.0  # not the 5 s answers, not the 60 s run
+    assert summary.turns >= 2 and {r.error for r in summary.results} == {"cancelled"}
+    assert summary.errors_by_kind == (("cancelled", summary.turns),)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,27 @@ async def test_the_summary_says_what_the_errors_were(tmp_path: Path) -> None:
     assert refused.errors_by_kind == (("connection", 4),)
     assert "2 errors (http_503: 2)" in table.output
     assert json.loads(as_json.output.splitlines()[-1])["errors_by_kind"] == {"http_503": 2}
+
+
+async def test_ctrl_c_stops_a_replay_and_prints_what_was_sent(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    _write(path, [{"offset_s": i * 0.05, "route": "/v1/chat/completions", "session": "a",
+                   "body": _chat("x")} for i in range(400)])  # 20 s of traffic
+    async with run_sim(**FAST) as sim:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "load", "--url", sim.url, "--replay",
+            str(path), "--json", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            await eventually(lambda: len(sim.stats.requests) >= 5, within_s=60)
+            process.send_signal(signal.SIGINT)
+            async with asyncio.timeout(10):  # prompt: not the 20 s the file would take
+                out, err = await process.communicate()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert process.returncode == 128 + signal.SIGINT, err.decode()
+    doc = json.loads(out.decode().splitlines()[-1])
+    assert doc["turns"] >= 5 and doc["turns"] + doc["not_sent"] == 400
+    assert b"Stopped by SIGINT" in err and b"Traceback" not in err
