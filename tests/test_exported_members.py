@@ -19,10 +19,10 @@ EXPORTED: dict[str, str] = {
         chat_messages
         check_message_content check_message_role check_room choice_count client_left
         completion_prompt
-        config_error decode_body embedding_response error_body install_openai_app invalid_value
-        is_token_ids json_response metrics_response optional_bool optional_float optional_int
-        request_object requested_max_tokens response_id sampling_fields schema_error serve_app
-        serve_until_signalled sse_event stop_fields stream_options
+        config_error decode_body embedding_response encode_body error_body install_openai_app
+        invalid_value is_token_ids json_response metrics_response optional_bool optional_float
+        optional_int request_object request_seed requested_max_tokens response_id sampling_fields
+        schema_error serve_app serve_until_signalled sse_event stop_fields stream_options
     """,
     "backends.sim": """
         MAX_RECORDED_REQUESTS SIM_STATS FaultMode RecordedRequest RunningSim SimConfig SimStats

@@ -4,13 +4,15 @@ The simulator (``backends.sim``), the engine's servers and its router (``backend
 answer through this package as peers, so a client -- the gateway, its evaluators, the OpenAI
 SDK -- cannot tell them from vLLM, nor one from another, by the bytes:
 
-- requests: ``decode_body``, ``request_object``, ``stream_options``, the typed field readers,
-  ``requested_max_tokens``, ``check_room``, ``sampling_fields`` and ``stop_fields``, refusing
-  with vLLM's statuses and wording (``RequestError``);
+- requests: ``decode_body`` (integers exact, as vLLM reads them; ``encode_body`` writes a body
+  again), ``request_object``, ``stream_options``, the typed field readers (pydantic's lax
+  ``int``, with its bounds), ``requested_max_tokens``, ``check_room``, ``request_seed``,
+  ``sampling_fields`` and ``stop_fields``, refusing with vLLM's statuses and wording
+  (``RequestError``);
 - answers: the bodies (``_bodies``: chunks, the usage chunk, whole responses, embeddings, the
   model list) and ``AnswerWriter``, which writes them as a JSON body or an SSE stream;
-- the app: ``install_openai_app`` (FastAPI-style errors, ``/v1/models``), ``serve_app``,
-  ``serve_until_signalled`` (the command line's loop);
+- the app: ``install_openai_app`` (FastAPI-style errors, ``/v1/models``, ``/version``),
+  ``serve_app``, ``serve_until_signalled`` (the command line's loop);
 - the command line's settings: ``config_error`` turns a ``ValidationError`` into a
   ``ConfigError``, one ``Error: <field>: <message>`` line per field and exit status 2, for every
   ``understudy`` command alike;
@@ -46,6 +48,7 @@ from ._fields import (
     optional_bool,
     optional_float,
     optional_int,
+    request_seed,
     sampling_fields,
     stop_fields,
 )
@@ -58,6 +61,7 @@ from ._requests import (
     check_room,
     completion_prompt,
     decode_body,
+    encode_body,
     request_object,
     requested_max_tokens,
     stream_options,
@@ -93,6 +97,7 @@ __all__ = [
     "config_error",
     "decode_body",
     "embedding_response",
+    "encode_body",
     "error_body",
     "install_openai_app",
     "invalid_value",
@@ -103,6 +108,7 @@ __all__ = [
     "optional_float",
     "optional_int",
     "request_object",
+    "request_seed",
     "requested_max_tokens",
     "response_id",
     "sampling_fields",

@@ -4,7 +4,8 @@
   ``{"detail": ...}``, a bug a JSON error with status 500, as vLLM's exception handler
   answers; a body past the app's ``client_max_size`` a JSON 413, one aiohttp cannot read (a
   false Content-Encoding) a JSON 400, a client gone mid-body nothing, and no traceback for
-  any of these) and ``GET /v1/models`` for the one served model.
+  any of these), ``GET /v1/models`` for the one served model and ``GET /version``
+  (``{"version": ...}``, the server's own release).
 - ``serve_app``: an app on a real socket until the block exits; in-flight answers get
   ``SHUTDOWN_TIMEOUT_S`` to finish at shutdown.
 - ``serve_until_signalled``: the command line's loop (uvloop where installed) around a running
@@ -34,6 +35,7 @@ from ._errors import error_body
 
 __all__ = [
     "SERVED_MODEL",
+    "SERVER_VERSION",
     "SHUTDOWN_TIMEOUT_S",
     "ServedApp",
     "ServedModel",
@@ -60,13 +62,17 @@ class ServedModel:
 
 
 SERVED_MODEL = web.AppKey("served_model", ServedModel)
+SERVER_VERSION = web.AppKey("server_version", str)
 
 
-def install_openai_app(app: web.Application, model: ServedModel) -> None:
-    """The error middleware and ``GET /v1/models`` for ``model``."""
+def install_openai_app(app: web.Application, model: ServedModel, *, version: str) -> None:
+    """The error middleware, ``GET /v1/models`` for ``model`` and ``GET /version``, which
+    answers ``version`` as vLLM answers its own."""
     app[SERVED_MODEL] = model
+    app[SERVER_VERSION] = version
     app.middlewares.append(_fastapi_style_errors)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/version", _version)
 
 
 @web.middleware
@@ -109,6 +115,10 @@ async def _models(request: web.Request) -> web.StreamResponse:
             permission_id=f"modelperm-{uuid.uuid4().hex[:ID_HEX_DIGITS]}",
         )
     )
+
+
+async def _version(request: web.Request) -> web.StreamResponse:
+    return json_response({"version": request.app[SERVER_VERSION]})
 
 
 @dataclass(frozen=True, slots=True)

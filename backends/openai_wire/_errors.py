@@ -81,17 +81,26 @@ class RequestError(Exception):
         )
 
 
-def _describe_input(value: object) -> object:
-    # FastAPI summarises containers and shows scalars as they are.
-    if isinstance(value, dict):
-        return f"<dict of {len(value)} items>"
-    if isinstance(value, list):
-        return f"<list of {len(value)} items>"
-    return value
+# vLLM's validation handler echoes an error's input in at most this many characters.
+MAX_ERROR_INPUT_CHARS = 200
+
+
+def _describe_input(value: object) -> str:
+    """The input as vLLM's validation handler echoes it: containers summarised, any other
+    value as its ``str`` (a number too: ``'1.5'``), cut at ``MAX_ERROR_INPUT_CHARS``."""
+    if isinstance(value, dict | list):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except ValueError:  # an integer past the interpreter's digit limit
+        return f"<{type(value).__name__}>"
+    if len(text) > MAX_ERROR_INPUT_CHARS:
+        return text[:MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+    return text
 
 
 def schema_error(
-    kind: str, loc: str, msg: str, value: object, ctx: dict[str, str] | None = None
+    kind: str, loc: str, msg: str, value: object, ctx: dict[str, object] | None = None
 ) -> RequestError:
     """A FastAPI request-validation error for one location (``body`` or ``body.<x>``)."""
     detail: dict[str, object] = {"type": kind, "loc": loc, "msg": msg}

@@ -13,6 +13,10 @@ from typing import Any, TypeGuard
 from ._errors import invalid_value, sampling_params_error, schema_error
 
 __all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_CHOICES",
+    "MAX_TEMPERATURE",
     "SamplingFields",
     "StopFields",
     "choice_count",
@@ -20,6 +24,7 @@ __all__ = [
     "optional_bool",
     "optional_float",
     "optional_int",
+    "request_seed",
     "sampling_fields",
     "stop_fields",
 ]
@@ -33,17 +38,69 @@ def is_token_ids(value: object) -> TypeGuard[list[int]]:
     )
 
 
-def optional_int(body: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
+# vLLM's pydantic bounds on ``seed`` (and its other 64-bit fields): a signed 64-bit integer.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+def optional_int(
+    body: dict[str, Any], name: str, *, ge: int | None = None, le: int | None = None
+) -> int | None:
+    """An integer field read as pydantic's lax ``int`` reads it for vLLM: any size (a JSON
+    integer past 64 bits included; ``decode_body`` keeps it exact), a float with no fractional
+    part within 64 bits as that integer; refused out of the field's bounds ``ge``/``le`` (a
+    ``Field(ge=..., le=...)``) with pydantic's wording."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise schema_error("int_type", f"body.{name}", "Input should be a valid integer", value)
-    if minimum is not None and value < minimum:
-        raise invalid_value(
-            f"{name} must be at least {minimum}, got {value}.", param=name, value=value
+    loc = f"body.{name}"
+    if isinstance(value, float):
+        value = _int_from_float(loc, value)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise schema_error("int_type", loc, "Input should be a valid integer", value)
+    if ge is not None and value < ge:
+        raise schema_error(
+            "greater_than_equal",
+            loc,
+            f"Input should be greater than or equal to {ge}",
+            value,
+            ctx={"ge": ge},
+        )
+    if le is not None and value > le:
+        raise schema_error(
+            "less_than_equal",
+            loc,
+            f"Input should be less than or equal to {le}",
+            value,
+            ctx={"le": le},
         )
     return value
+
+
+def _int_from_float(loc: str, value: float) -> int:
+    # pydantic-core takes a float for an int only when it is finite, whole and fits 64 bits.
+    if not math.isfinite(value):
+        raise schema_error("finite_number", loc, "Input should be a finite number", value)
+    if not value.is_integer():
+        raise schema_error(
+            "int_from_float",
+            loc,
+            "Input should be a valid integer, got a number with a fractional part",
+            value,
+        )
+    if not INT64_MIN <= value < -INT64_MIN:
+        raise schema_error(
+            "int_parsing_size",
+            loc,
+            "Unable to parse input string as an integer, exceeded maximum size",
+            value,
+        )
+    return int(value)
+
+
+def request_seed(body: dict[str, Any]) -> int | None:
+    """``seed``, bounded to a signed 64-bit integer as vLLM's request models bound it."""
+    return optional_int(body, "seed", ge=INT64_MIN, le=INT64_MAX)
 
 
 def optional_float(body: dict[str, Any], name: str) -> float | None:
@@ -59,7 +116,12 @@ def optional_float(body: dict[str, Any], name: str) -> float | None:
         )
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise schema_error("float_type", f"body.{name}", "Input should be a valid number", value)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past a float's range is no number to pydantic either
+        raise schema_error(
+            "float_type", f"body.{name}", "Input should be a valid number", value
+        ) from None
     if not math.isfinite(number):
         raise schema_error(
             "finite_number", f"body.{name}", "Input should be a finite number", value
@@ -72,6 +134,11 @@ def optional_bool(body: dict[str, Any], name: str) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
     raise schema_error("bool_type", f"body.{name}", "Input should be a valid boolean", value)
+
+
+# vLLM's SamplingParams bounds: temperature in [0, 2], n at most VLLM_MAX_N_SEQUENCES's default.
+MAX_TEMPERATURE = 2.0
+MAX_CHOICES = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +160,12 @@ def sampling_fields(body: dict[str, Any]) -> SamplingFields:
             param="temperature",
             value=temperature,
         )
+    if temperature is not None and temperature > MAX_TEMPERATURE:
+        raise invalid_value(
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}.",
+            param="temperature",
+            value=temperature,
+        )
     top_p = optional_float(body, "top_p")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise invalid_value(f"top_p must be in (0, 1], got {top_p}.", param="top_p", value=top_p)
@@ -107,6 +180,11 @@ def choice_count(body: dict[str, Any]) -> int | None:
     n = optional_int(body, "n")
     if n is not None and n < 1:
         raise sampling_params_error(f"n must be at least 1, got {n}.")
+    if n is not None and n > MAX_CHOICES:
+        raise sampling_params_error(
+            f"n must be at most {MAX_CHOICES}, got {n}. To increase this limit, set the "
+            "VLLM_MAX_N_SEQUENCES environment variable."
+        )
     return n
 
 

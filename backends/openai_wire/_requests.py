@@ -8,6 +8,7 @@ them, so that a bad request gets the same status and body from every server.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "check_room",
     "completion_prompt",
     "decode_body",
+    "encode_body",
     "request_object",
     "requested_max_tokens",
     "stream_options",
@@ -63,12 +65,21 @@ class StreamOptions:
 MAX_BODY_NESTING = 254
 
 
+# orjson reads an integer past 64 bits as a float (2**64 as 1.8446744073709552e+19), where
+# vLLM's parser keeps it exact; any integer with this many digits may be one.
+_LONG_INTEGER = re.compile(rb"[0-9]{19}")
+
+
 def decode_body(raw: bytes) -> Any:
     """The JSON body, or the error FastAPI gives for invalid JSON (a 400 in every case: a
     body nested deeper than ``MAX_BODY_NESTING`` or with an integer too long for the standard
-    library's parser is FastAPI's "error parsing the body", not a 500)."""
+    library's parser is FastAPI's "error parsing the body", not a 500). Integers are exact,
+    as vLLM reads them, however long: a body with a long one is read again by the standard
+    library's parser."""
     try:
         body = orjson.loads(raw)
+        if _LONG_INTEGER.search(raw) is not None:
+            body = json.loads(raw)
     except orjson.JSONDecodeError as exc:
         # vLLM (FastAPI) reports the standard library's wording, so ask it for the reason.
         try:
@@ -80,15 +91,29 @@ def decode_body(raw: bytes) -> Any:
         except (RecursionError, ValueError):
             raise body_not_parsed() from None
         raise invalid_json(exc.pos, exc.msg) from exc
+    except (ValueError, RecursionError):  # orjson read it; the standard library cannot
+        raise body_not_parsed() from None
     # Counting brackets is cheap and bounds the depth, so only a body with many is written.
     # A body that is no object is refused as vLLM refuses it (``request_object``), and is
     # never hashed nor forwarded: its depth does not matter.
     if isinstance(body, dict) and raw.count(b"[") + raw.count(b"{") > MAX_BODY_NESTING:
         try:
-            orjson.dumps(body)
-        except orjson.JSONEncodeError:
+            encode_body(body)
+        except (orjson.JSONEncodeError, RecursionError):
             raise body_not_parsed() from None
     return body
+
+
+def encode_body(body: object, *, sort_keys: bool = False) -> bytes:
+    """A decoded body (or part of one) as JSON again, to forward or hash it: orjson's, or, for
+    one holding an integer past 64 bits (which vLLM takes where it bounds nothing), the
+    standard library's."""
+    try:
+        return orjson.dumps(body, option=orjson.OPT_SORT_KEYS if sort_keys else None)
+    except orjson.JSONEncodeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False, sort_keys=sort_keys).encode()
 
 
 def request_object(body: object, *, served_model: str) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
 
-import orjson
 from aiohttp import web
 
 from backends.openai_wire import (
@@ -30,6 +29,7 @@ from backends.openai_wire import (
     Usage,
     decode_body,
     embedding_response,
+    encode_body,
     error_body,
     install_openai_app,
     json_response,
@@ -67,7 +67,7 @@ class _SimState:
         cached = 0
         digest = hashlib.blake2b(digest_size=16)
         for k, message in enumerate(messages, start=1):
-            digest.update(orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+            digest.update(encode_body(message, sort_keys=True))
             key = digest.copy().digest()
             if key in self.prefixes:
                 self.prefixes.move_to_end(key)
@@ -106,13 +106,14 @@ def build_app(config: SimConfig) -> web.Application:
         closing=asyncio.Event(), fault_rate=rate, fingerprint=_fingerprint(config)
     )
     app.on_shutdown.append(_on_shutdown)
-    install_openai_app(app, ServedModel(config.model, config.max_model_len))
+    install_openai_app(
+        app, ServedModel(config.model, config.max_model_len), version=SIMULATED_VLLM_VERSION
+    )
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/version", _version)
     return app
 
 
@@ -141,10 +142,6 @@ async def _embeddings(request: web.Request) -> web.StreamResponse:
 
 async def _health(request: web.Request) -> web.StreamResponse:
     return web.Response()
-
-
-async def _version(request: web.Request) -> web.StreamResponse:
-    return json_response({"version": SIMULATED_VLLM_VERSION})
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:

@@ -16,8 +16,8 @@ from backends.openai_wire import (
     completion_prompt,
     invalid_value,
     is_token_ids,
-    optional_int,
     request_object,
+    request_seed,
     requested_max_tokens,
     sampling_fields,
     schema_error,
@@ -73,7 +73,7 @@ def parse_request(
     n = choice_count(body)
     if n not in (None, 1):
         raise invalid_value("The simulator answers with one choice.", param="n", value=n)
-    seed = optional_int(body, "seed", minimum=None)
+    seed = request_seed(body)
     max_tokens, max_tokens_param = requested_max_tokens(kind, body)
     if kind == "chat":
         prompt_key: object = _chat_messages(body)

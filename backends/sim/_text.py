@@ -17,7 +17,7 @@ import math
 import struct
 from collections.abc import Sequence
 
-import orjson
+from backends.openai_wire import encode_body
 
 __all__ = [
     "EMBEDDING_DIM",
@@ -45,9 +45,9 @@ def answer_digest(
     *, model: str, prompt: object, variant: str, seed: int | None, nonce: int | None
 ) -> bytes:
     """A stable digest of everything an answer is allowed to depend on."""
-    key = orjson.dumps(
+    key = encode_body(
         {"model": model, "prompt": prompt, "variant": variant, "seed": seed, "nonce": nonce},
-        option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS,
+        sort_keys=True,
     )
     return hashlib.blake2b(key, digest_size=_DIGEST_SIZE).digest()
 

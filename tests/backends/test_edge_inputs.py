@@ -105,6 +105,30 @@ async def test_the_router_refuses_a_body_nested_too_deep_to_forward(
         body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "x": [[1]]}'
         status, _ = await post_raw(root, CHAT, body)
         assert status == 200
+        # An integer past 64 bits, which orjson cannot write, is forwarded as vLLM takes it.
+        status, _ = await post_raw(root, CHAT, BIG_INTEGERS)
+        assert status == 200
+    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+
+
+# Integers past 64 bits where vLLM bounds nothing: read exact (orjson read them as floats),
+# and written again, where orjson cannot, by the simulator's answer digest and the router.
+BIG_INTEGERS = (
+    b'{"messages": [{"role": "user", "content": "x", "x": 18446744073709551616}], '
+    b'"max_tokens": 1, "x": -1180591620717411303424}'
+)
+
+
+async def test_the_simulator_takes_integers_past_64_bits_where_nothing_bounds_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING)
+    config = SimConfig(port=0, ttft_ms=1.0, itl_ms=1.0, tokens=4, model="sim-model", cache="prefix")
+    async with running_sim(config) as sim:
+        first = await post_raw(sim.root_url, CHAT, BIG_INTEGERS)
+        again = await post_raw(sim.root_url, CHAT, BIG_INTEGERS)
+    assert first[0] == again[0] == 200
+    assert first[1]["choices"] == again[1]["choices"]  # the same prompt, the same answer
     assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
 
 
@@ -217,7 +241,7 @@ async def test_a_client_gone_mid_body_leaves_no_traceback(
 async def test_a_body_past_the_size_limit_is_a_json_413() -> None:
     # aiohttp's own 413 was plain text, not an OpenAI error body.
     app = web.Application(client_max_size=64)
-    install_openai_app(app, ServedModel("tiny", 16))
+    install_openai_app(app, ServedModel("tiny", 16), version="0.0.0")
 
     async def echo(request: web.Request) -> web.StreamResponse:
         return web.Response(body=await request.read())

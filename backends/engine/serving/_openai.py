@@ -17,6 +17,7 @@ Rules
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +36,8 @@ from backends.openai_wire import (
     invalid_value,
     is_token_ids,
     optional_bool,
-    optional_int,
     request_object,
+    request_seed,
     requested_max_tokens,
     sampling_fields,
     schema_error,
@@ -48,10 +49,22 @@ from ..model._sampling import SamplingParams
 from ..model._tokenizer import ChatTokenizer
 
 __all__ = [
+    "ENGINE_VERSION",
     "MAX_STOP_STRINGS",
     "GenerationRequest",
     "parse_generation_request",
 ]
+
+
+def _understudy_version() -> str:
+    try:
+        return importlib.metadata.version("understudy")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
+
+
+# What the engine's servers and its router answer at ``GET /version``: understudy's release.
+ENGINE_VERSION = _understudy_version()
 
 # Stop strings are searched after every token, so their number and length are bounded.
 MAX_STOP_STRINGS = 16
@@ -229,8 +242,8 @@ def _temperature(value: float | None) -> float:
 
 
 def _seed(body: dict[str, Any]) -> int | None:
-    # vLLM takes any 64-bit seed; numpy's generator wants it unsigned.
-    value = optional_int(body, "seed")
+    # vLLM takes any signed 64-bit seed; numpy's generator wants it unsigned.
+    value = request_seed(body)
     return None if value is None else value % _SEED_MODULUS
 
 

@@ -45,6 +45,7 @@ from backends.openai_wire import (
     ServedModel,
     client_left,
     decode_body,
+    encode_body,
     error_body,
     install_openai_app,
     json_response,
@@ -58,7 +59,7 @@ from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv._transfer import KVSource
 from ..model._model import LlamaModel
 from ._kv_node import PREFILL_ROUTE
-from ._openai import parse_generation_request
+from ._openai import ENGINE_VERSION, parse_generation_request
 from ._server_config import RouterServerConfig
 
 __all__ = ["PREFILL_TIMEOUT_S", "ROUTER", "Router", "RouterMetrics", "build_router_app"]
@@ -225,7 +226,9 @@ def build_router_app(config: RouterServerConfig, model: LlamaModel) -> web.Appli
     app.cleanup_ctx.append(_router_session)
     router = app[ROUTER]
     install_openai_app(
-        app, ServedModel(config.served_model_name, router.max_model_len, created=router.created)
+        app,
+        ServedModel(config.served_model_name, router.max_model_len, created=router.created),
+        version=ENGINE_VERSION,
     )
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -275,7 +278,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     try:
         async with router.session.post(
             router.decode_urls[node] + request.path,
-            data=orjson.dumps(body),
+            data=encode_body(body),
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=DECODE_CONNECT_TIMEOUT_S),
         ) as upstream:

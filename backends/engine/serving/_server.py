@@ -46,7 +46,7 @@ from ._engine import Engine
 from ._engine_loop import EngineLoop, EngineServerError
 from ._kv_node import KV_SERVER, PREFILL_ROUTE, KVNode, install_kv_node, prefill, receive_prompt_kv
 from ._metrics import EngineMetrics
-from ._openai import parse_generation_request
+from ._openai import ENGINE_VERSION, parse_generation_request
 from ._router import build_router_app
 from ._server_config import (
     DecodeServerConfig,
@@ -168,7 +168,9 @@ def _engine_app(config: EngineNodeConfig, model: LlamaModel) -> web.Application:
     )
     app.cleanup_ctx.append(_engine_thread)
     install_openai_app(
-        app, ServedModel(config.served_model_name, max_model_len, created=app[_SERVING].created)
+        app,
+        ServedModel(config.served_model_name, max_model_len, created=app[_SERVING].created),
+        version=ENGINE_VERSION,
     )
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

@@ -11,6 +11,7 @@ So the servers cannot drift apart, and a vLLM upgrade that changes the wire show
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import aiohttp
 import orjson
 import pytest
 
+from backends.openai_wire import SIMULATED_VLLM_VERSION
 from backends.sim import SimConfig, running_sim
 from tests.fixtures_engine import ENGINE_TEST_TIMEOUT_S, serve_disaggregated, serve_engine
 from tests.fixtures_vllm import VLLM_TEST_TIMEOUT_S
@@ -171,8 +173,52 @@ ERROR_CASES: dict[str, tuple[str, bytes]] = {
         b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}',
     ),
     "missing_prompt": ("/v1/completions", b"{}"),
+    # Integers as vLLM reads them: exact past 64 bits (orjson read 2**64 as a float), within
+    # the bounds its request models and SamplingParams set, a float only when whole.
+    "seed_past_int64": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, '
+        b'"seed": 9223372036854775808}',
+    ),
+    "seed_below_int64": (
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": 1, "seed": -9223372036854775809}',
+    ),
+    "seed_past_64_bits": (
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": 1, "seed": 1180591620717411303424}',
+    ),
+    "seed_fractional": ("/v1/completions", b'{"prompt": "x", "max_tokens": 1, "seed": 1.5}'),
+    "max_tokens_past_64_bits": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 18446744073709551616}',
+    ),
+    "max_tokens_below_64_bits": (
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": -18446744073709551616}',
+    ),
+    "max_tokens_fractional": ("/v1/completions", b'{"prompt": "x", "max_tokens": 1.5}'),
+    "n_past_bound": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, '
+        b'"n": 18446744073709551616}',
+    ),
+    "top_k_below_64_bits": (
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": 1, "top_k": -18446744073709551616}',
+    ),
+    "temperature_above_two": (
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": 1, "temperature": 3}',
+    ),
+    "temperature_integer_past_64_bits": (
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": 1, "temperature": 18446744073709551616}',
+    ),
 }
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# The engine and its router answer GET /version with understudy's release.
+UNDERSTUDY_VERSION = importlib.metadata.version("understudy")
 # A real vLLM on two busy cores can take long over one request; the sim never does.
 LIVE_TIMEOUT = aiohttp.ClientTimeout(total=600)
 
@@ -274,6 +320,7 @@ SERVERS = [
 class WireServer:
     root: str  # http://host:port
     model: str  # the served model's name
+    version: str  # what it answers at GET /version: its own release
 
 
 Serve = Callable[[], AbstractAsyncContextManager[WireServer]]
@@ -288,19 +335,24 @@ def serve(request: pytest.FixtureRequest) -> Serve:
     async def open_server() -> AsyncIterator[WireServer]:
         if kind == "sim":
             async with running_sim(sim_config()) as sim:
-                yield WireServer(sim.root_url, "sim-model")
+                yield WireServer(sim.root_url, "sim-model", SIMULATED_VLLM_VERSION)
         elif kind == "engine":
             model = request.getfixturevalue("engine_model")
             async with serve_engine(model, **ENGINE_NODE) as engine:
-                yield WireServer(engine.root_url, engine.config.served_model_name)
+                yield WireServer(
+                    engine.root_url, engine.config.served_model_name, UNDERSTUDY_VERSION
+                )
         elif kind == "router":
             model = request.getfixturevalue("engine_model")
             async with serve_disaggregated(model, node=ENGINE_NODE) as cluster:
                 router = cluster.router
-                yield WireServer(router.root_url, router.config.served_model_name)
+                yield WireServer(
+                    router.root_url, router.config.served_model_name, UNDERSTUDY_VERSION
+                )
         else:
             vllm = request.getfixturevalue("vllm_server")
-            yield WireServer(vllm.url, vllm.model)
+            # The simulator's version is the vLLM release it reproduces: the one installed.
+            yield WireServer(vllm.url, vllm.model, SIMULATED_VLLM_VERSION)
 
     return open_server
 
@@ -361,6 +413,14 @@ async def test_unknown_routes_and_methods_answer_like_fastapi(serve: Serve) -> N
             assert resp.headers["Allow"] == "POST"
 
 
+async def test_version_answers_like_vllm(serve: Serve) -> None:
+    async with serve() as server, aiohttp.ClientSession(timeout=LIVE_TIMEOUT) as session:
+        async with session.get(server.root + "/version") as resp:
+            assert resp.status == 200
+            assert resp.content_type == "application/json"
+            assert await resp.json() == {"version": server.version}
+
+
 async def test_the_simulator_has_vllm_wording() -> None:
     async with running_sim(sim_config()) as sim:
         errors = await collect_errors(sim.root_url, "sim-model")
@@ -402,6 +462,45 @@ async def test_the_simulator_has_vllm_wording() -> None:
         },
     )
     assert errors["top_p_zero"][0] == errors["top_k_below_minus_one"][0] == 400
+    # Integers past 64 bits, which the simulator once read as floats (or let pass, for seed).
+    assert errors["seed_past_int64"] == (
+        400,
+        {
+            "error": {
+                "message": "1 validation error:\n  {'type': 'less_than_equal', 'loc': 'body.seed', "
+                "'msg': 'Input should be less than or equal to 9223372036854775807', "
+                "'input': '9223372036854775808', 'ctx': {'le': 9223372036854775807}}",
+                "type": "Bad Request",
+                "param": "body.seed",
+                "code": 400,
+            }
+        },
+    )
+    assert errors["max_tokens_past_64_bits"] == (
+        400,
+        {
+            "error": {
+                "message": "max_tokens=18446744073709551616 cannot be greater than "
+                "max_model_len=8192. Please request fewer output tokens. "
+                "(parameter=max_tokens, value=18446744073709551616)",
+                "type": "BadRequestError",
+                "param": "max_tokens",
+                "code": 400,
+            }
+        },
+    )
+    assert errors["n_past_bound"] == (
+        400,
+        {
+            "error": {
+                "message": "n must be at most 16384, got 18446744073709551616. To increase this "
+                "limit, set the VLLM_MAX_N_SEQUENCES environment variable.",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+        },
+    )
     status, body = errors["unknown_model"]
     assert status == 404
     assert body == {
