@@ -146,23 +146,25 @@ class _Run:
             {"role": "user", "content": script.task},
         ]
         loop = asyncio.get_running_loop()
-        async with self.slots:
-            for turn in range(spec.turns):
-                if loop.time() >= self.deadline:  # rule 3
-                    self.not_sent += spec.turns - turn
-                    return
-                answer = await self._turn(name, turn, messages)
-                if answer.error is not None:
-                    self.not_sent += spec.turns - turn - 1
-                    return
-                if turn + 1 == spec.turns:
-                    return
-                messages += _next_messages(answer, script.tool_results[turn], name, turn)
-                pause = spec.think_s * think.uniform(1 - THINK_JITTER, 1 + THINK_JITTER)
-                if loop.time() + pause >= self.deadline:
-                    self.not_sent += spec.turns - turn - 1
-                    return
-                await asyncio.sleep(pause)
+        sent = 0
+        try:
+            async with self.slots:
+                for turn in range(spec.turns):
+                    if loop.time() >= self.deadline:  # rule 3
+                        return
+                    sent += 1
+                    answer = await self._turn(name, turn, messages)
+                    if answer.error is not None or turn + 1 == spec.turns:
+                        return
+                    messages += _next_messages(answer, script.tool_results[turn], name, turn)
+                    pause = spec.think_s * think.uniform(1 - THINK_JITTER, 1 + THINK_JITTER)
+                    if loop.time() + pause >= self.deadline:
+                        return
+                    await asyncio.sleep(pause)
+        finally:
+            # Rules 3, 4, 6: every turn is sent or counted, also those of a session cancelled
+            # while it waited for a slot or thought.
+            self.not_sent += spec.turns - sent
 
     async def _turn(self, session: str, turn: int, messages: list[dict[str, Any]]) -> Answer:
         spec = self.spec

@@ -14,7 +14,7 @@ Rules:
    sessions as it sampled the recorded ones. Its turn depth is the assistant messages in
    its body.
 4. Requests still in flight ``drain_s`` after the last send time are cancelled and recorded
-   as ``cancelled``.
+   as ``cancelled``; those still waiting for a slot then are counted as not sent.
 5. ``stop`` set (the command's Ctrl-C) ends the replay early: records not yet sent are counted
    as not sent, requests in flight are cancelled at once (``cancelled``), and the summary of
    what was sent is returned.
@@ -106,12 +106,18 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
             on_turn(result)
 
     async def one(index: int, item: TrafficRecord, route: ReplayRoute) -> None:
+        nonlocal not_sent
         body = dict(item.body)
         if spec.model is not None:
             body["model"] = spec.model
         session = item.session or f"replay-{index}"
         headers = {spec.session_header: session}
-        async with slots:
+        try:
+            await slots.acquire()
+        except asyncio.CancelledError:
+            not_sent += 1  # rules 4, 5: never sent, counted
+            raise
+        try:
             started_s = loop.time() - started
             try:
                 answer = await send(client, route, body, headers, spec.request_timeout_s)
@@ -119,6 +125,8 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
                 record(TurnResult(session, item.turn, started_s, None,
                                   loop.time() - started - started_s, error="cancelled"))
                 raise
+        finally:
+            slots.release()
         record(result_of(answer, session, item.turn, started_s))
 
     tasks: list[asyncio.Task[None]] = []

@@ -177,3 +177,12 @@ async def test_stop_ends_a_run_at_once_with_its_summary() -> None:
     assert took < 1.0  # not the 5 s answers, not the 60 s run
     assert summary.turns >= 2 and {r.error for r in summary.results} == {"cancelled"}
     assert summary.errors_by_kind == (("cancelled", summary.turns),)
+
+
+async def test_turns_waiting_for_a_slot_at_the_end_are_counted_not_sent() -> None:
+    async with run_sim(ttft_ms=5000, tokens=4) as slow:
+        spec = WorkloadSpec(sessions=4, turns=2, rate=1000, think_s=0, concurrency=1,
+                            duration_s=0.2, drain_s=0.3)
+        summary = await run_workload(spec, slow.url)
+    assert summary.turns == 1 and summary.errors_by_kind == (("cancelled", 1),)
+    assert summary.not_sent == 7  # the cancelled session's second turn, 3 sessions' two

@@ -122,3 +122,15 @@ async def test_ctrl_c_stops_a_replay_and_prints_what_was_sent(tmp_path: Path) ->
     doc = json.loads(out.decode().splitlines()[-1])
     assert doc["turns"] >= 5 and doc["turns"] + doc["not_sent"] == 400
     assert b"Stopped by SIGINT" in err and b"Traceback" not in err
+
+
+async def test_records_waiting_for_a_slot_at_the_end_are_counted_not_sent(
+        tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    _write(path, [{"offset_s": 0, "route": "/v1/chat/completions", "session": f"s{i}",
+                   "body": _chat("x")} for i in range(4)])
+    async with run_sim(ttft_ms=5000, tokens=4) as slow:
+        spec = ReplaySpec(concurrency=1, drain_s=0.3)
+        summary = await replay_workload(path, slow.url, spec=spec)
+    assert summary.turns == 1 and summary.errors_by_kind == (("cancelled", 1),)
+    assert summary.not_sent == 3
