@@ -4,8 +4,10 @@ The file is JSON lines, one request each, as the gateway's ``[record]`` section 
 ``{"offset_s": 1.25, "route": "/v1/chat/completions", "session": "9f2c...", "body": {...}}``.
 
 Rules:
-1. At most ``max_requests`` records are read; a line that is not such a record is an error
-   naming its line number (a wrong file fails loudly, not as an empty replay).
+1. At most ``max_requests`` records are read; a line that is not such a record (not UTF-8,
+   not JSON, an ``offset_s`` that is not a finite number >= 0, a ``route`` that is not a
+   string) is an error naming its line number, and so is a file with no record at all: a
+   wrong file fails loudly, not as an empty replay.
 2. Records are sent in offset order, each at ``(offset_s - first offset) / speed`` after the
    replay began, whatever the answers' speed: an open loop, as production is. At most
    ``concurrency`` are in flight; a record whose send time is at or past ``duration_s`` is
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -50,8 +53,10 @@ class TrafficRecord:
     session: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.offset_s >= 0:  # also refuses NaN
-            raise ValueError(f"offset_s must be >= 0, got {self.offset_s}")
+        if not (math.isfinite(self.offset_s) and self.offset_s >= 0):
+            raise ValueError(f"offset_s must be a finite number >= 0, got {self.offset_s}")
+        if not isinstance(self.route, str):
+            raise TypeError(f"route must be a string, got {type(self.route).__name__}")
 
     @property
     def turn(self) -> int:
@@ -64,16 +69,18 @@ class TrafficRecord:
 def read_records(path: Path, max_requests: int) -> list[TrafficRecord]:
     """Rule 1: the first ``max_requests`` records of ``path``, in offset order."""
     records: list[TrafficRecord] = []
-    with path.open(encoding="utf-8") as fh:
+    with path.open("rb") as fh:
         for number, line in enumerate(fh, start=1):
             if len(records) >= max_requests:
                 break
             if not line.strip():
                 continue
-            try:
+            try:  # json.loads decodes the bytes: not UTF-8 is a ValueError too
                 records.append(_record(json.loads(line)))
             except (ValueError, TypeError, KeyError) as exc:
                 raise ValueError(f"{path}:{number}: not a traffic record ({exc})") from exc
+    if not records:
+        raise ValueError(f"{path}: no traffic records")
     records.sort(key=lambda r: r.offset_s)
     return records
 
@@ -82,7 +89,7 @@ def _record(doc: Any) -> TrafficRecord:
     if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
         raise ValueError("expected an object with a 'body' object")
     session = doc.get("session")
-    return TrafficRecord(float(doc["offset_s"]), str(doc["route"]), doc["body"],
+    return TrafficRecord(float(doc["offset_s"]), doc["route"], doc["body"],
                          session if isinstance(session, str) else None)
 
 
@@ -131,7 +138,7 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
 
     tasks: list[asyncio.Task[None]] = []
     try:
-        first = records[0].offset_s if records else 0.0
+        first = records[0].offset_s  # read_records refuses a file with none
         last_at = 0.0
         for index, item in enumerate(records):  # rule 2
             at = (item.offset_s - first) / spec.speed

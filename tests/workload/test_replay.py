@@ -134,3 +134,27 @@ async def test_records_waiting_for_a_slot_at_the_end_are_counted_not_sent(
         summary = await replay_workload(path, slow.url, spec=spec)
     assert summary.turns == 1 and summary.errors_by_kind == (("cancelled", 1),)
     assert summary.not_sent == 3
+
+
+@pytest.mark.parametrize("line", [
+    b'{"offset_s": Infinity, "route": "/v1/completions", "body": {}}',
+    b'{"offset_s": "1e400", "route": "/v1/completions", "body": {}}',
+    b'{"offset_s": 0, "route": ["/v1/completions"], "body": {}}',
+    b'{"offset_s": 0, "route": "/v1/completions", "body": {"prompt": "\xff\xfe"}}',
+])
+async def test_a_line_that_is_not_a_record_is_named(tmp_path: Path, line: bytes) -> None:
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes(b'{"offset_s": 0, "route": "/v1/completions", "body": {}}\n' + line + b"\n")
+    with pytest.raises(ValueError, match=r"odd\.jsonl:2: not a traffic record"):
+        read_records(path, 10)
+
+
+async def test_an_empty_recording_is_an_error_not_an_empty_replay(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no traffic records"):
+        await replay_workload(path, f"http://127.0.0.1:{free_port()}")
+    args = ["load", "--url", "http://127.0.0.1:1", "--replay", str(path)]
+    result = await asyncio.to_thread(CliRunner().invoke, main, args)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"Error: {path}: no traffic records"]
