@@ -25,6 +25,11 @@ Rules:
    is a directory is refused at start (never moved).
 7. Stopping: the writer gets ``drain_timeout_s`` to write what is queued; what is left is
    counted as ``shutdown``; then the file is closed.
+8. The file holds whole lines only. It is unbuffered; a batch is written whole (a short write
+   is continued) or, when the write fails (disk full, file too large), the file is cut back to
+   its last whole line and the batch is counted as ``write_error``: half a line would make
+   ``--replay`` refuse the whole file, and nothing is left in a buffer to fail again at close.
+   A failing file is logged once, at WARNING, until a write succeeds again.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import Any, Final
 
 import orjson
 
@@ -119,8 +125,9 @@ class TrafficRecorder:
         self._wake = asyncio.Event()
         self._key = os.urandom(32)
         self._started = time.monotonic()
-        self._file: IO[bytes] | None = None
-        self._size = 0
+        self._file: FileIO | None = None
+        self._size = 0  # bytes in the file: whole lines (rule 8)
+        self._failing = False  # the last write failed: logged once (rule 8)
         self._lock = threading.Lock()  # the file between the writer thread and close
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
@@ -164,12 +171,12 @@ class TrafficRecorder:
             self._drop("shutdown")
         await asyncio.to_thread(self._close)
 
-    def _open(self) -> IO[bytes]:
+    def _open(self) -> FileIO:
         # Only a regular file is a recording to keep: a directory (or a device) named by
         # mistake is not moved aside; opening it fails and the gateway does not start.
         if self.path.is_file() and self.path.stat().st_size > 0:
             self.path.replace(self.path.with_name(self.path.name + ".1"))
-        return self.path.open("wb")
+        return self.path.open("wb", buffering=0)
 
     def _close(self) -> None:
         with self._lock:
@@ -198,27 +205,46 @@ class TrafficRecorder:
         """Rule 3, in a worker thread: parse, redact, bound (rule 6), write."""
         dropped: Counter[RecordDropReason] = Counter()
         lines: list[bytes] = []
+        size = self._size
         for item in batch:
             line = self._line(item)
             if line is None:
                 dropped["not_json"] += 1
-            elif self._size + len(line) > self.config.max_bytes:
+            elif size + len(line) > self.config.max_bytes:
                 dropped["max_bytes"] += 1
             else:
                 lines.append(line)
-                self._size += len(line)
+                size += len(line)
         with self._lock:
             if self._file is None:
                 dropped["shutdown"] += len(lines)
                 return 0, dropped
             try:
-                self._file.write(b"".join(lines))
-                self._file.flush()
-            except OSError:
-                log.exception("writing the traffic record %s failed", self.path)
+                self._append(self._file, b"".join(lines))
+            except OSError as exc:
+                if not self._failing:
+                    log.warning("writing the traffic record %s failed (%s): requests are "
+                                "dropped as write_error until a write succeeds", self.path, exc)
+                    self._failing = True
                 dropped["write_error"] += len(lines)
                 return 0, dropped
+            if self._failing:
+                log.warning("writing the traffic record %s succeeds again", self.path)
+                self._failing = False
+            self._size = size
         return len(lines), dropped
+
+    def _append(self, file: FileIO, data: bytes) -> None:
+        """Rule 8: all of ``data`` after the last whole line, or none of it."""
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[file.write(view) or 0:]
+        except OSError:
+            with contextlib.suppress(OSError):  # cut the half line off, if the disk lets us
+                file.truncate(self._size)
+                file.seek(self._size)
+            raise
 
     def _line(self, item: _Pending) -> bytes | None:
         try:

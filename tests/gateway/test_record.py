@@ -3,7 +3,12 @@ and queue bounds counted (real gateway, real simulator, real sockets on 127.0.0.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import resource
+import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +16,7 @@ import aiohttp
 import pytest
 
 from gateway._record import redact
-from tests.utils import eventually, run_gateway, run_sim
+from tests.utils import eventually, free_port, run_gateway, run_sim
 
 SECRET_KEY = "sk-live-credential-0123456789"
 SECRET_PROMPT = "the launch code is PURPLE-ELEPHANT-42"
@@ -152,3 +157,56 @@ async def test_a_directory_as_the_path_is_refused_not_moved_aside(tmp_path: Path
                 pass
     assert (folder / "keep.txt").read_text() == "kept"
     assert not (tmp_path / "logs.1").exists()
+
+
+def _file_size_limit(limit: int) -> Callable[[], None]:
+    def apply() -> None:  # in the child: writes past ``limit`` fail with EFBIG, mid-line too
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+async def test_a_failed_write_leaves_whole_lines_and_a_clean_stop(tmp_path: Path) -> None:
+    path, config, port = tmp_path / "traffic.jsonl", tmp_path / "gw.toml", free_port()
+    config.write_text(f'[record]\npath = "{path}"\n[evaluation]\nenabled = false\n')
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "x" * 4000}],
+            "max_tokens": 4}
+    async with run_sim(tokens=4) as sim:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+            "--primary", sim.url, "--port", str(port), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, preexec_fn=_file_size_limit(10_000))
+        try:
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as client:
+                await _until_up(client, url)
+                for _ in range(4):  # ~4.2 kB lines: the third crosses the 10 kB limit
+                    async with client.post(f"{url}/v1/chat/completions", json=body) as answer:
+                        assert answer.status == 200
+                    await asyncio.sleep(0.3)  # one line per write
+                async with client.get(f"{url}/metrics") as answer:
+                    metrics = await answer.text()
+            process.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(60):
+                out, _ = await process.communicate()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert process.returncode == 0, out.decode()[-2000:]
+    assert "understudy_record_written_total 2.0" in metrics
+    assert 'understudy_record_dropped_total{reason="write_error"} 2.0' in metrics
+    assert len(_lines(path)) == 2  # whole lines only: no half line to fail a replay
+    assert b"Traceback" not in out and out.count(b"WARNING understudy.record") == 1
+
+
+async def _until_up(client: aiohttp.ClientSession, url: str) -> None:
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                async with client.get(f"{url}/v1/models") as answer:
+                    if answer.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.2)
