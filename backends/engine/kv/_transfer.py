@@ -16,7 +16,11 @@ Rules
    Any failure is a ``KVTransferError`` with a bounded outcome, and the caller recomputes: a
    failed or expired transfer is slower, never wrong.
 4. Every pull is bounded in time (``DEFAULT_PULL_TIMEOUT_S``, connect included) and in size
-   (the count the puller asked for).
+   (the count the puller asked for).  The owner bounds it too: a connection gets
+   ``SERVE_REQUEST_TIMEOUT_S`` to send its PULL and ``SERVE_PULL_TIMEOUT_S`` to take the whole
+   answer; one that stops reading (a stopped or wedged puller) is then cut -- aborted, since a
+   close would wait to flush what it never reads -- and counted
+   (``understudy_kv_serves_cut_total``), so it holds no copied blocks and no task for ever.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ._store import KVLayout
 from ._wire import (
     HASH_BYTES,
     ErrorCode,
+    Frame,
     FrameKind,
     KVWireError,
     PullRequest,
@@ -72,6 +77,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PULL_TIMEOUT_S = 10.0
 # A connection that has not sent its PULL by then is closed.
 SERVE_REQUEST_TIMEOUT_S = 5.0
+# A pull not taken whole by then is cut (rule 4): its puller gave up at DEFAULT_PULL_TIMEOUT_S.
+SERVE_PULL_TIMEOUT_S = DEFAULT_PULL_TIMEOUT_S
 EXPORT_BATCH_BLOCKS = 32
 # The puller's stream buffer: a few blocks, so the socket is read in large pieces.
 _READ_BUFFER_BYTES = 4 * 1024 * 1024
@@ -184,21 +191,42 @@ class KVTransferServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            async with asyncio.timeout(SERVE_REQUEST_TIMEOUT_S):
-                frame = await read_frame(reader)
-            if frame.kind is not FrameKind.PULL:
-                raise _Refusal(ErrorCode.BAD_REQUEST, f"expected PULL, got {frame.kind.name}")
-            await self._send(writer, decode_pull(frame))
-        except _Refusal as refusal:
-            write_frame(writer, FrameKind.ERROR, encode_error(refusal.code, str(refusal)))
-            with contextlib.suppress(OSError):
-                await writer.drain()
-        except (KVWireError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
+            try:
+                async with asyncio.timeout(SERVE_REQUEST_TIMEOUT_S):
+                    frame = await read_frame(reader)
+            except TimeoutError:
+                log.info("KV pull connection closed: no PULL within %s s", SERVE_REQUEST_TIMEOUT_S)
+                return
+            try:
+                async with asyncio.timeout(SERVE_PULL_TIMEOUT_S):
+                    served = await self._answer(writer, frame)
+            except TimeoutError:
+                writer.transport.abort()  # rule 4: close() would wait for the puller to read
+                self._metrics.serves_cut.inc()
+                log.warning("KV pull cut: not taken within %s s", SERVE_PULL_TIMEOUT_S)
+                return
+            if served is not None and served.release_after:
+                await self._loop.call(lambda engine: engine.release_retained(served.ticket))
+        except (KVWireError, asyncio.IncompleteReadError, OSError) as exc:
             log.info("KV pull connection dropped: %s", exc)
         finally:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+    async def _answer(self, writer: asyncio.StreamWriter, frame: Frame) -> PullRequest | None:
+        """Serve one PULL; the pull if it was served whole, None if refused."""
+        try:
+            if frame.kind is not FrameKind.PULL:
+                raise _Refusal(ErrorCode.BAD_REQUEST, f"expected PULL, got {frame.kind.name}")
+            pull = decode_pull(frame)
+            await self._send(writer, pull)
+        except _Refusal as refusal:
+            write_frame(writer, FrameKind.ERROR, encode_error(refusal.code, str(refusal)))
+            with contextlib.suppress(OSError):
+                await writer.drain()
+            return None
+        return pull
 
     async def _send(self, writer: asyncio.StreamWriter, pull: PullRequest) -> None:
         if pull.fingerprint != self._fingerprint:
@@ -231,8 +259,6 @@ class KVTransferServer:
         write_frame(writer, FrameKind.END, encode_end(sent))
         await writer.drain()
         self._metrics.served_blocks.inc(sent)
-        if pull.release_after:
-            await self._loop.call(lambda engine: engine.release_retained(pull.ticket))
 
     async def _export(self, ticket: bytes, start: int, count: int) -> list[KVBlock]:
         # Off the engine thread: a pull never waits for the owner's step (``_retention``).

@@ -60,6 +60,10 @@ class EngineMetrics(VLLMSeries):
         self.served_blocks = self._counter(
             "understudy_kv_served_blocks", "KV blocks sent to other nodes."
         )
+        self.serves_cut = self._counter(
+            "understudy_kv_serves_cut",
+            "Pulls of this node's KV cut because the puller did not take them in time.",
+        )
         self.retained_blocks = self._gauge(
             "understudy_kv_retained_blocks", "KV blocks held for other nodes to pull."
         )

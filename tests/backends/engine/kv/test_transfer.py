@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from backends.engine import Engine, KVBlock, KVLayout, LlamaModel, SamplingParams, hash_block
+from backends.engine.kv import _transfer
 from backends.engine.kv._blockpool import BlockHash, NoFreeBlocksError, hash_blocks
 from backends.engine.kv._retention import RetainedKV, UnknownTicketError
 from backends.engine.kv._transfer import (
@@ -31,6 +33,7 @@ from backends.engine.kv._transfer import (
     pull_blocks,
     pull_missing_blocks,
 )
+from backends.engine.kv._wire import FrameKind, PullRequest, encode_pull, read_frame, write_frame
 from backends.engine.serving._engine_loop import EngineLoop, EngineServerError, EngineStopped
 from backends.engine.serving._metrics import PULL_OUTCOMES, EngineMetrics
 from tests.utils import free_port
@@ -379,6 +382,44 @@ async def test_an_owner_of_another_model_or_other_numerics_is_refused_and_counte
         assert await _pull_fails(puller, served.source(retained), history) == outcome
     assert puller.pulls() == {outcome: 1}
     assert owner.node.sample("understudy_kv_served_blocks_total") == 0
+
+
+async def test_an_owner_cuts_a_pull_whose_puller_stops_reading(
+    engine_model: LlamaModel, owner: Owner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A puller that sends its PULL and stops reading (a stopped or wedged node) holds the
+    owner's connection, and the blocks it copied, only until ``SERVE_PULL_TIMEOUT_S``: then
+    the owner cuts it, and counts it."""
+    monkeypatch.setattr(_transfer, "SERVE_PULL_TIMEOUT_S", SHORT_TIMEOUT_S, raising=False)
+    # 28 blocks, about 20 MiB: far more than the socket buffers take while nobody reads.
+    retained = await _retain(owner.node, engine_model.tokenizer.encode(OTHER_TEXT * 12))
+    engine = owner.node.engine
+    pull = PullRequest(
+        retained.ticket, 0, retained.num_blocks, engine.model.fingerprint,
+        engine.model.numerics.fingerprint, codec=engine.kv_codec_fingerprint,
+    )  # fmt: skip
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (owner.server.host, owner.server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    kinds: list[FrameKind] = []
+    try:
+        payload, flags = encode_pull(pull)
+        write_frame(writer, FrameKind.PULL, payload, flags)
+        await writer.drain()
+        await asyncio.sleep(SHORT_TIMEOUT_S + 1.0)  # not reading: the owner's writes stall
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionResetError):
+            async with asyncio.timeout(10):
+                while True:
+                    kinds.append((await read_frame(reader)).kind)
+    finally:
+        writer.close()
+    assert FrameKind.END not in kinds
+    assert kinds.count(FrameKind.BLOCK) < retained.num_blocks == 28
+    assert owner.node.sample("understudy_kv_serves_cut_total") == 1
+    assert owner.node.sample("understudy_kv_served_blocks_total") == 0
+    assert await _holds(owner, retained.ticket)  # a cut pull releases nothing
 
 
 async def test_an_owner_with_another_kv_layout_is_a_mismatch(
