@@ -15,9 +15,10 @@ Rules:
    ``cancelled``. Every turn sent is reported exactly once, to ``on_turn`` and in the summary.
 5. Every request carries ``session_header: <session id>``, so a gateway samples whole
    sessions (DESIGN.md invariant 5).
-6. ``stop`` set (the command's Ctrl-C) ends the run early: no session starts after it (those
-   not started are counted as not sent), turns in flight are cancelled at once and recorded
-   as ``cancelled``, and the summary of what was sent is returned.
+6. ``stop`` set (the command's Ctrl-C) ends the run early, also while the model is still being
+   looked up: no session starts after it (those not started are counted as not sent), turns
+   in flight are cancelled at once and recorded as ``cancelled``, and the summary of what was
+   sent is returned.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from openai import AsyncOpenAI
 
@@ -41,6 +42,8 @@ OnTurn = Callable[[TurnResult], None]
 """Called once per turn sent, as soon as it ends (rule 4): a progress display's hook."""
 
 NO_OUTPUT = "(no output)"
+
+_T = TypeVar("_T")
 
 
 async def resolve_model(client: AsyncOpenAI, model: str | None) -> str:
@@ -59,6 +62,21 @@ async def stopped_within(stop: asyncio.Event, delay_s: float) -> bool:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay_s)
     return stop.is_set()
+
+
+async def unless_stopped(awaitable: Awaitable[_T], stop: asyncio.Event) -> _T | None:
+    """``awaitable``'s result, or None when ``stop`` is set first (it is then cancelled)."""
+    task = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
 
 
 async def settle(tasks: list[asyncio.Task[None]], timeout_s: float, stop: asyncio.Event
@@ -89,11 +107,14 @@ async def run_workload(spec: WorkloadSpec, base_url: str, *, api_key: str | None
     """Run ``spec`` against ``base_url`` (a server root or an OpenAI base URL ending in
     ``/v1``) and return its summary; ``on_turn`` sees each turn as it ends; ``stop`` ends
     the run early (rule 6)."""
+    stop = stop or asyncio.Event()
     client = open_client(base_url, api_key, spec.request_timeout_s)
     try:
         async with asyncio.timeout(spec.request_timeout_s):
-            model = await resolve_model(client, spec.model)
-        return await _Run(spec, client, model, on_turn, stop or asyncio.Event()).run()
+            model = await unless_stopped(resolve_model(client, spec.model), stop)
+        if model is None:  # rule 6: stopped before the first session
+            return summarize([], 0.0, spec.sessions * spec.turns)
+        return await _Run(spec, client, model, on_turn, stop).run()
     finally:
         await client.close()
 

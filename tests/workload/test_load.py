@@ -186,3 +186,23 @@ async def test_turns_waiting_for_a_slot_at_the_end_are_counted_not_sent() -> Non
         summary = await run_workload(spec, slow.url)
     assert summary.turns == 1 and summary.errors_by_kind == (("cancelled", 1),)
     assert summary.not_sent == 7  # the cancelled session's second turn, 3 sessions' two
+
+
+async def test_stop_ends_a_run_still_looking_up_its_model() -> None:
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    stop = asyncio.Event()
+    async with server:
+        spec = WorkloadSpec(sessions=3, turns=2, duration_s=60, request_timeout_s=30)
+        run = asyncio.create_task(run_workload(spec, f"http://127.0.0.1:{port}", stop=stop))
+        await eventually(lambda: bool(held))
+        stop.set()
+        summary = await asyncio.wait_for(run, 2)  # not the 30 s the lookup may take
+        for writer in held:
+            writer.close()
+    assert summary.turns == 0 and summary.not_sent == 6
