@@ -3,7 +3,8 @@ and what it reports (``TurnResult``, ``DepthStats``, ``WorkloadSummary``: frozen
 
 Every loop of a run is bounded by these numbers: sessions and turns in count
 (``MAX_SESSIONS``, ``MAX_TURNS``, ``MAX_REPLAY_REQUESTS``), the run in time
-(``duration_s`` plus ``drain_s``), each request by ``request_timeout_s``.
+(``duration_s`` plus ``drain_s``), each request by ``request_timeout_s``; each of those
+times is at most ``MAX_DURATION_S`` (an infinite one would be no bound).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class WorkloadSpec(_Spec):
     seed: int = 0
     session_header: str = Field(DEFAULT_SESSION_HEADER, min_length=1, max_length=128)
     session_prefix: str = Field("load", min_length=1, max_length=64)
-    request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)
-    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0)  # in-flight turns' grace after duration_s
+    request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0, le=MAX_DURATION_S)
+    # in-flight turns' grace after duration_s
+    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=MAX_DURATION_S)
 
 
 class ReplaySpec(_Spec):
@@ -82,8 +84,8 @@ class ReplaySpec(_Spec):
     concurrency: int = Field(64, ge=1, le=MAX_CONCURRENCY)
     model: str | None = None  # replaces each recorded body's model when given
     session_header: str = Field(DEFAULT_SESSION_HEADER, min_length=1, max_length=128)
-    request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)
-    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0)
+    request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0, le=MAX_DURATION_S)
+    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=MAX_DURATION_S)
 
 
 @dataclass(frozen=True, slots=True)

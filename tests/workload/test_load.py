@@ -8,8 +8,10 @@ import itertools
 import json
 import random
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from backends.sim import RecordedRequest
@@ -206,3 +208,20 @@ async def test_stop_ends_a_run_still_looking_up_its_model() -> None:
         for writer in held:
             writer.close()
     assert summary.turns == 0 and summary.not_sent == 6
+
+
+@pytest.mark.parametrize(("flag", "field"), [
+    ("--timeout-s", "request_timeout_s"), ("--drain-s", "drain_s"),
+])
+@pytest.mark.parametrize("replay", [False, True])
+def test_an_infinite_time_bound_is_refused(tmp_path: Path, flag: str, field: str,
+                                           replay: bool) -> None:
+    args = ["load", "--url", "http://127.0.0.1:1", flag, "inf"]
+    if replay:
+        path = tmp_path / "rec.jsonl"
+        path.write_text('{"offset_s": 0, "route": "/v1/completions", "body": {}}\n')
+        args += ["--replay", str(path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        f"Error: {field}: Input should be less than or equal to 86400"]
