@@ -7,7 +7,8 @@ Rules:
 1. At most ``max_requests`` records are read; a line that is not such a record (not UTF-8,
    not JSON, an ``offset_s`` that is not a finite number >= 0, a ``route`` that is not a
    string) is an error naming its line number, and so is a file with no record at all: a
-   wrong file fails loudly, not as an empty replay.
+   wrong file fails loudly, not as an empty replay. The lines past ``max_requests`` are not
+   read as records, only counted, in ``not_sent``.
 2. Records are sent in offset order, each at ``(offset_s - first offset) / speed`` after the
    replay began, whatever the answers' speed: an open loop, as production is. At most
    ``concurrency`` are in flight; a record whose send time is at or past ``duration_s`` is
@@ -68,12 +69,20 @@ class TrafficRecord:
 
 def read_records(path: Path, max_requests: int) -> list[TrafficRecord]:
     """Rule 1: the first ``max_requests`` records of ``path``, in offset order."""
+    return _read(path, max_requests)[0]
+
+
+def _read(path: Path, max_requests: int) -> tuple[list[TrafficRecord], int]:
+    """Rule 1: the first ``max_requests`` records of ``path`` in offset order, and how many
+    non-blank lines follow them."""
     records: list[TrafficRecord] = []
+    left = 0
     with path.open("rb") as fh:
         for number, line in enumerate(fh, start=1):
-            if len(records) >= max_requests:
-                break
             if not line.strip():
+                continue
+            if len(records) >= max_requests:
+                left += 1
                 continue
             try:  # json.loads decodes the bytes: not UTF-8 is a ValueError too
                 records.append(_record(json.loads(line)))
@@ -82,7 +91,7 @@ def read_records(path: Path, max_requests: int) -> list[TrafficRecord]:
     if not records:
         raise ValueError(f"{path}: no traffic records")
     records.sort(key=lambda r: r.offset_s)
-    return records
+    return records, left
 
 
 def _record(doc: Any) -> TrafficRecord:
@@ -99,13 +108,12 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
     """Send the records of ``path`` to ``base_url`` as rules 1-5 say."""
     spec = spec or ReplaySpec()
     stop = stop or asyncio.Event()
-    records = read_records(path, spec.max_requests)
+    records, not_sent = _read(path, spec.max_requests)
     client = open_client(base_url, api_key, spec.request_timeout_s)
     loop = asyncio.get_running_loop()
     started = loop.time()
     results: list[TurnResult] = []
     slots = asyncio.Semaphore(spec.concurrency)
-    not_sent = 0
 
     def record(result: TurnResult) -> None:
         results.append(result)

@@ -158,3 +158,12 @@ async def test_an_empty_recording_is_an_error_not_an_empty_replay(tmp_path: Path
     result = await asyncio.to_thread(CliRunner().invoke, main, args)
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [f"Error: {path}: no traffic records"]
+
+
+async def test_records_past_max_requests_are_counted_not_sent(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    _write(path, [{"offset_s": i * 0.01, "route": "/v1/chat/completions", "session": "a",
+                   "body": _chat("x")} for i in range(5)])
+    async with run_sim(**FAST) as sim:
+        summary = await replay_workload(path, sim.url, spec=ReplaySpec(max_requests=2))
+    assert summary.turns == 2 and summary.not_sent == 3
