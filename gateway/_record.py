@@ -266,7 +266,11 @@ class TrafficRecorder:
         return orjson.dumps(doc) + b"\n"
 
     def _pseudonym(self, value: str) -> str:
-        return hashlib.blake2b(value.encode(), digest_size=12, key=self._key).hexdigest()
+        # A session header's bytes that are not UTF-8 arrive as lone surrogates (aiohttp's
+        # surrogateescape): hashed as they are, as the sampler does; a plain encode() raised
+        # in the writer and ended it, and with it the recording.
+        data = value.encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(data, digest_size=12, key=self._key).hexdigest()
 
     def _drop(self, reason: RecordDropReason, count: int = 1) -> None:
         self._metrics.record_dropped.labels(reason).inc(count)

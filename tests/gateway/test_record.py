@@ -210,3 +210,23 @@ async def _until_up(client: aiohttp.ClientSession, url: str) -> None:
             except aiohttp.ClientConnectionError:
                 pass
             await asyncio.sleep(0.2)
+
+
+async def test_a_session_header_that_is_not_utf8_does_not_end_the_recording(
+        tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    body = json.dumps(_chat(0)).encode()
+    async with run_sim(tokens=4) as sim, run_gateway(sim.url, record={"path": str(path)}) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        for session in (b"caf\xe9\xff", b"plain", b"caf\xe9\xff"):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                         b"Content-Type: application/json\r\nX-Session-Id: " + session
+                         + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+                         + body)
+            assert (await reader.read()).startswith(b"HTTP/1.1 200")
+            writer.close()
+            await writer.wait_closed()
+        await eventually(lambda: gw.metric("understudy_record_written_total") == 3)
+    sessions = [line["session"] for line in _lines(path)]
+    assert sessions[0] == sessions[2] != sessions[1]
