@@ -9,10 +9,11 @@ times is at most ``MAX_DURATION_S`` (an infinite one would be no bound).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 __all__ = [
     "DEFAULT_SESSION_HEADER",
@@ -38,8 +39,19 @@ a gateway samples whole conversations."""
 THINK_JITTER: Final = 0.5
 """A think time is drawn uniformly from ``think_s * (1 ± THINK_JITTER)``: mean ``think_s``,
 never below half of it, never above one and a half times it."""
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP field name (RFC 9110 token): any other would fail every request at the client."""
 DEFAULT_REQUEST_TIMEOUT_S: Final = 300.0
 DEFAULT_DRAIN_S: Final = 30.0
+
+
+def _header_name(value: str) -> str:
+    if not _HEADER_NAME.fullmatch(value):
+        raise ValueError("must be an HTTP header name: letters, digits and !#$%&'*+-.^_`|~")
+    return value
+
+
+_HeaderName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_header_name)]
 
 
 class _Spec(BaseModel):
@@ -68,7 +80,7 @@ class WorkloadSpec(_Spec):
     tool_choice: Literal["auto", "none", "omit"] = "auto"
     stream: bool = True  # streaming measures TTFT; without it only e2e
     seed: int = 0
-    session_header: str = Field(DEFAULT_SESSION_HEADER, min_length=1, max_length=128)
+    session_header: _HeaderName = DEFAULT_SESSION_HEADER
     session_prefix: str = Field("load", min_length=1, max_length=64)
     request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0, le=MAX_DURATION_S)
     # in-flight turns' grace after duration_s
@@ -83,7 +95,7 @@ class ReplaySpec(_Spec):
     duration_s: float = Field(MAX_DURATION_S, gt=0, le=MAX_DURATION_S)
     concurrency: int = Field(64, ge=1, le=MAX_CONCURRENCY)
     model: str | None = None  # replaces each recorded body's model when given
-    session_header: str = Field(DEFAULT_SESSION_HEADER, min_length=1, max_length=128)
+    session_header: _HeaderName = DEFAULT_SESSION_HEADER
     request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0, le=MAX_DURATION_S)
     drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=MAX_DURATION_S)
 

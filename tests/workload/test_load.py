@@ -225,3 +225,19 @@ def test_an_infinite_time_bound_is_refused(tmp_path: Path, flag: str, field: str
     assert result.exit_code == 2
     assert result.output.splitlines() == [
         f"Error: {field}: Input should be less than or equal to 86400"]
+
+
+@pytest.mark.parametrize("header", ["X Session", "X-Session:", "Sitzung-Ä"])
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_session_header_that_is_no_header_name_is_refused(tmp_path: Path, header: str,
+                                                            replay: bool) -> None:
+    args = ["load", "--url", "http://127.0.0.1:1", "--session-header", header]
+    if replay:
+        path = tmp_path / "rec.jsonl"
+        path.write_text('{"offset_s": 0, "route": "/v1/completions", "body": {}}\n')
+        args += ["--replay", str(path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        "Error: session_header: must be an HTTP header name: letters, digits and "
+        "!#$%&'*+-.^_`|~"]
