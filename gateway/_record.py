@@ -18,7 +18,9 @@ Rules:
    file, meaningless outside it.
 5. Message contents, tool-call arguments, completion prompts and embedding inputs are
    written only with ``prompts = true``; otherwise each of their texts is replaced by filler
-   of the same length (so a replay keeps the prompt sizes) and token ids by zeros. Tool
+   of the same length (so a replay keeps the prompt sizes) and token ids by zeros; a tool
+   call's ``arguments`` by a JSON object of the same length, since a server parses them
+   (vLLM ``json.loads`` them for the chat template and fails the request otherwise). Tool
    definitions and sampling parameters are written as sent.
 6. The file holds at most ``max_bytes``: a line that would pass the bound is not written,
    counted as ``max_bytes``. An existing file is moved to ``<path>.1`` at start; a path that
@@ -74,9 +76,18 @@ def _filler(length: int) -> str:
     return (FILLER * (length // len(FILLER) + 1))[:length]
 
 
+def _filler_arguments(length: int) -> str:
+    """Rule 5: a JSON object of ``length`` characters (at least ``{}``)."""
+    if length < len('{"_":""}'):
+        return "{}".ljust(length)
+    return '{"_":"' + _filler(length - len('{"_":""}')) + '"}'
+
+
 def _redacted(value: Any, key: str = "") -> Any:
     if key in _KEPT_KEYS:
         return value
+    if key == "arguments" and isinstance(value, str) and value:
+        return _filler_arguments(len(value))
     if isinstance(value, str):
         return _filler(len(value))
     if isinstance(value, bool):

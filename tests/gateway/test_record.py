@@ -147,6 +147,17 @@ def test_redact_keeps_structure_and_sizes() -> None:
     assert out["messages"][0]["name"] != "Alice"
 
 
+@pytest.mark.parametrize("arguments", ['{"q": "the launch code"}', '{"q": 1}', "{}", " {} "])
+def test_redacted_tool_call_arguments_stay_a_json_object(arguments: str) -> None:
+    call = {"id": "call-0", "type": "function",
+            "function": {"name": "search_logs", "arguments": arguments}}
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    kept = redact(body)["messages"][0]["tool_calls"][0]["function"]
+    assert kept["name"] == "search_logs" and len(kept["arguments"]) == len(arguments)
+    assert isinstance(json.loads(kept["arguments"]), dict)  # a server parses them (vLLM)
+    assert "launch" not in kept["arguments"]
+
+
 async def test_a_directory_as_the_path_is_refused_not_moved_aside(tmp_path: Path) -> None:
     folder = tmp_path / "logs"
     folder.mkdir()
