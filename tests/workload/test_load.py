@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from backends.sim import RecordedRequest
 from gateway.cli import main
@@ -216,12 +216,7 @@ async def test_stop_ends_a_run_still_looking_up_its_model() -> None:
 @pytest.mark.parametrize("replay", [False, True])
 def test_an_infinite_time_bound_is_refused(tmp_path: Path, flag: str, field: str,
                                            replay: bool) -> None:
-    args = ["load", "--url", "http://127.0.0.1:1", flag, "inf"]
-    if replay:
-        path = tmp_path / "rec.jsonl"
-        path.write_text('{"offset_s": 0, "route": "/v1/completions", "body": {}}\n')
-        args += ["--replay", str(path)]
-    result = CliRunner().invoke(main, args)
+    result = _load(tmp_path, [flag, "inf"], replay=replay)
     assert result.exit_code == 2
     assert result.output.splitlines() == [
         f"Error: {field}: Input should be less than or equal to 86400"]
@@ -231,13 +226,19 @@ def test_an_infinite_time_bound_is_refused(tmp_path: Path, flag: str, field: str
 @pytest.mark.parametrize("replay", [False, True])
 def test_a_session_header_that_is_no_header_name_is_refused(tmp_path: Path, header: str,
                                                             replay: bool) -> None:
-    args = ["load", "--url", "http://127.0.0.1:1", "--session-header", header]
-    if replay:
-        path = tmp_path / "rec.jsonl"
-        path.write_text('{"offset_s": 0, "route": "/v1/completions", "body": {}}\n')
-        args += ["--replay", str(path)]
-    result = CliRunner().invoke(main, args)
+    result = _load(tmp_path, ["--session-header", header], replay=replay)
     assert result.exit_code == 2
     assert result.output.splitlines() == [
         "Error: session_header: must be an HTTP header name: letters, digits and "
         "!#$%&'*+-.^_`|~"]
+
+
+def _load(tmp_path: Path, flags: list[str], *, replay: bool) -> Result:
+    """``understudy load`` with ``flags`` against a closed port, replaying a one-record file
+    (``replay``) or generating."""
+    args = ["load", "--url", "http://127.0.0.1:1", *flags]
+    if replay:
+        path = tmp_path / "rec.jsonl"
+        path.write_text('{"offset_s": 0, "route": "/v1/completions", "body": {}}\n')
+        args += ["--replay", str(path)]
+    return CliRunner().invoke(main, args)
