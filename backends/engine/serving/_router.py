@@ -22,10 +22,18 @@ Rules
    KV codec makes its own (``BlockPool``: ``H(fingerprint, codec fingerprint)``), so the router
    takes the seed a decode node reports beside its ``kv_transfer_params`` (``hash_seed``) and
    matches later turns with it.
+6. The router refuses what its nodes would refuse for length, at once and in the nodes' words:
+   its ``max_model_len`` is the smallest of its own (the model's, capped by ``--max-model-len``)
+   and every node's, read from the node's ``/v1/models`` (a small KV pool makes it smaller than
+   the model's).  It asks every node at start; a node it could not ask (not up yet), or that
+   has since failed a request (it may have restarted with another pool), is asked again in the
+   background, at most every ``NODE_LIMIT_RETRY_S``, when a request arrives.  Until a node
+   answers, its last known limit stands -- or, never asked, the node refuses for itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -62,7 +70,14 @@ from ._kv_node import PREFILL_ROUTE
 from ._openai import ENGINE_VERSION, parse_generation_request
 from ._server_config import RouterServerConfig
 
-__all__ = ["PREFILL_TIMEOUT_S", "ROUTER", "Router", "RouterMetrics", "build_router_app"]
+__all__ = [
+    "NODE_LIMIT_RETRY_S",
+    "PREFILL_TIMEOUT_S",
+    "ROUTER",
+    "Router",
+    "RouterMetrics",
+    "build_router_app",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +86,9 @@ PREFILL_TIMEOUT_S = 300.0
 # The decode node must send its headers within this; then its stream runs as long as it needs.
 DECODE_CONNECT_TIMEOUT_S = 10.0
 MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+# Rule 6: a node's /v1/models must answer within this; one not asked is asked again this often.
+NODE_LIMIT_TIMEOUT_S = 2.0
+NODE_LIMIT_RETRY_S = 10.0
 _KV_MARKER = b'"kv_transfer_params"'
 
 ReadbackOutcome = Literal["attached", "new", "off"]
@@ -122,9 +140,22 @@ class Router:
         self.hash_seed: bytes = model.fingerprint  # rule 5: until a node reports its own
         self.policy = POLICIES[config.routing_policy]()
         self.metrics = RouterMetrics(len(self.prefill_urls), len(self.decode_urls))
-        self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        # The router's own bound; ``max_model_len`` adds its nodes' (rule 6).
+        self.own_max_model_len = min(
+            config.max_model_len or model.max_model_len, model.max_model_len
+        )
+        self.node_limits: dict[str, int] = {}
+        # Nodes to ask for their limit (rule 6): all at first, then the unasked and the failed.
+        self._unsure: set[str] = {*self.prefill_urls, *self.decode_urls}
+        self._asked_at = -NODE_LIMIT_RETRY_S
+        self._asking: asyncio.Task[None] | None = None
         self.created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context every node takes: what a request is checked against (rule 6)."""
+        return min([self.own_max_model_len, *self.node_limits.values()])
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -138,8 +169,52 @@ class Router:
         )
 
     async def close(self) -> None:
+        if self._asking is not None:
+            self._asking.cancel()
+            await asyncio.gather(self._asking, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+
+    async def learn_node_limits(self) -> None:
+        """Ask every node not known for sure for its ``max_model_len`` (rule 6)."""
+        self._asked_at = time.monotonic()
+        urls = sorted(self._unsure)
+        limits = await asyncio.gather(*(self._node_limit(url) for url in urls))
+        for url, limit in zip(urls, limits, strict=True):
+            if limit is not None:
+                self.node_limits[url] = limit
+                self._unsure.discard(url)
+
+    def recheck_node_limits(self) -> None:
+        """Ask the nodes not known for sure again, in the background, if it is time (rule 6)."""
+        if not self._unsure or time.monotonic() - self._asked_at < NODE_LIMIT_RETRY_S:
+            return
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.get_running_loop().create_task(self.learn_node_limits())
+
+    def node_failed(self, url: str) -> None:
+        """A node failed a request: it may have restarted with another limit (rule 6)."""
+        self._unsure.add(url)
+
+    async def _node_limit(self, url: str) -> int | None:
+        try:
+            async with self.session.get(
+                url + "/v1/models", timeout=aiohttp.ClientTimeout(total=NODE_LIMIT_TIMEOUT_S)
+            ) as response:
+                answer = await response.json() if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.info("node %s could not tell its max_model_len: %s", url, exc)
+            return None
+        cards = answer.get("data") if isinstance(answer, dict) else None
+        limits: list[int] = []
+        for card in cards if isinstance(cards, list) else ():
+            limit = card.get("max_model_len") if isinstance(card, dict) else None
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 2:
+                limits.append(limit)
+        if not limits:
+            log.warning("node %s lists no max_model_len in its /v1/models", url)
+            return None
+        return min(limits)
 
     def route(self, prompt: tuple[int, ...]) -> _Routed:
         hashes = tuple(hash_blocks(self.hash_seed, prompt, self.block_size))
@@ -178,6 +253,7 @@ class Router:
             self.cluster.prefill_finished(node, tokens, job.hashes)
         if not isinstance(answer, dict):
             self.metrics.prefill_failed.inc()
+            self.node_failed(self.prefill_urls[node])
             return None
         self.cluster.learn(
             int(answer.get("computed_tokens", 0)),
@@ -240,6 +316,7 @@ def build_router_app(config: RouterServerConfig, model: LlamaModel) -> web.Appli
 async def _router_session(app: web.Application) -> AsyncIterator[None]:
     router = app[ROUTER]
     await router.start()
+    await router.learn_node_limits()
     try:
         yield
     finally:
@@ -256,6 +333,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     router = request.app[ROUTER]
+    router.recheck_node_limits()
     try:
         body = decode_body(await request.read())
         generation = parse_generation_request(
@@ -283,6 +361,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=DECODE_CONNECT_TIMEOUT_S),
         ) as upstream:
             if upstream.status != 200:
+                router.node_failed(router.decode_urls[node])
                 return web.Response(
                     body=await upstream.read(),
                     status=upstream.status,
@@ -297,6 +376,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
         if client_left(request):
             return web.Response()  # nobody to answer; leaving the block ended the decode
+        router.node_failed(router.decode_urls[node])
         message = f"decode node {node} failed: {type(exc).__name__}: {exc}"
         log.warning(message)
         return json_response(error_body(message, status=502, err_type="BadGatewayError"), 502)
