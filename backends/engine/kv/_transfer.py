@@ -21,6 +21,10 @@ Rules
    answer; one that stops reading (a stopped or wedged puller) is then cut -- aborted, since a
    close would wait to flush what it never reads -- and counted
    (``understudy_kv_serves_cut_total``), so it holds no copied blocks and no task for ever.
+5. An owner that is stopping (``drain``) keeps serving until no retained set is left to pull
+   and no pull is being answered, at most ``SHUTDOWN_PULL_GRACE_S``: a prefill node stopped
+   right after answering still hands that answer's blocks over, so a rolling restart costs no
+   decode node a recompute.  Nothing retained, nothing waited for.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..serving._engine import Engine
 from ..serving._engine_loop import EngineLoop
 from ..serving._metrics import EngineMetrics, PullOutcome
 from ._blockpool import BlockHash, KVBlock, NoFreeBlocksError
@@ -64,6 +69,7 @@ from ._wire import (
 __all__ = [
     "DEFAULT_PULL_TIMEOUT_S",
     "EXPORT_BATCH_BLOCKS",
+    "SHUTDOWN_PULL_GRACE_S",
     "KVSource",
     "KVTransferError",
     "KVTransferServer",
@@ -80,6 +86,10 @@ SERVE_REQUEST_TIMEOUT_S = 5.0
 # A pull not taken whole by then is cut (rule 4): its puller gave up at DEFAULT_PULL_TIMEOUT_S.
 SERVE_PULL_TIMEOUT_S = DEFAULT_PULL_TIMEOUT_S
 EXPORT_BATCH_BLOCKS = 32
+# A stopping owner serves its retained sets this long at most (rule 5): the router sends the
+# decode node on at once, whose pull is itself bounded by DEFAULT_PULL_TIMEOUT_S.
+SHUTDOWN_PULL_GRACE_S = DEFAULT_PULL_TIMEOUT_S
+_DRAIN_POLL_S = 0.05
 # The puller's stream buffer: a few blocks, so the socket is read in large pieces.
 _READ_BUFFER_BYTES = 4 * 1024 * 1024
 # Fault injection for tests: corrupt one block's bytes after its checksum, or hang up midway.
@@ -175,6 +185,7 @@ class KVTransferServer:
         self._codec = engine_loop.engine.kv_codec_fingerprint if codec is None else codec
         self._layout: KVLayout = engine_loop.engine.pool.layout
         self._server: asyncio.Server | None = None
+        self._serving = 0  # connections being answered
         self.fault: TransferFault | None = None
         self.host = ""
         self.port = 0
@@ -189,7 +200,28 @@ class KVTransferServer:
             self._server.close()
             await self._server.wait_closed()
 
+    async def drain(self, grace_s: float = SHUTDOWN_PULL_GRACE_S) -> int:
+        """Keep serving until no retained set is left and no pull is being answered, or
+        ``grace_s`` passes (rule 5); how many sets were still retained (0: all pulled or
+        expired).  The engine must be running: it drops expired and released sets."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._loop.alive:
+            left = await self._loop.call(_live_sets)
+            if not left and not self._serving:
+                return 0
+            if loop.time() >= deadline:
+                log.warning(
+                    "KV server closing with %d retained set(s) not pulled within %s s",
+                    left,
+                    grace_s,
+                )
+                return left
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return 0
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._serving += 1
         try:
             try:
                 async with asyncio.timeout(SERVE_REQUEST_TIMEOUT_S):
@@ -210,6 +242,7 @@ class KVTransferServer:
         except (KVWireError, asyncio.IncompleteReadError, OSError) as exc:
             log.info("KV pull connection dropped: %s", exc)
         finally:
+            self._serving -= 1
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
@@ -281,6 +314,11 @@ class KVTransferServer:
             writer.write(bytes(corrupted))
             return
         write_frame(writer, FrameKind.BLOCK, payload)
+
+
+def _live_sets(engine: Engine) -> int:
+    engine.retention.expire()  # lazy otherwise: an idle engine does not step
+    return len(engine.retention)
 
 
 class _Refusal(Exception):

@@ -10,7 +10,10 @@ process, sharing nothing but, if the caller wishes, the loaded model (read-only 
 
 The engine thread starts and stops in a ``cleanup_ctx``.  At shutdown the listening socket
 closes first, in-flight answers get ``serve_app``'s shutdown timeout to finish (the engine keeps
-stepping), then the engine loop stops and what is left is aborted.
+stepping), then the engine loop stops and what is left is aborted.  A prefill node, between the
+two, keeps its KV listener serving the sets its answers retained until they are pulled, at most
+``SHUTDOWN_PULL_GRACE_S`` (``_transfer`` rule 5): stopped right after answering, it still hands
+the decode node that answer's blocks.
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ def _build_prefill_app(config: PrefillServerConfig, model: LlamaModel) -> web.Ap
     app = _engine_app(config, model)
     _install_kv(app, config, readback_min_tokens=config.kv_readback_min_tokens)
     app.router.add_post(PREFILL_ROUTE, prefill)
+    app.cleanup_ctx.append(_kv_pulls_drained)
     return app
 
 
@@ -189,6 +193,15 @@ async def _engine_thread(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await loop.stop(ENGINE_STOP_TIMEOUT_S)
+
+
+async def _kv_pulls_drained(app: web.Application) -> AsyncIterator[None]:
+    # Appended after the KV server's context, so its exit runs first: the HTTP listener is
+    # closed and the last prefills answered, while the KV listener and the engine (which
+    # releases what is pulled) still run.  Decode nodes do not wait: their sets are for a next
+    # turn that may never come.
+    yield
+    await app[KV_SERVER].server.drain()
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:

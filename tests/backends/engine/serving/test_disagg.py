@@ -10,8 +10,14 @@ loopback sockets; prompts stay short so the suite stays quick on two cores.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import socket
-from collections.abc import Awaitable, Callable
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import aiohttp
@@ -22,10 +28,11 @@ from click.testing import CliRunner
 from openai.types.chat import ChatCompletionMessageParam
 
 from backends.engine import LlamaModel, RunningEngineServer, engine_command
+from backends.engine.kv._transfer import KVSource
 from backends.engine.serving._router import ROUTER
 from backends.engine.serving._server import ENGINE_LOOP, ENGINE_METRICS
 from tests.fixtures_engine import serve_disaggregated, serve_engine
-from tests.utils import eventually, run_sim
+from tests.utils import eventually, free_ports, run_sim
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = "You are the help desk of a harbour. Answer in one short sentence. " + " ".join(
@@ -329,3 +336,98 @@ async def test_the_router_relays_decode_failures_and_client_departures(
             await resp.content.readline()
             assert loop.num_in_flight == 1
         await eventually(lambda: loop.num_in_flight == 0, within_s=30)
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillProcess:
+    process: asyncio.subprocess.Process
+    url: str
+    http_port: int
+
+
+async def _accepts(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    writer.close()
+    await writer.wait_closed()
+    return True
+
+
+@asynccontextmanager
+async def _prefill_process() -> AsyncIterator[_PrefillProcess]:
+    """``understudy engine --role prefill`` in a process of its own, up and healthy."""
+    port, kv_port = free_ports(2)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "engine", "--role", "prefill", "--host",
+        "127.0.0.1", "--port", str(port), "--kv-port", str(kv_port), "--kv-gib", "0.125",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http, asyncio.timeout(120):
+            while True:
+                try:
+                    async with http.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                assert process.returncode is None, "the prefill node did not start"
+                await asyncio.sleep(0.1)
+        yield _PrefillProcess(process, url, port)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def _exit_status(process: asyncio.subprocess.Process) -> tuple[int, str]:
+    async with asyncio.timeout(60):
+        out, _ = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(errors="replace")
+
+
+async def test_a_stopped_prefill_node_still_hands_over_its_last_answer(
+    engine_model: LlamaModel,
+) -> None:
+    """SIGTERM right after a prefill: the node takes no new prefill, but its KV listener
+    serves the answer's set until the decode node has pulled it, then the node exits."""
+    prompt = [(i * 7919) % 20_000 + 100 for i in range(200)]  # 12 full blocks
+    async with _prefill_process() as node, serve_engine(engine_model, role="decode") as decode:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                node.url + "/kv/v1/prefill", json={"prompt_token_ids": prompt}
+            ) as resp:
+                assert resp.status == 200
+                params = (await resp.json())["kv_transfer_params"]
+        source = KVSource.from_params(params)
+        assert source.num_blocks == 12
+        node.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):  # the HTTP side is closed: no new prefills
+            while True:
+                if not await _accepts(node.http_port):
+                    break
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # what a router and a decode node take before the pull
+        hashes = decode.kv.hashes(prompt)
+        pulled = await decode.kv.pull(source, hashes, min_tokens=0, release=True)
+        pulled_at = time.monotonic()
+        status, out = await _exit_status(node.process)
+        waited = time.monotonic() - pulled_at
+    assert _pulls(decode, "connection") == 0, out[-2000:]
+    assert pulled == 12 and _pulls(decode, "ok") == 1
+    assert status == 0 and "Traceback" not in out, out[-2000:]
+    assert waited < 3.0  # pulled and released: no grace period left to sit out
+
+
+async def test_a_stopped_prefill_node_with_nothing_retained_exits_at_once() -> None:
+    async with _prefill_process() as node:
+        started = time.monotonic()
+        node.process.send_signal(signal.SIGTERM)
+        status, out = await _exit_status(node.process)
+        took = time.monotonic() - started
+    assert status == 0 and "Traceback" not in out, out[-2000:]
+    assert took < 3.0
