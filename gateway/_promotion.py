@@ -304,6 +304,9 @@ class Promoter:
             except (ChangeNotStored, Conflict, NotFound) as exc:  # 503 or 409: rule 3
                 log.warning("canary %s: %s; trying again in %.0f s", canary.backend.name,
                             exc, canary.interval_s)
+            except Exception:  # a driver that died would leave its canary where it is
+                log.exception("canary %s: judging failed; trying again in %.0f s",
+                              canary.backend.name, canary.interval_s)
 
     async def _judge_step(self, current: Canary) -> None:
         """One step of rule 3, for the canary ``current`` as this replica serves it."""

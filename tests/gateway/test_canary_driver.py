@@ -37,7 +37,7 @@ INTERVAL_S = 0.05
 class ToldJudge:
     """A scorekeeper whose judge says ``outcome``; it counts its judgements."""
 
-    def __init__(self, outcome: Outcome) -> None:
+    def __init__(self, outcome: Outcome | None) -> None:
         self.outcome = outcome
         self.judged = 0
 
@@ -46,6 +46,8 @@ class ToldJudge:
 
     async def judge(self, inputs: Any) -> Any:
         self.judged += 1
+        if self.outcome is None:
+            raise RuntimeError("the judge broke")
         verdict = SimpleNamespace(outcome=self.outcome, reasons=(f"told {self.outcome}",))
         return SimpleNamespace(verdict=verdict, verdict_id=None)
 
@@ -221,3 +223,16 @@ async def test_replicas_driving_one_canary_step_it_once_per_interval(store: Asyn
     finally:
         for replica in replicas:
             await replica.stop()
+
+
+async def test_a_judgement_that_fails_is_tried_again(driven: Driven) -> None:
+    """An error the driver did not foresee (here the judge's own) is logged and the step is
+    judged again next interval: the driver does not die and leave its canary where it is."""
+    driven.judge.outcome = None  # the judge raises
+    await driven.promoter.start_canary("c", actor="t", steps=(50.0, 100.0),
+                                       interval_s=INTERVAL_S)
+    await eventually(lambda: driven.judge.judged >= 2)
+    assert _driving(driven.promoter)
+    driven.judge.outcome = Outcome.PASS
+    await eventually(lambda: driven.sync.routing.primary.name == "c", within_s=10)
+    assert await driven.actions() == ["canary_start", "canary_step", "promote"]

@@ -218,7 +218,7 @@ ERROR_CASES: dict[str, tuple[str, bytes]] = {
 }
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 # The engine and its router answer GET /version with understudy's release.
-UNDERSTUDY_VERSION = importlib.metadata.version("understudy")
+PACKAGE_VERSION = importlib.metadata.version("understudy")
 # A real vLLM on two busy cores can take long over one request; the sim never does.
 LIVE_TIMEOUT = aiohttp.ClientTimeout(total=600)
 
@@ -340,14 +340,14 @@ def serve(request: pytest.FixtureRequest) -> Serve:
             model = request.getfixturevalue("engine_model")
             async with serve_engine(model, **ENGINE_NODE) as engine:
                 yield WireServer(
-                    engine.root_url, engine.config.served_model_name, UNDERSTUDY_VERSION
+                    engine.root_url, engine.config.served_model_name, PACKAGE_VERSION
                 )
         elif kind == "router":
             model = request.getfixturevalue("engine_model")
             async with serve_disaggregated(model, node=ENGINE_NODE) as cluster:
                 router = cluster.router
                 yield WireServer(
-                    router.root_url, router.config.served_model_name, UNDERSTUDY_VERSION
+                    router.root_url, router.config.served_model_name, PACKAGE_VERSION
                 )
         else:
             vllm = request.getfixturevalue("vllm_server")
