@@ -181,16 +181,25 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def start_sim_and_gateway(stack: ExitStack, workdir: Path, code: Path, scenario: Scenario,
+                          *, name: str) -> tuple[Child, Child]:
+    """The scenario's simulator (child ``name``) and a gateway in front of it, both stopped
+    when ``stack`` closes."""
+    sim = start_sim(workdir, code, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
+                    tokens=scenario.sim.tokens, name=name)
+    stack.callback(sim.stop)
+    gateway = start_gateway(workdir, code, sim.url)
+    stack.callback(gateway.stop)
+    return sim, gateway
+
+
 def run_scenario(loadgen: LoadGen, scenario: Scenario, workdir: Path, code: Path,
                  nginx: str | None,
                  bare: bool, client_usage: bool,
                  log: Callable[[str], None]) -> dict[str, Any]:
     with ExitStack() as stack:
-        sim = start_sim(workdir, code, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
-                        tokens=scenario.sim.tokens, name=f"sim-{scenario.key}")
-        stack.callback(sim.stop)
-        gateway = start_gateway(workdir, code, sim.url)
-        stack.callback(gateway.stop)
+        sim, gateway = start_sim_and_gateway(stack, workdir, code, scenario,
+                                             name=f"sim-{scenario.key}")
         relays: dict[str, Child | None] = {"direct": None, "gateway": gateway}
         if bare:
             bare_child = start_bare_relay(workdir, sim.url)
@@ -410,11 +419,8 @@ def profile_gateway(loadgen: LoadGen, scenario: Scenario, workdir: Path, code: P
         return "profile: py-spy not installed (.venv/bin/pip install py-spy)"
     path = profile_path(scenario.key)
     with ExitStack() as stack:
-        sim = start_sim(workdir, code, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
-                        tokens=scenario.sim.tokens, name=f"sim-profile-{scenario.key}")
-        stack.callback(sim.stop)
-        gateway = start_gateway(workdir, code, sim.url)
-        stack.callback(gateway.stop)
+        _, gateway = start_sim_and_gateway(stack, workdir, code, scenario,
+                                           name=f"sim-profile-{scenario.key}")
         # A first round opens the gateway's upstream pool, so the sampled one is steady.
         run_loadgen(loadgen, scenario, gateway.url, {}, client_usage)
         if scenario.mode == "stream":
