@@ -46,6 +46,11 @@ async def post_raw(root: str, path: str, payload: bytes) -> tuple[int, Any]:
             return resp.status, await resp.json()
 
 
+def no_tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The messages of the records logged with a traceback."""
+    return [record.getMessage() for record in caplog.records if record.exc_info]
+
+
 def nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
@@ -72,7 +77,7 @@ async def test_a_body_the_parser_raises_on_is_a_400(
     caplog.set_level(logging.WARNING)
     async with running_sim(sim_config()) as sim:
         assert await post_raw(sim.root_url, CHAT, payload) == (400, NOT_PARSED)
-    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+    assert no_tracebacks(caplog) == []
 
 
 # orjson writes at most 254 levels: deeper bodies were read, then a 500 where a server wrote
@@ -92,7 +97,7 @@ async def test_the_simulator_refuses_a_body_nested_too_deep_to_write(
         assert await post_raw(sim.root_url, CHAT, DEEP_MESSAGE) == (400, NOT_PARSED)
         status, _ = await post_raw(sim.root_url, CHAT, SHALLOW_ENOUGH)
         assert status == 200
-    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+    assert no_tracebacks(caplog) == []
 
 
 async def test_the_router_refuses_a_body_nested_too_deep_to_forward(
@@ -108,7 +113,7 @@ async def test_the_router_refuses_a_body_nested_too_deep_to_forward(
         # An integer past 64 bits, which orjson cannot write, is forwarded as vLLM takes it.
         status, _ = await post_raw(root, CHAT, BIG_INTEGERS)
         assert status == 200
-    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+    assert no_tracebacks(caplog) == []
 
 
 # Integers past 64 bits where vLLM bounds nothing: read exact (orjson read them as floats),
@@ -129,7 +134,7 @@ async def test_the_simulator_takes_integers_past_64_bits_where_nothing_bounds_th
         again = await post_raw(sim.root_url, CHAT, BIG_INTEGERS)
     assert first[0] == again[0] == 200
     assert first[1]["choices"] == again[1]["choices"]  # the same prompt, the same answer
-    assert not [record for record in caplog.records if record.exc_info], "a traceback was logged"
+    assert no_tracebacks(caplog) == []
 
 
 async def test_the_router_files_a_short_turn_without_a_warning(
@@ -200,10 +205,6 @@ async def test_the_engine_refuses_options_it_does_not_implement(
         body = {"prompt": "x", "max_tokens": 1, **neutral}
         status, _ = await post_raw(engine.root_url, COMPLETIONS, orjson.dumps(body))
         assert status == 200
-
-
-def no_tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.exc_info]
 
 
 async def test_a_body_aiohttp_cannot_read_is_a_json_400(caplog: pytest.LogCaptureFixture) -> None:
