@@ -23,8 +23,12 @@ Rules:
    (vLLM ``json.loads`` them for the chat template and fails the request otherwise). Tool
    definitions and sampling parameters are written as sent.
 6. The file holds at most ``max_bytes``: a line that would pass the bound is not written,
-   counted as ``max_bytes``. An existing file is moved to ``<path>.1`` at start; a path that
-   is a directory is refused at start (never moved).
+   counted as ``max_bytes``. A recording is never overwritten nor deleted: at start a
+   non-empty file at ``path`` is moved to ``<path>.1`` after the ones kept before have each
+   moved one number up (``.1`` to ``.2``, ...), as logrotate numbers them, so ``.1`` is
+   always the previous run. Only the unbroken run ``.1`` .. ``.n`` moves, highest first, each
+   to a name nothing has: a gap (one removed by hand) ends it, and a start that fails half-way
+   has lost nothing. A path that is a directory is refused at start (never moved).
 7. Stopping: the writer gets ``drain_timeout_s`` to write what is queued; what is left is
    counted as ``shutdown``; then the file is closed.
 8. The file holds whole lines only. It is unbuffered; a batch is written whole (a short write
@@ -186,8 +190,22 @@ class TrafficRecorder:
         # Only a regular file is a recording to keep: a directory (or a device) named by
         # mistake is not moved aside; opening it fails and the gateway does not start.
         if self.path.is_file() and self.path.stat().st_size > 0:
-            self.path.replace(self.path.with_name(self.path.name + ".1"))
+            self._keep_previous()
         return self.path.open("wb", buffering=0)
+
+    def _keep_previous(self) -> None:
+        """Rule 6: ``path`` becomes ``path.1``; the kept ``.1`` .. ``.n`` move one number up."""
+        kept = 0
+        while os.path.lexists(self._kept(kept + 1)):
+            kept += 1
+        for number in range(kept, 0, -1):  # highest first: each moves to a name nothing has
+            self._kept(number).rename(self._kept(number + 1))
+        self.path.rename(self._kept(1))
+        log.info("the previous traffic record is kept as %s%s", self._kept(1),
+                 f" (older ones up to {self._kept(kept + 1).name})" if kept else "")
+
+    def _kept(self, number: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{number}")
 
     def _close(self) -> None:
         with self._lock:

@@ -53,6 +53,10 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _files(folder: Path) -> dict[str, str]:
+    return {path.name: path.read_text() for path in folder.iterdir()}
+
+
 async def test_recording_redacts_prompts_and_writes_no_credentials(tmp_path: Path) -> None:
     path = tmp_path / "traffic.jsonl"
     async with run_sim(tokens=4) as sim, run_gateway(sim.url, record={"path": str(path)}) as gw:
@@ -131,6 +135,35 @@ async def test_an_existing_recording_is_kept_as_dot_one(tmp_path: Path) -> None:
         await eventually(lambda: gw.metric("understudy_record_written_total") == 1)
     assert (tmp_path / "traffic.jsonl.1").read_text() == '{"old": true}\n'
     assert len(_lines(path)) == 1
+
+
+async def test_a_second_restart_keeps_the_first_recording(tmp_path: Path) -> None:
+    # Each run is told apart by the max_tokens it sent (sampling parameters are kept as sent).
+    path = tmp_path / "traffic.jsonl"
+    async with run_sim(tokens=4) as sim:
+        for run in (1, 2, 3):
+            async with run_gateway(sim.url, record={"path": str(path)}) as gw:
+                async with aiohttp.ClientSession() as client, client.post(
+                        f"{gw.url}/v1/chat/completions",
+                        json={**_chat(0), "max_tokens": run}) as response:
+                    assert response.status == 200
+                    await response.read()
+                await eventually(lambda: gw.metric("understudy_record_written_total") == 1)
+    kept = {name: [json.loads(line)["body"]["max_tokens"] for line in text.splitlines()]
+            for name, text in _files(tmp_path).items()}
+    assert kept == {"traffic.jsonl": [3], "traffic.jsonl.1": [2], "traffic.jsonl.2": [1]}
+
+
+async def test_kept_recordings_move_up_to_a_gap_and_no_further(tmp_path: Path) -> None:
+    path = tmp_path / "traffic.jsonl"
+    for name, text in [("traffic.jsonl", "newest"), ("traffic.jsonl.1", "older"),
+                       ("traffic.jsonl.2", "oldest"), ("traffic.jsonl.4", "by hand")]:
+        (tmp_path / name).write_text(text + "\n")
+    async with run_sim(tokens=4) as sim, run_gateway(sim.url, record={"path": str(path)}):
+        pass
+    assert _files(tmp_path) == {
+        "traffic.jsonl": "", "traffic.jsonl.1": "newest\n", "traffic.jsonl.2": "older\n",
+        "traffic.jsonl.3": "oldest\n", "traffic.jsonl.4": "by hand\n"}
 
 
 def test_redact_keeps_structure_and_sizes() -> None:
