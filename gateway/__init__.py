@@ -1,7 +1,16 @@
-"""The understudy gateway: forwards to the primary, mirrors to candidates."""
+"""The understudy gateway: forwards to the primary, mirrors to candidates.
 
-from gateway._app import STATE, build_app, make_admin_runner, make_runner, run, serve
-from gateway._config import GatewayConfig, load_config
+The exported names load on first use (PEP 562): importing ``gateway.cli`` (every
+``understudy`` command) must not import the app stack (evaluators, SQLAlchemy, scipy,
+seconds of imports) before a command that needs it runs, nor for ``--help``.
+"""
+
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:
+    from gateway._app import STATE, build_app, make_admin_runner, make_runner, run, serve
+    from gateway._config import GatewayConfig, load_config
 
 __all__ = [
     "STATE",
@@ -13,3 +22,27 @@ __all__ = [
     "run",
     "serve",
 ]
+
+_EXPORTED_FROM = {
+    "STATE": "gateway._app",
+    "GatewayConfig": "gateway._config",
+    "build_app": "gateway._app",
+    "load_config": "gateway._config",
+    "make_admin_runner": "gateway._app",
+    "make_runner": "gateway._app",
+    "run": "gateway._app",
+    "serve": "gateway._app",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTED_FROM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # loaded once: later look-ups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -30,13 +30,9 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway._config import (
-    ADMIN_TOKEN_ENV,
-    MIN_ADMIN_TOKEN_LENGTH,
-    AdminConfig,
-    CandidateConfig,
-)
+from gateway._config import MIN_ADMIN_TOKEN_LENGTH, AdminConfig, CandidateConfig
 from gateway._destinations import RefusedDestination, check_candidate_url, masked_url
+from gateway._environment import ADMIN_TOKEN_ENV
 from gateway._exceptions import (
     GatewayError,
     InvalidBody,

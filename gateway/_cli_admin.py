@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gateway._config import ADMIN_TOKEN_ENV
+from gateway._environment import ADMIN_TOKEN_ENV, ADMIN_URL_ENV
 
 __all__ = ["ADMIN_COMMANDS"]
 
@@ -52,7 +52,7 @@ def _echo(data: Any) -> None:
 
 @click.group()
 @click.option("--admin-url", default=DEFAULT_ADMIN_URL, show_default=True,
-              envvar="UNDERSTUDY_ADMIN_URL", help="The admin API's root.")
+              envvar=ADMIN_URL_ENV, help="The admin API's root.")
 @click.option("--token", envvar=ADMIN_TOKEN_ENV, help=f"Bearer token (default ${ADMIN_TOKEN_ENV}).")
 @click.pass_context
 def candidates(ctx: click.Context, admin_url: str, token: str | None) -> None:
@@ -128,7 +128,7 @@ def candidates_remove(ctx: click.Context, name: str) -> None:
 @click.option("--force", is_flag=True, help="Promote whatever the judge says (needs --reason).")
 @click.option("--reason")
 @click.option("--actor", default=lambda: os.environ.get("USER", "admin"))
-@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar="UNDERSTUDY_ADMIN_URL")
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar=ADMIN_URL_ENV)
 @click.option("--token", envvar=ADMIN_TOKEN_ENV)
 def promote(name: str, force: bool, reason: str | None, actor: str, admin_url: str,
             token: str | None) -> None:
@@ -140,7 +140,7 @@ def promote(name: str, force: bool, reason: str | None, actor: str, admin_url: s
 @click.command()
 @click.option("--reason")
 @click.option("--actor", default=lambda: os.environ.get("USER", "admin"))
-@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar="UNDERSTUDY_ADMIN_URL")
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar=ADMIN_URL_ENV)
 @click.option("--token", envvar=ADMIN_TOKEN_ENV)
 def rollback(reason: str | None, actor: str, admin_url: str, token: str | None) -> None:
     """Switch back to the previous primary."""
@@ -152,7 +152,7 @@ def rollback(reason: str | None, actor: str, admin_url: str, token: str | None) 
 @click.option("--steps", default="1,5,25,50,100", show_default=True)
 @click.option("--interval-s", type=float, default=60.0, show_default=True)
 @click.option("--actor", default=lambda: os.environ.get("USER", "admin"))
-@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar="UNDERSTUDY_ADMIN_URL")
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar=ADMIN_URL_ENV)
 @click.option("--token", envvar=ADMIN_TOKEN_ENV)
 def canary(name: str, steps: str, interval_s: float, actor: str, admin_url: str,
            token: str | None) -> None:
@@ -166,7 +166,7 @@ def canary(name: str, steps: str, interval_s: float, actor: str, admin_url: str,
 
 
 @click.command()
-@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar="UNDERSTUDY_ADMIN_URL")
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar=ADMIN_URL_ENV)
 @click.option("--token", envvar=ADMIN_TOKEN_ENV)
 def routing(admin_url: str, token: str | None) -> None:
     """Show the routing: primary, rollback target, canary."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import orjson
@@ -13,17 +13,12 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from backends.openai_wire import ConfigError, config_error
-from evaluators import Report, build_report
-from evaluators.store import (
-    create_engine,
-    current_revision,
-    downgrade,
-    masked_url,
-    session_factory,
-    upgrade,
-)
-from gateway._config import GatewayConfig, load_config
+if TYPE_CHECKING:
+    from evaluators import Report
+    from gateway._config import GatewayConfig
+
+# The evaluators, the store and the configuration (seconds of imports: SQLAlchemy, Alembic,
+# scipy) are imported by the commands that use them, not for ``--help`` (gateway/cli.py).
 
 __all__ = ["db", "report"]
 
@@ -33,6 +28,9 @@ _VERDICT_STYLE = {"PASS": "green", "MARGINAL": "yellow", "FAIL": "red",
 
 
 def _config(config_path: Path | None, db_url: str | None) -> GatewayConfig:
+    from backends.openai_wire import ConfigError, config_error
+    from gateway._config import load_config
+
     overrides: dict[str, Any] = {}
     if db_url:
         overrides = {"evaluation": {"store": {"url": db_url}}}
@@ -61,6 +59,8 @@ def db() -> None:
 @click.option("--revision", default="head", show_default=True)
 def db_upgrade(config_path: Path | None, db_url: str | None, revision: str) -> None:
     """Upgrade the schema to REVISION (default: the newest)."""
+    from evaluators.store import current_revision, masked_url, upgrade
+
     url = _config(config_path, db_url).evaluation.store.url
     asyncio.run(upgrade(url, revision))
     click.echo(f"{masked_url(url)}: at {asyncio.run(current_revision(url))}")
@@ -72,6 +72,8 @@ def db_upgrade(config_path: Path | None, db_url: str | None, revision: str) -> N
 @click.argument("revision")
 def db_downgrade(config_path: Path | None, db_url: str | None, revision: str) -> None:
     """Downgrade the schema to REVISION (``base`` removes every table)."""
+    from evaluators.store import current_revision, downgrade, masked_url
+
     url = _config(config_path, db_url).evaluation.store.url
     asyncio.run(downgrade(url, revision))
     click.echo(f"{masked_url(url)}: at {asyncio.run(current_revision(url))}")
@@ -101,6 +103,9 @@ def report(config_path: Path | None, db_url: str | None, candidate: str,
 
 async def _build(config: GatewayConfig, candidate: str, secondary: str | None,
                  since: datetime | None) -> Report:
+    from evaluators import build_report
+    from evaluators.store import create_engine, session_factory
+
     engine = create_engine(config.evaluation.store)
     try:
         async with session_factory(engine)() as session, session.begin():

@@ -43,6 +43,7 @@ from yarl import URL
 
 from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig
 from evaluators.store import StoreConfig
+from gateway._environment import ADMIN_TOKEN_ENV, ADMIN_URL_ENV
 
 __all__ = [
     "MAX_CANDIDATES",
@@ -67,10 +68,9 @@ MiB = 1024 * KiB
 
 ENV_PREFIX = "UNDERSTUDY_"
 ENV_NESTED_DELIMITER = "__"
-ADMIN_TOKEN_ENV = "UNDERSTUDY_ADMIN_TOKEN"
 OTHER_ENVIRONMENT: frozenset[str] = frozenset({
     ADMIN_TOKEN_ENV,               # the admin token, read below besides UNDERSTUDY_ADMIN__TOKEN
-    "UNDERSTUDY_ADMIN_URL",        # the admin commands' API root (gateway/_cli_admin.py)
+    ADMIN_URL_ENV,                 # the admin commands' API root (gateway/_cli_admin.py)
     "UNDERSTUDY_HOME",             # models, vLLM, static embeddings (backends/vllm, evaluators)
     "UNDERSTUDY_CACHE_DIR",        # the KV codecs' calibration cache (backends/engine)
     "UNDERSTUDY_VLLM_PYTHON",      # scripts/setup-vllm.sh

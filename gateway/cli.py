@@ -1,34 +1,109 @@
-"""The ``understudy`` command line."""
+"""The ``understudy`` command line.
+
+Importing this module is cheap: each command imports what it needs when it runs or shows its
+own help (``understudy serve`` does not import the engine, ``--help`` imports none of them).
+The commands that live elsewhere are named in ``SUBCOMMANDS`` with the first sentence of their
+help, which ``understudy --help`` lists without importing them (a test holds the sentences to
+the commands' own).
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 from pydantic import ValidationError
 
-from backends.engine import engine_command, kv_quality_command, plan_kv_command
-from backends.openai_wire import ConfigError, config_error
-from backends.sim import sim_command
-from demo import demo_command
-from gateway._admin import check_admin_binding
-from gateway._app import run
-from gateway._cli_admin import ADMIN_COMMANDS
-from gateway._cli_eval import db, report
-from gateway._config import load_config, parse_candidate_flag
-from workload import load_command
-
 __all__ = ["main"]
 
 
-@click.group()
+@dataclass(frozen=True, slots=True)
+class Subcommand:
+    """A command defined in another module, imported only when it is asked for."""
+
+    target: str  # "module:attribute"
+    summary: str  # the first sentence of its help, for the group's listing
+
+    def load(self) -> click.Command:
+        module, _, attribute = self.target.partition(":")
+        command = getattr(importlib.import_module(module), attribute)
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{self.target} is not a click command")
+        return command
+
+
+SUBCOMMANDS: Mapping[str, Subcommand] = {
+    "canary": Subcommand("gateway._cli_admin:canary", "Shift live sessions to candidate NAME "
+                         "step by step while the judge passes."),
+    "candidates": Subcommand("gateway._cli_admin:candidates", "List, add, change, pause, "
+                             "resume or remove candidates on a running gateway."),
+    "db": Subcommand("gateway._cli_eval:db",
+                     "Create or change the evaluation store's schema (Alembic)."),
+    "demo": Subcommand("demo:demo_command", "Run the real-model demo: a primary, its replica "
+                       "and three candidates behind the gateway, agentic traffic, the "
+                       "scorecard, and a promotion."),
+    "engine": Subcommand("backends.engine:engine_command", "Serve the reference engine "
+                         "(SmolLM2 in numpy) with vLLM's OpenAI API."),
+    "kv-quality": Subcommand("backends.engine:kv_quality_command", "Measure KV codecs on the "
+                             "real model against fp32: attention-output error per layer, "
+                             "next-token KL and top-1 on real text, and agreement of greedy "
+                             "answers."),
+    "load": Subcommand("workload:load_command", "Drive agentic multi-turn sessions (or a "
+                       "recorded replay) against URL."),
+    "plan-kv": Subcommand("backends.engine:plan_kv_command", "Choose a KV codec per layer for "
+                          "keys and for values under a memory budget, from measured quality "
+                          "loss, and say what bounds a decode step on this machine."),
+    "promote": Subcommand("gateway._cli_admin:promote",
+                          "Promote candidate NAME to primary if the judge passes it."),
+    "report": Subcommand("gateway._cli_eval:report",
+                         "Judge CANDIDATE over its stored scores and print every statistic."),
+    "rollback": Subcommand("gateway._cli_admin:rollback", "Switch back to the previous primary."),
+    "routing": Subcommand("gateway._cli_admin:routing",
+                          "Show the routing: primary, rollback target, canary."),
+    "sim": Subcommand("backends.sim:sim_command", "Serve a vLLM OpenAI-protocol simulator (for "
+                      "tests and benchmarks)."),
+}
+
+
+class _LazyGroup(click.Group):
+    """A group that imports a command of ``SUBCOMMANDS`` only when it is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *SUBCOMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = self.commands.get(cmd_name)
+        if command is None and cmd_name in SUBCOMMANDS:
+            command = SUBCOMMANDS[cmd_name].load()
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # click's own listing, from the summaries: asking each command would import them all.
+        commands = [(name, self.commands.get(name)
+                     or click.Command(name, help=SUBCOMMANDS[name].summary))
+                    for name in self.list_commands(ctx)]
+        commands = [(name, command) for name, command in commands if not command.hidden]
+        if commands:
+            limit = formatter.width - 6 - max(len(name) for name, _ in commands)
+            with formatter.section("Commands"):
+                formatter.write_dl([(name, command.get_short_help_str(limit))
+                                    for name, command in commands])
+
+
+@click.group(cls=_LazyGroup)
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def main(log_level: str) -> None:
     """understudy: mirror production LLM traffic to candidates and score them."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # Alembic logs each plugin it sets up when it is imported (at INFO): noise to an operator,
+    # and a command imports it (through the store) only now, after logging is configured.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
 
 
 @main.command()
@@ -48,6 +123,11 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
           port: int | None, candidates: tuple[str, ...], admin_port: int | None,
           db_url: str | None, print_config: bool) -> None:
     """Forward OpenAI-compatible traffic to the primary and mirror it to candidates."""
+    from backends.openai_wire import ConfigError, config_error
+    from gateway._admin import check_admin_binding
+    from gateway._app import run
+    from gateway._config import load_config, parse_candidate_flag
+
     overrides: dict[str, Any] = {}
     try:
         if candidates:
@@ -81,15 +161,5 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
         raise click.ClickException(f"cannot serve: {exc}") from exc
 
 
-main.add_command(sim_command)
-main.add_command(engine_command)
-main.add_command(kv_quality_command)
-main.add_command(plan_kv_command)
-main.add_command(db)
-main.add_command(report)
-main.add_command(load_command)
-main.add_command(demo_command)
-for command in ADMIN_COMMANDS:
-    main.add_command(command)
 if __name__ == "__main__":
     main()
