@@ -15,16 +15,24 @@ Rules (DESIGN.md invariant 8):
    cost bounded by the gates' ``max_judged_exchanges`` (the newest scored exchanges).
 3. A canary moves live sessions to a candidate step by step (session-consistent). After
    each interval the judge looks at the candidate: FAIL rolls the canary back at once,
-   INCONCLUSIVE holds the step, PASS or MARGINAL moves to the next step; at the last step
-   (100 %) only a PASS promotes (rule 1, on that same judgement), MARGINAL holds it. A
-   step the store cannot take (503), or that another replica's change overtook (409), is
-   tried again next interval, on the routing the replica then serves; the driver ends
-   only when the routing has no canary.
+   INCONCLUSIVE holds the step, PASS or MARGINAL moves to the next step. A step the store
+   cannot take (503), or that another replica's change overtook (409), is tried again
+   next interval, on the routing the replica then serves; the driver ends only when the
+   routing has no canary.
    Each step is judged on the scores since it began (``step_started_at``), never on the
    whole stored window: what an earlier step (or a mirror before it) measured does not
-   vouch for this one.  The 100 % step serves every session live, so nothing is mirrored
-   to compare: it is judged on the scores since the last step below 100 % began
-   (``Canary.judged_since``).
+   vouch for this one.  The 100 % step serves every session live: the primary answers
+   nothing, so nothing is mirrored and no new pair is scored. It is judged on the scores
+   since the last step below 100 % began (``Canary.judged_since``), and once that step's
+   last replays are scored every judgement of it repeats the one before (same scores,
+   fixed seeds). Hence:
+   a. the last step below 100 % moves on only on a PASS; MARGINAL holds it, judged again
+      on its growing window. Only a PASS promotes, and the 100 % step adds no evidence:
+      a MARGINAL there would hold every session on a candidate whose verdict cannot turn;
+   b. at 100 % a PASS promotes (rule 1, on that same judgement) and a FAIL rolls back;
+      anything else (the replays scored after the step up can turn its PASS) takes the
+      canary back to the step below, begun afresh, to measure more. A canary that
+      started at 100 % has no step below: it holds (its scores are the mirror's before it).
 4. Routing changes go through ``RoutingSync.commit``, which makes them the replicas' state
    too. One lock orders every change of this replica, candidates' included.
 5. Every replica drives the canary of the routing it serves (``follow``): the one that
@@ -327,20 +335,40 @@ class Promoter:
                 log.warning("canary %s rolled back at %s%%: %s", name, canary.percent,
                             "; ".join(reasons[:3]))
                 return
-            if judgement.outcome in (Outcome.INCONCLUSIVE, None):
+            if judgement.outcome is None:
+                return  # nothing to judge with: the step stays as it is
+            if canary.step + 1 == len(canary.steps):  # the last step, 100 %: rule 3b
+                if judgement.outcome is Outcome.PASS:
+                    await self._promote(self._candidate(name), judgement, actor=actor,
+                                        force=False, reason=None)
+                elif canary.step > 0:
+                    await self._step_back(canary, judgement)
                 return
-            if canary.step + 1 == len(canary.steps):
-                if judgement.outcome is not Outcome.PASS:
-                    return  # MARGINAL holds the last step: only a PASS promotes
-                await self._promote(self._candidate(name), judgement, actor=actor,
-                                    force=False, reason=None)
+            if judgement.outcome is Outcome.INCONCLUSIVE:
                 return
+            if canary.step + 2 == len(canary.steps) and judgement.outcome is not Outcome.PASS:
+                return  # rule 3a: MARGINAL holds the last mirrored step
             step = canary.next_step(time.time())
             await self._sync.commit(partial(Routing.with_canary, canary=step),
                                     audit=lambda _: AuditNote(actor, "canary_step", name, {
                                         "step": step.step, "percent": step.percent,
                                         "verdict": verdict}, verdict_id))
             self._done("canary_step", name, verdict)
+
+    async def _step_back(self, canary: Canary, judgement: Judgement) -> None:
+        """Rule 3b: from 100 % back to the step below, to measure more (the lock held)."""
+        name, verdict, reasons = canary.backend.name, judgement.label, judgement.reasons
+        back = canary.previous_step(time.time())
+        await self._sync.commit(partial(Routing.with_canary, canary=back),
+                                audit=lambda _: AuditNote(
+                                    canary.actor, "canary_step_back", name, {
+                                        "step": back.step, "percent": back.percent,
+                                        "reasons": list(reasons), "verdict": verdict},
+                                    judgement.verdict_id))
+        self._done("canary_step_back", name, verdict)
+        log.warning("canary %s back to %s%%: the judge says %s at 100%% (%s), and the 100%% "
+                    "step mirrors nothing to change that", name, back.percent, verdict,
+                    "; ".join(reasons[:3]))
 
     def _done(self, action: str, target: str, verdict: str | None = None) -> None:
         log.info("admin: %s %s (verdict %s)", action, target, verdict)

@@ -65,6 +65,14 @@ class Canary:
         return Canary(self.backend, self.steps, self.step + 1, self.interval_s, now, measured,
                       self.actor)
 
+    def previous_step(self, now: float) -> Canary:
+        """The step below this one, begun afresh at ``now`` (``_promotion`` rule 3: the
+        100 % step goes back to the last mirrored step to measure more)."""
+        if self.step == 0:
+            raise ValueError("the first step has no step below it")
+        return Canary(self.backend, self.steps, self.step - 1, self.interval_s, now, None,
+                      self.actor)
+
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend.to_dict(), "steps": list(self.steps),
                 "step": self.step, "percent": self.percent, "interval_s": self.interval_s,

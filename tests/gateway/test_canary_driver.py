@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,10 +35,13 @@ INTERVAL_S = 0.05
 
 
 class ToldJudge:
-    """A scorekeeper whose judge says ``outcome``; it counts its judgements."""
+    """A scorekeeper whose judge says ``outcome`` (``at_full`` of the 100 % step, where
+    set); it counts its judgements."""
 
     def __init__(self, outcome: Outcome | None) -> None:
         self.outcome = outcome
+        self.at_full: Outcome | None = None
+        self.routing: Callable[[], Routing] | None = None
         self.judged = 0
 
     async def read(self, candidate: str, since: Any = None) -> str:
@@ -46,9 +49,13 @@ class ToldJudge:
 
     async def judge(self, inputs: Any) -> Any:
         self.judged += 1
-        if self.outcome is None:
+        outcome = self.outcome
+        canary = self.routing().canary if self.routing is not None else None
+        if self.at_full is not None and canary is not None and canary.percent == 100:
+            outcome = self.at_full
+        if outcome is None:
             raise RuntimeError("the judge broke")
-        verdict = SimpleNamespace(outcome=self.outcome, reasons=(f"told {self.outcome}",))
+        verdict = SimpleNamespace(outcome=outcome, reasons=(f"told {outcome}",))
         return SimpleNamespace(verdict=verdict, verdict_id=None)
 
     async def record(self, report: Any) -> Any:
@@ -87,6 +94,7 @@ class Replica:
         sync = RoutingSync(Routing.configured(Backend("primary", "http://127.0.0.1:8")), serve,
                            metrics, poll_interval_s=poll_interval_s)
         judge = ToldJudge(Outcome.MARGINAL)
+        judge.routing = lambda: sync.routing
         promoter = Promoter(sync, mirror, metrics, cast(Scorekeeper, judge))
         await sync.start(engine)
         return cls(promoter, sync, judge)
@@ -128,22 +136,70 @@ def _driving(promoter: Promoter) -> bool:
     return task is not None and not task.done()
 
 
-async def test_marginal_holds_the_last_step_and_a_pass_then_promotes(driven: Driven) -> None:
-    await driven.promoter.start_canary("c", actor="t", steps=(50.0, 100.0),
+async def test_marginal_holds_the_last_mirrored_step_and_a_pass_then_promotes(
+        driven: Driven) -> None:
+    """Rule 3a: the 100 % step mirrors nothing, so it is judged on the last mirrored step's
+    scores; only a PASS there moves every session to the candidate (before, a MARGINAL did,
+    and the canary then sat at 100 % on a verdict that could not turn)."""
+    await driven.promoter.start_canary("c", actor="t", steps=(25.0, 50.0, 100.0),
                                        interval_s=INTERVAL_S)
     await eventually(lambda: (canary := driven.sync.routing.canary) is not None
-                     and canary.percent == 100.0)
+                     and canary.percent == 50.0)  # MARGINAL steps up below the last one
     judged = driven.judge.judged
     await eventually(lambda: driven.judge.judged >= judged + 3)  # held, judged again
     canary = driven.sync.routing.canary
-    assert canary is not None and canary.percent == 100.0
+    assert canary is not None and canary.percent == 50.0
     assert driven.sync.routing.primary.name == "primary"
-    assert _driving(driven.promoter)  # before: a refused promotion ended the driver
+    assert _driving(driven.promoter)
     driven.judge.outcome = Outcome.PASS
     await eventually(lambda: driven.sync.routing.primary.name == "c")
     assert driven.sync.routing.canary is None
     await eventually(lambda: not _driving(driven.promoter))
-    assert await driven.actions() == ["canary_start", "canary_step", "promote"]
+    assert await driven.actions() == ["canary_start", "canary_step", "canary_step", "promote"]
+
+
+@pytest.mark.parametrize("at_full", [Outcome.MARGINAL, Outcome.INCONCLUSIVE])
+async def test_short_of_a_pass_at_100_goes_back_to_measure_more(driven: Driven,
+                                                                 at_full: Outcome) -> None:
+    """Rule 3b: at 100 % nothing new is scored, so holding that step would judge the same
+    scores for ever: a verdict short of PASS takes the canary back to the step below,
+    begun afresh; a PASS there and then at 100 % promotes."""
+    driven.judge.outcome, driven.judge.at_full = Outcome.PASS, at_full
+    started = await driven.promoter.start_canary("c", actor="t", steps=(50.0, 100.0),
+                                                 interval_s=INTERVAL_S)
+    assert started.routing.canary is not None
+    full_from = 0.0
+
+    def back_below() -> bool:
+        nonlocal full_from
+        canary = driven.sync.routing.canary
+        if canary is not None and canary.percent == 100.0:
+            full_from = canary.step_started_at
+        return full_from > 0 and canary is not None and canary.percent == 50.0
+
+    await eventually(back_below)
+    back = driven.sync.routing.canary
+    assert back is not None and back.step == 0 and back.actor == "t"
+    assert back.step_started_at > full_from  # begun afresh: judged on new scores only
+    assert back.judged_since == back.step_started_at
+    assert driven.sync.routing.primary.name == "primary"
+    assert _driving(driven.promoter)
+    driven.judge.at_full = None  # the scores measured again say PASS at 100 % too
+    await eventually(lambda: driven.sync.routing.primary.name == "c")
+    actions = await driven.actions()
+    assert actions[:3] == ["canary_start", "canary_step", "canary_step_back"], actions
+    assert actions[-2:] == ["canary_step", "promote"], actions
+
+
+async def test_a_canary_started_at_100_holds_short_of_a_pass(driven: Driven) -> None:
+    """Rule 3b: with no step below there is nothing to go back to: it holds."""
+    await driven.promoter.start_canary("c", actor="t", steps=(100.0,), interval_s=INTERVAL_S)
+    judged = driven.judge.judged
+    await eventually(lambda: driven.judge.judged >= judged + 3)
+    canary = driven.sync.routing.canary
+    assert canary is not None and canary.percent == 100.0
+    assert _driving(driven.promoter)
+    assert await driven.actions() == ["canary_start"]
 
 
 async def test_the_driver_outlives_another_replicas_change(driven: Driven) -> None:
