@@ -45,6 +45,14 @@ Rules
    missing from ``raw_rows`` is a broken invariant, never a silent decode.  Window slots are
    dropped only when asked (``drop_window``: the pool, when no running sequence's window holds
    the block and it is no cached conversation's tail) or with the block (rule 6).
+9. The blocks one ``seal`` call completes (one per running sequence at a decode step) are
+   encoded on the model's decode threads (``TileWorkers``), a contiguous run of them each:
+   encoding is a pure function of a block's rows (``_paged_codec`` rule 11), so the bytes are
+   the same on any number of threads, and the bookkeeping after it -- codes kept, slots
+   cached -- runs on the caller's thread in the blocks' order.  Why: at 8 streams a step that
+   completes a block encodes 8 blocks per layer and role, serially ~1 ms a layer under
+   ``e8-2`` (its codebook search, in C with the GIL released), while the other decode thread
+   waited.
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ..model._attention import blockwise_scores_exact
-from ._paged_codec import PagedCodec
+from ..model._linear import TileWorkers
+from ._paged_codec import PagedCodec, SealedLayer
 from ._store import NULL_BLOCK, GroupScratch, KVLayout
 
 __all__ = ["DEFAULT_DECODED_CACHE_BYTES", "CodedKVStorage", "DecodedCacheStats"]
@@ -456,38 +465,50 @@ class CodedKVStorage:
         blocks: IntArray,
         firsts: npt.NDArray[np.bool_],
         queries: Float32Array | None = None,
+        workers: TileWorkers | None = None,
     ) -> None:
         """Encode one layer of complete ``blocks``; their raw slots become decoded cache entries
         (rule 4); ``firsts``: which are a sequence's first block (sink); ``queries``: [blocks,
         heads, head_dim], each block's last query, which chooses its heavy hitters
-        (``_paged_codec`` rule 10; needed only when the codec keeps some)."""
+        (``_paged_codec`` rule 10; needed only when the codec keeps some).  ``workers``: the
+        model's decode threads, which share the blocks' encoding (rule 9)."""
+        pending: list[tuple[int, int, bool, Float32Array | None, Float32Array, Float32Array]] = []
         for index, (block, first) in enumerate(zip(blocks.tolist(), firsts.tolist(), strict=True)):
             query = None if queries is None else queries[index]
             key = (layer, block)
             slot = self._raw.pop(key)
             if self._half:  # rule 8: the float16 rows stay as the window's
                 self._window[key] = slot
-                k, v = self.codec.seal(
-                    layer,
-                    block,
-                    self._window_keys[:, slot].astype(np.float32),
-                    self._window_values[:, slot].astype(np.float32),
-                    bool(first),
-                    query,
-                    keep=False,
-                )
+                keys_t = self._window_keys[:, slot].astype(np.float32)
+                values = self._window_values[:, slot].astype(np.float32)
+            else:
+                keys_t, values = self._arena_keys[:, slot], self._arena_values[:, slot]
+            pending.append((block, slot, bool(first), query, keys_t, values))
+        sealed: list[SealedLayer | None] = [None] * len(pending)
+
+        def encode(start: int, stop: int) -> None:
+            for index in range(start, stop):
+                _, _, first, query, keys_t, values = pending[index]
+                sealed[index] = self.codec.encode_layer(layer, keys_t, values, first, query)
+
+        if workers is None:
+            encode(0, len(pending))
+        else:
+            workers.run(encode, len(pending))
+        for (block, slot, _, _, _, _), layer_sealed in zip(pending, sealed, strict=True):
+            assert layer_sealed is not None
+            k, v = self.codec.keep_sealed(layer, block, layer_sealed, keep=not self._half)
+            if self._half:
                 if self.cache_entries:
                     slot = self._slot()
                     self._arena_keys[:, slot] = k
                     self._arena_values[:, slot] = v
-                    self._cache(key, slot)
+                    self._cache((layer, block), slot)
                 continue
-            keys, values = self._arena_keys, self._arena_values
-            k, v = self.codec.seal(layer, block, keys[:, slot], values[:, slot], bool(first), query)
             if self.cache_entries:
-                keys[:, slot] = k
-                values[:, slot] = v
-                self._cache(key, slot)
+                self._arena_keys[:, slot] = k
+                self._arena_values[:, slot] = v
+                self._cache((layer, block), slot)
             else:
                 self._free.append(slot)
 

@@ -52,6 +52,12 @@ Rules
    the block's hash covers, is the block's content as much as its codes are.  A block held as
    window rows only (rule 9) keeps its choice (``choice_bytes``, the positions of every layer)
    until its codes are made: ``encode_rows`` takes the rows from the choice, not a new query.
+11. ``seal`` is two steps: ``encode_layer`` computes a layer's codes, heavy-hitter choice and
+   decoded rows from its arguments alone (it reads the codecs and the schema, writes nothing),
+   and ``keep_sealed`` does the bookkeeping (codes or choice kept, sink row held).  So the
+   blocks one forward pass completes at a layer -- one per running sequence at a decode step
+   -- are encoded on the model's decode threads at once (``_coded_store.seal``), and the
+   bytes do not depend on which thread encoded which block.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ from ._heavy import MAX_BLOCK_ROWS, heavy_hitters
 from ._plan import ENGINE_CODECS, SERVED_CODECS, KVPlan
 from .codecs import EncodedBlock, KVCodec, Role, codec_by_name
 
-__all__ = ["ENGINE_CODECS", "SERVED_CODECS", "PagedCodec"]
+__all__ = ["ENGINE_CODECS", "SERVED_CODECS", "PagedCodec", "SealedLayer"]
 
 Float32Array = npt.NDArray[np.float32]
 UInt8Array = npt.NDArray[np.uint8]
@@ -77,6 +83,20 @@ UInt8Array = npt.NDArray[np.uint8]
 _ROLES: tuple[Role, Role] = ("key", "value")
 _PROBE_SEED = 14
 _HALF_MAX = float(np.finfo(np.float16).max)
+
+
+@dataclass(frozen=True, slots=True)
+class SealedLayer:
+    """One layer of a complete block, encoded and read back (``PagedCodec.encode_layer``)."""
+
+    blob: bytes
+    """The layer's codes and heavy-hitter rows, as kept (rule 10)."""
+    chosen: bytes
+    """The heavy-hitter choice (uint8 [kv_heads, h]; empty without heavy hitters)."""
+    sink: Float32Array | None
+    """A first block's raw sink rows, K and V [2, kv_heads, head_dim] (rule 3)."""
+    keys_t: Float32Array
+    values: Float32Array
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +293,20 @@ class PagedCodec:
         ``query``: [heads, head_dim], the query of the block's last position, which chooses the
         heavy hitters (rule 10; needed only when the plan keeps some).  ``keep=False``: the
         block is held as window rows (rule 9): the codes are not kept, the heavy-hitter choice
-        is, for ``encode_rows``."""
+        is, for ``encode_rows``.  ``encode_layer`` then ``keep_sealed``, in one call."""
+        sealed = self.encode_layer(layer, keys_t, values, first, query)
+        return self.keep_sealed(layer, block, sealed, keep=keep)
+
+    def encode_layer(
+        self,
+        layer: int,
+        keys_t: Float32Array,
+        values: Float32Array,
+        first: bool,
+        query: Float32Array | None = None,
+    ) -> SealedLayer:
+        """``seal``'s work without its bookkeeping (rule 11): the layer's codes, heavy-hitter
+        choice and decoded rows, computed from the arguments alone."""
         k = np.ascontiguousarray(keys_t.transpose(2, 0, 1))
         chosen = b""
         if self.heavy_tokens:
@@ -281,22 +314,30 @@ class PagedCodec:
                 raise ValueError("sealing a block with heavy hitters needs its last query")
             chosen = heavy_hitters(query, k, self.heavy_tokens, skip_sink=first).tobytes()
         blob = self._blob(layer, k, values, chosen)
+        sink = np.stack([k[0], values[:, 0]]) if first else None
+        keys_read, values_read = self._decode_layer(layer, blob, sink)
+        return SealedLayer(blob, chosen, sink, keys_read, values_read)
+
+    def keep_sealed(
+        self, layer: int, block: int, sealed: SealedLayer, *, keep: bool = True
+    ) -> tuple[Float32Array, Float32Array]:
+        """Hold what ``encode_layer`` made as ``block``'s layer (``seal``'s ``keep``); its
+        decoded K^T and V."""
         if keep:
-            self._store(layer, block, blob)
+            self._store(layer, block, sealed.blob)
         else:
             choices = self._choices.get(block)
             if choices is None or len(choices) != self.num_layers:
                 choices = self._choices[block] = [b""] * self.num_layers
-            choices[layer] = chosen
-        if first:
+            choices[layer] = sealed.chosen
+        if sealed.sink is not None:
             sink = self._sinks.setdefault(
                 block, np.zeros((self.num_layers, 2, self.kv_heads, self.head_dim), np.float32)
             )
-            sink[layer, 0] = k[0]
-            sink[layer, 1] = values[:, 0]
+            sink[layer] = sealed.sink
         elif layer == 0:
             self._sinks.pop(block, None)
-        return self._decode_layer(layer, blob, block if first else None)
+        return sealed.keys_t, sealed.values
 
     def _blob(self, layer: int, k: Float32Array, values: Float32Array, chosen: bytes) -> bytes:
         """One layer's codes of a block (``k`` [block_size, kv_heads, head_dim], ``values`` as
@@ -347,7 +388,7 @@ class PagedCodec:
     def decode_blob(self, layer: int, block: int, blob: bytes) -> tuple[Float32Array, Float32Array]:
         """One layer of ``block`` decoded from codes ``encode_rows`` made (its sink written
         over), as ``decode_block_layer`` decodes kept codes."""
-        return self._decode_layer(layer, blob, block if block in self._sinks else None)
+        return self._decode_layer(layer, blob, self._layer_sink(layer, block))
 
     def release_codes(self, block: int) -> None:
         """Drop a loaded block's codes, keeping its heavy-hitter choice: its window rows are
@@ -357,9 +398,16 @@ class PagedCodec:
             size = self.kv_heads * self.heavy_tokens
             self._choices[block] = [blob[len(blob) - size :] for blob in layers]
 
+    def _layer_sink(self, layer: int, block: int) -> Float32Array | None:
+        """``block``'s raw sink row at ``layer`` [2, kv_heads, head_dim], if it holds one."""
+        sink = self._sinks.get(block)
+        return None if sink is None else sink[layer]
+
     def _decode_layer(
-        self, layer: int, blob: bytes, sink_block: int | None
+        self, layer: int, blob: bytes, sink: Float32Array | None
     ) -> tuple[Float32Array, Float32Array]:
+        """One layer's codes decoded, its heavy hitters and ``sink`` (K and V rows, [2,
+        kv_heads, head_dim]) written over; reads nothing else of the codec's state."""
         shape = (self.block_size, self.kv_heads, self.head_dim)
         offset = 0
         out = []
@@ -385,10 +433,9 @@ class PagedCodec:
                 raise ValueError(f"a heavy-hitter position beyond the {self.block_size}-row block")
             k[chosen, heads] = rows[:size].reshape(self.kv_heads, h, self.head_dim)
             v[chosen, heads] = rows[size:].reshape(self.kv_heads, h, self.head_dim)
-        if sink_block is not None:
-            sink = self._sinks[sink_block]
-            k[0] = sink[layer, 0]
-            v[0] = sink[layer, 1]
+        if sink is not None:
+            k[0] = sink[0]
+            v[0] = sink[1]
         keys_t = np.ascontiguousarray(k.transpose(1, 2, 0))
         return keys_t, np.ascontiguousarray(v.transpose(1, 0, 2))
 
@@ -408,7 +455,7 @@ class PagedCodec:
         """One layer of a sealed block decoded again: the bits ``seal`` returned (decoding is
         deterministic), as K^T [kv_heads, head_dim, block_size] and V."""
         layers = self._encoded[block]
-        return self._decode_layer(layer, layers[layer], block if block in self._sinks else None)
+        return self._decode_layer(layer, layers[layer], self._layer_sink(layer, block))
 
     def forget(self, block: int) -> None:
         """Drop ``block``'s codes, heavy-hitter choice and sink row (it is handed out again)."""
@@ -473,7 +520,7 @@ class PagedCodec:
         else:
             self._sinks.pop(block, None)
         decoded = [
-            self._decode_layer(layer, blob, block if first else None)
+            self._decode_layer(layer, blob, self._layer_sink(layer, block))
             for layer, blob in enumerate(layers)
         ]
         for k, v in decoded:

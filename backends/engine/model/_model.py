@@ -357,6 +357,7 @@ class LlamaModel:
             row_blocks[: plan.total][sealed],
             plan.positions[: plan.total][sealed] < bs,
             q[: plan.total][sealed],
+            self.workers,
         )
         for (members, tables), owns in zip(plan.decode_groups, own_decode, strict=True):
             positions = plan.positions[members]

@@ -23,9 +23,11 @@ from backends.engine._arrays import Float32Array
 from backends.engine.kv._coded_store import DEFAULT_DECODED_CACHE_BYTES, CodedKVStorage
 from backends.engine.kv._paged_codec import SERVED_CODECS, PagedCodec
 from backends.engine.kv._plan import KVPlan
+from backends.engine.kv._store import KVLayout
 from backends.engine.kv.codecs._quality import calibrate
 from backends.engine.model._attention import OwnBlocks, attend, attend_decode, key_span
 from backends.engine.model._lanes import RowLanes
+from backends.engine.model._linear import TileWorkers
 from backends.engine.model._numerics import attention_rows_independent
 from backends.engine.serving._engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from backends.engine.serving._server_config import UnifiedServerConfig, engine_server_config
@@ -220,6 +222,38 @@ def test_fp32_is_no_paged_codec_and_a_window_is_whole_blocks() -> None:
 
 
 # -- the engine ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["kivi-2", "e8-2", MIXED, WINDOW32_HEAVY2])
+def test_blocks_sealed_together_on_decode_threads_are_the_bytes_of_blocks_sealed_alone(
+    name: str,
+) -> None:
+    """``_coded_store`` rule 9: one ``seal`` of six blocks shared by two decode threads keeps
+    the codes, sink rows and decoded rows that sealing them on the caller's thread keeps."""
+    blocks = np.arange(1, 7, dtype=np.intp)
+    q, keys_t, values = _qkv(5, blocks.size * BS)
+    layout = KVLayout(1, HEADS, DIM, BS)
+    stores = [CodedKVStorage(layout, 8, _codec(name)) for _ in range(2)]
+    for store in stores:
+        for block in blocks.tolist():
+            cols = slice((block - 1) * BS, block * BS)
+            slots = (np.full(BS, block, dtype=np.intp), np.arange(BS, dtype=np.intp))
+            k, v = keys_t[:, :, cols].transpose(2, 0, 1), values[:, cols].transpose(1, 0, 2)
+            store.write(0, slots, k, v)
+    firsts = blocks == 1
+    queries = q[BS - 1 :: BS].reshape(blocks.size, HEADS * GROUP, DIM)
+    workers = TileWorkers(2)
+    try:
+        stores[0].seal(0, blocks, firsts, queries, workers)
+    finally:
+        workers.close()
+    stores[1].seal(0, blocks, firsts, queries)
+    shared, alone = stores
+    for block in blocks.tolist():
+        assert shared.export(block).tobytes() == alone.export(block).tobytes()
+    for got, want in zip(shared.gather(0, blocks), alone.gather(0, blocks), strict=True):
+        assert got.tobytes() == want.tobytes()
+    assert shared.codec.sink_blocks() == alone.codec.sink_blocks() == [1]
 
 
 @pytest.fixture(scope="module")
