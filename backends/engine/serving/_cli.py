@@ -22,6 +22,7 @@ from ._server_config import (
     DEFAULT_ENGINE_PORT,
     DEFAULT_KV_READBACK_MIN_TOKENS,
     DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_NODE_READ_TIMEOUT_S,
     DEFAULT_SERVED_MODEL_NAME,
     ENGINE_ROLES,
     ROUTING_POLICIES,
@@ -118,6 +119,11 @@ def _given_options(ctx: click.Context) -> dict[str, Any]:
     "--kv-readback/--no-kv-readback", default=True, show_default=True,
     help="router: attach a conversation's retained KV to its next prefill.",
 )  # fmt: skip
+@click.option(
+    "--node-read-timeout-s", type=float, default=DEFAULT_NODE_READ_TIMEOUT_S, show_default=True,
+    help="router: a node silent this long is asked /health; one that does not answer within it "
+    "either is given up (504, or an error event mid-stream; a prefill falls back to decode).",
+)  # fmt: skip
 def engine_command(
     role: EngineRole,
     host: str,
@@ -135,6 +141,7 @@ def engine_command(
     decode_urls: tuple[str, ...],
     routing_policy: RoutingPolicyName,
     kv_readback: bool,
+    node_read_timeout_s: float,
     kv_codec: str,
     kv_plan: Path | None,
     kv_decoded_cache_mib: float,

@@ -29,6 +29,16 @@ Rules
    has since failed a request (it may have restarted with another pool), is asked again in the
    background, at most every ``NODE_LIMIT_RETRY_S``, when a request arrives.  Until a node
    answers, its last known limit stands -- or, never asked, the node refuses for itself.
+7. The router never waits on a silent node without bound.  Whenever a node has sent nothing
+   (no headers, no next line of a stream, not the rest of a body) for ``node_read_timeout_s``,
+   the router asks its ``/health`` on a connection of its own, within the same time: a node
+   that answers 200 is busy (a long prefill, a long answer that is not streamed), and the wait
+   goes on; one that does not (stopped, wedged, its engine dead) is given up, logged and
+   counted (``understudy_router_node_timeouts_total{role,node}``).  A prefill node given up is
+   a failed prefill (rule 4: the decode node computes).  A decode node given up before its
+   headers is a 504 OpenAI-style error; after them an error event and ``[DONE]`` (rule 4).
+   Either way the upstream connection is closed, which ends the request on the node once it
+   runs again, and the node's stream is no longer counted.
 """
 
 from __future__ import annotations
@@ -36,9 +46,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 import orjson
@@ -74,6 +84,7 @@ __all__ = [
     "NODE_LIMIT_RETRY_S",
     "PREFILL_TIMEOUT_S",
     "ROUTER",
+    "NodeSilentError",
     "Router",
     "RouterMetrics",
     "build_router_app",
@@ -92,6 +103,13 @@ NODE_LIMIT_RETRY_S = 10.0
 _KV_MARKER = b'"kv_transfer_params"'
 
 ReadbackOutcome = Literal["attached", "new", "off"]
+NodeRole = Literal["prefill", "decode"]
+_T = TypeVar("_T")
+
+
+class NodeSilentError(Exception):
+    """A node that sent nothing for ``node_read_timeout_s`` and did not answer its health check
+    within it either (rule 7)."""
 
 
 class RouterMetrics:
@@ -117,6 +135,15 @@ class RouterMetrics:
             "Prefill calls that failed; the decode node computed the prompt.",
             registry=self.registry,
         )
+        timeouts = Counter(
+            "understudy_router_node_timeouts",
+            "Requests given up because their node went silent and failed its health check.",
+            ("role", "node"), registry=self.registry,
+        )  # fmt: skip
+        self.node_timeouts: dict[NodeRole, list[Counter]] = {
+            "prefill": [timeouts.labels(role="prefill", node=str(p)) for p in range(num_prefill)],
+            "decode": [timeouts.labels(role="decode", node=str(d)) for d in range(num_decode)],
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +223,45 @@ class Router:
         """A node failed a request: it may have restarted with another limit (rule 6)."""
         self._unsure.add(url)
 
+    def node_url(self, role: NodeRole, node: int) -> str:
+        return (self.prefill_urls if role == "prefill" else self.decode_urls)[node]
+
+    async def from_node(self, role: NodeRole, node: int, awaitable: Awaitable[_T]) -> _T:
+        """What ``awaitable`` (a read from ``node``) gives, however long a live node takes;
+        ``NodeSilentError`` once the node is silent and fails its health check (rule 7)."""
+        idle_s = self.config.node_read_timeout_s
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=idle_s)
+                if done:
+                    return task.result()
+                alive = await self._alive(self.node_url(role, node))
+                if task.done():
+                    return task.result()
+                if alive:
+                    continue  # busy, not gone: wait on
+                self.metrics.node_timeouts[role][node].inc()
+                self.node_failed(self.node_url(role, node))
+                raise NodeSilentError(
+                    f"{role} node {node} sent nothing for {idle_s:g} s and did not answer its "
+                    f"health check within {idle_s:g} s"
+                )
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _alive(self, url: str) -> bool:
+        """Whether the node answers ``/health`` with 200 within ``node_read_timeout_s``."""
+        timeout = aiohttp.ClientTimeout(total=self.config.node_read_timeout_s)
+        try:
+            async with self.session.get(url + "/health", timeout=timeout) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("node %s failed its health check: %s", url, exc)
+            return False
+
     async def _node_limit(self, url: str) -> int | None:
         try:
             async with self.session.get(
@@ -238,15 +304,22 @@ class Router:
         tokens = self.cluster.to_compute(node, job)
         self.cluster.prefill_started(node, tokens)
         try:
-            async with self.session.post(
-                self.prefill_urls[node] + PREFILL_ROUTE,
-                json={"prompt_token_ids": list(prompt), "kv_source": source},
-                timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S),
-            ) as response:
-                answer = await response.json() if response.status == 200 else None
-                if answer is None:
+            response = await self.from_node(
+                "prefill",
+                node,
+                self.session.post(
+                    self.prefill_urls[node] + PREFILL_ROUTE,
+                    json={"prompt_token_ids": list(prompt), "kv_source": source},
+                    timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S),
+                ),
+            )
+            async with response:
+                answer = None
+                if response.status == 200:
+                    answer = await self.from_node("prefill", node, response.json())
+                else:
                     log.warning("prefill node %d answered %d", node, response.status)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, NodeSilentError) as exc:
             log.warning("prefill node %d failed: %s", node, exc)
             answer = None
         finally:
@@ -354,25 +427,36 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     node = routed.decode_node
     router.cluster.decode_streams[node] += 1
     try:
-        async with router.session.post(
-            router.decode_urls[node] + request.path,
-            data=encode_body(body),
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=DECODE_CONNECT_TIMEOUT_S),
-        ) as upstream:
+        upstream = await router.from_node(
+            "decode",
+            node,
+            router.session.post(
+                router.decode_urls[node] + request.path,
+                data=encode_body(body),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=DECODE_CONNECT_TIMEOUT_S),
+            ),
+        )
+        async with upstream:
             if upstream.status != 200:
                 router.node_failed(router.decode_urls[node])
                 return web.Response(
-                    body=await upstream.read(),
+                    body=await router.from_node("decode", node, upstream.read()),
                     status=upstream.status,
                     content_type=upstream.content_type,
                 )
             if generation.stream_options.stream:
                 return await _relay_stream(request, upstream, router, routed)
-            answer = await upstream.json()
+            answer = await router.from_node("decode", node, upstream.json())
             router.file(routed, answer.get("kv_transfer_params"))
             answer["kv_transfer_params"] = None
             return json_response(answer)
+    except NodeSilentError as exc:
+        message = str(exc)
+        log.warning("gave up: %s", message)
+        return json_response(
+            error_body(message, status=504, err_type="GatewayTimeoutError"), 504
+        )
     except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
         if client_left(request):
             return web.Response()  # nobody to answer; leaving the block ended the decode
@@ -394,8 +478,9 @@ async def _relay_stream(
     response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: SSE_CONTENT_TYPE})
     await response.prepare(request)
     event = bytearray()
+    node = routed.decode_node
     try:
-        async for line in upstream.content:
+        while line := await router.from_node("decode", node, upstream.content.readline()):
             event += line
             if line not in (b"\n", b"\r\n"):
                 continue
@@ -405,13 +490,18 @@ async def _relay_stream(
                 event = bytearray(sse_event(chunk))
             await response.write(bytes(event))
             event.clear()
-    except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ConnectionResetError, NodeSilentError) as exc:
         if client_left(request):
             return response  # leaving the block closes the decode request
         # After the headers an error is an event, then [DONE], as vLLM ends a failed stream.
-        message = f"decode node {routed.decode_node} failed mid-stream: {type(exc).__name__}"
-        log.warning("%s: %s", message, exc)
-        body = error_body(message, status=502, err_type="BadGatewayError")
+        if isinstance(exc, NodeSilentError):
+            message = f"{exc} (mid-stream)"
+            log.warning("gave up: %s", message)
+            body = error_body(message, status=504, err_type="GatewayTimeoutError")
+        else:
+            message = f"decode node {node} failed mid-stream: {type(exc).__name__}"
+            log.warning("%s: %s", message, exc)
+            body = error_body(message, status=502, err_type="BadGatewayError")
         event = bytearray(sse_event(body) + DONE_EVENT)
     if event:
         await response.write(bytes(event))

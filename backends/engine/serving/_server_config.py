@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_ENGINE_PORT",
     "DEFAULT_KV_READBACK_MIN_TOKENS",
     "DEFAULT_MAX_WAITING_REQUESTS",
+    "DEFAULT_NODE_READ_TIMEOUT_S",
     "DEFAULT_SERVED_MODEL_NAME",
     "ENGINE_ROLES",
     "ROUTING_POLICIES",
@@ -77,6 +78,9 @@ DEFAULT_PREFILL_RETAIN_S = 30.0
 # A prefill node reads blocks back from a decode node only if it would otherwise compute at
 # least this many tokens of them (below, recomputing is about as fast as a transfer).
 DEFAULT_KV_READBACK_MIN_TOKENS = 64
+# The router asks a node that sent nothing for this long whether it is alive (``_router``
+# rule 7); one that does not answer within it either is given up.
+DEFAULT_NODE_READ_TIMEOUT_S = 10.0
 
 
 class _ServerOptions(BaseModel):
@@ -196,6 +200,9 @@ class RouterServerConfig(_ServerOptions):
     routing_policy: RoutingPolicyName = "kv-aware"
     # Off: the router never attaches a previous turn's KV (prefill recomputes the history).
     kv_readback: bool = True
+    # A node silent this long (no headers, no next piece of its answer) is asked whether it is
+    # alive; one that does not answer within it either is given up (``_router`` rule 7).
+    node_read_timeout_s: float = Field(default=DEFAULT_NODE_READ_TIMEOUT_S, gt=0)
 
     @model_validator(mode="before")
     @classmethod

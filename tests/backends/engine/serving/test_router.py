@@ -1,21 +1,30 @@
-"""The router's own checks: it refuses what its nodes would refuse, without asking them.
+"""The router's own checks: it refuses what its nodes would refuse, without asking them, and
+it waits on a node that stopped answering only for a bounded time.
 
-Real nodes with a small KV pool (fewer tokens than the model's window) on loopback sockets.
+Real nodes with a small KV pool (fewer tokens than the model's window) on loopback sockets;
+a stopped node is a loopback server that takes the connection and answers nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from backends.engine import LlamaModel, RunningEngineServer
 from backends.engine.serving import _router
 from backends.engine.serving._router import ROUTER
+from backends.openai_wire import SSE_CONTENT_TYPE, sse_event
 from tests.fixtures_engine import serve_disaggregated, serve_engine
-from tests.utils import eventually, free_ports
+from tests.utils import eventually, free_ports, run_sim, serving
 
 MODEL = "SmolLM2-135M-Instruct"
 SMALL_KV_BYTES = 49 * 30 * 2 * 3 * 16 * 64 * 4  # 48 blocks of SmolLM2 (+ the null block)
@@ -100,3 +109,116 @@ async def test_nodes_that_come_up_later_are_asked_when_requests_arrive(
             async with http.post(router.base_url + "/chat/completions", json=TOO_LONG) as resp:
                 assert resp.status == 400
             assert _router_count(router, "understudy_router_requests_total", **labels) == routed
+
+
+# -- nodes that stop answering (rule 7) -------------------------------------------------------
+
+READ_TIMEOUT_S = 0.5
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+_CHUNK = {
+    "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+}  # fmt: skip
+
+
+@dataclass
+class _Frozen:
+    """A node that stops answering, and what it saw."""
+
+    url: str = ""
+    posts_ended: int = 0  # generation requests whose connection the router closed
+
+
+@asynccontextmanager
+async def _frozen_node(*, events_first: int = 0) -> AsyncIterator[_Frozen]:
+    """A node that took the connection and then stopped answering (as a SIGSTOPped one does):
+    every request waits for ever, its ``/health`` too; a POST first sends its headers and
+    ``events_first`` events when that is not 0 (a node stopped mid-stream)."""
+    state = _Frozen()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        try:
+            if request.method == "POST" and events_first:
+                response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
+                await response.prepare(request)
+                for _ in range(events_first):
+                    await response.write(sse_event(_CHUNK))
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            state.posts_ended += request.method == "POST"
+            raise
+        raise AssertionError("unreachable")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    async with serving(web.AppRunner(app, handler_cancellation=True)) as url:
+        state.url = url
+        yield state
+
+
+def _given_up(router: RunningEngineServer, role: str) -> float:
+    return _router_count(router, "understudy_router_node_timeouts_total", role=role, node="0")
+
+
+async def _all_ended(node: _Frozen, posts: int) -> None:
+    await eventually(lambda: node.posts_ended == posts)
+
+
+async def _ask(
+    http: aiohttp.ClientSession, router: RunningEngineServer, body: dict[str, object]
+) -> tuple[int, bytes, float]:
+    started = time.monotonic()
+    url = router.base_url + "/chat/completions"
+    async with asyncio.timeout(30), http.post(url, json=body) as response:
+        return response.status, await response.read(), time.monotonic() - started
+
+
+async def test_a_decode_node_that_stops_answering_is_a_504_then_a_cut_stream(
+    engine_model: LlamaModel,
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"  # prefill fails: decode computes
+        async with _frozen_node() as frozen, _frozen_node(events_first=1) as midway:
+            for decode, streams in ((frozen, (False, True)), (midway, (True,))):
+                async with serve_engine(
+                    engine_model, role="router", prefill_urls=(dead,),
+                    decode_urls=(decode.url,), node_read_timeout_s=READ_TIMEOUT_S,
+                ) as router, aiohttp.ClientSession() as http:  # fmt: skip
+                    for stream in streams:
+                        status, raw, took = await _ask(http, router, {**CHAT, "stream": stream})
+                        assert took < 2 * READ_TIMEOUT_S + 5  # silence, then a failed check
+                        if decode is frozen:  # nothing sent: an OpenAI-style 504
+                            error = orjson.loads(raw)["error"]
+                            assert status == 504 and error["code"] == 504
+                            assert error["type"] == "GatewayTimeoutError"
+                            assert error["message"].startswith("decode node 0 sent nothing for")
+                        else:  # headers and an event out: an error event, then [DONE]
+                            assert status == 200 and raw.startswith(sse_event(_CHUNK))
+                            assert b'"code":504' in raw and raw.endswith(b"data: [DONE]\n\n")
+                    assert _given_up(router, "decode") == len(streams)
+                    assert router.app[ROUTER].cluster.decode_streams == [0]
+                # The node's request ended: the router closed its connection.
+                await _all_ended(decode, len(streams))
+
+
+async def test_a_silent_prefill_node_falls_back_and_a_busy_node_is_waited_for(
+    engine_model: LlamaModel,
+) -> None:
+    async with (
+        _frozen_node() as frozen,
+        run_sim(model=MODEL, ttft_ms=4 * READ_TIMEOUT_S * 1000) as slow,  # alive, just slow
+        serve_engine(
+            engine_model, role="router", prefill_urls=(frozen.url,), decode_urls=(slow.url,),
+            node_read_timeout_s=READ_TIMEOUT_S,
+        ) as router,
+        aiohttp.ClientSession() as http,
+    ):  # fmt: skip
+        status, raw, took = await _ask(http, router, CHAT)
+        assert status == 200 and orjson.loads(raw)["choices"][0]["message"]["content"]
+        assert took > 4 * READ_TIMEOUT_S  # several silent periods, each a passed check
+        assert _router_count(router, "understudy_router_prefill_failures_total") == 1
+        assert _given_up(router, "prefill") == 1
+        # The slow decode node answered its health checks: waited for, never given up.
+        assert _given_up(router, "decode") == 0
+        await _all_ended(frozen, 1)
