@@ -25,6 +25,12 @@ Rules
    and no pull is being answered, at most ``SHUTDOWN_PULL_GRACE_S``: a prefill node stopped
    right after answering still hands that answer's blocks over, so a rolling restart costs no
    decode node a recompute.  Nothing retained, nothing waited for.
+6. The owner answers at most ``max_serves`` pull connections at once (each may hold
+   ``EXPORT_BATCH_BLOCKS`` copied blocks, ~23 MiB of SmolLM2).  One more is refused at once
+   with an ERROR frame (``UNAVAILABLE``), counted (``understudy_kv_serves_refused_total``),
+   and closed once the puller has read it (at most ``BUSY_LINGER_S``); its puller fails with
+   outcome ``busy`` and recomputes.  The first frame a connection sends is read only up to the
+   size of a PULL, so a connection holds no more than that before it is answered or refused.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from ._retention import TICKET_BYTES, RetainedKV, UnknownTicketError
 from ._store import KVLayout
 from ._wire import (
     HASH_BYTES,
+    PULL_BYTES,
     ErrorCode,
     Frame,
     FrameKind,
@@ -67,6 +74,7 @@ from ._wire import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_KV_SERVES",
     "DEFAULT_PULL_TIMEOUT_S",
     "EXPORT_BATCH_BLOCKS",
     "SHUTDOWN_PULL_GRACE_S",
@@ -90,6 +98,11 @@ EXPORT_BATCH_BLOCKS = 32
 # decode node on at once, whose pull is itself bounded by DEFAULT_PULL_TIMEOUT_S.
 SHUTDOWN_PULL_GRACE_S = DEFAULT_PULL_TIMEOUT_S
 _DRAIN_POLL_S = 0.05
+# Pull connections an owner answers at once (rule 6); a decode or prefill node has a few peers.
+DEFAULT_MAX_KV_SERVES = 16
+# A refused connection is closed once its puller has read the refusal, or after this: closing
+# with its PULL unread would reset the connection and lose the ERROR frame on the way.
+BUSY_LINGER_S = 1.0
 # The puller's stream buffer: a few blocks, so the socket is read in large pieces.
 _READ_BUFFER_BYTES = 4 * 1024 * 1024
 # Fault injection for tests: corrupt one block's bytes after its checksum, or hang up midway.
@@ -172,11 +185,15 @@ class KVTransferServer:
         fingerprint: bytes,
         numerics: bytes | None = None,
         codec: bytes | None = None,
+        max_serves: int = DEFAULT_MAX_KV_SERVES,
     ) -> None:
         """``fingerprint``: the model's; ``numerics``: the bits' (default: the engine model's
         ``Numerics.fingerprint``); ``codec``: the KV codec's (default: the engine's).  A pull
-        must match all three."""
+        must match all three.  ``max_serves``: connections answered at once (rule 6)."""
+        if max_serves < 1:
+            raise ValueError(f"max_serves must be at least 1, not {max_serves}")
         self._loop = engine_loop
+        self._max_serves = max_serves
         self._metrics = metrics
         self._fingerprint = fingerprint
         self._numerics = (
@@ -189,6 +206,11 @@ class KVTransferServer:
         self.fault: TransferFault | None = None
         self.host = ""
         self.port = 0
+
+    @property
+    def serving(self) -> int:
+        """Pull connections being answered now (at most ``max_serves``, rule 6)."""
+        return self._serving
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._serve, host, port)
@@ -221,11 +243,14 @@ class KVTransferServer:
         return 0
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._serving >= self._max_serves:
+            await self._refuse_busy(reader, writer)
+            return
         self._serving += 1
         try:
             try:
                 async with asyncio.timeout(SERVE_REQUEST_TIMEOUT_S):
-                    frame = await read_frame(reader)
+                    frame = await read_frame(reader, max_length=PULL_BYTES)
             except TimeoutError:
                 log.info("KV pull connection closed: no PULL within %s s", SERVE_REQUEST_TIMEOUT_S)
                 return
@@ -243,6 +268,30 @@ class KVTransferServer:
             log.info("KV pull connection dropped: %s", exc)
         finally:
             self._serving -= 1
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def _refuse_busy(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Rule 6: an ERROR frame, then the connection closed once the puller has read it."""
+        self._metrics.serves_refused.inc()
+        # Counted; logged quietly: a flood must not flood the log too.
+        log.info("KV pull refused: %d pulls being answered (--kv-max-serves)", self._serving)
+        message = (
+            f"this node is answering {self._serving} KV pulls, its bound (--kv-max-serves); "
+            "try again later or recompute"
+        )
+        try:
+            write_frame(writer, FrameKind.ERROR, encode_error(ErrorCode.UNAVAILABLE, message))
+            async with asyncio.timeout(BUSY_LINGER_S):
+                await writer.drain()
+                while await reader.read(PULL_BYTES):  # its PULL, unread: then its hang-up
+                    pass
+        except (TimeoutError, OSError):
+            writer.transport.abort()
+        finally:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
@@ -335,6 +384,7 @@ _ERROR_OUTCOMES: dict[ErrorCode | None, PullOutcome] = {
     ErrorCode.MODEL_MISMATCH: "mismatch",
     ErrorCode.NUMERICS_MISMATCH: "numerics",
     ErrorCode.CODEC_MISMATCH: "codec",
+    ErrorCode.UNAVAILABLE: "busy",
 }
 
 

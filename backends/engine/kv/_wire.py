@@ -48,6 +48,7 @@ from ._store import KVLayout
 __all__ = [
     "HASH_BYTES",
     "MAX_FRAME_BYTES",
+    "PULL_BYTES",
     "ErrorCode",
     "Frame",
     "FrameKind",
@@ -80,6 +81,8 @@ _BEGIN = struct.Struct("<HHHHI")
 _BLOCK_HEAD = struct.Struct(f"<{HASH_BYTES}s{HASH_BYTES}sHB")
 _EXTRA_HEAD = struct.Struct("<cH")
 _END = struct.Struct("<I")
+# A PULL frame's payload: the most an owner reads of a connection's first frame.
+PULL_BYTES = _PULL.size
 _ERROR_HEAD = struct.Struct("<B")
 
 
@@ -144,14 +147,16 @@ def write_frame(
     writer.write(payload)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
-    """The next frame, checked; ``asyncio.IncompleteReadError`` if the peer closed."""
+async def read_frame(reader: asyncio.StreamReader, *, max_length: int = MAX_FRAME_BYTES) -> Frame:
+    """The next frame, checked; ``asyncio.IncompleteReadError`` if the peer closed.  A frame
+    whose header announces more than ``max_length`` payload bytes is refused unread."""
     header = await reader.readexactly(_HEADER.size)
     magic, kind, flags, _, length, checksum = _HEADER.unpack(header)
     if magic != MAGIC:
         raise KVWireError("protocol", f"bad magic {magic!r}")
-    if length > MAX_FRAME_BYTES:
-        raise KVWireError("protocol", f"frame of {length} bytes > {MAX_FRAME_BYTES}")
+    bound = min(max_length, MAX_FRAME_BYTES)
+    if length > bound:
+        raise KVWireError("protocol", f"frame of {length} bytes > {bound}")
     try:
         frame_kind = FrameKind(kind)
     except ValueError:

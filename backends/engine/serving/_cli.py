@@ -21,6 +21,7 @@ from ._server_config import (
     DEFAULT_ENGINE_HOST,
     DEFAULT_ENGINE_PORT,
     DEFAULT_KV_READBACK_MIN_TOKENS,
+    DEFAULT_MAX_KV_SERVES,
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_NODE_READ_TIMEOUT_S,
     DEFAULT_SERVED_MODEL_NAME,
@@ -85,6 +86,10 @@ def _given_options(ctx: click.Context) -> dict[str, Any]:
     "[default: prefill 30, decode 300].",
 )  # fmt: skip
 @click.option(
+    "--kv-max-serves", type=int, default=DEFAULT_MAX_KV_SERVES, show_default=True,
+    help="prefill/decode: KV pulls answered at once; one more is refused (the puller recomputes).",
+)  # fmt: skip
+@click.option(
     "--kv-readback-min-tokens", type=int, default=DEFAULT_KV_READBACK_MIN_TOKENS,
     show_default=True, help="prefill: read a history's KV back only if it saves this many tokens.",
 )  # fmt: skip
@@ -137,6 +142,7 @@ def engine_command(
     kv_port: int,
     kv_retain_s: float | None,
     kv_readback_min_tokens: int,
+    kv_max_serves: int,
     prefill_urls: tuple[str, ...],
     decode_urls: tuple[str, ...],
     routing_policy: RoutingPolicyName,

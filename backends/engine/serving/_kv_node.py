@@ -33,7 +33,13 @@ from backends.openai_wire import RequestError, decode_body, is_token_ids, json_r
 
 from ..kv._blockpool import BlockHash, hash_blocks
 from ..kv._retention import RetainedKV
-from ..kv._transfer import KVSource, KVTransferError, KVTransferServer, pull_missing_blocks
+from ..kv._transfer import (
+    DEFAULT_MAX_KV_SERVES,
+    KVSource,
+    KVTransferError,
+    KVTransferServer,
+    pull_missing_blocks,
+)
 from ..model._sampling import SamplingParams
 from ._engine_loop import EngineLoop, EngineServerError
 from ._metrics import EngineMetrics
@@ -66,6 +72,7 @@ class KVNode:
         readback_min_tokens: int,
         listen_host: str,
         listen_port: int,
+        max_serves: int = DEFAULT_MAX_KV_SERVES,
     ) -> None:
         self.engine_loop = engine_loop
         self.listen_host = listen_host
@@ -77,7 +84,9 @@ class KVNode:
         self.seed: bytes = pool.seed
         self.block_size = pool.block_size
         model_fingerprint = engine_loop.engine.model.fingerprint
-        self.server = KVTransferServer(engine_loop, metrics, fingerprint=model_fingerprint)
+        self.server = KVTransferServer(
+            engine_loop, metrics, fingerprint=model_fingerprint, max_serves=max_serves
+        )
 
     def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         return hash_blocks(self.seed, token_ids, self.block_size)

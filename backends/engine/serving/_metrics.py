@@ -16,7 +16,8 @@ __all__ = ["PULL_OUTCOMES", "EngineMetrics", "PullOutcome", "RefusalReason", "Re
 RefusalReason = Literal["overloaded", "stopped", "failed"]
 _REFUSALS: tuple[RefusalReason, ...] = get_args(RefusalReason)
 # How a pull of KV blocks from another node ended; anything but "ok" means recompute
-# ("below_threshold": too few blocks were missing to be worth a transfer).
+# ("below_threshold": too few blocks were missing to be worth a transfer; "busy": the owner
+# was answering as many pulls as it takes at once).
 PullOutcome = Literal[
     "ok",
     "unknown_ticket",
@@ -28,6 +29,7 @@ PullOutcome = Literal[
     "numerics",
     "codec",
     "no_room",
+    "busy",
     "below_threshold",
 ]
 PULL_OUTCOMES: tuple[PullOutcome, ...] = get_args(PullOutcome)
@@ -63,6 +65,10 @@ class EngineMetrics(VLLMSeries):
         self.serves_cut = self._counter(
             "understudy_kv_serves_cut",
             "Pulls of this node's KV cut because the puller did not take them in time.",
+        )
+        self.serves_refused = self._counter(
+            "understudy_kv_serves_refused",
+            "Pulls of this node's KV refused because it was answering its bound of pulls.",
         )
         self.retained_blocks = self._gauge(
             "understudy_kv_retained_blocks", "KV blocks held for other nodes to pull."

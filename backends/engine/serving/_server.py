@@ -136,6 +136,7 @@ def _install_kv(app: web.Application, config: KVNodeConfig, *, readback_min_toke
         readback_min_tokens=readback_min_tokens,
         listen_host=config.host,
         listen_port=config.kv_port,
+        max_serves=config.kv_max_serves,
     )
     install_kv_node(app, node)
 

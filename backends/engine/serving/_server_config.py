@@ -25,6 +25,7 @@ from pydantic import (
 
 from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
 from ..kv._paged_codec import SERVED_CODECS
+from ..kv._transfer import DEFAULT_MAX_KV_SERVES
 from ._engine import (
     DEFAULT_KV_CODEC,
     DEFAULT_KV_LIMIT_BYTES,
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_ENGINE_HOST",
     "DEFAULT_ENGINE_PORT",
     "DEFAULT_KV_READBACK_MIN_TOKENS",
+    "DEFAULT_MAX_KV_SERVES",
     "DEFAULT_MAX_WAITING_REQUESTS",
     "DEFAULT_NODE_READ_TIMEOUT_S",
     "DEFAULT_SERVED_MODEL_NAME",
@@ -161,6 +163,8 @@ class _KVNodeOptions(_EngineOptions):
     kv_port: int = Field(default=0, ge=0, le=65535)
     # How long a finished request's blocks are kept for another node (None: the role's default).
     kv_retain_s: float | None = Field(default=None, gt=0)
+    # Pull connections this node answers at once; one more is refused (``_transfer`` rule 6).
+    kv_max_serves: int = Field(default=DEFAULT_MAX_KV_SERVES, ge=1)
 
     @model_validator(mode="after")
     def _caches_prefixes(self) -> Self:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import secrets
 import socket
+import struct
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from backends.engine.kv import _transfer
 from backends.engine.kv._blockpool import BlockHash, NoFreeBlocksError, hash_blocks
 from backends.engine.kv._retention import RetainedKV, UnknownTicketError
 from backends.engine.kv._transfer import (
+    DEFAULT_MAX_KV_SERVES,
     DEFAULT_PULL_TIMEOUT_S,
     KVSource,
     KVTransferError,
@@ -33,10 +35,17 @@ from backends.engine.kv._transfer import (
     pull_blocks,
     pull_missing_blocks,
 )
-from backends.engine.kv._wire import FrameKind, PullRequest, encode_pull, read_frame, write_frame
+from backends.engine.kv._wire import (
+    MAGIC,
+    FrameKind,
+    PullRequest,
+    encode_pull,
+    read_frame,
+    write_frame,
+)
 from backends.engine.serving._engine_loop import EngineLoop, EngineServerError, EngineStopped
 from backends.engine.serving._metrics import PULL_OUTCOMES, EngineMetrics
-from tests.utils import free_port
+from tests.utils import eventually, free_port
 
 MODEL_NAME = "m"
 KV_LIMIT = 64 << 20
@@ -134,7 +143,11 @@ def start_puller(
 
 @contextlib.asynccontextmanager
 async def serving(
-    node: Node, *, fingerprint: bytes | None = None, numerics: bytes | None = None
+    node: Node,
+    *,
+    fingerprint: bytes | None = None,
+    numerics: bytes | None = None,
+    max_serves: int = DEFAULT_MAX_KV_SERVES,
 ) -> AsyncIterator[Owner]:
     """``node``'s retained sets served on a free KV port until the block ends.  ``fingerprint``
     and ``numerics`` stand in for the node's own (an owner of another model, other bits)."""
@@ -143,6 +156,7 @@ async def serving(
         node.metrics,
         fingerprint=node.engine.model.fingerprint if fingerprint is None else fingerprint,
         numerics=numerics,
+        max_serves=max_serves,
     )
     await server.start("127.0.0.1", 0)
     try:
@@ -421,6 +435,53 @@ async def test_an_owner_cuts_a_pull_whose_puller_stops_reading(
     assert owner.node.sample("understudy_kv_serves_cut_total") == 1
     assert owner.node.sample("understudy_kv_served_blocks_total") == 0
     assert await _holds(owner, retained.ticket)  # a cut pull releases nothing
+
+
+async def test_an_owner_answers_at_most_its_bound_of_pulls_and_refuses_the_rest(
+    owner_engine: Engine,
+    start_node: Callable[[Engine], Node],
+    start_puller: Callable[[], Node],
+    history: list[int],
+) -> None:
+    """A flood of pull connections: ``max_serves`` are answered, every other one gets an ERROR
+    frame at once, counted on both sides; the pullers fail cleanly (``busy``) and recompute."""
+    async with serving(start_node(owner_engine), max_serves=2) as owner:
+        retained = await _retain(owner.node, history)
+        address = (owner.server.host, owner.server.port)
+        held = [await asyncio.open_connection(*address) for _ in range(2)]  # no PULL yet
+        try:
+            await asyncio.sleep(0.1)  # both accepted: the owner's two serves are taken
+            pullers = [start_puller() for _ in range(5)]
+            started = asyncio.get_running_loop().time()
+            outcomes = await asyncio.gather(
+                *(_pull_fails(p, owner.source(retained), history) for p in pullers)
+            )
+            took = asyncio.get_running_loop().time() - started
+        finally:
+            for _, writer in held:
+                writer.close()
+        assert outcomes == ["busy"] * 5
+        assert all(p.pulls() == {"busy": 1} for p in pullers)
+        assert took < 2.0  # refused at once, not after a timeout
+        assert owner.node.sample("understudy_kv_serves_refused_total") == 5
+        # The held connections gone, the owner answers again.
+        puller = start_puller()
+        await eventually(lambda: owner.server.serving == 0)
+        assert await _pull(puller, owner.source(retained), history) == 2
+        assert puller.pulls() == {"ok": 1}
+
+
+async def test_an_owner_reads_no_more_of_a_first_frame_than_a_pull(owner: Owner) -> None:
+    """A connection whose first frame announces 32 MiB is closed unread, not buffered."""
+    reader, writer = await asyncio.open_connection(owner.server.host, owner.server.port)
+    try:
+        header = struct.pack("<4sBBHIQ", MAGIC, FrameKind.PULL, 0, 0, 32 << 20, 0)
+        writer.write(header + bytes(1024))
+        await writer.drain()
+        async with asyncio.timeout(2):  # the owner would otherwise wait SERVE_REQUEST_TIMEOUT_S
+            assert await reader.read() == b""
+    finally:
+        writer.close()
 
 
 async def test_an_owner_with_another_kv_layout_is_a_mismatch(
