@@ -165,9 +165,11 @@ def test_the_engines_are_the_demo_cast() -> None:
     assert router.params["kv_readback"] is True
     kivi = option(args("kivi4"), "--kv-codec")
     assert kivi == "kivi-4" and kivi in ENGINE_CODECS
-    # A KV node advertises the address it binds: it must be reachable from the others.
-    for node in ("kv-prefill", "kv-decode"):
+    # A KV node advertises the address it binds: it must be reachable from the others, and
+    # each pulls only from its --kv-peer hosts: the other one.
+    for node, peer in (("kv-prefill", "kv-decode"), ("kv-decode", "kv-prefill")):
         assert option(args(node), "--host") == node
+        assert parse_cli(args(node)).params["kv_peer"] == (peer,)
 
 
 def test_the_load_service_runs_understudy_load_against_the_gateway() -> None:

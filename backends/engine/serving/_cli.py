@@ -20,6 +20,7 @@ from ._server import running_engine_server
 from ._server_config import (
     DEFAULT_ENGINE_HOST,
     DEFAULT_ENGINE_PORT,
+    DEFAULT_KV_PEERS,
     DEFAULT_KV_READBACK_MIN_TOKENS,
     DEFAULT_MAX_KV_SERVES,
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -38,7 +39,7 @@ _GIB = 1 << 30
 _MIB = 1 << 20
 _DEFAULT_KV_GIB = 1.0
 # Flags whose config field has another name.
-_FIELD_OF_FLAG = {"prefix_caching": "enable_prefix_caching"}
+_FIELD_OF_FLAG = {"prefix_caching": "enable_prefix_caching", "kv_peer": "kv_peers"}
 
 
 def _given_options(ctx: click.Context) -> dict[str, Any]:
@@ -84,6 +85,12 @@ def _given_options(ctx: click.Context) -> dict[str, Any]:
     "--kv-retain-s", type=float, default=None,
     help="prefill/decode: keep a finished request's KV this long for another node "
     "[default: prefill 30, decode 300].",
+)  # fmt: skip
+@click.option(
+    "--kv-peer", multiple=True, metavar="HOST",
+    help="prefill/decode: a host this node pulls KV from: an IP address, a network (CIDR) or a "
+    "host name; repeat for several.  kv_transfer_params naming another host are refused (400) "
+    f"[default: this host only: {', '.join(DEFAULT_KV_PEERS)}].",
 )  # fmt: skip
 @click.option(
     "--kv-max-serves", type=int, default=DEFAULT_MAX_KV_SERVES, show_default=True,
@@ -142,6 +149,7 @@ def engine_command(
     kv_port: int,
     kv_retain_s: float | None,
     kv_readback_min_tokens: int,
+    kv_peer: tuple[str, ...],
     kv_max_serves: int,
     prefill_urls: tuple[str, ...],
     decode_urls: tuple[str, ...],

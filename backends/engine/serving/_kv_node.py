@@ -17,6 +17,9 @@ Rules
    prefill node (which then releases them), then runs the request as a unified engine would,
    retaining prompt + answer for the next turn; the final chunk carries that set's
    ``kv_transfer_params``.  A failed pull means the decode node computes the prompt itself.
+5. Either node pulls only from its KV peers (``kv._peers``): ``kv_transfer_params`` or a
+   ``kv_source`` naming another host is a 400 before any connection is opened, counted as a
+   pull of outcome ``untrusted``.
 """
 
 from __future__ import annotations
@@ -29,9 +32,16 @@ from typing import Any
 
 from aiohttp import web
 
-from backends.openai_wire import RequestError, decode_body, is_token_ids, json_response
+from backends.openai_wire import (
+    RequestError,
+    decode_body,
+    invalid_value,
+    is_token_ids,
+    json_response,
+)
 
 from ..kv._blockpool import BlockHash, hash_blocks
+from ..kv._peers import KVPeers
 from ..kv._retention import RetainedKV
 from ..kv._transfer import (
     DEFAULT_MAX_KV_SERVES,
@@ -72,9 +82,11 @@ class KVNode:
         readback_min_tokens: int,
         listen_host: str,
         listen_port: int,
+        peers: KVPeers,
         max_serves: int = DEFAULT_MAX_KV_SERVES,
     ) -> None:
         self.engine_loop = engine_loop
+        self.peers = peers
         self.listen_host = listen_host
         self.listen_port = listen_port  # 0: any free port; ``server.port`` once started
         self.metrics = metrics
@@ -96,6 +108,19 @@ class KVNode:
         source = KVSource.retained_at(self.server.host, self.server.port, retained)
         # The router hashes the next turn's prompt with this seed (router rule 5).
         return {**source.to_params(self.retain_s), "hash_seed": self.seed.hex()}
+
+    async def check_peer(self, source: KVSource, param: str) -> None:
+        """``RequestError`` (400) if ``source`` is not on one of this node's peers (rule 5)."""
+        if await self.peers.admits(source.host):
+            return
+        self.metrics.pulled("untrusted")
+        log.warning("refused a KV pull from %s:%d: not a KV peer", source.host, source.port)
+        raise invalid_value(
+            f"{param} names a KV host this node does not pull from; its KV peers are "
+            f"{self.peers.describe()} (--kv-peer)",
+            param=f"{param}.remote_host",
+            value=source.host,
+        )
 
     async def pull(
         self, source: KVSource, hashes: Sequence[BlockHash], *, min_tokens: int, release: bool
@@ -149,6 +174,8 @@ async def prefill(request: web.Request) -> web.StreamResponse:
     node = request.app[KV_SERVER]
     try:
         prompt, source = _prefill_body(decode_body(await request.read()), node)
+        if source is not None:
+            await node.check_peer(source, "kv_source")
     except RequestError as exc:
         return json_response(exc.body(), exc.status)
     full = len(prompt) // node.block_size * node.block_size
@@ -219,7 +246,7 @@ def _prefill_body(body: object, node: KVNode) -> tuple[list[int], KVSource | Non
 
 async def receive_prompt_kv(node: KVNode, body: dict[str, Any], prompt: Sequence[int]) -> int:
     """Pull the prompt's blocks named by the body's ``kv_transfer_params`` (rule 4); how many
-    came.  ``RequestError`` if the parameters are malformed."""
+    came.  ``RequestError`` if the parameters are malformed or name no peer (rule 5)."""
     raw = body.get("kv_transfer_params")
     if raw is None:
         return 0
@@ -227,4 +254,5 @@ async def receive_prompt_kv(node: KVNode, body: dict[str, Any], prompt: Sequence
         source = KVSource.from_params(raw)
     except ValueError as exc:
         raise RequestError(str(exc), param="kv_transfer_params") from None
+    await node.check_peer(source, "kv_transfer_params")
     return await node.pull(source, node.hashes(prompt), min_tokens=0, release=True)

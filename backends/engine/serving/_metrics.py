@@ -17,7 +17,8 @@ RefusalReason = Literal["overloaded", "stopped", "failed"]
 _REFUSALS: tuple[RefusalReason, ...] = get_args(RefusalReason)
 # How a pull of KV blocks from another node ended; anything but "ok" means recompute
 # ("below_threshold": too few blocks were missing to be worth a transfer; "busy": the owner
-# was answering as many pulls as it takes at once).
+# was answering as many pulls as it takes at once; "untrusted": the named owner is not one of
+# this node's KV peers).
 PullOutcome = Literal[
     "ok",
     "unknown_ticket",
@@ -30,6 +31,7 @@ PullOutcome = Literal[
     "codec",
     "no_room",
     "busy",
+    "untrusted",
     "below_threshold",
 ]
 PULL_OUTCOMES: tuple[PullOutcome, ...] = get_args(PullOutcome)

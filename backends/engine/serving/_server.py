@@ -42,6 +42,7 @@ from backends.openai_wire import (
     serve_app,
 )
 
+from ..kv._peers import KVPeers
 from ..kv._plan import KVPlan
 from ..model._model import LlamaModel
 from ._answer import EngineAnswer
@@ -136,6 +137,7 @@ def _install_kv(app: web.Application, config: KVNodeConfig, *, readback_min_toke
         readback_min_tokens=readback_min_tokens,
         listen_host=config.host,
         listen_port=config.kv_port,
+        peers=KVPeers.of(config.kv_peers),
         max_serves=config.kv_max_serves,
     )
     install_kv_node(app, node)

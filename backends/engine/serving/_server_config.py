@@ -25,6 +25,7 @@ from pydantic import (
 
 from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
 from ..kv._paged_codec import SERVED_CODECS
+from ..kv._peers import parse_kv_peers
 from ..kv._transfer import DEFAULT_MAX_KV_SERVES
 from ._engine import (
     DEFAULT_KV_CODEC,
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_DECODE_RETAIN_S",
     "DEFAULT_ENGINE_HOST",
     "DEFAULT_ENGINE_PORT",
+    "DEFAULT_KV_PEERS",
     "DEFAULT_KV_READBACK_MIN_TOKENS",
     "DEFAULT_MAX_KV_SERVES",
     "DEFAULT_MAX_WAITING_REQUESTS",
@@ -80,6 +82,11 @@ DEFAULT_PREFILL_RETAIN_S = 30.0
 # A prefill node reads blocks back from a decode node only if it would otherwise compute at
 # least this many tokens of them (below, recomputing is about as fast as a transfer).
 DEFAULT_KV_READBACK_MIN_TOKENS = 64
+# Where a node pulls KV from unless told otherwise: this host only (loopback; 0.0.0.0 and ::
+# also reach only this host, and are what a node bound to them advertises).  A client's
+# ``kv_transfer_params`` naming any other host is refused, so a node reached directly cannot be
+# made to open connections elsewhere.
+DEFAULT_KV_PEERS: tuple[str, ...] = ("127.0.0.0/8", "::1", "0.0.0.0", "::", "localhost")
 # The router asks a node that sent nothing for this long whether it is alive (``_router``
 # rule 7); one that does not answer within it either is given up.
 DEFAULT_NODE_READ_TIMEOUT_S = 10.0
@@ -163,8 +170,16 @@ class _KVNodeOptions(_EngineOptions):
     kv_port: int = Field(default=0, ge=0, le=65535)
     # How long a finished request's blocks are kept for another node (None: the role's default).
     kv_retain_s: float | None = Field(default=None, gt=0)
+    # The hosts this node pulls KV from (IP addresses, networks, host names); others are refused.
+    kv_peers: tuple[str, ...] = Field(default=DEFAULT_KV_PEERS, min_length=1)
     # Pull connections this node answers at once; one more is refused (``_transfer`` rule 6).
     kv_max_serves: int = Field(default=DEFAULT_MAX_KV_SERVES, ge=1)
+
+    @field_validator("kv_peers")
+    @classmethod
+    def _peers_parse(cls, peers: tuple[str, ...]) -> tuple[str, ...]:
+        parse_kv_peers(peers)  # ValueError naming the bad one
+        return peers
 
     @model_validator(mode="after")
     def _caches_prefixes(self) -> Self:

@@ -292,6 +292,66 @@ async def test_the_router_keeps_kv_params_to_itself_and_answers_errors_like_an_e
             assert answers[0] == answers[1] and 400 <= answers[0][0] < 500
 
 
+# kv_transfer_params naming a host that is no KV peer of a node (TEST-NET-3: nothing answers).
+FOREIGN_KV = {
+    "remote_host": "203.0.113.7",
+    "remote_port": 8351,
+    "ticket": "00" * 16,
+    "num_blocks": 12,
+    "last_block_hash": "00" * 32,
+}
+
+
+async def test_a_node_reached_directly_pulls_from_no_host_a_client_names(
+    engine_model: LlamaModel,
+) -> None:
+    """A decode node's ``kv_transfer_params`` and a prefill node's ``kv_source`` come in bodies
+    anyone who reaches the node can send: one naming a host that is not a KV peer (by default
+    this host only) is a 400, and no connection is opened."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTIONS[0]}],
+            "max_tokens": 2, "kv_transfer_params": FOREIGN_KV}  # fmt: skip
+    prompt = [(i * 7919) % 20_000 + 100 for i in range(200)]  # 12 full blocks
+    async with (
+        serve_engine(engine_model, role="decode") as decode,
+        serve_engine(engine_model, role="prefill") as prefill,
+        aiohttp.ClientSession() as http,
+        asyncio.timeout(5),  # refused at once: no pull waited out
+    ):
+        async with http.post(decode.base_url + "/chat/completions", json=chat) as resp:
+            status, error = resp.status, (await resp.json())["error"]
+        assert status == 400 and error["type"] == "BadRequestError" and error["code"] == 400
+        assert error["param"] == "kv_transfer_params.remote_host"
+        assert error["message"] == (
+            "kv_transfer_params names a KV host this node does not pull from; its KV peers are "
+            "127.0.0.0/8, ::1, 0.0.0.0, ::, localhost (--kv-peer) "
+            "(parameter=kv_transfer_params.remote_host, value=203.0.113.7)"
+        )
+        body = {"prompt_token_ids": prompt, "kv_source": FOREIGN_KV}
+        async with http.post(prefill.root_url + "/kv/v1/prefill", json=body) as resp:
+            status, error = resp.status, (await resp.json())["error"]
+        assert status == 400 and error["param"] == "kv_source.remote_host"
+    for node in (decode, prefill):
+        assert _pulls(node, "untrusted") == 1
+        assert _pulls(node, "timeout") == _pulls(node, "connection") == 0
+
+
+async def test_nodes_pull_from_the_peers_they_are_given(engine_model: LlamaModel) -> None:
+    """Peers by name (an address the name resolves to is admitted) keep the router's flow
+    whole; a peer list without the prefill node's host refuses its parameters."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": QUESTIONS[0]}]
+    async with serve_disaggregated(engine_model, node={"kv_peers": ("localhost",)}) as cluster:
+        await _turn(cluster.router, messages, GREEDY)
+        assert _pulls(cluster.decode[0], "ok") == 1
+    async with serve_disaggregated(
+        engine_model, node={"kv_peers": ("10.0.0.0/8",)}
+    ) as cluster, aiohttp.ClientSession() as http:  # fmt: skip
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+        async with http.post(cluster.router.base_url + "/chat/completions", json=body) as resp:
+            assert resp.status == 400  # the decode node's refusal, relayed (router rule 4)
+            assert "10.0.0.0/8 (--kv-peer)" in (await resp.json())["error"]["message"]
+        assert _pulls(cluster.decode[0], "untrusted") == 1
+
+
 def test_cli_refuses_roles_without_what_they_need() -> None:
     runner = CliRunner()
     result = runner.invoke(engine_command, ["--role", "router"])

@@ -48,6 +48,14 @@ def test_each_kv_node_keeps_blocks_for_its_own_default_time() -> None:
         ({"role": "router", "prefill_urls": ("http://a",)}, "at least one prefill and one decode"),
         ({"role": "prefill", "enable_prefix_caching": False}, "through its prefix cache"),
         ({"role": "router", "colour": "red", **NODES}, "Extra inputs are not permitted"),
+        ({"role": "router", "kv_peers": ("10.0.0.1",), **NODES},
+         "only prefill and decode nodes take kv_peers; the router does not"),
+        ({"role": "decode", "node_read_timeout_s": 1.0},
+         "only the router takes node_read_timeout_s"),
+        ({"role": "decode", "kv_peers": ("http://10.0.0.1",)}, "not an IP address, an IP network"),
+        ({"role": "prefill", "kv_peers": ()}, "at least 1 item"),
+        ({"role": "prefill", "kv_max_serves": 0}, "greater than or equal to 1"),
+        ({"role": "router", "node_read_timeout_s": 0, **NODES}, "greater than 0"),
     ],
 )
 def test_an_option_the_role_does_not_take_is_refused_by_name(
@@ -70,3 +78,16 @@ def test_the_cli_hands_a_role_only_the_options_given() -> None:
         ["--role", "router", "--prefill", "http://a", "--decode", "http://b", "--kv-gib", "2"],
     )
     assert result.exit_code == 2 and "kv_limit_bytes; the router does not" in result.output
+
+
+def test_kv_nodes_pull_from_this_host_unless_given_peers() -> None:
+    assert DecodeServerConfig().kv_peers == ("127.0.0.0/8", "::1", "0.0.0.0", "::", "localhost")
+    assert PrefillServerConfig(kv_peers=("kv-decode",)).kv_peers == ("kv-decode",)
+    runner = CliRunner()
+    result = runner.invoke(
+        engine_command, ["--role", "router", "--prefill", "http://a", "--decode", "http://b",
+                         "--kv-peer", "10.0.0.1"],
+    )  # fmt: skip
+    assert result.exit_code == 2 and "only prefill and decode nodes take kv_peers" in result.output
+    result = runner.invoke(engine_command, ["--role", "decode", "--kv-peer", "no such host"])
+    assert result.exit_code == 2 and "'no such host' is not an IP address" in result.output
