@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from demo._run import DemoSpec, run_demo
+from demo._spec import DemoSpec
 
 __all__ = ["demo_command"]
 
@@ -36,6 +36,8 @@ def demo_command(sessions: int, turns: int, minutes: float, rate: float, min_sam
                  primary_vllm: bool, no_promote: bool, workdir: Path | None) -> None:
     """Run the real-model demo: a primary, its replica and three candidates behind the
     gateway, agentic traffic, the scorecard, and a promotion."""
+    from demo._run import run_demo  # the gateway, the store, the workload: not for --help
+
     try:
         run_demo(DemoSpec(sessions=sessions, turns=turns, minutes=minutes, rate=rate,
                           min_samples=min_samples, primary_vllm=primary_vllm,

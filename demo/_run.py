@@ -33,7 +33,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -47,11 +46,12 @@ from demo._cpu_slices import cpu_slices
 from demo._deployments import Deployment, DeploymentSpec, deployments
 from demo._gateway import GatewayClient, Samples, gateway_config, new_token, scrape, total
 from demo._scorecard import Scorecard, card_from_report, render, would_promote
+from demo._spec import DemoSpec
 from demo.processes import free_port, spawn, understudy_argv, wait_healthy
 from evaluators.store import create_engine, load_samples_by_turn_depth, session_factory
 from workload import TurnResult, WorkloadSpec, WorkloadSummary, run_workload
 
-__all__ = ["DemoSpec", "run_demo"]
+__all__ = ["run_demo"]
 
 PRIMARY: Final = "primary"
 REPLICA: Final = "replica"
@@ -73,25 +73,6 @@ PROGRESS_INTERVAL_S: Final = 1.0
 DROP_REASONS_SHOWN: Final = 3
 MIN_WIDTH: Final = 150
 """The scorecard's columns fit this many characters; narrower terminals get it anyway."""
-
-
-@dataclass(frozen=True, slots=True)
-class DemoSpec:
-    """How big the demo is: ``sessions`` x ``turns`` is its size (27 exchanges per
-    candidate, ``min_samples`` 20 of them needed for a verdict); ``minutes`` only bounds
-    the workload on a machine too busy to finish it (no session starts after it)."""
-
-    sessions: int = 9
-    turns: int = 3
-    minutes: float = 10.0
-    rate: float = 0.5
-    think_s: float = 1.0
-    concurrency: int = 4
-    max_tokens: int = 16
-    min_samples: int = 20
-    primary_vllm: bool = False
-    promote: bool = True
-    workdir: Path | None = None
 
 
 @contextlib.contextmanager

@@ -6,19 +6,23 @@ with tools, tool results and think time through the official ``openai`` client;
 timing. Both return a ``WorkloadSummary``; ``on_turn`` sees each ``TurnResult`` as it ends.
 """
 
-from workload._cli import load_command
-from workload._driver import OnTurn, run_workload
-from workload._replay import TrafficRecord, read_records, replay_workload
-from workload._script import SYSTEM_PROMPT, TOOLS, SessionScript, tool_result
-from workload._spec import (
-    DEFAULT_SESSION_HEADER,
-    DepthStats,
-    ReplaySpec,
-    TurnResult,
-    WorkloadSpec,
-    WorkloadSummary,
-)
-from workload._summary import summary_table
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:
+    from workload._cli import load_command
+    from workload._driver import OnTurn, run_workload
+    from workload._replay import TrafficRecord, read_records, replay_workload
+    from workload._script import SYSTEM_PROMPT, TOOLS, SessionScript, tool_result
+    from workload._spec import (
+        DEFAULT_SESSION_HEADER,
+        DepthStats,
+        ReplaySpec,
+        TurnResult,
+        WorkloadSpec,
+        WorkloadSummary,
+    )
+    from workload._summary import summary_table
 
 __all__ = [
     "DEFAULT_SESSION_HEADER",
@@ -39,3 +43,38 @@ __all__ = [
     "summary_table",
     "tool_result",
 ]
+
+# Loaded on first use (PEP 562): ``understudy load --help`` (gateway/cli.py) imports only the
+# command's module, not the openai client the driver needs.
+_EXPORTED_FROM = {
+    "DEFAULT_SESSION_HEADER": "workload._spec",
+    "SYSTEM_PROMPT": "workload._script",
+    "TOOLS": "workload._script",
+    "DepthStats": "workload._spec",
+    "OnTurn": "workload._driver",
+    "ReplaySpec": "workload._spec",
+    "SessionScript": "workload._script",
+    "TrafficRecord": "workload._replay",
+    "TurnResult": "workload._spec",
+    "WorkloadSpec": "workload._spec",
+    "WorkloadSummary": "workload._spec",
+    "load_command": "workload._cli",
+    "read_records": "workload._replay",
+    "replay_workload": "workload._replay",
+    "run_workload": "workload._driver",
+    "summary_table": "workload._summary",
+    "tool_result": "workload._script",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTED_FROM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # loaded once: later look-ups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -18,15 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-import openai
 from pydantic import ValidationError
 from rich.console import Console
 
-from backends.openai_wire import config_error
-from workload._driver import run_workload
-from workload._replay import replay_workload
 from workload._spec import DEFAULT_SESSION_HEADER, ReplaySpec, WorkloadSpec, WorkloadSummary
-from workload._summary import summary_table
 
 __all__ = ["load_command"]
 
@@ -72,6 +67,13 @@ def load_command(url: str, sessions: int, turns: int, rate: float, think_s: floa
                  timeout_s: float, replay_path: Path | None, speed: float,
                  max_requests: int | None, api_key: str | None, as_json: bool) -> None:
     """Drive agentic multi-turn sessions (or a recorded replay) against URL."""
+    # Here, not at the top: the openai client is a second of imports that --help need not pay.
+    import openai
+
+    from backends.openai_wire import config_error
+    from workload._driver import run_workload
+    from workload._replay import replay_workload
+
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise click.UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
@@ -145,6 +147,8 @@ def _run_until_signalled(run: Callable[[asyncio.Event], Coroutine[Any, Any, Work
 
 
 def _print(summary: WorkloadSummary, as_json: bool) -> None:
+    from workload._summary import summary_table
+
     if as_json:
         click.echo(json.dumps(summary.to_json()))
     else:
