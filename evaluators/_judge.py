@@ -40,7 +40,8 @@ Rules:
    order): a refused promotion and the demo's scorecard cite the first few, so those are
    the ones that decided the verdict.
 6. Like with like (DESIGN.md, "a mirror is not production's conditions"): a per-backend
-   metric that carries its :class:`LoadConditions` (the latencies) is compared
+   metric that carries its :class:`LoadConditions` (the latencies and the decode
+   throughput) is compared
    - with the noise-floor replica's own values (``replica``: a replica of the primary
      mirrored at the candidate's rate, so at its load share and cache warmth) when that
      replica has the gate's minimum of values;

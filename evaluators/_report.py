@@ -8,7 +8,8 @@ Rules:
    difference counts only beyond that floor.
 3. The judge's arithmetic (bootstraps) runs in a worker thread; every report is recorded
    as a verdict row.
-4. Conditions (the judge's rule 6): the latency metrics are loaded with the concurrency,
+4. Conditions (the judge's rule 6): the latency and throughput metrics
+   (:data:`CONDITIONED_METRICS`) are loaded with the concurrency,
    prompt and cached tokens of each observation. When the secondary is mirrored at the
    candidate's rate (``replica_at_same_rate``) its own latencies are the baseline;
    otherwise the judge compares at matched load. The load a value is matched on is the
@@ -81,8 +82,11 @@ __all__ = [
 _DIRECTIONS = {name: spec.direction for name, spec in METRICS.items()}
 CONDITIONED_METRICS: Final = (
     "latency.ttft_s", "latency.itl_mean_s", "latency.itl_p99_s", "latency.e2e_s",
+    "throughput.output_tps",
 )  # fmt: skip
-"""The per-backend metrics judged at matched load (rule 4)."""
+"""The per-backend metrics judged at matched load (rule 4): the latencies and the decode
+throughput, which falls with load as they rise (at a 50 % canary step the candidate serves
+its sessions live and the rest as replays, twice the primary's load)."""
 CACHE_METRIC: Final = "latency.ttft_s"
 BYTES_PER_TOKEN_ESTIMATE: Final = 4
 """Rule 5: the gateway's estimate of prompt tokens from body bytes (``gateway/_traffic.py``)."""

@@ -145,6 +145,41 @@ async def test_truly_faster_candidate_is_judged_faster_at_equal_load(tmp_path: A
     assert ttft["verdict"] == "PASS"
 
 
+@pytest.mark.parametrize(("name", "candidate_load", "verdicts"), [
+    ("twin", LOAD, ("PASS", "MARGINAL")),
+    ("slow", {**LOAD, "itl_ms": 7.5}, ("FAIL",)),  # decodes a third slower at any load
+])
+async def test_throughput_at_a_half_canary_is_compared_at_matched_load(
+        tmp_path: Any, name: str, candidate_load: dict[str, Any],
+        verdicts: tuple[str, ...]) -> None:
+    """At a canary step the candidate serves its share of the sessions live and is sent the
+    rest as replays: at 50 % it runs at about twice the primary's load. Its decode
+    throughput is compared at matched load, as its latencies are: pooled, the identical
+    simulator read about 20 % slower, a FAIL of the 10 % gate that rolled the canary back.
+    Matched on the load a request started under, it reads within a few per cent (MARGINAL
+    where significant: more requests arrive during the candidate's decodes than during the
+    primary's). A candidate that is slower at every load still fails."""
+    evaluation = {**_evaluation(tmp_path), "scorers": [*SCORERS, "throughput"]}
+    async with run_sim(**LOAD) as primary, run_sim(**candidate_load) as candidate, \
+            run_gateway(primary.url, candidates=[{"name": name, "url": candidate.url}],
+                        evaluation=evaluation) as gw, aiohttp.ClientSession() as http:
+        async with http.post(f"{gw.admin_url}/candidates/{name}/canary",  # judged here
+                             json={"steps": [50, 100], "interval_s": 3600}) as resp:
+            assert resp.status == 202, await resp.text()
+        await _mirrored(gw, name, lambda: _phases(http, gw, ((1, 60), (2, 120), (4, 160))))
+        report = await _report(http, gw, name)
+    tps = _metric(report, "throughput.output_tps")
+    pooled, matched = tps["statistics"], tps["matched"]
+    at_load = matched and f"{matched['relative_shift']:+.1%} (p={matched['p_value']:.2g})"
+    print(f"{name} at a 50 % canary: pooled tokens/s shift {pooled['relative_shift']:+.1%} "
+          f"(p={pooled['p_value']:.2g}); matched {at_load}, verdict {tps['verdict']}")
+    assert tps["basis"] == "primary at matched load"
+    assert tps["verdict"] in verdicts, tps["reasons"]
+    if name == "twin":
+        assert abs(matched["relative_shift"]) < 0.1, tps["reasons"]  # within the gate
+    assert "throughput.output_tps" in report["conditions"]["load_curves"]
+
+
 async def test_cold_cache_candidate_is_compared_within_cache_strata(tmp_path: Any) -> None:
     # Two-turn conversations: a first turn of varied length, then a one-word follow-up.
     # The primary saw every first turn, so its second turns are served from its prefix
