@@ -174,7 +174,7 @@ def _pct(value: Any) -> str:
 
 def _print_conditions(console: Console, data: dict[str, Any]) -> None:
     """Like with like: matched-load comparisons, load curves, cache, sample bias, estimate."""
-    matched = Table(title="latency at matched load (what the verdict reads)")
+    matched = Table(title="latency and throughput at matched load (what the verdict reads)")
     for column in ("metric", "compared with", "n cand / base", "shift [CI]", "p", "strata"):
         matched.add_column(column)
     for metric in data["metrics"]:
@@ -192,8 +192,8 @@ def _print_conditions(console: Console, data: dict[str, Any]) -> None:
                         _fmt(stats.get("p_value")), strata)
     if matched.row_count:
         console.print(matched)
-    curves = Table(title="latency vs concurrency (median per load; slope s per request "
-                   "in flight)")
+    curves = Table(title="latency and throughput vs concurrency (median per load; slope "
+                   "per request in flight)")
     for column in ("metric", "backend", "points (load: median)", "slope [CI]"):
         curves.add_column(column)
     for metric, by_backend in data["conditions"].get("load_curves", {}).items():

@@ -131,7 +131,8 @@ async def test_identical_candidate_at_ten_percent_is_not_judged_faster(tmp_path:
                          _evaluation(tmp_path)["store"]["url"]],
         capture_output=True, text=True, check=True)).stdout
     print(printed)
-    assert "latency at matched load" in printed and "latency vs concurrency" in printed
+    assert "latency and throughput at matched load" in printed
+    assert "latency and throughput vs concurrency" in printed
 
 
 async def test_truly_faster_candidate_is_judged_faster_at_equal_load(tmp_path: Any) -> None:
