@@ -5,8 +5,9 @@ The exported names load on first use (PEP 562): importing ``gateway.cli`` (every
 seconds of imports) before a command that needs it runs, nor for ``--help``.
 """
 
-import importlib
 import typing
+
+from gateway.lazy_exports import lazy_exports as _lazy_exports
 
 if typing.TYPE_CHECKING:
     from gateway._app import STATE, build_app, make_admin_runner, make_runner, run, serve
@@ -35,14 +36,4 @@ _EXPORTED_FROM = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTED_FROM.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # loaded once: later look-ups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTED_FROM)

@@ -6,8 +6,9 @@ with tools, tool results and think time through the official ``openai`` client;
 timing. Both return a ``WorkloadSummary``; ``on_turn`` sees each ``TurnResult`` as it ends.
 """
 
-import importlib
 import typing
+
+from gateway.lazy_exports import lazy_exports as _lazy_exports
 
 if typing.TYPE_CHECKING:
     from workload._cli import load_command
@@ -67,14 +68,4 @@ _EXPORTED_FROM = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTED_FROM.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # loaded once: later look-ups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTED_FROM)
