@@ -82,13 +82,19 @@ from backends.engine.kv.codecs._texts import CALIBRATION_TEXTS
 from backends.engine.model._sampling import SamplingParams
 
 __all__ = [
+    "DECODE_KV_MIB",
     "DECODE_STREAMS",
+    "Sample",
+    "burst_sample",
     "decode_rows",
     "decode_targets",
     "encode_rows",
+    "floor_rates",
     "render_seal_split",
     "round_ratios",
     "seal_split",
+    "sealing_steps",
+    "step_floors",
 ]
 
 DECODE_STREAMS = (1, 8)
@@ -125,7 +131,7 @@ class Sample:
         return self.tokens / self.cpu_s
 
 
-def _sample(engine: Engine, streams: int, round_number: int) -> Sample:
+def burst_sample(engine: Engine, streams: int, round_number: int) -> Sample:
     """Rule 2: one burst of ``streams`` greedy streams; decode tokens once all have started."""
     params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True)
     burst = round_number * len(DECODE_STREAMS) + DECODE_STREAMS.index(streams)
@@ -152,7 +158,7 @@ def _sample(engine: Engine, streams: int, round_number: int) -> Sample:
     return Sample(produced, time.perf_counter() - clock, time.process_time() - cpu, tuple(steps))
 
 
-def _step_floors(samples: Sequence[Sample]) -> list[tuple[int, float, float]] | None:
+def step_floors(samples: Sequence[Sample]) -> list[tuple[int, float, float]] | None:
     """Rule 3b: each step position's tokens and least wall and CPU time over the rounds, or
     None where rounds took different steps (drafts)."""
     shapes = {tuple(tokens for tokens, _, _ in sample.steps) for sample in samples}
@@ -165,7 +171,7 @@ def _step_floors(samples: Sequence[Sample]) -> list[tuple[int, float, float]] | 
     ]
 
 
-def _floor(steps: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
+def floor_rates(steps: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
     """Rule 3b: tokens per wall and per CPU second of the per-step floor."""
     tokens = sum(count for count, _, _ in steps)
     return tokens / sum(wall for _, wall, _ in steps), tokens / sum(cpu for _, _, cpu in steps)
@@ -193,7 +199,7 @@ def seal_split(
     if not sealing or len(sealing) == len(floors[0]):
         return None
     reads = [[step for i, step in enumerate(floor) if i not in sealing] for floor in floors]
-    read_ratio = _floor(reads[0])[1] / _floor(reads[1])[1]
+    read_ratio = floor_rates(reads[0])[1] / floor_rates(reads[1])[1]
     wall, cpu = (
         statistics.mean(floors[0][i][part] - floors[1][i][part] for i in sealing) for part in (1, 2)
     )
@@ -229,7 +235,7 @@ def decode_rows(
         order = names[round_number % len(names) :] + names[: round_number % len(names)]
         for streams in DECODE_STREAMS:
             for name in order:
-                sample = _sample(engines[name], streams, round_number)
+                sample = burst_sample(engines[name], streams, round_number)
                 samples[name, streams].append(sample)
                 say(
                     f"decode round {round_number} {name} x{streams}: {sample.rate:.2f} tokens/s,"
@@ -243,9 +249,9 @@ def decode_rows(
             cpu_rates = [x.cpu_rate for x in samples[name, streams]]
             row[f"decode_{streams}"], row[f"cpu_{streams}"] = max(rates), max(cpu_rates)
             row[f"rounds_{streams}"], row[f"cpu_rounds_{streams}"] = rates, cpu_rates
-            steps = _step_floors(samples[name, streams])
+            steps = step_floors(samples[name, streams])
             row[f"step_floors_{streams}"] = steps
-            floor = None if steps is None else _floor(steps)
+            floor = None if steps is None else floor_rates(steps)
             row[f"floor_{streams}"], row[f"cpu_floor_{streams}"] = floor or (None, None)
         rows.append(row)
     return rows
