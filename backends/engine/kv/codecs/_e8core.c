@@ -95,46 +95,136 @@ distance2(const double x[DIM], const double p[DIM])
     return pairwise_sum(t);
 }
 
-/* _e8.py rule 1: round; on an odd sum, round the worst coordinate the other way.  The worst is
- * found without a branch per coordinate (the first whose miss equals the largest miss: the
- * same coordinate as a scan keeping the first of the largest), and the flip is a select, so
- * the parity, a coin toss, costs no mispredicted branch. */
-static void
-nearest_d8(const double x[DIM], double out[DIM])
+/* ------------------------------------------------------------------ the lattice, in lanes */
+
+/* The lattice's rounding runs over LANES rows at once, each coordinate a vector of LANES (GCC's
+ * vector extension: one row a lane, SSE2's 2 lanes a register; wider vectors than the build's
+ * registers run slower): the operations of _e8.py rules 1-2 per lane, in the same order (rule
+ * 1: no operation mixes lanes, none is fused or reassociated), so a lane's point does not
+ * depend on the other lane.  encode_scaled's fast path takes 2 rows a call and the shrink its 2
+ * fractions; a single row (nearest_d8, nearest_e8) fills both lanes.  What branches on a row
+ * (the choice of level, the descent) stays one row at a time. */
+#define LANES 2
+
+typedef double Vec __attribute__((vector_size(8 * LANES)));
+typedef int64_t Mask __attribute__((vector_size(8 * LANES))); /* a comparison: -1 or 0 a lane */
+
+static inline Vec
+splat(double v)
 {
-    double sum = 0.0, miss[DIM], most = 0.0;
+    Vec out;
+    for (int r = 0; r < LANES; r++)
+        out[r] = v;
+    return out;
+}
+
+/* Per lane, `a` where `mask` holds, else `b`. */
+static inline Vec
+pick(Mask mask, Vec a, Vec b)
+{
+    return (Vec)((mask & (Mask)a) | (~mask & (Mask)b));
+}
+
+static inline Vec
+magnitude_of(Vec v)
+{
+    return (Vec)((Mask)v & INT64_MAX);
+}
+
+/* round_even per lane: copysign is the rounded magnitude (never negative) with v's sign bit. */
+static inline Vec
+round_even_lanes(Vec v)
+{
+    Vec a = magnitude_of(v), big = splat(4503599627370496.0);
+    Vec rounded = (Vec)((Mask)((a + big) - big) | ((Mask)v & INT64_MIN));
+    return pick(a < big, rounded, v);
+}
+
+/* pairwise_sum of each lane's squares. */
+static inline Vec
+norm2_lanes(const Vec v[DIM])
+{
+    Vec t[DIM];
+    for (int k = 0; k < DIM; k++)
+        t[k] = v[k] * v[k];
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+/* distance2 per lane: the squares of p - x. */
+static inline Vec
+distance2_lanes(const Vec x[DIM], const Vec p[DIM])
+{
+    Vec d[DIM];
+    for (int k = 0; k < DIM; k++)
+        d[k] = p[k] - x[k];
+    return norm2_lanes(d);
+}
+
+/* _e8.py rule 1 per lane: round; on an odd sum, round the worst coordinate (the first of the
+ * largest misses) the other way.  The parity is sum / 2 against its rounding (exact: the
+ * rounded coordinates and their sum are whole numbers), the worst coordinate and the flip are
+ * selects, so the parity, a coin toss, costs no mispredicted branch. */
+static void
+nearest_d8_lanes(const Vec x[DIM], Vec out[DIM])
+{
+    Vec sum = splat(0.0), most = splat(0.0), miss[DIM], worst = splat(DIM);
     for (int k = 0; k < DIM; k++) {
-        out[k] = round_even(x[k]);
+        out[k] = round_even_lanes(x[k]);
         sum += out[k];
     }
     for (int k = 0; k < DIM; k++) {
-        miss[k] = fabs(x[k] - out[k]);
-        most = miss[k] > most ? miss[k] : most;
+        miss[k] = magnitude_of(x[k] - out[k]);
+        most = pick(miss[k] > most, miss[k], most);
     }
-    unsigned largest = 0;
-    for (int k = 0; k < DIM; k++)
-        largest |= (unsigned)(miss[k] == most) << k;
-    int odd = fabs(sum) < 9007199254740992.0 ? (int)((int64_t)sum & 1) : fmod(sum, 2.0) != 0.0;
-    int worst = odd ? __builtin_ctz(largest) : DIM;
+    for (int k = DIM - 1; k >= 0; k--)
+        worst = pick(miss[k] == most, splat(k), worst);
+    Vec half = sum * 0.5;
+    worst = pick(half != round_even_lanes(half), worst, splat(DIM));
     for (int k = 0; k < DIM; k++) {
-        double flipped = out[k] + (x[k] - out[k] >= 0.0 ? 1.0 : -1.0);
-        out[k] = k == worst ? flipped : out[k];
+        Vec flipped = out[k] + pick(x[k] - out[k] >= 0.0, splat(1.0), splat(-1.0));
+        out[k] = pick(worst == k, flipped, out[k]);
     }
 }
 
-/* _e8.py rule 2: the closer of the nearest points of D8 and of D8 + 1/2. */
+/* _e8.py rule 2 per lane: the closer of the nearest points of D8 and of D8 + 1/2. */
+static void
+nearest_e8_lanes(const Vec x[DIM], Vec out[DIM])
+{
+    Vec shifted[DIM], half[DIM];
+    for (int k = 0; k < DIM; k++)
+        shifted[k] = x[k] - 0.5;
+    nearest_d8_lanes(x, out);
+    nearest_d8_lanes(shifted, half);
+    for (int k = 0; k < DIM; k++)
+        half[k] += 0.5;
+    Mask closer = distance2_lanes(x, half) < distance2_lanes(x, out);
+    for (int k = 0; k < DIM; k++)
+        out[k] = pick(closer, half[k], out[k]);
+}
+
+/* One row through both lanes (nearest_d8_lanes or nearest_e8_lanes) into out. */
+static void
+nearest_row(const double x[DIM], double out[DIM],
+            void (*nearest)(const Vec[DIM], Vec[DIM]))
+{
+    Vec row[DIM], point[DIM];
+    for (int k = 0; k < DIM; k++)
+        row[k] = splat(x[k]);
+    nearest(row, point);
+    for (int k = 0; k < DIM; k++)
+        out[k] = point[k][0];
+}
+
+static void
+nearest_d8(const double x[DIM], double out[DIM])
+{
+    nearest_row(x, out, nearest_d8_lanes);
+}
+
 static void
 nearest_e8(const double x[DIM], double out[DIM])
 {
-    double shifted[DIM], half[DIM];
-    for (int k = 0; k < DIM; k++)
-        shifted[k] = x[k] - 0.5;
-    nearest_d8(x, out);
-    nearest_d8(shifted, half);
-    for (int k = 0; k < DIM; k++)
-        half[k] += 0.5;
-    if (distance2(x, half) < distance2(x, out))
-        memcpy(out, half, sizeof(half));
+    nearest_row(x, out, nearest_e8_lanes);
 }
 
 static int64_t
@@ -281,28 +371,33 @@ build_points(void)
     return 0;
 }
 
-/* _e8.py rule 4, first half: the closest inside the ball of the rows shrunk to each fraction. */
+/* _e8.py rule 4, first half: the closest inside the ball of the rows shrunk to each fraction
+ * (the fractions in lanes). */
 static double
 shrunk(const double x[DIM], double best[DIM])
 {
     double radius = sqrt(NORM2);
     double fractions[] = {SHRINK_FIRST, 1.0 - 1.0 / radius};
     double norm = sqrt(norm2(x));
-    double best_err = INFINITY;
-    for (int f = 0; f < 2; f++) {
-        double fraction = fractions[f];
-        double factor = fraction * radius / (norm > 1e-30 ? norm : 1e-30);
-        factor = factor < 1.0 ? factor : 1.0;
-        double y[DIM], candidate[DIM];
-        for (int k = 0; k < DIM; k++)
-            y[k] = x[k] * factor;
-        nearest_e8(y, candidate);
-        double err = distance2(x, candidate);
-        if (norm2(candidate) <= NORM2 + NORM_SLACK && err < best_err) {
-            memcpy(best, candidate, sizeof(candidate));
-            best_err = err;
-        }
+    Vec factor, row[DIM], y[DIM], candidate[DIM];
+    for (int f = 0; f < LANES; f++) {
+        double scaled = fractions[f % 2] * radius / (norm > 1e-30 ? norm : 1e-30);
+        factor[f] = scaled < 1.0 ? scaled : 1.0;
     }
+    for (int k = 0; k < DIM; k++) {
+        row[k] = splat(x[k]);
+        y[k] = row[k] * factor;
+    }
+    nearest_e8_lanes(y, candidate);
+    Vec err = distance2_lanes(row, candidate);
+    Mask inside = norm2_lanes(candidate) <= NORM2 + NORM_SLACK;
+    double best_err = INFINITY;
+    for (int f = 0; f < 2; f++)
+        if (inside[f] && err[f] < best_err) {
+            for (int k = 0; k < DIM; k++)
+                best[k] = candidate[k][f];
+            best_err = err[f];
+        }
     return best_err;
 }
 
@@ -487,11 +582,11 @@ descend(const double x[DIM], double point[DIM], double err)
     }
 }
 
-/* Rules 2-4 for one row: its code and `point`, or -1 (the descent left the book: a bug). */
+/* Rules 3-4 for one row whose nearest lattice point (rule 2) is `point`: its code, with `point`
+ * moved into the ball where it lay outside, or -1 (the descent left the book: a bug). */
 static Py_ssize_t
 encode_row(const double x[DIM], double point[DIM])
 {
-    nearest_e8(x, point);
     Py_ssize_t index = index_of(point);
     if (index >= 0)
         return index;
@@ -521,20 +616,39 @@ level_err(const double x[DIM], const double point[DIM], double level)
     return norm2(miss);
 }
 
-/* The fast path at `level` (rule 2: the nearest lattice point); where that leaves the ball,
- * the bound of encode_scaled_row's rules a and b (`gap`: x's norm less the level's radius). */
+/* The fast path at each lane's level (rule 2: the nearest lattice point) into each lane's
+ * search: the scaled row, its point, `found` and, where found, `err`; the bound is owed
+ * (fast_bound). */
 static void
-search_fast(const double x[DIM], double level, double gap, LevelSearch *s)
+search_fast_lanes(const Vec x[DIM], Vec level, LevelSearch s[LANES])
 {
-    s->level = level;
+    Vec scaled[DIM], point[DIM], miss[DIM];
+    Mask positive = level > 0.0;
+    Vec divisor = pick(positive, level, splat(1.0));
     for (int k = 0; k < DIM; k++)
-        s->scaled[k] = level > 0.0 ? x[k] / level : 0.0;
-    nearest_e8(s->scaled, s->point);
-    s->found = in_ball(s->point);
-    if (s->found) {
-        s->err = level_err(x, s->point, level);
-        return;
+        scaled[k] = pick(positive, x[k] / divisor, splat(0.0));
+    nearest_e8_lanes(scaled, point);
+    for (int k = 0; k < DIM; k++)
+        miss[k] = point[k] * level - x[k];
+    Mask found = norm2_lanes(point) <= NORM2 + NORM_SLACK;
+    Vec err = norm2_lanes(miss);
+    for (int r = 0; r < LANES; r++) {
+        s[r].level = level[r];
+        for (int k = 0; k < DIM; k++) {
+            s[r].scaled[k] = scaled[k][r];
+            s[r].point[k] = point[k][r];
+        }
+        s[r].found = found[r] != 0;
+        s[r].err = err[r];
     }
+}
+
+/* Where the fast path left the ball: the bound of encode_scaled_row's rules a and b (`gap`:
+ * x's norm less the level's radius). */
+static void
+fast_bound(double gap, LevelSearch *s)
+{
+    double level = s->level;
     double far = distance2(s->scaled, s->point), scaled2 = norm2(s->scaled);
     double lattice = far > LATTICE_SLACK * (scaled2 + 1.0) ? level * level * far : 0.0;
     double ball = 0.0;
@@ -549,7 +663,7 @@ search_fast(const double x[DIM], double level, double gap, LevelSearch *s)
     s->bound = lattice > ball ? lattice : ball;
 }
 
-/* The slow path owed by search_fast (rule 4: the shrink and the descent): 0, or -1 where it
+/* The slow path owed by the fast one (rule 4: the shrink and the descent): 0, or -1 where it
  * finds no point in the ball (a bug). */
 static int
 search_slow(const double x[DIM], LevelSearch *s)
@@ -572,8 +686,9 @@ surely_above(double bound, double err)
     return bound > err * (1.0 + PRUNE_MARGIN);
 }
 
-/* _e8_codec rule 4b for one row of the rotated vector: the code of the nearer of its two
- * levels' points (times the level) to x, the low level on a tie, or -1; `high` says which.
+/* _e8_codec rule 4b for one row of the rotated vector, given both levels' fast paths (`s`: the
+ * low level, the high level; search_fast_lanes): the code of the nearer of its two levels'
+ * points (times the level) to x, the low level on a tie, or -1; `high` says which.
  * A level whose fast path leaves the ball owes the costly slow path (the shrink and the
  * descent); it is skipped where it cannot win, which changes no code or flag.  In the row over
  * the level, s = x / level, every point the level can take is a lattice point in the ball of
@@ -589,38 +704,39 @@ surely_above(double bound, double err)
  * c. A skipped level must lose: the low one only where its bound is above the high one's error
  *    (a tie is the low level's), the high one where its bound is above the low one's, both
  *    with PRUNE_MARGIN for the rounding of the errors; so where both owe the slow path, the
- *    one of the smaller bound is searched first.  The high level's fast path comes first, and
- *    where it lands in the ball the low level's gap alone may skip even its fast path.
+ *    one of the smaller bound is searched first.  Where the high level's fast path lands in
+ *    the ball, the low level's gap alone may skip the rest of its search.
  * d. Rows are float32 and levels float32 (encode_scaled), so s and its squared norm are
  *    finite: the slow path always finds a point (-1 stays a bug's), and skipping a search
  *    cannot hide one.
  * The code is counted (rank_of) only for the level that wins. */
 static Py_ssize_t
-encode_scaled_row(const double x[DIM], const double level[2], uint8_t *high)
+encode_scaled_row(const double x[DIM], LevelSearch *s[2], uint8_t *high)
 {
     double norm = sqrt(norm2(x)), radius = sqrt(NORM2 + NORM_SLACK);
-    LevelSearch s[2]; /* the low level, the high level */
-    search_fast(x, level[1], norm - radius * level[1], &s[1]);
-    double low_gap = norm - radius * level[0];
-    if (s[1].found && low_gap > 0.0 && surely_above(low_gap * low_gap, s[1].err)) {
+    if (!s[1]->found)
+        fast_bound(norm - radius * s[1]->level, s[1]);
+    double low_gap = norm - radius * s[0]->level;
+    if (s[1]->found && low_gap > 0.0 && surely_above(low_gap * low_gap, s[1]->err)) {
         *high = 1;
-        return rank_of(s[1].point);
+        return rank_of(s[1]->point);
     }
-    search_fast(x, level[0], low_gap, &s[0]);
-    if (!s[0].found && !s[1].found && search_slow(x, &s[s[1].bound < s[0].bound]) < 0)
+    if (!s[0]->found)
+        fast_bound(low_gap, s[0]);
+    if (!s[0]->found && !s[1]->found && search_slow(x, s[s[1]->bound < s[0]->bound]) < 0)
         return -1;
     for (int j = 0; j < 2; j++) {
-        if (s[j].found)
+        if (s[j]->found)
             continue;
-        if (surely_above(s[j].bound, s[1 - j].err)) {
+        if (surely_above(s[j]->bound, s[1 - j]->err)) {
             *high = (uint8_t)(1 - j);
-            return rank_of(s[1 - j].point);
+            return rank_of(s[1 - j]->point);
         }
-        if (search_slow(x, &s[j]) < 0)
+        if (search_slow(x, s[j]) < 0)
             return -1;
     }
-    *high = s[1].err < s[0].err;
-    return rank_of(s[*high].point);
+    *high = s[1]->err < s[0]->err;
+    return rank_of(s[*high]->point);
 }
 
 /* ------------------------------------------------------------------ Python boundary */
@@ -753,14 +869,23 @@ encode_rows(const double *x, Py_ssize_t n, uint16_t *codes)
 {
     Py_ssize_t lost = -1;
     Py_BEGIN_ALLOW_THREADS
-    double point[DIM];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t index = encode_row(x + i * DIM, point);
-        if (index < 0) {
-            lost = i;
-            break;
+    for (Py_ssize_t first = 0; first < n && lost < 0; first += LANES) {
+        Vec rows[DIM], points[DIM]; /* past the last row, lanes of zeros, never read back */
+        for (int r = 0; r < LANES; r++)
+            for (int k = 0; k < DIM; k++)
+                rows[k][r] = first + r < n ? x[(first + r) * DIM + k] : 0.0;
+        nearest_e8_lanes(rows, points);
+        for (Py_ssize_t i = first; i < first + LANES && i < n; i++) {
+            double point[DIM];
+            for (int k = 0; k < DIM; k++)
+                point[k] = points[k][i - first];
+            Py_ssize_t index = encode_row(x + i * DIM, point);
+            if (index < 0) {
+                lost = i;
+                break;
+            }
+            codes[i] = (uint16_t)index;
         }
-        codes[i] = (uint16_t)index;
     }
     Py_END_ALLOW_THREADS
     if (lost < 0)
@@ -864,17 +989,30 @@ e8core_encode_scaled(PyObject *module, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     uint16_t *code = codes.buf;
     uint8_t *flag = high.buf;
-    for (Py_ssize_t h = 0; h < heads && bad < 0 && lost < 0; h++) {
-        const double both[2] = {level[2 * scale[h]], level[2 * scale[h] + 1]};
-        for (Py_ssize_t i = h * blocks; i < (h + 1) * blocks; i++) {
+    for (Py_ssize_t first = 0; first < n && bad < 0 && lost < 0; first += LANES) {
+        /* LANES rows (past the last row, lanes of zeros at level 0, never read back) */
+        Vec rows[DIM], levels[2];
+        for (int r = 0; r < LANES; r++) {
+            Py_ssize_t i = first + r, h = i / blocks;
+            for (int k = 0; k < DIM; k++)
+                rows[k][r] = i < n ? x[i * DIM + k] : 0.0;
+            for (int j = 0; j < 2; j++)
+                levels[j][r] = i < n ? level[2 * scale[h] + j] : 0.0;
+        }
+        LevelSearch searches[2][LANES];
+        for (int j = 0; j < 2; j++)
+            search_fast_lanes(rows, levels[j], searches[j]);
+        for (int r = 0; r < LANES && first + r < n; r++) {
+            Py_ssize_t i = first + r;
             double row[DIM];
             for (int k = 0; k < DIM; k++)
-                row[k] = x[i * DIM + k];
+                row[k] = rows[k][r];
             if (!isfinite(norm2(row))) {
                 bad = i;
                 break;
             }
-            Py_ssize_t index = encode_scaled_row(row, both, flag + i);
+            LevelSearch *s[2] = {&searches[0][r], &searches[1][r]};
+            Py_ssize_t index = encode_scaled_row(row, s, flag + i);
             if (index < 0) {
                 lost = i;
                 break;
