@@ -3,7 +3,8 @@
  * The rules are _e8.py's (its module comment, rules 1-4: the codebook search) and _e8_codec.py's
  * rules 3 (the fast Walsh-Hadamard transform), 4 (a token-head's scale index), 4b (the block
  * scales' choice) and 8's first half (codebook rows times their levels); this file is their
- * arithmetic, one row at a time, so that a 16-token block (384 rows of 8) costs microseconds,
+ * arithmetic, row by row (two rows at once where it rounds to the lattice, "the lattice, in
+ * lanes"), so that a 16-token block (384 rows of 8) costs microseconds,
  * not the milliseconds of numpy's per-call overhead on arrays of that size (and a block sealed
  * between two layers' attention finds numpy's code and data out of the caches: each call it
  * saves is worth more there than on a warm loop).
@@ -105,6 +106,7 @@ distance2(const double x[DIM], const double p[DIM])
  * fractions; a single row (nearest_d8, nearest_e8) fills both lanes.  What branches on a row
  * (the choice of level, the descent) stays one row at a time. */
 #define LANES 2
+_Static_assert(LANES >= 2, "the shrink takes its two fractions in two lanes");
 
 typedef double Vec __attribute__((vector_size(8 * LANES)));
 typedef int64_t Mask __attribute__((vector_size(8 * LANES))); /* a comparison: -1 or 0 a lane */
