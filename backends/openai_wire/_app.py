@@ -56,9 +56,16 @@ class ServedModel:
     """The model a server answers for, as ``/v1/models`` lists it."""
 
     name: str
-    max_model_len: int
+    # The context window: a number, or a function that tells it at each request (a router's,
+    # which learns its nodes' windows once it runs).
+    max_model_len: int | Callable[[], int]
     # When the model card was made; None: at each request, as vLLM does.
     created: int | None = None
+
+    def window(self) -> int:
+        """The context window as of now."""
+        limit = self.max_model_len
+        return limit if isinstance(limit, int) else limit()
 
 
 SERVED_MODEL = web.AppKey("served_model", ServedModel)
@@ -111,7 +118,7 @@ async def _models(request: web.Request) -> web.StreamResponse:
         model_list(
             model=model.name,
             created=int(time.time()) if model.created is None else model.created,
-            max_model_len=model.max_model_len,
+            max_model_len=model.window(),
             permission_id=f"modelperm-{uuid.uuid4().hex[:ID_HEX_DIGITS]}",
         )
     )

@@ -376,7 +376,9 @@ def build_router_app(config: RouterServerConfig, model: LlamaModel) -> web.Appli
     router = app[ROUTER]
     install_openai_app(
         app,
-        ServedModel(config.served_model_name, router.max_model_len, created=router.created),
+        ServedModel(
+            config.served_model_name, lambda: router.max_model_len, created=router.created
+        ),
         version=ENGINE_VERSION,
     )
     app.router.add_post("/v1/chat/completions", _chat_completions)

@@ -56,6 +56,9 @@ async def _refused_alike(
     routed = _router_count(router, "understudy_router_requests_total", prefill="0", decode="0")
     assert routed == 0
     assert router.app[ROUTER].max_model_len == limit
+    # ... and lists the nodes' window as its own, as a client sizing its prompts reads it.
+    async with http.get(router.base_url + "/models") as resp:
+        assert (await resp.json())["data"][0]["max_model_len"] == limit
 
 
 async def test_the_router_refuses_a_prompt_its_nodes_cannot_hold(
@@ -104,6 +107,9 @@ async def test_nodes_that_come_up_later_are_asked_when_requests_arrive(
                 assert resp.status == 400
             await eventually(lambda: state.max_model_len == decode.max_model_len)
             assert prefill.max_model_len == decode.max_model_len
+            async with http.get(router.base_url + "/models") as resp:
+                card = (await resp.json())["data"][0]
+            assert card["max_model_len"] == decode.max_model_len
             labels = {"prefill": "0", "decode": "0"}
             routed = _router_count(router, "understudy_router_requests_total", **labels)
             async with http.post(router.base_url + "/chat/completions", json=TOO_LONG) as resp:
