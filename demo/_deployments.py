@@ -6,7 +6,7 @@ Rules:
    numpy's BLAS threads spin-waiting on each other collapse throughput.
 2. All start at once; each must answer ``/health`` within ``ENGINE_READY_TIMEOUT_S``, and
    one that exits first fails the start with the tail of its log (``wait_healthy``).
-3. Every process is stopped by its own pid: SIGTERM, then SIGKILL past a grace.
+3. Every process is stopped by its own pid: SIGTERM to all, then SIGKILL past one grace.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
-from demo.processes import THREAD_ENV, Process, free_port, spawn, understudy_argv, wait_healthy
+from demo.processes import (
+    THREAD_ENV,
+    Process,
+    free_port,
+    spawn,
+    stop_all,
+    understudy_argv,
+    wait_healthy,
+)
 
 __all__ = [
     "ENGINE_READY_TIMEOUT_S",
@@ -65,21 +73,24 @@ def _spawn(workdir: Path, name: str, args: Sequence[str]) -> Process:
                  url=f"http://127.0.0.1:{port}")
 
 
-def _start(workdir: Path, spec: DeploymentSpec) -> Deployment:
-    deployment = Deployment(spec)
+def _start(workdir: Path, deployment: Deployment) -> None:
+    """Spawn ``deployment``'s engines, each on its list as soon as it runs (rule 3: an
+    interrupted start leaves none unstopped)."""
+    spec = deployment.spec
+
+    def engine(name: str, args: Sequence[str]) -> Process:
+        process = _spawn(workdir, name, args)
+        deployment.engines.append(process)
+        return process
+
     if spec.kind == "unified":
-        engine = _spawn(workdir, spec.name, ["--role", "unified", *spec.engine_args])
-        deployment.engines.append(engine)
-        deployment.url = engine.url
-        return deployment
-    prefill = _spawn(workdir, f"{spec.name}-prefill", ["--role", "prefill", *spec.engine_args])
-    decode = _spawn(workdir, f"{spec.name}-decode", ["--role", "decode", *spec.engine_args])
-    router = _spawn(workdir, f"{spec.name}-router",
-                    ["--role", "router", "--policy", "kv-aware",
-                     "--prefill", prefill.url, "--decode", decode.url])
-    deployment.engines += [prefill, decode, router]
-    deployment.url = router.url
-    return deployment
+        deployment.url = engine(spec.name, ["--role", "unified", *spec.engine_args]).url
+        return
+    prefill = engine(f"{spec.name}-prefill", ["--role", "prefill", *spec.engine_args])
+    decode = engine(f"{spec.name}-decode", ["--role", "decode", *spec.engine_args])
+    deployment.url = engine(f"{spec.name}-router",
+                            ["--role", "router", "--policy", "kv-aware",
+                             "--prefill", prefill.url, "--decode", decode.url]).url
 
 
 @contextlib.contextmanager
@@ -89,10 +100,9 @@ def deployments(workdir: Path, specs: Sequence[DeploymentSpec]) -> Iterator[list
     started: list[Deployment] = []
     try:
         for spec in specs:
-            started.append(_start(workdir, spec))
+            started.append(Deployment(spec))
+            _start(workdir, started[-1])
         wait_healthy([e for d in started for e in d.engines], ENGINE_READY_TIMEOUT_S)
         yield started
     finally:
-        for deployment in reversed(started):
-            for engine in reversed(deployment.engines):
-                engine.stop()
+        stop_all([e for d in reversed(started) for e in reversed(d.engines)])

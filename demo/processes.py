@@ -2,7 +2,8 @@
 
 Rules:
 1. Every child logs stdout and stderr to a file of its own, reads nothing (stdin closed),
-   and is stopped by its own pid: SIGTERM, then SIGKILL past a grace (``STOP_GRACE_S``).
+   and is stopped by its own pid: SIGTERM, then SIGKILL past a grace (``STOP_GRACE_S``);
+   several are stopped together (``stop_all``: all signalled first, then one grace for all).
 2. A child is ready when its ``/health`` answers 200; waiting for several polls all of
    them, and a child that exits first fails the wait with the tail of its log.
 3. understudy's own servers run as ``python -m gateway.cli`` (``understudy_argv``), which
@@ -29,6 +30,7 @@ __all__ = [
     "Process",
     "free_port",
     "spawn",
+    "stop_all",
     "understudy_argv",
     "wait_healthy",
 ]
@@ -78,20 +80,29 @@ class Process:
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Rule 1."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(grace_s)
+        stop_all([self], grace_s)
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def stop_all(processes: Sequence[Process], grace_s: float = STOP_GRACE_S) -> None:
+    """Rule 1 for several at once: SIGTERM to every one still running, then one grace for
+    all of them, then SIGKILL to those left (each waited for)."""
+    running = [p for p in processes if p.proc.poll() is None]
+    for process in running:
+        with contextlib.suppress(ProcessLookupError):
+            process.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in running:
+        try:
+            process.proc.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            process.proc.kill()
+            process.proc.wait(grace_s)
 
 
 def spawn(name: str, argv: Sequence[str], log_dir: Path, *, cwd: Path | None = None,

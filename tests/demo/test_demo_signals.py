@@ -1,0 +1,84 @@
+"""``understudy demo`` stopped by a signal stops every process it started.
+
+A real ``understudy demo`` process gets SIGTERM (what ``timeout`` and supervisors send),
+SIGHUP (its terminal closed) or SIGINT (Ctrl-C, sent to the demo alone, not to its engines
+as a terminal would) once its seven engines run, and SIGTERM once the gateway is up and the
+workload runs. Before the fix a SIGTERM or SIGHUP killed the demo at once and left the seven
+engines running, each holding the model and a port.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ENGINES = 7  # the five deployments' engines (one of them prefill, decode and router)
+READY_TIMEOUT_S = 400.0  # the engines load the model, seven at once on two cores
+EXIT_TIMEOUT_S = 60.0
+
+Ready = Callable[[list[psutil.Process], str], bool]
+
+
+def _engines(children: list[psutil.Process], out: str) -> bool:
+    return sum("engine" in c.cmdline() for c in children) == ENGINES
+
+
+def _driving(children: list[psutil.Process], out: str) -> bool:
+    return "driving" in out  # the gateway answers and the workload has started
+
+
+def _stop_demo_when(ready: Ready, stop: signal.Signals, workdir: Path) -> None:
+    argv = [sys.executable, "-m", "gateway.cli", "demo", "--workdir", str(workdir),
+            "--sessions", "1", "--turns", "1"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+        reader.start()
+        demo, started = psutil.Process(proc.pid), []
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not ready(children := demo.children(), "".join(lines)):
+                assert proc.poll() is None, f"the demo exited: {proc.stderr.read()}"
+                assert time.monotonic() < deadline, f"not ready: {''.join(lines)}"
+                time.sleep(0.2)
+            started = children
+            proc.send_signal(stop)
+            proc.wait(EXIT_TIMEOUT_S)
+            err = proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            left = [c for c in started if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+            running = [" ".join(c.cmdline()[-8:]) for c in left]
+            for child in left:
+                child.kill()
+        reader.join(EXIT_TIMEOUT_S)
+    assert running == [], f"left running after {stop.name}"
+    assert proc.returncode == 128 + stop.value, err
+    assert f"Stopped by {stop.name}" in err, err
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT],
+                         ids=lambda s: s.name)
+def test_a_signal_as_the_engines_start_stops_every_one(
+    stop: signal.Signals, tmp_path: Path
+) -> None:
+    _stop_demo_when(_engines, stop, tmp_path)
+
+
+def test_sigterm_while_the_workload_runs_stops_the_gateway_and_every_engine(
+    tmp_path: Path,
+) -> None:
+    _stop_demo_when(_driving, signal.SIGTERM, tmp_path)
