@@ -59,7 +59,7 @@ from gateway._connections import (
     openai_error_body,
     parser_refusal,
 )
-from gateway._relay import MAX_HELD_BYTES, relay
+from gateway._relay import MAX_HELD_BYTES, origin_form, relay
 from gateway._relaycore import ClientSink
 
 if TYPE_CHECKING:
@@ -419,7 +419,7 @@ class FrontRequest:
 
     @property
     def raw_path(self) -> str:
-        return self._message.path
+        return origin_form(self._message.path, self._message.url)
 
     @property
     def headers(self) -> CIMultiDictProxy[str]:

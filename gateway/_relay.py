@@ -19,7 +19,10 @@ Rules (DESIGN.md invariant 1):
    or behind an encoded slash or a backslash, too) is refused with a 400, never forwarded:
    ``/v1/models/../../reset_prefix_cache`` would reach the backend's other endpoints
    through anything between them that resolves dot segments (nginx, for one). No OpenAI
-   route has such a segment.
+   route has such a segment. What goes upstream is the target's origin form (RFC 9112
+   §3.2), its path and query as sent: an absolute-form target's scheme and authority are
+   the client's (the primary, or a proxy before it, would route on them) and a fragment is
+   never part of a request.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import orjson
 from aiohttp import StreamReader, web
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from evaluators import Capture, observe
 from gateway._exceptions import (
@@ -55,8 +59,8 @@ from gateway._state import GatewayState
 from gateway._upstream import Upstream
 
 __all__ = ["MAX_HELD_BYTES", "AiohttpClient", "ClientStream", "RelayClient", "RelayStream",
-           "RelayedResponse", "RequestPlan", "UsageEventFilter", "plan_request", "read_body",
-           "relay"]
+           "RelayedResponse", "RequestPlan", "UsageEventFilter", "origin_form", "plan_request",
+           "read_body", "relay"]
 
 log = logging.getLogger("understudy.gateway")
 
@@ -286,6 +290,14 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
         _record(state, capture, request_id, route, wall_started)
 
 
+def origin_form(target: str, url: URL) -> str:
+    """Rule 6: the path and query of a request ``target`` as sent (``url``, its parsed form,
+    for an absolute-form one), without a fragment."""
+    if target.startswith("/"):
+        return target.partition("#")[0] if "#" in target else target
+    return url.raw_path_qs
+
+
 def _has_dot_segment(raw_path: str) -> bool:
     """Rule 6: whether the path, percent-decoded, has a ``.`` or ``..`` segment (a
     backslash counted as a slash)."""
@@ -359,7 +371,7 @@ class AiohttpClient:
 
     @property
     def raw_path(self) -> str:
-        return self._request.raw_path
+        return origin_form(self._request.raw_path, self._request.rel_url)
 
     @property
     def headers(self) -> CIMultiDictProxy[str]:

@@ -1,0 +1,123 @@
+"""An adversarial probe of the proxy's HTTP front, over raw sockets: what the primary
+receives, byte for byte, against what the client sent, and how the front frames what it
+cannot take.
+
+The primary here is :func:`recording_upstream`, a raw socket server that keeps each request
+exactly as it arrived (the simulator parses it), so a test can compare bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.gateway.test_relay_front import connection, read_answer
+from tests.utils import RunningGateway, run_gateway
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@dataclass
+class Recorded:
+    """The requests a :func:`recording_upstream` received, as (head, body) bytes."""
+
+    requests: list[tuple[bytes, bytes]] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def relayed(self) -> list[tuple[bytes, bytes]]:
+        """Those the relay sent (not the gateway's own scrapes of ``/metrics``)."""
+        return [(h, b) for h, b in self.requests if not h.startswith(b"GET /metrics ")]
+
+    async def one(self) -> tuple[bytes, bytes]:
+        """The one relayed request, once it came (within 5 s)."""
+        async with asyncio.timeout(5):
+            while not self.relayed():
+                self.arrived.clear()
+                await self.arrived.wait()
+        (request,) = self.relayed()
+        return request
+
+
+@asynccontextmanager
+async def recording_upstream() -> AsyncIterator[tuple[str, Recorded]]:
+    """A primary that records each request's bytes and answers a small JSON 200."""
+    recorded = Recorded()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for _ in range(100):  # bounded: a test sends a few requests
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                recorded.requests.append((head, body))
+                recorded.arrived.set()
+                answer = b'{"ok":true}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", recorded
+
+
+@asynccontextmanager
+async def recorded_gateway(**server: object) -> AsyncIterator[tuple[RunningGateway, Recorded]]:
+    async with recording_upstream() as (url, recorded), \
+            run_gateway(url, server=server) as gw:
+        yield gw, recorded
+
+
+def header_lines(head: bytes) -> list[bytes]:
+    return head.split(b"\r\n")[1:]
+
+
+async def rest_of(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
+    """What comes until the gateway closes, or for 5 s, and whether it closed (a reset
+    reads as a close)."""
+    got = b""
+    try:
+        async with asyncio.timeout(5):
+            for _ in range(1000):  # bounded
+                piece = await reader.read(65536)
+                if not piece:
+                    return got, True
+                got += piece
+    except ConnectionResetError:
+        return got, True
+    except TimeoutError:
+        pass
+    return got, False
+
+
+# -- the request target -------------------------------------------------------------------
+
+@pytest.mark.parametrize(("target", "forwarded"), [
+    (b"http://evil.example/v1/chat/completions", b"/v1/chat/completions"),
+    (b"http://evil.example:81/v1/models?q=%2F&r=1", b"/v1/models?q=%2F&r=1"),
+    (b"/v1/chat/completions?a=1#fragment", b"/v1/chat/completions?a=1"),
+    (b"/v1/models#/../../metrics?x", b"/v1/models"),
+])
+async def test_the_primary_gets_the_origin_form_of_the_target(target: bytes,
+                                                              forwarded: bytes) -> None:
+    """RFC 9112 3.2: the target's path and query go upstream, never the client's scheme and
+    authority (the primary, or anything in front of it, would route on the client's host)
+    nor a fragment (never part of a request on the wire)."""
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        writer.write(b"POST " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        upstream_head, _ = await recorded.one()
+        assert upstream_head.split(b"\r\n")[0] == b"POST " + forwarded + b" HTTP/1.1"
