@@ -13,8 +13,10 @@ Rules:
    read so far, to aiohttp's protocol (``_connections.py``'s guarded handler) for the rest
    of its life, so aiohttp serves it exactly as before (its ``/v1/`` route relays too).
 2. Requests are parsed by aiohttp's parser with aiohttp's bounds (``max_header_field_bytes``,
-   ``max_header_count``); what it refuses is answered as aiohttp's guarded handler answers:
-   OpenAI-style JSON, 431 for header overflows, else 400, counted, and the connection closed.
+   ``max_header_count``), bodies left as they came (no ``Content-Encoding`` decoded: the
+   primary gets them as sent, and ``max_body_bytes`` bounds what came); what it refuses
+   is answered as aiohttp's guarded handler answers: OpenAI-style JSON, 431 for header
+   overflows, else 400, counted, and the connection closed.
    ``Expect: 100-continue`` is answered ``100 Continue`` as the request starts (aiohttp's
    default expect handler does the same), so a client waiting for it sends its body at once.
 3. One request at a time per connection. Pipelined requests wait in the parser (it pauses
@@ -144,7 +146,8 @@ class FrontRunner(GatewayRunner):
 
     def __init__(self, app: web.Application, guard: ConnectionGuard, state: GatewayState,
                  **kwargs: Any) -> None:
-        super().__init__(app, guard, **kwargs)
+        # A connection handed over relays ``/v1/`` too: its bodies as they came (rule 2).
+        super().__init__(app, guard, auto_decompress=False, **kwargs)
         self._state = state
 
     async def _make_server(self) -> web.Server:
@@ -173,6 +176,7 @@ class FrontConnection(BaseProtocol):
             max_field_size=config.max_header_field_bytes,
             max_headers=config.max_header_count,
             payload_exception=RequestPayloadError,
+            auto_decompress=False,  # rule 2: the body is forwarded as it came
             max_msg_queue_size=1,  # the parser pauses after each whole message (rule 3)
         ))
         self._server = server

@@ -6,11 +6,11 @@ transport whenever the relay may change the body.
 
 The primary receives the client's request as sent (it is the service the client called).
 A candidate receives only an allow-list (DESIGN.md, security defaults): the content
-type, ``Accept``, the request id, the session header and the configured extras
-(``[mirror].forward_headers``, a candidate's ``forward_headers``); the client's
-credentials only when the candidate has ``forward_credentials``. A header nobody named —
-``X-Auth-Token``, ``X-Goog-Api-Key``, ``OpenAI-Organization``, a custom auth header —
-never reaches a candidate.
+type and encoding (the body goes on as it came, compressed or not), ``Accept``, the
+request id, the session header and the configured extras (``[mirror].forward_headers``,
+a candidate's ``forward_headers``); the client's credentials only when the candidate has
+``forward_credentials``. A header nobody named — ``X-Auth-Token``, ``X-Goog-Api-Key``,
+``OpenAI-Organization``, a custom auth header — never reaches a candidate.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ _REQUEST_RECOMPUTED = frozenset({"host", "content-length"})
 _RESPONSE_RECOMPUTED = frozenset({"content-length"})
 
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key"})
-CANDIDATE_HEADERS = frozenset({"content-type", "accept", REQUEST_ID_HEADER.lower()})
+CANDIDATE_HEADERS = frozenset({"content-type", "content-encoding", "accept",
+                               REQUEST_ID_HEADER.lower()})
 """What every candidate receives of a client's headers, besides the session header."""
 
 

@@ -9,13 +9,14 @@ exactly as it arrived (the simulator parses it), so a test can compare bytes.
 from __future__ import annotations
 
 import asyncio
+import gzip
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
 
-from tests.gateway.test_relay_front import connection, read_answer
+from tests.gateway.test_relay_front import CHAT, connection, post, read_answer
 from tests.utils import RunningGateway, run_gateway
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -121,3 +122,47 @@ async def test_the_primary_gets_the_origin_form_of_the_target(target: bytes,
         assert head.startswith(b"HTTP/1.1 200")
         upstream_head, _ = await recorded.one()
         assert upstream_head.split(b"\r\n")[0] == b"POST " + forwarded + b" HTTP/1.1"
+
+
+# -- what the primary receives ------------------------------------------------------------
+
+@pytest.mark.parametrize("handed_over", [False, True])
+async def test_a_compressed_body_reaches_the_primary_as_sent(handed_over: bool) -> None:
+    """A body with a ``Content-Encoding`` is the client's to the backend: it was forwarded
+    decompressed under its ``Content-Encoding: gzip`` header, a body its header lies about."""
+    body = gzip.compress(CHAT)
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        if handed_over:  # aiohttp's /v1/ route, on a connection the front handed over
+            writer.write(HEALTH)
+            await read_answer(reader)
+        writer.write(post(body, extra="Content-Encoding: gzip\r\n"))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        upstream_head, upstream_body = await recorded.one()
+        assert upstream_body == body
+        assert b"Content-Encoding: gzip" in header_lines(upstream_head)
+
+
+async def test_a_candidate_gets_a_compressed_body_with_its_encoding() -> None:
+    body = gzip.compress(CHAT)
+    async with recording_upstream() as (primary_url, primary), \
+            recording_upstream() as (candidate_url, candidate), \
+            run_gateway(primary_url, candidates=[{"name": "c", "url": candidate_url}]) as gw, \
+            connection(gw) as (reader, writer):
+        writer.write(post(body, extra="Content-Encoding: gzip\r\n"))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        for upstream in (primary, candidate):
+            upstream_head, upstream_body = await upstream.one()
+            assert upstream_body == body
+            assert b"Content-Encoding: gzip" in header_lines(upstream_head)
+
+
+async def test_a_compressed_body_is_bounded_as_it_came() -> None:
+    body = gzip.compress(b" " * 4096)  # 4 KiB inflated, a few dozen bytes on the wire
+    async with recorded_gateway(max_body_bytes=1024) as (gw, recorded), \
+            connection(gw) as (reader, writer):
+        writer.write(post(body, extra="Content-Encoding: gzip\r\n"))
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert (await recorded.one())[1] == body
