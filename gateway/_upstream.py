@@ -152,7 +152,10 @@ class Upstream:
         # One CR and one LF per line, no NUL: no header value can smuggle a line in.
         if text.count("\n") != len(lines) or text.count("\r") != len(lines) or "\0" in text:
             raise ValueError("a header holds a line break or NUL")
-        return text.encode("latin-1", "replace")
+        # The client's bytes as they came: aiohttp's parser decodes a request's target and
+        # fields as UTF-8 with surrogate escapes, so this gives back each byte it read (a
+        # value's UTF-8, or any other obs-text); the gateway's own text is ASCII.
+        return text.encode("utf-8", "surrogateescape")
 
     def call(self, method: str, raw_path: str, headers: CIMultiDict[str], body: bytes,
              capture: Capture) -> UpstreamCall:

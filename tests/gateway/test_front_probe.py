@@ -166,3 +166,20 @@ async def test_a_compressed_body_is_bounded_as_it_came() -> None:
         head, _ = await read_answer(reader)
         assert head.startswith(b"HTTP/1.1 200")
         assert (await recorded.one())[1] == body
+
+
+@pytest.mark.parametrize("handed_over", [False, True])
+async def test_header_values_beyond_ascii_reach_the_primary_as_sent(handed_over: bool) -> None:
+    """UTF-8 (``é`` is C3 A9) and other obs-text in a value are opaque bytes a proxy passes
+    on; they were re-encoded as Latin-1 (``é`` as one byte E9, ``\\xff`` as ``?``)."""
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        if handed_over:
+            writer.write(HEALTH)
+            await read_answer(reader)
+        writer.write(post(CHAT)[:-len(CHAT) - 2]
+                     + b"X-Title: Jos\xc3\xa9 \xe2\x9c\x93\r\nX-Raw: a\xff\x80b\r\n\r\n" + CHAT)
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        upstream_head, _ = await recorded.one()
+        lines = header_lines(upstream_head)
+        assert b"X-Title: Jos\xc3\xa9 \xe2\x9c\x93" in lines and b"X-Raw: a\xff\x80b" in lines
