@@ -18,7 +18,9 @@ Rules:
    is answered as aiohttp's guarded handler answers: OpenAI-style JSON, 431 for header
    overflows, else 400, counted, and the connection closed.
    ``Expect: 100-continue`` is answered ``100 Continue`` as the request starts (aiohttp's
-   default expect handler does the same), so a client waiting for it sends its body at once.
+   default expect handler does the same), so a client waiting for it sends its body at once;
+   unless its ``Content-Length`` is past ``max_body_bytes``: the 413 is known from the head,
+   and goes at once instead (RFC 9110 §10.1.1), so the client does not send a body to drop.
 3. One request at a time per connection. Pipelined requests wait in the parser (it pauses
    after each whole message) and the connection stops reading while one waits. A pipelined
    request that is not ``/v1/`` cannot be handed over (its bytes are parsed already): the
@@ -337,7 +339,9 @@ class FrontConnection(BaseProtocol):
                 self.transport.close()
             return
         if message.version >= (1, 1) and self.transport is not None \
-                and message.headers.get("Expect", "").lower() == "100-continue":
+                and message.headers.get("Expect", "").lower() == "100-continue" \
+                and int(message.headers.get("Content-Length", 0)) \
+                <= self._server.state.config.server.max_body_bytes:  # rule 2
             self.transport.write(_CONTINUE)  # as aiohttp's default expect handler does
         self._request = request = FrontRequest(self, message, payload)
         self._task = self._loop.create_task(self._serve(request))

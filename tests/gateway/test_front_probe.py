@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
 
-from tests.gateway.test_relay_front import CHAT, connection, post, read_answer
+from tests.gateway.test_relay_front import CHAT, connection, gateway, post, read_answer
 from tests.utils import RunningGateway, run_gateway
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -183,3 +184,16 @@ async def test_header_values_beyond_ascii_reach_the_primary_as_sent(handed_over:
         upstream_head, _ = await recorded.one()
         lines = header_lines(upstream_head)
         assert b"X-Title: Jos\xc3\xa9 \xe2\x9c\x93" in lines and b"X-Raw: a\xff\x80b" in lines
+
+
+async def test_a_body_over_the_bound_is_refused_instead_of_100_continue() -> None:
+    """A 413 known from the head goes at once: ``100 Continue`` went first, inviting the
+    client to send a body the gateway would only drop."""
+    async with gateway(max_body_bytes=100) as gw, connection(gw) as (reader, writer):
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: 5000\r\n\r\n")
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 413") and b"Connection: close" in head
+        assert json.loads(body)["error"]["code"] == 413
+        writer.write(b"x" * 5000)  # a client that sends it anyway: read and dropped, closed
+        assert await rest_of(reader) == (b"", True)
