@@ -25,8 +25,11 @@ Rules:
    after each whole message) and the connection stops reading while one waits. A pipelined
    request that is not ``/v1/`` cannot be handed over (its bytes are parsed already): the
    connection closes after the answers before it, which RFC 9112 §9.3.2 allows (the client
-   retries it). At a boundary, bytes that do not start a request line continue what the
-   parser holds.
+   retries it). So does one whose start the parser holds when the answer before it ends:
+   the bytes after it continue it, whatever they look like, and the parser cannot be
+   asked where it stands without ending it (a request line there would be a request
+   smuggled inside a header value). At a boundary, empty lines before a request line are
+   dropped (RFC 9112 §2.2); bytes that do not start a request line go to the parser.
 4. The bounds of ``_connections.py`` hold here too, counted with the same reasons: admission
    (``ConnectionGuard``, 503), a request head whole within ``header_timeout_s`` of its first
    byte (of the connection's start for its first), an idle keep-alive connection closed after
@@ -91,6 +94,7 @@ _METHOD = re.compile(rb"[A-Z]{1,16}\Z")
 _NO_BODY_STATUSES = frozenset({204, 304})
 _TERMINAL_CHUNK = b"0\r\n\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_EMPTY_LINE = (b"\r", b"\n")
 
 # Where a connection is (rule 4's deadlines are kept for the first two).
 _HEAD, _IDLE, _BUSY = range(3)
@@ -268,6 +272,8 @@ class FrontConnection(BaseProtocol):
             return
         if self._at_boundary:
             raw = self._raw + data if self._raw else data
+            if raw[:1] in _EMPTY_LINE:  # rule 3: empty lines before a request line
+                raw = raw.lstrip(b"\r\n")
             if not raw:
                 return
             if self._phase == _IDLE:
@@ -387,6 +393,17 @@ class FrontConnection(BaseProtocol):
             self._resume_reading_for_buffer()
             return
         self._feed(b"")  # a pipelined request the parser held, if any (rule 3)
+        if self._request is None and not transport.is_closing() and self._holds_a_start():
+            self._closing = True  # rule 3: the start of one, cut short
+            transport.close()
+
+    def _holds_a_start(self) -> bool:
+        """Whether the parser holds the start of a request (past its whole messages). Only
+        ``feed_eof`` tells, and it ends that request: ask only when closing follows."""
+        try:
+            return self.parser.feed_eof() is not None
+        except HttpProcessingError:
+            return True
 
 
 async def _drop_body(content: StreamReader, within_s: float) -> None:

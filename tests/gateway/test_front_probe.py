@@ -197,3 +197,67 @@ async def test_a_body_over_the_bound_is_refused_instead_of_100_continue() -> Non
         assert json.loads(body)["error"]["code"] == 413
         writer.write(b"x" * 5000)  # a client that sends it anyway: read and dropped, closed
         assert await rest_of(reader) == (b"", True)
+
+
+# -- request boundaries -------------------------------------------------------------------
+
+async def test_empty_lines_before_a_request_line_are_ignored() -> None:
+    """RFC 9112 2.2: a server SHOULD ignore empty lines before a request line. The front
+    took ``\\r\\nGET /health`` for the rest of a held request, parsed it, and, as it is not
+    ``/v1/``, closed the connection without an answer."""
+    async with gateway() as gw:
+        async with connection(gw) as (reader, writer):
+            writer.write(b"\r\n" + HEALTH)
+            head, body = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["status"] == "ok"
+        async with connection(gw) as (reader, writer):
+            writer.write(b"\r\n\r\n" + post(CHAT))
+            head, body = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["choices"]
+            writer.write(b"\r\n")  # an extra CRLF after a request, in a write of its own
+            writer.write(b"\r\n" + HEALTH)
+            head, body = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["status"] == "ok"
+        async with connection(gw) as (reader, writer):
+            writer.write(post(CHAT) + b"\r\n")  # one in the write of the request (RFC 9112 2.2)
+            head, body = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["choices"]
+            writer.write(HEALTH)
+            head, body = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["status"] == "ok"
+
+
+async def test_a_flood_of_empty_lines_is_bounded_by_the_header_timeout() -> None:
+    async with gateway(header_timeout_s=0.5) as gw, connection(gw) as (reader, writer):
+        for _ in range(20):  # bounded
+            writer.write(b"\r\n" * 5000)
+        assert await rest_of(reader) == (b"", True)
+        assert gw.metric("understudy_connections_closed_total", reason="header_timeout") == 1
+
+
+async def test_a_pipelined_request_cut_short_is_not_taken_for_a_new_request() -> None:
+    """The start of a pipelined request held by the parser when the answer before it ended:
+    the bytes that came next were judged as a request line of their own and handed to
+    aiohttp, so ``GET /health`` inside the value of ``X-Smuggled`` was served as a request
+    (any parser in front of the gateway reads one ``POST`` there). Now the connection closes
+    after the answer, as for any pipelined request that cannot be handed over (rule 3)."""
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        writer.write(post(CHAT) + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: 2\r\nX-Smuggled: ")
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        writer.write(b"GET /health HTTP/1.1\r\nHost: y\r\n\r\n")
+        assert await rest_of(reader) == (b"", True)
+        assert len(recorded.relayed()) == 1
+
+
+async def test_a_pipelined_request_whole_after_its_first_bytes_is_still_served() -> None:
+    """The other side of the test above: a pipelined request whose rest comes while the one
+    before it is answered is parsed and answered in order, as before."""
+    async with gateway() as gw, connection(gw) as (reader, writer):
+        second = post(CHAT, extra="X-Request-Id: two\r\n")
+        writer.write(post(CHAT, extra="X-Request-Id: one\r\n") + second[:20])
+        writer.write(second[20:])
+        for name in (b"one", b"two"):
+            head, _ = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200") and b"X-Request-Id: " + name in head
