@@ -29,7 +29,8 @@ Theory of operation
    1e-9.  On every test vector this reached the point a brute-force search over all 56,881
    finds (``nearest_in_codebook_brute_force``, kept as the reference the tests compare with);
    the search itself is never needed on the encoding path.
-5. Rules 1, 2 and 4 and the lookup run in C (``_e8core.c``, one row of 8 at a time, float64,
+5. Rules 1, 2 and 4 and the lookup run in C (``_e8core.c``, in the build this CPU runs best,
+   ``_e8builds``; a row of 8 at a time, float64,
    no BLAS and no fused multiply-add, ties to the first candidate; the descent's 240 products
    share their partial sums and only the few that bring the point closer are checked against
    the ball; a point's index is its rank in rule 3's order, counted from small tables rather
@@ -48,7 +49,7 @@ import functools
 import numpy as np
 import numpy.typing as npt
 
-from . import _e8core
+from ._e8builds import e8core
 
 __all__ = [
     "CODEBOOK_NORM2",
@@ -65,11 +66,11 @@ __all__ = [
 Float64Array = npt.NDArray[np.float64]
 IndexArray = npt.NDArray[np.uint16]
 
-CODEBOOK_NORM2 = _e8core.CODEBOOK_NORM2
+CODEBOOK_NORM2 = e8core.CODEBOOK_NORM2
 CODEBOOK_SIZE = 56_881
-SHRINK = _e8core.SHRINK
+SHRINK = e8core.SHRINK
 """Rule 4's radii, as fractions of the ball's radius; the last is (sqrt(10) - 1) / sqrt(10)."""
-DESCENT_STEPS = _e8core.DESCENT_STEPS
+DESCENT_STEPS = e8core.DESCENT_STEPS
 """Rule 4's most steps from the shrunk point to a closer neighbour."""
 _NORM_SLACK = 1e-9
 
@@ -86,7 +87,7 @@ def nearest_d8(x: Float64Array) -> Float64Array:
     """The nearest point of D8 to each row of ``x`` [n, 8] (rule 1)."""
     rows = _rows(x)
     out = np.empty_like(rows)
-    _e8core.nearest_d8(rows, out)
+    e8core.nearest_d8(rows, out)
     return out
 
 
@@ -94,7 +95,7 @@ def nearest_e8(x: Float64Array) -> Float64Array:
     """The nearest point of E8 to each row of ``x`` [n, 8] (rule 2)."""
     rows = _rows(x)
     out = np.empty_like(rows)
-    _e8core.nearest_e8(rows, out)
+    e8core.nearest_e8(rows, out)
     return out
 
 
@@ -116,7 +117,7 @@ def _keys(points: Float64Array) -> npt.NDArray[np.int64]:
     """Rule 3's integer key of each lattice point (its doubled coordinates as digits)."""
     rows = _rows(points)
     keys = np.empty(rows.shape[0], dtype=np.int64)
-    _e8core.keys(rows, keys)
+    e8core.keys(rows, keys)
     return keys
 
 
@@ -162,7 +163,7 @@ class E8Codebook:
         """The index of a codebook point near each row of ``x`` [n, 8] (rules 2, 4 and 5)."""
         rows = _rows(x)
         codes = np.empty(rows.shape[0], dtype=np.uint16)
-        _e8core.encode(rows, codes)
+        e8core.encode(rows, codes)
         return codes
 
     def decode(self, index: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:

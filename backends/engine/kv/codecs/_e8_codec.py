@@ -116,7 +116,6 @@ import numpy as np
 import numpy.typing as npt
 import scipy.linalg
 
-from . import _e8core
 from ._codec import (
     DEFAULT_SEED,
     ROLES,
@@ -127,6 +126,7 @@ from ._codec import (
     block_shape,
 )
 from ._e8 import e8_codebook
+from ._e8builds import e8core
 
 __all__ = [
     "BLOCK_SCALE_STEPS",
@@ -208,7 +208,7 @@ def hadamard_transform(x: Float32Array) -> Float32Array:
     as butterflies in float32 (``_e8core``, rule 3)."""
     rows = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(rows)
-    _e8core.hadamard(rows, rows.shape[-1], out)
+    e8core.hadamard(rows, rows.shape[-1], out)
     return out
 
 
@@ -375,7 +375,7 @@ class E8Codec(BlockCodec):
         flat = np.empty((tokens, heads, dim), dtype=np.float32)
         scales = np.ascontiguousarray(encoded.scales, dtype=np.uint8)
         block_scaled = encoded.role in self.block_scale_roles
-        _e8core.decode_scaled(
+        e8core.decode_scaled(
             np.ascontiguousarray(encoded.codes, dtype=np.uint16),
             scales,
             scales.shape[-1] if block_scaled else 1,
@@ -414,7 +414,7 @@ def _transformed(x: Float32Array, columns: Float32Array) -> Float32Array:
     rows = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(rows)
     heads, dim = columns.shape[:2]
-    _e8core.transform(rows, columns, heads, dim, out)
+    e8core.transform(rows, columns, heads, dim, out)
     return out
 
 
@@ -424,7 +424,7 @@ def _token_scales(rotated: Float32Array, tau: float) -> npt.NDArray[np.uint8]:
     the count of ``_SCALE_CUTS`` below it, as ``searchsorted`` counts)."""
     rows = np.ascontiguousarray(rotated, dtype=np.float32)
     scales = np.empty(rows.shape[:-1], dtype=np.uint8)
-    _e8core.token_scales(rows, tau, _SCALE_CUTS, scales)
+    e8core.token_scales(rows, tau, _SCALE_CUTS, scales)
     return scales
 
 
@@ -474,7 +474,7 @@ def _block_scaled_codes(
     shape = (tokens, heads, dim // E8_BLOCK)
     codes = np.empty(shape, dtype=np.uint16)
     high = np.empty(shape, dtype=np.uint8)
-    _e8core.encode_scaled(
+    e8core.encode_scaled(
         np.ascontiguousarray(rotated, dtype=np.float32),
         np.ascontiguousarray(scales, dtype=np.uint8),
         _level_pairs(),

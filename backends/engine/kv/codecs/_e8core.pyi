@@ -6,6 +6,8 @@ import numpy.typing as npt
 CODEBOOK_NORM2: int
 CODEBOOK_SIZE: int
 DESCENT_STEPS: int
+LANES: int
+RUNS_AVX2: bool
 SHRINK: tuple[float, float]
 
 def hadamard(rows: npt.NDArray[np.float32], dim: int, out: npt.NDArray[np.float32]) -> None: ...

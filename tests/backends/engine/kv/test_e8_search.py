@@ -8,6 +8,8 @@ scales, the real model's keys and values as the codec hands them over, and bad i
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -36,6 +38,7 @@ from backends.engine.kv.codecs._e8_codec import (
     _transformed,
     hadamard_transform,
 )
+from backends.engine.kv.codecs._e8builds import BUILDS
 from backends.engine.kv.codecs._quality import calibrate, capture_kv
 from backends.engine.kv.codecs._texts import CALIBRATION_TEXTS
 
@@ -387,11 +390,12 @@ def test_block_scale_choice_is_the_nearer_level(scale: float) -> None:
     np.testing.assert_array_equal(flags.reshape(-1), high.astype(np.uint8))
 
 
-def test_block_scale_choice_holds_where_the_bounds_skip_a_search() -> None:
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: f"{b.LANES} lanes")
+def test_block_scale_choice_holds_where_the_bounds_skip_a_search(build: ModuleType) -> None:
     """``_e8core.encode_scaled_row`` skips a level's slow path only where its bound says the
     level must lose (its rules a-c): rows just inside and outside a level's ball, on its lattice
     inside and outside the ball, far outside, with levels equal, zero or in either order, get
-    the choice that searching both levels gives (the low level on a tie)."""
+    the choice that searching both levels gives (the low level on a tie), in every build."""
     rng = np.random.default_rng(4)
     table = rng.choice([0.3, 0.84, 1.0, 1.09, 2.5], size=(256, 2)).astype(np.float32)
     table[:4] = [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (1.09, 0.84)]
@@ -420,7 +424,7 @@ def test_block_scale_choice_holds_where_the_bounds_skip_a_search() -> None:
         x = (rows * level).reshape(tokens, heads, dim).astype(np.float32)
         codes = np.empty((tokens, heads, dim // 8), dtype=np.uint16)
         high = np.empty_like(codes, dtype=np.uint8)
-        _e8core.encode_scaled(x, scales, table, codes, high)
+        build.encode_scaled(x, scales, table, codes, high)
         flat = x.reshape(-1, 8).astype(np.float64)
         levels = np.repeat(pairs[:, :, None, :], dim // 8, axis=2).reshape(-1, 2)
         found, errors = [], []
