@@ -16,6 +16,10 @@ Rules (issue 12: slowloris, floods, oversized headers):
    (``max_header_bytes``) is checked by the proxy route before it forwards (``_app.py``).
 5. Each bound exceeded is counted once in ``understudy_connections_closed{reason}``;
    ``understudy_connections_open`` is the number admitted now.
+6. After a request that asks to switch protocols where aiohttp does not (``Upgrade: h2c``,
+   say: only websocket and ``CONNECT`` are kept apart), aiohttp's parser drops the bytes
+   that came after it; the connection closes after its answer, so a request pipelined
+   behind it is retried on another connection (RFC 9112 §9.3.2), never left unanswered.
 """
 
 from __future__ import annotations
@@ -152,7 +156,10 @@ class _GuardedHandler(RequestHandler):
         request_handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]],
     ) -> tuple[web.StreamResponse, bool]:
         self._disarm_header_deadline()
-        return await super()._handle_request(request, start_time, request_handler)
+        response, reset = await super()._handle_request(request, start_time, request_handler)
+        if request._message.upgrade and not self._upgraded:  # rule 6
+            response.force_close()
+        return response, reset
 
     def _arm_header_deadline(self) -> None:
         self._header_deadline = self._loop.call_later(self._guard.config.header_timeout_s,

@@ -28,8 +28,11 @@ Rules:
    retries it). So does one whose start the parser holds when the answer before it ends:
    the bytes after it continue it, whatever they look like, and the parser cannot be
    asked where it stands without ending it (a request line there would be a request
-   smuggled inside a header value). At a boundary, empty lines before a request line are
-   dropped (RFC 9112 §2.2); bytes that do not start a request line go to the parser.
+   smuggled inside a header value). So does the answer to a request that asks to switch
+   protocols (``Upgrade``, ``CONNECT``): the gateway never switches, and aiohttp's parser
+   keeps apart or drops the bytes after such a request. At a boundary, empty lines before
+   a request line are dropped (RFC 9112 §2.2); bytes that do not start a request line go
+   to the parser.
 4. The bounds of ``_connections.py`` hold here too, counted with the same reasons: admission
    (``ConnectionGuard``, 503), a request head whole within ``header_timeout_s`` of its first
    byte (of the connection's start for its first), an idle keep-alive connection closed after
@@ -435,7 +438,7 @@ class FrontRequest:
         self._message = message
         self.content = payload
         self.path = message.url.path
-        self.keep_alive = not message.should_close
+        self.keep_alive = not message.should_close and not message.upgrade  # rule 3
         self.answered = False
 
     @property

@@ -261,3 +261,33 @@ async def test_a_pipelined_request_whole_after_its_first_bytes_is_still_served()
         for name in (b"one", b"two"):
             head, _ = await read_answer(reader)
             assert head.startswith(b"HTTP/1.1 200") and b"X-Request-Id: " + name in head
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+    b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\nContent-Length: 2\r\n\r\n{}",
+    b"CONNECT /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+])
+@pytest.mark.parametrize("handed_over", [False, True])
+async def test_a_request_after_an_upgrade_request_is_not_lost(head: bytes,
+                                                               handed_over: bool) -> None:
+    """The gateway never switches protocols (``Upgrade`` is hop-by-hop; the primary answers
+    as for any request), so what follows such a request is the next request. aiohttp's
+    parser keeps those bytes apart (websocket, CONNECT) or drops them (h2c): the front lost a
+    request pipelined behind one, and the client waited for its answer until the keep-alive
+    timeout (aiohttp's own server, for h2c, too). Now the answer to an upgrade request
+    closes the connection: a pipelined request after it is retried on another (RFC 9112
+    9.3.2), and nothing was parsed out of it."""
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        if handed_over:
+            writer.write(HEALTH)
+            await read_answer(reader)
+        writer.write(head + post(CHAT))
+        answer, _ = await read_answer(reader)
+        rest, closed = await rest_of(reader)
+        # Answered (aiohttp, for websocket) or closed, never left waiting for.
+        assert rest.startswith(b"HTTP/1.1 200") or (rest, closed) == (b"", True), rest
+        if not handed_over:  # the front's answer to it said so
+            assert b"Connection: close" in answer and (rest, closed) == (b"", True)
+            assert len(recorded.relayed()) == 1
