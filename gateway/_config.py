@@ -89,6 +89,10 @@ DEFAULT_MAX_BODY_BYTES = 8 * MiB
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 """How long a client has to send a request's headers, from its first byte (slowloris)."""
+DEFAULT_BODY_TIMEOUT_S = 60.0
+"""How long a client has to send a request's whole body, from the end of its headers (a
+body that stalls would otherwise hold its connection and a relay task for ever; 8 MiB in
+60 s is ~1.1 Mbit/s)."""
 DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
 """Idle keep-alive connections are closed after this; above the 60 s of common load
 balancers, so the balancer, not the gateway, ends an idle pooled connection."""
@@ -143,6 +147,7 @@ class ServerConfig(_Section):
     # Client connection bounds (gateway/_connections.py); each exceeding is counted in
     # understudy_connections_closed{reason} and the connection closed.
     header_timeout_s: float = Field(DEFAULT_HEADER_TIMEOUT_S, gt=0)
+    body_timeout_s: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0)
     keepalive_timeout_s: float = Field(DEFAULT_KEEPALIVE_TIMEOUT_S, gt=0)
     max_connections: int = Field(DEFAULT_MAX_CLIENT_CONNECTIONS, gt=0)
     max_connections_per_ip: int = Field(DEFAULT_MAX_CONNECTIONS_PER_IP, gt=0)

@@ -3,6 +3,7 @@
     GatewayError                 (status_hint: the HTTP status it becomes)
     ├── RequestError             the client's request cannot be forwarded or done
     │   ├── RequestTooLarge      413
+    │   ├── RequestTimeout       408  the body did not arrive whole within body_timeout_s
     │   ├── HeadersTooLarge      431  the request's headers exceed max_header_bytes
     │   ├── Unauthorized         401  admin API: missing or wrong bearer token
     │   ├── NotFound             404  admin API: no such candidate or route
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidBody",
     "NotFound",
     "RequestError",
+    "RequestTimeout",
     "RequestTooLarge",
     "Unauthorized",
     "UpstreamBroken",
@@ -79,6 +81,10 @@ class RequestError(GatewayError):
 
 class RequestTooLarge(RequestError):
     status_hint = 413
+
+
+class RequestTimeout(RequestError):
+    status_hint = 408
 
 
 class HeadersTooLarge(RequestError):

@@ -9,7 +9,10 @@ Rules (DESIGN.md invariant 1):
    for: there whole SSE events are passed on and the extra usage event is dropped.
 3. The request body is read once, bounded by ``max_body_bytes``, and parsed as JSON at
    most once (only for the routes whose fields matter). A body that is not JSON is
-   forwarded untouched: the backend judges it.
+   forwarded untouched: the backend judges it. A body that does not arrive whole within
+   ``body_timeout_s`` of the head is a 408 and the connection is closed (a stalled body
+   would hold the connection, its admission slot and a task for ever); a body that came
+   with its head, as a small request's does, costs no timer.
 4. Once the response has begun, an upstream failure can no longer become a 502/504: the
    client connection is aborted so the client sees a cut answer, never a clean end.
 5. The relay does not know which server read the request: it talks to a
@@ -47,6 +50,7 @@ from gateway._exceptions import (
     GatewayError,
     HeadersTooLarge,
     RequestError,
+    RequestTimeout,
     RequestTooLarge,
     UpstreamError,
     error_response,
@@ -130,7 +134,8 @@ class RelayClient(Protocol):
         """Abort the connection: the answer had begun (rule 4)."""
 
 
-async def read_body(request: RelayClient | web.Request, limit: int) -> bytes:
+async def read_body(request: RelayClient | web.Request, limit: int, timeout_s: float) -> bytes:
+    """Rule 3: the whole body, at most ``limit`` bytes, within ``timeout_s``."""
     length = request.content_length
     if length is not None and length > limit:
         raise RequestTooLarge(f"request body of {length} bytes exceeds "
@@ -142,10 +147,15 @@ async def read_body(request: RelayClient | web.Request, limit: int) -> bytes:
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
         return whole
     body = bytearray()
-    while chunk := await content.readany():
-        body += chunk
-        if len(body) > limit:
-            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            while chunk := await content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive whole within {timeout_s:g} s "
+                             f"({len(body)} bytes came)") from None
     return bytes(body)
 
 
@@ -256,7 +266,8 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
                       max_chunk_times=state.config.capture.max_chunk_times)
     metrics.relaying += 1
     try:
-        body = await read_body(client, state.config.server.max_body_bytes)
+        server = state.config.server
+        body = await read_body(client, server.max_body_bytes, server.body_timeout_s)
         plan = plan_request(route, client.method, body)
         headers = forwarded_headers(client.headers, request_id=request_id,
                                     client_ip=client.client_ip, scheme=client.scheme)
@@ -273,8 +284,9 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
                                    plan.body, plan.payload, request_id, session)
         upstream = state.upstreams.get(backend)
         await _forward(client, state, upstream, plan, headers, capture, request_id)
-    except RequestTooLarge as exc:
-        metrics.rejected.labels("body_too_large").inc()
+    except (RequestTooLarge, RequestTimeout) as exc:
+        too_large = isinstance(exc, RequestTooLarge)
+        metrics.rejected.labels("body_too_large" if too_large else "body_timeout").inc()
         capture.status = exc.status_hint
         client.refuse(exc, request_id)
     except UpstreamError as exc:  # before the answer began: it becomes a 502/504
@@ -401,6 +413,8 @@ class AiohttpClient:
 
     def refuse(self, error: GatewayError, request_id: str | None) -> None:
         self.response = error_response(error, request_id)
+        if isinstance(error, RequestTimeout):  # the rest of the body may never come: close
+            self.response.force_close()
 
     async def begin(self, status: int, reason: str, headers: CIMultiDict[str], *,
                     live_soon: bool) -> ClientStream:

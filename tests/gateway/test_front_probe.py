@@ -199,6 +199,40 @@ async def test_a_body_over_the_bound_is_refused_instead_of_100_continue() -> Non
         assert await rest_of(reader) == (b"", True)
 
 
+@pytest.mark.parametrize("handed_over", [False, True])
+async def test_a_body_that_stalls_is_a_408_within_the_body_timeout(handed_over: bool) -> None:
+    """A client that sends a head and part of its body, then nothing: the request held its
+    connection, admission slot and relay task for ever (past the header timeout, which ends
+    with the head). Now it is a 408 in OpenAI's shape when ``body_timeout_s`` runs out, the
+    connection closed, counted; nothing reaches the primary."""
+    async with recorded_gateway(body_timeout_s=0.5) as (gw, recorded), \
+            connection(gw) as (reader, writer):
+        if handed_over:
+            writer.write(HEALTH)
+            await read_answer(reader)
+        writer.write(post(CHAT)[:-10])  # all but the last 10 bytes of the body
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head
+        error = json.loads(body)["error"]
+        assert error["code"] == 408 and "within 0.5 s" in error["message"], error
+        if not handed_over:  # aiohttp's handler closes after its own linger (10 s)
+            assert (await rest_of(reader))[1]
+        assert gw.metric("understudy_requests_rejected_total", reason="body_timeout") == 1
+        assert recorded.relayed() == []
+
+
+async def test_a_slow_body_that_arrives_whole_in_time_is_relayed() -> None:
+    async with recorded_gateway(body_timeout_s=5) as (gw, recorded), \
+            connection(gw) as (reader, writer):
+        request = post(CHAT)
+        writer.write(request[:-10])
+        await asyncio.sleep(0.3)  # a slow client: the rest comes later, within the bound
+        writer.write(request[-10:])
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert (await recorded.one())[1] == CHAT
+
+
 # -- request boundaries -------------------------------------------------------------------
 
 async def test_empty_lines_before_a_request_line_are_ignored() -> None:
