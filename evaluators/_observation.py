@@ -22,6 +22,15 @@ Rules:
    tool call's index is honoured only below ``MAX_TOOL_CALLS``, and a truncated capture keeps
    the last ``CAPTURE_TAIL_BYTES`` bytes (where the usage and finish reason are), whatever
    the reads' sizes.
+6. One answer per observation: the choice of index 0 (``n > 1``, or a legacy completion of
+   a list of prompts, has several). A stream interleaves its choices' deltas in an order
+   that may differ between two backends giving the same answers; joining them all made
+   two equal answers unequal text, and merged the choices' tool calls into one.
+7. ``text`` is the answer's content the same way streamed or not: a chat message whose
+   content is null (a tool-call-only answer) has the text ``""``, as its stream of no
+   content deltas has; a message that only carries a ``refusal`` has the refusal as its
+   text. It is None only where no answer text can be known (a truncated capture, a
+   failed or non-completion answer such as embeddings).
 """
 
 from __future__ import annotations
@@ -202,27 +211,39 @@ def _sse_events(data: bytes) -> list[Any]:
 
 def _parse_sse(capture: Capture, parsed: _Parsed) -> None:
     pieces: list[str] = []
+    refusal: list[str] = []
     for event in _sse_events(bytes(capture.body)):
         if isinstance(event, dict):
-            _absorb_chunk(event, parsed, pieces)
+            _absorb_chunk(event, parsed, pieces, refusal)
     if capture.truncated:
         # Only the tail survived: usage and finish reason may be there, the text is partial.
         for event in _sse_events(bytes(capture.tail).partition(b"\n")[2]):
             if isinstance(event, dict):
-                _absorb_chunk(event, parsed, [])
+                _absorb_chunk(event, parsed, [], [])
         parsed.text = None
     else:
-        parsed.text = "".join(pieces)
+        parsed.text = _answer_text("".join(pieces), "".join(refusal))
 
 
-def _absorb_chunk(event: dict[str, Any], parsed: _Parsed, pieces: list[str]) -> None:
+def _answer_text(content: str, refusal: str | None) -> str:
+    """Rule 7: the content, or the refusal when there is no content."""
+    return content if content or not refusal else refusal
+
+
+def _first_choice(choice: Any) -> bool:
+    """Rule 6: whether ``choice`` is the answer's first (index 0; a missing index is 0)."""
+    return isinstance(choice, dict) and _int_or_none(choice.get("index", 0)) == 0
+
+
+def _absorb_chunk(event: dict[str, Any], parsed: _Parsed, pieces: list[str],
+                  refusal: list[str]) -> None:
     if parsed.model is None and isinstance(event.get("model"), str):
         parsed.model = event["model"]
     usage = Usage.from_json(event.get("usage"))
     if usage is not None:
         parsed.usage = usage
     for choice in _list(event.get("choices")):
-        if not isinstance(choice, dict):
+        if not _first_choice(choice):
             continue
         if choice.get("finish_reason"):
             parsed.finish_reason = str(choice["finish_reason"])
@@ -230,6 +251,8 @@ def _absorb_chunk(event: dict[str, Any], parsed: _Parsed, pieces: list[str]) -> 
         if isinstance(delta, dict):
             if isinstance(delta.get("content"), str):
                 pieces.append(delta["content"])
+            if isinstance(delta.get("refusal"), str):
+                refusal.append(delta["refusal"])
             for call in _list(delta.get("tool_calls")):
                 _merge_tool_call_delta(parsed.tool_calls, call)
         elif isinstance(choice.get("text"), str):
@@ -269,15 +292,17 @@ def _absorb_completion(doc: dict[str, Any], parsed: _Parsed) -> None:
     parsed.model = doc.get("model") if isinstance(doc.get("model"), str) else None
     parsed.usage = Usage.from_json(doc.get("usage"))
     choices = _list(doc.get("choices"))
-    if not choices or not isinstance(choices[0], dict):
+    choice = next((c for c in choices if _first_choice(c)), None)
+    if not isinstance(choice, dict):
         return
-    choice = choices[0]
     reason = choice.get("finish_reason")
     parsed.finish_reason = str(reason) if reason else None
     message = choice.get("message")
     if isinstance(message, dict):
-        content = message.get("content")
-        parsed.text = content if isinstance(content, str) else None
+        content, refusal = message.get("content"), message.get("refusal")
+        if content is None or isinstance(content, str):  # another type: unknown (rule 5)
+            parsed.text = _answer_text(content or "",
+                                       refusal if isinstance(refusal, str) else None)
         for call in _list(message.get("tool_calls"))[:MAX_TOOL_CALLS]:
             name, arguments = _function_parts(call.get("function") if isinstance(call, dict)
                                               else None)

@@ -4,6 +4,11 @@ The primary's answer is the reference; there is no ground truth. A text compares
 both answers are complete: the observation is ``ok``, not truncated, and its text is known.
 Otherwise every pairwise quality value is ``None`` (a failed answer is counted by
 ``reliability.success``, not disguised as a dissimilar one).
+
+An answer that is only tool calls has the empty text. Two of them would agree as texts
+(exact match 1.0) whatever their calls: the text scorers give ``None`` when neither answer
+has text and either made a tool call, and ``quality.tool_call_match`` alone judges them.
+An answer in text where the other called a tool is compared as text (it differs).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ def _texts(exchange: Exchange) -> tuple[str, str] | None:
     candidate = complete_text(exchange.candidate_observation)
     if primary is None or candidate is None:
         return None
+    if not (primary or candidate) and (exchange.primary.tool_calls
+                                       or exchange.candidate_observation.tool_calls):
+        return None  # only tool calls on both sides: not a text to compare
     return candidate, primary
 
 

@@ -1,0 +1,226 @@
+"""Agentic traffic mirrored and scored: tool calls, several choices, refusals.
+
+A small aiohttp upstream plays the primary and the candidate and answers exactly the shape
+a test needs (the simulator's answers are too regular); the real ``openai`` client talks to
+the gateway; every exchange is joined into a MemorySink and scored by the real scorers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from aiohttp import web
+
+from evaluators import Exchange
+from evaluators._scorers import build_scorers
+from tests.utils import eventually, run_gateway, serving
+
+TEXT_SCORERS = ("exact_match", "edit_similarity", "token_f1", "tool_calls", "finish_reason")
+TEXT_METRICS = ("quality.exact_match", "quality.edit_similarity", "quality.token_f1")
+
+Answer = Callable[[dict[str, Any]], tuple[list[dict[str, Any]], dict[str, Any]]]
+"""(the request's body) -> (the stream's choice deltas, one per event; the message answer)."""
+
+
+def _event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+    doc: dict[str, Any] = {"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                           "model": "m", "choices": choices}
+    if usage is not None:
+        doc["usage"] = usage
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+
+
+@asynccontextmanager
+async def _upstream(answer: Answer) -> AsyncIterator[str]:
+    """An OpenAI chat server whose answers ``answer`` makes, streamed as given or whole."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        deltas, whole = answer(body)
+        if body.get("stream") is not True:
+            return web.json_response({"id": "c1", "object": "chat.completion", "created": 1,
+                                      "model": "m", "choices": whole["choices"],
+                                      "usage": USAGE})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for choice in deltas:
+            await response.write(_event([choice]))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await response.write(_event([], USAGE))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with serving(web.AppRunner(app)) as url:
+        yield url
+
+
+async def _exchange(primary: Answer, candidate: Answer, *, stream: bool,
+                    **request: Any) -> Exchange:
+    """One chat request through a gateway mirroring to ``candidate``; its joined exchange."""
+    async with _upstream(primary) as primary_url, _upstream(candidate) as candidate_url, \
+            run_gateway(primary_url, candidates=[{"name": "cand", "url": candidate_url}]) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        try:
+            answer = await client.chat.completions.create(
+                model="m", stream=stream, messages=HISTORY, **request)
+            if stream:
+                async for _ in answer:  # type: ignore[union-attr]
+                    pass
+        finally:
+            await client.close()
+        await eventually(lambda: len(gw.sink) == 1)
+        return gw.sink.snapshot()[0]
+
+
+def _scores(exchange: Exchange) -> dict[str, float | None]:
+    return {score.metric: score.candidate
+            for scorer in build_scorers(TEXT_SCORERS) for score in scorer.score(exchange)}
+
+
+# An agent's turn: an earlier tool call and its result in the history.
+HISTORY: list[Any] = [
+    {"role": "user", "content": "Weather in Paris, then Berlin?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+]
+TOOLS: list[Any] = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def _tool_call(arguments: str) -> Answer:
+    """A tool-call-only answer, its arguments streamed in two pieces as vLLM does."""
+    def answer(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        assert body["tools"] == TOOLS and body["messages"] == HISTORY
+        half = len(arguments) // 2
+        deltas = [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
+            {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_2", "type": "function",
+                                                   "function": {"name": "get_weather",
+                                                                "arguments": arguments[:half]}}]},
+             "finish_reason": None},
+            {"index": 0, "delta": {"tool_calls": [{"index": 0,
+                                                   "function": {"arguments": arguments[half:]}}]},
+             "finish_reason": None},
+            {"index": 0, "delta": {}, "finish_reason": "tool_calls"},
+        ]
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": arguments}}]}
+        return deltas, {"choices": [{"index": 0, "message": message,
+                                     "finish_reason": "tool_calls"}]}
+    return answer
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_tool_call_answers_are_judged_by_their_calls_not_as_equal_empty_texts(
+        stream: bool) -> None:
+    exchange = await _exchange(_tool_call('{"city": "Berlin"}'), _tool_call('{"city": "Rome"}'),
+                               stream=stream, tools=TOOLS, tool_choice="auto")
+    scores = _scores(exchange)
+    # Different calls: the calls' metric says so, and no text metric claims agreement.
+    assert scores["quality.tool_call_match"] == 0.0
+    assert all(scores[m] is None for m in TEXT_METRICS), scores
+    assert scores["quality.finish_reason_match"] == 1.0
+    # Streamed or not, the observation is the same: the calls, the reason, no text.
+    for observation in (exchange.primary, exchange.candidate_observation):
+        assert observation.text == "" and observation.finish_reason == "tool_calls"
+    assert exchange.primary.tool_calls == (
+        {"name": "get_weather", "arguments": '{"city": "Berlin"}'},)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_same_tool_call_with_other_key_order_and_spacing_matches(stream: bool) -> None:
+    exchange = await _exchange(_tool_call('{"city":"Berlin","unit":"c"}'),
+                               _tool_call('{ "unit": "c",\n "city": "Berlin" }'),
+                               stream=stream, tools=TOOLS)
+    scores = _scores(exchange)
+    assert scores["quality.tool_call_match"] == 1.0
+    assert all(scores[m] is None for m in TEXT_METRICS), scores
+
+
+def _text(answer: str) -> Answer:
+    def respond(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        deltas: list[dict[str, Any]] = [
+            {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+            for piece in (answer[:3], answer[3:])]
+        deltas.append({"index": 0, "delta": {}, "finish_reason": "stop"})
+        return deltas, {"choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": answer}}]}
+    return respond
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_text_where_the_primary_called_a_tool_differs_as_text(stream: bool) -> None:
+    exchange = await _exchange(_tool_call('{"city": "Berlin"}'), _text("Berlin is 18 °C."),
+                               stream=stream, tools=TOOLS)
+    scores = _scores(exchange)
+    assert scores["quality.tool_call_match"] == 0.0
+    assert scores["quality.exact_match"] == 0.0 and scores["quality.token_f1"] == 0.0
+    assert scores["quality.finish_reason_match"] == 0.0
+
+
+def _two_choices(first: str, second: str, *, second_first: bool) -> Answer:
+    """n=2: the choices' deltas interleaved, in an order a backend's scheduling picks."""
+    def respond(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        assert body["n"] == 2
+        pieces = {0: [first[:2], first[2:]], 1: [second[:2], second[2:]]}
+        order = [1, 0, 1, 0] if second_first else [0, 1, 0, 1]
+        deltas: list[dict[str, Any]] = [
+            {"index": i, "delta": {"content": pieces[i].pop(0)}, "finish_reason": None}
+            for i in order]
+        deltas += [{"index": 0, "delta": {}, "finish_reason": "stop"},
+                   {"index": 1, "delta": {}, "finish_reason": "length"}]
+        return deltas, {"choices": [
+            {"index": 0, "finish_reason": "stop",
+             "message": {"role": "assistant", "content": first}},
+            {"index": 1, "finish_reason": "length",
+             "message": {"role": "assistant", "content": second}}]}
+    return respond
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_several_choices_compare_the_first_choice_whatever_the_interleaving(
+        stream: bool) -> None:
+    exchange = await _exchange(_two_choices("Paris is sunny", "Rain in Berlin",
+                                            second_first=False),
+                               _two_choices("Paris is sunny", "Rain in Berlin",
+                                            second_first=True),
+                               stream=stream, n=2)
+    for observation in (exchange.primary, exchange.candidate_observation):
+        assert (observation.text, observation.finish_reason) == ("Paris is sunny", "stop")
+    scores = _scores(exchange)
+    assert all(scores[m] == 1.0 for m in TEXT_METRICS), scores
+
+
+def _refusal(text: str) -> Answer:
+    def respond(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        deltas = [{"index": 0, "delta": {"role": "assistant", "content": None, "refusal": ""},
+                   "finish_reason": None},
+                  {"index": 0, "delta": {"refusal": text}, "finish_reason": None},
+                  {"index": 0, "delta": {}, "finish_reason": "stop"}]
+        return deltas, {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "content": None, "refusal": text}}]}
+    return respond
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_refusal_is_the_answer_text_it_is_compared_on(stream: bool) -> None:
+    exchange = await _exchange(_text("Berlin is 18 °C."), _refusal("I can't help with that."),
+                               stream=stream)
+    assert exchange.candidate_observation.text == "I can't help with that."
+    scores = _scores(exchange)
+    assert scores["quality.exact_match"] == 0.0 and scores["quality.token_f1"] == 0.0
