@@ -47,6 +47,9 @@ MAX_TOOL_CALLS = 128
 """Most tool calls an answer's observation keeps (a delta's index beyond it is ignored)."""
 CAPTURE_TAIL_BYTES = 16 * 1024
 """Bytes a truncated capture keeps from the end of the answer (rule 5)."""
+CLIENT_DISCONNECTED = "client_disconnected"
+"""The error of a primary answer whose client went away before its end (set by the
+gateway's relay): the backend did not fail, the answer was cut on the client's side."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,10 @@ Each value is measured the same way on the primary and on the candidate. Only an
 answer has meaningful timings or usage: a 500 returned in 2 ms is not a fast answer, so a
 failed observation gives ``None`` here and counts in ``reliability.success`` instead.
 TTFT and inter-chunk times exist only for streamed answers.
+
+An answer cut because its client went away (``CLIENT_DISCONNECTED``: an agent that stops
+reading a stream) did not fail on the backend's side: its success is unknown (``None``),
+never a failure that would make the primary look less reliable than its candidate.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from evaluators._exchange import Exchange
-from evaluators._observation import Observation
+from evaluators._observation import CLIENT_DISCONNECTED, Observation
 from evaluators._score import Score
 from evaluators._throughput import ThroughputWindow, output_tokens_per_s
 
@@ -57,13 +61,18 @@ def _ratio(candidate: float | None, primary: float | None) -> float | None:
     return candidate / primary
 
 
+def _success(observation: Observation) -> float | None:
+    """1.0 answered, 0.0 failed, None when the client cut it (the backend did not fail)."""
+    return None if observation.error == CLIENT_DISCONNECTED else float(observation.ok)
+
+
 @dataclass(frozen=True, slots=True)
 class ReliabilityScorer:
     name: str = "reliability"
 
     def score(self, exchange: Exchange) -> list[Score]:
         cand, prim = _both(exchange)
-        return [Score("reliability.success", float(cand.ok), float(prim.ok))]
+        return [Score("reliability.success", _success(cand), _success(prim))]
 
 
 @dataclass(frozen=True, slots=True)

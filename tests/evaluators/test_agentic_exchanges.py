@@ -17,8 +17,10 @@ import pytest
 from aiohttp import web
 
 from evaluators import Exchange
+from evaluators._observation import CLIENT_DISCONNECTED
 from evaluators._scorers import build_scorers
-from tests.utils import eventually, run_gateway, serving
+from evaluators._scorers_timing import ReliabilityScorer
+from tests.utils import eventually, leave_stream_after, run_gateway, run_sim, serving
 
 TEXT_SCORERS = ("exact_match", "edit_similarity", "token_f1", "tool_calls", "finish_reason")
 TEXT_METRICS = ("quality.exact_match", "quality.edit_similarity", "quality.token_f1")
@@ -224,3 +226,25 @@ async def test_a_refusal_is_the_answer_text_it_is_compared_on(stream: bool) -> N
     assert exchange.candidate_observation.text == "I can't help with that."
     scores = _scores(exchange)
     assert scores["quality.exact_match"] == 0.0 and scores["quality.token_f1"] == 0.0
+
+
+async def test_a_client_that_stops_reading_is_no_primary_failure() -> None:
+    # An agent that has read enough of a stream closes it: the primary's answer is cut on
+    # the client's side, which says nothing of the primary's reliability.
+    async with run_sim(ttft_ms=1, itl_ms=20, tokens=40) as primary, \
+            run_sim(ttft_ms=1, itl_ms=1, tokens=40) as candidate, \
+            run_gateway(primary.url, candidates=[{"name": "cand", "url": candidate.url}]) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        try:
+            stream = await client.chat.completions.create(
+                model="sim-model", messages=[{"role": "user", "content": "hi"}], stream=True)
+            await leave_stream_after(stream, 3)
+        finally:
+            await client.close()
+        await eventually(lambda: len(gw.sink) == 1)
+        exchange = gw.sink.snapshot()[0]
+    assert exchange.primary.error == CLIENT_DISCONNECTED
+    assert exchange.candidate_observation.ok
+    scores = {s.metric: s for s in ReliabilityScorer().score(exchange)}
+    success = scores["reliability.success"]
+    assert (success.candidate, success.primary) == (1.0, None)
