@@ -31,11 +31,17 @@ Rules:
    content deltas has; a message that only carries a ``refusal`` has the refusal as its
    text. It is None only where no answer text can be known (a truncated capture, a
    failed or non-completion answer such as embeddings).
+8. A truncated answer that is not a stream (a long one, or one with ``logprobs``, past
+   the capture's bound) keeps its usage: it is read from the tail, where the answer ends
+   with it, so its throughput and cost are known as a stream's are. Its finish reason is
+   not read there (with several choices the tail's last one is not the first choice's).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,14 +193,35 @@ def _parse_body(capture: Capture) -> _Parsed:
         return parsed
     if capture.streamed:
         _parse_sse(capture, parsed)
+    elif capture.truncated:
+        parsed.usage = _usage_in_tail(bytes(capture.tail))
     else:
         try:
-            doc = orjson.loads(bytes(capture.body)) if not capture.truncated else None
+            doc = orjson.loads(bytes(capture.body))
         except orjson.JSONDecodeError:
             doc = None
         if isinstance(doc, dict):
             _absorb_completion(doc, parsed)
     return parsed
+
+
+_USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
+
+
+def _usage_in_tail(tail: bytes) -> Usage | None:
+    """Rule 8: the usage object at the end of a truncated answer that is not a stream.
+
+    The last ``"usage":{`` in the tail is the answer's own (it follows the choices, in
+    vLLM's and OpenAI's answers; inside a JSON string its quotes would be escaped)."""
+    matches = list(_USAGE_KEY.finditer(tail))
+    if not matches:
+        return None
+    text = tail[matches[-1].end() - 1:].decode("utf-8", errors="replace")
+    try:
+        usage, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None
+    return Usage.from_json(usage)
 
 
 def _sse_events(data: bytes) -> list[Any]:

@@ -16,10 +16,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from evaluators import Exchange
+from evaluators import Capture, Exchange, Usage, observe
 from evaluators._observation import CLIENT_DISCONNECTED
 from evaluators._scorers import build_scorers
-from evaluators._scorers_timing import ReliabilityScorer
+from evaluators._scorers_timing import ReliabilityScorer, ThroughputScorer
 from tests.utils import eventually, leave_stream_after, run_gateway, run_sim, serving
 
 TEXT_SCORERS = ("exact_match", "edit_similarity", "token_f1", "tool_calls", "finish_reason")
@@ -248,3 +248,45 @@ async def test_a_client_that_stops_reading_is_no_primary_failure() -> None:
     scores = {s.metric: s for s in ReliabilityScorer().score(exchange)}
     success = scores["reliability.success"]
     assert (success.candidate, success.primary) == (1.0, None)
+
+
+async def test_a_long_answer_that_is_not_a_stream_keeps_its_usage_past_the_capture() -> None:
+    # 2000 tokens, not streamed, past a 4 KiB capture: the text is lost, the usage at the
+    # answer's end is not, so throughput (and cost) are measured as for a stream.
+    async with run_sim(ttft_ms=1, itl_ms=0, tokens=2000) as primary, \
+            run_sim(ttft_ms=1, itl_ms=0, tokens=2000) as candidate, \
+            run_gateway(primary.url, candidates=[{"name": "cand", "url": candidate.url}],
+                        capture={"max_bytes": 4096}) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        try:
+            await client.chat.completions.create(
+                model="sim-model", messages=[{"role": "user", "content": "a long story"}])
+        finally:
+            await client.close()
+        await eventually(lambda: len(gw.sink) == 1)
+        exchange = gw.sink.snapshot()[0]
+    for observation in (exchange.primary, exchange.candidate_observation):
+        assert observation.truncated and observation.text is None
+        assert observation.usage is not None and observation.usage.completion_tokens == 2001
+    tps = next(s for s in ThroughputScorer().score(exchange))
+    assert tps.candidate is not None and tps.primary is not None
+
+
+def _truncated(answer: bytes, keep: int) -> Capture:
+    capture = Capture(started=0.0, max_bytes=keep, max_chunk_times=8, status=200)
+    capture.add_chunk(0.0, answer)
+    return capture
+
+
+def test_usage_is_read_from_a_truncated_answer_s_tail_only_where_it_is_whole() -> None:
+    message = '{"a": 1, \\"usage\\": {\\"prompt_tokens\\": 99}}'  # escaped: not the usage
+    answer = orjson.dumps({"id": "c", "choices": [{"index": 0, "message": {
+        "role": "assistant", "content": "x" * 500 + message}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+    observed = observe(_truncated(answer, 100), request_id="r", backend="b", route="chat",
+                       wall_started=0.0)
+    assert observed.truncated and observed.usage == Usage(3, 2, None)
+    assert observed.text is None and observed.finish_reason is None
+    cut = observe(_truncated(answer[:-20], 100), request_id="r", backend="b", route="chat",
+                  wall_started=0.0)
+    assert cut.usage is None
