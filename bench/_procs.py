@@ -8,6 +8,8 @@ Rules:
 2. Every process is a child of the benchmark, started with its own log file in a temp
    dir and stopped by its own pid (SIGTERM, then SIGKILL after a bound): nothing is left
    running and nothing system-wide changes (nginx gets a generated config and prefix).
+   A benchmark stopped by a signal stops them too (``run_main``: SIGTERM and SIGHUP taken
+   as Ctrl-C, ``demo.processes`` rule 4), and exits 128 + the signal's number.
    vLLM is the exception to "by its own pid": it forks an engine core and helpers, so it
    runs in its own process group and ``backends.vllm.VLLMServer`` stops the whole group.
 3. CPU time is read from ``/proc/PID/stat`` (utime + stime, in clock ticks) so that the
@@ -22,15 +24,22 @@ import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from backends.vllm import VLLMProfile, VLLMServer, VLLMServerError, model_dir
-from demo.processes import Process, free_port, understudy_argv, wait_healthy
+from demo.processes import (
+    Process,
+    free_port,
+    interrupted_by_signals,
+    understudy_argv,
+    wait_healthy,
+)
 from demo.processes import spawn as start_process
 
 __all__ = [
@@ -52,6 +61,7 @@ __all__ = [
     "nginx_version",
     "process_tree",
     "run_loadgens",
+    "run_main",
     "snapshot_code",
     "spawn",
     "start_bare_relay",
@@ -82,6 +92,20 @@ _CODE_DIRS = ("gateway", "evaluators", "backends", "migrations")
 
 Child = Process
 """One started process (``demo.processes``: its log, its stop, the pids to bill CPU to)."""
+
+
+def run_main(main: Callable[[], int | None]) -> int:
+    """A benchmark's ``main``, stopped by SIGINT, SIGTERM or SIGHUP as by Ctrl-C (rule 2):
+    its exit status, or 128 + the signal's number."""
+    received: list[signal.Signals] = []
+    try:
+        with interrupted_by_signals(received.append):
+            return main() or 0
+    except KeyboardInterrupt:
+        stopped_by = received[0] if received else signal.SIGINT
+        print(f"Stopped by {stopped_by.name}: every process the benchmark started is stopped.",
+              file=sys.stderr)
+        return 128 + stopped_by.value
 
 
 def snapshot_code(workdir: Path) -> Path:
@@ -185,10 +209,11 @@ def process_tree(pid: int) -> list[int]:
 
 
 def wait_ready(child: Child, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Wait until ``child`` answers its ``/health``; stop it if it never does."""
+    """Wait until ``child`` answers its ``/health``; stop it if it never does, or if the
+    wait is interrupted (rule 2: the caller never got it, so cannot stop it)."""
     try:
         wait_healthy([child], timeout_s, poll_s=HEALTH_POLL_S)
-    except RuntimeError:
+    except BaseException:
         child.stop()
         raise
 
@@ -213,16 +238,19 @@ def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, token
                            str(itl_ms), "--tokens", str(tokens), *extra)
     child = spawn(name, argv, workdir, code)
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and not child.url:
-        if match := _SIM_LINE.search(child.log.read_bytes()):
-            child.url = match.group(1).decode()
-            break
-        if not child.alive():
-            break
-        time.sleep(0.05)
-    if not child.url:
+    try:
+        while time.monotonic() < deadline and not child.url:
+            if match := _SIM_LINE.search(child.log.read_bytes()):
+                child.url = match.group(1).decode()
+                break
+            if not child.alive():
+                break
+            time.sleep(0.05)
+        if not child.url:
+            raise RuntimeError(f"simulator did not start:\n{child.log_tail()}")
+    except BaseException:  # rule 2: not started, or interrupted
         child.stop()
-        raise RuntimeError(f"simulator did not start:\n{child.log_tail()}")
+        raise
     wait_ready(child)
     return child
 
@@ -372,9 +400,11 @@ def start_vllm(workdir: Path, *, max_model_len: int) -> VLLMServer:
     try:
         server.start()
         server.wait_healthy(VLLM_READY_TIMEOUT_S)
-    except VLLMServerError as exc:
+    except BaseException as exc:  # rule 2: not started, or interrupted
         server.stop()
-        raise RuntimeError(f"vLLM did not start: {exc}") from exc
+        if isinstance(exc, VLLMServerError):
+            raise RuntimeError(f"vLLM did not start: {exc}") from exc
+        raise
     return server
 
 

@@ -64,6 +64,7 @@ from _procs import (
     Child,
     code_revision,
     process_tree,
+    run_main,
     snapshot_code,
     start_engine,
     start_vllm,
@@ -387,4 +388,4 @@ def reprint(path: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -95,6 +95,7 @@ from _procs import (
     nginx_version,
     process_tree,
     run_loadgens,
+    run_main,
     snapshot_code,
     spawn,
     start_nginx,
@@ -862,4 +863,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

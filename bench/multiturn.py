@@ -102,7 +102,14 @@ from _multiturn_report import (
     print_report,
     summarise_depth,
 )
-from _procs import CLOCK_TICKS, code_revision, cpu_ticks, machine_ticks, snapshot_code
+from _procs import (
+    CLOCK_TICKS,
+    code_revision,
+    cpu_ticks,
+    machine_ticks,
+    run_main,
+    snapshot_code,
+)
 from _report import RESULTS_DIR, loadavg, write_results
 
 ENGINE_ARGS = ["--max-model-len", "8192", "--kv-gib", "1"]
@@ -591,4 +598,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

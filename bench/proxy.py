@@ -55,6 +55,7 @@ from _procs import (
     code_revision,
     find_nginx,
     nginx_version,
+    run_main,
     snapshot_code,
     start_bare_relay,
     start_gateway,
@@ -658,4 +659,4 @@ def write_results(meta: dict[str, Any], results: dict[str, Any],
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

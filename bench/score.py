@@ -59,6 +59,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _procs import run_main  # noqa: E402
 from _report import (  # noqa: E402
     RESULTS_DIR,
     div,
@@ -387,4 +388,4 @@ ENCODER_GFLOP_PER_TEXT = 6 * (2 * 200 * (384 * 1152 + 384 * 384 + 2 * 384 * 1536
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -49,6 +49,7 @@ from _procs import (
     children_of,
     code_revision,
     free_port,
+    run_main,
     snapshot_code,
     spawn,
     start_sim,
@@ -466,4 +467,4 @@ def report(
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -64,7 +64,7 @@ import asyncpg  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-from _procs import LOADGEN_SCRIPT, loadgen_result, start_sim  # noqa: E402
+from _procs import LOADGEN_SCRIPT, loadgen_result, run_main, start_sim  # noqa: E402
 from _report import RESULTS_DIR, write_results  # noqa: E402
 
 from evaluators import DEFAULT_SCORERS, Exchange, Observation, Usage  # noqa: E402
@@ -492,4 +492,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

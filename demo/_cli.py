@@ -1,28 +1,20 @@
 """``understudy demo``: the command line of ``run_demo``.
 
-SIGINT, SIGTERM and SIGHUP end a demo the way Ctrl-C does: ``run_demo`` unwinds and stops
-every process it started (seven engines and the gateway; without this a SIGTERM, from
-``timeout`` or a supervisor, killed the demo and left them running).  The first signal
-interrupts; later ones are ignored until the processes are stopped (bounded by their stop
-grace), and the exit status is 128 + the signal's number.
+SIGINT, SIGTERM and SIGHUP end a demo the way Ctrl-C does (``demo.processes`` rule 4):
+``run_demo`` unwinds and stops every process it started (seven engines and the gateway),
+and the exit status is 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import signal
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 
 import click
 
 from demo._spec import DemoSpec
 
 __all__ = ["demo_command"]
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _DEFAULTS = DemoSpec()
 
@@ -51,10 +43,11 @@ def demo_command(sessions: int, turns: int, minutes: float, rate: float, min_sam
     """Run the real-model demo: a primary, its replica and three candidates behind the
     gateway, agentic traffic, the scorecard, and a promotion."""
     from demo._run import run_demo  # the gateway, the store, the workload: not for --help
+    from demo.processes import interrupted_by_signals
 
     received: list[signal.Signals] = []
     try:
-        with _interrupted_by(STOP_SIGNALS, received.append):
+        with interrupted_by_signals(received.append):
             run_demo(DemoSpec(sessions=sessions, turns=turns, minutes=minutes, rate=rate,
                               min_samples=min_samples, primary_vllm=primary_vllm,
                               promote=not no_promote, workdir=workdir))
@@ -65,27 +58,3 @@ def demo_command(sessions: int, turns: int, minutes: float, rate: float, min_sam
         click.echo(f"Stopped by {stopped_by.name}: every process the demo started is stopped.",
                    err=True)
         raise SystemExit(128 + stopped_by.value) from None
-
-
-@contextmanager
-def _interrupted_by(signals: tuple[signal.Signals, ...],
-                    note: Callable[[signal.Signals], None]) -> Iterator[None]:
-    """The first of ``signals`` raises KeyboardInterrupt where the demo is (``note`` told
-    which); the rest are ignored until the block is left, so the unwinding that stops the
-    processes runs whole. Off the main thread (a test's runner) signals are not ours."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        for each in signals:
-            signal.signal(each, signal.SIG_IGN)
-        note(signal.Signals(signum))
-        raise KeyboardInterrupt
-
-    previous = {each: signal.signal(each, interrupt) for each in signals}
-    try:
-        yield
-    finally:
-        for each, handler in previous.items():
-            signal.signal(each, handler)

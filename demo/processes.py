@@ -9,6 +9,12 @@ Rules:
 3. understudy's own servers run as ``python -m gateway.cli`` (``understudy_argv``), which
    puts the child's working directory first on ``sys.path``: a benchmark starts them in a
    snapshot of the code, so edits made during a run do not reach them.
+4. Whoever starts children stops them when it is stopped: inside ``interrupted_by_signals``
+   SIGINT, SIGTERM (``timeout``, a supervisor) and SIGHUP (a closed terminal) raise
+   KeyboardInterrupt where the program is, so its ``finally`` blocks and exit stacks stop the
+   children as on Ctrl-C; later signals are ignored until the block is left, so that
+   unwinding runs whole (it is bounded: ``stop_all``'s grace). Without it SIGTERM and SIGHUP
+   ended the program at once and left every child running.
 """
 
 from __future__ import annotations
@@ -18,17 +24,20 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 __all__ = [
+    "STOP_SIGNALS",
     "THREAD_ENV",
     "Process",
     "free_port",
+    "interrupted_by_signals",
     "spawn",
     "stop_all",
     "understudy_argv",
@@ -39,6 +48,8 @@ THREAD_ENV: Final = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                      "MKL_NUM_THREADS": "1"}
 """One BLAS and one OpenMP thread: engines sharing a few cores collapse when numpy's BLAS
 threads spin-wait on each other."""
+STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a program that started children (rule 4)."""
 STOP_GRACE_S: Final = 10.0
 HEALTH_POLL_S: Final = 0.25
 LOG_TAIL_LINES: Final = 30
@@ -137,3 +148,26 @@ def wait_healthy(processes: Sequence[Process], timeout_s: float, *,
     if waiting:
         raise RuntimeError(f"not ready within {timeout_s:.0f} s: "
                            + ", ".join(p.name for p in waiting))
+
+
+@contextlib.contextmanager
+def interrupted_by_signals(note: Callable[[signal.Signals], None]) -> Iterator[None]:
+    """Rule 4: the first of ``STOP_SIGNALS`` raises KeyboardInterrupt where the program is
+    (``note`` is told which); the rest are ignored until the block is left. Off the main
+    thread (a test's runner) signals are not ours to take: nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        for each in STOP_SIGNALS:
+            signal.signal(each, signal.SIG_IGN)
+        note(signal.Signals(signum))
+        raise KeyboardInterrupt
+
+    previous = {each: signal.signal(each, interrupt) for each in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for each, handler in previous.items():
+            signal.signal(each, handler)
