@@ -10,6 +10,10 @@ Rules:
    reason, error) are cut to their column. A client's header bytes that are not UTF-8
    (lone surrogates in the request id or session key) are kept as backslash escapes:
    no database driver can encode them, and one such row would fail its whole batch.
+   The texts a backend or a client chose (answer, prompt, model, finish reason, error)
+   keep what no database takes as backslash escapes too: a lone surrogate, and NUL
+   (``\\x00``: PostgreSQL refuses it in text; a model's byte-fallback token ``<0x00>``
+   detokenizes to it): one such answer would otherwise cost its exchange, scores and all.
 2. Unknown stays unknown: a missing usage gives NULL token counts, never 0.
 3. ITL is derived from ``chunk_gaps_s``: the mean, and the p99 by nearest rank.
 """
@@ -95,7 +99,8 @@ def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: byt
         raw = prompt.encode() if isinstance(prompt, str) else prompt
         prompt_hash = keyed_digest(hash_key, raw)
         if store_prompts:
-            prompt_text = prompt if isinstance(prompt, str) else raw.decode(errors="replace")
+            prompt_text = _storable(prompt if isinstance(prompt, str)
+                                    else raw.decode(errors="replace"))
     primary_row = observation_row(primary, store_answers=store_answers)
     candidate_row = observation_row(candidate, store_answers=store_answers)
     text_chars = len(prompt_text or "") + len(primary_row["answer"] or "") + len(
@@ -106,7 +111,7 @@ def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: byt
             "request_id": request_id,
             "session_key": session_key,
             "route": exchange.route[:ROUTE_LENGTH],
-            "model": _cut(primary.model or candidate.model, NAME_LENGTH),
+            "model": _cut(_storable(primary.model or candidate.model), NAME_LENGTH),
             "started_at": _utc(primary.started_at),
             "prompt_hash": prompt_hash,
             "prompt": prompt_text,
@@ -142,12 +147,12 @@ def observation_row(observation: Observation, *, store_answers: bool) -> Row:
         "prompt_tokens": usage.prompt_tokens if usage is not None else None,
         "completion_tokens": usage.completion_tokens if usage is not None else None,
         "cached_tokens": usage.cached_tokens if usage is not None else None,
-        "finish_reason": _cut(observation.finish_reason, FINISH_REASON_LENGTH),
-        "model": _cut(observation.model, NAME_LENGTH),
+        "finish_reason": _cut(_storable(observation.finish_reason), FINISH_REASON_LENGTH),
+        "model": _cut(_storable(observation.model), NAME_LENGTH),
         "bytes": observation.bytes,
         "truncated": observation.truncated,
-        "error": _cut(observation.error, ERROR_CHARS),
-        "answer": observation.text if store_answers else None,
+        "error": _cut(_storable(observation.error), ERROR_CHARS),
+        "answer": _storable(observation.text) if store_answers else None,
         "tool_calls": (list(observation.tool_calls) or None) if store_answers else None,
         "concurrency": observation.concurrency,
         "backend_running": observation.backend_running,
@@ -185,6 +190,20 @@ def _identity(what: str, value: str, limit: int) -> str:
         value = value.encode("utf-8", "backslashreplace").decode()
     if len(value) > limit:
         raise InvalidRecord(f"{what} longer than {limit} characters")
+    return value
+
+
+def _storable(value: str | None) -> str | None:
+    """Rule 1: ``value`` with NUL and lone surrogates as backslash escapes."""
+    if value is None:
+        return None
+    if "\x00" in value:
+        value = value.replace("\x00", "\\x00")
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            value = value.encode("utf-8", "backslashreplace").decode()
     return value
 
 
