@@ -4,7 +4,9 @@ Rules:
 1. A request's output rate is its decode rate when it was streamed: the first token
    arrives at TTFT and the other ``completion_tokens - 1`` in ``e2e - ttft``, so the rate
    is ``(completion_tokens - 1) / (e2e_s - ttft_s)`` (``None`` below two tokens). Without
-   streaming only the whole is seen: ``completion_tokens / e2e_s``.
+   streaming only the whole is seen: ``completion_tokens / e2e_s`` (``None`` without a
+   token: an embeddings request reports ``completion_tokens: 0``, and has no output rate,
+   not a rate of 0).
 2. A backend's aggregate rate is the completion tokens of the requests that finished in
    the window divided by the *busy* time of those requests: the length of the union of
    their ``[start, end]`` intervals. Concurrent requests share the same seconds (that is
@@ -46,7 +48,7 @@ def output_tokens_per_s(observation: Observation) -> float | None:
         if ttft is None or tokens < 2 or e2e <= ttft:
             return None
         return (tokens - 1) / (e2e - ttft)
-    return tokens / e2e if e2e > 0 else None
+    return tokens / e2e if e2e > 0 and tokens > 0 else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -290,3 +290,21 @@ def test_usage_is_read_from_a_truncated_answer_s_tail_only_where_it_is_whole() -
     cut = observe(_truncated(answer[:-20], 100), request_id="r", backend="b", route="chat",
                   wall_started=0.0)
     assert cut.usage is None
+
+
+async def test_an_embeddings_request_has_no_output_rate() -> None:
+    # vLLM (and the simulator) report completion_tokens: 0 for embeddings: no output is
+    # not an output rate of 0 tokens/s, which would sit among the chat answers' rates.
+    async with run_sim(ttft_ms=1) as primary, run_sim(ttft_ms=1) as candidate, \
+            run_gateway(primary.url, candidates=[{"name": "cand", "url": candidate.url}]) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        try:
+            await client.embeddings.create(model="sim-model", input=["tool result", "query"])
+        finally:
+            await client.close()
+        await eventually(lambda: len(gw.sink) == 1)
+        exchange = gw.sink.snapshot()[0]
+    assert exchange.route == "embeddings" and exchange.candidate_observation.ok
+    assert exchange.primary.usage is not None and exchange.primary.usage.completion_tokens == 0
+    tps = next(s for s in ThroughputScorer().score(exchange))
+    assert (tps.candidate, tps.primary) == (None, None)
