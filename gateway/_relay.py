@@ -186,11 +186,13 @@ class UsageEventFilter(SseFilter):
     """Hides the usage-only SSE event (``"choices":[]``) from a client that did not ask.
 
     vLLM stamps ``system_fingerprint`` on the terminal chunks (those with a finish reason)
-    when ``include_usage`` is off, and on the usage chunk instead when it is on. So the
-    terminal chunks are held back until the usage chunk arrives (right after them), given
-    its fingerprint, and passed on; the usage chunk is dropped. Every other event passes
-    as it came. Only complete events (ending in a blank line) are passed on; vLLM
-    separates events with ``\n\n``.
+    when ``include_usage`` is off, and on the usage chunk instead when it is on. So
+    terminal chunks are held back until the next event that is not one: the usage chunk
+    (vLLM sends it right after the last of them) gives them its fingerprint and is dropped;
+    any other event (with ``n > 1``, a choice still streaming after another finished)
+    passes them on as they came, before it. No event waits past the next one, and the
+    order is the upstream's. Only complete events (ending in a blank line) are passed on;
+    vLLM separates events with ``\n\n``.
 
     ``feed`` is the C base's (``gateway/_relaycore.c``, per chunk): it keeps the bytes after
     the last blank line in ``_pending``, passes whole events with neither marker as they
@@ -211,9 +213,11 @@ class UsageEventFilter(SseFilter):
                 out += [_stamp(held, _fingerprint(event)) for held in self._held]
                 self._held = []
                 self._done = True
-            elif self._held or any(m in event for m in self._TERMINAL):
+            elif any(m in event for m in self._TERMINAL):
                 self._held.append(event)
             else:
+                out += self._held
+                self._held = []
                 out.append(event)
         return b"".join(e + b"\n\n" for e in out)
 

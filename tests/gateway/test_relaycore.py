@@ -167,6 +167,23 @@ def test_usage_filter_pending_and_held_through_the_c_base() -> None:
     assert filt._done and filt.feed(b"!") == b"rest!" and filt.flush() == b""
 
 
+def test_usage_filter_holds_a_finished_choice_only_until_the_next_event() -> None:
+    """With n > 1 the choices finish apart: every event after the first terminal one was
+    held until the usage event, so the client got the rest of a longer choice only when all
+    had finished. Now a terminal event waits only for the next event: the usage event stamps
+    it, any other passes it on first, as it came."""
+    filt = UsageEventFilter()
+    first_done = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    later = b'data: {"choices":[{"index":1,"delta":{"content":"more"},"finish_reason":null}]}\n\n'
+    second_done = b'data: {"choices":[{"index":1,"delta":{},"finish_reason":"length"}]}\n\n'
+    assert filt.feed(first_done) == b""
+    assert filt.feed(later) == first_done + later
+    assert filt.feed(second_done) == b""
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":1},"system_fingerprint":"fp"}\n\n'
+    stamped = second_done[:-3] + b',"system_fingerprint":"fp"}\n\n'
+    assert filt.feed(usage + b"data: [DONE]\n\n") == stamped + b"data: [DONE]\n\n"
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_capture_appended_in_c_as_add_chunk_appends(seed: int) -> None:
     """Rule 4 of _relaycore.c: a piece that fits is appended on the Capture's slots, one
