@@ -506,6 +506,8 @@ def _sum_writer_stats(a: WriterStats, b: WriterStats) -> WriterStats:
         written_rows=MappingProxyType(_sum(a.written_rows, b.written_rows)),
         dropped=MappingProxyType(_sum(a.dropped, b.dropped)),
         batches=a.batches + b.batches, retries=a.retries + b.retries,
+        pruned_exchanges=a.pruned_exchanges + b.pruned_exchanges,
+        prune_passes=a.prune_passes + b.prune_passes,
         last_error=b.last_error or a.last_error,
         last_error_at=b.last_error_at or a.last_error_at, writing_since=b.writing_since)
 

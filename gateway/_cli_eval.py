@@ -15,6 +15,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from evaluators import Report
+    from evaluators.store import Pruned, StoreConfig
     from gateway._config import GatewayConfig
 
 # The evaluators, the store and the configuration (seconds of imports: SQLAlchemy, Alembic,
@@ -50,7 +51,7 @@ _db_option = click.option("--db", "db_url", help="Database URL (default: the con
 
 @click.group()
 def db() -> None:
-    """Create or change the evaluation store's schema (Alembic)."""
+    """Create or change the evaluation store's schema (Alembic), or prune its old rows."""
 
 
 @db.command("upgrade")
@@ -77,6 +78,57 @@ def db_downgrade(config_path: Path | None, db_url: str | None, revision: str) ->
     url = _config(config_path, db_url).evaluation.store.url
     asyncio.run(downgrade(url, revision))
     click.echo(f"{masked_url(url)}: at {asyncio.run(current_revision(url))}")
+
+
+@db.command("prune")
+@_config_option
+@_db_option
+@click.option("--older-than", "older_than", metavar="DAYS",
+              help="Delete exchanges (with their observations and scores) and traffic "
+              "counts older than DAYS (default: the config's [evaluation.store] "
+              "retention_days). Verdicts, the audit log, routing and backends stay.")
+def db_prune(config_path: Path | None, db_url: str | None, older_than: str | None) -> None:
+    """Delete per-exchange data older than the retention bound, in bounded batches."""
+    from pydantic import TypeAdapter
+
+    from backends.openai_wire import ConfigError
+    from evaluators.store import RetentionDays, StoreError, masked_url, retention_cutoff
+
+    store = _config(config_path, db_url).evaluation.store
+    days = store.retention_days
+    if older_than is not None:
+        try:
+            days = TypeAdapter(RetentionDays).validate_python(older_than)
+        except ValidationError as exc:
+            raise ConfigError([f"--older-than: {error['msg']}" for error in exc.errors(
+                include_url=False, include_input=False, include_context=False)]) from exc
+        if days == 0:  # as a bound 0 means "forever"; here it would mean "everything"
+            raise ConfigError(["--older-than: Input should be greater than 0 (to keep "
+                               "everything, prune nothing)"])
+    if days == 0:
+        click.echo(f"{masked_url(store.url)}: retention is off ([evaluation.store] "
+                   "retention_days = 0): nothing pruned (--older-than DAYS prunes by hand)")
+        return
+    cutoff = retention_cutoff(days)
+    try:
+        pruned = asyncio.run(_prune(store, cutoff))
+    except StoreError as exc:  # unreachable, or not migrated: say so, no traceback
+        raise click.ClickException(f"{masked_url(store.url)}: {exc}") from exc
+    click.echo(f"{masked_url(store.url)}: deleted {pruned.exchanges} exchanges "
+               f"({pruned.observations} observations, {pruned.scores} scores) and "
+               f"{pruned.traffic_counts} traffic counts older than {days:g} days "
+               f"({cutoff:%Y-%m-%d %H:%M:%S} UTC) in {pruned.batches} batches, "
+               f"{pruned.seconds:.2f} s")
+
+
+async def _prune(store: StoreConfig, cutoff: datetime) -> Pruned:
+    from evaluators.store import create_engine, prune_store
+
+    engine = create_engine(store)
+    try:
+        return await prune_store(engine, cutoff, batch=store.prune_batch_exchanges)
+    finally:
+        await engine.dispose()
 
 
 @click.command()

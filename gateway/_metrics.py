@@ -301,6 +301,10 @@ class EvaluationCollector(Collector):
             for reason, count in writer.dropped.items():
                 dropped.add_metric([reason], count)
             yield dropped
+            yield CounterMetricFamily("understudy_store_pruned_exchanges",
+                                      "Exchanges deleted by the store's retention bound "
+                                      "(their observations and scores with them).",
+                                      value=writer.pruned_exchanges)
             yield CounterMetricFamily("understudy_store_retries",
                                       "Batches retried after a database error.",
                                       value=writer.retries)

@@ -43,7 +43,8 @@ SUBCOMMANDS: Mapping[str, Subcommand] = {
     "candidates": Subcommand("gateway._cli_admin:candidates", "List, add, change, pause, "
                              "resume or remove candidates on a running gateway."),
     "db": Subcommand("gateway._cli_eval:db",
-                     "Create or change the evaluation store's schema (Alembic)."),
+                     "Create or change the evaluation store's schema (Alembic), or "
+                     "prune its old rows."),
     "demo": Subcommand("demo:demo_command", "Run the real-model demo: a primary, its replica "
                        "and three candidates behind the gateway, agentic traffic, the "
                        "scorecard, and a promotion."),

@@ -56,14 +56,15 @@ EXPORTED: dict[str, str] = {
     "evaluators.store": """
         DEFAULT_STORE_URL TRAFFIC_SEEN AuditEntry AuditNote BackendRole BackendRow Base
         CandidateSummary ConditionedSamples DropReason EvaluatedRequests ExchangeRow
-        ObservationRow RoutingListener ScoreLike ScoreRow ScoreWriter StoreConfig
+        ObservationRow Pruned RetentionDays RoutingListener ScoreLike ScoreRow ScoreWriter
+        StoreConfig
         StoreError StoreRejected StoreUnavailable StoredSamples TrafficCount
         TrafficCountRow VerdictRow WriterState WriterStateError WriterStats append_audit
         create_engine current_revision downgrade head_revision list_candidates
         listen_for_routing load_conditioned_samples load_evaluated_requests load_routing
         load_samples load_samples_by_turn_depth load_traffic lock_for_migration masked_url
-        newest_scores_start record_change record_traffic record_verdict register_backend
-        save_routing session_factory upgrade
+        newest_scores_start prune_store record_change record_traffic record_verdict
+        register_backend retention_cutoff save_routing session_factory upgrade
     """,
     "demo": """
         CandidateCard DemoSpec Scorecard demo_command run_demo

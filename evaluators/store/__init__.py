@@ -10,11 +10,12 @@ asyncpg or SQLite through aiosqlite; one URL picks.
         samples = await load_samples(session, "candidate-a")
     await save_routing(engine, 2, data, expected=1, audit=note)   # compare-and-set
     listener = await listen_for_routing(engine, on_change)        # PostgreSQL's NOTIFY
+    await prune_store(engine, retention_cutoff(30))               # the writer does it too
 
 Everything a caller outside the store needs is exported here; its modules are private.
 """
 
-from evaluators.store._config import DEFAULT_STORE_URL, StoreConfig, masked_url
+from evaluators.store._config import DEFAULT_STORE_URL, RetentionDays, StoreConfig, masked_url
 from evaluators.store._engine import create_engine, session_factory
 from evaluators.store._errors import (
     StoreError,
@@ -48,6 +49,7 @@ from evaluators.store._queries import (
     record_verdict,
     register_backend,
 )
+from evaluators.store._retention import Pruned, prune_store, retention_cutoff
 from evaluators.store._routing import (
     AuditNote,
     RoutingListener,
@@ -84,6 +86,8 @@ __all__ = [
     "EvaluatedRequests",
     "ExchangeRow",
     "ObservationRow",
+    "Pruned",
+    "RetentionDays",
     "RoutingListener",
     "ScoreLike",
     "ScoreRow",
@@ -115,10 +119,12 @@ __all__ = [
     "lock_for_migration",
     "masked_url",
     "newest_scores_start",
+    "prune_store",
     "record_change",
     "record_traffic",
     "record_verdict",
     "register_backend",
+    "retention_cutoff",
     "save_routing",
     "session_factory",
     "upgrade",

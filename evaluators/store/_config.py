@@ -1,4 +1,5 @@
-"""The store's typed configuration: where the database is, what text to keep, the bounds.
+"""The store's typed configuration: where the database is, what text to keep, the bounds
+(of the writer's queue, and of how long rows are kept).
 
 Building a StoreConfig has no side effects; ``create_engine`` and ``ScoreWriter`` start
 things. Every bound of the writer is named here and exceeding it is a counted drop.
@@ -7,12 +8,14 @@ things. Every bound of the writer is named here and exceeding it is a counted dr
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-__all__ = ["DEFAULT_STORE_URL", "StoreConfig", "masked_url"]
+__all__ = ["DEFAULT_RETENTION_DAYS", "DEFAULT_STORE_URL", "RetentionDays", "StoreConfig",
+           "masked_url"]
 
 MiB = 1024 * 1024
 
@@ -32,6 +35,22 @@ DEFAULT_POOL_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_STATEMENT_TIMEOUT_S = 60.0
 DEFAULT_SQLITE_BUSY_TIMEOUT_S = 5.0
+DEFAULT_RETENTION_DAYS = 30.0
+"""Exchanges (with their observations and scores) and traffic counts older than this are
+deleted (``_retention``); 0 keeps them forever. The judge reads a far shorter window."""
+MAX_RETENTION_DAYS = 36_500.0
+"""A hundred years: past it a cutoff is no longer a date (and 0 already means forever)."""
+DEFAULT_PRUNE_INTERVAL_S = 300.0
+"""How often the writer's pruning pass runs (the first one an interval after start)."""
+DEFAULT_PRUNE_BATCH_EXCHANGES = 1000
+"""Exchanges deleted per transaction, with their observations and scores: what bounds
+each statement's size and how long a batch holds its locks."""
+MAX_PRUNE_BATCH_EXCHANGES = 10_000
+"""Each batch binds its ids as parameters: far below SQLite's (32,766) and asyncpg's
+(32,767) bound on a statement's parameters."""
+
+RetentionDays = Annotated[float, Field(ge=0, le=MAX_RETENTION_DAYS, allow_inf_nan=False)]
+"""Days of per-exchange data the store keeps; 0: forever."""
 
 
 class StoreConfig(BaseModel):
@@ -66,6 +85,12 @@ class StoreConfig(BaseModel):
     connect_timeout_s: float = Field(DEFAULT_CONNECT_TIMEOUT_S, gt=0)
     statement_timeout_s: float = Field(DEFAULT_STATEMENT_TIMEOUT_S, gt=0)
     sqlite_busy_timeout_s: float = Field(DEFAULT_SQLITE_BUSY_TIMEOUT_S, ge=0)
+    # Retention (``_retention``): what is older goes, in bounded batches, oldest first;
+    # verdicts, the audit log, the routing state and backends are kept whatever their age.
+    retention_days: RetentionDays = DEFAULT_RETENTION_DAYS
+    prune_interval_s: float = Field(DEFAULT_PRUNE_INTERVAL_S, gt=0)
+    prune_batch_exchanges: int = Field(DEFAULT_PRUNE_BATCH_EXCHANGES, gt=0,
+                                       le=MAX_PRUNE_BATCH_EXCHANGES)
 
     @field_validator("url")
     @classmethod

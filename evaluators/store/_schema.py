@@ -118,7 +118,8 @@ class ExchangeRow(Base):
     session_key: Mapped[str] = mapped_column(String(NAME_LENGTH), index=True)
     route: Mapped[str] = mapped_column(String(64))
     model: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
-    started_at: Mapped[datetime]
+    started_at: Mapped[datetime] = mapped_column(index=True)
+    """Retention prunes by it, oldest first (``_retention``; migration 0005)."""
     prompt_hash: Mapped[str | None] = mapped_column(String(64))
     prompt: Mapped[str | None] = mapped_column(Text)
     prompt_bytes: Mapped[int | None] = mapped_column(Integer)

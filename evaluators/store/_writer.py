@@ -27,6 +27,13 @@ Theory of operation:
 7. Accounting: every submitted record is refused (counted by reason) or accepted; every
    accepted record is written, dropped after acceptance (counted by reason), or still
    held (``queued_records + held_records``).
+8. Retention: with ``retention_days`` > 0 a second task prunes what is older
+   (``_retention``): the first pass one ``prune_interval_s`` after writing may begin (not
+   at start, when replicas start together; jittered, so they do not prune in step), then
+   one every interval. Each batch of deletions holds the lock a batch of inserts takes,
+   so in this process the two never interleave and a write waits for one bounded batch
+   at most. A failed pass is logged and noted as the last error; the next one resumes.
+   The exchanges pruned are counted (``pruned_exchanges``), each pass logged at INFO.
 
 Call ``submit`` from the event loop's thread.
 """
@@ -42,6 +49,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import MappingProxyType, TracebackType
 from typing import Literal, get_args
 
@@ -51,12 +59,14 @@ from evaluators._exchange import Exchange
 from evaluators.store._bulk import TABLES, BatchInserter
 from evaluators.store._config import StoreConfig
 from evaluators.store._errors import (
+    StoreError,
     StoreRejected,
     StoreUnavailable,
     WriterStateError,
     translate_store_errors,
 )
 from evaluators.store._hash_key import load_hash_key
+from evaluators.store._retention import Pruned, prune_store, retention_cutoff
 from evaluators.store._rows import InvalidRecord, Record, ScoreLike, build_record
 
 __all__ = ["DropReason", "ScoreWriter", "WriterState", "WriterStats"]
@@ -100,6 +110,9 @@ class WriterStats:
     writing_since: float | None = None
     """Wall-clock time the batch in hand began to be written (retries included); None
     while no write is under way. A store that fails or never answers shows here."""
+    pruned_exchanges: int = 0
+    """Exchanges deleted by retention (rule 8), their observations and scores with them."""
+    prune_passes: int = 0
 
 
 class ScoreWriter:
@@ -115,7 +128,12 @@ class ScoreWriter:
         self._released = asyncio.Event()  # rule 6: set when writes may begin
         if not hold:
             self._released.set()
+        self._engine = engine
         self._inserter = BatchInserter(engine)
+        self._store_lock = asyncio.Lock()  # rule 8: a batch of inserts or of deletions
+        self._prune_task: asyncio.Task[None] | None = None
+        self._pruned_exchanges = 0
+        self._prune_passes = 0
         self._hash_key = b""  # read at start
         self._queue: deque[Record] = deque()
         self._queued_rows = 0
@@ -146,6 +164,9 @@ class ScoreWriter:
             raise WriterStateError(f"cannot start a writer that is {self._state.value}")
         self._hash_key = load_hash_key(self._config)  # may create its file: at start
         self._task = asyncio.create_task(self._run(), name="understudy-score-writer")
+        if self._config.retention_days > 0:
+            self._prune_task = asyncio.create_task(self._prune_periodically(),
+                                                   name="understudy-store-pruner")
         self._state = WriterState.RUNNING
 
     @property
@@ -169,6 +190,10 @@ class ScoreWriter:
         if self._state is WriterState.RUNNING:
             self._state = WriterState.CLOSING
             self._wake.set()
+        if self._prune_task is not None:  # a batch cut short rolls back; the next pass redoes it
+            self._prune_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prune_task
         if not task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(task), self._config.close_timeout_s)
@@ -249,7 +274,57 @@ class ScoreWriter:
             last_error=self._last_error,
             last_error_at=self._last_error_at,
             writing_since=self._writing_since,
+            pruned_exchanges=self._pruned_exchanges,
+            prune_passes=self._prune_passes,
         )
+
+    # -- retention (rule 8) ----------------------------------------------------------
+
+    async def prune(self, now: datetime | None = None) -> Pruned:
+        """One pass: delete what is older than ``retention_days`` before ``now`` (none
+        with ``retention_days`` 0).
+
+        Runs beside the writing (each batch under the writer's lock), stops between
+        batches once the writer closes; raises the store's errors (``StoreError``).
+        """
+        if self._state is not WriterState.RUNNING:
+            raise WriterStateError(f"cannot prune with a writer that is {self._state.value}")
+        if not self._config.retention_days:  # 0: kept forever
+            return Pruned()
+        cutoff = retention_cutoff(self._config.retention_days, now)
+
+        def counted(batch: Pruned) -> None:
+            self._pruned_exchanges += batch.exchanges
+
+        pruned = await prune_store(
+            self._engine, cutoff, batch=self._config.prune_batch_exchanges,
+            lock=self._store_lock, should_stop=lambda: self._state is not WriterState.RUNNING,
+            on_batch=counted)
+        self._prune_passes += 1
+        log.info("store pruned: %d exchanges, %d observations, %d scores, %d traffic counts "
+                 "older than %s in %d batches, %.2f s (longest batch %.3f s)",
+                 pruned.exchanges, pruned.observations, pruned.scores, pruned.traffic_counts,
+                 cutoff.astimezone(UTC).isoformat(timespec="seconds"), pruned.batches,
+                 pruned.seconds, pruned.longest_batch_s)
+        return pruned
+
+    async def _prune_periodically(self) -> None:
+        await self._released.wait()  # rule 6: nothing before the schema is current
+        interval = self._config.prune_interval_s
+        delay = interval * random.uniform(0.5, 1.0)
+        while True:
+            await asyncio.sleep(delay)
+            delay = interval
+            try:
+                await self.prune()
+            except WriterStateError:  # closing (a StoreError too: caught first)
+                return
+            except StoreError as exc:  # unavailable or refused: the next pass tries again
+                self._note_error(f"pruning: {exc}")
+                log.warning("store pruning failed, next pass in %.0f s: %s", interval, exc)
+            except Exception as exc:  # a bug: log it, never stop the writer
+                log.exception("store pruning failed")
+                self._note_error(f"pruning: {type(exc).__name__}: {exc}")
 
     # -- the background task ---------------------------------------------------------
 
@@ -306,8 +381,9 @@ class ScoreWriter:
         delay = self._config.retry_base_s
         while True:
             try:
-                with translate_store_errors():
-                    written = await self._inserter.write(batch)
+                async with self._store_lock:  # rule 8
+                    with translate_store_errors():
+                        written = await self._inserter.write(batch)
             except StoreUnavailable as exc:
                 self._retries += 1
                 self._note_error(str(exc))
