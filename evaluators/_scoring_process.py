@@ -10,6 +10,9 @@ Theory of operation:
    table from its cache file, distilled first if it is missing, ~40 s of CPU, once per
    machine; or MiniLM's weights), open the engine, start
    the writer, send :class:`Ready` — or :class:`Failed` with the reason, and exit.
+   The writer also prunes what is past the store's ``retention_days`` (ScoreWriter rule
+   8): the process that owns the store's writes owns its deletions, away from the proxy;
+   its count rides on the writer's stats in each :class:`Snapshot`.
 2. One worker thread drains the queue a batch at a time: it waits for one exchange,
    then takes what else is queued, up to ``batch_size`` (at most ``MAX_BATCH_SIZE``),
    without waiting for more (a batch is what piled up while the last one was scored, so
