@@ -10,7 +10,9 @@ Rules
 3. An error after the headers of a stream is an error event followed by ``[DONE]``, as vLLM
    ends a failed stream.
 4. Every server names its answers as vLLM does: a prefix for the kind and 16 hex digits, or
-   the client's ``X-Request-Id``.
+   the client's ``X-Request-Id``, its bytes read as Latin-1 as vLLM's server (Starlette)
+   reads a header (aiohttp gives bytes beyond ASCII as surrogate escapes, which no JSON
+   encoder takes: such an id was a 500).
 """
 
 from __future__ import annotations
@@ -74,8 +76,10 @@ def sse_event(body: dict[str, Any]) -> bytes:
 
 def response_id(kind: RequestKind, request: web.Request) -> str:
     """The id of the answer to ``request`` (rule 4)."""
-    base = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:ID_HEX_DIGITS]
-    return _ID_PREFIXES[kind] + base
+    given = request.headers.get("X-Request-Id")
+    if given:
+        return _ID_PREFIXES[kind] + given.encode("utf-8", "surrogateescape").decode("latin-1")
+    return _ID_PREFIXES[kind] + uuid.uuid4().hex[:ID_HEX_DIGITS]
 
 
 class AnswerWriter:

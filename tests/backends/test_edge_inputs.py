@@ -137,6 +137,31 @@ async def test_the_simulator_takes_integers_past_64_bits_where_nothing_bounds_th
     assert no_tracebacks(caplog) == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_id_beyond_ascii_names_the_answer_as_vllm_does(
+    stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The answer's id takes the client's ``X-Request-Id``: its bytes beyond ASCII were a
+    500 (aiohttp's surrogate escapes reached the JSON encoder); vLLM's server reads a header
+    as Latin-1, and so do the backends here."""
+    caplog.set_level(logging.WARNING)
+    body = orjson.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                         "stream": stream})
+    async with running_sim(sim_config()) as sim:
+        port = int(sim.root_url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\nX-Request-Id: r-\xff\xc3\xa9\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        async with asyncio.timeout(10):
+            answer = await reader.read()
+        writer.close()
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert "chatcmpl-r-\u00ff\u00c3\u00a9".encode() in rest
+    assert no_tracebacks(caplog) == []
+
+
 async def test_the_router_files_a_short_turn_without_a_warning(
     engine_model: LlamaModel, caplog: pytest.LogCaptureFixture
 ) -> None:
