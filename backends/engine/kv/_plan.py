@@ -22,7 +22,8 @@ Rules
    are kept at float16 beside the block's codes: the heavy hitters, the block's highest-attention
    tokens (``_heavy``).  Like the window it is part of the plan's identity (its name, ``+h<n>``
    on a uniform plan), and it is paid in the block's bytes.  It is less than the block size; the
-   engine checks that when it builds the plan's codec (the plan does not know the block size).
+   engine checks that when it builds the plan's codec (the plan does not know the block size);
+   ``check_engine`` asks the same of a plan before an engine is built, for a command to refuse it.
 """
 
 from __future__ import annotations
@@ -139,8 +140,29 @@ class KVPlan:
         """Read a plan file; ``ValueError`` naming the file if it is not one."""
         try:
             return cls.from_dict(json.loads(path.read_text()))
+        except RecursionError as exc:  # json's parser recurses once per level of nesting
+            raise ValueError(f"{path}: not a KV plan: nested too deeply") from exc
         except (OSError, json.JSONDecodeError, ValueError) as exc:
             raise ValueError(f"{path}: not a KV plan: {exc}") from exc
+
+    def check_engine(self, *, num_layers: int, block_size: int) -> None:
+        """``ValueError`` unless an engine of ``num_layers`` layers and ``block_size``-token
+        blocks can serve this plan: one entry per layer, a window of whole blocks, fewer heavy
+        hitters than a block's rows (rules 5 and 6; ``PagedCodec`` asks the same)."""
+        if self.num_layers != num_layers:
+            raise ValueError(
+                f"a KV plan of {self.num_layers} layers for a {num_layers}-layer model"
+            )
+        if self.window_tokens % block_size:
+            raise ValueError(
+                f"window_tokens {self.window_tokens} is not a multiple of the engine's "
+                f"{block_size}-token block"
+            )
+        if self.heavy_tokens >= block_size:
+            raise ValueError(
+                f"heavy_tokens {self.heavy_tokens} is not below the engine's {block_size}-token "
+                "block"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layers": [{"k": c.key, "v": c.value} for c in self.layers]}

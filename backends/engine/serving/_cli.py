@@ -1,7 +1,18 @@
-"""`engine`: serve the reference engine behind vLLM's OpenAI API until SIGINT or SIGTERM."""
+"""`engine`: serve the reference engine behind vLLM's OpenAI API until SIGINT or SIGTERM.
+
+Bad KV settings end the command before it serves, as every invalid setting does
+(``openai_wire._config_error``): one line ``Error: <role>.<field>: <message>``, exit status 2,
+never a traceback.  A plan file is read and checked against the model's metadata (its layers,
+the engine's block size) before the model loads; what only the engine can tell -- a KV memory
+too small for one block of the codec or plan, or more than the machine can allocate -- is
+refused when the engine is built, before it listens.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -9,14 +20,16 @@ import click
 from click.core import ParameterSource
 from pydantic import ValidationError
 
-from backends.openai_wire import config_error, serve_until_signalled
+from backends.openai_wire import ConfigError, config_error, serve_until_signalled
 
 from ..kv._coded_store import DEFAULT_DECODED_CACHE_BYTES
 from ..kv._paged_codec import SERVED_CODECS
 from ..kv._plan import KVPlan
+from ..kv._store import DEFAULT_BLOCK_SIZE
+from ..model._gguf import read_gguf_config
 from ..model._model import LlamaModel
 from ._engine import DEFAULT_KV_CODEC
-from ._server import running_engine_server
+from ._server import RunningEngineServer, running_engine_server
 from ._server_config import (
     DEFAULT_ENGINE_HOST,
     DEFAULT_ENGINE_PORT,
@@ -29,6 +42,7 @@ from ._server_config import (
     ENGINE_ROLES,
     ROUTING_POLICIES,
     EngineRole,
+    EngineServerConfig,
     RoutingPolicyName,
     engine_server_config,
 )
@@ -40,6 +54,11 @@ _MIB = 1 << 20
 _DEFAULT_KV_GIB = 1.0
 # Flags whose config field has another name.
 _FIELD_OF_FLAG = {"prefix_caching": "enable_prefix_caching", "kv_peer": "kv_peers"}
+# Flags given in a unit, by the config field that holds them in bytes.
+_SIZE_FLAGS = (
+    ("kv_gib", "kv_limit_bytes", _GIB),
+    ("kv_decoded_cache_mib", "kv_decoded_cache_bytes", _MIB),
+)
 
 
 def _given_options(ctx: click.Context) -> dict[str, Any]:
@@ -162,30 +181,58 @@ def engine_command(
 ) -> None:
     """Serve the reference engine (SmolLM2 in numpy) with vLLM's OpenAI API."""
     given = _given_options(click.get_current_context())
-    if "kv_gib" in given:
-        given["kv_limit_bytes"] = int(given.pop("kv_gib") * _GIB)
-    if "kv_decoded_cache_mib" in given:
-        given["kv_decoded_cache_bytes"] = int(given.pop("kv_decoded_cache_mib") * _MIB)
+    for flag, field, unit in _SIZE_FLAGS:
+        if flag in given:
+            amount = given.pop(flag)
+            if not math.isfinite(amount):  # int() of nan or inf raises; neither is a size
+                option = "--" + flag.replace("_", "-")
+                raise ConfigError([f"{role}.{field}: {option} is a finite number, got {amount}"])
+            given[field] = int(amount * unit)
     try:
         config = engine_server_config(role=role, **given)
     except ValidationError as exc:
         raise config_error(exc) from exc
-    plan = None
     if kv_plan is not None:
-        try:
-            plan = KVPlan.load(kv_plan)
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from exc
+        _check_plan(kv_plan, role, config.gguf_path)
     try:
         model = LlamaModel.load(config.gguf_path)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"cannot load the model: {exc}") from exc
-    if plan is not None and plan.num_layers != model.config.num_layers:
-        raise click.UsageError(
-            f"{kv_plan}: a KV plan of {plan.num_layers} layers for a "
-            f"{model.config.num_layers}-layer model"
-        )
     serve_until_signalled(
-        lambda: running_engine_server(config, model),
+        lambda: _engine_server(config, model),
         lambda server: f"engine ({config.role}): {server.describe()}",
     )
+
+
+def _check_plan(path: Path, role: str, gguf_path: Path | None) -> None:
+    """Refuse a plan file the engine could not serve, before the model loads: not a plan, or
+    not one for this model's layers and the engine's blocks (``KVPlan.check_engine``)."""
+    try:
+        plan = KVPlan.load(path)
+    except ValueError as exc:
+        raise ConfigError([f"{role}.kv_plan: {exc}"]) from exc
+    try:  # the metadata alone (seconds); a model that does not load is refused by the load
+        num_layers = read_gguf_config(gguf_path).num_layers
+    except (OSError, ValueError):
+        return
+    try:
+        plan.check_engine(num_layers=num_layers, block_size=DEFAULT_BLOCK_SIZE)
+    except ValueError as exc:
+        raise ConfigError([f"{role}.kv_plan: {path}: {exc}"]) from exc
+
+
+@asynccontextmanager
+async def _engine_server(
+    config: EngineServerConfig, model: LlamaModel
+) -> AsyncIterator[RunningEngineServer]:
+    """``running_engine_server``, with the engine's refusal of its KV memory -- too small for
+    one block of its codec or plan besides what it reserves, or more than can be allocated --
+    worded as the setting it is (the module comment), not a traceback."""
+    async with AsyncExitStack() as stack:
+        try:
+            server = await stack.enter_async_context(running_engine_server(config, model))
+        except (ValueError, MemoryError) as exc:
+            if config.role == "router":
+                raise
+            raise ConfigError([f"{config.role}.kv_limit_bytes: {exc}"]) from exc
+        yield server

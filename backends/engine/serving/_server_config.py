@@ -151,7 +151,9 @@ class _EngineOptions(_ServerOptions):
 
     @model_validator(mode="after")
     def _plan_or_codec(self) -> Self:
-        if self.kv_plan is not None and self.kv_codec != DEFAULT_KV_CODEC:
+        # Given at all, even as the default's name: ``--kv-codec fp32 --kv-plan FILE`` asks for
+        # two caches, and serving the plan would silently drop one of the two.
+        if self.kv_plan is not None and "kv_codec" in self.model_fields_set:
             raise ValueError("--kv-plan and --kv-codec are exclusive (a uniform plan is a codec)")
         return self
 

@@ -67,6 +67,37 @@ def test_a_bad_plan_file_names_itself(tmp_path: Path) -> None:
         KVPlan.load(path)
 
 
+def test_a_plan_file_nested_past_the_parsers_depth_is_not_a_plan(tmp_path: Path) -> None:
+    """json's parser recurses once per level: a hostile file raised RecursionError, which no
+    command caught (a traceback)."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"deep\.json: not a KV plan: nested too deeply"):
+        KVPlan.load(path)
+
+
+@pytest.mark.parametrize(
+    ("plan", "refusal"),
+    [
+        (KVPlan.uniform("fp8", LAYERS + 1), f"{LAYERS + 1} layers for a {LAYERS}-layer model"),
+        (KVPlan.uniform("fp8", LAYERS, window_tokens=BS + 1), "not a multiple"),
+        (KVPlan.uniform("fp8", LAYERS, heavy_tokens=BS), "not below"),
+    ],
+    ids=["layers", "window", "heavy"],
+)
+def test_a_plan_checks_an_engine_as_its_paged_codec_would(plan: KVPlan, refusal: str) -> None:
+    with pytest.raises(ValueError, match=refusal):
+        plan.check_engine(num_layers=LAYERS, block_size=BS)
+    with pytest.raises(ValueError):
+        _paged(plan)
+
+
+def test_a_plan_that_checks_an_engine_builds_its_paged_codec() -> None:
+    plan = KVPlan.uniform("kivi-4", LAYERS, window_tokens=2 * BS, heavy_tokens=BS - 1)
+    plan.check_engine(num_layers=LAYERS, block_size=BS)
+    assert _paged(plan).plan == plan
+
+
 @pytest.mark.parametrize("name", [n for n in ENGINE_CODECS if n != "fp32"])
 def test_a_uniform_plan_is_its_codec(name: str) -> None:
     plan = KVPlan.uniform(name, LAYERS)
@@ -103,6 +134,8 @@ def test_the_server_config_takes_a_plan_or_a_codec(tmp_path: Path) -> None:
     assert UnifiedServerConfig(kv_plan=path).kv_plan == path
     with pytest.raises(ValueError, match="exclusive"):
         engine_server_config(kv_plan=path, kv_codec="fp8")
+    with pytest.raises(ValueError, match="exclusive"):  # given, even as the default's name
+        engine_server_config(kv_plan=path, kv_codec="fp32")
     with pytest.raises(ValueError, match="router"):
         engine_server_config(
             role="router", kv_plan=path, prefill_urls=("http://a",), decode_urls=("http://b",)

@@ -1,0 +1,128 @@
+"""`understudy engine` handed bad KV settings: a broken or hostile plan file, sizes that are not
+numbers, a KV memory the engine cannot build.  Each is one line, ``Error: <role>.<field>:
+<message>``, and exit status 2 (``openai_wire._config_error``), never a traceback; what the plan
+file and the model's metadata tell is refused before the model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from backends.engine import LlamaModel, engine_command
+
+LAYERS = 30  # SmolLM2-135M's
+FP8 = {"k": "fp8", "v": "fp8"}
+
+
+def _plan(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    return path
+
+
+def _refused(result: Result, problem: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"Error: {problem}"]
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_load(*_: object, **__: object) -> LlamaModel:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(LlamaModel, "load", no_load)
+
+
+@pytest.mark.usefixtures("no_model_load")
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "not a KV plan: nested too deeply"),
+        ("{not json", "not a KV plan: Expecting property name enclosed in double quotes"),
+        (
+            json.dumps({"layers": [{"k": "int3", "v": "fp8"}] * LAYERS}),
+            "not a KV plan: the engine does not serve KV codec 'int3'",
+        ),
+        (json.dumps({"layers": [FP8] * 29}), "a KV plan of 29 layers for a 30-layer model"),
+        (
+            json.dumps({"layers": [FP8] * LAYERS, "window_tokens": 17}),
+            "window_tokens 17 is not a multiple of the engine's 16-token block",
+        ),
+        (
+            json.dumps({"layers": [FP8] * LAYERS, "heavy_tokens": 16}),
+            "heavy_tokens 16 is not below the engine's 16-token block",
+        ),
+        (
+            json.dumps({"layers": [FP8] * LAYERS, "heavy_tokens": 10**30}),
+            f"heavy_tokens {10**30} is not below the engine's 16-token block",
+        ),
+    ],
+    ids=["nested", "not-json", "unknown-codec", "layers", "window", "heavy", "heavy-huge"],
+)
+def test_a_plan_the_engine_cannot_serve_is_one_line_before_the_model_loads(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    path = _plan(tmp_path, text)
+    result = CliRunner().invoke(engine_command, ["--port", "0", "--kv-plan", str(path)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"Error: unified.kv_plan: {path}: {problem}"), line
+
+
+@pytest.mark.usefixtures("no_model_load")
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--kv-gib", "nan"], "unified.kv_limit_bytes: --kv-gib is a finite number, got nan"),
+        (["--kv-gib", "inf"], "unified.kv_limit_bytes: --kv-gib is a finite number, got inf"),
+        (
+            ["--role", "decode", "--kv-decoded-cache-mib", "nan"],
+            "decode.kv_decoded_cache_bytes: --kv-decoded-cache-mib is a finite number, got nan",
+        ),
+        (
+            ["--kv-codec", "fp32", "--kv-plan", "PLAN"],
+            "unified: --kv-plan and --kv-codec are exclusive (a uniform plan is a codec)",
+        ),
+    ],
+    ids=["kv-gib-nan", "kv-gib-inf", "decoded-cache-nan", "plan-and-default-codec"],
+)
+def test_kv_settings_that_mean_nothing_are_one_line(
+    tmp_path: Path, args: list[str], problem: str
+) -> None:
+    plan = _plan(tmp_path, json.dumps({"layers": [FP8] * LAYERS}))
+    args = [str(plan) if arg == "PLAN" else arg for arg in args]
+    _refused(CliRunner().invoke(engine_command, ["--port", "0", *args]), problem)
+
+
+@pytest.mark.parametrize(
+    ("args", "block_bytes"),
+    [
+        (["--kv-gib", "0.001"], 737280),  # fp32: one 16-token block is 720 KiB
+        # kivi-4's codes with a 512-token window of float16 rows held per running sequence
+        (["--kv-plan", "WINDOWED", "--kv-gib", "0.01"], None),
+    ],
+    ids=["fp32", "windowed-plan"],
+)
+def test_a_kv_memory_the_engine_cannot_build_is_one_line(
+    engine_model: LlamaModel,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    args: list[str],
+    block_bytes: int | None,
+) -> None:
+    """Only the engine knows what one block of its codec or plan costs besides what it reserves;
+    it refuses before it listens, and that refusal is the setting's."""
+    monkeypatch.setattr(LlamaModel, "load", lambda *_, **__: engine_model)
+    windowed = {"layers": [{"k": "kivi-4", "v": "kivi-4"}] * LAYERS, "window_tokens": 512}
+    plan = _plan(tmp_path, json.dumps(windowed))
+    args = [str(plan) if arg == "WINDOWED" else arg for arg in args]
+    result = CliRunner().invoke(engine_command, ["--port", "0", *args])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("Error: unified.kv_limit_bytes: kv_limit_bytes="), line
+    if block_bytes is not None:
+        assert line.endswith(f"holds fewer than 2 blocks of {block_bytes} bytes"), line
