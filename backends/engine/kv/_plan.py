@@ -24,12 +24,17 @@ Rules
    on a uniform plan), and it is paid in the block's bytes.  It is less than the block size; the
    engine checks that when it builds the plan's codec (the plan does not know the block size);
    ``check_engine`` asks the same of a plan before an engine is built, for a command to refuse it.
+7. A plan file is written whole or not at all (``dump``: a temporary file beside it, renamed over
+   it), so an interrupted or concurrent ``plan-kv`` never leaves half a plan for an engine to read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +47,7 @@ __all__ = [
     "WINDOW_TOKENS",
     "KVPlan",
     "LayerCodecs",
+    "write_whole",
 ]
 
 ENGINE_CODECS: tuple[str, ...] = ("fp32", "fp16", "fp8", "kivi-8", "kivi-4", "kivi-2", "e8-2")
@@ -175,7 +181,8 @@ class KVPlan:
         return out
 
     def dump(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write the plan to ``path`` whole or not at all (rule 7)."""
+        write_whole(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @property
     def num_layers(self) -> int:
@@ -226,3 +233,28 @@ class KVPlan:
             counts.setdefault(layer.value, [0, 0])[1] += 1
         parts = [f"{name} K{k}/V{v}" for name, (k, v) in sorted(counts.items())]
         return f"{self.name} ({', '.join(parts)})"
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: written to a temporary file in the same
+    directory, flushed to disk and renamed over ``path`` (a rename within a file system is
+    atomic), so a reader sees the old file or the new one, and an interrupted writer (Ctrl-C, a
+    full disk) leaves the old file as it was and no temporary file behind.  A symbolic link is
+    followed: the file it names is replaced, not the link."""
+    path = Path(os.path.realpath(path))
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        try:  # mkstemp's file is its owner's alone; keep the mode of the file it replaces
+            mode = os.stat(path).st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o644
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

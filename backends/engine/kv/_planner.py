@@ -61,7 +61,7 @@ import numpy.typing as npt
 
 from .._arrays import Float32Array, Float64Array
 from ..model._model import LlamaModel
-from ._plan import ENGINE_CODECS, KVPlan
+from ._plan import ENGINE_CODECS, KVPlan, write_whole
 from .codecs._calibration_cache import cached_calibration
 from .codecs._codec import ROLES, Role
 from .codecs._quality import (
@@ -174,7 +174,9 @@ class SensitivityTable:
         )
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict()) + "\n")
+        """Whole or not at all, as a plan (``_plan`` rule 7): two ``plan-kv`` runs sharing a
+        cache never read half of one."""
+        write_whole(path, json.dumps(self.to_dict()) + "\n")
 
     @classmethod
     def cached(cls, path: Path, settings: dict[str, Any]) -> SensitivityTable | None:

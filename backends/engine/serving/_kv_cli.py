@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,6 +56,38 @@ def _load_model(gguf_path: Path | None) -> LlamaModel:
         return LlamaModel.load(gguf_path)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"cannot load the model: {exc}") from exc
+
+
+def _check_queries(
+    model: LlamaModel,
+    texts: Sequence[str],
+    tokens: int,
+    queries: int,
+    *,
+    tokens_flag: str = "--tokens",
+    first: int = 0,
+) -> None:
+    """Refuse, before minutes of measuring, ``--queries`` that are not below every prompt's
+    tokens (``texts`` each cut to ``tokens``): the last ``queries`` positions are scored, each
+    with at least one token before it.  ``--queries`` below ``--tokens`` is not enough when a
+    prompt is shorter than ``--tokens``.  ``first``: the number of ``texts[0]`` among the
+    prompts."""
+    for number, text in enumerate(texts, start=first):
+        length = len(model.tokenizer.encode(text)[:tokens])
+        if queries >= length:
+            raise click.UsageError(
+                f"--queries: {queries} is not below the {length} tokens of prompt {number} "
+                f"(cut to {tokens_flag} {tokens})"
+            )
+
+
+def _unique(choices: Sequence[CodecChoice]) -> list[CodecChoice]:
+    """``choices`` less repeats, first kept: a codec or plan named twice (a uniform plan is its
+    codec's name) would be measured twice and reported twice under one name."""
+    named: dict[str, CodecChoice] = {}
+    for choice in choices:
+        named.setdefault(choice if isinstance(choice, str) else choice.name, choice)
+    return list(named.values())
 
 
 def _load_plan(path: Path) -> KVPlan:
@@ -168,8 +200,20 @@ def kv_quality_command(
     if (not long_setup or long_queries is not None) and queries >= tokens:
         raise click.UsageError("--queries must be below --tokens")
     names = codecs or (() if plans else _LONG_CODECS if long_setup else tuple(CODECS))
-    choices: list[CodecChoice] = [*names, *(_load_plan(p) for p in plans)]
+    choices = _unique([*names, *(_load_plan(p) for p in plans)])
     model = _load_model(gguf_path)
+    if long_setup:
+        long_scored = ISSUE_SETUP.tokens - ISSUE_SETUP.queries  # the head kept unscored
+        scored = long_queries if long_queries is not None else tokens - long_scored
+        if scored < 1:
+            raise click.UsageError(
+                f"--tokens: {tokens} leaves no position to score after --long's unscored "
+                f"{long_scored}-token head (give --queries, or more --tokens)"
+            )
+        texts = ISSUE_SETUP.prompts[: prompts if given("prompts") else None]
+        _check_queries(model, texts, tokens, scored)
+    else:
+        _check_queries(model, PROMPTS[:prompts], tokens, queries)
     say = _say(as_json)
     with threadpool_limits(threads, "blas"):
         calibration = cached_calibration(model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,16 @@ from ..kv.codecs._codec import ROLES
 from ..kv.codecs._registry import CODECS, bits_range
 from ..kv.codecs._texts import PROMPTS
 from ..model._gguf import read_gguf_config
-from ._kv_cli import DEFAULT_CONTEXT, _gguf, _json, _load_model, _say, _text_options, _threads
+from ._kv_cli import (
+    DEFAULT_CONTEXT,
+    _check_queries,
+    _gguf,
+    _json,
+    _load_model,
+    _say,
+    _text_options,
+    _threads,
+)
 
 __all__ = ["plan_kv_command"]
 
@@ -79,6 +89,27 @@ def _check_budget(
         f"{low:g} ({least.lightest}, the lightest of --codecs) to {high:g} ({most.heaviest}, "
         "the heaviest codec)"
     )
+
+
+def _check_writable(flag: str, path: Path) -> None:
+    """Refuse, before minutes of measuring, a path a file cannot be written whole to (``_plan``
+    rule 7: a temporary file in its directory, renamed over it): not a file name, a directory
+    that does not exist or cannot be written, or something there that is not a regular file (a
+    rename would replace a device or a pipe, not write into it).  A failure left to the end
+    (a full disk, the directory removed meanwhile) is still one line."""
+    if path.name in ("", ".", "..", "-"):
+        raise click.UsageError(
+            f"{flag}: {str(path)!r} is not a file name (the plan is written to a file, not to "
+            "stdout; --json prints the report)"
+        )
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        raise click.UsageError(f"{flag}: {path} is not a regular file")
+    folder = target.parent
+    if not folder.is_dir():
+        raise click.UsageError(f"{flag}: {folder} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.UsageError(f"{flag}: cannot write in {folder}")
 
 
 def _estimates(
@@ -233,10 +264,21 @@ def plan_kv_command(
             raise click.UsageError(f"{flag} must be a finite number above 0, got {value}")
     if queries >= tokens:
         raise click.UsageError("--queries must be below --tokens")
-    names = tuple(name.strip() for name in codecs.split(",") if name.strip())
+    # A codec named twice would be measured twice (minutes) for one column of the table.
+    names = tuple(dict.fromkeys(name.strip() for name in codecs.split(",") if name.strip()))
     unknown = [name for name in names if name not in ENGINE_CODECS]
     if unknown or not names:
         raise click.UsageError(f"--codecs: served codecs are {', '.join(ENGINE_CODECS)}")
+    if (verify or retention) and prompts >= len(PROMPTS):
+        raise click.UsageError(
+            f"--prompts: {prompts} leaves no held-out prompt to check the plan on (at most "
+            f"{len(PROMPTS) - 1} with --verify or --retention; or --no-verify)"
+        )
+    if retention and retention_tokens is not None and retention_tokens <= queries:
+        raise click.UsageError("--retention-tokens must be above --queries")
+    _check_writable("--out", out)
+    cache = cache or out.with_name(out.stem + ".sensitivity.json")
+    _check_writable("--cache", cache)
     try:  # the metadata alone (seconds): the budget is checked before the model loads
         cfg = read_gguf_config(gguf_path)
     except (OSError, ValueError) as exc:
@@ -248,8 +290,20 @@ def plan_kv_command(
         budget_bytes_per_token = bits * elements / 8
     _check_budget(flag, budget_bytes_per_token, names, cfg.num_kv_heads, cfg.head_dim, elements)
     model = _load_model(gguf_path)
+    held_out = PROMPTS[prompts:]
+    _check_queries(model, PROMPTS[:prompts], tokens, queries)
+    if verify:
+        _check_queries(model, held_out[:1], tokens, queries, first=prompts)
+    if retention:
+        _check_queries(
+            model,
+            held_out[:1],
+            retention_tokens or tokens,
+            queries,
+            tokens_flag="--tokens" if retention_tokens is None else "--retention-tokens",
+            first=prompts,
+        )
     say = _say(as_json)
-    cache = cache or out.with_name(out.stem + ".sensitivity.json")
     with threadpool_limits(threads, "blas"):
         calibration = cached_calibration(model)
         costs = calibrate_costs(model, names)
@@ -273,7 +327,10 @@ def plan_kv_command(
                 calibration=calibration,
                 progress=say,
             )
-            table.save(cache)
+            try:
+                table.save(cache)
+            except OSError as exc:  # the plan can still be written; another budget re-measures
+                click.echo(f"Warning: --cache: cannot write {cache}: {exc}", err=True)
         else:
             say(f"sensitivity from {cache}")
         plan = plan_for_budget(table, budget_bytes_per_token)
@@ -287,7 +344,6 @@ def plan_kv_command(
             )
         check = None
         if verify:
-            held_out = PROMPTS[prompts:] or PROMPTS
             check = check_plan(
                 model,
                 table,
@@ -301,7 +357,6 @@ def plan_kv_command(
             )
         split = None
         if retention:
-            held_out = PROMPTS[prompts:] or PROMPTS
             split = check_retention(
                 model,
                 table,
@@ -338,7 +393,10 @@ def plan_kv_command(
         window_tokens=chosen.window_tokens,
         heavy_tokens=chosen.heavy_tokens,
     )
-    written.dump(out)
+    try:
+        written.dump(out)
+    except OSError as exc:
+        raise click.ClickException(f"--out: cannot write the plan to {out}: {exc}") from exc
     estimates = _estimates(costs, table, chosen, batch, context)
     fp32_bytes = next(e.kv_bytes_per_token for e in estimates if e.codec == "fp32")
     grid = [

@@ -4,6 +4,8 @@ engine (a uniform plan is its codec; the pool and the bytes-per-token gauge foll
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +67,51 @@ def test_a_bad_plan_file_names_itself(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ValueError, match=r"broken\.json"):
         KVPlan.load(path)
+
+
+_DUMP_PAST_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+from pathlib import Path
+from backends.engine.kv._plan import KVPlan
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+try:
+    KVPlan.uniform("kivi-4", 30).dump(Path(sys.argv[1]))
+except OSError:
+    sys.exit(3)
+"""
+
+
+def test_a_plan_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
+    """A writer stopped part-way (here a file-size limit, as a full disk would; or Ctrl-C, or a
+    second plan-kv racing it) left the first bytes of the new plan in place of the old one: an
+    engine started then read half a plan.  Now the old plan stays whole, and no temporary file
+    is left beside it."""
+    path = tmp_path / "plan.json"
+    KVPlan.uniform("fp8", 30).dump(path)
+    before = path.read_bytes()
+    assert len(before) > 512
+    done = subprocess.run(
+        [sys.executable, "-c", _DUMP_PAST_A_FILE_SIZE_LIMIT, str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert path.read_bytes() == before
+    assert list(tmp_path.iterdir()) == [path]
+    KVPlan.uniform("kivi-4", 30).dump(path)  # without the limit it is replaced, mode kept
+    assert KVPlan.load(path) == KVPlan.uniform("kivi-4", 30)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_plan_written_through_a_link_replaces_the_file_it_names(tmp_path: Path) -> None:
+    target = tmp_path / "plans" / "current.json"
+    target.parent.mkdir()
+    target.write_text("{}")
+    link = tmp_path / "plan.json"
+    link.symlink_to(target)
+    KVPlan.uniform("fp8", 30).dump(link)
+    assert link.is_symlink()
+    assert KVPlan.load(target) == KVPlan.uniform("fp8", 30)
 
 
 def test_a_plan_file_nested_past_the_parsers_depth_is_not_a_plan(tmp_path: Path) -> None:

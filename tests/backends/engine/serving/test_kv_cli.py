@@ -40,8 +40,9 @@ def test_plan_kv_beats_the_best_uniform_codec_and_the_engine_serves_its_plan(
     engine_model: LlamaModel, tmp_path: Path
 ) -> None:
     out = tmp_path / "plan.json"
-    args = ["--codecs", "kivi-4,e8-2", "--budget-bits", "4", "--out", str(out), *SMALL]
+    args = ["--codecs", "kivi-4,e8-2,kivi-4", "--budget-bits", "4", "--out", str(out), *SMALL]
     document = _invoke(plan_kv_command, args)
+    assert document["sensitivity"]["codecs"] == ["kivi-4", "e8-2"]  # kivi-4 measured once
     plan = KVPlan.load(out)
     check = plan.meta["check"]
     budget = plan.meta["budget_bytes_per_token"]
@@ -165,3 +166,102 @@ def test_a_budget_no_codec_can_meet_is_refused_before_the_model_loads(
     lightest = "fp16" if "fp16,fp32" in args else "e8-2"
     assert f"({lightest}, the lightest of --codecs)" in result.output
     assert "(fp32, the heaviest codec)" in result.output
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_load(*_: object, **__: object) -> LlamaModel:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(LlamaModel, "load", no_load)
+
+
+@pytest.mark.usefixtures("no_model_load")
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (["--out", "-"], "--out: '-' is not a file name"),
+        (["--out", ""], "--out: '.' is not a file name"),
+        (["--out", "MISSING/plan.json"], "--out: MISSING is not a directory"),
+        (["--out", "/dev/null"], "--out: /dev/null is not a regular file"),
+        (["--cache", "MISSING/table.json"], "--cache: MISSING is not a directory"),
+        (["--prompts", "3"], "--prompts: 3 leaves no held-out prompt"),
+        (["--prompts", "3", "--no-verify", "--retention"], "--prompts: 3 leaves no held-out"),
+        (
+            ["--retention", "--retention-tokens", "16", "--queries", "16"],
+            "--retention-tokens must be above --queries",
+        ),
+    ],
+    ids=[
+        "stdout", "empty", "no-dir", "device", "cache-no-dir", "no-held-out",
+        "no-held-out-retention", "retention-tokens",
+    ],
+)  # fmt: skip
+def test_plan_kv_refuses_what_it_would_find_out_only_after_measuring(
+    tmp_path: Path, args: list[str], refusal: str
+) -> None:
+    """Each of these was found out minutes later: a traceback when the cache or the plan was
+    written (a missing directory, '' as '.'), a file named '-', a rename over /dev/null, a
+    retention split that scores more positions than its prompt holds, or -- silently -- a plan
+    'checked on a held-out prompt' that was one of the prompts it was fitted on."""
+    missing = str(tmp_path / "missing")
+    args = [arg.replace("MISSING", missing) for arg in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "plan.json")]
+    result = CliRunner().invoke(plan_kv_command, [*args, *out])
+    assert result.exit_code == 2, result.output
+    assert refusal.replace("MISSING", missing) in result.output
+    assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "refusal"),
+    [
+        (plan_kv_command, ["--tokens", "100000", "--queries", "1000"], "prompt 0 (cut to --tokens"),
+        (  # the held-out prompt (417 tokens) is shorter than the one measured (453)
+            plan_kv_command,
+            ["--tokens", "440", "--queries", "420"],
+            "--queries: 420 is not below the 417 tokens of prompt 1 (cut to --tokens 440)",
+        ),
+        (
+            plan_kv_command,
+            [
+                *("--tokens", "440", "--queries", "420", "--no-verify"),
+                *("--retention", "--retention-tokens", "430"),
+            ],
+            "--queries: 420 is not below the 417 tokens of prompt 1 (cut to --retention-tokens",
+        ),
+        (kv_quality_command, ["--tokens", "100000", "--queries", "1000"], "of prompt 0 (cut to"),
+        (kv_quality_command, ["--long", "--tokens", "100"], "--tokens: 100 leaves no position"),
+    ],
+    ids=["plan-kv", "plan-kv-held-out", "plan-kv-retention", "kv-quality", "kv-quality-long"],
+)
+def test_queries_beyond_a_prompt_are_refused_before_measuring(
+    engine_model: LlamaModel,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    command: Any,
+    args: list[str],
+    refusal: str,
+) -> None:
+    """``--queries`` below ``--tokens`` is not enough: a prompt shorter than ``--tokens`` has
+    fewer positions than that to score.  The measurement raised ValueError (a traceback)."""
+    monkeypatch.setattr(LlamaModel, "load", lambda *_, **__: engine_model)
+    out = ["--out", str(tmp_path / "plan.json")] if command is plan_kv_command else []
+    codecs = ["--codecs", "e8-2"] if out else ["--codec", "fp8"]
+    result = CliRunner().invoke(command, [*args, *out, *codecs])
+    assert result.exit_code == 2, result.output
+    assert refusal in result.output, result.output
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_kv_quality_measures_a_codec_named_twice_once(
+    engine_model: LlamaModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A codec repeated, or a uniform plan beside its codec, is one row (it was measured and
+    reported once per mention, under one name)."""
+    monkeypatch.setattr(LlamaModel, "load", lambda *_, **__: engine_model)
+    plan = tmp_path / "fp8.json"
+    KVPlan.uniform("fp8", 30).dump(plan)
+    args = ["--codec", "fp8", "--codec", "fp8", "--plan", str(plan), "--questions", "0", *SMALL]
+    document = _invoke(kv_quality_command, args)
+    assert [row["codec"] for row in document["codecs"]] == ["fp8"]
