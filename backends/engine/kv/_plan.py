@@ -143,8 +143,12 @@ class KVPlan:
 
     @classmethod
     def load(cls, path: Path) -> KVPlan:
-        """Read a plan file; ``ValueError`` naming the file if it is not one."""
+        """Read a plan file; ``ValueError`` naming the file if it is not one.  Only a regular
+        file: a pipe (or ``/dev/stdin``) blocks the read until a writer comes, and the engine
+        reads its plan twice, once to check it and once to build it."""
         try:
+            if not path.is_file():
+                raise ValueError("not a regular file")
             return cls.from_dict(json.loads(path.read_text()))
         except RecursionError as exc:  # json's parser recurses once per level of nesting
             raise ValueError(f"{path}: not a KV plan: nested too deeply") from exc

@@ -6,6 +6,7 @@ file and the model's metadata tell is refused before the model loads."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,17 @@ def test_a_plan_the_engine_cannot_serve_is_one_line_before_the_model_loads(
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"Error: unified.kv_plan: {path}: {problem}"), line
+
+
+@pytest.mark.usefixtures("no_model_load")
+@pytest.mark.timeout(60)
+def test_a_plan_file_that_is_a_pipe_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A named pipe passes click's exists/not-a-directory check; reading it blocked the engine's
+    start until some writer came (forever, here)."""
+    pipe = tmp_path / "plan.json"
+    os.mkfifo(pipe)
+    result = CliRunner().invoke(engine_command, ["--port", "0", "--kv-plan", str(pipe)])
+    _refused(result, f"unified.kv_plan: {pipe}: not a KV plan: not a regular file")
 
 
 @pytest.mark.usefixtures("no_model_load")
