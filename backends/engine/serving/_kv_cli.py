@@ -30,6 +30,7 @@ from ..kv.codecs._quality import ISSUE_SETUP, CodecChoice, measure_quality, meas
 from ..kv.codecs._registry import E8_WINDOW
 from ..kv.codecs._summary import quality_rows
 from ..kv.codecs._texts import PROMPTS, QUESTIONS
+from ..model._gguf import read_gguf_config
 from ..model._model import LlamaModel
 from ._answer_agreement import DEFAULT_ANSWER_TOKENS, answer_agreement
 
@@ -90,11 +91,22 @@ def _unique(choices: Sequence[CodecChoice]) -> list[CodecChoice]:
     return list(named.values())
 
 
-def _load_plan(path: Path) -> KVPlan:
+def _load_plan(path: Path, gguf_path: Path | None) -> KVPlan:
+    """The plan in ``path`` if the engine could serve it on this model (``KVPlan.check_engine``,
+    against the model's metadata: seconds, before the model loads)."""
     try:
-        return KVPlan.load(path)
+        plan = KVPlan.load(path)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    try:
+        num_layers = read_gguf_config(gguf_path).num_layers
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot load the model: {exc}") from exc
+    try:
+        plan.check_engine(num_layers=num_layers, block_size=DEFAULT_BLOCK_SIZE)
+    except ValueError as exc:
+        raise click.UsageError(f"--plan: {path}: {exc}") from exc
+    return plan
 
 
 _MEASURED = (*CODECS, *(name for name in WINDOWED_CODECS if name not in CODECS))
@@ -200,7 +212,7 @@ def kv_quality_command(
     if (not long_setup or long_queries is not None) and queries >= tokens:
         raise click.UsageError("--queries must be below --tokens")
     names = codecs or (() if plans else _LONG_CODECS if long_setup else tuple(CODECS))
-    choices = _unique([*names, *(_load_plan(p) for p in plans)])
+    choices = _unique([*names, *(_load_plan(p, gguf_path) for p in plans)])
     model = _load_model(gguf_path)
     if long_setup:
         long_scored = ISSUE_SETUP.tokens - ISSUE_SETUP.queries  # the head kept unscored

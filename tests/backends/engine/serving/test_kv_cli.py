@@ -265,3 +265,31 @@ def test_kv_quality_measures_a_codec_named_twice_once(
     args = ["--codec", "fp8", "--codec", "fp8", "--plan", str(plan), "--questions", "0", *SMALL]
     document = _invoke(kv_quality_command, args)
     assert [row["codec"] for row in document["codecs"]] == ["fp8"]
+
+
+@pytest.mark.usefixtures("no_model_load")
+@pytest.mark.parametrize(
+    ("plan", "refusal"),
+    [
+        ({"layers": [{"k": "fp8", "v": "fp8"}] * 29}, "a KV plan of 29 layers for a 30-layer"),
+        (
+            {"layers": [{"k": "fp8", "v": "fp8"}] * 30, "heavy_tokens": 16},
+            "heavy_tokens 16 is not below the engine's 16-token block",
+        ),
+        (
+            {"layers": [{"k": "fp8", "v": "fp8"}] * 30, "window_tokens": 17},
+            "window_tokens 17 is not a multiple of the engine's 16-token block",
+        ),
+    ],
+    ids=["layers", "heavy", "window"],
+)
+def test_kv_quality_refuses_a_plan_the_engine_could_not_serve(
+    tmp_path: Path, plan: dict[str, Any], refusal: str
+) -> None:
+    """The first two were a traceback from the measurement; the window was measured as if an
+    engine could serve it."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    result = CliRunner().invoke(kv_quality_command, ["--plan", str(path), "--questions", "0"])
+    assert result.exit_code == 2, result.output
+    assert f"Error: --plan: {path}: {refusal}" in result.output
