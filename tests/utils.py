@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import ExitStack, asynccontextmanager
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import openai
+import psutil
 from aiohttp import web
 from hypothesis import HealthCheck, settings
 
@@ -185,3 +187,15 @@ async def timed_chats(gw: RunningGateway, n: int, tag: str) -> list[float]:
     finally:
         await client.close()
     return latencies
+
+
+def kill_left_running(parent: subprocess.Popen[Any], started: list[psutil.Process]) -> list[str]:
+    """After ``parent`` (a Popen) was stopped: kill it if it still runs, and kill each of
+    ``started`` (its children) it left running; the command lines of those it left."""
+    if parent.poll() is None:
+        parent.kill()
+    left = [c for c in started if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    running = [" ".join(c.cmdline()[-6:]) for c in left]
+    for child in left:
+        child.kill()
+    return running

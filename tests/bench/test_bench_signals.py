@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.utils import kill_left_running
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,12 +42,7 @@ def test_sigterm_stops_a_benchmark_and_every_process_it_started() -> None:
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=EXIT_TIMEOUT_S)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-            left = [c for c in started if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-            running = [" ".join(c.cmdline()[-4:]) for c in left]
-            for child in left:
-                child.kill()
+            running = kill_left_running(proc, started)
     assert running == [], "left running after SIGTERM"
     assert proc.returncode == 128 + signal.SIGTERM.value, err
     assert "Stopped by SIGTERM" in err, err

@@ -20,6 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.utils import kill_left_running
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ENGINES = 7  # the five deployments' engines (one of them prefill, decode and router)
@@ -58,12 +60,7 @@ def _stop_demo_when(ready: Ready, stop: signal.Signals, workdir: Path) -> None:
             proc.wait(EXIT_TIMEOUT_S)
             err = proc.stderr.read()
         finally:
-            if proc.poll() is None:
-                proc.kill()
-            left = [c for c in started if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-            running = [" ".join(c.cmdline()[-8:]) for c in left]
-            for child in left:
-                child.kill()
+            running = kill_left_running(proc, started)
         reader.join(EXIT_TIMEOUT_S)
     assert running == [], f"left running after {stop.name}"
     assert proc.returncode == 128 + stop.value, err

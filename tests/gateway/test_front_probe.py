@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.gateway.test_relay_front import CHAT, connection, gateway, post, read_answer
+from tests.gateway.test_wire import raw_listener
 from tests.utils import RunningGateway, run_gateway
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -50,29 +51,23 @@ async def recording_upstream() -> AsyncIterator[tuple[str, Recorded]]:
     recorded = Recorded()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            for _ in range(100):  # bounded: a test sends a few requests
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.lower() == b"content-length":
-                        length = int(value)
-                body = await reader.readexactly(length)
-                recorded.requests.append((head, body))
-                recorded.arrived.set()
-                answer = b'{"ok":true}'
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        for _ in range(100):  # bounded: a test sends a few requests
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            body = await reader.readexactly(length)
+            recorded.requests.append((head, body))
+            recorded.arrived.set()
+            answer = b'{"ok":true}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
+            await writer.drain()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    async with server:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", recorded
+    async with raw_listener(serve) as port:
+        yield f"http://127.0.0.1:{port}", recorded
 
 
 @asynccontextmanager

@@ -30,14 +30,6 @@ def _refused(result: Result, problem: str) -> None:
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
-@pytest.fixture
-def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_load(*_: object, **__: object) -> LlamaModel:
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(LlamaModel, "load", no_load)
-
-
 @pytest.mark.usefixtures("no_model_load")
 @pytest.mark.parametrize(
     ("text", "problem"),

@@ -168,14 +168,6 @@ def test_a_budget_no_codec_can_meet_is_refused_before_the_model_loads(
     assert "(fp32, the heaviest codec)" in result.output
 
 
-@pytest.fixture
-def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_load(*_: object, **__: object) -> LlamaModel:
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(LlamaModel, "load", no_load)
-
-
 @pytest.mark.usefixtures("no_model_load")
 @pytest.mark.parametrize(
     ("args", "refusal"),
