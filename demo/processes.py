@@ -11,10 +11,10 @@ Rules:
    snapshot of the code, so edits made during a run do not reach them.
 4. Whoever starts children stops them when it is stopped: inside ``interrupted_by_signals``
    SIGINT, SIGTERM (``timeout``, a supervisor) and SIGHUP (a closed terminal) raise
-   KeyboardInterrupt where the program is, so its ``finally`` blocks and exit stacks stop the
-   children as on Ctrl-C; later signals are ignored until the block is left, so that
-   unwinding runs whole (it is bounded: ``stop_all``'s grace). Without it SIGTERM and SIGHUP
-   ended the program at once and left every child running.
+   ``Interrupted``, a KeyboardInterrupt, where the program is, so its ``finally`` blocks and
+   exit stacks stop the children as on Ctrl-C; later signals are ignored until the block is
+   left, so that unwinding runs whole (it is bounded: ``stop_all``'s grace). Without it
+   SIGTERM and SIGHUP ended the program at once and left every child running.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Final
 __all__ = [
     "STOP_SIGNALS",
     "THREAD_ENV",
+    "Interrupted",
     "Process",
     "free_port",
     "interrupted_by_signals",
@@ -50,6 +51,15 @@ THREAD_ENV: Final = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
 threads spin-wait on each other."""
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What stops a program that started children (rule 4)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """What a stop signal raises (rule 4). A KeyboardInterrupt, so that all that unwinds on
+    Ctrl-C (asyncio re-raises it out of a task) unwinds on it; a class of its own because
+    CPython 3.11 remembers a bare KeyboardInterrupt that ends a string ``exec`` (``dataclass``
+    runs one, in an import a lazy module starts mid-request) as unhandled even once caught,
+    and under ``python -m`` turns the exit status the program then gives into a death by
+    SIGINT (the flag is set for that exact type only)."""
 STOP_GRACE_S: Final = 10.0
 HEALTH_POLL_S: Final = 0.25
 LOG_TAIL_LINES: Final = 30
@@ -163,7 +173,7 @@ def interrupted_by_signals(note: Callable[[signal.Signals], None]) -> Iterator[N
         for each in STOP_SIGNALS:
             signal.signal(each, signal.SIG_IGN)
         note(signal.Signals(signum))
-        raise KeyboardInterrupt
+        raise Interrupted
 
     previous = {each: signal.signal(each, interrupt) for each in STOP_SIGNALS}
     try:

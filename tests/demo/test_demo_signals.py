@@ -67,6 +67,16 @@ def _stop_demo_when(ready: Ready, stop: signal.Signals, workdir: Path) -> None:
     assert f"Stopped by {stop.name}" in err, err
 
 
+def test_a_signal_inside_a_string_exec_keeps_the_exit_status() -> None:
+    """The whole run's demo exited as killed by SIGINT (-2), not 143, once a SIGTERM landed
+    inside a ``dataclass``'s string ``exec``: CPython 3.11 under ``python -m`` takes a bare
+    KeyboardInterrupt ending a string exec for an unhandled Ctrl-C, even once caught."""
+    proc = subprocess.run([sys.executable, "-m", "tests.demo.signal_in_exec"],
+                          cwd=Path(__file__).resolve().parents[2], timeout=EXIT_TIMEOUT_S,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 128 + signal.SIGTERM.value, proc.stderr
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT],
                          ids=lambda s: s.name)
 def test_a_signal_as_the_engines_start_stops_every_one(
