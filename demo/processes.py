@@ -51,6 +51,9 @@ THREAD_ENV: Final = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
 threads spin-wait on each other."""
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What stops a program that started children (rule 4)."""
+STOP_GRACE_S: Final = 10.0
+HEALTH_POLL_S: Final = 0.25
+LOG_TAIL_LINES: Final = 30
 
 
 class Interrupted(KeyboardInterrupt):
@@ -60,9 +63,6 @@ class Interrupted(KeyboardInterrupt):
     runs one, in an import a lazy module starts mid-request) as unhandled even once caught,
     and under ``python -m`` turns the exit status the program then gives into a death by
     SIGINT (the flag is set for that exact type only)."""
-STOP_GRACE_S: Final = 10.0
-HEALTH_POLL_S: Final = 0.25
-LOG_TAIL_LINES: Final = 30
 
 
 def free_port() -> int:
@@ -162,7 +162,7 @@ def wait_healthy(processes: Sequence[Process], timeout_s: float, *,
 
 @contextlib.contextmanager
 def interrupted_by_signals(note: Callable[[signal.Signals], None]) -> Iterator[None]:
-    """Rule 4: the first of ``STOP_SIGNALS`` raises KeyboardInterrupt where the program is
+    """Rule 4: the first of ``STOP_SIGNALS`` raises ``Interrupted`` where the program is
     (``note`` is told which); the rest are ignored until the block is left. Off the main
     thread (a test's runner) signals are not ours to take: nothing is installed."""
     if threading.current_thread() is not threading.main_thread():
