@@ -99,7 +99,7 @@ METRICS: MappingProxyType[str, MetricSpec] = MappingProxyType({
     "quality.semantic_similarity": _spec(
         _H, _P, "-1..1", "cosine of all-MiniLM-L6-v2 embeddings of the texts"),
     "quality.tool_call_match": _spec(
-        _H, _P, "1/0", "same function names in order, arguments equal as parsed JSON"),
+        _H, _P, "1/0", "same calls (names, arguments equal as parsed JSON), in any order"),
     "quality.json_valid": _spec(
         _H, _B, "1/0", "text is a JSON object or array (when the primary's looks like JSON)"),
     "quality.finish_reason_match": _spec(_H, _P, "1/0", "same finish_reason"),

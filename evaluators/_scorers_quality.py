@@ -9,6 +9,9 @@ An answer that is only tool calls has the empty text. Two of them would agree as
 (exact match 1.0) whatever their calls: the text scorers give ``None`` when neither answer
 has text and either made a tool call, and ``quality.tool_call_match`` alone judges them.
 An answer in text where the other called a tool is compared as text (it differs).
+
+The tool calls of one message are compared as a set (:func:`same_calls`): parallel calls
+are independent, their order is not part of the answer.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ __all__ = [
     "TokenF1Scorer",
     "ToolCallScorer",
     "complete_text",
+    "same_calls",
     "token_f1",
 ]
 
@@ -173,9 +177,34 @@ def _call_key(call: dict[str, Any]) -> tuple[str, Any]:
     return str(call.get("name")), parsed
 
 
+def same_calls(candidate: Sequence[dict[str, Any]], primary: Sequence[dict[str, Any]]) -> bool:
+    """Whether two messages' tool calls are the same calls, in any order (a multiset).
+
+    The calls of one message are parallel: the client runs them all and answers each by
+    its id, so the order a model lists them in carries no meaning (two backends list the
+    same calls in different orders). What is sequential in an agent is the turns, each of
+    them an exchange of its own. Each call matches at most one call of the other side, so
+    a call made twice matches only a call made twice. Pairs are compared as the keys
+    compare (``1`` equals ``1.0`` in arguments), at most ``MAX_TOOL_CALLS`` a side: a
+    quadratic match is a few thousand comparisons at worst."""
+    if len(candidate) != len(primary):
+        return False
+    unmatched = [_call_key(c) for c in primary]
+    for call in candidate:
+        key = _call_key(call)
+        for i, other in enumerate(unmatched):
+            if other == key:
+                del unmatched[i]
+                break
+        else:
+            return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCallScorer:
-    """1 when both made the same calls (names in order, arguments equal as JSON), else 0.
+    """1 when both made the same calls (names and arguments equal as JSON, in any order:
+    :func:`same_calls`), else 0.
 
     ``None`` when neither side called a tool, or when either answer is incomplete.
     """
@@ -187,8 +216,7 @@ class ToolCallScorer:
         complete = all(o.ok and not o.truncated for o in (primary, candidate))
         if not complete or not (primary.tool_calls or candidate.tool_calls):
             return [Score("quality.tool_call_match", None, None)]
-        same = ([_call_key(c) for c in candidate.tool_calls]
-                == [_call_key(c) for c in primary.tool_calls])
+        same = same_calls(candidate.tool_calls, primary.tool_calls)
         return [Score("quality.tool_call_match", _flag(same), None)]
 
 

@@ -308,3 +308,58 @@ async def test_an_embeddings_request_has_no_output_rate() -> None:
     assert exchange.primary.usage is not None and exchange.primary.usage.completion_tokens == 0
     tps = next(s for s in ThroughputScorer().score(exchange))
     assert (tps.candidate, tps.primary) == (None, None)
+
+
+def _parallel_calls(*calls: tuple[str, str]) -> Answer:
+    """Parallel tool calls in one message, in the order given, each streamed in two pieces
+    under its own index (vLLM's framing)."""
+    def answer(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        deltas: list[dict[str, Any]] = [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        for i, (name, arguments) in enumerate(calls):
+            half = len(arguments) // 2
+            deltas += [
+                {"index": 0, "delta": {"tool_calls": [{
+                    "index": i, "id": f"call_{i}", "type": "function",
+                    "function": {"name": name, "arguments": arguments[:half]}}]},
+                 "finish_reason": None},
+                {"index": 0, "delta": {"tool_calls": [{
+                    "index": i, "function": {"arguments": arguments[half:]}}]},
+                 "finish_reason": None}]
+        deltas.append({"index": 0, "delta": {}, "finish_reason": "tool_calls"})
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{i}", "type": "function",
+             "function": {"name": name, "arguments": arguments}}
+            for i, (name, arguments) in enumerate(calls)]}
+        return deltas, {"choices": [{"index": 0, "message": message,
+                                     "finish_reason": "tool_calls"}]}
+    return answer
+
+
+PARIS = ("get_weather", '{"city": "Paris"}')
+BERLIN = ("get_weather", '{"city": "Berlin"}')
+TIME_BERLIN = ("get_time", '{"city": "Berlin"}')
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_parallel_tool_calls_in_another_order_match(stream: bool) -> None:
+    # Parallel calls of one message are independent (the client runs them all and answers
+    # each by its id): the order a model lists them in carries no meaning.
+    exchange = await _exchange(_parallel_calls(PARIS, BERLIN, TIME_BERLIN),
+                               _parallel_calls(TIME_BERLIN, PARIS, BERLIN),
+                               stream=stream, tools=TOOLS, parallel_tool_calls=True)
+    assert len(exchange.candidate_observation.tool_calls) == 3
+    assert _scores(exchange)["quality.tool_call_match"] == 1.0
+
+
+@pytest.mark.parametrize(("candidate", "why"), [
+    ((BERLIN, BERLIN), "one call twice, the other missing"),
+    ((PARIS,), "a call missing"),
+    ((PARIS, BERLIN, BERLIN), "a call more"),
+    ((BERLIN, ("get_weather", '{"city": "Rome"}')), "other arguments"),
+])
+async def test_parallel_tool_calls_match_only_as_the_same_calls(
+        candidate: tuple[tuple[str, str], ...], why: str) -> None:
+    exchange = await _exchange(_parallel_calls(PARIS, BERLIN), _parallel_calls(*candidate),
+                               stream=True, tools=TOOLS)
+    assert _scores(exchange)["quality.tool_call_match"] == 0.0, why

@@ -221,7 +221,11 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
     ((_call("f", '{"a": 1, "b": [1, 2]}'),), (_call("f", '{"b":[1,2],"a":1}'),), 1.0),
     ((_call("f", '{"a": 1}'),), (_call("f", '{"a": 2}'),), 0.0),
     ((_call("g", '{"a": 1}'),), (_call("f", '{"a": 1}'),), 0.0),
-    ((_call("f", "{}"), _call("g", "{}")), (_call("g", "{}"), _call("f", "{}")), 0.0),
+    # Parallel calls in another order are the same calls; a call twice is not two calls.
+    ((_call("f", "{}"), _call("g", "{}")), (_call("g", "{}"), _call("f", "{}")), 1.0),
+    ((_call("f", "{}"), _call("f", "{}")), (_call("f", "{}"), _call("g", "{}")), 0.0),
+    ((_call("f", '{"x": 1}'), _call("f", "{}")), (_call("f", "{}"), _call("f", '{"x": 1.0}')),
+     1.0),
     ((), (_call("f", "{}"),), 0.0),
     ((_call("f", "{}"),), (), 0.0),
     ((_call("f", "{broken"),), (_call("f", "{broken"),), 1.0),
