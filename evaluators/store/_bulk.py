@@ -15,11 +15,22 @@ Rules:
    ``INSERT ... SELECT FROM unnest(<one array per column>)`` per table (set-based: the
    server plans and runs one statement, not one per row); SQLite gets an executemany of
    the same ``INSERT ... ON CONFLICT DO NOTHING``.
+6. Retention may delete a record's exchange under the batch (another replica pruning, or
+   ``understudy db prune``, on PostgreSQL: an exchange that already exists is skipped by
+   ``DO NOTHING`` without a lock, and can be pruned and committed before the batch looks
+   its id up). Such a record refers to nothing: it alone is left out and counted
+   (``Written.exchange_pruned``), the rest of the batch is written. The lookup holds the
+   exchanges it finds ``FOR KEY SHARE`` until the batch commits, so from then on a pruner
+   skips them (``SKIP LOCKED``) and leaves them to its next pass, rather than deleting them
+   from under the batch's observations (a foreign-key violation that would fail the
+   batch). SQLite needs neither: a batch's first INSERT takes the database's write lock
+   until it commits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -30,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from evaluators.store._rows import Record, Row
 from evaluators.store._schema import BackendRole, BackendRow, ExchangeRow, ObservationRow, ScoreRow
 
-__all__ = ["TABLES", "BatchInserter"]
+__all__ = ["TABLES", "BatchInserter", "Written"]
 
 TABLES = ("backends", "exchanges", "observations", "scores")
 MAX_CACHED_BACKENDS = 4096
@@ -41,6 +52,15 @@ STATEMENT_ROWS = 500
 """Rows per INSERT statement. Building and encoding one statement's parameters is a stretch
 of CPU with no await in it; this bounds it to a few milliseconds, whatever the batch size,
 so the writer's loop (in the scoring process) stays responsive to its stats and drain."""
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What one batch wrote: rows sent per table (existing rows count as sent), and the
+    records left out because their exchange was pruned under the batch (rule 6)."""
+
+    rows: Mapping[str, int]
+    exchange_pruned: int = 0
 
 
 class BatchInserter:
@@ -56,34 +76,41 @@ class BatchInserter:
         self._scores = make(dialect, _table(ScoreRow), ("exchange_id", "candidate_id", "metric"))
         self._backend_ids: dict[str, int] = {}
 
-    async def write(self, batch: Sequence[Record]) -> dict[str, int]:
-        """Write ``batch``; return the rows sent per table (existing rows count as sent)."""
+    async def write(self, batch: Sequence[Record]) -> Written:
+        """Write ``batch``; return what was written and what was left out (rule 6)."""
         written = dict.fromkeys(TABLES, 0)
         written["backends"] = await self._register_backends(batch)
         exchanges: dict[str, Row] = {}
         for record in batch:
             exchanges.setdefault(record.exchange["request_id"], record.exchange)
+        gone = 0
         async with self._engine.begin() as connection:
             await self._exchanges.insert(connection, list(exchanges.values()))
             exchange_ids = await _exchange_ids(connection, exchanges)
             seen: set[tuple[int, int]] = set()
             for part in _slices(batch):
-                observations, scores = self._rows_of(part, exchange_ids, seen)
+                observations, scores, part_gone = self._rows_of(part, exchange_ids, seen)
                 await self._observations.insert(connection, observations)
                 await self._scores.insert(connection, scores)
                 written["observations"] += len(observations)
                 written["scores"] += len(scores)
-        written["exchanges"] = len(exchanges)
-        return written
+                gone += part_gone
+        written["exchanges"] = len(exchange_ids)
+        return Written(written, gone)
 
     def _rows_of(self, records: Sequence[Record], exchange_ids: dict[str, int],
-                 seen: set[tuple[int, int]]) -> tuple[list[Row], list[Row]]:
-        """Observation rows (each (exchange, backend) once across the batch) and score rows."""
+                 seen: set[tuple[int, int]]) -> tuple[list[Row], list[Row], int]:
+        """Observation rows (each (exchange, backend) once across the batch), score rows,
+        and the records left out because their exchange is gone (rule 6)."""
         backend_ids = self._backend_ids
         observations: list[Row] = []
         scores: list[Row] = []
+        gone = 0
         for record in records:
-            exchange_id = exchange_ids[record.exchange["request_id"]]
+            exchange_id = exchange_ids.get(record.exchange["request_id"])
+            if exchange_id is None:
+                gone += 1
+                continue
             for backend, row in ((record.primary_backend, record.primary),
                                  (record.candidate_backend, record.candidate)):
                 key = (exchange_id, backend_ids[backend])
@@ -99,7 +126,7 @@ class BatchInserter:
                  "created_at": created_at}
                 for metric, candidate, primary in record.scores
             )
-        return observations, scores
+        return observations, scores, gone
 
     def forget_backends(self) -> None:
         """Drop cached backend ids (after a rejected batch: the table may have changed)."""
@@ -135,15 +162,16 @@ class BatchInserter:
 
 
 async def _exchange_ids(connection: AsyncConnection, exchanges: dict[str, Row]) -> dict[str, int]:
+    """The ids of those of ``exchanges`` that exist, held against deletion (rule 6)."""
     table = _table(ExchangeRow)
     keys = list(exchanges)
     ids: dict[str, int] = {}
     for start in range(0, len(keys), LOOKUP_CHUNK):
-        result = await connection.execute(
-            select(table.c.request_id, table.c.id).where(
-                table.c.request_id.in_(keys[start:start + LOOKUP_CHUNK])
-            )
-        )
+        lookup = select(table.c.request_id, table.c.id).where(
+            table.c.request_id.in_(keys[start:start + LOOKUP_CHUNK]))
+        if connection.dialect.name == "postgresql":
+            lookup = lookup.with_for_update(read=True, key_share=True)
+        result = await connection.execute(lookup)
         ids.update((request_id, exchange_id) for request_id, exchange_id in result)
     return ids
 

@@ -16,7 +16,9 @@ Theory of operation:
    and dropping past it. When the database returns, writing resumes where it stopped.
    Memory is bounded by the queue plus the one batch in hand.
 4. A batch the database rejects (a constraint, bad data) is split in halves until the
-   records it refuses are alone; those are dropped (``rejected``), the rest written.
+   records it refuses are alone; those are dropped (``rejected``), the rest written. A
+   record whose exchange retention deleted under its batch (another replica pruning;
+   ``_bulk`` rule 6) is left out of it alone and counted (``exchange_pruned``).
 5. ``close()`` stops accepting, writes what it holds within ``close_timeout_s``, then
    cancels the task and counts what is left as dropped (``close_timeout``). Cancelling
    a batch on a hung PostgreSQL connection adds SQLAlchemy's bound on closing it (2 s).
@@ -74,8 +76,8 @@ __all__ = ["DropReason", "ScoreWriter", "WriterState", "WriterStats"]
 log = logging.getLogger("understudy.store")
 
 DropReason = Literal[
-    "queue_full", "queue_text", "invalid", "not_running", "rejected", "failed", "close_timeout",
-    "store_unready", "process_exit",
+    "queue_full", "queue_text", "invalid", "not_running", "rejected", "exchange_pruned",
+    "failed", "close_timeout", "store_unready", "process_exit",
 ]
 DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
 """``process_exit`` is never counted by a writer itself: the evaluation pipeline counts
@@ -406,8 +408,12 @@ class ScoreWriter:
                 return
             self._batches += 1
             self._held -= len(batch)
-            self._written_records += len(batch)
-            self._written_rows.update(written)
+            self._written_records += len(batch) - written.exchange_pruned
+            self._written_rows.update(written.rows)
+            if written.exchange_pruned:
+                self._dropped["exchange_pruned"] += written.exchange_pruned
+                log.info("store: %d records left out, their exchange pruned meanwhile",
+                         written.exchange_pruned)
             return
 
     def _note_error(self, message: str) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import math
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 from sqlalchemy import event, func, inspect, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import await_only
 
 from evaluators.store import (
     AuditEntry,
@@ -257,6 +259,87 @@ async def test_retention_zero_keeps_everything(engine: AsyncEngine) -> None:
         assert await writer.prune() == Pruned()  # 0 is "forever", never "older than now"
         assert writer.stats.prune_passes == 0
     assert len(await request_ids(engine)) == 5
+
+
+# -- another replica pruning mid-batch (PostgreSQL) ---------------------------------------
+# On SQLite the race cannot happen: a batch's first INSERT takes the database's write lock
+# until it commits, so no other process deletes in between.
+
+
+@pytest.fixture
+async def pg_engine(pg_database: str) -> AsyncIterator[AsyncEngine]:
+    await upgrade(pg_database)
+    engine = create_engine(pg_database)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+        await downgrade(pg_database, "base")
+
+
+def prune_from_another_replica(engine: AsyncEngine, before: str,
+                               pruned: list[Pruned]) -> None:
+    """Once, just before the writer's statement starting with ``before``, a second engine
+    (another replica's writer) runs a whole pruning pass and commits it."""
+    replica = create_engine(engine.url.render_as_string(hide_password=False))
+
+    async def prune_and_dispose() -> None:
+        try:
+            pruned.append(await prune_store(replica, retention_cutoff(30)))
+        finally:
+            await replica.dispose()
+
+    @event.listens_for(engine.sync_engine, "before_cursor_execute")
+    def _statement(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.startswith(before) and not pruned:
+            await_only(prune_and_dispose())  # the writer's statement waits for it
+
+
+async def test_a_late_record_whose_exchange_is_pruned_mid_batch_is_dropped_alone(
+        pg_engine: AsyncEngine) -> None:
+    # The late record's exchange exists when the batch's INSERT ... ON CONFLICT DO NOTHING
+    # skips it, and is gone (pruned and committed) by the lookup of the batch's exchange
+    # ids: that record has nothing to refer to. The rest of its batch is stored.
+    await fill(pg_engine, old=1, recent=0)
+    pruned: list[Pruned] = []
+    prune_from_another_replica(pg_engine, "SELECT exchanges.request_id", pruned)
+    config = config_for(pg_engine, flush_interval_s=0.2)
+    async with ScoreWriter(pg_engine, config) as writer:
+        assert writer.submit(exchange_at("old0", OLD, "cand-late"), SCORES)
+        for i in range(5):  # one batch: all submitted before the flush interval ends
+            assert writer.submit(exchange_at(f"fresh{i}", NOW), SCORES)
+        await eventually(lambda: writer.stats.written_records
+                         + sum(writer.stats.dropped.values()) >= 6, within_s=10)
+        stats = writer.stats
+    assert [p.exchanges for p in pruned] == [1]
+    assert stats.written_records == 5
+    assert {k: v for k, v in stats.dropped.items() if v} == {"exchange_pruned": 1}
+    assert await request_ids(pg_engine) == {f"fresh{i}" for i in range(5)}
+    assert await count(pg_engine, ScoreRow) == 5 * len(SCORES)
+    assert await dangling(pg_engine) == 0
+
+
+async def test_an_exchange_a_batch_refers_to_is_left_to_the_next_pass(
+        pg_engine: AsyncEngine) -> None:
+    # Once the batch has looked up its exchange ids, a pruning replica skips those rows
+    # (the lookup holds them FOR KEY SHARE until the batch commits) instead of deleting
+    # them from under the batch's observations (a foreign-key violation that cost a
+    # batch of one record its record, as "rejected").
+    await fill(pg_engine, old=2, recent=0)
+    pruned: list[Pruned] = []
+    prune_from_another_replica(pg_engine, "INSERT INTO observations", pruned)
+    async with ScoreWriter(pg_engine, config_for(pg_engine)) as writer:
+        assert writer.submit(exchange_at("old0", OLD, "cand-late"), SCORES)
+        await eventually(lambda: writer.stats.written_records
+                         + sum(writer.stats.dropped.values()) >= 1, within_s=10)
+        stats = writer.stats
+    assert [p.exchanges for p in pruned] == [1]  # old1; old0 waits for the next pass
+    assert stats.written_records == 1
+    assert sum(stats.dropped.values()) == 0
+    assert await count(pg_engine, ScoreRow) == 2 * len(SCORES)  # old0's, both candidates
+    assert (await prune_store(pg_engine, retention_cutoff(30))).exchanges == 1
+    assert await request_ids(pg_engine) == set()
+    assert await dangling(pg_engine) == 0
 
 
 # -- the migration -------------------------------------------------------------------------
