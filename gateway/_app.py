@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from evaluators import EvaluationSink, MemorySink
 from gateway._admin import build_admin_app, check_admin_binding
@@ -103,7 +103,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     app.router.add_route("*", "/health", _method_not_allowed)
     app.router.add_get("/metrics", _metrics)
     app.router.add_route("*", "/metrics", _method_not_allowed)
-    app.router.add_route("*", "/v1/{tail:.*}", _proxy)
+    app.router.add_route("*", "/v1/{tail:.*}", _proxy, expect_handler=_continue_within_bound)
     # Routes, not a middleware: aiohttp's own 404/405 are plain text, and a middleware
     # would sit on every relayed request too.
     app.router.add_route("*", "/{tail:.*}", _not_found)
@@ -168,6 +168,20 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     await relay(client, request.app[STATE])
     assert client.response is not None
     return client.response
+
+
+async def _continue_within_bound(request: web.Request) -> None:
+    """``Expect`` on aiohttp's ``/v1/`` route, answered as the front answers it (``_front.py``
+    rule 2): ``100 Continue`` unless the ``Content-Length`` is past ``max_body_bytes``, whose
+    413 the relay sends at once (aiohttp's default handler invited the body first); another
+    expectation goes to the primary with the request (aiohttp's default answered it with a
+    plain-text 417)."""
+    if request.version >= HttpVersion11 \
+            and request.headers.get("Expect", "").lower() == "100-continue":
+        length = request.content_length
+        if length is None or length <= request.app[STATE].config.server.max_body_bytes:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # as aiohttp's: the answer has not begun
 
 
 async def _health(request: web.Request) -> web.Response:

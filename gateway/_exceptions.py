@@ -4,6 +4,9 @@
     ├── RequestError             the client's request cannot be forwarded or done
     │   ├── RequestTooLarge      413
     │   ├── RequestTimeout       408  the body did not arrive whole within body_timeout_s
+    │   ├── FaultyFraming        400  an HTTP/1.0 request with Transfer-Encoding
+    │   ├── TransferCodingNotImplemented
+    │   │                        501  a transfer coding other than chunked (gzip, chunked)
     │   ├── HeadersTooLarge      431  the request's headers exceed max_header_bytes
     │   ├── Unauthorized         401  admin API: missing or wrong bearer token
     │   ├── NotFound             404  admin API: no such candidate or route
@@ -17,6 +20,8 @@
         └── UpstreamBroken       502  the answer was cut or malformed mid-stream
 
 Every error renders as an OpenAI-style JSON body, so clients' SDKs raise their usual types.
+One that ``closes_connection`` is answered with ``Connection: close``: what follows its head
+on the connection cannot be trusted to be the next request (408, 400 and 501 above).
 An upstream error's message names the upstream, never its address, and never quotes what
 it sent (those go to the log).
 The store's errors (``evaluators.store.StoreError``) become ``ChangeNotStored`` in
@@ -43,6 +48,7 @@ __all__ = [
     "ChangeNotStored",
     "ChangeNotStoredReason",
     "Conflict",
+    "FaultyFraming",
     "GatewayError",
     "HeadersTooLarge",
     "InvalidBody",
@@ -50,6 +56,7 @@ __all__ = [
     "RequestError",
     "RequestTimeout",
     "RequestTooLarge",
+    "TransferCodingNotImplemented",
     "Unauthorized",
     "UpstreamBroken",
     "UpstreamError",
@@ -72,6 +79,7 @@ UpstreamErrorKind = Literal[
 class GatewayError(Exception):
     status_hint: ClassVar[int] = 500
     error_type: ClassVar[str] = "internal_error"
+    closes_connection: ClassVar[bool] = False
 
 
 class RequestError(GatewayError):
@@ -85,6 +93,22 @@ class RequestTooLarge(RequestError):
 
 class RequestTimeout(RequestError):
     status_hint = 408
+    closes_connection = True  # the rest of the body may never come
+
+
+class FaultyFraming(RequestError):
+    """RFC 9112 6.1: an HTTP/1.0 request with Transfer-Encoding has faulty framing (an
+    HTTP/1.0 hop before the gateway reads its body otherwise): never relayed."""
+
+    closes_connection = True
+
+
+class TransferCodingNotImplemented(RequestError):
+    """RFC 9112 6.1: a transfer coding the gateway does not implement (anything but
+    ``chunked``) is a 501; its body cannot be decoded, so it is not relayed."""
+
+    status_hint = 501
+    closes_connection = True
 
 
 class HeadersTooLarge(RequestError):

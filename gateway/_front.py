@@ -446,6 +446,10 @@ class FrontRequest:
         return self._message.method
 
     @property
+    def version(self) -> tuple[int, int]:
+        return self._message.version
+
+    @property
     def raw_path(self) -> str:
         return origin_form(self._message.path, self._message.url)
 
@@ -475,7 +479,7 @@ class FrontRequest:
         transport = self._conn.transport
         if transport is None:
             return
-        close = not self.content.is_eof()  # rule 6
+        close = error.closes_connection or not self.content.is_eof()  # rule 6
         status = error.status_hint
         transport.write(error_answer(
             status, openai_error_body(str(error), error.error_type, status), request_id,

@@ -26,6 +26,11 @@ Rules (DESIGN.md invariant 1):
    §3.2), its path and query as sent: an absolute-form target's scheme and authority are
    the client's (the primary, or a proxy before it, would route on them) and a fragment is
    never part of a request.
+7. A request's framing is ``Content-Length`` or ``Transfer-Encoding: chunked`` alone (RFC
+   9112 §6.1, as nginx): any other transfer coding (``gzip, chunked``, which the parser
+   decodes as chunked) is a 501, and an HTTP/1.0 request with ``Transfer-Encoding`` a 400;
+   both close the connection and are never relayed: the body left coded, or framed one way
+   here and another by an HTTP/1.0 hop before the gateway.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ from yarl import URL
 
 from evaluators import Capture, observe
 from gateway._exceptions import (
+    FaultyFraming,
     GatewayError,
     HeadersTooLarge,
     RequestError,
     RequestTimeout,
     RequestTooLarge,
+    TransferCodingNotImplemented,
     UpstreamError,
     error_response,
 )
@@ -102,6 +109,8 @@ class RelayClient(Protocol):
 
     @property
     def method(self) -> str: ...
+    @property
+    def version(self) -> tuple[int, int]: ...
     @property
     def path(self) -> str: ...
     @property
@@ -259,6 +268,11 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
         client.refuse(HeadersTooLarge(
             f"request headers exceed the limit of {limit} bytes in all"), None)
         return
+    if (refusal := _framing_refusal(client)) is not None:
+        metrics.rejected.labels(refusal[0]).inc()
+        metrics.route(route).answered(refusal[1].status_hint).inc()
+        client.refuse(refusal[1], None)
+        return
     if _has_dot_segment(client.raw_path):
         metrics.rejected.labels("dot_segment").inc()
         metrics.route(route).answered(400).inc()
@@ -304,6 +318,22 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
         metrics.relaying -= 1
         capture.ended = loop.time()
         _record(state, capture, request_id, route, wall_started)
+
+
+def _framing_refusal(client: RelayClient) -> tuple[str, GatewayError] | None:
+    """Rule 7: the reason and error refusing a request framed by a transfer coding other
+    than ``chunked`` alone, or an HTTP/1.0 request framed by one; ``None`` for the rest."""
+    codings = client.headers.get("Transfer-Encoding")
+    if codings is None:  # the common case: one lookup
+        return None
+    if client.version < (1, 1):
+        return "faulty_framing", FaultyFraming(
+            "an HTTP/1.0 request cannot have a Transfer-Encoding header")
+    # The parser let through one header whose last coding is chunked, and only once.
+    if codings.strip(" \t").lower() == "chunked":
+        return None
+    return "transfer_coding", TransferCodingNotImplemented(
+        "a Transfer-Encoding other than chunked is not implemented")
 
 
 def origin_form(target: str, url: URL) -> str:
@@ -382,6 +412,10 @@ class AiohttpClient:
         return self._request.method
 
     @property
+    def version(self) -> tuple[int, int]:
+        return self._request.version
+
+    @property
     def path(self) -> str:
         return self._request.path
 
@@ -417,7 +451,10 @@ class AiohttpClient:
 
     def refuse(self, error: GatewayError, request_id: str | None) -> None:
         self.response = error_response(error, request_id)
-        if isinstance(error, RequestTimeout):  # the rest of the body may never come: close
+        # aiohttp reads and drops an unread body, then keeps the connection: for one
+        # never to come (a 413 before 100 Continue) the client's next request would be
+        # read as that body. Closed after the answer, as the front does (_front.py rule 6).
+        if error.closes_connection or not self._request.content.is_eof():
             self.response.force_close()
 
     async def begin(self, status: int, reason: str, headers: CIMultiDict[str], *,

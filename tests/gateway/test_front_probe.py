@@ -320,3 +320,96 @@ async def test_a_request_after_an_upgrade_request_is_not_lost(head: bytes,
         if not handed_over:  # the front's answer to it said so
             assert b"Connection: close" in answer and (rest, closed) == (b"", True)
             assert len(recorded.relayed()) == 1
+
+
+# -- request framing ----------------------------------------------------------------------
+
+def chunked_post(transfer_encoding: bytes, *, version: bytes = b"1.1") -> bytes:
+    return (b"POST /v1/chat/completions HTTP/" + version + b"\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: " + transfer_encoding
+            + b"\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(CHAT), CHAT))
+
+
+@pytest.mark.parametrize("codings", [b"gzip, chunked", b"identity, chunked",
+                                     b"x-custom ,chunked"])
+@pytest.mark.parametrize("handed_over", [False, True])
+async def test_a_transfer_coding_other_than_chunked_is_a_501(codings: bytes,
+                                                             handed_over: bool) -> None:
+    """RFC 9112 6.1: a server that receives a transfer coding it does not understand SHOULD
+    answer 501 and close. The parser takes any list that ends in ``chunked`` as chunked, so
+    ``gzip, chunked`` was relayed with its body still gzip-coded under a plain
+    ``Content-Length`` (nginx answers 501). Now: 501 in OpenAI's shape, ``Connection:
+    close``, closed, counted; nothing reaches the primary."""
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        if handed_over:
+            writer.write(HEALTH)
+            await read_answer(reader)
+        writer.write(chunked_post(codings))
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 501") and b"Connection: close" in head, head
+        error = json.loads(body)["error"]
+        assert error["code"] == 501 and "Transfer-Encoding" in error["message"], error
+        assert (await rest_of(reader))[1]
+        assert gw.metric("understudy_requests_rejected_total",
+                         reason="transfer_coding") == 1
+        assert gw.metric("understudy_requests_total", route="chat_completions",
+                         status="501") == 1
+        assert recorded.relayed() == []
+
+
+@pytest.mark.parametrize("handed_over", [False, True])
+async def test_an_http10_request_with_transfer_encoding_is_a_400(handed_over: bool) -> None:
+    """RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding MUST be treated as having
+    faulty framing (an HTTP/1.0 hop before the gateway reads its body by Content-Length or
+    to the close: a request smuggled in the difference). It was relayed as chunked; nginx
+    answers 400. Now: 400 in OpenAI's shape, closed, counted; nothing reaches the primary."""
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        if handed_over:
+            writer.write(HEALTH)
+            await read_answer(reader)
+        writer.write(chunked_post(b"chunked", version=b"1.0"))
+        head, body = await read_answer(reader)
+        assert head.split(b" ")[1] == b"400", head  # HTTP/1.0: closing is the default
+        assert json.loads(body)["error"]["code"] == 400
+        assert (await rest_of(reader))[1]
+        assert gw.metric("understudy_requests_rejected_total", reason="faulty_framing") == 1
+        assert recorded.relayed() == []
+
+
+async def test_plain_chunked_requests_are_relayed_on_a_kept_alive_connection() -> None:
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        for codings in (b"chunked", b"Chunked"):
+            writer.write(chunked_post(codings))
+            head, _ = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200") and b"Connection: close" not in head
+        assert [body for _, body in recorded.relayed()] == [CHAT, CHAT]
+
+
+async def test_a_body_over_the_bound_is_refused_instead_of_100_continue_when_handed_over(
+) -> None:
+    """The same on aiohttp's ``/v1/`` route (a connection the front handed over): aiohttp's
+    default expect handler sent ``100 Continue``, then the 413, and kept the connection,
+    so a client that never sent the body had its next request read as that body."""
+    async with gateway(max_body_bytes=100) as gw, connection(gw) as (reader, writer):
+        writer.write(HEALTH)
+        await read_answer(reader)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: 5000\r\n\r\n")
+        head, body = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 413") and b"Connection: close" in head, head
+        assert json.loads(body)["error"]["code"] == 413
+        assert gw.metric("understudy_requests_rejected_total", reason="body_too_large") == 1
+
+
+async def test_100_continue_still_comes_within_the_bound_when_handed_over() -> None:
+    async with gateway() as gw, connection(gw) as (reader, writer):
+        writer.write(HEALTH)
+        await read_answer(reader)
+        whole = post(CHAT, extra="Expect: 100-continue\r\n")
+        head, _, body = whole.partition(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        head, answer = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["choices"]
