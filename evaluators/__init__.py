@@ -4,7 +4,7 @@ The store (schema, batched writer, queries, shared routing state) is the public
 subpackage :mod:`evaluators.store`.
 """
 
-from evaluators._exchange import EvaluationSink, Exchange, MemorySink
+from evaluators._exchange import EvaluationSink, Exchange, MemorySink, requested_choices
 from evaluators._gates import Gates, MetricGate, Outcome
 from evaluators._judge import MetricSamples, MetricVerdict, Verdict, judge
 from evaluators._observation import Capture, Observation, Usage, observe
@@ -57,5 +57,6 @@ __all__ = [
     "load_report_inputs",
     "observe",
     "record_report",
+    "requested_choices",
     "turn_depth_bucket",
 ]

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Final, Protocol
 
 from evaluators._observation import Observation
 
-__all__ = ["EvaluationSink", "Exchange", "MemorySink"]
+__all__ = ["EvaluationSink", "Exchange", "MemorySink", "requested_choices"]
+
+_CHOICE_ROUTES: Final = frozenset({"chat_completions", "completions"})
 
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """``turn_depth``: assistant messages before the request's last (chat; None for other
-    routes); ``prompt_bytes``: the size of the request body the gateway forwarded."""
+    routes); ``prompt_bytes``: the size of the request body the gateway forwarded;
+    ``requested_choices``: how many choices the request asked for
+    (:func:`requested_choices`)."""
 
     request_id: str
     session_key: str
@@ -29,6 +33,32 @@ class Exchange:
     candidate_observation: Observation
     turn_depth: int | None = None
     prompt_bytes: int | None = None
+    requested_choices: int | None = None
+
+
+def requested_choices(route: str, payload: dict[str, Any] | None) -> int | None:
+    """How many choices a request's answer should have: ``n`` (1 when absent or null) for
+    a chat completion; ``n`` for each prompt of a legacy completion (a string or a list of
+    token ids is one prompt, a list of them several). None for other routes and for what
+    the backend would refuse (an ``n`` that is not a positive integer, an empty list):
+    then there is no count to hold an answer to."""
+    if payload is None or route not in _CHOICE_ROUTES:
+        return None
+    n = payload.get("n")
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    if route == "chat_completions":
+        return n
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return n
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return n  # one prompt of token ids
+    return n * len(prompt)
 
 
 class EvaluationSink(Protocol):

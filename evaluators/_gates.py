@@ -77,7 +77,7 @@ SEMANTIC_SIMILARITY_METRIC: Final = "quality.semantic_similarity"
 LATENCY_PREFIX: Final = "latency."
 COST_PREFIX: Final = "cost."
 CACHE_PREFIX: Final = "cache."
-RATE_METRICS: Final = ("reliability.success", "quality.json_valid")
+RATE_METRICS: Final = ("reliability.success", "quality.json_valid", "quality.choices_complete")
 
 DEFAULT_MIN_SAMPLES: Final = 30
 DEFAULT_MAX_MEDIAN_SHIFT_RATIO: Final = 0.10

@@ -35,6 +35,11 @@ Rules:
    the capture's bound) keeps its usage: it is read from the tail, where the answer ends
    with it, so its throughput and cost are known as a stream's are. Its finish reason is
    not read there (with several choices the tail's last one is not the first choice's).
+9. ``choices`` is how many choices the answer had (distinct indices of a stream's choice
+   deltas; the length of an answer's ``choices``), so that an answer with fewer (or more)
+   than the request asked for is seen although only choice 0 is compared (rule 6). It is
+   None where it cannot be known: a truncated capture (a choice may be in the lost part),
+   an answer without ``choices`` (embeddings, an error).
 """
 
 from __future__ import annotations
@@ -141,6 +146,7 @@ class Observation:
     error: str | None
     concurrency: int | None = None
     backend_running: int | None = None
+    choices: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -175,6 +181,7 @@ def observe(capture: Capture, *, request_id: str, backend: str, route: str,
         error=capture.error,
         concurrency=capture.concurrency,
         backend_running=capture.backend_running,
+        choices=parsed.choices,
     )
 
 
@@ -185,6 +192,7 @@ class _Parsed:
     text: str | None = None
     model: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    choices: int | None = None
 
 
 def _parse_body(capture: Capture) -> _Parsed:
@@ -242,9 +250,13 @@ def _sse_events(data: bytes) -> list[Any]:
 def _parse_sse(capture: Capture, parsed: _Parsed) -> None:
     pieces: list[str] = []
     refusal: list[str] = []
+    indices: set[int] | None = None  # rule 9: None until an event carries choices
     for event in _sse_events(bytes(capture.body)):
         if isinstance(event, dict):
             _absorb_chunk(event, parsed, pieces, refusal)
+            if isinstance(event.get("choices"), list):
+                indices = indices if indices is not None else set()
+                indices.update(_choice_indices(event["choices"]))
     if capture.truncated:
         # Only the tail survived: usage and finish reason may be there, the text is partial.
         for event in _sse_events(bytes(capture.tail).partition(b"\n")[2]):
@@ -253,6 +265,17 @@ def _parse_sse(capture: Capture, parsed: _Parsed) -> None:
         parsed.text = None
     else:
         parsed.text = _answer_text("".join(pieces), "".join(refusal))
+        parsed.choices = len(indices) if indices is not None else None
+
+
+def _choice_indices(choices: list[Any]) -> set[int]:
+    """The indices of a stream event's choices (a missing index is 0, as in rule 6)."""
+    found = set()
+    for choice in choices:
+        index = _int_or_none(choice.get("index", 0)) if isinstance(choice, dict) else None
+        if index is not None:
+            found.add(index)
+    return found
 
 
 def _answer_text(content: str, refusal: str | None) -> str:
@@ -321,6 +344,8 @@ def _list(value: Any) -> list[Any]:
 def _absorb_completion(doc: dict[str, Any], parsed: _Parsed) -> None:
     parsed.model = doc.get("model") if isinstance(doc.get("model"), str) else None
     parsed.usage = Usage.from_json(doc.get("usage"))
+    if isinstance(doc.get("choices"), list):
+        parsed.choices = sum(1 for c in doc["choices"] if isinstance(c, dict))
     choices = _list(doc.get("choices"))
     choice = next((c for c in choices if _first_choice(c)), None)
     if not isinstance(choice, dict):

@@ -103,6 +103,8 @@ METRICS: MappingProxyType[str, MetricSpec] = MappingProxyType({
     "quality.json_valid": _spec(
         _H, _B, "1/0", "text is a JSON object or array (when the primary's looks like JSON)"),
     "quality.finish_reason_match": _spec(_H, _P, "1/0", "same finish_reason"),
+    "quality.choices_complete": _spec(
+        _H, _B, "1/0", "as many choices as the request asked for (n, per prompt)"),
     "reliability.success": _spec(_H, _B, "1/0", "no error and a 2xx status"),
     "latency.ttft_s": _spec(_L, _B, "s", "time to first token (streamed answers)"),
     "latency.itl_mean_s": _spec(_L, _B, "s", "mean inter-chunk time (streamed, >= 2 gaps)"),

@@ -20,6 +20,7 @@ from evaluators._embedding import SentenceEncoder
 from evaluators._price import CostModel, CostScorer, PriceModel
 from evaluators._score import Scorer
 from evaluators._scorers_quality import (
+    ChoiceCountScorer,
     EditSimilarityScorer,
     ExactMatchScorer,
     FinishReasonScorer,
@@ -82,6 +83,7 @@ SCORERS: MappingProxyType[str, Callable[[ScorerResources], Scorer]] = MappingPro
     "tool_calls": lambda r: ToolCallScorer(),
     "json_validity": lambda r: JsonValidityScorer(),
     "finish_reason": lambda r: FinishReasonScorer(),
+    "choices": lambda r: ChoiceCountScorer(),
     "reliability": lambda r: ReliabilityScorer(),
     "latency": lambda r: LatencyScorer(),
     "throughput": lambda r: ThroughputScorer(r.window),

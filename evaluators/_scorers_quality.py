@@ -33,6 +33,7 @@ from evaluators._score import Score
 
 __all__ = [
     "DEFAULT_MAX_EDIT_CHARS",
+    "ChoiceCountScorer",
     "EditSimilarityScorer",
     "ExactMatchScorer",
     "FinishReasonScorer",
@@ -251,6 +252,27 @@ class JsonValidityScorer:
         candidate = complete_text(exchange.candidate_observation)
         value = _flag(_valid_json(candidate)) if candidate is not None else None
         return [Score("quality.json_valid", value, _flag(_valid_json(primary)))]
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceCountScorer:
+    """Whether each answer has as many choices as the request asked for (``n``, times the
+    prompts of a legacy completion): 1 or 0 per backend.
+
+    The text metrics compare choice 0 only, so a candidate that drops the other choices
+    (or adds some) would agree on every one of them. ``None`` where the request's count
+    is unknown (another route, a body that is not JSON) or the answer's is (a failed or
+    truncated answer: ``reliability.success`` and the capture count those).
+    """
+
+    name: str = "choices"
+
+    def score(self, exchange: Exchange) -> list[Score]:
+        wanted = exchange.requested_choices
+        values = [None if wanted is None or not o.ok or o.truncated or o.choices is None
+                  else _flag(o.choices == wanted)
+                  for o in (exchange.candidate_observation, exchange.primary)]
+        return [Score("quality.choices_complete", values[0], values[1])]
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,14 @@ import time
 import orjson
 from multidict import CIMultiDict
 
-from evaluators import Capture, EvaluationSink, Exchange, Observation, observe
+from evaluators import (
+    Capture,
+    EvaluationSink,
+    Exchange,
+    Observation,
+    observe,
+    requested_choices,
+)
 from gateway._budget import MemoryBudget, payload_key
 from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorRequest
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig, RecordConfig
@@ -151,7 +158,8 @@ class Mirror:
             if outcome == "queued":
                 self.metrics.mirror_queued.labels(candidate.name).inc()
                 self.joiner.expect(request_id, candidate.name, session, route, now,
-                                   prompt_bytes=size, turn_depth=depth)
+                                   prompt_bytes=size, turn_depth=depth,
+                                   requested_choices=requested_choices(route, payload))
             else:
                 self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome,
                                  size)

@@ -51,7 +51,7 @@ EXPORTED: dict[str, str] = {
         EvaluationSink Exchange Gates MemorySink MetricGate MetricSamples MetricVerdict
         Observation Outcome PipelineState PipelineStats Report ReportInputs Score Scorer
         ScorerConfig Usage Verdict build_report judge judge_inputs load_report_inputs
-        observe record_report turn_depth_bucket
+        observe record_report requested_choices turn_depth_bucket
     """,
     "evaluators.store": """
         DEFAULT_STORE_URL TRAFFIC_SEEN AuditEntry AuditNote BackendRole BackendRow Base

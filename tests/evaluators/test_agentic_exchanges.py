@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from evaluators import Capture, Exchange, Usage, observe
+from evaluators._exchange import requested_choices
 from evaluators._observation import CLIENT_DISCONNECTED
 from evaluators._scorers import build_scorers
 from evaluators._scorers_timing import ReliabilityScorer, ThroughputScorer
@@ -363,3 +364,55 @@ async def test_parallel_tool_calls_match_only_as_the_same_calls(
     exchange = await _exchange(_parallel_calls(PARIS, BERLIN), _parallel_calls(*candidate),
                                stream=True, tools=TOOLS)
     assert _scores(exchange)["quality.tool_call_match"] == 0.0, why
+
+
+def _choices(exchange: Exchange) -> tuple[float | None, float | None]:
+    score = only_score(build_scorers(("choices",)), exchange)
+    return score.candidate, score.primary
+
+
+def only_score(scorers: list[Any], exchange: Exchange) -> Any:
+    (score,) = [s for scorer in scorers for s in scorer.score(exchange)]
+    return score
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_candidate_that_answers_fewer_choices_than_asked_is_counted(
+        stream: bool) -> None:
+    # n=2: the primary answers both choices, the candidate only the first. Choice 0 agrees,
+    # so every text metric says 1.0; the missing choice must be seen all the same.
+    exchange = await _exchange(_two_choices("Paris is sunny", "Rain in Berlin",
+                                            second_first=False),
+                               _text("Paris is sunny"), stream=stream, n=2)
+    assert exchange.requested_choices == 2
+    assert (exchange.primary.choices, exchange.candidate_observation.choices) == (2, 1)
+    assert _choices(exchange) == (0.0, 1.0)
+    assert _scores(exchange)["quality.exact_match"] == 1.0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_answer_with_the_choices_asked_for_is_complete(stream: bool) -> None:
+    exchange = await _exchange(_text("Paris is sunny"), _text("Paris is sunny"), stream=stream)
+    assert exchange.requested_choices == 1
+    assert _choices(exchange) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(("route", "payload", "expected"), [
+    ("chat_completions", {"messages": []}, 1),
+    ("chat_completions", {"messages": [], "n": 3}, 3),
+    ("chat_completions", {"messages": [], "n": None}, 1),
+    ("chat_completions", {"messages": [], "n": "2"}, None),
+    ("chat_completions", {"messages": [], "n": True}, None),
+    ("chat_completions", {"messages": [], "n": 0}, None),
+    ("completions", {"prompt": "once upon"}, 1),
+    ("completions", {"prompt": ["a", "b", "c"], "n": 2}, 6),
+    ("completions", {"prompt": [1, 2, 3]}, 1),
+    ("completions", {"prompt": [[1, 2], [3]]}, 2),
+    ("completions", {"prompt": []}, None),
+    ("completions", {"prompt": {"x": 1}}, None),
+    ("embeddings", {"input": "x"}, None),
+    ("chat_completions", None, None),
+])
+def test_choices_requested_by_a_request(route: str, payload: dict[str, Any] | None,
+                                        expected: int | None) -> None:
+    assert requested_choices(route, payload) == expected
