@@ -144,8 +144,8 @@ class KVPlan:
     @classmethod
     def load(cls, path: Path) -> KVPlan:
         """Read a plan file; ``ValueError`` naming the file if it is not one.  Only a regular
-        file: a pipe (or ``/dev/stdin``) blocks the read until a writer comes, and the engine
-        reads its plan twice, once to check it and once to build it."""
+        file: a pipe (or ``/dev/stdin``) blocks the read until a writer comes (forever, for an
+        engine started with no writer in sight)."""
         try:
             if not path.is_file():
                 raise ValueError("not a regular file")

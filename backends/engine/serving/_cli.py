@@ -192,21 +192,22 @@ def engine_command(
         config = engine_server_config(role=role, **given)
     except ValidationError as exc:
         raise config_error(exc) from exc
-    if kv_plan is not None:
-        _check_plan(kv_plan, role, config.gguf_path)
+    # Read once: the engine serves the plan checked here, whatever the file holds later.
+    plan = None if kv_plan is None else _checked_plan(kv_plan, role, config.gguf_path)
     try:
         model = LlamaModel.load(config.gguf_path)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"cannot load the model: {exc}") from exc
     serve_until_signalled(
-        lambda: _engine_server(config, model),
+        lambda: _engine_server(config, model, plan),
         lambda server: f"engine ({config.role}): {server.describe()}",
     )
 
 
-def _check_plan(path: Path, role: str, gguf_path: Path | None) -> None:
-    """Refuse a plan file the engine could not serve, before the model loads: not a plan, or
-    not one for this model's layers and the engine's blocks (``KVPlan.check_engine``)."""
+def _checked_plan(path: Path, role: str, gguf_path: Path | None) -> KVPlan:
+    """The plan in ``path``, refused before the model loads if the engine could not serve it:
+    not a plan, or not one for this model's layers and the engine's blocks
+    (``KVPlan.check_engine``)."""
     try:
         plan = KVPlan.load(path)
     except ValueError as exc:
@@ -214,23 +215,24 @@ def _check_plan(path: Path, role: str, gguf_path: Path | None) -> None:
     try:  # the metadata alone (seconds); a model that does not load is refused by the load
         num_layers = read_gguf_config(gguf_path).num_layers
     except (OSError, ValueError):
-        return
+        return plan
     try:
         plan.check_engine(num_layers=num_layers, block_size=DEFAULT_BLOCK_SIZE)
     except ValueError as exc:
         raise ConfigError([f"{role}.kv_plan: {path}: {exc}"]) from exc
+    return plan
 
 
 @asynccontextmanager
 async def _engine_server(
-    config: EngineServerConfig, model: LlamaModel
+    config: EngineServerConfig, model: LlamaModel, kv_plan: KVPlan | None
 ) -> AsyncIterator[RunningEngineServer]:
     """``running_engine_server``, with the engine's refusal of its KV memory -- too small for
     one block of its codec or plan besides what it reserves, or more than can be allocated --
     worded as the setting it is (the module comment), not a traceback."""
     async with AsyncExitStack() as stack:
         try:
-            server = await stack.enter_async_context(running_engine_server(config, model))
+            server = await stack.enter_async_context(running_engine_server(config, model, kv_plan))
         except (ValueError, MemoryError) as exc:
             if config.role == "router":
                 raise

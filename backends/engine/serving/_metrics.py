@@ -1,12 +1,14 @@
 """The engine server's Prometheus metrics: vLLM's series (``backends.openai_wire``) fed
-from the engine's stats, and the server's own: refusals, and the KV blocks it pulled from other
-nodes, served to them and retains for them (disaggregated roles)."""
+from the engine's stats, and the server's own: refusals, the KV codec it serves, and the KV blocks
+it pulled from other nodes, served to them and retains for them (disaggregated roles)."""
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
-from backends.openai_wire import RequestOutcome, VLLMSeries
+from prometheus_client import Gauge
+
+from backends.openai_wire import LABELS, RequestOutcome, VLLMSeries
 
 from ._request import EngineStats
 
@@ -95,6 +97,13 @@ class EngineMetrics(VLLMSeries):
             "understudy_kv_decoded_cache_capacity_bytes",
             "The bound of the decoded-block cache in bytes (codec engines).",
         )
+        self._kv_codec = Gauge(
+            "understudy_engine_kv_codec_info",
+            "The KV codec this engine serves (1): its name (a mixed plan's is mixed-<digest>) "
+            "and the file name of its --kv-plan ('' without one).",
+            (*LABELS, "codec", "plan"),
+            registry=self.registry,
+        )
         self._seen_queries = 0
         self._seen_hits = 0
         self._seen_decoded = (0, 0)
@@ -118,6 +127,11 @@ class EngineMetrics(VLLMSeries):
             self._seen_decoded = (cache.hits, cache.misses)
             self.decoded_bytes.set(cache.bytes)
             self.decoded_capacity.set(cache.capacity * cache.entry_bytes)
+
+    def serves_kv_codec(self, codec: str, plan: str) -> None:
+        """Name the one codec this engine serves (one series: its label set is bounded by the
+        server, which serves one codec for its whole life)."""
+        self._kv_codec.labels(**self.labels, codec=codec, plan=plan).set(1)
 
     def finished(self, outcome: RequestOutcome) -> None:
         self.count_outcome(outcome)

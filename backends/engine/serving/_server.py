@@ -92,37 +92,52 @@ _SERVING = web.AppKey("engine_serving", _Serving)
 ENGINE_LOOP = web.AppKey("engine_loop", EngineLoop)
 ENGINE_METRICS = web.AppKey("engine_metrics", EngineMetrics)
 
-def build_engine_app(config: EngineServerConfig, model: LlamaModel) -> web.Application:
-    """The aiohttp app of ``config.role``, serving ``model``."""
+def build_engine_app(
+    config: EngineServerConfig, model: LlamaModel, kv_plan: KVPlan | None = None
+) -> web.Application:
+    """The aiohttp app of ``config.role``, serving ``model``.
+
+    ``kv_plan``: the plan of ``config.kv_plan`` as the caller already read and checked it (the
+    command line does, before the model loads), so that the engine serves that plan and not
+    what the file holds by the time the engine is built; None reads the file here.
+    """
+    if kv_plan is not None and (config.role == "router" or config.kv_plan is None):
+        raise ValueError("a parsed KV plan is the plan of the config's kv_plan file")
     match config:
         case RouterServerConfig():
             return build_router_app(config, model)
         case PrefillServerConfig():
-            return _build_prefill_app(config, model)
+            return _build_prefill_app(config, model, kv_plan)
         case DecodeServerConfig():
-            return _build_decode_app(config, model)
+            return _build_decode_app(config, model, kv_plan)
         case _:
-            return _build_unified_app(config, model)
+            return _build_unified_app(config, model, kv_plan)
 
 
-def _build_unified_app(config: EngineNodeConfig, model: LlamaModel) -> web.Application:
+def _build_unified_app(
+    config: EngineNodeConfig, model: LlamaModel, kv_plan: KVPlan | None
+) -> web.Application:
     """Prefill and decode in one engine, behind vLLM's OpenAI routes."""
-    app = _engine_app(config, model)
+    app = _engine_app(config, model, kv_plan)
     _add_openai_routes(app)
     return app
 
 
-def _build_decode_app(config: DecodeServerConfig, model: LlamaModel) -> web.Application:
+def _build_decode_app(
+    config: DecodeServerConfig, model: LlamaModel, kv_plan: KVPlan | None
+) -> web.Application:
     """A unified engine that takes prompts' KV from prefill nodes and keeps each turn's KV
     for the next turn's prefill to read back."""
-    app = _build_unified_app(config, model)
+    app = _build_unified_app(config, model, kv_plan)
     _install_kv(app, config, readback_min_tokens=0)  # a decode node reads nothing back
     return app
 
 
-def _build_prefill_app(config: PrefillServerConfig, model: LlamaModel) -> web.Application:
+def _build_prefill_app(
+    config: PrefillServerConfig, model: LlamaModel, kv_plan: KVPlan | None
+) -> web.Application:
     """Computes prompts' KV for decode nodes to pull; no OpenAI generation routes."""
-    app = _engine_app(config, model)
+    app = _engine_app(config, model, kv_plan)
     _install_kv(app, config, readback_min_tokens=config.kv_readback_min_tokens)
     app.router.add_post(PREFILL_ROUTE, prefill)
     app.cleanup_ctx.append(_kv_pulls_drained)
@@ -143,15 +158,19 @@ def _install_kv(app: web.Application, config: KVNodeConfig, *, readback_min_toke
     install_kv_node(app, node)
 
 
-def _engine_app(config: EngineNodeConfig, model: LlamaModel) -> web.Application:
+def _engine_app(
+    config: EngineNodeConfig, model: LlamaModel, kv_plan: KVPlan | None
+) -> web.Application:
     """An app running one engine: its thread, metrics, /health and /metrics."""
+    if kv_plan is None and config.kv_plan is not None:
+        kv_plan = KVPlan.load(config.kv_plan)
     engine = Engine(
         model,
         config.kv_limit_bytes,
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-        kv_codec=config.kv_codec if config.kv_plan is None else KVPlan.load(config.kv_plan),
+        kv_codec=config.kv_codec if kv_plan is None else kv_plan,
         kv_decoded_cache_bytes=config.kv_decoded_cache_bytes,
     )
     # Every accepted request must fit in the pool on its own, or the engine could not run it.
@@ -161,6 +180,11 @@ def _engine_app(config: EngineNodeConfig, model: LlamaModel) -> web.Application:
         engine.pool.num_blocks * engine.block_size,
     )
     metrics = EngineMetrics(config.served_model_name)
+    # The engine's gauges (its codec's bytes per token, the decoded cache's bound) hold from
+    # the start, not from its first step: a candidate compared before traffic reads its own.
+    metrics.observe_stats(engine.stats())
+    # The plan's file name beside the codec: a mixed plan's codec name is its digest only.
+    metrics.serves_kv_codec(engine.kv_codec, "" if config.kv_plan is None else config.kv_plan.name)
     app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES)
     app[_SERVING] = _Serving(
         config=config,
@@ -310,7 +334,7 @@ class RunningEngineServer(ServedApp):
         caching = "on" if config.enable_prefix_caching else "off"
         text = (
             f"serving {config.served_model_name!r} on {self.root_url} (max_model_len "
-            f"{self.max_model_len}, prefix caching {caching})"
+            f"{self.max_model_len}, prefix caching {caching}, KV codec {self.engine.kv_codec})"
         )
         if self.kv_port is not None:
             text += f", KV transfers on {config.host}:{self.kv_port}"
@@ -319,14 +343,15 @@ class RunningEngineServer(ServedApp):
 
 @asynccontextmanager
 async def running_engine_server(
-    config: EngineServerConfig, model: LlamaModel | None = None
+    config: EngineServerConfig, model: LlamaModel | None = None, kv_plan: KVPlan | None = None
 ) -> AsyncIterator[RunningEngineServer]:
     """Serve ``config`` on its host and port (0 picks a free one) until the block exits.
 
-    Without ``model`` the GGUF of ``config.gguf_path`` is loaded first (seconds, off the loop).
+    Without ``model`` the GGUF of ``config.gguf_path`` is loaded first (seconds, off the loop);
+    ``kv_plan``: ``config.kv_plan`` already read (``build_engine_app``).
     """
     if model is None:
         model = await asyncio.to_thread(LlamaModel.load, config.gguf_path)
-    app = build_engine_app(config, model)
+    app = build_engine_app(config, model, kv_plan)
     async with serve_app(app, config.host, config.port, handler_cancellation=True) as served:
         yield RunningEngineServer(app=app, host=served.host, port=served.port, config=config)

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from prometheus_client.parser import text_string_to_metric_families
 
-from backends.engine import LlamaModel, engine_command
+from backends.engine import KVPlan, LlamaModel, engine_command
+from backends.engine.kv._planner import block_bytes as encoded_block_bytes
+from backends.engine.kv._store import DEFAULT_BLOCK_SIZE
+from backends.engine.kv.codecs._codec import ROLES
+from tests.utils import free_port
 
 LAYERS = 30  # SmolLM2-135M's
 FP8 = {"k": "fp8", "v": "fp8"}
@@ -130,3 +139,73 @@ def test_a_kv_memory_the_engine_cannot_build_is_one_line(
     assert line.startswith("Error: unified.kv_limit_bytes: kv_limit_bytes="), line
     if block_bytes is not None:
         assert line.endswith(f"holds fewer than 2 blocks of {block_bytes} bytes"), line
+
+
+def _metric(text: str, name: str) -> tuple[dict[str, str], float]:
+    """The one sample of ``name`` in a Prometheus exposition: its labels and its value."""
+    (family,) = (f for f in text_string_to_metric_families(text) if f.name == name)
+    (sample,) = (s for s in family.samples if s.name == name)
+    return sample.labels, sample.value
+
+
+def _answer_scrape_then_stop(root: str, scraped: list[str], done: threading.Event) -> None:
+    """Once the engine listens, one completion, then ``GET /metrics``, then SIGTERM this
+    process: the engine's stop signal, whose handler is installed before it listens."""
+    completion = urllib.request.Request(
+        root + "/v1/completions",
+        data=json.dumps({"prompt": "Hi", "max_tokens": 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    deadline = time.monotonic() + 120
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(completion, timeout=60) as response:
+                response.read()
+        except OSError:
+            time.sleep(0.1)
+            continue
+        try:
+            with urllib.request.urlopen(root + "/metrics", timeout=10) as response:
+                scraped.append(response.read().decode())
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+
+def test_the_engine_serves_the_plan_it_checked_and_names_it_in_its_metrics(
+    engine_model: LlamaModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The --kv-plan file was read twice, once to check it and once to build the engine, with
+    the model's load between: a plan rewritten meanwhile (plan-kv writing the next candidate's
+    plan over it) was served instead of the one checked.  Now it is read once; /metrics says
+    which codec, and which plan file, the engine serves, and so does the line it prints."""
+    path = _plan(tmp_path, json.dumps({"layers": [FP8] * LAYERS}))
+    port = free_port()
+    scraped: list[str] = []
+    done = threading.Event()
+
+    def load(*_: object, **__: object) -> LlamaModel:
+        KVPlan.uniform("kivi-2", LAYERS).dump(path)  # after the check, before the build
+        threading.Thread(
+            target=_answer_scrape_then_stop,
+            args=(f"http://127.0.0.1:{port}", scraped, done),
+            daemon=True,
+        ).start()
+        return engine_model
+
+    monkeypatch.setattr(LlamaModel, "load", load)
+    try:
+        result = CliRunner().invoke(
+            engine_command, ["--port", str(port), "--kv-gib", "0.125", "--kv-plan", str(path)]
+        )
+    finally:
+        done.set()
+    assert result.exit_code == 0, result.output
+    (text,) = scraped
+    fp8 = LAYERS * sum(
+        encoded_block_bytes("fp8", role, 3, 64, DEFAULT_BLOCK_SIZE) for role in ROLES
+    )
+    assert _metric(text, "understudy_kv_bytes_per_token")[1] == fp8 / DEFAULT_BLOCK_SIZE
+    labels, value = _metric(text, "understudy_engine_kv_codec_info")
+    assert (labels["codec"], labels["plan"], value) == ("fp8", "plan.json", 1.0)
+    assert "KV codec fp8" in result.stdout

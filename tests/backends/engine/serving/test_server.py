@@ -416,3 +416,16 @@ def test_cli_help_and_validation() -> None:
     assert result.exit_code == 2
     result = runner.invoke(engine_command, ["--kv-gib", "0"])  # fails before loading the model
     assert result.exit_code == 2 and "kv_limit_bytes" in result.output
+
+
+async def test_an_idle_engine_names_its_kv_codec_and_its_bytes_in_metrics(
+    engine_model: LlamaModel,
+) -> None:
+    """A user comparing candidates reads which codec each engine serves and what a token of
+    its KV costs.  understudy_kv_bytes_per_token (and the decoded cache's bound) read 0 until
+    the engine's first step, so an engine not yet sent traffic looked free of KV."""
+    async with serve_engine(engine_model, kv_codec="fp8") as server:
+        size = server.engine.pool.bytes_per_token
+        assert size > 0 and _metric(server, "understudy_kv_bytes_per_token") == size
+        assert _metric(server, "understudy_kv_decoded_cache_capacity_bytes") > 0
+        assert _metric(server, "understudy_engine_kv_codec_info", codec="fp8", plan="") == 1
