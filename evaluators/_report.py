@@ -35,6 +35,10 @@ Rules:
    its refusal bound the judge weights each value by its size bucket's traffic share over
    its evaluated share; each such metric's verdict shows ``reweighting`` (the weights,
    the effective sizes and the same metric judged unweighted).
+8. Unscored quality: ``unscored`` counts, by reason, the exchanges of the window with no
+   quality values for a reason the gateway knows: ``capture_truncated``, an answer (the
+   candidate's, the primary's or both) that outgrew ``[capture] max_bytes``, from the
+   stored ``capture.truncated``. Absent reasons are left out.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ CONDITIONED_METRICS: Final = (
 throughput, which falls with load as they rise (at a 50 % canary step the candidate serves
 its sessions live and the rest as replays, twice the primary's load)."""
 CACHE_METRIC: Final = "latency.ttft_s"
+CAPTURE_METRIC: Final = "capture.truncated"
 BYTES_PER_TOKEN_ESTIMATE: Final = 4
 """Rule 5: the gateway's estimate of prompt tokens from body bytes (``gateway/_traffic.py``)."""
 MAX_SEEN_VALUES: Final = 200_000
@@ -107,6 +112,8 @@ class Report:
     sample_bias: SampleBias | None = None
     capped_at: int | None = None
     """Rule 6: the cap on scored exchanges, where it moved ``since`` later."""
+    unscored: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Rule 8: why exchanges of the window have no quality values, counted by reason."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +127,7 @@ class Report:
             **self.verdict.to_dict(),
             "conditions": self.conditions,
             "sample_bias": None if self.sample_bias is None else self.sample_bias.to_dict(),
+            "unscored": self.unscored,
         }
 
 
@@ -317,7 +325,26 @@ def judge_inputs(inputs: ReportInputs, gates: Gates, *,
                   samples={m: len(s.candidate) for m, s in inputs.stored.items()},
                   verdict=verdict, verdict_id=None, conditions=conditions,
                   sample_bias=bias,
-                  capped_at=gates.max_judged_exchanges if inputs.capped else None)
+                  capped_at=gates.max_judged_exchanges if inputs.capped else None,
+                  unscored=_unscored(inputs.stored))
+
+
+def _unscored(stored: Mapping[str, StoredSamples]) -> dict[str, dict[str, Any]]:
+    """Rule 8: the exchanges whose quality went unscored because an answer outgrew the
+    capture, and on which side; empty when none did."""
+    samples = stored.get(CAPTURE_METRIC)
+    if samples is None or len(samples.candidate) != len(samples.primary):
+        return {}
+    pairs = list(zip(samples.candidate, samples.primary, strict=True))
+    exchanges = sum(1 for c, p in pairs if c or p)
+    if not exchanges:
+        return {}
+    return {"capture_truncated": {
+        "exchanges": exchanges,
+        "candidate": sum(1 for c, _ in pairs if c),
+        "primary": sum(1 for _, p in pairs if p),
+        "why": "an answer outgrew [capture] max_bytes: its text is unknown, its quality "
+               "not scored"}}
 
 
 async def record_report(session: AsyncSession, report: Report) -> Report:

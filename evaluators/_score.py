@@ -118,6 +118,8 @@ METRICS: MappingProxyType[str, MetricSpec] = MappingProxyType({
     "cost.usd_per_mtok": _spec(
         _L, _B, "USD/1M tokens", "cost.usd per million completion tokens"),
     "cache.hit_ratio": _spec(_H, _B, "0..1", "cached prompt tokens / prompt tokens"),
+    "capture.truncated": _spec(
+        _L, _B, "1/0", "the answer outgrew [capture] max_bytes: its quality is not scored"),
 })
 
 

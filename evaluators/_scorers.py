@@ -20,6 +20,7 @@ from evaluators._embedding import SentenceEncoder
 from evaluators._price import CostModel, CostScorer, PriceModel
 from evaluators._score import Scorer
 from evaluators._scorers_quality import (
+    CaptureScorer,
     ChoiceCountScorer,
     EditSimilarityScorer,
     ExactMatchScorer,
@@ -89,6 +90,7 @@ SCORERS: MappingProxyType[str, Callable[[ScorerResources], Scorer]] = MappingPro
     "throughput": lambda r: ThroughputScorer(r.window),
     "cost": lambda r: CostScorer(CostModel(r.config.prices, r.window)),
     "cache": lambda r: CacheScorer(),
+    "capture": lambda r: CaptureScorer(),
 })
 
 DEFAULT_SCORERS: tuple[str, ...] = tuple(SCORERS)

@@ -33,6 +33,7 @@ from evaluators._score import Score
 
 __all__ = [
     "DEFAULT_MAX_EDIT_CHARS",
+    "CaptureScorer",
     "ChoiceCountScorer",
     "EditSimilarityScorer",
     "ExactMatchScorer",
@@ -273,6 +274,21 @@ class ChoiceCountScorer:
                   else _flag(o.choices == wanted)
                   for o in (exchange.candidate_observation, exchange.primary)]
         return [Score("quality.choices_complete", values[0], values[1])]
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureScorer:
+    """Whether each answer outgrew the gateway's capture (``[capture] max_bytes``): 1 or 0
+    per backend. Such an answer's text is lost, so every quality value of its exchange is
+    ``None``; this says why, and how often, instead of leaving those samples missing
+    without a reason (answers cut this way are the longest, so their loss skews the
+    quality sample short)."""
+
+    name: str = "capture"
+
+    def score(self, exchange: Exchange) -> list[Score]:
+        return [Score("capture.truncated", _flag(exchange.candidate_observation.truncated),
+                      _flag(exchange.primary.truncated))]
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,6 +190,11 @@ class GatewayMetrics:
             "understudy_mirror_joined",
             "Candidate observations joined with the primary's and handed to evaluation.",
             "candidate")
+        self.mirror_truncated = counter(
+            "understudy_mirror_truncated",
+            "Joined exchanges with an answer that outgrew [capture] max_bytes (its text "
+            "lost, the exchange's quality not scored), by candidate and side (candidate, "
+            "primary).", "candidate", "side")
         self.buffer_items = gauge("understudy_mirror_buffer_items",
                                   "Requests queued per candidate.", "candidate")
         self.buffer_bytes = gauge("understudy_mirror_buffer_bytes",

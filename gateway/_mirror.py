@@ -334,6 +334,11 @@ class Mirror:
 
     def _count_join(self, exchange: Exchange) -> None:
         self.metrics.mirror_joined.labels(exchange.candidate).inc()
+        # Why this exchange's quality goes unscored, where an answer outgrew the capture.
+        if exchange.candidate_observation.truncated:
+            self.metrics.mirror_truncated.labels(exchange.candidate, "candidate").inc()
+        if exchange.primary.truncated:
+            self.metrics.mirror_truncated.labels(exchange.candidate, "primary").inc()
 
     def _count_outcome(self, candidate: str, observation: Observation) -> None:
         if observation.ok:

@@ -16,11 +16,13 @@ import orjson
 import pytest
 from aiohttp import web
 
-from evaluators import Capture, Exchange, Usage, observe
+from evaluators import Capture, Exchange, Gates, ReportInputs, Usage, judge_inputs, observe
 from evaluators._exchange import requested_choices
 from evaluators._observation import CLIENT_DISCONNECTED
 from evaluators._scorers import build_scorers
 from evaluators._scorers_timing import ReliabilityScorer, ThroughputScorer
+from evaluators.store import EvaluatedRequests, StoredSamples
+from gateway._cli_eval import _print as print_report
 from tests.utils import eventually, leave_stream_after, run_gateway, run_sim, serving
 
 TEXT_SCORERS = ("exact_match", "edit_similarity", "token_f1", "tool_calls", "finish_reason")
@@ -416,3 +418,55 @@ async def test_an_answer_with_the_choices_asked_for_is_complete(stream: bool) ->
 def test_choices_requested_by_a_request(route: str, payload: dict[str, Any] | None,
                                         expected: int | None) -> None:
     assert requested_choices(route, payload) == expected
+
+
+async def test_answers_cut_at_the_capture_are_counted_as_the_reason_quality_is_unknown(
+        ) -> None:
+    # A 4 KiB capture: the candidate's long answer outgrows it, the primary's short one
+    # does not. Its quality is unknown; the reason is counted, by side, and scored.
+    async with run_sim(ttft_ms=1, itl_ms=0, tokens=8) as primary, \
+            run_sim(ttft_ms=1, itl_ms=0, tokens=2000) as candidate, \
+            run_gateway(primary.url, candidates=[{"name": "cand", "url": candidate.url}],
+                        capture={"max_bytes": 4096}) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        try:
+            for stream in (True, False):
+                answer = await client.chat.completions.create(
+                    model="sim-model", messages=[{"role": "user", "content": "a story"}],
+                    stream=stream)
+                if stream:
+                    async for _ in answer:  # type: ignore[union-attr]
+                        pass
+        finally:
+            await client.close()
+        await eventually(lambda: len(gw.sink) == 2)
+        truncated = {side: gw.metric("understudy_mirror_truncated_total", candidate="cand",
+                                     side=side) for side in ("candidate", "primary")}
+        exchanges = gw.sink.snapshot()
+    assert truncated == {"candidate": 2.0, "primary": 0.0}
+    scorers = build_scorers(("exact_match", "capture"))
+    for exchange in exchanges:
+        scores = {s.metric: s for scorer in scorers for s in scorer.score(exchange)}
+        assert scores["quality.exact_match"].candidate is None
+        capture = scores["capture.truncated"]
+        assert (capture.candidate, capture.primary) == (1.0, 0.0)
+
+
+def test_the_report_counts_the_exchanges_whose_answers_the_capture_cut(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    stored = {"capture.truncated": StoredSamples([1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]),
+              "quality.exact_match": StoredSamples([1.0, 1.0], [])}
+    inputs = ReportInputs(candidate="cand", secondary=None, since=None, capped=False,
+                          stored=stored, floor={}, conditioned={}, replica={},
+                          evaluated=EvaluatedRequests(), traffic=[])
+    judged = judge_inputs(inputs, Gates())
+    report = judged.to_dict()
+    assert report["unscored"] == {"capture_truncated": {
+        "exchanges": 2, "candidate": 2, "primary": 1,
+        "why": "an answer outgrew [capture] max_bytes: its text is unknown, its quality "
+               "not scored"}}
+    metric = next(m for m in report["metrics"] if m["metric"] == "capture.truncated")
+    assert metric["gated"] is False
+    print_report(judged)  # the CLI's table says it too
+    assert "2 exchanges without quality values, capture_truncated: candidate 2, primary 1" \
+        in " ".join(capsys.readouterr().out.split())
