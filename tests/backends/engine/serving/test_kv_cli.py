@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -166,6 +167,22 @@ def test_a_budget_no_codec_can_meet_is_refused_before_the_model_loads(
     lightest = "fp16" if "fp16,fp32" in args else "e8-2"
     assert f"({lightest}, the lightest of --codecs)" in result.output
     assert "(fp32, the heaviest codec)" in result.output
+
+
+@pytest.mark.usefixtures("no_model_load")
+@pytest.mark.parametrize("command", [plan_kv_command, kv_quality_command], ids=lambda c: c.name)
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_threads_below_one_are_refused_before_the_model_loads(
+    tmp_path: Path, command: click.Command, threads: str
+) -> None:
+    """--threads 0 and below were taken: the model loaded and minutes of measuring ran on
+    whatever BLAS made of the count."""
+    out = ["--out", str(tmp_path / "plan.json")] if command is plan_kv_command else []
+    result = CliRunner().invoke(command, ["--threads", threads, *out])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert line == f"Error: Invalid value for '--threads': {threads} is not in the range x>=1."
 
 
 @pytest.mark.usefixtures("no_model_load")
