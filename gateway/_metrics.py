@@ -195,6 +195,11 @@ class GatewayMetrics:
             "Joined exchanges with an answer that outgrew [capture] max_bytes (its text "
             "lost, the exchange's quality not scored), by candidate and side (candidate, "
             "primary).", "candidate", "side")
+        self.mirror_undecoded = counter(
+            "understudy_mirror_undecoded",
+            "Request bodies with a Content-Encoding the mirror could not read (forwarded and "
+            "mirrored as sent, their session key, turn depth and record unknown), by reason "
+            "(unsupported, too_large, corrupt).", "reason")
         self.buffer_items = gauge("understudy_mirror_buffer_items",
                                   "Requests queued per candidate.", "candidate")
         self.buffer_bytes = gauge("understudy_mirror_buffer_bytes",

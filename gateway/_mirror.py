@@ -18,6 +18,12 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
 6. With ``[record]`` on, ``offer`` also hands each request to the ``TrafficRecorder``
    (``_record.py``: O(1), no await) before any candidate is considered, and the mirror
    counts as active without candidates, so the relay offers it every request.
+7. A body with a ``Content-Encoding`` (gzip, deflate) is read from a bounded decoded copy
+   (``_body_coding.py``): its session key, turn depth and choices, what is recorded and
+   its prompt size are the JSON's, as for a plain body; the body queued and sent to a
+   candidate stays coded as the client sent it (a rewrite is coded again). This is the
+   one case where ``offer`` does more than O(1): one decompression, bounded, only for a
+   coded body on an inference route.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from evaluators import (
     observe,
     requested_choices,
 )
+from gateway._body_coding import decode, encode
 from gateway._budget import MemoryBudget, payload_key
 from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorRequest
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig, RecordConfig
@@ -45,8 +52,8 @@ from gateway._exceptions import UpstreamError
 from gateway._headers import candidate_allow_list
 from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, MirrorDropReason, Route
-from gateway._record import TrafficRecorder
-from gateway._sampler import sampled
+from gateway._record import RECORDED_ROUTES, TrafficRecorder
+from gateway._sampler import sampled, session_key
 from gateway._scrape import BackendLoad
 from gateway._traffic import TrafficTally, turn_depth
 from gateway._upstream import Upstream
@@ -129,14 +136,22 @@ class Mirror:
               headers: CIMultiDict[str], body: bytes,
               payload: dict[str, object] | None, request_id: str, session: str) -> None:
         """Queue the request for every candidate that samples it. Never awaits."""
+        readable = body
+        coding = headers.get("Content-Encoding") if payload is None and body else None
+        if coding is not None and route in RECORDED_ROUTES:
+            readable, payload = self._decoded(coding, body)
+            if payload is not None and session == f"r:{request_id}":
+                # The relay found no key in a body it could not read (rule 7).
+                session = session_key(headers, payload, self.config.session_header,
+                                      request_id)
         if self.recorder is not None:
-            self.recorder.offer(route, raw_path, body, session)
+            self.recorder.offer(route, raw_path, readable, session)
         if route not in self._routes:
             self.skip("route")
             return
         now = time.monotonic()
         depth = turn_depth(payload)
-        size = len(body)
+        size = len(readable)
         self.traffic.seen(route, payload is not None and payload.get("stream") is True, depth,
                           size)
         request: MirrorRequest | None = None
@@ -163,6 +178,20 @@ class Mirror:
             else:
                 self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome,
                                  size)
+
+    def _decoded(self, coding: str, body: bytes) -> tuple[bytes, dict[str, object] | None]:
+        """Rule 7: the decoded body and its JSON object; the body as sent and None when it
+        cannot be decoded (counted) or is not a JSON object."""
+        decoded = decode(coding, body)
+        if decoded.body is None:
+            assert decoded.reason is not None
+            self.metrics.mirror_undecoded.labels(decoded.reason).inc()
+            return body, None
+        try:
+            payload = orjson.loads(decoded.body)
+        except orjson.JSONDecodeError:
+            return decoded.body, None
+        return decoded.body, payload if isinstance(payload, dict) else None
 
     def skip(self, reason: MirrorDropReason) -> None:
         """Count a request that no candidate gets, for every candidate."""
@@ -314,7 +343,9 @@ class Mirror:
             async with asyncio.timeout(config.request_timeout_s), \
                     upstream.call(request.method, request.raw_path,
                                   upstream.credentials(request.headers),
-                                  _candidate_body(item.payload.body, config), capture) as answer:
+                                  _candidate_body(item.payload.body, config,
+                                                  request.headers.get("Content-Encoding")),
+                                  capture) as answer:
                 await upstream.read(answer, capture)
         except UpstreamError as exc:
             capture.error = exc.kind
@@ -352,12 +383,19 @@ class Mirror:
             self.metrics.mirror_failed.labels(candidate, kind).inc()
 
 
-def _candidate_body(body: bytes, config: CandidateConfig) -> bytes:
-    """The body as this candidate receives it: model rewrite and overrides applied."""
+def _candidate_body(body: bytes, config: CandidateConfig, coding: str | None = None) -> bytes:
+    """The body as this candidate receives it: model rewrite and overrides applied, coded
+    again as the client coded it (rule 7)."""
     if (config.model is None and not config.overrides) or not body:
         return body
+    plain = body
+    if coding is not None:
+        decoded = decode(coding, body).body  # a failure was counted when it was offered
+        if decoded is None:
+            return body
+        plain = decoded
     try:
-        payload = orjson.loads(body)
+        payload = orjson.loads(plain)
     except orjson.JSONDecodeError:
         return body
     if not isinstance(payload, dict):
@@ -365,4 +403,5 @@ def _candidate_body(body: bytes, config: CandidateConfig) -> bytes:
     rewritten = {**payload, **config.overrides}
     if config.model is not None:
         rewritten["model"] = config.model
-    return orjson.dumps(rewritten)
+    out = orjson.dumps(rewritten)
+    return encode(coding, out) if coding is not None else out
