@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway._config import MIN_ADMIN_TOKEN_LENGTH, AdminConfig, CandidateConfig
@@ -36,6 +37,7 @@ from gateway._environment import ADMIN_TOKEN_ENV
 from gateway._exceptions import (
     GatewayError,
     InvalidBody,
+    MalformedBody,
     NotFound,
     RequestError,
     Unauthorized,
@@ -234,6 +236,11 @@ async def _body(request: web.Request, model: type[Model]) -> Model:
         raw = await request.read()
     except ConnectionResetError:  # the client left mid-body: its fault, not a traceback
         raise RequestError("the request body was cut short") from None
+    except RequestPayloadError:  # aiohttp decodes as it reads: a body that does not decode
+        # Read no more of it: aiohttp would read on after the answer, fail again and log it.
+        request.content.feed_eof()
+        raise MalformedBody("the request body does not decode (its Content-Encoding or "
+                            "chunked framing is broken)") from None
     try:
         # Strict (rule 2): "0.5" is no rate and true no interval, as JSON types go.
         return model.model_validate_json(raw or b"{}", strict=True)
@@ -270,7 +277,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except GatewayError as exc:
-        return error_response(exc)
+        response = error_response(exc)
+        if exc.closes_connection:
+            response.force_close()
+        return response
     except web.HTTPException as exc:  # aiohttp's own 404/405/413, in the same JSON shape
         body = {"error": {"message": exc.reason, "type": RequestError.error_type,
                           "param": None, "code": exc.status}}

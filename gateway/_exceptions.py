@@ -11,7 +11,9 @@
     │   ├── Unauthorized         401  admin API: missing or wrong bearer token
     │   ├── NotFound             404  admin API: no such candidate or route
     │   ├── Conflict             409  admin API: the action does not fit the state
-    │   └── InvalidBody          422  admin API: the body failed validation
+    │   ├── InvalidBody          422  admin API: the body failed validation
+    │   └── MalformedBody        400  admin API: the body's Content-Encoding or chunked
+    │                                 framing does not decode
     ├── ChangeNotStored          503  admin API: the store could not take a change (reason:
     │                                 timeout|unavailable|rejected); nothing was applied
     └── UpstreamError            the backend failed us (kind: a bounded metrics label)
@@ -21,7 +23,7 @@
 
 Every error renders as an OpenAI-style JSON body, so clients' SDKs raise their usual types.
 One that ``closes_connection`` is answered with ``Connection: close``: what follows its head
-on the connection cannot be trusted to be the next request (408, 400 and 501 above).
+on the connection cannot be trusted to be the next request (408, 400 framing or body, 501).
 An upstream error's message names the upstream, never its address, and never quotes what
 it sent (those go to the log).
 The store's errors (``evaluators.store.StoreError``) become ``ChangeNotStored`` in
@@ -52,6 +54,7 @@ __all__ = [
     "GatewayError",
     "HeadersTooLarge",
     "InvalidBody",
+    "MalformedBody",
     "NotFound",
     "RequestError",
     "RequestTimeout",
@@ -132,6 +135,10 @@ class Conflict(RequestError):
 
 class InvalidBody(RequestError):
     status_hint = 422
+
+
+class MalformedBody(RequestError):
+    closes_connection = True  # where the next request starts is unknown
 
 
 ChangeNotStoredReason = Literal["timeout", "unavailable", "rejected"]

@@ -4,6 +4,7 @@ error shape (or served), never a 500, and never at the cost of data already acce
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 from typing import Any
 
@@ -350,3 +351,24 @@ async def test_head_on_an_admin_get_route_is_its_head_without_a_body() -> None:
                 assert await head.read() == b""
         async with http.head(gw.admin_url + "/candidates/nobody") as resp:
             assert resp.status == 404
+
+
+@pytest.mark.parametrize(("encoding", "body"), [
+    (b"deflate", b"not deflate at all"),
+    (b"gzip", gzip.compress(b'{"reason": "r"}')[:10] + b"\xff" * 12),  # a bad block
+])
+async def test_a_body_its_content_encoding_cannot_decode_is_400_not_500(
+        encoding: bytes, body: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp decodes an admin body's Content-Encoding as it reads it; one that does not
+    decode raised past the handler: a 500 and an 'Unhandled exception' traceback."""
+    async with run_sim() as sim, run_gateway(sim.url) as gw:
+        answer = await _raw_admin(gw.admin_url, b"POST /admin/v1/rollback HTTP/1.1\r\nHost: x\r\n"
+                                  b"Content-Type: application/json\r\nContent-Encoding: "
+                                  + encoding + b"\r\nContent-Length: %d\r\n"
+                                  b"Connection: close\r\n\r\n" % len(body) + body)
+        head, _, error = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), head
+        assert _is_error(orjson.loads(error), 400)
+        async with aiohttp.ClientSession() as http:
+            assert (await _call(http, "GET", gw.admin_url + "/routing"))[0] == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
