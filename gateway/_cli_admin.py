@@ -21,10 +21,22 @@ DEFAULT_ADMIN_URL = "http://127.0.0.1:8081/admin/v1"
 REQUEST_TIMEOUT_S = 120.0  # a promotion runs the judge first
 
 
+def _segment(name: str) -> str:
+    """``name`` as one segment of a path, whatever it holds: a ``/``, ``?``, ``#``, ``%`` or
+    space is the name's (the server answers that no candidate has it), and ``.`` or ``..``
+    cannot resolve to another route (no candidate is named so)."""
+    quoted = urllib.parse.quote(name, safe="")
+    return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
+
+
 def _call(admin: tuple[str, str | None], method: str, path: str,
           body: dict[str, Any] | None = None) -> Any:
     url, token = admin[0].rstrip("/"), admin[1]
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - checked now: urllib would raise it mid-request
+    except ValueError as exc:
+        raise click.UsageError(f"--admin-url {admin[0]!r}: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         # urllib would raise on 'notaurl' and open file:// or ftp:// URLs as they come
         raise click.UsageError(f"--admin-url must be an http:// or https:// URL, got {admin[0]!r}")
@@ -32,7 +44,12 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
     request = urllib.request.Request(url + path, data=data, method=method)
     request.add_header("Content-Type", "application/json")
     if token:
-        request.add_header("Authorization", f"Bearer {token}")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in token):
+            raise click.UsageError(f"--token (or ${ADMIN_TOKEN_ENV}) has a control character; "
+                                   "no header can carry it")
+        # http.client sends a header as Latin-1: these are the token's UTF-8 bytes, as the
+        # gateway compares them (a token beyond Latin-1 was a UnicodeEncodeError).
+        request.add_header("Authorization", f"Bearer {token}".encode().decode("latin-1"))
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
             return json.loads(response.read() or b"null")
@@ -98,7 +115,7 @@ def candidates_add(ctx: click.Context, name: str, url: str, rate: float, unit: s
 def candidates_set(ctx: click.Context, name: str, rate: float | None, concurrency: int | None,
                    buffer_items: int | None) -> None:
     changes = {"sample_rate": rate, "max_concurrency": concurrency, "buffer_items": buffer_items}
-    _echo(_call(ctx.obj, "PATCH", f"/candidates/{name}",
+    _echo(_call(ctx.obj, "PATCH", f"/candidates/{_segment(name)}",
                 {k: v for k, v in changes.items() if v is not None}))
 
 
@@ -106,21 +123,21 @@ def candidates_set(ctx: click.Context, name: str, rate: float | None, concurrenc
 @click.argument("name")
 @click.pass_context
 def candidates_pause(ctx: click.Context, name: str) -> None:
-    _echo(_call(ctx.obj, "POST", f"/candidates/{name}/pause"))
+    _echo(_call(ctx.obj, "POST", f"/candidates/{_segment(name)}/pause"))
 
 
 @candidates.command("resume")
 @click.argument("name")
 @click.pass_context
 def candidates_resume(ctx: click.Context, name: str) -> None:
-    _echo(_call(ctx.obj, "POST", f"/candidates/{name}/resume"))
+    _echo(_call(ctx.obj, "POST", f"/candidates/{_segment(name)}/resume"))
 
 
 @candidates.command("remove")
 @click.argument("name")
 @click.pass_context
 def candidates_remove(ctx: click.Context, name: str) -> None:
-    _echo(_call(ctx.obj, "DELETE", f"/candidates/{name}"))
+    _echo(_call(ctx.obj, "DELETE", f"/candidates/{_segment(name)}"))
 
 
 @click.command()
@@ -133,7 +150,7 @@ def candidates_remove(ctx: click.Context, name: str) -> None:
 def promote(name: str, force: bool, reason: str | None, actor: str, admin_url: str,
             token: str | None) -> None:
     """Promote candidate NAME to primary if the judge passes it."""
-    _echo(_call((admin_url, token), "POST", f"/candidates/{name}/promote",
+    _echo(_call((admin_url, token), "POST", f"/candidates/{_segment(name)}/promote",
                 {"force": force, "reason": reason, "actor": actor}))
 
 
@@ -161,7 +178,7 @@ def canary(name: str, steps: str, interval_s: float, actor: str, admin_url: str,
         percents = [float(s) for s in steps.split(",")]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--steps") from None
-    _echo(_call((admin_url, token), "POST", f"/candidates/{name}/canary",
+    _echo(_call((admin_url, token), "POST", f"/candidates/{_segment(name)}/canary",
                 {"steps": percents, "interval_s": interval_s, "actor": actor}))
 
 

@@ -1,0 +1,71 @@
+"""``understudy candidates|promote|rollback|canary|routing`` against a running gateway: what an
+operator types wrong is one line naming it, never a traceback nor another route's action."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from click.testing import CliRunner, Result
+
+from gateway.cli import main
+from tests.utils import RunningGateway, run_gateway, run_sim
+
+TOKEN = "cli-admin-token-0123456"
+
+
+async def understudy(gw: RunningGateway, *args: str) -> Result:
+    """The CLI in a thread (its HTTP client blocks; the gateway runs on this loop)."""
+    env = {"UNDERSTUDY_ADMIN_URL": gw.admin_url, "UNDERSTUDY_ADMIN_TOKEN": TOKEN}
+    return await asyncio.to_thread(CliRunner().invoke, main, list(args), env=env)
+
+
+@pytest.mark.parametrize("name", ["a b", "caf\u00e9", "a\nb", "x?y", "x#y", "%63"])
+async def test_a_name_that_is_no_candidate_is_a_404_naming_it(name: str) -> None:
+    """The name went into the path unquoted: a space, a non-ASCII letter or a line break was
+    a traceback from http.client, and ``x?y`` became a query (a 405 about another route)."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}],
+                        admin={"token": TOKEN}) as gw:
+        for args in (["candidates", "pause", name], ["promote", name, "--force",
+                                                     "--reason", "r"]):
+            result = await understudy(gw, *args)
+            assert result.exit_code == 1 and result.exception is not None, result.output
+            assert isinstance(result.exception, SystemExit), result.exception
+            assert result.output == f"Error: 404: no candidate named {name!r}\n"
+
+
+@pytest.mark.parametrize("name", ["../c", "c/../c", "..", "../canary"])
+async def test_a_name_with_a_slash_or_dots_never_reaches_another_route(name: str) -> None:
+    """``candidates remove ../canary`` was ``DELETE /admin/v1/canary`` once the server
+    resolved the dot segment: another action than the one typed."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}],
+                        admin={"token": TOKEN}) as gw:
+        result = await understudy(gw, "candidates", "remove", name)
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("Error: 404: "), result.output
+        assert "c" in gw.state.mirror.candidates
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["routing", "--admin-url", "http://[::1/admin/v1"], "--admin-url"),
+    (["routing", "--token", "a\nb"], "--token"),
+    (["routing", "--admin-url", "http://127.0.0.1:99999/admin/v1"], "--admin-url"),
+])
+async def test_a_url_or_token_that_cannot_be_sent_is_a_usage_error(args: list[str],
+                                                                   named: str) -> None:
+    async with run_sim() as sim, run_gateway(sim.url, admin={"token": TOKEN}) as gw:
+        result = await understudy(gw, *args)
+        assert result.exit_code == 2, result.output
+        assert isinstance(result.exception, SystemExit), result.exception
+        assert named in result.output and "Traceback" not in result.output
+
+
+async def test_a_token_beyond_latin1_is_sent_as_the_gateway_compares_it() -> None:
+    """http.client encodes a header as Latin-1: such a token was a UnicodeEncodeError."""
+    token = "\u2603" * 20
+    async with run_sim() as sim, run_gateway(sim.url, admin={"token": token}) as gw:
+        result = await understudy(gw, "routing", "--token", token)
+        assert result.exit_code == 0, result.output
+        assert '"primary"' in result.output
