@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,11 +61,10 @@ def db() -> None:
 @click.option("--revision", default="head", show_default=True)
 def db_upgrade(config_path: Path | None, db_url: str | None, revision: str) -> None:
     """Upgrade the schema to REVISION (default: the newest)."""
-    from evaluators.store import current_revision, masked_url, upgrade
+    from evaluators.store import upgrade
 
     url = _config(config_path, db_url).evaluation.store.url
-    asyncio.run(upgrade(url, revision))
-    click.echo(f"{masked_url(url)}: at {asyncio.run(current_revision(url))}")
+    _migrate(url, lambda: upgrade(url, revision), "--revision")
 
 
 @db.command("downgrade")
@@ -73,11 +73,28 @@ def db_upgrade(config_path: Path | None, db_url: str | None, revision: str) -> N
 @click.argument("revision")
 def db_downgrade(config_path: Path | None, db_url: str | None, revision: str) -> None:
     """Downgrade the schema to REVISION (``base`` removes every table)."""
-    from evaluators.store import current_revision, downgrade, masked_url
+    from evaluators.store import downgrade
 
     url = _config(config_path, db_url).evaluation.store.url
-    asyncio.run(downgrade(url, revision))
-    click.echo(f"{masked_url(url)}: at {asyncio.run(current_revision(url))}")
+    _migrate(url, lambda: downgrade(url, revision), "REVISION")
+
+
+def _migrate(url: str, migration: Callable[[], Coroutine[Any, Any, None]],
+             argument: str) -> None:
+    """Run ``migration`` and say where the schema stands. A revision it cannot reach is the
+    argument's fault (exit 2, as a bad option); a store it cannot reach or that refuses is
+    one line naming the store (exit 1): never a traceback."""
+    from backends.openai_wire import ConfigError
+    from evaluators.store import StoreError, UnknownRevision, current_revision, masked_url
+
+    try:
+        asyncio.run(migration())
+        at = asyncio.run(current_revision(url))
+    except UnknownRevision as exc:
+        raise ConfigError([f"{argument}: {exc}"]) from exc
+    except StoreError as exc:
+        raise click.ClickException(f"{masked_url(url)}: {exc}") from exc
+    click.echo(f"{masked_url(url)}: at {at}")
 
 
 @db.command("prune")

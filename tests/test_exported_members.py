@@ -59,7 +59,8 @@ EXPORTED: dict[str, str] = {
         ObservationRow Pruned RetentionDays RoutingListener ScoreLike ScoreRow ScoreWriter
         StoreConfig
         StoreError StoreRejected StoreUnavailable StoredSamples TrafficCount
-        TrafficCountRow VerdictRow WriterState WriterStateError WriterStats append_audit
+        TrafficCountRow UnknownRevision VerdictRow WriterState WriterStateError WriterStats
+        append_audit
         create_engine current_revision downgrade head_revision list_candidates
         listen_for_routing load_conditioned_samples load_evaluated_requests load_routing
         load_samples load_samples_by_turn_depth load_traffic lock_for_migration masked_url

@@ -21,6 +21,7 @@ from evaluators.store._errors import (
     StoreError,
     StoreRejected,
     StoreUnavailable,
+    UnknownRevision,
     WriterStateError,
 )
 from evaluators.store._migrate import (
@@ -99,6 +100,7 @@ __all__ = [
     "StoredSamples",
     "TrafficCount",
     "TrafficCountRow",
+    "UnknownRevision",
     "VerdictRow",
     "WriterState",
     "WriterStateError",

@@ -9,10 +9,17 @@ Rules:
    and statement timeouts so an unreachable server fails fast rather than hangs.
 2. SQLite: write-ahead logging (readers do not block the writer), a busy timeout instead
    of an immediate "database is locked", foreign keys enforced.
+3. SQLite: a file in a folder that does not exist is refused before aiosqlite tries to
+   open it, with the same error SQLite gives ("unable to open database file") and the
+   folder named. aiosqlite reports a failed open from its worker thread to the event
+   loop; when the caller's ``asyncio.run`` has ended by then (``understudy db upgrade
+   --db`` with a mistyped path) the thread prints a traceback after the error
+   (aiosqlite #389).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
@@ -68,6 +75,17 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
         options["pool_timeout"] = config.pool_timeout_s
     engine = _create_async_engine(url, **options)
     busy_ms = int(config.sqlite_busy_timeout_s * 1000)
+
+    @event.listens_for(engine.sync_engine, "do_connect")
+    def _refuse_missing_folder(dialect: Any, _record: Any, cargs: list[Any],
+                               cparams: dict[str, Any]) -> None:
+        """Rule 3 (a ``file:`` URI is left to SQLite)."""
+        if in_memory or cparams.get("uri") or not cargs:
+            return
+        folder = Path(cargs[0]).parent
+        if not folder.is_dir():
+            raise dialect.dbapi.OperationalError(
+                f"unable to open database file: no folder {str(folder)!r}")
 
     @event.listens_for(engine.sync_engine, "connect")
     def _pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -5,6 +5,8 @@
     │                           lost, a timeout; the writer retries these with backoff
     ├── StoreRejected           the database refused the data or the statement (integrity,
     │                           data, programming errors); retrying the same rows cannot help
+    ├── UnknownRevision         a migration target that names no revision, or none reachable
+    │                           from where the schema stands (``db upgrade --revision``)
     └── WriterStateError        a ScoreWriter used outside its lifecycle (started twice, ...)
 
 Whatever the driver (asyncpg, aiosqlite), callers see only these, raised ``from`` the
@@ -22,6 +24,7 @@ __all__ = [
     "StoreError",
     "StoreRejected",
     "StoreUnavailable",
+    "UnknownRevision",
     "WriterStateError",
     "translate_store_errors",
 ]
@@ -37,6 +40,11 @@ class StoreUnavailable(StoreError):
 
 class StoreRejected(StoreError):
     """The database refused this work; repeating it unchanged would fail again."""
+
+
+class UnknownRevision(StoreError):
+    """A migration was asked for a revision it cannot reach (a typo, ``head+1``, an
+    upgrade to an older revision): the caller's argument, not the database, is wrong."""
 
 
 class WriterStateError(StoreError):

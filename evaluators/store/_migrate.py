@@ -16,6 +16,9 @@ Rules:
 3. A database at a revision this code does not know (migrated by a newer understudy) is
    refused with :class:`StoreRejected` naming both revisions, before anything is run:
    retrying cannot cure it, and a newer schema is not this code's to write.
+4. A target revision Alembic cannot reach (no such revision, a relative one walking past
+   either end, an "upgrade" to an older one) is :class:`UnknownRevision`, with Alembic's
+   reason: the caller's argument is wrong, nothing was run.
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators.store._engine import create_engine
-from evaluators.store._errors import StoreError, StoreRejected, translate_store_errors
+from evaluators.store._errors import (
+    StoreError,
+    StoreRejected,
+    UnknownRevision,
+    translate_store_errors,
+)
 
 __all__ = [
     "MIGRATION_LOCK_KEY",
@@ -95,10 +104,13 @@ async def _run(url: str | AsyncEngine, verb: Literal["upgrade", "downgrade"],
     def migrate(connection: Connection) -> None:
         config = _config(connection)
         _refuse_unknown_revision(connection, config)
-        if verb == "upgrade":
-            command.upgrade(config, revision)
-        else:
-            command.downgrade(config, revision)
+        try:
+            if verb == "upgrade":
+                command.upgrade(config, revision)
+            else:
+                command.downgrade(config, revision)
+        except CommandError as exc:  # rule 4: Alembic resolves the target before running
+            raise UnknownRevision(f"{revision!r}: {exc}") from exc
 
     with translate_store_errors():
         async with _engine_for(url) as engine, engine.begin() as connection:
