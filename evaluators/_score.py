@@ -95,7 +95,8 @@ METRICS: MappingProxyType[str, MetricSpec] = MappingProxyType({
     "quality.exact_match": _spec(_H, _P, "1/0", "candidate text == primary text, byte for byte"),
     "quality.edit_similarity": _spec(
         _H, _P, "0..1", "normalized Levenshtein similarity of the texts"),
-    "quality.token_f1": _spec(_H, _P, "0..1", "SQuAD token F1 of the normalized texts"),
+    "quality.token_f1": _spec(
+        _H, _P, "0..1", "SQuAD token F1 of the normalized texts (MLQA's beyond ASCII)"),
     "quality.semantic_similarity": _spec(
         _H, _P, "-1..1", "cosine of all-MiniLM-L6-v2 embeddings of the texts"),
     "quality.tool_call_match": _spec(

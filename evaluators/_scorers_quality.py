@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ DEFAULT_MAX_EDIT_CHARS = 65_536
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = MappingProxyType(str.maketrans("", "", string.punctuation))
 _JSON_OPENERS = ("{", "[")
+# Han ideographs (with extension A, compatibility ones and the supplementary planes), kana.
+_UNSPACED_SCRIPTS = re.compile(
+    "[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
+    "\U00020000-\U0003134f]")
 
 
 def complete_text(observation: Observation) -> str | None:
@@ -80,13 +85,24 @@ def _flag(value: bool) -> float:
 
 
 def _normalize_answer(text: str) -> list[str]:
-    """SQuAD's normalisation: lowercase, drop punctuation and articles, split on spaces."""
-    text = text.lower().translate(_PUNCTUATION)
+    """SQuAD's normalisation: lowercase, drop punctuation and articles, split on spaces;
+    beyond ASCII, MLQA's: every Unicode punctuation mark is dropped (a full-width stop,
+    guillemets, a dash) and each Chinese or Japanese character is a token of its own,
+    since those scripts put no spaces between words (whole sentences would be one token,
+    and two near-identical answers score 0)."""
+    text = text.lower()
+    if text.isascii():
+        text = text.translate(_PUNCTUATION)
+    else:  # one translate (each is a dict lookup per character here), built per text
+        marks = {ord(c): None for c in set(text)
+                 if unicodedata.category(c).startswith("P") or c in string.punctuation}
+        text = _UNSPACED_SCRIPTS.sub(r" \g<0> ", text.translate(marks))
     return _ARTICLES.sub(" ", text).split()
 
 
 def token_f1(candidate: str, reference: str) -> float:
-    """SQuAD token F1 (multiset overlap); two answers with no tokens at all agree (1.0)."""
+    """SQuAD token F1 (multiset overlap) of :func:`_normalize_answer`'s tokens; two answers
+    with no tokens at all agree (1.0)."""
     cand, ref = _normalize_answer(candidate), _normalize_answer(reference)
     if not cand or not ref:
         return _flag(cand == ref)

@@ -470,3 +470,21 @@ def test_the_report_counts_the_exchanges_whose_answers_the_capture_cut(
     print_report(judged)  # the CLI's table says it too
     assert "2 exchanges without quality values, capture_truncated: candidate 2, primary 1" \
         in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("primary", "candidate", "low", "high"), [
+    # Chinese and Japanese put no spaces between words: each ideograph or kana is a token
+    # (MLQA's segmentation), or near-identical answers score as wholly different.
+    ("巴黎是法国的首都。", "巴黎是法国首都。", 0.9, 0.95),
+    ("東京は日本の首都です。", "東京は日本の首都だ。", 0.75, 0.85),
+    # Punctuation beyond ASCII is punctuation: full-width stops, guillemets, dashes.
+    ("Paris。", "Paris", 1.0, 1.0),
+    ("«Paris», dit-il — enfin.", "Paris dit-il enfin", 1.0, 1.0),
+    ("Der Preis beträgt 5 €.", "Der Preis beträgt 5 €", 1.0, 1.0),
+    ("巴黎", "柏林", 0.0, 0.0),
+])
+async def test_token_f1_reads_words_beyond_ascii(primary: str, candidate: str, low: float,
+                                                 high: float) -> None:
+    exchange = await _exchange(_text(primary), _text(candidate), stream=True)
+    f1 = _scores(exchange)["quality.token_f1"]
+    assert f1 is not None and low <= f1 <= high, f1
