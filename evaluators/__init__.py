@@ -4,7 +4,13 @@ The store (schema, batched writer, queries, shared routing state) is the public
 subpackage :mod:`evaluators.store`.
 """
 
-from evaluators._exchange import EvaluationSink, Exchange, MemorySink, requested_choices
+from evaluators._exchange import (
+    EvaluationSink,
+    Exchange,
+    MemorySink,
+    json_requested,
+    requested_choices,
+)
 from evaluators._gates import Gates, MetricGate, Outcome
 from evaluators._judge import MetricSamples, MetricVerdict, Verdict, judge
 from evaluators._observation import Capture, Observation, Usage, observe
@@ -52,6 +58,7 @@ __all__ = [
     "Usage",
     "Verdict",
     "build_report",
+    "json_requested",
     "judge",
     "judge_inputs",
     "load_report_inputs",

@@ -13,7 +13,7 @@ from typing import Any, Final, Protocol
 
 from evaluators._observation import Observation
 
-__all__ = ["EvaluationSink", "Exchange", "MemorySink", "requested_choices"]
+__all__ = ["EvaluationSink", "Exchange", "MemorySink", "json_requested", "requested_choices"]
 
 _CHOICE_ROUTES: Final = frozenset({"chat_completions", "completions"})
 
@@ -23,7 +23,8 @@ class Exchange:
     """``turn_depth``: assistant messages before the request's last (chat; None for other
     routes); ``prompt_bytes``: the size of the request body the gateway forwarded;
     ``requested_choices``: how many choices the request asked for
-    (:func:`requested_choices`)."""
+    (:func:`requested_choices`); ``json_requested``: whether it asked for a JSON answer
+    (:func:`json_requested`; None when the body could not be read)."""
 
     request_id: str
     session_key: str
@@ -34,6 +35,23 @@ class Exchange:
     turn_depth: int | None = None
     prompt_bytes: int | None = None
     requested_choices: int | None = None
+    json_requested: bool | None = None
+
+
+def json_requested(route: str, payload: dict[str, Any] | None) -> bool | None:
+    """Whether a chat or legacy completion asked for JSON: OpenAI's ``response_format``
+    of type ``json_object`` or ``json_schema``, or vLLM's ``guided_json`` or
+    ``structured_outputs.json``. None where the body is unknown (not JSON, another
+    route)."""
+    if payload is None or route not in _CHOICE_ROUTES:
+        return None
+    response_format = payload.get("response_format")
+    if isinstance(response_format, dict) and \
+            response_format.get("type") in ("json_object", "json_schema"):
+        return True
+    structured = payload.get("structured_outputs")
+    return payload.get("guided_json") is not None or (
+        isinstance(structured, dict) and structured.get("json") is not None)
 
 
 def requested_choices(route: str, payload: dict[str, Any] | None) -> int | None:

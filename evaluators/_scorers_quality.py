@@ -253,8 +253,11 @@ def _valid_json(text: str) -> bool:
 class JsonValidityScorer:
     """Whether each answer is a valid JSON object or array, for requests that wanted JSON.
 
-    The exchange does not carry the request, so "wanted JSON" is inferred: the primary's
-    complete answer begins (after whitespace) with ``{`` or ``[``. Validity is then strict:
+    A request that asked for JSON (``response_format``, vLLM's guided or structured JSON:
+    ``Exchange.json_requested``) holds both answers to it, the primary's too: a primary
+    that answers prose in JSON mode fails it. Otherwise "wanted JSON" is inferred (a
+    prompt may ask for it in words): the primary's complete answer begins (after
+    whitespace) with ``{`` or ``[``. Validity is strict:
     the whole text must parse as a JSON object or array (no Markdown fences, no prose
     around it). The primary's own value is 0 when it started JSON and did not finish it
     (e.g. cut by ``max_tokens``). Not applicable: both values are ``None``.
@@ -264,11 +267,16 @@ class JsonValidityScorer:
 
     def score(self, exchange: Exchange) -> list[Score]:
         primary = complete_text(exchange.primary)
+        candidate = complete_text(exchange.candidate_observation)
+        if exchange.json_requested:  # each side on its own, as reliability is
+            return [Score("quality.json_valid", _validity(candidate), _validity(primary))]
         if primary is None or not _looks_like_json(primary):
             return [Score("quality.json_valid", None, None)]
-        candidate = complete_text(exchange.candidate_observation)
-        value = _flag(_valid_json(candidate)) if candidate is not None else None
-        return [Score("quality.json_valid", value, _flag(_valid_json(primary)))]
+        return [Score("quality.json_valid", _validity(candidate), _validity(primary))]
+
+
+def _validity(text: str | None) -> float | None:
+    return _flag(_valid_json(text)) if text is not None else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ class _Pending:
     prompt_bytes: int | None = None
     turn_depth: int | None = None
     requested_choices: int | None = None
+    json_requested: bool | None = None
     expected: set[str] = field(default_factory=set)
     primary: Observation | None = None
     primary_charge: int = 0
@@ -67,12 +68,13 @@ class Joiner:
 
     def expect(self, request_id: str, candidate: str, session_key: str, route: str,
                now: float, *, prompt_bytes: int | None = None,
-               turn_depth: int | None = None, requested_choices: int | None = None) -> None:
+               turn_depth: int | None = None, requested_choices: int | None = None,
+               json_requested: bool | None = None) -> None:
         entry = self._pending.get(request_id)
         if entry is None:
             entry = self._pending[request_id] = _Pending(now, session_key, route,
                                                          prompt_bytes, turn_depth,
-                                                         requested_choices)
+                                                         requested_choices, json_requested)
         entry.expected.add(candidate)
 
     def primary(self, observation: Observation) -> None:
@@ -137,7 +139,8 @@ class Joiner:
         exchange = Exchange(request_id, entry.session_key, entry.route, candidate,
                             entry.primary, observation, turn_depth=entry.turn_depth,
                             prompt_bytes=entry.prompt_bytes,
-                            requested_choices=entry.requested_choices)
+                            requested_choices=entry.requested_choices,
+                            json_requested=entry.json_requested)
         if self._sink.submit(exchange):
             self._on_join(exchange)
         else:

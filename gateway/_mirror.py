@@ -41,6 +41,7 @@ from evaluators import (
     EvaluationSink,
     Exchange,
     Observation,
+    json_requested,
     observe,
     requested_choices,
 )
@@ -174,7 +175,8 @@ class Mirror:
                 self.metrics.mirror_queued.labels(candidate.name).inc()
                 self.joiner.expect(request_id, candidate.name, session, route, now,
                                    prompt_bytes=size, turn_depth=depth,
-                                   requested_choices=requested_choices(route, payload))
+                                   requested_choices=requested_choices(route, payload),
+                                   json_requested=json_requested(route, payload))
             else:
                 self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome,
                                  size)

@@ -50,7 +50,7 @@ EXPORTED: dict[str, str] = {
         DEFAULT_SCORERS METRICS SCORERS Capture EvaluationPipeline EvaluationProcessError
         EvaluationSink Exchange Gates MemorySink MetricGate MetricSamples MetricVerdict
         Observation Outcome PipelineState PipelineStats Report ReportInputs Score Scorer
-        ScorerConfig Usage Verdict build_report judge judge_inputs load_report_inputs
+        ScorerConfig Usage Verdict build_report json_requested judge judge_inputs load_report_inputs
         observe record_report requested_choices turn_depth_bucket
     """,
     "evaluators.store": """

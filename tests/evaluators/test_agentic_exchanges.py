@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from evaluators import Capture, Exchange, Gates, ReportInputs, Usage, judge_inputs, observe
-from evaluators._exchange import requested_choices
+from evaluators._exchange import json_requested, requested_choices
 from evaluators._observation import CLIENT_DISCONNECTED
 from evaluators._scorers import build_scorers
 from evaluators._scorers_timing import ReliabilityScorer, ThroughputScorer
@@ -488,3 +488,49 @@ async def test_token_f1_reads_words_beyond_ascii(primary: str, candidate: str, l
     exchange = await _exchange(_text(primary), _text(candidate), stream=True)
     f1 = _scores(exchange)["quality.token_f1"]
     assert f1 is not None and low <= f1 <= high, f1
+
+
+def _json_validity(exchange: Exchange) -> tuple[float | None, float | None]:
+    score = only_score(build_scorers(("json_validity",)), exchange)
+    return score.candidate, score.primary
+
+
+JSON_MODE: Any = {"type": "json_object"}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_json_mode_holds_both_answers_to_json_even_when_the_primary_strays(
+        stream: bool) -> None:
+    # The request asked for JSON: a primary that answers prose fails it, where inferring
+    # "wanted JSON" from the primary's own answer would not judge the exchange at all.
+    exchange = await _exchange(_text('Sure! {"city": "Paris"}'), _text('{"city": "Paris"}'),
+                               stream=stream, response_format=JSON_MODE)
+    assert exchange.json_requested is True
+    assert _json_validity(exchange) == (1.0, 0.0)
+    exchange = await _exchange(_text('{"city": "Paris"}'), _text("Paris."),
+                               stream=stream, response_format=JSON_MODE)
+    assert _json_validity(exchange) == (0.0, 1.0)
+
+
+async def test_without_json_mode_json_is_inferred_from_the_primary_s_answer() -> None:
+    exchange = await _exchange(_text("[1] Paris, see the docs"), _text("Paris."),
+                               stream=True, response_format={"type": "text"})
+    assert exchange.json_requested is False
+    assert _json_validity(exchange) == (0.0, 0.0)  # it looked like JSON: inferred, as before
+    exchange = await _exchange(_text("Paris."), _text('{"a": 1}'), stream=True)
+    assert _json_validity(exchange) == (None, None)
+
+
+@pytest.mark.parametrize(("payload", "expected"), [
+    ({"response_format": {"type": "json_object"}}, True),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, True),
+    ({"response_format": {"type": "text"}}, False),
+    ({"guided_json": {"type": "object"}}, True),
+    ({"structured_outputs": {"json": {"type": "object"}}}, True),
+    ({"response_format": "json"}, False),
+    ({}, False),
+    (None, None),
+])
+def test_json_requested_by_a_request(payload: dict[str, Any] | None,
+                                     expected: bool | None) -> None:
+    assert json_requested("chat_completions", payload) is expected
