@@ -5,8 +5,9 @@ relayed there; a connection whose request is for anything else is handed to this
 whose ``/v1/`` route (``_proxy``) relays the rest of that connection's requests.
 
 Lifecycle (one place): ``cleanup_ctx`` opens the upstream pools at start and closes them
-last. Shutdown order, kept by aiohttp's runner with ``shutdown_timeout``: stop accepting,
-let in-flight relays finish within the timeout, cancel the rest, then close the pools.
+last. Shutdown order (``serve``): every listener stops accepting at once; the admin API's
+requests in flight, then the proxy's, finish within ``shutdown_timeout_s`` each (kept by
+aiohttp's runners), the rest are cancelled; then the app's state closes, the pools last.
 """
 
 from __future__ import annotations
@@ -239,7 +240,9 @@ def make_admin_runner(app: web.Application) -> web.AppRunner:
     state = app[STATE]
     closed = state.metrics.connections_closed
     guard = ConnectionGuard(state.config.server, lambda reason: closed.labels(reason).inc())
-    runner = GatewayRunner(build_admin_app(state), guard, access_log=None)
+    # aiohttp's default drain is 60 s: an admin request in flight held the exit that long.
+    runner = GatewayRunner(build_admin_app(state), guard, access_log=None,
+                           shutdown_timeout=state.config.server.shutdown_timeout_s)
     state.listeners.append(runner)
     return runner
 
@@ -283,9 +286,18 @@ async def serve(
                 await result
         await stop.wait()
     finally:
+        # Every listener stops accepting at once; then the admin API drains (its changes
+        # use the app's state, closed by the proxy's cleanup), then the proxy: each within
+        # shutdown_timeout_s, the proxy's answers going on meanwhile.
+        for listener in (runner, admin_runner):
+            for listening in list(listener.sites if listener is not None else ()):
+                await listening.stop()
         if admin_runner is not None:
             await admin_runner.cleanup()
         await runner.cleanup()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
 
 
 def run(config: GatewayConfig) -> None:

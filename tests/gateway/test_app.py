@@ -1,0 +1,61 @@
+"""``gateway._app.serve``: the process's listeners, started and stopped as ``understudy serve``
+runs them (real sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from gateway._app import serve
+from gateway._config import load_config
+from tests.utils import run_sim
+
+TOKEN = "shutdown-admin-token-0123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_an_admin_request_in_flight_holds_neither_the_proxy_nor_the_exit() -> None:
+    """An admin request whose body never ends (an operator's stalled upload) held shutdown
+    for aiohttp's default 60 s whatever ``shutdown_timeout_s`` said, and meanwhile the
+    proxy's port kept accepting new requests. Now every listener stops accepting at once,
+    and the admin API drains within ``shutdown_timeout_s`` too."""
+    admin_port = _free_port()
+    async with run_sim() as sim:
+        config = load_config(None, {
+            "primary": {"url": sim.url}, "evaluation": {"enabled": False},
+            "server": {"host": "127.0.0.1", "port": 0, "shutdown_timeout_s": 0.5},
+            "admin": {"port": admin_port, "token": TOKEN}})
+        stop = asyncio.Event()
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        serving = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result))
+        try:
+            port = await asyncio.wait_for(ready, 10)
+            _, writer = await asyncio.open_connection("127.0.0.1", admin_port)
+            writer.write(b"POST /admin/v1/rollback HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                         b"Bearer " + TOKEN.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the handler is reading the body
+            stopped = time.monotonic()
+            stop.set()
+            await asyncio.sleep(0.1)
+            refused = False
+            try:
+                _, probe = await asyncio.open_connection("127.0.0.1", port)
+                probe.close()
+            except ConnectionRefusedError:
+                refused = True
+            assert refused, "the proxy still accepts after the stop"
+            async with asyncio.timeout(10):
+                await serving
+            assert time.monotonic() - stopped < 3, time.monotonic() - stopped
+            writer.close()
+        finally:
+            stop.set()
+            if not serving.done():
+                serving.cancel()
