@@ -75,7 +75,18 @@ def decode_body(raw: bytes) -> Any:
     body nested deeper than ``MAX_BODY_NESTING`` or with an integer too long for the standard
     library's parser is FastAPI's "error parsing the body", not a 500). Integers are exact,
     as vLLM reads them, however long: a body with a long one is read again by the standard
-    library's parser."""
+    library's parser.
+
+    vLLM hands the body's bytes to the standard library's parser, which reads the encoding
+    from them (``json.detect_encoding``): a UTF-8 byte order mark, UTF-16 and UTF-32 are read
+    there and refused by orjson, so such a body is decoded first; bytes that are not text in
+    their encoding (invalid UTF-8) are FastAPI's "error parsing the body", not a JSON error."""
+    encoding = json.detect_encoding(raw)
+    if encoding != "utf-8":
+        try:
+            raw = raw.decode(encoding).encode()
+        except UnicodeError:
+            raise body_not_parsed() from None
     try:
         body = orjson.loads(raw)
         if _LONG_INTEGER.search(raw) is not None:
@@ -86,9 +97,7 @@ def decode_body(raw: bytes) -> Any:
             json.loads(raw)
         except json.JSONDecodeError as std:
             raise invalid_json(std.pos, std.msg) from exc
-        except UnicodeDecodeError:
-            pass
-        except (RecursionError, ValueError):
+        except (RecursionError, ValueError):  # UnicodeDecodeError is a ValueError
             raise body_not_parsed() from None
         raise invalid_json(exc.pos, exc.msg) from exc
     except (ValueError, RecursionError):  # orjson read it; the standard library cannot

@@ -22,6 +22,8 @@ from backends.sim import SimConfig, running_sim
 from tests.fixtures_engine import serve_disaggregated, serve_engine
 
 CHAT = "/v1/chat/completions"
+# "é" as one code point: its bytes differ in every encoding.
+COMPLETION = '{"prompt": "Caf\u00e9 au lait is", "max_tokens": 2, "temperature": 0}'
 COMPLETIONS = "/v1/completions"
 PREFILL_ROUTE = "/kv/v1/prefill"  # a prefill node's route for the router
 # FastAPI's answer to a body its JSON parser raises on without a syntax error.
@@ -69,6 +71,12 @@ def nested(depth: int) -> bytes:
             + b"}",
             id="integer-past-the-digit-limit",
         ),
+        # Starlette hands FastAPI's parser the bytes; bytes that are not UTF-8 raise
+        # UnicodeDecodeError there, not a JSON error (the engine answered orjson's words).
+        pytest.param(
+            b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', id="invalid-utf-8"
+        ),
+        pytest.param(b"\xff\xfe{\x00\"", id="truncated-utf-16"),
     ],
 )
 async def test_a_body_the_parser_raises_on_is_a_400(
@@ -230,6 +238,32 @@ async def test_the_engine_refuses_options_it_does_not_implement(
         body = {"prompt": "x", "max_tokens": 1, **neutral}
         status, _ = await post_raw(engine.root_url, COMPLETIONS, orjson.dumps(body))
         assert status == 200
+
+
+@pytest.mark.parametrize(
+    "encoded",
+    [
+        pytest.param(b"\xef\xbb\xbf" + COMPLETION.encode(), id="utf-8-bom"),
+        pytest.param(COMPLETION.encode("utf-16"), id="utf-16"),
+        pytest.param(COMPLETION.encode("utf-32-le"), id="utf-32-le"),
+    ],
+)
+async def test_a_body_in_an_encoding_vllms_parser_reads_is_answered(
+    engine_model: LlamaModel, encoded: bytes
+) -> None:
+    """vLLM's parser (the standard library's, handed the bytes) reads a UTF-8 byte order mark,
+    UTF-16 and UTF-32 (``json.detect_encoding``); orjson reads UTF-8 alone, so the simulator,
+    the engine and the router refused such a body with a 400 that vLLM answers (a client that
+    writes a BOM, as PowerShell's does, made the candidate look broken)."""
+    async with running_sim(sim_config()) as sim:
+        status, answer = await post_raw(sim.root_url, COMPLETIONS, encoded)
+        assert status == 200, answer
+    async with serve_engine(engine_model) as engine:
+        _, plain = await post_raw(engine.root_url, COMPLETIONS, COMPLETION.encode())
+        status, answer = await post_raw(engine.root_url, COMPLETIONS, encoded)
+        assert status == 200, answer
+    assert answer["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert answer["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
 
 
 async def test_a_body_aiohttp_cannot_read_is_a_json_400(caplog: pytest.LogCaptureFixture) -> None:
