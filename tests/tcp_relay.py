@@ -44,6 +44,7 @@ class TcpRelay:
         self._flowing.set()
         self._stall_after: bytes | None = None
         self._delay_s = 0.0
+        self._refusals: list[tuple[str, str]] = []
         self.port = 0
         self.connections = 0
 
@@ -51,6 +52,12 @@ class TcpRelay:
         """Once a client sends ``marker``, hold the server's answers: the server acts on
         the request, the client never hears back."""
         self._stall_after = marker
+
+    def refuse_startups(self, count: int, sqlstate: str = "57P03",
+                        message: str = "the database system is shutting down") -> None:
+        """Answer the next ``count`` connections' startup as a PostgreSQL server that is
+        shutting down or starting up does (a FATAL ErrorResponse), then relay again."""
+        self._refusals.extend([(sqlstate, message)] * count)
 
     def black_hole(self) -> None:
         """Keep accepting and holding connections, but carry nothing either way: a
@@ -97,6 +104,9 @@ class TcpRelay:
                       client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
         self._writers.add(client_w)
+        if self._refusals:
+            await _refuse_startup(client_r, client_w, *self._refusals.pop(0))
+            return
         await self._flowing.wait()
         if client_w.transport.is_closing():
             return
@@ -130,3 +140,30 @@ class TcpRelay:
         finally:
             sink.transport.abort()
             self._writers.discard(sink)
+
+
+SSL_REQUEST_CODE: Final = 80877103
+
+
+async def _refuse_startup(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          sqlstate: str, message: str) -> None:
+    """Read a PostgreSQL client's startup (declining TLS) and answer it with a FATAL
+    ErrorResponse, as the server does while it shuts down or starts up."""
+    try:
+        head = await reader.readexactly(8)
+        length, code = int.from_bytes(head[:4], "big"), int.from_bytes(head[4:], "big")
+        if length == 8 and code == SSL_REQUEST_CODE:
+            writer.write(b"N")
+            length = int.from_bytes(await reader.readexactly(4), "big")
+            await reader.readexactly(length - 4)
+        else:
+            await reader.readexactly(length - 8)
+        fields = b"".join(kind + text.encode() + b"\0" for kind, text in (
+            (b"S", "FATAL"), (b"V", "FATAL"), (b"C", sqlstate), (b"M", message)))
+        body = fields + b"\0"
+        writer.write(b"E" + (len(body) + 4).to_bytes(4, "big") + body)
+        await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.transport.abort()

@@ -51,16 +51,32 @@ class WriterStateError(StoreError):
     """A ScoreWriter was used in a state that does not allow it."""
 
 
+TRANSIENT_SQLSTATE_CLASSES = ("08", "40", "53", "57")
+"""PostgreSQL error classes (the SQLSTATE's first two characters) that say the server is
+away or busy, not that it refuses the work: connection exceptions, transaction rollbacks
+(a serialization failure, a deadlock), insufficient resources (too many clients, a full
+disk), operator intervention (the server shutting down or starting up, a backend
+terminated, a statement cancelled). asyncpg's errors for these reach SQLAlchemy as its
+generic ``Error``, neither an OperationalError nor a lost connection, so they are told
+apart by their code: a restart's "the database system is shutting down" (57P03) is then
+retried instead of rejecting (and splitting, and dropping) the batch in hand."""
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors that a retry against a recovered database can cure."""
     if isinstance(exc, sa_exc.DBAPIError):
         return exc.connection_invalidated or isinstance(
             exc, sa_exc.OperationalError | sa_exc.InterfaceError
-        )
+        ) or _has_transient_sqlstate(exc.orig)
     return isinstance(
         exc, OSError | TimeoutError | sa_exc.TimeoutError
         | sa_exc.DisconnectionError | sa_exc.ResourceClosedError
-    ) or _is_driver_connection_error(exc)
+    ) or _is_driver_connection_error(exc) or _has_transient_sqlstate(exc)
+
+
+def _has_transient_sqlstate(exc: BaseException | None) -> bool:
+    sqlstate = getattr(exc, "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate.startswith(TRANSIENT_SQLSTATE_CLASSES)
 
 
 def _is_driver_connection_error(exc: BaseException) -> bool:

@@ -229,3 +229,37 @@ async def test_close_while_the_database_hangs_mid_batch(relayed: tuple[TcpRelay,
         await engine.dispose()
     stats = writer.stats
     assert (stats.written_records, stats.dropped["close_timeout"]) == (1, 3)
+
+
+@pytest.mark.parametrize(("sqlstate", "message"), [
+    ("57P03", "the database system is shutting down"),
+    ("57P03", "the database system is starting up"),
+    ("53300", "sorry, too many clients already"),
+])
+async def test_a_server_restarting_refuses_connections_and_nothing_is_rejected(
+    relayed: tuple[TcpRelay, str], pg_database: str, sqlstate: str, message: str
+) -> None:
+    # While PostgreSQL restarts, a new connection is refused in its startup with a FATAL
+    # error (class 57, operator intervention; class 53 when it is full). That is the
+    # server being away, not refusing the data: the batch waits and is written. Before,
+    # each such error was "rejected": the batch split, records dropped one by one.
+    relay, url = relayed
+    config = _config(url, batch_rows=1000)
+    engine = create_engine(config)
+    try:
+        writer = await _started_with_one_written(engine, config)
+        try:
+            await engine.dispose()  # the pool's connections went with the server
+            relay.refuse_startups(5, sqlstate, message)
+            for i in range(1, 9):
+                assert writer.submit(make_exchange(f"r{i}"), SCORES)
+            await eventually(lambda: writer.stats.written_records
+                             + sum(writer.stats.dropped.values()) >= 9, within_s=10)
+        finally:
+            await writer.close()
+    finally:
+        await engine.dispose()
+    stats = writer.stats
+    assert sum(stats.dropped.values()) == 0, stats.dropped
+    assert stats.retries >= 5
+    assert await _direct_count(pg_database, ScoreRow) == 2 * 9
