@@ -12,7 +12,8 @@ Rules (issue 12: slowloris, floods, oversized headers):
    (aiohttp's own timer; aiohttp arms it at a connection's start too).
 4. aiohttp's own answers to requests it cannot parse (a header line over
    ``max_header_field_bytes``, more than ``max_header_count`` headers, bad framing) are
-   OpenAI-style JSON; header overflows answer 431. The total of a request's header bytes
+   OpenAI-style JSON; header overflows answer 431, a request line past
+   ``max_header_field_bytes`` 414 (as nginx, RFC 9112 §3). The total of a request's header bytes
    (``max_header_bytes``) is checked by the proxy route before it forwards (``_app.py``).
 5. Each bound exceeded is counted once in ``understudy_connections_closed{reason}``;
    ``understudy_connections_open`` is the number admitted now.
@@ -20,6 +21,9 @@ Rules (issue 12: slowloris, floods, oversized headers):
    say: only websocket and ``CONNECT`` are kept apart), aiohttp's parser drops the bytes
    that came after it; the connection closes after its answer, so a request pipelined
    behind it is retried on another connection (RFC 9112 §9.3.2), never left unanswered.
+7. A request target that is no path (``OPTIONS *``, ``CONNECT host:443``, ``http://host``
+   without one) matches no route, and aiohttp answered it with a plain-text 404: it is a
+   400 in OpenAI's shape (nginx answers 400), on the admin listener too.
 """
 
 from __future__ import annotations
@@ -45,11 +49,12 @@ __all__ = [
     "ParserRefusal",
     "openai_error_body",
     "parser_refusal",
+    "request_line",
 ]
 
 ConnectionClose = Literal[
     "max_connections", "max_connections_per_ip", "header_timeout", "keepalive_timeout",
-    "headers_too_large", "bad_request",
+    "headers_too_large", "uri_too_long", "bad_request",
 ]
 """Why the gateway closed a client connection: the ``reason`` label of
 ``understudy_connections_closed``."""
@@ -70,13 +75,27 @@ class ParserRefusal:
 
 
 _HEADERS_TOO_LARGE = ParserRefusal(431, "request header fields too large", "headers_too_large")
+_URI_TOO_LONG = ParserRefusal(414, "request target too long", "uri_too_long")
 _MALFORMED = ParserRefusal(400, "malformed HTTP request", "bad_request")
 
 
-def parser_refusal(exc: HttpProcessingError) -> ParserRefusal:
-    """A header line or count past the bounds is a 431; anything else the parser refuses, 400."""
-    overflow = isinstance(exc, LineTooLong) or "Too many headers" in str(exc)
-    return _HEADERS_TOO_LARGE if overflow else _MALFORMED
+def parser_refusal(exc: HttpProcessingError, request_line_bytes: int,
+                   max_line_bytes: int) -> ParserRefusal:
+    """A request line past ``max_line_bytes`` is a 414 (RFC 9112 §3: MUST), a header line or
+    count past the bounds a 431; anything else the parser refuses, 400. The parser's error
+    does not say which line was too long; the request line's length does
+    (it counts the method and version too: a target within a few bytes of the bound beside a
+    header past it reads as a 414)."""
+    if isinstance(exc, LineTooLong):
+        return _URI_TOO_LONG if request_line_bytes > max_line_bytes else _HEADERS_TOO_LARGE
+    return _HEADERS_TOO_LARGE if "Too many headers" in str(exc) else _MALFORMED
+
+
+def request_line(so_far: int, data: bytes) -> tuple[int, bool]:
+    """The request line's length after ``data`` came (``so_far`` before), and whether it
+    ended in ``data``. Called per read only until it ends: one ``find`` per request."""
+    end = data.find(b"\n")
+    return (so_far + len(data), False) if end < 0 else (so_far + end, True)
 
 
 _BUSY = openai_error_body("too many connections; retry later", "server_busy", 503)
@@ -113,10 +132,16 @@ class ConnectionGuard:
             del self._per_ip[ip]
 
 
+async def _not_a_path(request: BaseRequest) -> web.StreamResponse:
+    """Rule 7: a request target with no path to route (``*``, ``host:port``)."""
+    return web.Response(status=400, content_type="application/json", body=openai_error_body(
+        "the request target is not a path", "invalid_request_error", 400))
+
+
 class _GuardedHandler(RequestHandler):
     """aiohttp's protocol with the bounds of rules 1, 2 and 4 and the counting of 3."""
 
-    __slots__ = ("_admitted", "_guard", "_header_deadline", "_ip")
+    __slots__ = ("_admitted", "_guard", "_header_deadline", "_ip", "_line_bytes", "_line_ended")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -124,6 +149,8 @@ class _GuardedHandler(RequestHandler):
         self._ip = ""
         self._admitted = False
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._line_bytes = 0  # the request line being read (rule 4's 414), and whether it
+        self._line_ended = False  # has ended
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -149,6 +176,9 @@ class _GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._header_deadline is None and not self._request_in_progress:
             self._arm_header_deadline()  # the first byte of the next request
+            self._line_bytes, self._line_ended = 0, False
+        if not self._line_ended:
+            self._line_bytes, self._line_ended = request_line(self._line_bytes, data)
         super().data_received(data)
 
     async def _handle_request(
@@ -156,6 +186,8 @@ class _GuardedHandler(RequestHandler):
         request_handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]],
     ) -> tuple[web.StreamResponse, bool]:
         self._disarm_header_deadline()
+        if not request.rel_url.path.startswith("/"):  # rule 7
+            request_handler = _not_a_path
         response, reset = await super()._handle_request(request, start_time, request_handler)
         if request._message.upgrade and not self._upgraded:  # rule 6
             response.force_close()
@@ -188,8 +220,9 @@ class _GuardedHandler(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         """aiohttp's own error answers, as OpenAI-style JSON (rule 4)."""
         if isinstance(exc, HttpProcessingError):
-            refusal = parser_refusal(exc)
-            status = refusal.status if refusal.status == 431 else status
+            refusal = parser_refusal(exc, self._line_bytes,
+                                     self._guard.config.max_header_field_bytes)
+            status = refusal.status if refusal.status in (414, 431) else status
             self._guard.closed(refusal.reason)
             text, error_type = refusal.message, "invalid_request_error"
         else:

@@ -16,7 +16,8 @@ Rules:
    ``max_header_count``), bodies left as they came (no ``Content-Encoding`` decoded: the
    primary gets them as sent, and ``max_body_bytes`` bounds what came); what it refuses
    is answered as aiohttp's guarded handler answers: OpenAI-style JSON, 431 for header
-   overflows, else 400, counted, and the connection closed.
+   overflows, 414 for a request line past the bound, else 400, counted, and the connection
+   closed.
    ``Expect: 100-continue`` is answered ``100 Continue`` as the request starts (aiohttp's
    default expect handler does the same), so a client waiting for it sends its body at once;
    unless its ``Content-Length`` is past ``max_body_bytes``: the 413 is known from the head,
@@ -68,6 +69,7 @@ from gateway._connections import (
     _GuardedServer,
     openai_error_body,
     parser_refusal,
+    request_line,
 )
 from gateway._relay import MAX_HELD_BYTES, origin_form, relay
 from gateway._relaycore import ClientSink
@@ -173,8 +175,8 @@ class FrontConnection(BaseProtocol):
     """One client connection while its requests are ``/v1/`` (rules 1-7)."""
 
     __slots__ = (
-        "_admitted", "_at_boundary", "_closing", "_due", "_ip", "_phase", "_queued", "_raw",
-        "_request", "_scheme", "_server", "_task",
+        "_admitted", "_at_boundary", "_closing", "_due", "_ip", "_line_bytes", "_line_ended",
+        "_phase", "_queued", "_raw", "_request", "_scheme", "_server", "_task",
     )
 
     def __init__(self, server: FrontServer) -> None:
@@ -194,6 +196,8 @@ class FrontConnection(BaseProtocol):
         self._scheme = "http"
         self._raw = b""
         self._at_boundary = True
+        self._line_bytes = 0  # the request line being parsed (rule 2's 414), and whether it
+        self._line_ended = False  # has ended
         self._phase = _HEAD
         self._due = 0.0
         self._closing = False
@@ -292,6 +296,9 @@ class FrontConnection(BaseProtocol):
                 self._hand_over(raw)
                 return
             data = raw
+            self._line_bytes, self._line_ended = 0, False
+        if not self._line_ended:
+            self._line_bytes, self._line_ended = request_line(self._line_bytes, data)
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
@@ -323,7 +330,8 @@ class FrontConnection(BaseProtocol):
         self._closing = True
         if self._request is not None:
             return  # an answer is in flight: the connection closes after it
-        refusal = parser_refusal(exc)
+        refusal = parser_refusal(exc, self._line_bytes,
+                                 self._server.state.config.server.max_header_field_bytes)
         self._server.guard.closed(refusal.reason)
         self._write_error(refusal.status, refusal.message, "invalid_request_error", None)
 

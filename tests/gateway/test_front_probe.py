@@ -413,3 +413,50 @@ async def test_100_continue_still_comes_within_the_bound_when_handed_over() -> N
         writer.write(body)
         head, answer = await read_answer(reader)
         assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["choices"]
+
+
+@pytest.mark.parametrize("head", [
+    b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
+    b"GET http://x HTTP/1.1\r\nHost: x\r\n\r\n",
+])
+@pytest.mark.parametrize("listener", ["proxy", "admin"])
+async def test_a_target_that_is_no_path_is_a_400_in_json(head: bytes, listener: str) -> None:
+    """It matched no route: aiohttp answered a plain-text '404: Not Found'."""
+    async with gateway() as gw:
+        url = gw.url if listener == "proxy" else gw.admin_url.removesuffix("/admin/v1")
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(head)
+            answer, body = await read_answer(reader)
+        finally:
+            writer.close()
+        assert answer.startswith(b"HTTP/1.1 400") and b"application/json" in answer, answer
+        assert json.loads(body)["error"]["code"] == 400
+
+
+@pytest.mark.parametrize("split", [600, None])  # the line spans reads, or one write
+@pytest.mark.parametrize("handed_over", [False, True])
+async def test_a_request_line_past_the_bound_is_a_414_and_a_header_a_431(
+        handed_over: bool, split: int | None) -> None:
+    """RFC 9112 3: a request-target longer than the server parses MUST be a 414 (nginx's
+    answer); the parser's one error for any line too long made it a 431 like a header."""
+    async with gateway(max_header_field_bytes=1024) as gw:
+        for head, status, reason in (
+                (b"GET /v1/models?q=" + b"a" * 2000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                 b"414", "uri_too_long"),
+                (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 2000 + b"\r\n\r\n",
+                 b"431", "headers_too_large")):
+            async with connection(gw) as (reader, writer):
+                if handed_over:
+                    writer.write(HEALTH)
+                    await read_answer(reader)
+                for piece in (head[:split], head[split:]) if split else (head,):
+                    writer.write(piece)
+                    await asyncio.sleep(0.05)
+                answer, body = await read_answer(reader)
+                assert answer.split(b" ")[1] == status, answer
+                assert json.loads(body)["error"]["code"] == int(status)
+                assert (await rest_of(reader))[1]
+            assert gw.metric("understudy_connections_closed_total", reason=reason) == 1
