@@ -7,8 +7,10 @@ Two ways in:
    ``-x url=...``, else ``UNDERSTUDY_STORE__URL``, else ``sqlalchemy.url`` in the ini;
    env.py makes an async engine and runs the migrations inside ``run_sync``.
 Offline mode (``alembic upgrade head --sql``) renders SQL for the URL's dialect.
-Online, on PostgreSQL, the migration holds an advisory lock (``MIGRATION_LOCK_KEY``, see
-``evaluators/store/_migrate.py``) so that replicas started together migrate one by one.
+Online, the migration holds a lock so that replicas started together migrate one by one:
+on PostgreSQL an advisory lock (``MIGRATION_LOCK_KEY``), on SQLite the file's write lock
+of a ``BEGIN IMMEDIATE`` transaction that also makes its DDL all-or-nothing (see
+``evaluators/store/_migrate.py``).
 """
 
 from __future__ import annotations

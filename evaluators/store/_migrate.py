@@ -12,7 +12,13 @@ Rules:
    it; each reads the schema's revision only once it holds the lock, so the first one
    migrates and the others find the schema at head. The lock goes with the transaction's
    commit or rollback, or with its connection if the process dies.
-2. SQLite needs no lock: it has one writer at a time and DDL is transactional.
+2. On SQLite a migration runs in one explicit transaction begun ``BEGIN IMMEDIATE``
+   (``lock_for_migration`` again): it takes the file's write lock before Alembic reads the
+   revision, so processes that start together queue on it (within the busy timeout) as
+   on the advisory lock, and its DDL commits or rolls back whole. Without it the driver
+   begins a transaction for DML only: each CREATE TABLE committed alone, two first starts
+   raced ("table backends already exists"), and one stopped part-way left tables without
+   a revision that every later upgrade failed on.
 3. A database at a revision this code does not know (migrated by a newer understudy) is
    refused with :class:`StoreRejected` naming both revisions, before anything is run:
    retrying cannot cure it, and a newer schema is not this code's to write.
@@ -59,10 +65,13 @@ MIGRATION_LOCK_KEY = 0x756E_6465_7273_7475  # "understu": one key for every repl
 
 
 def lock_for_migration(connection: Connection) -> None:
-    """Rule 1: hold the migration lock until this connection's transaction ends."""
+    """Rules 1 and 2: hold the migration lock until this connection's transaction ends
+    (call it before the connection's first write)."""
     if connection.dialect.name == "postgresql":
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
                            {"key": MIGRATION_LOCK_KEY})
+    elif connection.dialect.name == "sqlite":
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def script_location() -> Path:
