@@ -24,6 +24,10 @@ Rules (issue 12: slowloris, floods, oversized headers):
 7. A request target that is no path (``OPTIONS *``, ``CONNECT host:443``, ``http://host``
    without one) matches no route, and aiohttp answered it with a plain-text 404: it is a
    400 in OpenAI's shape (nginx answers 400), on the admin listener too.
+8. A request whose major version is not 1 (``HTTP/2.0`` in a request line, no HTTP/2 frames;
+   HTTP/0.9's bare ``GET /path``) was served, aiohttp's status line echoing its version
+   (``HTTP/2.0 200 OK``): it is a 505 in OpenAI's shape with an HTTP/1.1 status line, the
+   connection closed, counted as ``http_version`` (nginx answers 505).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
@@ -43,6 +47,7 @@ from aiohttp.web_request import BaseRequest
 from gateway._config import ServerConfig
 
 __all__ = [
+    "VERSION_REFUSAL",
     "ConnectionClose",
     "ConnectionGuard",
     "GatewayRunner",
@@ -54,7 +59,7 @@ __all__ = [
 
 ConnectionClose = Literal[
     "max_connections", "max_connections_per_ip", "header_timeout", "keepalive_timeout",
-    "headers_too_large", "uri_too_long", "bad_request",
+    "headers_too_large", "uri_too_long", "bad_request", "http_version",
 ]
 """Why the gateway closed a client connection: the ``reason`` label of
 ``understudy_connections_closed``."""
@@ -77,6 +82,9 @@ class ParserRefusal:
 _HEADERS_TOO_LARGE = ParserRefusal(431, "request header fields too large", "headers_too_large")
 _URI_TOO_LONG = ParserRefusal(414, "request target too long", "uri_too_long")
 _MALFORMED = ParserRefusal(400, "malformed HTTP request", "bad_request")
+VERSION_REFUSAL = ParserRefusal(505, "HTTP version not supported: the gateway speaks HTTP/1.x",
+                                "http_version")
+"""Rule 8: a request whose major version is not 1."""
 
 
 def parser_refusal(exc: HttpProcessingError, request_line_bytes: int,
@@ -138,6 +146,14 @@ async def _not_a_path(request: BaseRequest) -> web.StreamResponse:
         "the request target is not a path", "invalid_request_error", 400))
 
 
+async def _version_not_supported(_: BaseRequest) -> web.StreamResponse:
+    """Rule 8."""
+    response = web.Response(status=505, content_type="application/json", body=openai_error_body(
+        VERSION_REFUSAL.message, "invalid_request_error", 505))
+    response.force_close()
+    return response
+
+
 class _GuardedHandler(RequestHandler):
     """aiohttp's protocol with the bounds of rules 1, 2 and 4 and the counting of 3."""
 
@@ -186,7 +202,12 @@ class _GuardedHandler(RequestHandler):
         request_handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]],
     ) -> tuple[web.StreamResponse, bool]:
         self._disarm_header_deadline()
-        if not request.rel_url.path.startswith("/"):  # rule 7
+        if request._message.version.major != 1:  # rule 8 (read before .version caches it)
+            self._guard.closed(VERSION_REFUSAL.reason)
+            # aiohttp's status line echoes the request's version ("HTTP/2.0 505").
+            request._version = HttpVersion11
+            request_handler = _version_not_supported
+        elif not request.rel_url.path.startswith("/"):  # rule 7
             request_handler = _not_a_path
         response, reset = await super()._handle_request(request, start_time, request_handler)
         if request._message.upgrade and not self._upgraded:  # rule 6

@@ -64,6 +64,7 @@ from aiohttp.http_parser import HttpParser, HttpRequestParser, RawRequestMessage
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from gateway._connections import (
+    VERSION_REFUSAL,
     ConnectionGuard,
     GatewayRunner,
     _GuardedServer,
@@ -354,6 +355,12 @@ class FrontConnection(BaseProtocol):
             self._closing = True
             if self.transport is not None:
                 self.transport.close()
+            return
+        if message.version.major != 1:  # _connections.py rule 8
+            self._closing = True
+            self._server.guard.closed(VERSION_REFUSAL.reason)
+            self._write_error(VERSION_REFUSAL.status, VERSION_REFUSAL.message,
+                              "invalid_request_error", None)
             return
         if message.version >= (1, 1) and self.transport is not None \
                 and message.headers.get("Expect", "").lower() == "100-continue" \

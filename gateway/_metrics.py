@@ -160,7 +160,7 @@ class GatewayMetrics:
             "understudy_connections_closed",
             "Client connections the gateway closed because a bound was exceeded, by reason "
             "(max_connections, max_connections_per_ip, header_timeout, keepalive_timeout, "
-            "headers_too_large, uri_too_long, bad_request).", "reason")
+            "headers_too_large, uri_too_long, bad_request, http_version).", "reason")
         self.connections_open = gauge("understudy_connections_open",
                                       "Client connections admitted now.")
         self.event_loop_tasks = gauge(

@@ -460,3 +460,26 @@ async def test_a_request_line_past_the_bound_is_a_414_and_a_header_a_431(
                 assert json.loads(body)["error"]["code"] == int(status)
                 assert (await rest_of(reader))[1]
             assert gw.metric("understudy_connections_closed_total", reason=reason) == 1
+
+
+@pytest.mark.parametrize("request_line", [b"GET /v1/models HTTP/2.0\r\nHost: x",
+                                          b"GET /health HTTP/2.0\r\nHost: x",
+                                          b"GET /v1/models"])  # HTTP/0.9's request line
+@pytest.mark.parametrize("handed_over", [False, True])
+async def test_a_request_in_another_major_version_is_a_505(request_line: bytes,
+                                                          handed_over: bool) -> None:
+    """The gateway speaks HTTP/1.x only: 'GET /v1/models HTTP/2.0' (no HTTP/2 frames, a
+    confused or probing client) was relayed and answered '200', on a handed-over connection
+    with the status line 'HTTP/2.0 200 OK' (aiohttp echoes the request's version). nginx
+    answers 505. Now: 505 in OpenAI's shape, an HTTP/1.1 status line, closed, counted."""
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        if handed_over:
+            writer.write(HEALTH)
+            await read_answer(reader)
+        writer.write(request_line + b"\r\n\r\n")
+        answer, body = await read_answer(reader)
+        assert answer.startswith(b"HTTP/1.1 505 "), answer
+        assert json.loads(body)["error"]["code"] == 505
+        assert (await rest_of(reader))[1]
+        assert gw.metric("understudy_connections_closed_total", reason="http_version") == 1
+        assert recorded.relayed() == []
