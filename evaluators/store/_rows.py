@@ -14,8 +14,13 @@ Rules:
    keep what no database takes as backslash escapes too: a lone surrogate, and NUL
    (``\\x00``: PostgreSQL refuses it in text; a model's byte-fallback token ``<0x00>``
    detokenizes to it): one such answer would otherwise cost its exchange, scores and all.
+   A tool call's name and arguments are such texts too: a lone surrogate in one made the
+   JSON encoder of the PostgreSQL insert raise, failing its whole batch.
 2. Unknown stays unknown: a missing usage gives NULL token counts, never 0.
 3. ITL is derived from ``chunk_gaps_s``: the mean, and the p99 by nearest rank.
+4. ``text_chars`` (what ``queue_text_chars`` bounds) counts every stored text: the
+   prompt, and each answer with its tool calls' names and arguments (an agent's answer
+   may be nothing but a tool call with a whole file in its arguments).
 """
 
 from __future__ import annotations
@@ -103,9 +108,8 @@ def build_record(exchange: Exchange, scores: Sequence[ScoreLike], *, prompt: byt
                                     else raw.decode(errors="replace"))
     primary_row = observation_row(primary, store_answers=store_answers)
     candidate_row = observation_row(candidate, store_answers=store_answers)
-    text_chars = len(prompt_text or "") + len(primary_row["answer"] or "") + len(
-        candidate_row["answer"] or ""
-    )
+    text_chars = len(prompt_text or "") + _answer_chars(primary_row) + _answer_chars(
+        candidate_row)
     return Record(
         exchange={
             "request_id": request_id,
@@ -153,7 +157,7 @@ def observation_row(observation: Observation, *, store_answers: bool) -> Row:
         "truncated": observation.truncated,
         "error": _cut(_storable(observation.error), ERROR_CHARS),
         "answer": _storable(observation.text) if store_answers else None,
-        "tool_calls": (list(observation.tool_calls) or None) if store_answers else None,
+        "tool_calls": _tool_calls(observation.tool_calls) if store_answers else None,
         "concurrency": observation.concurrency,
         "backend_running": observation.backend_running,
     }
@@ -167,6 +171,22 @@ def itl_stats(gaps: Sequence[float]) -> tuple[float | None, float | None]:
     # Nearest rank: the ceil(0.99 n)-th smallest is the (n - ceil(0.99 n) + 1)-th largest.
     from_top = n - math.ceil(0.99 * n) + 1
     return sum(gaps) / n, heapq.nlargest(from_top, gaps)[-1]
+
+
+def _tool_calls(calls: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Rule 1: each call's name and arguments storable (the parser makes both strings)."""
+    if not calls:
+        return None
+    return [{key: _storable(value) if isinstance(value, str) else value
+             for key, value in call.items()} for call in calls]
+
+
+def _answer_chars(row: Row) -> int:
+    """Rule 4: the answer's text and its tool calls' strings."""
+    chars = len(row["answer"] or "")
+    for call in row["tool_calls"] or ():
+        chars += sum(len(value) for value in call.values() if isinstance(value, str))
+    return chars
 
 
 def _score(score: ScoreLike) -> tuple[str, float | None, float | None]:
