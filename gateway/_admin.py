@@ -125,15 +125,23 @@ class Deleted(BaseModel):
     deleted: str
 
 
+ROUTING_VERSION_FIELD = Field(
+    None, ge=1, description="The routing version (GET /routing) this change was decided on: "
+    "a 409 if the routing has changed since, so a change retried or made twice at once "
+    "applies once (Promoter rule 6). Omitted: the change applies to the routing it finds.")
+
+
 class PromoteBody(_Body):
     force: bool = False
     reason: str | None = Field(None, max_length=1000)
     actor: str = Field("admin", min_length=1, max_length=100)
+    routing_version: int | None = ROUTING_VERSION_FIELD
 
 
 class RollbackBody(_Body):
     reason: str | None = Field(None, max_length=1000)
     actor: str = Field("admin", min_length=1, max_length=100)
+    routing_version: int | None = ROUTING_VERSION_FIELD
 
 
 class CanaryBody(_Body):
@@ -390,17 +398,18 @@ async def promote(request: web.Request) -> web.Response:
     body = await _body(request, PromoteBody)
     name = request.match_info["name"]
     change = await request.app[ADMIN_STATE].promoter.promote(
-        name, actor=body.actor, force=body.force, reason=body.reason)
+        name, actor=body.actor, force=body.force, reason=body.reason,
+        routing_version=body.routing_version)
     return _json(ActionResult.of(change))
 
 
 async def _reasoned(request: web.Request,
                     action: Callable[..., Awaitable[RoutingChange]]) -> web.Response:
-    """A ``Promoter`` change that takes only who asks and why (``RollbackBody``): a
-    rollback, a canary's stop."""
+    """A ``Promoter`` change that takes who asks, why, and the routing version it was
+    decided on (``RollbackBody``): a rollback, a canary's stop."""
     body = await _body(request, RollbackBody)
     change = await action(request.app[ADMIN_STATE].promoter, actor=body.actor,
-                          reason=body.reason)
+                          reason=body.reason, routing_version=body.routing_version)
     return _json(ActionResult.of(change))
 
 

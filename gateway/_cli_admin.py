@@ -63,6 +63,12 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
         raise click.ClickException(f"admin API at {url} unreachable: {exc.reason}") from None
 
 
+def _routing_version(admin: tuple[str, str | None]) -> int:
+    """The routing version a change is decided on (Promoter rule 6): two operators rolling
+    back at once get one rollback and a 409, not a rollback undone."""
+    return int(_call(admin, "GET", "/routing")["version"])
+
+
 def _echo(data: Any) -> None:
     click.echo(json.dumps(data, indent=2))
 
@@ -150,8 +156,10 @@ def candidates_remove(ctx: click.Context, name: str) -> None:
 def promote(name: str, force: bool, reason: str | None, actor: str, admin_url: str,
             token: str | None) -> None:
     """Promote candidate NAME to primary if the judge passes it."""
-    _echo(_call((admin_url, token), "POST", f"/candidates/{_segment(name)}/promote",
-                {"force": force, "reason": reason, "actor": actor}))
+    admin = (admin_url, token)
+    _echo(_call(admin, "POST", f"/candidates/{_segment(name)}/promote",
+                {"force": force, "reason": reason, "actor": actor,
+                 "routing_version": _routing_version(admin)}))
 
 
 @click.command()
@@ -161,7 +169,9 @@ def promote(name: str, force: bool, reason: str | None, actor: str, admin_url: s
 @click.option("--token", envvar=ADMIN_TOKEN_ENV)
 def rollback(reason: str | None, actor: str, admin_url: str, token: str | None) -> None:
     """Switch back to the previous primary."""
-    _echo(_call((admin_url, token), "POST", "/rollback", {"reason": reason, "actor": actor}))
+    admin = (admin_url, token)
+    _echo(_call(admin, "POST", "/rollback", {"reason": reason, "actor": actor,
+                                             "routing_version": _routing_version(admin)}))
 
 
 @click.command()

@@ -69,3 +69,17 @@ async def test_a_token_beyond_latin1_is_sent_as_the_gateway_compares_it() -> Non
         result = await understudy(gw, "routing", "--token", token)
         assert result.exit_code == 0, result.output
         assert '"primary"' in result.output
+
+
+async def test_rollback_and_promote_name_the_routing_they_were_decided_on() -> None:
+    """The CLI sends the routing version it read (Promoter rule 6); the audit shows one
+    change per command, and a rollback still rolls back."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}],
+                        admin={"token": TOKEN}) as gw:
+        result = await understudy(gw, "promote", "c", "--force", "--reason", "r")
+        assert result.exit_code == 0, result.output
+        assert gw.state.routing.primary.name == "c"
+        result = await understudy(gw, "rollback")
+        assert result.exit_code == 0, result.output
+        assert gw.state.routing.primary.name == "primary" and gw.state.routing.version == 3

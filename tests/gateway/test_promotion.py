@@ -276,3 +276,44 @@ def test_the_full_step_is_judged_on_the_scores_since_the_last_mirrored_step() ->
     assert full.percent == 100.0 and full.judged_since == 200.0
     assert Canary.from_dict(full.to_dict()) == full
     assert Canary(canary.backend, (100.0,), 0, 1.0, 5.0).judged_since is None  # whole window
+
+
+async def _routing_change(http: aiohttp.ClientSession, gw: RunningGateway, path: str,
+                          body: dict[str, Any]) -> tuple[int, Any]:
+    async with http.post(gw.admin_url + path, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_concurrent_rollbacks_of_one_routing_roll_back_once() -> None:
+    """Two operators rolling back at once (or a client retrying a rollback whose answer it
+    lost) each got 200, and the second undid the first: the bad primary served again. A
+    change that names the routing version it was decided on is a 409 once that version is
+    gone, so exactly one applies."""
+    async with run_sim() as primary, run_sim() as c, run_sim() as d, \
+            run_gateway(primary.url, candidates=[{"name": "c", "url": c.url},
+                                                 {"name": "d", "url": d.url}]) as gw, \
+            aiohttp.ClientSession() as http:
+        status, _ = await _routing_change(http, gw, "/candidates/c/promote",
+                                          {"force": True, "reason": "r"})
+        assert status == 200 and gw.state.routing.primary.name == "c"
+        version = gw.state.routing.version
+        answers = await asyncio.gather(*(
+            _routing_change(http, gw, "/rollback", {"routing_version": version})
+            for _ in range(3)))
+        assert sorted(status for status, _ in answers) == [200, 409, 409], answers
+        assert gw.state.routing.primary.name == "primary"
+        assert gw.state.routing.version == version + 1
+        refused = next(body for status, body in answers if status == 409)
+        assert f"version {version + 1}" in refused["error"]["message"]
+        # Two promotions decided on the same routing: the second would demote the first.
+        version = gw.state.routing.version
+        answers = await asyncio.gather(*(
+            _routing_change(http, gw, f"/candidates/{name}/promote",
+                            {"force": True, "reason": "r", "routing_version": version})
+            for name in ("d", "c")))
+        assert sorted(status for status, _ in answers) == [200, 409], answers
+        assert gw.state.routing.previous is not None
+        assert gw.state.routing.previous.name == "primary"
+        # Without a version, as before: each applies to the routing it finds.
+        status, _ = await _routing_change(http, gw, "/rollback", {})
+        assert status == 200 and gw.state.routing.primary.name == "primary"
