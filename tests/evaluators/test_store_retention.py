@@ -373,6 +373,28 @@ async def test_migration_0005_adds_and_removes_the_started_at_index(db_url: str)
         await downgrade(db_url, "base")
 
 
+async def test_migration_0005_finds_the_index_an_operator_built_concurrently(
+        pg_database: str) -> None:
+    # On a large table the plain CREATE INDEX holds writes while it builds; the operator's
+    # way out (0005's docstring, README) is to build it first without blocking.
+    await upgrade(pg_database, "0004")
+    engine = create_engine(pg_database)
+    try:
+        async with engine.connect() as connection:
+            await connection.execution_options(isolation_level="AUTOCOMMIT")
+            await connection.exec_driver_sql(
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_exchanges_started_at "
+                "ON exchanges (started_at)")
+        await upgrade(pg_database)
+        assert await current_revision(pg_database) == "0005"
+        await downgrade(pg_database, "0004")
+        async with engine.connect() as connection:
+            assert "ix_exchanges_started_at" not in await connection.run_sync(_exchange_indexes)
+    finally:
+        await engine.dispose()
+        await downgrade(pg_database, "base")
+
+
 # -- the configuration ---------------------------------------------------------------------
 
 
