@@ -5,8 +5,14 @@ Rules:
    role-only first chunk vLLM sends does not count); e2e is from sending to the stream's end.
 2. A token count the server did not report stays None (unknown), never 0.
 3. A failed request is an ``Answer`` with ``error`` set (``http_<status>``, ``timeout``,
-   ``connection``, ``cancelled`` or the client's exception name); nothing is retried
-   (``max_retries=0``), so a failure is counted exactly once.
+   ``connection``, ``cancelled``, ``malformed_response`` or the client's exception name);
+   nothing is retried (``max_retries=0``), so a failure is counted exactly once.
+4. An answer that is not the protocol's (not JSON, not UTF-8, not shaped as a completion:
+   a list, a null message, a number for text) is ``malformed_response``, that turn's
+   failure like any other server's. The client parses without validating (``json.loads``
+   and pydantic's ``construct``), so such an answer surfaces as a ``ValueError``,
+   ``TypeError``, ``AttributeError`` or ``LookupError`` while it is read; a run must not
+   end on it and lose its summary.
 """
 
 from __future__ import annotations
@@ -80,6 +86,8 @@ async def send(client: AsyncOpenAI, route: ReplayRoute, body: dict[str, Any],
         answer.error = "connection"
     except openai.OpenAIError as exc:
         answer.error = type(exc).__name__
+    except (ValueError, TypeError, AttributeError, LookupError):  # rule 4
+        answer.error = "malformed_response"
     answer.e2e_s = loop.time() - sent
     return answer
 
@@ -113,7 +121,7 @@ async def _call(client: AsyncOpenAI, route: ReplayRoute, body: dict[str, Any],
     if not isinstance(chat, AsyncStream):
         if chat.choices:
             message = chat.choices[0].message
-            answer.content = message.content or ""
+            answer.content = _text(message.content)
             answer.tool_calls = [c.model_dump(include={"id", "type", "function"})
                                  for c in message.tool_calls or ()]
         _usage(answer, chat.usage)
@@ -133,8 +141,17 @@ async def _call(client: AsyncOpenAI, route: ReplayRoute, body: dict[str, Any],
                     if call.function is not None:
                         entry["function"]["name"] += call.function.name or ""
                         entry["function"]["arguments"] += call.function.arguments or ""
-                _on_text(answer, delta.content or "", sent)
+                _on_text(answer, _text(delta.content), sent)
     answer.tool_calls = [calls[i] for i in sorted(calls)]
+
+
+def _text(value: object) -> str:
+    """An answer's text; anything but a string or null is a malformed answer (rule 4)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"an answer's text is a {type(value).__name__}")
+    return value
 
 
 def _on_text(answer: Answer, text: str, sent: float) -> None:

@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 
 from backends.sim import RecordedRequest
 from gateway.cli import main
-from tests.utils import eventually, run_gateway, run_sim
+from tests.utils import answering_once, eventually, run_gateway, run_sim
 from workload import TurnResult, WorkloadSpec, run_workload
 
 FAST = {"ttft_ms": 5.0, "itl_ms": 1.0, "tokens": 8}
@@ -208,6 +208,33 @@ async def test_stop_ends_a_run_still_looking_up_its_model() -> None:
         for writer in held:
             writer.close()
     assert summary.turns == 0 and summary.not_sent == 6
+
+
+def _answer(content_type: bytes, body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: " + content_type + b"\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+
+
+@pytest.mark.parametrize(("stream", "answer"), [
+    (True, _answer(b"text/event-stream", b"data: {not json\n\n")),
+    (True, _answer(b"text/event-stream", b"data: \xff\xfe\n\n")),
+    (True, _answer(b"text/event-stream", b'data: {"choices": [{"delta": null}]}\n\n')),
+    (True, _answer(b"text/event-stream", b'data: {"choices": [], "usage": "x"}\n\n')),
+    (True, _answer(b"text/event-stream", b'data: {"choices": [{"delta": {"content": 5}}]}\n\n')),
+    (False, _answer(b"application/json", b"{not json")),
+    (False, _answer(b"application/json", b"[]")),
+    (False, _answer(b"application/json", b'{"choices": [{"message": null}]}')),
+    (False, _answer(b"application/json", b'{"choices": [{"message": {"content": 5}}]}')),
+], ids=["sse-not-json", "sse-not-utf8", "sse-delta-null", "sse-usage-str", "sse-content-int",
+        "not-json", "a-list", "message-null", "content-int"])
+async def test_a_malformed_answer_is_an_error_of_its_turn_not_the_end_of_the_run(
+        stream: bool, answer: bytes) -> None:
+    async with answering_once(answer) as url:
+        spec = WorkloadSpec(sessions=2, turns=2, rate=100, think_s=0, duration_s=10,
+                            model="m", stream=stream)
+        summary = await run_workload(spec, url)
+    assert summary.errors_by_kind == (("malformed_response", 2),)
+    assert summary.turns == 2 and summary.not_sent == 2  # a session ends at its first failure
 
 
 @pytest.mark.parametrize(("flag", "field"), [
