@@ -13,15 +13,20 @@ Rules:
    and counted (``understudy_record_dropped{reason="queue_full"}``). Nothing is awaited.
 3. A writer task parses, redacts and writes in a worker thread, in batches, off the loop.
 4. No header is ever written. The route is the path without its query (a query may carry
-   a key). The session key and the body's ``user`` are written as keyed hashes under a key
-   drawn at start, never raw (a ``user`` is often an e-mail address): stable within one
-   file, meaningless outside it.
+   a key). The session key and the body's identifiers (``IDENTIFIERS``: ``user``, its
+   successor ``safety_identifier``, ``prompt_cache_key``, vLLM's ``cache_salt`` and
+   ``request_id``) are written as keyed hashes under a key drawn at start, never raw (a
+   ``user`` is often an e-mail address, a cache salt a tenant's secret): stable within one
+   file, so equal values stay equal for the replay, meaningless outside it.
 5. Message contents, tool-call arguments, completion prompts and embedding inputs are
    written only with ``prompts = true``; otherwise each of their texts is replaced by filler
    of the same length (so a replay keeps the prompt sizes) and token ids by zeros; a tool
    call's ``arguments`` by a JSON object of the same length, since a server parses them
-   (vLLM ``json.loads`` them for the chat template and fails the request otherwise). Tool
-   definitions and sampling parameters are written as sent.
+   (vLLM ``json.loads`` them for the chat template and fails the request otherwise). Only
+   the fields named in ``PARAMETERS`` (the model, tool definitions, sampling and output
+   parameters) are written as sent: every other field is redacted the same way, so a text
+   outside the messages (a completion's ``suffix``, a ``prediction``, ``metadata``, vLLM's
+   ``documents``, a field no one listed yet) is not written either.
 6. The file holds at most ``max_bytes``: a line that would pass the bound is not written,
    counted as ``max_bytes``. A recording is never overwritten nor deleted: at start a
    non-empty file at ``path`` is moved to ``<path>.1`` after the ones kept before have each
@@ -59,7 +64,7 @@ from gateway._config import RecordConfig
 from gateway._metrics import GatewayMetrics, RecordDropReason, Route
 from gateway._sampler import sampled
 
-__all__ = ["RECORDED_ROUTES", "TrafficRecorder", "redact"]
+__all__ = ["IDENTIFIERS", "PARAMETERS", "RECORDED_ROUTES", "TrafficRecorder", "redact"]
 
 log = logging.getLogger("understudy.record")
 
@@ -71,6 +76,31 @@ FILLER: Final = (
     "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
     "incididunt ut labore et dolore magna aliqua ut enim ad minim veniam quis nostrud "
 )
+PARAMETERS: Final = frozenset({
+    # what is asked, and how it is answered (OpenAI's chat, completion and embedding fields)
+    "model", "stream", "stream_options", "n", "tools", "tool_choice", "parallel_tool_calls",
+    "functions", "function_call", "response_format", "modalities", "audio",
+    "encoding_format", "dimensions", "echo", "store", "service_tier",
+    # sampling (OpenAI's, then vLLM's extra ones)
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+    "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+    "reasoning_effort", "verbosity", "best_of", "use_beam_search", "top_k", "min_p",
+    "repetition_penalty", "length_penalty", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",
+    "include_reasoning", "priority", "return_tokens_as_token_ids", "return_token_ids",
+    # vLLM's prompt rendering and structured output: the operator's template and schemas,
+    # like the tool definitions, not the conversation
+    "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structural_tag", "kv_transfer_params", "vllm_xargs",
+    "normalize", "embed_dtype",
+})
+"""Body fields written as sent when prompts are redacted (rule 5); any other is redacted."""
+IDENTIFIERS: Final = frozenset({
+    "user", "safety_identifier", "prompt_cache_key", "cache_salt", "request_id"})
+"""Body fields that name a person, a tenant or a request: written as pseudonyms (rule 4)."""
 _KEPT_KEYS: Final = frozenset({"role", "type", "id", "tool_call_id"})
 """Message fields that are structure, not text, and stay as sent (rule 5)."""
 _SAMPLER_NAME: Final = "record"
@@ -110,12 +140,11 @@ def _redacted(value: Any, key: str = "") -> Any:
 
 
 def redact(body: dict[str, Any]) -> dict[str, Any]:
-    """Rule 5: ``body`` with its prompt texts replaced by filler of the same length."""
-    out = dict(body)
-    for key in ("messages", "prompt", "input"):
-        if key in out:
-            out[key] = _redacted(out[key])
-    return out
+    """Rule 5: ``body`` with its texts replaced by filler of the same length: every field
+    but the ``PARAMETERS`` and the ``IDENTIFIERS`` (the recorder has made those pseudonyms
+    before, rule 4)."""
+    return {key: value if key in PARAMETERS or key in IDENTIFIERS else _redacted(value)
+            for key, value in body.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,8 +311,11 @@ class TrafficRecorder:
             return None
         if not isinstance(body, dict):
             return None
-        if isinstance(body.get("user"), str):
-            body["user"] = self._pseudonym(body["user"])  # rule 4
+        for key in IDENTIFIERS & body.keys():  # rule 4
+            if isinstance(body[key], str):
+                body[key] = self._pseudonym(body[key])
+            elif body[key] is not None:  # not an identifier's shape: nothing of it is kept
+                body[key] = _redacted(body[key])
         if not self.config.prompts:
             body = redact(body)
         doc = {

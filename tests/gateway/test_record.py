@@ -92,6 +92,55 @@ async def test_recording_keeps_prompts_when_configured(tmp_path: Path) -> None:
     assert _lines(path)[1]["body"]["messages"] == _chat(1)["messages"]
 
 
+_PRIVATE = "tenant-acme-7731"
+"""In every field of the bodies below that is not a parameter: none may reach the file."""
+
+
+def _private_fields() -> list[tuple[str, dict[str, Any]]]:
+    """A chat and a completion whose texts and identifiers sit outside the messages."""
+    chat = {
+        "model": "sim-model", "max_tokens": 4, "temperature": 0.5, "top_k": 7,
+        "stop": ["###"], "messages": [{"role": "user", "content": "hi"}],
+        "user": f"{_PRIVATE}@example.com", "safety_identifier": f"{_PRIVATE}@example.com",
+        "prompt_cache_key": _PRIVATE, "cache_salt": _PRIVATE, "request_id": _PRIVATE,
+        "metadata": {"customer": _PRIVATE}, "prediction": {"type": "content",
+                                                           "content": _PRIVATE},
+        "documents": [{"title": _PRIVATE, "text": _PRIVATE}],
+        "web_search_options": {"user_location": {"type": "approximate",
+                                                 "approximate": {"city": _PRIVATE}}},
+        "a_field_no_one_listed": _PRIVATE,
+    }
+    completion = {"model": "sim-model", "max_tokens": 4, "prompt": _PRIVATE,
+                  "suffix": _PRIVATE, "user": _PRIVATE}
+    return [("/v1/chat/completions", chat), ("/v1/completions", completion)]
+
+
+@pytest.mark.parametrize("prompts", [False, True])
+async def test_no_text_or_identifier_outside_the_messages_is_written(
+        tmp_path: Path, prompts: bool) -> None:
+    path = tmp_path / "traffic.jsonl"
+    async with run_sim(tokens=4) as sim, \
+            run_gateway(sim.url, record={"path": str(path), "prompts": prompts}) as gw:
+        async with aiohttp.ClientSession() as client:
+            for route, body in _private_fields():
+                async with client.post(gw.url + route, json=body,
+                                       headers={"X-Session-Id": "s"}) as response:
+                    await response.read()
+        await eventually(lambda: gw.metric("understudy_record_written_total") == 2)
+    chat, completion = (line["body"] for line in _lines(path))
+    if not prompts:
+        assert _PRIVATE not in path.read_text()
+        assert len(chat["prediction"]["content"]) == len(_PRIVATE)  # sizes survive
+        assert len(completion["suffix"]) == len(_PRIVATE)
+    for key in ("user", "safety_identifier", "prompt_cache_key", "cache_salt", "request_id"):
+        assert _PRIVATE not in chat[key]  # a pseudonym, with or without prompts
+    assert chat["prompt_cache_key"] == chat["cache_salt"] == chat["request_id"]  # equal stay
+    assert chat["user"] == chat["safety_identifier"] != chat["cache_salt"]
+    sent = _private_fields()[0][1]
+    for key in ("model", "max_tokens", "temperature", "top_k", "stop"):
+        assert chat[key] == sent[key]  # parameters are written as sent
+
+
 async def test_size_bound_exceeded_is_counted(tmp_path: Path) -> None:
     path = tmp_path / "traffic.jsonl"
     async with run_sim(tokens=4) as sim, \
