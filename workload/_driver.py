@@ -129,6 +129,7 @@ class _Run:
         self.on_turn = on_turn
         self.results: list[TurnResult] = []
         self.not_sent = 0
+        self.planned: dict[str, int] = {}  # each session started: its turns
         self.slots = asyncio.Semaphore(spec.concurrency)
         loop = asyncio.get_running_loop()
         self.started = loop.time()
@@ -147,17 +148,21 @@ class _Run:
                     or await stopped_within(self.stop, self.started + at - loop.time())):
                 self.not_sent += (spec.sessions - index) * spec.turns  # rules 1, 6
                 break
+            self.planned[self._name(index)] = spec.turns
             tasks.append(asyncio.create_task(self._session(index), name=f"load-session-{index}"))
         try:
             await settle(tasks, self.deadline + spec.drain_s - loop.time(), self.stop)  # rule 4
         finally:
             for task in tasks:
                 task.cancel()
-        return summarize(self.results, loop.time() - self.started, self.not_sent)
+        return summarize(self.results, loop.time() - self.started, self.not_sent, self.planned)
+
+    def _name(self, index: int) -> str:
+        return f"{self.spec.session_prefix}-{self.spec.seed}-{index:05d}"
 
     async def _session(self, index: int) -> None:
         spec = self.spec
-        name = f"{spec.session_prefix}-{spec.seed}-{index:05d}"
+        name = self._name(index)
         script = SessionScript.draw(name, spec.seed * MAX_SESSIONS + index, turns=spec.turns,
                                     tool_tokens=spec.tool_tokens,
                                     context_tokens=spec.context_tokens)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -164,4 +165,5 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
         for task in tasks:
             task.cancel()
         await client.close()
-    return summarize(results, loop.time() - started, not_sent)
+    planned = Counter(item.session or f"replay-{index}" for index, item in enumerate(records))
+    return summarize(results, loop.time() - started, not_sent, planned)

@@ -143,7 +143,7 @@ class DepthStats:
 @dataclass(frozen=True, slots=True)
 class WorkloadSummary:
     sessions: int  # sessions (or replayed session keys) that sent at least one turn
-    sessions_completed: int  # every turn answered without error
+    sessions_completed: int  # every turn planned for it sent and answered without error
     turns: int
     errors: int
     wall_s: float

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from rich.table import Table
 
@@ -26,17 +26,23 @@ def _mean(values: Sequence[int]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(results: Iterable[TurnResult], wall_s: float, not_sent: int = 0
-              ) -> WorkloadSummary:
+def summarize(results: Iterable[TurnResult], wall_s: float, not_sent: int = 0,
+              planned: Mapping[str, int] | None = None) -> WorkloadSummary:
+    """``results`` folded. A session is completed when every request ``planned`` for it (its
+    turns; a replayed key's records) was sent and answered without error: one cut short by
+    the duration, a stop or a bound is not. Without ``planned``, when none failed."""
     ordered = tuple(sorted(results, key=lambda r: r.started_s))
     by_turn: dict[int, list[TurnResult]] = defaultdict(list)
     failed_sessions: set[str] = set()
-    sessions: set[str] = set()
+    answered: Counter[str] = Counter()
     for result in ordered:
         by_turn[result.turn].append(result)
-        sessions.add(result.session)
+        answered[result.session] += result.ok
         if not result.ok:
             failed_sessions.add(result.session)
+    sessions = set(answered)
+    if planned is not None:
+        failed_sessions |= {s for s in sessions if answered[s] < planned.get(s, 0)}
     depths = []
     for turn in sorted(by_turn):
         group = by_turn[turn]

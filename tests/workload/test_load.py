@@ -210,6 +210,14 @@ async def test_stop_ends_a_run_still_looking_up_its_model() -> None:
     assert summary.turns == 0 and summary.not_sent == 6
 
 
+async def test_a_session_cut_short_by_the_duration_is_not_completed() -> None:
+    async with run_sim(**FAST) as sim:
+        spec = WorkloadSpec(sessions=3, turns=3, rate=100, think_s=2, duration_s=0.5)
+        summary = await run_workload(spec, sim.url)
+    assert summary.turns == 3 and summary.errors == 0 and summary.not_sent == 6
+    assert summary.sessions == 3 and summary.sessions_completed == 0  # 1 of 3 turns each
+
+
 def _answer(content_type: bytes, body: bytes) -> bytes:
     return (b"HTTP/1.1 200 OK\r\nContent-Type: " + content_type + b"\r\nContent-Length: "
             + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)

@@ -167,3 +167,14 @@ async def test_records_past_max_requests_are_counted_not_sent(tmp_path: Path) ->
     async with run_sim(**FAST) as sim:
         summary = await replay_workload(path, sim.url, spec=ReplaySpec(max_requests=2))
     assert summary.turns == 2 and summary.not_sent == 3
+
+
+async def test_a_replayed_session_with_records_not_sent_is_not_completed(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    _write(path, [{"offset_s": at, "route": "/v1/chat/completions", "session": session,
+                   "body": _chat("x")}
+                  for at, session in [(0, "a"), (0.05, "b"), (0.1, "a"), (30, "a")]])
+    async with run_sim(**FAST) as sim:
+        summary = await replay_workload(path, sim.url, spec=ReplaySpec(duration_s=1))
+    assert summary.turns == 3 and summary.errors == 0 and summary.not_sent == 1
+    assert summary.sessions == 2 and summary.sessions_completed == 1  # b; a's third not sent
