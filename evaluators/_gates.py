@@ -8,7 +8,11 @@ metric, a :class:`MetricGate`, by the metric's name:
    switches its check off; ``min_samples=None`` falls back to ``Gates.min_samples``).
 2. Pairwise metrics (one value per exchange, candidate against primary): the semantic
    similarity metric must keep its mean above ``min_semantic_similarity``; every
-   pairwise metric is compared with the noise floor when a secondary's sample exists.
+   pairwise metric is compared with the noise floor when a secondary's sample exists,
+   within ``max_noise_floor_shift_ratio``, on the mean. The per-exchange latency ratios
+   (``latency.*_ratio``) are latency: their median (a ratio's mean is pulled by its few
+   slowest requests) within the latency tolerance ``max_median_shift_ratio``, so a
+   candidate 4 % slower, inside the 10 % latency gate, does not fail its ratios'.
    Pairwise checks use the mean: many pairwise metrics are 0/1 agreements, whose
    Hodges-Lehmann shift is 0 whatever the two rates are.
 3. Rate metrics (``rate_metrics``: 0/1 per exchange, such as ``reliability.success``):
@@ -31,11 +35,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from scipy import stats
 
 from evaluators._statistics import (
     DEFAULT_CONFIDENCE,
@@ -71,6 +76,7 @@ __all__ = [
     "MetricGate",
     "Outcome",
     "backend_checks",
+    "not_significant_overall",
     "pairwise_checks",
 ]
 
@@ -115,6 +121,10 @@ class MetricGate(BaseModel):
     min_mean: float | None = None
     max_mean: float | None = None
     max_noise_floor_shift_ratio: float | None = Field(default=None, ge=0.0)
+    noise_floor_statistic: Literal["mean", "median"] = "mean"
+    """What the noise-floor check compares: the mean (0/1 agreements, whose median shift
+    is 0 whatever their rates) or the median (a ratio, whose mean a few slow requests
+    pull: the Hodges-Lehmann shift)."""
 
     @property
     def has_backend_checks(self) -> bool:
@@ -167,9 +177,14 @@ class Gates(BaseModel):
             return explicit
         if pairwise:
             similarity = metric == SEMANTIC_SIMILARITY_METRIC
+            # A per-exchange latency ratio is latency: it gets the latency tolerance, not
+            # the answers' agreement's (rule 2).
+            latency = metric.startswith(LATENCY_PREFIX)
             return MetricGate(
                 min_mean=self.min_semantic_similarity if similarity else None,
-                max_noise_floor_shift_ratio=self.max_noise_floor_shift_ratio,
+                max_noise_floor_shift_ratio=(self.max_median_shift_ratio if latency
+                                             else self.max_noise_floor_shift_ratio),
+                noise_floor_statistic="median" if latency else "mean",
             )
         if metric in self.rate_metrics:
             return MetricGate(max_mean_worsening=self.max_error_rate_increase)
@@ -213,11 +228,17 @@ class Check:
     ci_high: float | None
     significant: bool
     reason: str
+    p_value: float | None = None
+    """One-sided: how likely a value this far on the bad side of the evidence's null is
+    if the candidate is no worse (None: the check tests nothing, or its test gives no p)."""
+    margin: float | None = None
+    """The band around the threshold this check was graded with (None: not graded by
+    rule 2, so not graded again by the judge's rule 10)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["outcome"] = self.outcome.value
-        for key in ("value", "threshold", "ci_low", "ci_high"):
+        for key in ("value", "threshold", "ci_low", "ci_high", "p_value", "margin"):
             if out[key] is not None and not math.isfinite(out[key]):
                 out[key] = None  # JSON has no infinity; the reason says "inf"
         return out
@@ -231,6 +252,7 @@ class _Evidence:
     low: float | None
     high: float | None
     significant: bool
+    p_value: float | None = None
 
 
 def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
@@ -241,7 +263,8 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
     if gate.max_shift_ratio is not None:
         low, high = _orient_shift(c.relative_ci_low, c.relative_ci_high, hib)
         x = None if c.relative_shift is None else _worse(c.relative_shift, hib)
-        evidence = _Evidence(x, low, high, c.significantly_worse)
+        evidence = _Evidence(x, low, high, c.significantly_worse,
+                             _interval_p(x, low, 0.0, c.confidence))
         label = "median change toward worse, relative to the primary's"
         checks.append(_graded("median_shift", label, evidence, gate.max_shift_ratio, band, True))
     if gate.max_mean_ratio is not None:
@@ -249,12 +272,16 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
         x = None if c.mean_ratio is None else _worse_ratio(c.mean_ratio, hib)
         shift_low, _ = _orient_shift(c.mean_shift_ci_low, c.mean_shift_ci_high, hib)
         significant = _above(low, 1.0) if x is not None else _above(shift_low, 0.0)
-        evidence = _Evidence(x, low, high, significant)
+        p_value = (_interval_p(x, low, 1.0, c.confidence) if x is not None else
+                   _interval_p(_worse(c.mean_shift, hib), shift_low, 0.0, c.confidence))
+        evidence = _Evidence(x, low, high, significant, p_value)
         label = f"mean ratio {ratio}"
         checks.append(_graded("mean_ratio", label, evidence, gate.max_mean_ratio, band))
     if gate.max_mean_worsening is not None:
         low, high = _orient_shift(c.mean_shift_ci_low, c.mean_shift_ci_high, hib)
-        evidence = _Evidence(_worse(c.mean_shift, hib), low, high, _above(low, 0.0))
+        x = _worse(c.mean_shift, hib)
+        evidence = _Evidence(x, low, high, _above(low, 0.0),
+                             _interval_p(x, low, 0.0, c.confidence))
         label = "change of the rate toward worse"
         checks.append(_graded("mean_worsening", label, evidence, gate.max_mean_worsening, band))
     if gate.max_tail_ratio is not None:
@@ -262,7 +289,8 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
         x = None if c.tail_ratio is None else _worse_ratio(c.tail_ratio, hib)
         tail_worse = _worse(c.tail_candidate - c.tail_baseline, hib) > 0.0
         significant = _above(low, gate.max_tail_ratio) if x is not None else tail_worse
-        evidence = _Evidence(x, low, high, significant)
+        evidence = _Evidence(x, low, high, significant,
+                             _interval_p(x, low, gate.max_tail_ratio, c.confidence))
         label = f"p{round(c.tail_quantile * 100)} ratio {ratio} (the bad tail)"
         checks.append(_graded("tail_ratio", label, evidence, gate.max_tail_ratio, band))
     if gate.max_std_ratio is not None:
@@ -270,15 +298,17 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
         if x is None:
             x = math.inf if c.std_candidate > 0.0 else 1.0
         label = f"std ratio candidate/primary (Brown-Forsythe p={c.variance_p_value:.3g})"
+        # Brown-Forsythe's p is two-sided; the check asks whether the spread grew.
+        p_value = c.variance_p_value / 2.0 if c.std_candidate > c.std_baseline else 1.0
         tail_no_worse = c.tail_ratio is not None and _worse_ratio(c.tail_ratio, hib) <= 1.0
         if c.significantly_better and tail_no_worse:
             # A wider spread around a better centre, with a bad tail no worse than the
             # primary's, harms nobody: the variance check guards against hidden tails.
             checks.append(Check("std_ratio", Outcome.PASS, x, gate.max_std_ratio, None, None,
                                 c.variance_increased, f"{label}: {x:.4g}; the candidate is "
-                                "significantly better and its bad tail is no worse"))
+                                "significantly better and its bad tail is no worse", p_value))
         else:
-            evidence = _Evidence(x, None, None, c.variance_increased)
+            evidence = _Evidence(x, None, None, c.variance_increased, p_value)
             checks.append(_graded("std_ratio", label, evidence, gate.max_std_ratio, band))
     return checks
 
@@ -290,7 +320,8 @@ def stratified_shift_check(
     hib = s.higher_is_better
     low, high = _orient_shift(s.relative_ci_low, s.relative_ci_high, hib)
     x = None if s.relative_shift is None else _worse(s.relative_shift, hib)
-    evidence = _Evidence(x, low, high, s.significantly_worse)
+    evidence = _Evidence(x, low, high, s.significantly_worse,
+                         _interval_p(x, low, 0.0, s.confidence))
     p = "n/a" if s.p_value is None else f"{s.p_value:.3g}"
     label = (f"median change toward worse {basis.removeprefix('primary ')}, relative to "
              f"the primary's (van Elteren p={p})")
@@ -309,26 +340,40 @@ def pairwise_checks(
         if limit is None:
             continue
         kind, note = "minimum" if sign > 0 else "maximum", ""
-        floor_mean = None if floor is None else floor.mean_baseline
-        if floor_mean is not None and sign * (limit - floor_mean) > 0.0:
+        interval = [sign * (limit - b) for b in (s.mean_ci_low, s.mean_ci_high)
+                    if b is not None]
+        if floor is not None and sign * (limit - floor.mean_baseline) > 0.0:
             note = f" (relaxed from {limit:.4g} to the noise floor's mean)"
-            limit = floor_mean
-        bounds = sorted(
-            sign * (limit - b) for b in (s.mean_ci_low, s.mean_ci_high) if b is not None
-        )
+            limit = floor.mean_baseline
+            # The floor's mean is measured too: the shortfall's interval is the two
+            # samples' (candidate - floor), not the candidate's alone against a constant.
+            interval = [-sign * b for b in (floor.mean_shift_ci_low, floor.mean_shift_ci_high)
+                        if b is not None]
+        bounds = sorted(interval)
         low, high = (bounds[0], bounds[1]) if len(bounds) == 2 else (None, None)
-        evidence = _Evidence(sign * (limit - s.mean), low, high, _above(low, 0.0))
+        shortfall = sign * (limit - s.mean)
+        evidence = _Evidence(shortfall, low, high, _above(low, 0.0),
+                             _interval_p(shortfall, low, 0.0, s.confidence))
         label = f"mean {s.mean:.4g} against the {kind} {limit:.4g}{note}, shortfall"
         margin = band * abs(limit)
         checks.append(_graded("mean_limit", label, evidence, 0.0, 0.0, margin=margin))
     tolerance = gate.max_noise_floor_shift_ratio
-    if floor is not None and tolerance is not None:
+    if floor is not None and tolerance is not None and gate.noise_floor_statistic == "median":
+        hib = floor.higher_is_better
+        low, high = _orient_shift(floor.relative_ci_low, floor.relative_ci_high, hib)
+        x = None if floor.relative_shift is None else _worse(floor.relative_shift, hib)
+        evidence = _Evidence(x, low, high, floor.significantly_worse,
+                             _interval_p(x, low, 0.0, floor.confidence))
+        label = "median change toward worse beyond the noise floor, relative to the floor's"
+        checks.append(_graded("noise_floor", label, evidence, tolerance, band, True))
+    elif floor is not None and tolerance is not None:
         scale = abs(floor.mean_baseline)
         hib = floor.higher_is_better
         low, high = _orient_shift(floor.mean_shift_ci_low, floor.mean_shift_ci_high, hib)
         x = _worse(floor.mean_shift, hib) / scale if scale > 0.0 else None
         rel = [None if b is None or scale == 0.0 else b / scale for b in (low, high)]
-        evidence = _Evidence(x, rel[0], rel[1], _above(low, 0.0))
+        evidence = _Evidence(x, rel[0], rel[1], _above(low, 0.0),
+                             _interval_p(x, rel[0], 0.0, floor.confidence))
         label = "mean change toward worse beyond the noise floor, relative to the floor"
         checks.append(_graded("noise_floor", label, evidence, tolerance, band, True))
     return checks
@@ -348,25 +393,60 @@ def _graded(
     over zero) falls back to the evidence alone."""
     fmt = _percent if percent else _number
     margin = band * abs(threshold) if margin is None else margin
+    outcome, why = _grade(e.significant, e.x, threshold, margin)
     if e.x is None:
-        outcome = Outcome.MARGINAL if e.significant else Outcome.PASS
-        why = "significantly worse" if e.significant else "no significant worsening"
-        reason = f"{label} undefined (a zero denominator); {why}"
-        return Check(name, outcome, None, threshold, e.low, e.high, e.significant, reason)
-    if e.significant and e.x > threshold + margin:
-        outcome, why = Outcome.FAIL, "significant, and beyond the limit and its band"
-    elif e.significant:
-        outcome, why = Outcome.MARGINAL, "significant, but not beyond the limit and its band"
-    elif e.x > threshold - margin:
-        outcome, why = Outcome.MARGINAL, "not significant, but in the limit's band or beyond"
-    else:
-        outcome, why = Outcome.PASS, "within the limit"
+        reason = f"{label} undefined (a zero denominator): {why}"
+        return Check(name, outcome, None, threshold, e.low, e.high, e.significant, reason,
+                     e.p_value, margin)
     interval = ""
     if e.low is not None and e.high is not None:
         interval = f" (CI {fmt(e.low)}..{fmt(e.high)})"
     band_text = f"{margin:.1%}" if percent else _number(margin)
     reason = f"{label}: {fmt(e.x)}{interval}; limit {fmt(threshold)} +/- {band_text}: {why}"
-    return Check(name, outcome, e.x, threshold, e.low, e.high, e.significant, reason)
+    return Check(name, outcome, e.x, threshold, e.low, e.high, e.significant, reason,
+                 e.p_value, margin)
+
+
+def _grade(significant: bool, x: float | None, threshold: float | None,
+           margin: float) -> tuple[Outcome, str]:
+    """Rule 2's outcome and the words that say why (the last part of a check's reason)."""
+    if x is None or threshold is None:
+        if significant:
+            return Outcome.MARGINAL, "significantly worse"
+        return Outcome.PASS, "no significant worsening"
+    if significant and x > threshold + margin:
+        return Outcome.FAIL, "significant, and beyond the limit and its band"
+    if significant:
+        return Outcome.MARGINAL, "significant, but not beyond the limit and its band"
+    if x > threshold - margin:
+        return Outcome.MARGINAL, "not significant, but in the limit's band or beyond"
+    return Outcome.PASS, "within the limit"
+
+
+def not_significant_overall(check: Check, note: str) -> Check:
+    """``check``, whose evidence held alone but not among all of a verdict's checks (the
+    judge's rule 10), graded again as not significant; ``note`` says why."""
+    if check.margin is None:
+        raise ValueError(f"{check.name}: not a check graded by rule 2")
+    outcome, why = _grade(False, check.value, check.threshold, check.margin)
+    head = check.reason.rsplit(": ", 1)[0]  # the words after the last ": " say why
+    return replace(check, outcome=outcome, significant=False,
+                   reason=f"{head}: {why} ({note})")
+
+
+def _interval_p(x: float | None, low: float | None, null: float,
+                confidence: float) -> float | None:
+    """One-sided p that x is no worse than ``null``, read from its two-sided interval at
+    ``confidence`` by the normal approximation on the interval's lower side (Altman and
+    Bland, "How to obtain the P value from a confidence interval", BMJ 2011). It is below
+    (1 - confidence) / 2 exactly when the interval lies wholly above ``null``, so it
+    agrees with the check's own evidence."""
+    if x is None or low is None or not (math.isfinite(x) and math.isfinite(low)):
+        return None
+    if x <= low:  # a degenerate interval: the estimate is its lower end
+        return 0.0 if low > null else 1.0
+    z = float(stats.norm.isf((1.0 - confidence) / 2.0))
+    return float(stats.norm.sf(z * (x - null) / (x - low)))
 
 
 def _worse(shift: float, higher_is_better: bool) -> float:

@@ -32,6 +32,8 @@ Rules:
    evidence alone: MARGINAL when it holds, PASS otherwise.
 3. A noise floor with enough values lowers a pairwise minimum to the floor's mean when
    the primary's own replica does not reach it: differences count beyond the floor only.
+   The floor's mean is itself measured, so the shortfall's interval is then the two
+   samples' (candidate against floor), not the candidate's against a constant.
 4. A metric's verdict is the worst of its checks. A metric without checks is not gated:
    its verdict and statistics are shown but do not count.
 5. The candidate's verdict is the worst over gated metrics, FAIL > INCONCLUSIVE >
@@ -67,6 +69,16 @@ Rules:
    ``reweighting`` keeps the weights and the same metric judged unweighted. A metric
    whose baseline is the same-rate replica is not reweighted (the replica's sample has
    its own mix) and says so.
+10. Significance holds for the whole verdict, not for each check alone. A verdict runs
+   some 25 checks; each alone at the gates' confidence (a one-sided level of (1 -
+   confidence) / 2), 5 of 30 windows of an identical candidate were FAILs
+   (``tests/evaluators/test_judge_calibration.py``; ``bench/judge_calibration.py``
+   counts more). So the gated checks
+   that carry a p-value (``Check.p_value``, read from the check's own interval) are
+   tested together by Holm's procedure at that same level: the chance that any check of
+   an identical candidate is called significant stays at most (1 - confidence) / 2. A
+   check significant alone but not among them is graded again as not significant (rule
+   2), and its reason says so.
 """
 
 from __future__ import annotations
@@ -84,6 +96,7 @@ from evaluators._gates import (
     MetricGate,
     Outcome,
     backend_checks,
+    not_significant_overall,
     pairwise_checks,
     stratified_shift_check,
 )
@@ -105,6 +118,7 @@ from evaluators._statistics import (
     PairwiseSummary,
     Samples,
     compare_samples,
+    holm_rejected,
     summarize_pairwise,
 )
 from evaluators._strata import StratifiedComparison, bin_labels, compare_strata
@@ -280,6 +294,7 @@ def judge(
                                                   gates, higher, metric_seed))
                 continue
         verdicts.append(_judge_metric(name, metric_samples, gates, higher, metric_seed))
+    verdicts = _significant_overall(verdicts, gates)
     if sample_bias is not None and sample_bias.skew:
         reweighted = [v.metric for v in verdicts if v.reweighting is not None]
         verdicts.append(_sample_bias_verdict(sample_bias, reweighted, not_reweighted))
@@ -303,6 +318,27 @@ def judge(
                          for r in sample_bias.reasons)
         reasons += tuple(f"{SAMPLE_BIAS_METRIC}: {r}" for r in verdicts[-1].reasons[1:])
     return Verdict(overall, reasons, tuple(verdicts), more_needed)
+
+
+def _significant_overall(verdicts: list[MetricVerdict], gates: Gates) -> list[MetricVerdict]:
+    """Rule 10: every gated check's evidence tested together."""
+    alpha = (1.0 - gates.confidence) / 2.0
+    tested = [(i, j, check.p_value) for i, verdict in enumerate(verdicts) if verdict.gated
+              for j, check in enumerate(verdict.checks) if check.p_value is not None]
+    rejected = holm_rejected([p for _, _, p in tested], alpha)
+    out = list(verdicts)
+    for (i, j, p), holds in zip(tested, rejected, strict=True):
+        check = out[i].checks[j]
+        if holds or not check.significant or check.margin is None:
+            continue
+        note = (f"p={p:.2g} alone, not significant among the verdict's {len(tested)} "
+                f"checks at {alpha:.1%} (Holm)")
+        checks = list(out[i].checks)
+        checks[j] = not_significant_overall(check, note)
+        outcome = max((c.outcome for c in checks), key=SEVERITY.__getitem__)
+        out[i] = dataclasses.replace(out[i], outcome=outcome, checks=tuple(checks),
+                                     reasons=tuple(c.reason for c in checks))
+    return out
 
 
 def _replica_is_basis(name: str, samples: MetricSamples, gates: Gates) -> bool:

@@ -53,6 +53,7 @@ __all__ = [
     "ShiftEstimate",
     "compare_samples",
     "hodges_lehmann",
+    "holm_rejected",
     "summarize_pairwise",
 ]
 
@@ -190,6 +191,20 @@ class PairwiseSummary:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["noise_floor"] = None if self.noise_floor is None else self.noise_floor.to_dict()
         return out
+
+
+def holm_rejected(p_values: Sequence[float], alpha: float) -> tuple[bool, ...]:
+    """Holm's step-down procedure ("A simple sequentially rejective multiple test
+    procedure", 1979): which of the hypotheses, one p-value each, are rejected while the
+    chance of rejecting any true one stays at most ``alpha``. Written here: the one
+    library that has it (statsmodels) is a large dependency for these few lines."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    rejected = [False] * len(p_values)
+    for rank, i in enumerate(order):
+        if p_values[i] > alpha / (len(p_values) - rank):
+            break
+        rejected[i] = True
+    return tuple(rejected)
 
 
 def hodges_lehmann(
