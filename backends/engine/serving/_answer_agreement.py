@@ -28,11 +28,21 @@ from ..model._model import LlamaModel
 from ..model._sampling import SamplingParams
 from ._engine import Engine
 
-__all__ = ["DEFAULT_ANSWER_TOKENS", "AnswerAgreement", "answer_agreement", "greedy_answers"]
+__all__ = [
+    "DEFAULT_ANSWER_TOKENS",
+    "MAX_ANSWER_TOKENS",
+    "AnswerAgreement",
+    "answer_agreement",
+    "greedy_answers",
+]
 
 DEFAULT_ANSWER_TOKENS = 24
 """Tokens of each greedy answer compared (short answers: the questions are short)."""
 _KV_LIMIT_BYTES = 64 << 20
+MAX_ANSWER_TOKENS = 1024
+"""The longest answer asked for: a question's prompt (under 100 tokens) and this many tokens fit
+the fp32 reference engine's pool of ``_KV_LIMIT_BYTES`` (90 blocks, 1,440 tokens); past it the
+engine refuses the request, which ``kv-quality`` found out only after its measurement."""
 
 Calibration = tuple[Sequence[Float32Array], Sequence[Float32Array]]
 

@@ -32,7 +32,7 @@ from ..kv.codecs._summary import quality_rows
 from ..kv.codecs._texts import PROMPTS, QUESTIONS
 from ..model._gguf import read_gguf_config
 from ..model._model import LlamaModel
-from ._answer_agreement import DEFAULT_ANSWER_TOKENS, answer_agreement
+from ._answer_agreement import DEFAULT_ANSWER_TOKENS, MAX_ANSWER_TOKENS, answer_agreement
 
 __all__ = ["kv_quality_command"]
 
@@ -169,8 +169,9 @@ def _text_options(
 )
 @click.option("--questions", type=click.IntRange(0, len(QUESTIONS)), default=len(QUESTIONS),
               show_default=True, help="Questions answered greedily (0: none).")  # fmt: skip
-@click.option("--answer-tokens", type=click.IntRange(1), default=DEFAULT_ANSWER_TOKENS,
-              show_default=True, help="Tokens of each greedy answer.")  # fmt: skip
+@click.option("--answer-tokens", type=click.IntRange(1, MAX_ANSWER_TOKENS),
+              default=DEFAULT_ANSWER_TOKENS, show_default=True,
+              help="Tokens of each greedy answer.")  # fmt: skip
 @click.option(
     "--encode-tokens", type=click.IntRange(1), default=DEFAULT_BLOCK_SIZE, show_default=True,
     help="Tokens per encoded block (the engine's block size).",

@@ -24,6 +24,8 @@ from backends.engine import (
     kv_quality_command,
     plan_kv_command,
 )
+from backends.engine.kv.codecs._texts import QUESTIONS
+from backends.engine.serving._answer_agreement import _KV_LIMIT_BYTES, MAX_ANSWER_TOKENS
 from backends.engine.serving._server_config import UnifiedServerConfig
 
 SMALL = ["--tokens", "48", "--queries", "16", "--prompts", "1", "--threads", "1", "--json"]
@@ -167,6 +169,28 @@ def test_a_budget_no_codec_can_meet_is_refused_before_the_model_loads(
     lightest = "fp16" if "fp16,fp32" in args else "e8-2"
     assert f"({lightest}, the lightest of --codecs)" in result.output
     assert "(fp32, the heaviest codec)" in result.output
+
+
+@pytest.mark.usefixtures("no_model_load")
+def test_answers_longer_than_the_reference_engine_holds_are_refused_before_loading() -> None:
+    """--answer-tokens past what the fp32 reference engine's pool holds was a traceback from
+    the engine ('request needs 315 KV blocks, the pool has 90') after the whole measurement."""
+    too_long = str(MAX_ANSWER_TOKENS + 1)
+    result = CliRunner().invoke(kv_quality_command, ["--answer-tokens", too_long])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert f"'--answer-tokens': {MAX_ANSWER_TOKENS + 1} is not in the range" in result.stderr
+
+
+def test_the_longest_answer_asked_for_fits_the_reference_engine(engine_model: LlamaModel) -> None:
+    """Every question with MAX_ANSWER_TOKENS is taken by the engines greedy_answers builds (the
+    engine refuses a request its pool cannot hold when it is added, before any step)."""
+    engine = Engine(engine_model, _KV_LIMIT_BYTES, max_num_seqs=len(QUESTIONS))
+    params = SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0.0)
+    for index, question in enumerate(QUESTIONS):
+        ids = engine_model.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        engine.add_request(str(index), ids, params)
+    assert engine.has_unfinished_requests()
 
 
 @pytest.mark.usefixtures("no_model_load")
