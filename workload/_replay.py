@@ -5,10 +5,16 @@ The file is JSON lines, one request each, as the gateway's ``[record]`` section 
 
 Rules:
 1. At most ``max_requests`` records are read; a line that is not such a record (not UTF-8,
-   not JSON, an ``offset_s`` that is not a finite number >= 0, a ``route`` that is not a
-   string) is an error naming its line number, and so is a file with no record at all: a
-   wrong file fails loudly, not as an empty replay. The lines past ``max_requests`` are not
+   not JSON, a string with a lone surrogate, which no request can carry, an ``offset_s``
+   that is not a finite number >= 0, a ``route`` that is not a string) is an error naming
+   its line number, and so is a file with no record at all: a wrong file fails loudly, not
+   as an empty replay, and before anything is sent. The lines past ``max_requests`` are not
    read as records, only counted, in ``not_sent``.
+6. Memory does not grow with the file: the first pass checks every line and keeps only where
+   each record lies (``_Entry``: its offset, line position, route, session, depth); a
+   record's body is read again from the file when its request takes a slot, so at most
+   ``concurrency`` bodies are held. The file stays open for the replay: a recording moved
+   aside meanwhile (a gateway's restart) is still the one read.
 2. Records are sent in offset order, each at ``(offset_s - first offset) / speed`` after the
    replay began, whatever the answers' speed: an open loop, as production is. At most
    ``concurrency`` are in flight; a record whose send time is at or past ``duration_s`` is
@@ -26,12 +32,14 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import json
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
+
+import orjson
 
 from workload._call import ReplayRoute, open_client, send
 from workload._driver import OnTurn, result_of, settle, stopped_within
@@ -68,31 +76,60 @@ class TrafficRecord:
         return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
 
 
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """Rule 6: a record checked and left in the file, ``position`` its line's first byte."""
+
+    offset_s: float
+    position: int
+    number: int  # the line's, for messages
+    route: str
+    session: str | None
+    turn: int
+
+
 def read_records(path: Path, max_requests: int) -> list[TrafficRecord]:
     """Rule 1: the first ``max_requests`` records of ``path``, in offset order."""
-    return _read(path, max_requests)[0]
-
-
-def _read(path: Path, max_requests: int) -> tuple[list[TrafficRecord], int]:
-    """Rule 1: the first ``max_requests`` records of ``path`` in offset order, and how many
-    non-blank lines follow them."""
-    records: list[TrafficRecord] = []
-    left = 0
     with path.open("rb") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            if len(records) >= max_requests:
-                left += 1
-                continue
-            try:  # json.loads decodes the bytes: not UTF-8 is a ValueError too
-                records.append(_record(json.loads(line)))
-            except (ValueError, TypeError, KeyError) as exc:
-                raise ValueError(f"{path}:{number}: not a traffic record ({exc})") from exc
-    if not records:
+        entries, _ = _index(fh, path, max_requests)
+        return [_load(fh, path, entry) for entry in entries]
+
+
+def _index(fh: BinaryIO, path: Path, max_requests: int) -> tuple[list[_Entry], int]:
+    """Rules 1, 6: where the first ``max_requests`` records of ``fh`` lie, in offset order,
+    and how many non-blank lines follow them."""
+    entries: list[_Entry] = []
+    left = 0
+    position = 0
+    for number, line in enumerate(fh, start=1):
+        at, position = position, position + len(line)
+        if not line.strip():
+            continue
+        if len(entries) >= max_requests:
+            left += 1
+            continue
+        item = _parsed(line, path, number)
+        session = None if item.session is None else sys.intern(item.session)
+        entries.append(_Entry(item.offset_s, at, number, sys.intern(item.route), session,
+                              item.turn))
+    if not entries:
         raise ValueError(f"{path}: no traffic records")
-    records.sort(key=lambda r: r.offset_s)
-    return records, left
+    entries.sort(key=lambda e: e.offset_s)
+    return entries, left
+
+
+def _load(fh: BinaryIO, path: Path, entry: _Entry) -> TrafficRecord:
+    """Rule 6: ``entry``'s record, read again. No await between the seek and the read: the
+    one file object serves every request of the replay."""
+    fh.seek(entry.position)
+    return _parsed(fh.readline(), path, entry.number)
+
+
+def _parsed(line: bytes, path: Path, number: int) -> TrafficRecord:
+    try:  # orjson reads UTF-8 alone and refuses lone surrogates: both ValueErrors
+        return _record(orjson.loads(line))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{path}:{number}: not a traffic record ({exc})") from exc
 
 
 def _record(doc: Any) -> TrafficRecord:
@@ -109,7 +146,12 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
     """Send the records of ``path`` to ``base_url`` as rules 1-5 say."""
     spec = spec or ReplaySpec()
     stop = stop or asyncio.Event()
-    records, not_sent = _read(path, spec.max_requests)
+    fh = path.open("rb")
+    try:  # a large file takes seconds to check: not on the loop, which handles Ctrl-C
+        records, not_sent = await asyncio.to_thread(_index, fh, path, spec.max_requests)
+    except BaseException:
+        fh.close()
+        raise
     client = open_client(base_url, api_key, spec.request_timeout_s)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -121,11 +163,8 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
         if on_turn is not None:
             on_turn(result)
 
-    async def one(index: int, item: TrafficRecord, route: ReplayRoute) -> None:
+    async def one(index: int, item: _Entry, route: ReplayRoute) -> None:
         nonlocal not_sent
-        body = dict(item.body)
-        if spec.model is not None:
-            body["model"] = spec.model
         session = item.session or f"replay-{index}"
         headers = {spec.session_header: session}
         try:
@@ -134,6 +173,9 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
             not_sent += 1  # rules 4, 5: never sent, counted
             raise
         try:
+            body = _load(fh, path, item).body  # rule 6: read when it is sent
+            if spec.model is not None:
+                body["model"] = spec.model
             started_s = loop.time() - started
             try:
                 answer = await send(client, route, body, headers, spec.request_timeout_s)
@@ -147,7 +189,7 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
 
     tasks: list[asyncio.Task[None]] = []
     try:
-        first = records[0].offset_s  # read_records refuses a file with none
+        first = records[0].offset_s  # _index refuses a file with none
         last_at = 0.0
         for index, item in enumerate(records):  # rule 2
             at = (item.offset_s - first) / spec.speed
@@ -165,5 +207,6 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
         for task in tasks:
             task.cancel()
         await client.close()
+        fh.close()
     planned = Counter(item.session or f"replay-{index}" for index, item in enumerate(records))
     return summarize(results, loop.time() - started, not_sent, planned)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import signal
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,7 @@ async def test_records_waiting_for_a_slot_at_the_end_are_counted_not_sent(
     b'{"offset_s": "1e400", "route": "/v1/completions", "body": {}}',
     b'{"offset_s": 0, "route": ["/v1/completions"], "body": {}}',
     b'{"offset_s": 0, "route": "/v1/completions", "body": {"prompt": "\xff\xfe"}}',
+    b'{"offset_s": 0, "route": "/v1/completions", "body": {"prompt": "a \\ud800 b"}}',
 ])
 async def test_a_line_that_is_not_a_record_is_named(tmp_path: Path, line: bytes) -> None:
     path = tmp_path / "odd.jsonl"
@@ -178,3 +180,23 @@ async def test_a_replayed_session_with_records_not_sent_is_not_completed(tmp_pat
         summary = await replay_workload(path, sim.url, spec=ReplaySpec(duration_s=1))
     assert summary.turns == 3 and summary.errors == 0 and summary.not_sent == 1
     assert summary.sessions == 2 and summary.sessions_completed == 1  # b; a's third not sent
+
+
+async def test_a_replay_holds_the_bodies_in_flight_not_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    body = _chat("x" * 50_000)
+    with path.open("w") as fh:  # 20 MB of records, 0.01 s apart
+        for i in range(400):
+            fh.write(json.dumps({"offset_s": i * 0.01, "route": "/v1/chat/completions",
+                                 "session": f"s{i % 7}", "body": body}) + "\n")
+    async with run_sim(ttft_ms=5000, tokens=4) as slow:  # 100 records due, 2 in flight
+        spec = ReplaySpec(duration_s=1, concurrency=2, drain_s=0.2)
+        tracemalloc.start()
+        try:
+            summary = await replay_workload(path, slow.url, spec=spec)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert summary.turns == 2 and summary.errors_by_kind == (("cancelled", 2),)
+    assert summary.not_sent == 398
+    assert peak < path.stat().st_size / 4, peak  # was the whole file, parsed
