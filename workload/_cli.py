@@ -103,6 +103,11 @@ def load_command(url: str, sessions: int, turns: int, rate: float, think_s: floa
                 spec, url, api_key=api_key, stop=stop))
     except openai.APIConnectionError as exc:  # its message names no address
         raise click.ClickException(f"cannot reach {url}: {exc}") from exc
+    except openai.APIStatusError as exc:  # the model lookup's (each turn counts its own)
+        # Its message is 'Error code: 404 - ...' alone: the URL asked is what tells a --url
+        # with a wrong path apart from a server that refuses.
+        raise click.ClickException(
+            f"{exc.request.method} {exc.request.url}: {exc.message}") from exc
     except (ValueError, RuntimeError, openai.OpenAIError) as exc:
         # A file that is not a recording; a server that cannot be reached or lists no model.
         raise click.ClickException(str(exc)) from exc

@@ -165,6 +165,14 @@ async def test_cli_unreachable_server_is_a_clear_error() -> None:
     assert result.exit_code == 1 and "Error:" in result.output
 
 
+async def test_a_model_lookup_refused_names_the_url_it_asked() -> None:
+    async with run_sim(**FAST) as sim:
+        args = ["load", "--url", f"{sim.url}/not-openai", "--sessions", "1", "--turns", "1"]
+        result = await asyncio.to_thread(CliRunner().invoke, main, args)
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: GET {sim.url}/not-openai/models: Error code: 404")
+
+
 async def test_stop_ends_a_run_at_once_with_its_summary() -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
