@@ -23,13 +23,20 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestPayloadError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from gateway._config import MIN_ADMIN_TOKEN_LENGTH, AdminConfig, CandidateConfig
 from gateway._destinations import RefusedDestination, check_candidate_url, masked_url
@@ -76,6 +83,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _no_control_characters(actor: str) -> str:
+    # The audit log's actor column is text: PostgreSQL refuses NUL in it, which answered a
+    # 503 'the store refused it' for a name (an operator retries a 503; this never passes).
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in actor):
+        raise ValueError("holds a control character (NUL, a line break, ...)")
+    return actor
+
+
+Actor = Annotated[str, Field(min_length=1, max_length=100),
+                  AfterValidator(_no_control_characters)]
+"""Who asks for a routing change: a name for the audit log."""
 
 
 class CandidateUpdate(_Body):
@@ -134,13 +154,13 @@ ROUTING_VERSION_FIELD = Field(
 class PromoteBody(_Body):
     force: bool = False
     reason: str | None = Field(None, max_length=1000)
-    actor: str = Field("admin", min_length=1, max_length=100)
+    actor: Actor = "admin"
     routing_version: int | None = ROUTING_VERSION_FIELD
 
 
 class RollbackBody(_Body):
     reason: str | None = Field(None, max_length=1000)
-    actor: str = Field("admin", min_length=1, max_length=100)
+    actor: Actor = "admin"
     routing_version: int | None = ROUTING_VERSION_FIELD
 
 
@@ -148,7 +168,7 @@ class CanaryBody(_Body):
     steps: list[float] = Field(default_factory=lambda: [1.0, 5.0, 25.0, 50.0, 100.0],
                                min_length=1, max_length=20)
     interval_s: float = Field(60.0, ge=MIN_CANARY_INTERVAL_S, le=86400)
-    actor: str = Field("admin", min_length=1, max_length=100)
+    actor: Actor = "admin"
 
     @field_validator("steps")
     @classmethod

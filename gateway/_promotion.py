@@ -5,7 +5,8 @@ Rules (DESIGN.md invariant 8):
    The switch is one new :class:`Routing` snapshot: atomic for new requests, while
    requests in flight finish where they started. The old primary becomes the rollback
    target; the promoted candidate stops being mirrored to (on every replica: the
-   routing change itself removes it).
+   routing change itself removes it). It is decided on the routing served when it was
+   asked for: one adopted while the judge ran (another replica's promotion) is a 409.
 2. Every change is stored before it is applied, wholly or not at all (``RoutingSync``
    rule 5): its audit entry (who, when, what, and the verdict at that moment) commits
    with it, and when the store cannot take it in time the answer is 503 and this replica
@@ -42,7 +43,13 @@ Rules (DESIGN.md invariant 8):
    ``interval_s`` old (``step_started_at``), a held step again ``interval_s`` after this
    replica's last judgement of it; when two replicas decide the same step, the store's
    compare-and-set lets the first through and the other adopts it (rule 4). Each
-   replica's judgement is its own verdict in the store.
+   replica's judgement is its own verdict in the store. The canary's backend is in the
+   routing, so a replica without that candidate (one added at runtime elsewhere) drives
+   it to the end too, promotion included.
+7. A candidate change is checked again after its audit entry is stored: a routing adopted
+   meanwhile may have made the candidate the primary (removed here) or the canary. The
+   canary's candidate is not removed while the canary runs: its sessions would stay on a
+   backend nobody judges or steps (409: stop the canary first).
 6. A promotion, rollback or canary stop may name the routing version it was decided on
    (``routing_version``): a 409 when the routing has moved on, nothing applied. A rollback
    toggles primary and previous, so two at once (two operators; a client retrying one whose
@@ -141,6 +148,23 @@ class Promoter:
             raise NotFound(f"no candidate named {name!r}")
         return candidate
 
+    def _still_candidate(self, name: str) -> Candidate:
+        """Rule 7: ``name`` is a candidate still, after a store call."""
+        candidate = self._mirror.candidates.get(name)
+        if candidate is None:
+            primary = self.routing.primary.name
+            why = " (it was promoted: it is the primary)" if primary == name else ""
+            raise Conflict(f"candidate {name!r} went away while the change was stored{why}; "
+                           "nothing was changed here")
+        return candidate
+
+    def _not_the_canary(self, name: str) -> None:
+        """Rule 7: the canary's candidate stays while the canary runs."""
+        canary = self.routing.canary
+        if canary is not None and canary.backend.name == name:
+            raise Conflict(f"{name!r} is the canary at {canary.percent:g} % of sessions; stop "
+                           "the canary first (DELETE /admin/v1/canary), then remove it")
+
     async def add_candidate(self, config: CandidateConfig) -> Candidate:
         async with self._lock:
             if config.name in self._mirror.candidates:
@@ -154,6 +178,7 @@ class Promoter:
                 f"adding candidate {config.name}",
                 AuditNote(ADMIN_ACTOR, "candidate_add", config.name, _settings(config)),
                 backend=(config.name, role, config.url))
+            self._check_backend_name(config)  # rule 7: promoted meanwhile?
             candidate = await self._mirror.add_candidate(config)
             self._done("candidate_add", config.name)
             return candidate
@@ -164,6 +189,7 @@ class Promoter:
             self._candidate(name)
             await self._sync.record(f"changing candidate {name}", AuditNote(
                 ADMIN_ACTOR, "candidate_update", name, {"changes": changes}))
+            self._still_candidate(name)
             candidate = self._mirror.update_candidate(name, config)
             self._done("candidate_update", name)
             return candidate
@@ -175,6 +201,7 @@ class Promoter:
             if candidate.paused != paused:
                 await self._sync.record(f"{action.removeprefix('candidate_')} of {name}",
                                         AuditNote(ADMIN_ACTOR, action, name))
+                candidate = self._still_candidate(name)
                 candidate.paused = paused
                 self._done(action, name)
             return candidate
@@ -182,8 +209,11 @@ class Promoter:
     async def remove_candidate(self, name: str) -> None:
         async with self._lock:
             self._candidate(name)
+            self._not_the_canary(name)
             await self._sync.record(f"removing candidate {name}",
                                     AuditNote(ADMIN_ACTOR, "candidate_remove", name))
+            self._still_candidate(name)
+            self._not_the_canary(name)
             await self._mirror.remove_candidate(name)
             self._done("candidate_remove", name)
 
@@ -215,6 +245,9 @@ class Promoter:
         async with self._lock:
             self._expect(routing_version)
             candidate = self._candidate(name)
+            # The judge awaits the store: a routing adopted meanwhile (another replica's
+            # promotion of this very candidate) is not the one this was decided on (rule 1).
+            seen = self.routing
             judgement = await self._judge(name, since)
             verdict, reasons = judgement.label, list(judgement.reasons)
             if judgement.outcome is not Outcome.PASS and not force:
@@ -225,18 +258,20 @@ class Promoter:
                 raise Conflict(f"promotion of {name} refused: the judge says {verdict} "
                                f"({'; '.join(reasons[:3])}); pass force with a reason "
                                "to override")
-            return await self._promote(candidate, judgement, actor=actor, force=force,
-                                       reason=reason)
+            return await self._promote(Backend(name, candidate.config.url), judgement,
+                                       actor=actor, force=force, reason=reason, decided_on=seen)
 
-    async def _promote(self, candidate: Candidate, judgement: Judgement, *, actor: str,
-                       force: bool, reason: str | None) -> RoutingChange:
-        """Switch to ``candidate`` on ``judgement`` (the lock held, the judge heard)."""
-        name, verdict = candidate.name, judgement.label
+    async def _promote(self, backend: Backend, judgement: Judgement, *, actor: str,
+                       force: bool, reason: str | None,
+                       decided_on: Routing | None = None) -> RoutingChange:
+        """Switch to ``backend`` on ``judgement`` (the lock held, the judge heard), from the
+        routing ``decided_on`` (default: the one served now)."""
+        name, verdict = backend.name, judgement.label
         routing = await self._sync.commit(
-            lambda r: r.promoted(Backend(name, candidate.config.url)),
+            lambda r: r.promoted(backend),
             audit=lambda new: AuditNote(actor, "promote", name, {
                 "force": force, "reason": reason, "routing": new.to_dict(),
-                "verdict": verdict}, judgement.verdict_id))
+                "verdict": verdict}, judgement.verdict_id), decided_on=decided_on)
         await self._stop_driver()  # the promoted routing has no canary
         self._done("promote", name, verdict)
         return RoutingChange(routing, judgement)
@@ -355,8 +390,8 @@ class Promoter:
             if judgement.outcome is None:
                 return  # nothing to judge with: the step stays as it is
             if canary.step + 1 == len(canary.steps):  # the last step, 100 %: rule 3b
-                if judgement.outcome is Outcome.PASS:
-                    await self._promote(self._candidate(name), judgement, actor=actor,
+                if judgement.outcome is Outcome.PASS:  # the candidate need not be here
+                    await self._promote(canary.backend, judgement, actor=actor,
                                         force=False, reason=None)
                 elif canary.step > 0:
                     await self._step_back(canary, judgement)

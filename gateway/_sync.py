@@ -6,13 +6,18 @@ This replica's routing is held here and nowhere else: the relay reads ``routing`
 Rules (DESIGN.md invariant 8):
 1. The database holds the routing with a version; the highest version wins. A replica
    that starts adopts the stored routing (a restarted replica keeps a promotion) or,
-   on an empty database, stores its configured one as version 1.
+   on an empty database, stores its configured one as version 1. A stored routing that
+   started from another configured primary (``origin``) is not adopted: a new history
+   starts. One stored before routings named their origin is this history where its
+   primary or rollback target is the configured primary.
 2. A change is committed to the database first, from the version this replica last saw
    (compare-and-set); if another replica changed it meanwhile, the change is refused
    (409) and this replica adopts the newer routing. The change is decided on that version
    (the canary it saw, the primary it saw) and is never laid over a newer one it has not
    seen: a stored version newer than this replica's is a 409 too, even if this replica
-   has not heard of it yet (its LISTEN lost, its next poll not due).
+   has not heard of it yet (its LISTEN lost, its next poll not due), and so is one this
+   replica adopted while the caller awaited between looking and committing (a
+   promotion's judge: ``commit(decided_on=)``).
 3. Replicas learn of a change within ``poll_interval_s`` by polling, and at once on
    PostgreSQL through LISTEN/NOTIFY. A LISTEN that is lost (the server restarted, the
    network cut) or cannot be set up at start is set up again in the background, within
@@ -36,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -127,6 +133,10 @@ class RoutingSync:
     async def _adopt(self, engine: AsyncEngine, stored: Routing) -> None:
         """Rule 1: join the stored history, unless the configured primary changed."""
         configured = self._routing
+        if stored.origin is None and configured.primary in (stored.primary, stored.previous):
+            # Stored before routings named their origin: the configured primary is in its
+            # history, so it is this history (starting anew dropped a promotion).
+            stored = replace(stored, origin=configured.origin)
         if stored.origin != configured.origin:
             log.warning("routing: the configured primary is %s, but the stored routing "
                         "started from %s: starting a new routing history (version %d)",
@@ -207,12 +217,17 @@ class RoutingSync:
                               if_late=_CHANGE_IF_LATE)
 
     async def commit(self, change: Callable[[Routing], Routing],
-                     audit: Callable[[Routing], AuditNote] | None = None) -> Routing:
-        """Rules 2 and 5: store ``change(current)`` with its audit entry, then serve it."""
+                     audit: Callable[[Routing], AuditNote] | None = None, *,
+                     decided_on: Routing | None = None) -> Routing:
+        """Rules 2 and 5: store ``change(current)`` with its audit entry, then serve it.
+
+        ``decided_on`` is the routing the caller looked at, where it awaited since (a
+        promotion judges first): one this replica adopted meanwhile is a 409 too.
+        """
         async with self._commit_lock:
-            # The routing the caller decided on (no await since it looked): a change is
-            # never laid over a newer routing it has not seen (rule 2).
-            current = self._routing
+            # The routing the caller decided on (by default: no await since it looked): a
+            # change is never laid over a newer routing it has not seen (rule 2).
+            current = self._routing if decided_on is None else decided_on
             await self._adopt_newer(await self.store_call("reading the routing", load_routing))
             if self._routing.version != current.version:
                 raise _changed_meanwhile(self._routing)

@@ -83,9 +83,12 @@ class Replica:
     judge: ToldJudge
 
     @classmethod
-    async def start(cls, engine: AsyncEngine, *, poll_interval_s: float = 60) -> Replica:
+    async def start(cls, engine: AsyncEngine, *, poll_interval_s: float = 60,
+                    candidates: tuple[str, ...] = ("c",)) -> Replica:
         metrics = GatewayMetrics()
-        mirror = Mirror(MirrorConfig(), (CandidateConfig(name="c", url="http://127.0.0.1:9"),),
+        mirror = Mirror(MirrorConfig(),
+                        tuple(CandidateConfig(name=name, url="http://127.0.0.1:9")
+                              for name in candidates),
                         CaptureConfig(), metrics, MemorySink(10))
 
         async def serve(routing: Routing) -> None:
@@ -251,6 +254,31 @@ async def test_a_replica_that_starts_on_a_stored_canary_drives_it(store: AsyncEn
         assert actions[0] == ("canary_start", "ops") and actions[-1] == ("promote", "ops")
         assert [a for a, _ in actions].count("canary_step") == 2
         assert {actor for _, actor in actions} == {"ops"}
+    finally:
+        await second.stop()
+
+
+async def test_a_replica_without_the_candidate_finishes_its_canary(store: AsyncEngine) -> None:
+    """The canary's candidate was added at runtime on the replica that started it, so no
+    other replica has it, and that replica went away. Before, the replica left drove the
+    canary to 100 % and there, on a PASS, looked the candidate up to promote it: 'no
+    candidate named c' every interval, for ever, every session held on the canary. The
+    canary's backend is in the routing (rule 5): it is promoted from there."""
+    first = await Replica.start(store)
+    await first.promoter.start_canary("c", actor="ops", steps=(50.0, 100.0),
+                                      interval_s=INTERVAL_S)
+    await first.stop()
+    second = await Replica.start(store, candidates=())
+    try:
+        second.judge.outcome = Outcome.PASS
+        await eventually(lambda: second.sync.routing.primary.name == "c", within_s=10)
+        routing = second.sync.routing
+        assert routing.canary is None
+        assert routing.primary.url == "http://127.0.0.1:9"
+        assert routing.previous is not None and routing.previous.name == "primary"
+        actions = await _actions(store)
+        assert actions[0] == ("canary_start", "ops") and actions[-1] == ("promote", "ops")
+        await eventually(lambda: not _driving(second.promoter))
     finally:
         await second.stop()
 
