@@ -39,8 +39,10 @@ HOP_BY_HOP = frozenset(
         "Proxy-Connection", "TE", "Trailer", "Transfer-Encoding", "Upgrade",
     )
 )
-# Set by the client library for the new connection, never copied.
-_REQUEST_RECOMPUTED = frozenset({"host", "content-length"})
+# Set by the client library for the new connection, never copied. ``Expect`` is met by
+# the gateway itself (it reads the whole body before relaying, answering 100 or 413), so
+# the primary is never asked for a ``100 Continue`` nobody waits for (nginx drops it too).
+_REQUEST_RECOMPUTED = frozenset({"host", "content-length", "expect"})
 _RESPONSE_RECOMPUTED = frozenset({"content-length"})
 
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key"})

@@ -181,6 +181,33 @@ async def test_header_values_beyond_ascii_reach_the_primary_as_sent(handed_over:
         assert b"X-Title: Jos\xc3\xa9 \xe2\x9c\x93" in lines and b"X-Raw: a\xff\x80b" in lines
 
 
+@pytest.mark.parametrize("handed_over", [False, True])
+@pytest.mark.parametrize("expectation", [b"100-continue", b"something-else"])
+async def test_the_expectation_is_the_gateways_and_not_forwarded(handed_over: bool,
+                                                                 expectation: bytes) -> None:
+    """The gateway meets ``Expect`` itself (it reads the whole body before relaying), so the
+    primary gets no ``Expect`` (nginx drops it too): forwarded, it asked the primary for a
+    ``100 Continue`` no client waits for, and an aiohttp primary answers an expectation it
+    does not know with a 417 the gateway then relayed as the primary's answer."""
+    async with recorded_gateway() as (gw, recorded), connection(gw) as (reader, writer):
+        if handed_over:
+            writer.write(HEALTH)
+            await read_answer(reader)
+        request_head, _, body = post(CHAT, extra=f"Expect: {expectation.decode()}\r\n"
+                                     ).partition(b"\r\n\r\n")
+        writer.write(request_head + b"\r\n\r\n")
+        if expectation == b"100-continue":
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        head, _ = await read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        upstream_head, upstream_body = await recorded.one()
+        assert upstream_body == CHAT
+        assert not [line for line in header_lines(upstream_head)
+                    if line.lower().startswith(b"expect:")]
+
+
 async def test_a_body_over_the_bound_is_refused_instead_of_100_continue() -> None:
     """A 413 known from the head goes at once: ``100 Continue`` went first, inviting the
     client to send a body the gateway would only drop."""
