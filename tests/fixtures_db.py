@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from evaluators.store import create_engine
+from evaluators.store import create_engine, downgrade, upgrade
 
 PG_ADMIN_URL = os.environ.get("UNDERSTUDY_TEST_PG", "postgresql://root@127.0.0.1:5432/postgres")
 
@@ -59,6 +61,20 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return sqlite_url(tmp_path)
     url: str = request.getfixturevalue("pg_database")
     return url
+
+
+@asynccontextmanager
+async def migrated_engine(url: str, *, down_after: bool = True) -> AsyncIterator[AsyncEngine]:
+    """An engine on ``url`` migrated to the head; disposed (and migrated back down to
+    nothing, unless ``down_after`` is false) afterwards."""
+    await upgrade(url)
+    engine = create_engine(url)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+        if down_after:
+            await downgrade(url, "base")
 
 
 async def audit_log(url: str) -> list[sa.Row[Any]]:

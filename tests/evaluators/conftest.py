@@ -7,16 +7,11 @@ from collections.abc import AsyncIterator
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from evaluators.store import create_engine, downgrade, upgrade
+from tests.fixtures_db import migrated_engine
 
 
 @pytest.fixture
 async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
     """An engine on a migrated, empty database; migrated back down afterwards."""
-    await upgrade(db_url)
-    engine = create_engine(db_url)
-    try:
+    async with migrated_engine(db_url) as engine:
         yield engine
-    finally:
-        await engine.dispose()
-        await downgrade(db_url, "base")

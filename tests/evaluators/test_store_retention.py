@@ -48,7 +48,7 @@ from evaluators.store import (
 )
 from gateway.cli import main
 from tests.evaluators.test_store import SCORES, count, make_exchange, make_observation, written
-from tests.fixtures_db import sqlite_url
+from tests.fixtures_db import migrated_engine, sqlite_url
 from tests.utils import eventually
 
 NOW = datetime.now(UTC)
@@ -268,13 +268,8 @@ async def test_retention_zero_keeps_everything(engine: AsyncEngine) -> None:
 
 @pytest.fixture
 async def pg_engine(pg_database: str) -> AsyncIterator[AsyncEngine]:
-    await upgrade(pg_database)
-    engine = create_engine(pg_database)
-    try:
+    async with migrated_engine(pg_database) as engine:
         yield engine
-    finally:
-        await engine.dispose()
-        await downgrade(pg_database, "base")
 
 
 def prune_from_another_replica(engine: AsyncEngine, before: str,

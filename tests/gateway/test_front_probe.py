@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.gateway.test_relay_front import CHAT, connection, gateway, post, read_answer
+from tests.gateway.test_relay_front import (
+    CHAT,
+    connection,
+    gateway,
+    post,
+    post_after_100_continue,
+    read_answer,
+)
 from tests.gateway.test_wire import raw_listener
 from tests.utils import RunningGateway, run_gateway
 
@@ -182,9 +189,9 @@ async def test_header_values_beyond_ascii_reach_the_primary_as_sent(handed_over:
 
 
 @pytest.mark.parametrize("handed_over", [False, True])
-@pytest.mark.parametrize("expectation", [b"100-continue", b"something-else"])
+@pytest.mark.parametrize("expectation", ["100-continue", "something-else"])
 async def test_the_expectation_is_the_gateways_and_not_forwarded(handed_over: bool,
-                                                                 expectation: bytes) -> None:
+                                                                 expectation: str) -> None:
     """The gateway meets ``Expect`` itself (it reads the whole body before relaying), so the
     primary gets no ``Expect`` (nginx drops it too): forwarded, it asked the primary for a
     ``100 Continue`` no client waits for, and an aiohttp primary answers an expectation it
@@ -193,13 +200,7 @@ async def test_the_expectation_is_the_gateways_and_not_forwarded(handed_over: bo
         if handed_over:
             writer.write(HEALTH)
             await read_answer(reader)
-        request_head, _, body = post(CHAT, extra=f"Expect: {expectation.decode()}\r\n"
-                                     ).partition(b"\r\n\r\n")
-        writer.write(request_head + b"\r\n\r\n")
-        if expectation == b"100-continue":
-            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
-        writer.write(body)
+        await post_after_100_continue(reader, writer, expectation)
         head, _ = await read_answer(reader)
         assert head.startswith(b"HTTP/1.1 200"), head
         upstream_head, upstream_body = await recorded.one()
@@ -432,12 +433,7 @@ async def test_100_continue_still_comes_within_the_bound_when_handed_over() -> N
     async with gateway() as gw, connection(gw) as (reader, writer):
         writer.write(HEALTH)
         await read_answer(reader)
-        whole = post(CHAT, extra="Expect: 100-continue\r\n")
-        head, _, body = whole.partition(b"\r\n\r\n")
-        writer.write(head + b"\r\n\r\n")
-        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
-        writer.write(body)
+        await post_after_100_continue(reader, writer)
         head, answer = await read_answer(reader)
         assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["choices"]
 

@@ -114,14 +114,22 @@ async def test_a_pipelined_request_that_is_not_v1_closes_after_the_answers_befor
         assert await asyncio.wait_for(reader.read(), 5) == b""  # RFC 9112 9.3.2: retried
 
 
-async def test_a_client_that_expects_100_continue_gets_it_then_the_answer() -> None:
-    async with gateway() as gw, connection(gw) as (reader, writer):
-        whole = post(CHAT, extra="Expect: 100-continue\r\n")
-        head, _, body = whole.partition(b"\r\n\r\n")
-        writer.write(head + b"\r\n\r\n")
+async def post_after_100_continue(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                  expectation: str = "100-continue") -> None:
+    """A POST of ``CHAT`` with ``Expect``: its head, then (for ``100-continue``) the
+    gateway's ``100 Continue`` within 5 s, then its body."""
+    whole = post(CHAT, extra=f"Expect: {expectation}\r\n")
+    head, _, body = whole.partition(b"\r\n\r\n")
+    writer.write(head + b"\r\n\r\n")
+    if expectation == "100-continue":
         interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
-        writer.write(body)
+    writer.write(body)
+
+
+async def test_a_client_that_expects_100_continue_gets_it_then_the_answer() -> None:
+    async with gateway() as gw, connection(gw) as (reader, writer):
+        await post_after_100_continue(reader, writer)
         head, answer = await read_answer(reader)
         assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["choices"]
 

@@ -26,11 +26,11 @@ from evaluators.store import (
     listen_for_routing,
     load_routing,
     save_routing,
-    upgrade,
 )
 from gateway._metrics import GatewayMetrics
 from gateway._routing import Backend, Routing
 from gateway._sync import RoutingSync
+from tests.fixtures_db import migrated_engine
 from tests.tcp_relay import QUICK_RETRIES, TcpRelay, relayed_database
 from tests.utils import eventually
 
@@ -83,12 +83,8 @@ async def _adopts(sync: RoutingSync, version: int,
 @pytest.fixture
 async def direct(pg_database: str) -> AsyncIterator[AsyncEngine]:
     """The other replica's engine, straight to PostgreSQL."""
-    await upgrade(pg_database)
-    engine = create_engine(pg_database)
-    try:
+    async with migrated_engine(pg_database, down_after=False) as engine:
         yield engine
-    finally:
-        await engine.dispose()
 
 
 async def test_a_lost_listen_comes_back_and_hears_changes_again(
