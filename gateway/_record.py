@@ -35,7 +35,9 @@ Rules:
    to a name nothing has: a gap (one removed by hand) ends it, and a start that fails half-way
    has lost nothing. A path that is a directory is refused at start (never moved).
 7. Stopping: the writer gets ``drain_timeout_s`` to write what is queued; what is left is
-   counted as ``shutdown``; then the file is closed.
+   counted as ``shutdown``; then the file is closed. A batch the worker thread still holds
+   then is counted by that thread when it ends: written if it got the file first, else
+   ``shutdown``.
 8. The file holds whole lines only. It is unbuffered; a batch is written whole (a short write
    is continued) or, when the write fails (disk full, file too large), the file is cut back to
    its last whole line and the batch is counted as ``write_error``: half a line would make
@@ -200,10 +202,10 @@ class TrafficRecorder:
         self._writer = asyncio.create_task(self._write_loop(), name="record-writer")
 
     async def stop(self) -> None:
-        """Rule 7."""
+        """Rule 7. Stopping again does no more (a writer cancelled before is not awaited)."""
         self._closing = True
         self._wake.set()
-        if self._writer is not None:
+        if self._writer is not None and not self._writer.cancelled():
             try:
                 await asyncio.wait_for(asyncio.shield(self._writer), self.config.drain_timeout_s)
             except TimeoutError:
@@ -254,10 +256,16 @@ class TrafficRecorder:
                 continue
             batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
             self._queued_bytes -= sum(len(item.body) for item in batch)
-            written, dropped = await asyncio.to_thread(self._write, batch)
-            self._metrics.record_written.inc(written)
-            for reason, count in dropped.items():
-                self._drop(reason, count)
+            await asyncio.to_thread(self._write_counted, batch)
+
+    def _write_counted(self, batch: list[_Pending]) -> None:
+        """``_write`` and its counts, in the worker thread (rule 7): a writer cancelled at the
+        drain timeout leaves its thread going, and the batch it holds is counted when that
+        ends, written or dropped, not lost with the awaiting task. Counters are thread-safe."""
+        written, dropped = self._write(batch)
+        self._metrics.record_written.inc(written)
+        for reason, count in dropped.items():
+            self._drop(reason, count)
 
     def _write(self, batch: list[_Pending]) -> tuple[int, Counter[RecordDropReason]]:
         """Rule 3, in a worker thread: parse, redact, bound (rule 6), write."""

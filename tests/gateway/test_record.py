@@ -8,6 +8,7 @@ import json
 import resource
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,32 @@ async def test_sampling_by_session_records_whole_sessions(tmp_path: Path) -> Non
     for line in _lines(path):
         sessions[line["session"]] = sessions.get(line["session"], 0) + 1
     assert 0 < len(sessions) < 12 and set(sessions.values()) == {2}
+
+
+async def test_a_write_still_going_at_the_drain_timeout_is_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "traffic.jsonl"
+    config = {"path": str(path), "drain_timeout_s": 0.1}
+    async with run_sim(tokens=4) as sim, run_gateway(sim.url, record=config) as gw:
+        recorder = gw.state.mirror.recorder
+        assert recorder is not None
+        append = recorder._append
+
+        def stalling_disk(file: Any, data: bytes) -> None:  # fault injection: a slow write
+            time.sleep(0.5)
+            append(file, data)
+
+        monkeypatch.setattr(recorder, "_append", stalling_disk)
+        await _send(gw.url, 3)
+        await gw.state.mirror.stop()  # the first batch is still being written: cancelled
+
+        def counted() -> float:
+            return (gw.metric("understudy_record_written_total")
+                    + gw.metric("understudy_record_dropped_total", reason="shutdown"))
+
+        await eventually(lambda: counted() == 3, within_s=3)
+        written = gw.metric("understudy_record_written_total")
+    assert written >= 1 and len(_lines(path)) == written
 
 
 async def test_an_existing_recording_is_kept_as_dot_one(tmp_path: Path) -> None:
