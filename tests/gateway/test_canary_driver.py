@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import MemorySink, Outcome
-from evaluators.store import create_engine, load_routing, save_routing, upgrade
+from evaluators.store import load_routing, save_routing
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
@@ -28,7 +28,7 @@ from gateway._promotion import Promoter
 from gateway._routing import Backend, Canary, Routing
 from gateway._scorekeeper import Scorekeeper
 from gateway._sync import RoutingSync
-from tests.fixtures_db import sqlite_url
+from tests.fixtures_db import migrated_engine, sqlite_url
 from tests.utils import eventually
 
 INTERVAL_S = 0.05
@@ -115,13 +115,8 @@ async def _actions(engine: AsyncEngine) -> list[tuple[str, str]]:
 
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[AsyncEngine]:
-    url = sqlite_url(tmp_path)
-    await upgrade(url)
-    engine = create_engine(url)
-    try:
+    async with migrated_engine(sqlite_url(tmp_path), down_after=False) as engine:
         yield engine
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture
