@@ -10,11 +10,6 @@ Rules:
    its line number, and so is a file with no record at all: a wrong file fails loudly, not
    as an empty replay, and before anything is sent. The lines past ``max_requests`` are not
    read as records, only counted, in ``not_sent``.
-6. Memory does not grow with the file: the first pass checks every line and keeps only where
-   each record lies (``_Entry``: its offset, line position, route, session, depth); a
-   record's body is read again from the file when its request takes a slot, so at most
-   ``concurrency`` bodies are held. The file stays open for the replay: a recording moved
-   aside meanwhile (a gateway's restart) is still the one read.
 2. Records are sent in offset order, each at ``(offset_s - first offset) / speed`` after the
    replay began, whatever the answers' speed: an open loop, as production is. At most
    ``concurrency`` are in flight; a record whose send time is at or past ``duration_s`` is
@@ -27,6 +22,11 @@ Rules:
 5. ``stop`` set (the command's Ctrl-C) ends the replay early: records not yet sent are counted
    as not sent, requests in flight are cancelled at once (``cancelled``), and the summary of
    what was sent is returned.
+6. Memory does not grow with the file: the first pass checks every line and keeps only where
+   each record lies (``_Entry``: its offset, line position, route, session, depth); a
+   record's body is read again from the file when its request takes a slot, so at most
+   ``concurrency`` bodies are held. The file stays open for the replay: a recording moved
+   aside meanwhile (a gateway's restart) is still the one read.
 """
 
 from __future__ import annotations
