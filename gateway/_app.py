@@ -175,8 +175,8 @@ async def _continue_within_bound(request: web.Request) -> None:
     """``Expect`` on aiohttp's ``/v1/`` route, answered as the front answers it (``_front.py``
     rule 2): ``100 Continue`` unless the ``Content-Length`` is past ``max_body_bytes``, whose
     413 the relay sends at once (aiohttp's default handler invited the body first); another
-    expectation goes to the primary with the request (aiohttp's default answered it with a
-    plain-text 417)."""
+    expectation is ignored, as RFC 9110 §10.1.1 allows (aiohttp's default answered it with a
+    plain-text 417), and ``Expect`` is never forwarded (``_headers.py``)."""
     if request.version >= HttpVersion11 \
             and request.headers.get("Expect", "").lower() == "100-continue":
         length = request.content_length
