@@ -8,8 +8,8 @@ asyncio ``Protocol`` that parses requests with aiohttp's own C parser (llhttp), 
 
 Rules:
 1. Every connection starts here. At each request boundary the request line's target
-   decides: ``/v1/...`` is read and relayed here; anything else (the admin API on the
-   proxy's port, ``/metrics``, ``/health``, the UI) hands the connection, with the bytes
+   decides: ``/v1/...`` is read and relayed here; anything else (``/metrics``,
+   ``/health``; the admin API has a listener of its own) hands the connection, with the bytes
    read so far, to aiohttp's protocol (``_connections.py``'s guarded handler) for the rest
    of its life, so aiohttp serves it exactly as before (its ``/v1/`` route relays too).
 2. Requests are parsed by aiohttp's parser with aiohttp's bounds (``max_header_field_bytes``,
