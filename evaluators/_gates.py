@@ -143,6 +143,14 @@ class MetricGate(BaseModel):
     def has_limit_checks(self) -> bool:
         return self.min_mean is not None or self.max_mean is not None
 
+    def tested_checks(self, *, noise_floor: bool) -> int:
+        """How many checks with a p-value this gate makes once its metric is judged (the
+        judge's rule 10 tests them together); ``noise_floor``: a floor was measured."""
+        limits = (self.max_shift_ratio, self.max_mean_ratio, self.max_mean_worsening,
+                  self.max_tail_ratio, self.max_std_ratio, self.min_mean, self.max_mean)
+        floor = noise_floor and self.max_noise_floor_shift_ratio is not None
+        return sum(x is not None for x in limits) + int(floor)
+
 
 class Gates(BaseModel):
     """Thresholds for judging a candidate; see the module's rules for how they apply."""

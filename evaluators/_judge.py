@@ -55,10 +55,12 @@ Rules:
      INCONCLUSIVE with the reason;
    - pooled as in rule 2 when no concurrency was recorded on either side (old rows).
 7. Every INCONCLUSIVE metric carries ``samples_needed`` (``_power.py``): the values per
-   side at which the effect seen so far would be significant at the gates' confidence
-   with probability :data:`ESTIMATE_POWER` (the count at which the verdict is as likely
-   as not to turn), floored at the gate's minimum; the verdict's
-   ``more_samples_needed`` is the largest of the more-needed counts.
+   side at which the effect seen so far would be significant among the verdict's checks
+   (rule 10: at the first of Holm's bars, the level over the number of checks the gated
+   metrics make once judged, ``MetricGate.tested_checks``) with probability
+   :data:`ESTIMATE_POWER` (the count at which the verdict is as likely as not to turn),
+   floored at the gate's minimum; the verdict's ``more_samples_needed`` is the largest of
+   the more-needed counts.
 8. A sample-bias check (``_sample_bias.py``) that refuses makes the verdict
    INCONCLUSIVE ("sample skew: ..."); a flagged skew is listed among the reasons.
 9. Below the refusal bound a flagged skew is corrected where it can be: each per-backend
@@ -275,6 +277,7 @@ def judge(
     reweigh = sample_bias if sample_bias is not None and sample_bias.skew \
         and not sample_bias.refuse else None
     not_reweighted: list[str] = []
+    family = _family_size(names, samples, gates)
     for name in names:
         metric_samples = samples.get(name)
         if metric_samples is None:
@@ -291,9 +294,10 @@ def judge(
                 not_reweighted.append(name)
             else:
                 verdicts.append(_judge_reweighted(name, metric_samples, conditions, reweigh,
-                                                  gates, higher, metric_seed))
+                                                  gates, higher, metric_seed, family))
                 continue
-        verdicts.append(_judge_metric(name, metric_samples, gates, higher, metric_seed))
+        verdicts.append(_judge_metric(name, metric_samples, gates, higher, metric_seed,
+                                      family))
     verdicts = _significant_overall(verdicts, gates)
     if sample_bias is not None and sample_bias.skew:
         reweighted = [v.metric for v in verdicts if v.reweighting is not None]
@@ -318,6 +322,23 @@ def judge(
                          for r in sample_bias.reasons)
         reasons += tuple(f"{SAMPLE_BIAS_METRIC}: {r}" for r in verdicts[-1].reasons[1:])
     return Verdict(overall, reasons, tuple(verdicts), more_needed)
+
+
+def _family_size(names: Sequence[str], samples: Mapping[str, MetricSamples],
+                 gates: Gates) -> int:
+    """Rule 7: the checks rule 10 will test together once every metric is judged (a
+    required metric without samples counted as one)."""
+    count = 0
+    for name in names:
+        metric_samples = samples.get(name)
+        if metric_samples is None:
+            count += 1
+            continue
+        pairwise = metric_samples.baseline is None
+        gate = gates.gate_for(name, pairwise=pairwise)
+        count += gate.tested_checks(noise_floor=pairwise and metric_samples.noise_floor
+                                    is not None)
+    return max(1, count)
 
 
 def _significant_overall(verdicts: list[MetricVerdict], gates: Gates) -> list[MetricVerdict]:
@@ -348,7 +369,7 @@ def _replica_is_basis(name: str, samples: MetricSamples, gates: Gates) -> bool:
 
 def _judge_reweighted(
     name: str, samples: MetricSamples, conditions: LoadConditions, bias: SampleBias,
-    gates: Gates, higher: bool, seed: int,
+    gates: Gates, higher: bool, seed: int, family: int,
 ) -> MetricVerdict:
     """Rule 9: the metric judged on its values reweighted to the traffic's prompt sizes."""
     assert samples.baseline is not None
@@ -370,8 +391,8 @@ def _judge_reweighted(
             pick(c.candidate_prompt_tokens, c_keep), pick(c.candidate_cached_tokens, c_keep),
             pick(c.baseline_prompt_tokens, b_keep), pick(c.baseline_cached_tokens, b_keep),
             cache=c.cache))
-    unweighted = _judge_metric(name, samples, gates, higher, seed)
-    verdict = _judge_metric(name, weighted, gates, higher, seed)
+    unweighted = _judge_metric(name, samples, gates, higher, seed, family)
+    verdict = _judge_metric(name, weighted, gates, higher, seed, family)
     reweighting = Reweighting(
         method=REWEIGHT_METHOD, seed=seed,
         weights=tuple((bucket.prompt_tokens, bucket.weight) for bucket in bias.buckets
@@ -422,7 +443,7 @@ def _sample_bias_verdict(bias: SampleBias, reweighted: Sequence[str] = (),
 
 
 def _judge_metric(
-    name: str, samples: MetricSamples, gates: Gates, higher: bool, seed: int
+    name: str, samples: MetricSamples, gates: Gates, higher: bool, seed: int, family: int,
 ) -> MetricVerdict:
     if samples.baseline is None:
         return _judge_pairwise(name, samples, gates, higher, seed)
@@ -446,9 +467,11 @@ def _judge_metric(
         return _ungated(name, statistics, basis)
     conditions = samples.conditions
     if basis == "primary" and conditions is not None and conditions.recorded:
-        return _judge_matched(name, samples, conditions, gates, gate, higher, statistics)
+        return _judge_matched(name, samples, conditions, gates, gate, higher, statistics,
+                              family)
     if statistics is None or min(n_c, n_b) < need:
-        estimate = _estimate(gates, gate, statistics, None, n_b, n_c, need)
+        estimate = _estimate(gate, statistics, None, PowerQuery(
+            n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family))
         return _inconclusive(name, f"candidate {n_c}, {side} {n_b}", need, statistics,
                              basis=basis, estimate=estimate)
     checks = backend_checks(statistics, gate, gates.marginal_band)
@@ -457,7 +480,7 @@ def _judge_metric(
 
 def _judge_matched(
     name: str, samples: MetricSamples, conditions: LoadConditions, gates: Gates,
-    gate: MetricGate, higher: bool, statistics: Comparison | None,
+    gate: MetricGate, higher: bool, statistics: Comparison | None, family: int,
 ) -> MetricVerdict:
     """Rule 6's second case: the median shift within concurrency (and cache) strata."""
     assert samples.baseline is not None
@@ -479,14 +502,16 @@ def _judge_matched(
     if matched is None or not matched.comparable:
         why = matched.reason if matched is not None else "no value with a recorded load"
         reason = f"not comparable at matched load: {why}"
-        estimate = _estimate(gates, gate, statistics, None, n_b, n_c, need)
+        estimate = _estimate(gate, statistics, None, PowerQuery(
+            n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family))
         check = Check("matched_load", Outcome.INCONCLUSIVE, None, None, None, None, False,
                       reason)
         return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,),
                              statistics, basis, matched, estimate)
     m_c, m_b = matched.n_candidate_matched, matched.n_baseline_matched
     if statistics is None or min(m_c, m_b) < need:
-        estimate = _estimate(gates, gate, statistics, matched, m_b, m_c, need)
+        estimate = _estimate(gate, statistics, matched, PowerQuery(
+            m_b, m_c, gates.confidence, ESTIMATE_POWER, need, family))
         return _inconclusive(name, f"at matched load: candidate {m_c}, primary {m_b}", need,
                              statistics, basis=basis, matched=matched, estimate=estimate)
     checks = []
@@ -514,13 +539,12 @@ def _condition_labels(
 
 
 def _estimate(
-    gates: Gates, gate: MetricGate, statistics: Comparison | None,
-    matched: StratifiedComparison | None, n_b: int, n_c: int, need: int,
+    gate: MetricGate, statistics: Comparison | None,
+    matched: StratifiedComparison | None, asked: PowerQuery,
 ) -> SampleSizeEstimate | None:
     """Rule 7 for the test that decides the metric's gate."""
     if statistics is None:
         return None
-    asked = PowerQuery(n_b, n_c, gates.confidence, ESTIMATE_POWER, need)
     if gate.max_mean_worsening is not None:
         return samples_needed_for_rate(
             _unit(statistics.mean_baseline), _unit(statistics.mean_candidate), asked)

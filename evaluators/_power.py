@@ -7,7 +7,10 @@ would show it, at the gates' level, with probability :data:`DEFAULT_POWER`.
 Theory of operation:
 1. Per side: every mirrored exchange gives one value of each backend, so the two sides
    grow together; ``have_per_side`` is the smaller side, and the estimate is for equal
-   sides. alpha = 1 - confidence, two-sided, as the judge's intervals are.
+   sides. alpha = (1 - confidence) / family, two-sided, as the judge's intervals are:
+   ``family`` is the number of tests the decision is made among (1 for a test alone; the
+   judge's rule 10 tests a verdict's checks together by Holm's procedure, whose first bar
+   is this one: a single real effect among unchanged metrics is significant there first).
 2. Location (Mann-Whitney, the median shift of per-backend metrics): Noether's formula.
    With p = P(candidate > baseline) + P(tie)/2 = (1 + delta)/2, delta Cliff's delta,
    and equal sides,
@@ -55,13 +58,15 @@ PowerTest = Literal["mann_whitney", "two_proportions", "two_means"]
 @dataclass(frozen=True, slots=True)
 class PowerQuery:
     """What every estimate is asked with: the values each side has so far, the test's
-    confidence (alpha = 1 - confidence), the power wanted, and the gate's floor (rule 5)."""
+    confidence and the number of tests it is made among (alpha = (1 - confidence) /
+    family, rule 1), the power wanted, and the gate's floor (rule 5)."""
 
     have_baseline: int
     have_candidate: int
     confidence: float = DEFAULT_CONFIDENCE
     power: float = DEFAULT_POWER
     min_samples: int = MIN_COMPARABLE_SAMPLES
+    family: int = 1
 
     def __post_init__(self) -> None:
         if self.have_baseline < 0 or self.have_candidate < 0:
@@ -70,6 +75,13 @@ class PowerQuery:
             raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
         if not 0.0 < self.power < 1.0:
             raise ValueError(f"power must lie in (0, 1), got {self.power}")
+        if self.family < 1:
+            raise ValueError(f"a test is made among at least itself, got family {self.family}")
+
+    @property
+    def alpha(self) -> float:
+        """Rule 1: the two-sided level each test must reach."""
+        return (1.0 - self.confidence) / self.family
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +96,7 @@ class SampleSizeEstimate:
     needed_per_side: int | None
     more_needed: int | None
     reason: str
+    family: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -141,7 +154,7 @@ def samples_needed_for_mean(mean_shift: float, std_baseline: float, std_candidat
 
 def _z_quantiles(asked: PowerQuery) -> tuple[float, float]:
     """The two-sided test's critical z and the z of the wanted power."""
-    return (float(stats.norm.ppf(1.0 - (1.0 - asked.confidence) / 2.0)),
+    return (float(stats.norm.ppf(1.0 - asked.alpha / 2.0)),
             float(stats.norm.ppf(asked.power)))
 
 
@@ -153,7 +166,7 @@ def _estimate(test: PowerTest, effect: float, effect_name: str, needed: float | 
               asked: PowerQuery) -> SampleSizeEstimate:
     """Rules 1 and 5: round up, floor at ``min_samples``, None when out of reach."""
     have = min(asked.have_baseline, asked.have_candidate)
-    alpha = 1.0 - asked.confidence
+    alpha, family = asked.alpha, asked.family
     power, min_samples = asked.power, asked.min_samples
     if needed is None or not math.isfinite(needed) or needed > MAX_SAMPLES_ESTIMATE:
         why = "no effect observed" if needed is None else "an effect this small"
@@ -161,11 +174,14 @@ def _estimate(test: PowerTest, effect: float, effect_name: str, needed: float | 
             f"{why} ({effect_name} {effect:.3g}): no practical number of samples "
             f"shows it; the gates decide once each side has {min_samples}"
         )
-        return SampleSizeEstimate(test, float(effect), alpha, power, have, None, None, reason)
+        return SampleSizeEstimate(test, float(effect), alpha, power, have, None, None, reason,
+                                  family)
     per_side = max(math.ceil(needed - 1e-9), min_samples)
     more = max(0, per_side - have)
+    among = "" if family == 1 else f" ({1.0 - asked.confidence:.2g} over {family} tests)"
     reason = (
         f"{effect_name} {effect:.3g} needs about {per_side} values per side for "
-        f"power {power:g} at alpha {alpha:.2g}; {have} so far, {more} more"
+        f"power {power:g} at alpha {alpha:.2g}{among}; {have} so far, {more} more"
     )
-    return SampleSizeEstimate(test, float(effect), alpha, power, have, per_side, more, reason)
+    return SampleSizeEstimate(test, float(effect), alpha, power, have, per_side, more, reason,
+                              family)
