@@ -159,11 +159,23 @@ async def _prune(store: StoreConfig, cutoff: datetime) -> Pruned:
 def report(config_path: Path | None, db_url: str | None, candidate: str,
            window_s: float | None, secondary: str | None, as_json: bool) -> None:
     """Judge CANDIDATE over its stored scores and print every statistic."""
+    from backends.openai_wire import ConfigError
+    from evaluators.store import StoreError, masked_url
+    from gateway._config import MAX_WINDOW_S
+
+    # NaN fails the comparison too: no traceback from timedelta, and 0 is no "all time".
+    if window_s is not None and not 0 < window_s < MAX_WINDOW_S:
+        raise ConfigError([f"--window-s: must be a positive number of seconds below "
+                           f"{MAX_WINDOW_S:g}"])
     config = _config(config_path, db_url)
-    since = datetime.now(UTC) - timedelta(seconds=window_s) if window_s else None
+    since = None if window_s is None else datetime.now(UTC) - timedelta(seconds=window_s)
     secondary = secondary or next((c.name for c in config.candidates
                                    if c.role == "secondary"), None)
-    result = asyncio.run(_build(config, candidate, secondary, since))
+    url = config.evaluation.store.url
+    try:
+        result = asyncio.run(_build(config, candidate, secondary, since))
+    except StoreError as exc:  # unreachable, or not migrated: one line, as ``db`` says it
+        raise click.ClickException(f"{masked_url(url)}: {exc}") from exc
     if as_json:
         click.echo(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
     else:

@@ -84,6 +84,9 @@ MIN_ADMIN_TOKEN_LENGTH = 16
 """Characters an admin token needs at least; an empty or blank token counts as none."""
 DEFAULT_ADMIN_STORE_TIMEOUT_S = 5.0
 """How long an admin change waits on each store call before it answers 503, unapplied."""
+MAX_WINDOW_S = 10 * 365 * 86400
+"""The longest window a report may be asked for (``understudy report --window-s``, the
+admin API's ``window_s``): ten years, past which its start is no date a store holds."""
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 8 * MiB
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0

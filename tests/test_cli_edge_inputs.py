@@ -7,11 +7,13 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from backends.engine import plan_kv_command
+from gateway._config import MAX_WINDOW_S
 from gateway.cli import main
 
 
@@ -128,3 +130,26 @@ def test_serve_refuses_a_misspelt_variable_in_one_line_naming_the_one_meant() ->
         "Error: UNDERSTUDY_ADMIN_TOKN: names no setting; did you mean UNDERSTUDY_ADMIN_TOKEN?"
     ]
     assert secret not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("window", ["nan", "inf", "-inf", "0", "-5", "1e11", "1e300"])
+def test_report_refuses_a_window_that_is_not_a_positive_span(tmp_path: Path,
+                                                             window: str) -> None:
+    """As the admin API's ``window_s`` (a 422): not a traceback, nor (for 0) every score
+    stored, nor (below 0) a window that starts in the future and judges nothing."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'never-opened.db'}"
+    result = CliRunner().invoke(main, ["report", "c", "--db", url, f"--window-s={window}"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"Error: --window-s: must be a positive number of seconds below {MAX_WINDOW_S:g}"]
+    assert not (tmp_path / "never-opened.db").exists()  # refused before the store
+
+
+@pytest.mark.parametrize("folder", ["missing-folder", "."], ids=["unreachable", "not-migrated"])
+def test_report_on_a_store_it_cannot_read_is_one_line(tmp_path: Path, folder: str) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / folder / 'store.db'}"
+    result = CliRunner().invoke(main, ["report", "c", "--db", url])
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"Error: {url}: "), line
+    assert result.exception is None or isinstance(result.exception, SystemExit)
