@@ -21,7 +21,9 @@ Rules:
 5. Nothing on the wire is trusted: a field of an unexpected type is skipped as if absent, a
    tool call's index is honoured only below ``MAX_TOOL_CALLS``, and a truncated capture keeps
    the last ``CAPTURE_TAIL_BYTES`` bytes (where the usage and finish reason are), whatever
-   the reads' sizes.
+   the reads' sizes. A token count outside ``0..MAX_TOKEN_COUNT``, or more cached tokens
+   than prompt tokens, is unknown too: a negative count priced a candidate below zero, and
+   one past the store's integer columns cost its record (on SQLite, its whole batch).
 6. One answer per observation: the choice of index 0 (``n > 1``, or a legacy completion of
    a list of prompts, has several). A stream interleaves its choices' deltas in an order
    that may differ between two backends giving the same answers; joining them all made
@@ -58,6 +60,8 @@ MAX_TOOL_CALLS = 128
 """Most tool calls an answer's observation keeps (a delta's index beyond it is ignored)."""
 CAPTURE_TAIL_BYTES = 16 * 1024
 """Bytes a truncated capture keeps from the end of the answer (rule 5)."""
+MAX_TOKEN_COUNT = 2**31 - 1
+"""The largest token count a usage may report (rule 5): what the store's columns hold."""
 CLIENT_DISCONNECTED = "client_disconnected"
 """The error of a primary answer whose client went away before its end (set by the
 gateway's relay): the backend did not fail, the answer was cut on the client's side."""
@@ -74,11 +78,15 @@ class Usage:
         if not isinstance(usage, dict):
             return None
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        cached = _count_or_none(details.get("cached_tokens") if isinstance(details, dict)
+                                else None)
+        prompt = _count_or_none(usage.get("prompt_tokens"))
+        if cached is not None and prompt is not None and cached > prompt:
+            cached = None  # rule 5: not a count to price or to take a hit rate of
         return cls(
-            prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
-            completion_tokens=_int_or_none(usage.get("completion_tokens")),
-            cached_tokens=_int_or_none(cached),
+            prompt_tokens=prompt,
+            completion_tokens=_count_or_none(usage.get("completion_tokens")),
+            cached_tokens=cached,
         )
 
 
@@ -368,3 +376,9 @@ def _absorb_completion(doc: dict[str, Any], parsed: _Parsed) -> None:
 
 def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _count_or_none(value: Any) -> int | None:
+    """A token count as rule 5 trusts it: an int in ``0..MAX_TOKEN_COUNT``, else None."""
+    count = _int_or_none(value)
+    return count if count is not None and 0 <= count <= MAX_TOKEN_COUNT else None

@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evaluators import Capture, Observation, Usage, observe
+from evaluators._observation import MAX_TOKEN_COUNT
 from tests.utils import fuzz_settings
 
 FUZZ = fuzz_settings(150)
@@ -129,7 +130,10 @@ def _observe(
 def _expected_usage(usage: dict[str, int] | None) -> Usage | None:
     if usage is None:
         return None
-    return Usage(usage["prompt_tokens"], usage["completion_tokens"], usage.get("cached_tokens"))
+    cached = usage.get("cached_tokens")
+    if cached is not None and cached > usage["prompt_tokens"]:
+        cached = None  # more cached than prompted is no count (_observation rule 5)
+    return Usage(usage["prompt_tokens"], usage["completion_tokens"], cached)
 
 
 @FUZZ
@@ -286,13 +290,33 @@ def test_usage_extraction(usage: dict[str, Any]) -> None:
     assert parsed is not None
 
     def count(value: Any) -> int | None:
-        return value if type(value) is int else None
+        return value if type(value) is int and 0 <= value <= MAX_TOKEN_COUNT else None
 
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    assert parsed.prompt_tokens == count(usage.get("prompt_tokens"))
+    cached = count(details.get("cached_tokens") if isinstance(details, dict) else None)
+    prompt = count(usage.get("prompt_tokens"))
+    assert parsed.prompt_tokens == prompt
     assert parsed.completion_tokens == count(usage.get("completion_tokens"))
-    assert parsed.cached_tokens == count(cached)  # missing or not a count: unknown, not 0
+    if cached is not None and prompt is not None and cached > prompt:
+        cached = None  # more cached than prompted: no count (_observation rule 5)
+    assert parsed.cached_tokens == cached  # missing or not a count: unknown, not 0
+
+
+@pytest.mark.parametrize(("usage", "expected"), [
+    ({"prompt_tokens": -5, "completion_tokens": -3}, Usage(None, None, None)),
+    ({"prompt_tokens": 12, "completion_tokens": 10**30}, Usage(12, None, None)),
+    ({"prompt_tokens": MAX_TOKEN_COUNT + 1, "completion_tokens": MAX_TOKEN_COUNT},
+     Usage(None, MAX_TOKEN_COUNT, None)),
+    ({"prompt_tokens": 12, "completion_tokens": 4,
+      "prompt_tokens_details": {"cached_tokens": 99}}, Usage(12, 4, None)),
+    ({"prompt_tokens": 12, "completion_tokens": 4,
+      "prompt_tokens_details": {"cached_tokens": 12}}, Usage(12, 4, 12)),
+    ({"completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": -1}},
+     Usage(None, 4, None)),
+])  # fmt: skip
+def test_impossible_token_counts_are_unknown(usage: dict[str, Any], expected: Usage) -> None:
+    """_observation rule 5: a count no backend could mean is not priced, rated or stored."""
+    assert Usage.from_json(usage) == expected
 
 
 @FUZZ

@@ -21,6 +21,7 @@ from sqlalchemy import Connection, func, inspect, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import Exchange, Observation, Usage
+from evaluators._score import score_exchange
 from evaluators.store import (
     AuditEntry,
     BackendRow,
@@ -389,6 +390,35 @@ async def test_unstorable_records_are_refused_and_counted(engine: AsyncEngine) -
         await written(writer, 1)
     assert writer.stats.dropped["invalid"] == 3
     assert writer.stats.last_error is not None
+
+
+async def test_a_backends_impossible_token_counts_cost_no_record(engine: AsyncEngine) -> None:
+    """A candidate's usage of 10**30 or -3 tokens is unknown (``_observation`` rule 5): it
+    was stored as given, which PostgreSQL refused (the record lost, scores and all) and
+    SQLite could not bind (the whole batch lost, other candidates' records too), and a
+    negative count priced the candidate below zero."""
+    scoring = pytest.importorskip("evaluators._scorers")
+    prices = {name: {"mode": "per_token", "prompt_usd_per_mtok": 1.0,
+                     "completion_usd_per_mtok": 2.0} for name in ("primary", "cand-a")}
+    scorers = scoring.build_scorers(["cost", "cache"], scoring.ScorerConfig.model_validate(
+        {"prices": prices}))
+    wire = [{"prompt_tokens": 12, "completion_tokens": 10**30},
+            {"prompt_tokens": 12, "completion_tokens": -3,
+             "prompt_tokens_details": {"cached_tokens": 10**40}},
+            {"prompt_tokens": 12, "completion_tokens": 4}]
+    exchanges = [make_exchange(f"r{i}", usage=Usage.from_json(usage))
+                 for i, usage in enumerate(wire)]
+    async with ScoreWriter(engine, quick_config(engine, flush_interval_s=0.2)) as writer:
+        for exchange in exchanges:  # one batch
+            assert writer.submit(exchange, score_exchange(exchange, scorers))
+        await written(writer, 3)
+    assert sum(writer.stats.dropped.values()) == 0
+    observations = await rows(engine, ObservationRow, ObservationRow.id)
+    assert {(o.prompt_tokens, o.completion_tokens, o.cached_tokens) for o in observations} == {
+        (12, 4, None), (12, None, None)}
+    costs = [s.candidate_value for s in await rows(engine, ScoreRow, ScoreRow.id)
+             if s.metric.startswith("cost.") and s.candidate_value is not None]
+    assert costs and min(costs) >= 0
 
 
 # -- the report's queries ----------------------------------------------------------------------
