@@ -13,7 +13,10 @@ Theory of operation:
    here runs on the request path: the relay and the mirror only read the last value
    (:meth:`BackendLoad.running`, a dict lookup).
 2. The value is the sum of ``vllm:num_requests_running`` over its label sets (one per
-   engine). A scrape that fails (connection, timeout, a status other than 200, a body
+   engine). A sample that is no finite number (``NaN``, ``+Inf``, which the exposition
+   format allows) is skipped, and a sum past :data:`MAX_RUNNING_COUNT` is no count: the
+   store's column holds no more, and one such value on the primary cost every record of
+   its batch. A scrape that fails (connection, timeout, a status other than 200, a body
    without the series) is counted by outcome (``understudy_backend_scrapes_total``) and
    leaves no value: a backend that does not export the series is simply unknown.
 3. A value older than :data:`MAX_SCRAPE_AGE_S` is unknown (None), never a stale count.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Final, Literal
@@ -36,6 +40,7 @@ import aiohttp
 from gateway._metrics import GatewayMetrics
 
 __all__ = [
+    "MAX_RUNNING_COUNT",
     "MAX_SCRAPE_AGE_S",
     "MAX_SCRAPE_BYTES",
     "MAX_SCRAPE_TARGETS",
@@ -54,6 +59,8 @@ MAX_SCRAPE_AGE_S: Final = 3 * SCRAPE_INTERVAL_S
 MAX_SCRAPE_BYTES: Final = 1024 * 1024
 MAX_SCRAPE_TARGETS: Final = 64
 RUNNING_SERIES: Final = "vllm:num_requests_running"
+MAX_RUNNING_COUNT: Final = 2**31 - 1
+"""The largest running count taken from a backend (rule 2)."""
 
 ScrapeOutcome = Literal["ok", "error", "timeout", "status", "absent", "too_large"]
 
@@ -70,10 +77,14 @@ def parse_running(text: str) -> int | None:
             continue  # another series sharing the prefix
         value = rest.rsplit("}", 1)[-1].split()
         try:
-            total = (total or 0.0) + float(value[0])
+            sample = float(value[0])
         except (IndexError, ValueError):
             continue
-    return None if total is None else max(0, round(total))
+        if math.isfinite(sample):
+            total = (total or 0.0) + sample
+    if total is None or total > MAX_RUNNING_COUNT:
+        return None
+    return max(0, round(total))
 
 
 class BackendLoad:

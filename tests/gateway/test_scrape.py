@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from gateway._metrics import GatewayMetrics
-from gateway._scrape import BackendLoad, parse_running
+from gateway._scrape import MAX_RUNNING_COUNT, BackendLoad, parse_running
 from tests.utils import run_sim
 
 EXPOSITION = """# HELP vllm:num_requests_running Requests in the running batch.
@@ -22,6 +22,16 @@ def test_the_running_count_is_summed_over_engines_and_other_series_ignored() -> 
     assert parse_running("vllm:num_requests_running 4\n") == 4
     assert parse_running("vllm:num_requests_waiting 4\n") is None
     assert parse_running("vllm:num_requests_running{a=\"b\"} nonsense\n") is None
+
+
+def test_a_running_count_that_is_no_count_is_unknown() -> None:
+    """Rule 2: +Inf raised OverflowError out of the scrape (a failed round, logged each
+    interval), and 1e30 became an int no store column holds."""
+    assert parse_running("vllm:num_requests_running 1e30\n") is None
+    assert parse_running(f"vllm:num_requests_running {MAX_RUNNING_COUNT + 1}\n") is None
+    for value in ("+Inf", "-Inf", "NaN"):
+        assert parse_running(f"vllm:num_requests_running {value}\n") is None
+        assert parse_running(f"{EXPOSITION}vllm:num_requests_running{{e=\"2\"}} {value}\n") == 5
 
 
 def _closed_port() -> int:
