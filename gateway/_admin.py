@@ -183,6 +183,7 @@ class CanaryBody(_Body):
 class BackendView(BaseModel):
     name: str
     url: str
+    model: str | None = None  # the model its live requests are rewritten to, if any
 
 
 class CanaryView(BaseModel):

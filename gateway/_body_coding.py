@@ -16,17 +16,22 @@ Rules:
    decode (cut, corrupt, trailing bytes) is counted ``corrupt``. Either way the request is
    forwarded and mirrored as sent, read as the gateway reads a body that is not JSON.
 3. The decoded copy is only read and recorded; what is forwarded (to the primary and to a
-   candidate) keeps the client's coding: a candidate's rewrite is coded again the same way
-   (:func:`encode`).
+   candidate) keeps the client's coding: a candidate's rewrite (of its mirrored requests,
+   and of its live ones as the canary or once promoted) is coded again the same way
+   (:func:`encode`, :func:`with_fields`).
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
-__all__ = ["MAX_DECODED_BODY_BYTES", "Decoded", "UndecodedReason", "decode", "encode"]
+import orjson
+
+__all__ = ["MAX_DECODED_BODY_BYTES", "Decoded", "UndecodedReason", "decode", "encode",
+           "with_fields"]
 
 MAX_DECODED_BODY_BYTES: Final = 8 * 1024 * 1024
 """Rule 2: the most a decoded copy holds (the gateway's default ``max_body_bytes``)."""
@@ -71,3 +76,23 @@ def encode(coding: str, body: bytes) -> bytes:
     wbits = _WBITS[coding.strip(" \t").lower()][0]
     deflater = zlib.compressobj(wbits=wbits)
     return deflater.compress(body) + deflater.flush()
+
+
+def with_fields(body: bytes, fields: Mapping[str, Any], coding: str | None = None) -> bytes:
+    """Rule 3: the JSON object ``body`` with ``fields`` set, coded again as ``coding``; the
+    body as sent when it is no JSON object, or cannot be decoded (counted when it was
+    read)."""
+    plain = body
+    if coding is not None:
+        decoded = decode(coding, body).body
+        if decoded is None:
+            return body
+        plain = decoded
+    try:
+        payload = orjson.loads(plain)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(payload, dict):
+        return body
+    out = orjson.dumps({**payload, **fields})
+    return encode(coding, out) if coding is not None else out

@@ -45,7 +45,7 @@ from evaluators import (
     observe,
     requested_choices,
 )
-from gateway._body_coding import decode, encode
+from gateway._body_coding import decode, with_fields
 from gateway._budget import MemoryBudget, payload_key
 from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorRequest
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig, RecordConfig
@@ -390,20 +390,7 @@ def _candidate_body(body: bytes, config: CandidateConfig, coding: str | None = N
     again as the client coded it (rule 7)."""
     if (config.model is None and not config.overrides) or not body:
         return body
-    plain = body
-    if coding is not None:
-        decoded = decode(coding, body).body  # a failure was counted when it was offered
-        if decoded is None:
-            return body
-        plain = decoded
-    try:
-        payload = orjson.loads(plain)
-    except orjson.JSONDecodeError:
-        return body
-    if not isinstance(payload, dict):
-        return body
-    rewritten = {**payload, **config.overrides}
+    fields = dict(config.overrides)
     if config.model is not None:
-        rewritten["model"] = config.model
-    out = orjson.dumps(rewritten)
-    return encode(coding, out) if coding is not None else out
+        fields["model"] = config.model
+    return with_fields(body, fields, coding)

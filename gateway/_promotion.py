@@ -258,7 +258,7 @@ class Promoter:
                 raise Conflict(f"promotion of {name} refused: the judge says {verdict} "
                                f"({'; '.join(reasons[:3])}); pass force with a reason "
                                "to override")
-            return await self._promote(Backend(name, candidate.config.url), judgement,
+            return await self._promote(_live(candidate), judgement,
                                        actor=actor, force=force, reason=reason, decided_on=seen)
 
     async def _promote(self, backend: Backend, judgement: Judgement, *, actor: str,
@@ -303,7 +303,7 @@ class Promoter:
             candidate = self._candidate(name)
             if self.routing.canary is not None:
                 raise Conflict(f"a canary of {self.routing.canary.backend.name} is running")
-            canary = Canary(Backend(name, candidate.config.url), steps, 0, interval_s,
+            canary = Canary(_live(candidate), steps, 0, interval_s,
                             time.time(), actor=actor)
             routing = await self._sync.commit(
                 partial(Routing.with_canary, canary=canary),
@@ -425,6 +425,13 @@ class Promoter:
     def _done(self, action: str, target: str, verdict: str | None = None) -> None:
         log.info("admin: %s %s (verdict %s)", action, target, verdict)
         self._metrics.admin_actions.labels(action).inc()
+
+
+def _live(candidate: Candidate) -> Backend:
+    """``candidate`` as a backend of live traffic, its model rewrite kept (``_routing``
+    rule 2): its live requests name the model its mirrored ones were judged on."""
+    config = candidate.config
+    return Backend(config.name, config.url, config.model)
 
 
 def _rolled_back(routing: Routing) -> Routing:

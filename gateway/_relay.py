@@ -13,6 +13,9 @@ Rules (DESIGN.md invariant 1):
    ``body_timeout_s`` of the head is a 408 and the connection is closed (a stalled body
    would hold the connection, its admission slot and a task for ever); a body that came
    with its head, as a small request's does, costs no timer.
+   A backend with a ``model`` (a candidate live as the canary or promoted, ``_routing``
+   rule 2) gets the body with that model named: built from the parsed payload, or for a
+   coded body decoded, rewritten and coded again (``_body_coding`` rule 3).
 4. Once the response has begun, an upstream failure can no longer become a 502/504: the
    client connection is aborted so the client sees a cut answer, never a clean end.
 5. The relay does not know which server read the request: it talks to a
@@ -40,7 +43,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 from urllib.parse import unquote
 
@@ -51,6 +54,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from evaluators import Capture, observe
+from gateway._body_coding import with_fields
 from gateway._exceptions import (
     FaultyFraming,
     GatewayError,
@@ -91,6 +95,16 @@ class RequestPlan:
     payload: dict[str, Any] | None
     stream: bool
     injected_usage: bool
+
+    def naming(self, model: str, coding: str | None) -> RequestPlan:
+        """This plan for a backend that serves ``model`` (rule 3): its body names it."""
+        if not self.body:
+            return self
+        if self.payload is None:  # not read as JSON: coded, or not an object
+            return replace(self, body=with_fields(self.body, {"model": model}, coding))
+        payload = {**self.payload, "model": model}
+        upstream = _with_usage(payload) if self.injected_usage else payload
+        return replace(self, body=orjson.dumps(upstream))
 
 
 class RelayStream(Protocol):
@@ -184,11 +198,17 @@ def plan_request(route: Route, method: str, body: bytes) -> RequestPlan:
     if options is not None and not isinstance(options, dict):
         # Malformed stream_options: forward untouched, the backend answers the 400.
         return RequestPlan(route, body, payload, stream=True, injected_usage=False)
-    upstream_payload = {**payload, "stream_options": {**(options or {}), "include_usage": True}}
+    upstream_payload = _with_usage(payload)
     # orjson's output can own far more memory than its length (1 MiB for a 64 KiB body);
     # an exact copy keeps what the request holds, and what the MemoryBudget charges, true.
     body = bytes(memoryview(orjson.dumps(upstream_payload)))
     return RequestPlan(route, body, payload, stream=True, injected_usage=True)
+
+
+def _with_usage(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` asking for the usage chunk (its ``stream_options`` a dict or absent)."""
+    options = payload.get("stream_options")
+    return {**payload, "stream_options": {**(options or {}), "include_usage": True}}
 
 
 class UsageEventFilter(SseFilter):
@@ -300,6 +320,8 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
             elif state.mirror.active:
                 state.mirror.offer(route, client.method, client.raw_path, headers,
                                    plan.body, plan.payload, request_id, session)
+        if backend.model is not None:  # a candidate live: the model it serves (rule 3)
+            plan = plan.naming(backend.model, headers.get("Content-Encoding"))
         upstream = state.upstreams.get(backend)
         await _forward(client, state, upstream, plan, headers, capture, request_id)
     except (RequestTooLarge, RequestTimeout) as exc:

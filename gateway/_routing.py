@@ -7,6 +7,10 @@ Rules (DESIGN.md invariant 8):
    requests in flight finish on the backend they started on.
 2. A progressive canary sends a share of sessions to the canary backend, decided by the
    same keyed hash as sampling, so a session stays on one side as the share grows.
+   A candidate that takes live traffic (the canary, a promoted candidate) keeps its
+   ``model`` rewrite in its :class:`Backend`: its live requests name the model it serves,
+   as its mirrored ones did when it was judged (without it, a backend serving another
+   model name answers every live request 404).
 3. Every backend that was ever primary keeps its pool (``Upstreams``) until shutdown: a
    rollback needs no reconnect and cuts no request in flight.
 4. Replicas converge through the database (``RoutingSync``): the snapshot with the
@@ -29,13 +33,17 @@ CANARY_SAMPLING_KEY = "canary"
 
 @dataclass(frozen=True, slots=True)
 class Backend:
-    """A backend that can take live traffic: its name and root URL."""
+    """A backend that can take live traffic: its name, root URL and the ``model`` its
+    requests are rewritten to (rule 2; ``None``: as the client sent it)."""
 
     name: str
     url: str
+    model: str | None = None
 
     def to_dict(self) -> dict[str, str]:
-        return {"name": self.name, "url": self.url}
+        # ``model`` only when set: a routing without one reads as before on every replica.
+        named = {"name": self.name, "url": self.url}
+        return named if self.model is None else {**named, "model": self.model}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +91,7 @@ class Canary:
     def from_dict(cls, data: dict[str, Any]) -> Canary:
         backend = data["backend"]
         measured = data.get("measured_since")
-        return cls(Backend(backend["name"], backend["url"]), tuple(data["steps"]),
+        return cls(Backend(**backend), tuple(data["steps"]),
                    int(data["step"]), float(data["interval_s"]), float(data["step_started_at"]),
                    None if measured is None else float(measured), str(data.get("actor", "admin")))
 

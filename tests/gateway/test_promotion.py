@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 from typing import Any
 
@@ -317,3 +318,47 @@ async def test_concurrent_rollbacks_of_one_routing_roll_back_once() -> None:
         # Without a version, as before: each applies to the routing it finds.
         status, _ = await _routing_change(http, gw, "/rollback", {})
         assert status == 200 and gw.state.routing.primary.name == "primary"
+
+
+async def test_a_candidate_live_names_the_model_it_serves() -> None:
+    """A candidate whose ``model`` rewrite was judged on its mirrored requests got live
+    requests (as the canary, then promoted) with the client's model name, which it does not
+    serve: every one a 404. Its live requests name its model too, gzip-coded ones as well."""
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2, model="cand-model") as cand, \
+            run_gateway(primary.url, candidates=[{"name": "c", "url": cand.url,
+                                                  "model": "cand-model"}]) as gw, \
+            aiohttp.ClientSession() as http:
+
+        async def statuses(tag: str, n: int, gzipped: bool = False) -> list[int]:
+            out = []
+            for i in range(n):
+                body = json.dumps({"model": "sim-model", "stream": i % 2 == 0,
+                                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+                headers = {"X-Session-Id": f"{tag}{i}", "Content-Type": "application/json"}
+                if gzipped:
+                    body, headers["Content-Encoding"] = gzip.compress(body), "gzip"
+                async with http.post(gw.base_url + "/chat/completions", data=body,
+                                     headers=headers) as resp:
+                    await resp.read()
+                    out.append(resp.status)
+            return out
+
+        status, body = await _post(http, gw.admin_url + "/candidates/c/canary",
+                                   {"steps": [50, 100], "interval_s": 600})
+        assert status == 202
+        assert set(await statuses("s", 30)) == {200}
+        assert body["routing"]["canary"]["backend"]["model"] == "cand-model"
+        assert set(await statuses("z", 10, gzipped=True)) == {200}
+        live = [r for r in cand.stats.requests if "X-Forwarded-For" in r.headers]
+        assert live and all(isinstance(r.body, dict) and r.body["model"] == "cand-model"
+                            for r in live)
+        status, body = await _post(http, gw.admin_url + "/candidates/c/promote",
+                                   {"force": True, "reason": "drill"})
+        assert status == 200 and body["routing"]["primary"]["model"] == "cand-model"
+        assert set(await statuses("p", 6)) == {200}
+        status, body = await _post(http, gw.admin_url + "/rollback", {"reason": "drill"})
+        assert status == 200 and body["routing"]["previous"]["model"] == "cand-model"
+        before = primary.stats.requests_seen
+        assert set(await statuses("r", 4)) == {200}
+        assert primary.stats.requests_seen == before + 4
