@@ -28,6 +28,7 @@ from pydantic import (
     JsonValue,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
 )
@@ -341,10 +342,18 @@ class GatewayConfig(BaseSettings):
 
     @field_validator("candidates")
     @classmethod
-    def _unique_names(cls, candidates: tuple[CandidateConfig, ...]) -> tuple[CandidateConfig, ...]:
+    def _unique_names(cls, candidates: tuple[CandidateConfig, ...],
+                      info: ValidationInfo) -> tuple[CandidateConfig, ...]:
         names = [c.name for c in candidates]
         if len(names) != len(set(names)):
             raise ValueError(f"candidate names must be unique, got {names}")
+        # The store knows a backend by its name: a candidate named as the primary would share
+        # its row, and each exchange's two observations would collide (the admin API refuses
+        # it with a 409, gateway/_promotion.py). ``primary`` is validated before this field.
+        primary = info.data.get("primary")
+        if isinstance(primary, UpstreamConfig) and primary.name in names:
+            raise ValueError(f"candidate {primary.name!r} has the primary's name; a primary is "
+                             "not its own candidate (pick another name)")
         return candidates
 
     @classmethod

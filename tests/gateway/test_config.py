@@ -164,3 +164,25 @@ def _clear_understudy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.upper().startswith("UNDERSTUDY_"):
             monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("primary_name", [None, "prod"])
+@pytest.mark.parametrize("role", ["candidate", "secondary"])
+def test_a_candidate_named_as_the_primary_is_refused_at_start(
+    primary_name: str | None, role: str
+) -> None:
+    """The store knows a backend by its name: such a candidate shared the primary's row, and
+    each exchange kept one of its two observations (the admin API answers it 409)."""
+    primary: dict[str, str] = {"url": "http://127.0.0.1:9"}
+    if primary_name is not None:
+        primary["name"] = primary_name
+    name = primary_name or "primary"
+    candidates = [{"name": "other", "url": "http://127.0.0.1:8"},
+                  {"name": name, "url": "http://127.0.0.1:7", "role": role}]
+    with pytest.raises(ValidationError) as caught:
+        load_config(None, {"primary": primary, "candidates": candidates})
+    errors = caught.value.errors(include_url=False)
+    assert [(error["loc"], error["msg"]) for error in errors] == [(
+        ("candidates",), f"Value error, candidate {name!r} has the primary's name; a primary "
+        "is not its own candidate (pick another name)")]
+    assert load_config(None, {"primary": primary, "candidates": candidates[:1]}).candidates
