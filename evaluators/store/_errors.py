@@ -102,6 +102,10 @@ def translate_store_errors() -> Iterator[None]:
         if is_transient(exc):
             raise StoreUnavailable(_describe(exc)) from exc
         raise StoreRejected(_describe(exc)) from exc
+    except OverflowError as exc:  # a value SQLite's driver cannot bind (past 64 bits),
+        # raised unwrapped: rejected as PostgreSQL's out-of-range error is, so the writer
+        # drops that record alone rather than its whole batch
+        raise StoreRejected(_describe(exc)) from exc
     except Exception as exc:
         if _is_driver_connection_error(exc):
             raise StoreUnavailable(_describe(exc)) from exc

@@ -7,6 +7,7 @@ database going away mid-run) are in test_store_faults.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -419,6 +420,19 @@ async def test_a_backends_impossible_token_counts_cost_no_record(engine: AsyncEn
     costs = [s.candidate_value for s in await rows(engine, ScoreRow, ScoreRow.id)
              if s.metric.startswith("cost.") and s.candidate_value is not None]
     assert costs and min(costs) >= 0
+
+
+async def test_a_value_the_driver_cannot_bind_costs_its_record_alone(engine: AsyncEngine) -> None:
+    """SQLite's driver raised a bare OverflowError for an int past 64 bits, which failed the
+    whole batch; PostgreSQL's out-of-range error was rejected and split down to the record."""
+    primary = dataclasses.replace(make_observation("r", "primary"), backend_running=10**30)
+    async with ScoreWriter(engine, quick_config(engine, flush_interval_s=0.2)) as writer:
+        for exchange in (make_exchange("ok1"), make_exchange("bad", primary=primary),
+                         make_exchange("ok2")):  # one batch
+            assert writer.submit(exchange, SCORES)
+        await written(writer, 2)
+    assert writer.stats.dropped["rejected"] == 1 and writer.stats.dropped["failed"] == 0
+    assert {e.request_id for e in await rows(engine, ExchangeRow)} == {"ok1", "ok2"}
 
 
 # -- the report's queries ----------------------------------------------------------------------
