@@ -42,7 +42,7 @@ ROUTES: Final[tuple[MirroredRoute, ...]] = get_args(MirroredRoute)
 
 MirrorDropReason = Literal[
     BufferRefusal, "route", "canary", "not_sampled", "paused", "shutdown", "removed",
-    "internal", "join_timeout", "sink_full",
+    "internal", "join_timeout", "sink_full", "duplicate_id",
 ]
 """Why a request was not mirrored to, or not evaluated for, a candidate: the ``reason``
 label of ``understudy_mirror_dropped``."""

@@ -6,8 +6,13 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
 2. Every request that reaches ``offer`` ends, for each candidate, counted exactly once:
    dropped with a reason (``MirrorDropReason``: ``route``, ``canary``, ``not_sampled``,
    ``paused``, ``dedup``, ``buffer_full``, ``budget``, ``shutdown``, ``removed``,
-   ``internal``, ``join_timeout``, ``sink_full``) or joined and handed to the evaluation
-   sink.
+   ``internal``, ``join_timeout``, ``sink_full``, ``duplicate_id``) or joined and handed to
+   the evaluation sink.
+   A join is keyed by the request id, which a client may send (``X-Request-Id``): a request
+   whose id is still being joined (a client reusing ids, a retry while the first's replay
+   runs) is not mirrored (``duplicate_id``), and only a request ``offer`` queued hands its
+   primary Observation to the joiner, so no answer is paired with another request's and
+   none is lost uncounted.
 3. A candidate's workers (``max_concurrency`` of them) replay requests streaming, and
    record the candidate's Observation exactly as the relay records the primary's, so
    candidate TTFT and inter-token latency are measured.
@@ -135,8 +140,9 @@ class Mirror:
 
     def offer(self, route: Route, method: str, raw_path: str,
               headers: CIMultiDict[str], body: bytes,
-              payload: dict[str, object] | None, request_id: str, session: str) -> None:
-        """Queue the request for every candidate that samples it. Never awaits."""
+              payload: dict[str, object] | None, request_id: str, session: str) -> bool:
+        """Queue the request for every candidate that samples it. Never awaits. Whether
+        it was queued for one: then its primary Observation is awaited (rule 2)."""
         readable = body
         coding = headers.get("Content-Encoding") if payload is None and body else None
         if coding is not None and route in RECORDED_ROUTES:
@@ -149,14 +155,19 @@ class Mirror:
             self.recorder.offer(route, raw_path, readable, session)
         if route not in self._routes:
             self.skip("route")
-            return
+            return False
         now = time.monotonic()
         depth = turn_depth(payload)
         size = len(readable)
         self.traffic.seen(route, payload is not None and payload.get("stream") is True, depth,
                           size)
+        if self.joiner.expects(request_id):  # rule 2: that id's join is another request's
+            for name in self.candidates:
+                self._count_drop(name, "duplicate_id", size)
+            return False
         request: MirrorRequest | None = None
         key = b""
+        queued = False
         for candidate in self.candidates.values():
             config = candidate.config
             unit_key = session if config.sampling_unit == "session" else request_id
@@ -172,6 +183,7 @@ class Mirror:
                 key = payload_key(method, raw_path, body)
             outcome = candidate.buffer.offer(request, key, body)
             if outcome == "queued":
+                queued = True
                 self.metrics.mirror_queued.labels(candidate.name).inc()
                 self.joiner.expect(request_id, candidate.name, session, route, now,
                                    prompt_bytes=size, turn_depth=depth,
@@ -180,6 +192,7 @@ class Mirror:
             else:
                 self._count_drop(candidate.name, "shutdown" if outcome == "closed" else outcome,
                                  size)
+        return queued
 
     def _decoded(self, coding: str, body: bytes) -> tuple[bytes, dict[str, object] | None]:
         """Rule 7: the decoded body and its JSON object; the body as sent and None when it
@@ -199,10 +212,6 @@ class Mirror:
         """Count a request that no candidate gets, for every candidate."""
         for name in self.candidates:
             self._count_drop(name, reason)
-
-    def expects(self, request_id: str) -> bool:
-        """Whether a candidate's answer to ``request_id`` waits for the primary's."""
-        return self.joiner.expects(request_id)
 
     def primary_done(self, observation: Observation) -> None:
         self.joiner.primary(observation)

@@ -303,6 +303,7 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
     capture = Capture(started=started, max_bytes=state.config.capture.max_bytes,
                       max_chunk_times=state.config.capture.max_chunk_times)
     metrics.relaying += 1
+    mirrored = False  # whether a candidate's answer waits for this one (_mirror rule 2)
     try:
         server = state.config.server
         body = await read_body(client, server.max_body_bytes, server.body_timeout_s)
@@ -318,8 +319,9 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
                 backend = routing.canary.backend
                 state.mirror.skip("canary")
             elif state.mirror.active:
-                state.mirror.offer(route, client.method, client.raw_path, headers,
-                                   plan.body, plan.payload, request_id, session)
+                mirrored = state.mirror.offer(route, client.method, client.raw_path,
+                                              headers, plan.body, plan.payload, request_id,
+                                              session)
         if backend.model is not None:  # a candidate live: the model it serves (rule 3)
             plan = plan.naming(backend.model, headers.get("Content-Encoding"))
         upstream = state.upstreams.get(backend)
@@ -339,7 +341,7 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
     finally:
         metrics.relaying -= 1
         capture.ended = loop.time()
-        _record(state, capture, request_id, route, wall_started)
+        _record(state, capture, request_id, route, wall_started, mirrored)
 
 
 def _framing_refusal(client: RelayClient) -> tuple[str, GatewayError] | None:
@@ -547,7 +549,7 @@ class ClientStream(ClientSink):
 
 
 def _record(state: GatewayState, capture: Capture, request_id: str, route: Route,
-            wall_started: float) -> None:
+            wall_started: float, mirrored: bool) -> None:
     series = state.metrics.route(route)
     series.answered(capture.status or 499).inc()
     if capture.chunk_times:
@@ -557,7 +559,7 @@ def _record(state: GatewayState, capture: Capture, request_id: str, route: Route
     # Parsing the captured answer costs per event: it is done only when a candidate waits
     # for it; the record of recent answers parses lazily, when someone reads it.
     state.observations.accept(capture, request_id, route, wall_started)
-    if state.mirror.expects(request_id):
+    if mirrored:
         state.mirror.primary_done(observe(capture, request_id=request_id,
                                           backend=capture.backend, route=route,
                                           wall_started=wall_started))

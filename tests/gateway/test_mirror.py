@@ -190,3 +190,37 @@ async def test_unmirrored_routes_are_counted() -> None:
         await client.close()
         assert gw.metric("understudy_mirror_dropped_total", candidate="c", reason="route") == 1
         assert cand.stats.requests_seen == 0
+
+
+async def test_requests_reusing_a_request_id_are_never_paired_with_each_other() -> None:
+    """The join is keyed by the request id, which a client may send. Four requests under one
+    ``X-Request-Id`` at once were all replayed, one was joined (with whichever primary answer
+    came first) and three were lost, counted nowhere. Now one is mirrored and joined with its
+    own answer; the others are counted ``duplicate_id``."""
+    async with run_sim(ttft_ms=5, itl_ms=0, tokens=2) as primary, \
+            run_sim(ttft_ms=80, itl_ms=0, tokens=2) as cand, \
+            run_gateway(primary.url, candidates=[_candidate("c", cand.url,
+                                                            max_concurrency=4)]) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        prompts = [f"question {i}" for i in range(4)]
+        await asyncio.gather(*(client.chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": prompt}],
+            extra_headers={"X-Request-Id": "same-id"}) for prompt in prompts))
+        await client.close()
+        mirror = gw.state.mirror
+        await eventually(lambda: len(mirror.joiner) == 0 and mirror.budget.used == 0)
+        queued = gw.metric("understudy_mirror_queued_total", candidate="c")
+        joined = gw.metric("understudy_mirror_joined_total", candidate="c")
+        duplicates = gw.metric("understudy_mirror_dropped_total", candidate="c",
+                               reason="duplicate_id")
+        assert (queued, joined, duplicates) == (1, 1, 3)
+        assert cand.stats.requests_seen == 1
+        (exchange,) = gw.sink.snapshot()
+        replayed = cand.stats.requests[0].body
+        assert isinstance(replayed, dict)
+        # The primary answer it is paired with is the one to the same prompt.
+        direct = openai.AsyncOpenAI(base_url=primary.base_url, api_key="x")
+        own = await direct.chat.completions.create(model="sim-model",
+                                                   messages=replayed["messages"])
+        await direct.close()
+        assert exchange.primary.text == own.choices[0].message.content
