@@ -8,6 +8,8 @@ Lifecycle (one place): ``cleanup_ctx`` opens the upstream pools at start and clo
 last. Shutdown order (``serve``): every listener stops accepting at once; the admin API's
 requests in flight, then the proxy's, finish within ``shutdown_timeout_s`` each (kept by
 aiohttp's runners), the rest are cancelled; then the app's state closes, the pools last.
+SIGINT and SIGTERM are handled from before the start: one that comes while the app starts
+(the store, the scoring child) lets the start finish, listens on nothing, and shuts down.
 """
 
 from __future__ import annotations
@@ -256,16 +258,31 @@ async def serve(
     """Serve until ``stop`` is set (or SIGINT/SIGTERM), then shut down gracefully."""
     check_admin_binding(config.admin)
     return_large_buffers()
-    app = build_app(config)
-    runner = make_runner(app)
-    await runner.setup()
-    admin_runner: web.AppRunner | None = None
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Before the start, which reaches the store and spawns the scoring child (seconds): a
+    # signal meanwhile ends the start cleanly, listening on nothing (SIGTERM killed the
+    # process and left its child behind; SIGINT was a KeyboardInterrupt).
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     try:
+        await _serve_until(config, stop, on_ready)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+
+
+async def _serve_until(config: GatewayConfig, stop: asyncio.Event,
+                       on_ready: Callable[[int], Awaitable[None] | None] | None) -> None:
+    app = build_app(config)
+    runner = make_runner(app)
+    await runner.setup()
+    admin_runner: web.AppRunner | None = None
+    try:
+        if stop.is_set():  # asked to stop while starting
+            return
         # The admin listener first: once the proxy's port answers /health, every port does.
         if config.admin.port is not None:
             admin_runner = make_admin_runner(app)
@@ -295,9 +312,6 @@ async def serve(
         if admin_runner is not None:
             await admin_runner.cleanup()
         await runner.cleanup()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)
 
 
 def run(config: GatewayConfig) -> None:

@@ -4,8 +4,14 @@ runs them (real sockets)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import sys
 import time
+
+import psutil
+import pytest
 
 from gateway._app import serve
 from gateway._config import load_config
@@ -59,3 +65,42 @@ async def test_an_admin_request_in_flight_holds_neither_the_proxy_nor_the_exit()
             stop.set()
             if not serving.done():
                 serving.cancel()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_signal_while_starting_ends_the_start_cleanly(sig: signal.Signals) -> None:
+    """SIGTERM while the gateway started (reaching its store, spawning the scoring child)
+    killed it by the signal, its scoring child left running; SIGINT was 'Aborted!', exit 1.
+    Now the start finishes, nothing is listened on, and the process exits 0 with its child."""
+    with socket.socket() as closed:  # a store at a port bound, never listening: refused
+        closed.bind(("127.0.0.1", 0))
+        store = f"postgresql+asyncpg://u:pw@127.0.0.1:{closed.getsockname()[1]}/db"
+        port = _free_port()
+        env = {name: value for name, value in os.environ.items()
+               if not name.upper().startswith("UNDERSTUDY_")}  # fmt: skip
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "serve", "--primary", "http://127.0.0.1:9",
+            "--port", str(port), "--db", store, env=env, stderr=asyncio.subprocess.PIPE)
+        assert process.stderr is not None
+        lines: list[bytes] = []
+        try:
+            async with asyncio.timeout(60):
+                # The first failed attempt at the store: inside the start (its wait for the
+                # store is STORE_START_WAIT_S), before anything listens.
+                while b"not ready, retrying" not in (line := await process.stderr.readline()):
+                    assert line, b"".join(lines).decode()
+                    lines.append(line)
+                children = psutil.Process(process.pid).children(recursive=True)
+                process.send_signal(sig)
+                lines.append(await process.stderr.read())
+                await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    output = b"".join(lines).decode()
+    assert process.returncode == 0, output[-3000:]
+    assert "Traceback" not in output and "leaked" not in output and "Aborted" not in output
+    assert "understudy gateway on" not in output  # never listened
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"left running: {alive}"
