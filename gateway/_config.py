@@ -468,17 +468,24 @@ _CANDIDATE_FLAG_KEYS = {
 
 
 def parse_candidate_flag(text: str) -> dict[str, Any]:
-    """``NAME=URL[,rate=R][,unit=request|session][,concurrency=N][,model=M]`` as a dict."""
+    """``NAME=URL[,rate=R][,unit=request|session][,concurrency=N][,model=M]`` as a dict.
+
+    A refusal never quotes the text: its URL may hold a password (``http://user:pw@host``),
+    and a ``,`` in the password splits it into what reads as options."""
     head, *options = text.split(",")
     name, sep, url = head.partition("=")
     if not sep or not name or not url:
-        raise ValueError(f"--candidate expects NAME=URL[,rate=R], got {text!r}")
+        raise ValueError("--candidate expects NAME=URL[,rate=R] (a name, '=', then the URL)")
     candidate: dict[str, Any] = {"name": name, "url": url}
-    for option in options:
+    known = ", ".join(_CANDIDATE_FLAG_KEYS)
+    for position, option in enumerate(options, start=1):
         key, sep, value = option.partition("=")
-        if not sep or key not in _CANDIDATE_FLAG_KEYS:
-            known = ", ".join(_CANDIDATE_FLAG_KEYS)
-            raise ValueError(f"unknown --candidate option {option!r} (known: {known})")
+        if not sep:
+            raise ValueError(f"--candidate option {position} after the URL is not KEY=VALUE "
+                             f"(known keys: {known}; a ',' in the URL is written %2C)")
+        if key not in _CANDIDATE_FLAG_KEYS:
+            raise ValueError(f"unknown --candidate option {position} after the URL (known "
+                             f"keys: {known})")
         candidate[_CANDIDATE_FLAG_KEYS[key]] = value
     return candidate
 

@@ -16,6 +16,8 @@ from backends.engine import plan_kv_command
 from gateway._config import MAX_WINDOW_S
 from gateway.cli import main
 
+SECRET = "Zq9s3cr3tVALUE77"
+
 
 @pytest.mark.parametrize("flag", ["--budget-bits", "--budget-bytes-per-token"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
@@ -153,3 +155,23 @@ def test_report_on_a_store_it_cannot_read_is_one_line(tmp_path: Path, folder: st
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"Error: {url}: "), line
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("flag", "problem"),
+    [
+        (f"http://user:{SECRET}@127.0.0.1:9", "expects NAME=URL[,rate=R]"),  # no NAME=
+        (f"a=http://user:{SECRET[:6]},{SECRET[6:]}@127.0.0.1:9", "option 1 after the URL is not "
+         "KEY=VALUE"),  # a ',' in the password
+        (f"a=http://user:{SECRET[:6]},{SECRET[6:]}=x@127.0.0.1:9", "unknown --candidate option 1"),
+    ],
+    ids=["no-name", "comma-in-password", "comma-and-equals-in-password"],
+)
+def test_a_candidate_flag_refused_never_quotes_its_url(flag: str, problem: str) -> None:
+    """``--candidate`` refusals quoted the flag, a URL's password and all (or its part after
+    a ',')."""
+    result = CliRunner().invoke(main, ["serve", "--candidate", flag, "--print-config"])
+    assert result.exit_code == 2, result.output
+    assert problem in result.stderr
+    for part in (SECRET, SECRET[:6], SECRET[6:]):
+        assert part not in result.output
