@@ -29,6 +29,17 @@ def _segment(name: str) -> str:
     return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
 
 
+def _shown(url: str) -> str:
+    """``url`` as an error prints it: a password in it (``http://user:pw@host``) as ``***``.
+    Found by hand, not parsed: a URL the parser refuses is shown too."""
+    scheme, sep, rest = url.partition("://")
+    end = next((i for i, c in enumerate(rest) if c in "/?#"), len(rest))
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{host}{rest[end:]}"
+
+
 def _call(admin: tuple[str, str | None], method: str, path: str,
           body: dict[str, Any] | None = None) -> Any:
     url, token = admin[0].rstrip("/"), admin[1]
@@ -36,10 +47,11 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - checked now: urllib would raise it mid-request
     except ValueError as exc:
-        raise click.UsageError(f"--admin-url {admin[0]!r}: {exc}") from None
+        raise click.UsageError(f"--admin-url {_shown(admin[0])!r}: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         # urllib would raise on 'notaurl' and open file:// or ftp:// URLs as they come
-        raise click.UsageError(f"--admin-url must be an http:// or https:// URL, got {admin[0]!r}")
+        raise click.UsageError("--admin-url must be an http:// or https:// URL, got "
+                               f"{_shown(admin[0])!r}")
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url + path, data=data, method=method)
     request.add_header("Content-Type", "application/json")
@@ -60,7 +72,8 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
             message = exc.reason
         raise click.ClickException(f"{exc.code}: {message}") from None
     except urllib.error.URLError as exc:
-        raise click.ClickException(f"admin API at {url} unreachable: {exc.reason}") from None
+        raise click.ClickException(f"admin API at {_shown(url)} unreachable: {exc.reason}") \
+            from None
 
 
 def _routing_version(admin: tuple[str, str | None]) -> int:

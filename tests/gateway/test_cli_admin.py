@@ -4,6 +4,7 @@ operator types wrong is one line naming it, never a traceback nor another route'
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from click.testing import CliRunner, Result
@@ -83,3 +84,21 @@ async def test_rollback_and_promote_name_the_routing_they_were_decided_on() -> N
         result = await understudy(gw, "rollback")
         assert result.exit_code == 0, result.output
         assert gw.state.routing.primary.name == "primary" and gw.state.routing.version == 3
+
+
+@pytest.mark.parametrize(("url", "exit_code"), [
+    ("http://operator:{pw}@127.0.0.1:{port}/admin/v1", 1),    # unreachable
+    ("ftp://operator:{pw}@127.0.0.1:{port}/admin/v1", 2),     # not http
+    ("http://operator:{pw}@127.0.0.1:99999/admin/v1", 2),     # a port urlsplit refuses
+    ("http://operator:{pw}@[::1/admin/v1", 2),                # a host urlsplit refuses
+])
+def test_an_admin_url_refused_never_shows_its_password(url: str, exit_code: int) -> None:
+    """Each refusal quoted the --admin-url whole, password and all."""
+    password = "Zq9-s3cr3t-VALUE-77"
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        url = url.format(pw=password, port=closed.getsockname()[1])
+        result = CliRunner().invoke(main, ["routing", "--admin-url", url])
+    assert result.exit_code == exit_code, result.output
+    assert password not in result.output
+    assert "operator:***@" in result.output  # the URL is still named, its password masked
