@@ -2,7 +2,9 @@
 
 Rules (DESIGN.md invariants 1, 3, 6, 7):
 1. ``offer`` is the only part on the hot path. Per candidate it does a route check, a
-   hash for sampling, and ``CandidateBuffer.offer`` — O(1), no await, no I/O.
+   hash for sampling (``mirror_sampled``: its own namespace, so a candidate named
+   ``canary`` or ``record`` samples independently of the canary's routing and the
+   recorder, ``_sampler`` rule 4), and ``CandidateBuffer.offer`` — O(1), no await, no I/O.
 2. Every request that reaches ``offer`` ends, for each candidate, counted exactly once:
    dropped with a reason (``MirrorDropReason``: ``route``, ``canary``, ``not_sampled``,
    ``paused``, ``dedup``, ``buffer_full``, ``budget``, ``shutdown``, ``removed``,
@@ -59,7 +61,7 @@ from gateway._headers import candidate_allow_list
 from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, MirrorDropReason, Route
 from gateway._record import RECORDED_ROUTES, TrafficRecorder
-from gateway._sampler import sampled, session_key
+from gateway._sampler import mirror_sampled, session_key
 from gateway._scrape import BackendLoad
 from gateway._traffic import TrafficTally, turn_depth
 from gateway._upstream import Upstream
@@ -174,7 +176,7 @@ class Mirror:
             if candidate.paused:
                 self._count_drop(candidate.name, "paused", size)
                 continue
-            if not sampled(candidate.name, unit_key, config.sample_rate):
+            if not mirror_sampled(candidate.name, unit_key, config.sample_rate):
                 self._count_drop(candidate.name, "not_sampled", size)
                 continue
             if request is None:

@@ -1,9 +1,17 @@
 """Deterministic sampling: which requests each candidate sees.
 
 Rules (DESIGN.md invariant 5):
-1. The decision is a pure function of (candidate name, sampling key, rate): a keyed
+1. The decision is a pure function of (namespace, salt, sampling key, rate): a keyed
    BLAKE2b hash mapped to [0, 1) and compared with the rate. Python's ``hash`` is salted
    per process and is never used.
+4. Samplers never share a hash: a candidate's mirror sample (:func:`mirror_sampled`) is
+   salted with its name under the BLAKE2b personalization :data:`MIRROR_NAMESPACE`; the
+   canary's routing (``"canary"``) and the recorder (``"record"``) use their fixed salts
+   without one. A candidate named ``canary`` or ``record`` salted like them would have
+   sampled exactly the canary's sessions (none of which reach the mirror: 0 mirrored of
+   a 10 % canary's other 90 %) or the recorder's; under its own namespace its sample is
+   independent of theirs. The namespace is a personalization, not a prefix of the salt,
+   so a 64-character name keeps all of its bytes in the key.
 2. With ``unit = "session"`` the key is the session: the configured header (default
    ``X-Session-Id``), else the body's ``user`` field, else a hash of the conversation's
    opening (model, system prompt, first user message), which every later turn repeats.
@@ -14,19 +22,25 @@ Rules (DESIGN.md invariant 5):
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["sampled", "session_key"]
+__all__ = ["MIRROR_NAMESPACE", "mirror_sampled", "sampled", "session_key"]
 
 _SCALE = float(1 << 64)
 # A text-completion conversation grows by appending to its prompt: its head is stable.
 OPENING_PROMPT_CHARS = 512
+MIRROR_NAMESPACE: Final = b"mirror"
+"""Rule 4: the BLAKE2b personalization (at most 16 bytes) of candidates' mirror samples."""
 
 
-def sampled(candidate: str, key: str, rate: float) -> bool:
+def sampled(salt: str, key: str, rate: float, *, namespace: bytes = b"") -> bool:
+    """Whether ``key`` falls in the ``rate`` sample of the sampler ``salt`` (rule 1).
+
+    ``namespace`` empty: the fixed samplers' own hash (the canary's routing, the recorder),
+    unchanged, so a rolling upgrade moves no live session between backends."""
     if rate >= 1.0:
         return True
     if rate <= 0.0:
@@ -34,8 +48,14 @@ def sampled(candidate: str, key: str, rate: float) -> bool:
     # A header's bytes that are not UTF-8 reach ``key`` as lone surrogates (aiohttp's
     # surrogateescape): hashed as they are, never an UnicodeEncodeError on the request.
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8,
-                             key=candidate.encode()[:64]).digest()
+                             key=salt.encode()[:64], person=namespace).digest()
     return int.from_bytes(digest, "big") / _SCALE < rate
+
+
+def mirror_sampled(candidate: str, key: str, rate: float) -> bool:
+    """Whether candidate ``candidate`` mirrors ``key`` at ``rate`` (rule 4: its own
+    namespace, so no name shares the canary's or the recorder's sample)."""
+    return sampled(candidate, key, rate, namespace=MIRROR_NAMESPACE)
 
 
 def session_key(headers: CIMultiDict[str] | CIMultiDictProxy[str], payload: dict[str, Any] | None,

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway._sampler import sampled
+from gateway._sampler import mirror_sampled
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 # The load model both backends share in the like-for-like tests: TTFT grows by 10 ms and
@@ -186,15 +186,15 @@ async def test_cold_cache_candidate_is_compared_within_cache_strata(tmp_path: An
     # The primary saw every first turn, so its second turns are served from its prefix
     # cache; the candidate, mirrored 30 % of requests, mostly missed the first turn.
     # Turn t of session s carries the id ``cold-s-t``, so the candidate's sample is the
-    # same on every run: 48 first turns and 39 second turns, 12 of those after a first
+    # same on every run: 44 first turns and 24 second turns, 10 of those after a first
     # turn it was sent (a warm cache), as asserted below.
     cached = {"ttft_ms": 2.0, "itl_ms": 0.5, "tokens": 4, "cache": "prefix",
               "prefill_ms_per_token": 1.0}  # well above a loaded machine's jitter
     sessions = 120
-    sent = [[sampled("cold", f"cold-{s}-{turn}", 0.3) for turn in (0, 1)]
+    sent = [[mirror_sampled("cold", f"cold-{s}-{turn}", 0.3) for turn in (0, 1)]
             for s in range(sessions)]
-    assert sum(first for first, _ in sent) == 48 and sum(second for _, second in sent) == 39
-    assert sum(first and second for first, second in sent) == 12
+    assert sum(first for first, _ in sent) == 44 and sum(second for _, second in sent) == 24
+    assert sum(first and second for first, second in sent) == 10
     async with run_sim(**cached) as primary, run_sim(**cached) as candidate, \
             run_gateway(primary.url, candidates=[
                 {"name": "cold", "url": candidate.url, "sample_rate": 0.3,

@@ -11,8 +11,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from evaluators import Capture, MemorySink, Observation, observe
 from gateway._budget import PAYLOAD_OVERHEAD_BYTES, MemoryBudget, payload_key
 from gateway._buffer import BufferClosed, CandidateBuffer, MirrorRequest
+from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
 from gateway._join import Joiner, observation_charge
-from gateway._sampler import sampled, session_key
+from gateway._metrics import GatewayMetrics
+from gateway._mirror import Mirror
+from gateway._routing import Backend, Canary, Routing
+from gateway._sampler import mirror_sampled, sampled, session_key
 
 
 def _headers(**values: str) -> CIMultiDictProxy[str]:
@@ -31,6 +35,50 @@ def test_sampling_rate_is_respected_and_deterministic() -> None:
     assert other != set(chosen)
     assert all(sampled("c", k, 1.0) for k in keys[:50])
     assert not any(sampled("c", k, 0.0) for k in keys[:50])
+
+
+@pytest.mark.parametrize("name", ["canary", "record", "c"])
+def test_a_candidate_named_as_a_fixed_sampler_gets_an_unbiased_sample(name: str) -> None:
+    """Candidates were salted with their name, the canary's routing with "canary" and the
+    recorder with "record": a candidate named ``canary`` sampled exactly the sessions the
+    canary serves, none of which reach the mirror (0 of 9,000 mirrored while a 10 % canary
+    of another candidate ran), and one named ``record`` the recorder's very sample."""
+    keys = [f"h:session-{i}" for i in range(10_000)]
+    routing = Routing.configured(Backend("primary", "http://127.0.0.1:8")).with_canary(
+        Canary(Backend("other", "http://127.0.0.1:9"), (10.0, 100.0), 0, 60.0, 0.0))
+    reaching_mirror = [k for k in keys if not routing.chooses_canary(k)]
+    assert 8_800 < len(reaching_mirror) < 9_200  # the canary's own routing is unchanged
+    mirrored = sum(mirror_sampled(name, k, 0.1) for k in reaching_mirror)
+    # Binomial(~9,000, 0.1): mean ~900, sd ~28; five sd either side.
+    assert abs(mirrored - 0.1 * len(reaching_mirror)) < 5 * (0.09 * len(reaching_mirror)) ** 0.5
+    recorded = {k for k in keys if sampled("record", k, 0.1)}
+    overlap = sum(mirror_sampled(name, k, 0.1) for k in recorded)
+    assert overlap < 0.1 * len(recorded) + 5 * (0.09 * len(recorded)) ** 0.5  # independent
+    # The fixed samplers keep their hash (a rolling upgrade moves no live session).
+    assert sampled("canary", "h:s", 0.5) == (routing.with_canary(Canary(
+        Backend("other", "http://127.0.0.1:9"), (50.0, 100.0), 0, 60.0, 0.0)
+    ).chooses_canary("h:s"))
+
+
+async def test_the_mirror_samples_a_candidate_named_canary_beside_a_canary() -> None:
+    """The same through ``Mirror.offer``: what ``not_sampled`` counts for ``canary``."""
+    metrics = GatewayMetrics()
+    mirror = Mirror(MirrorConfig(), (CandidateConfig(
+        name="canary", url="http://127.0.0.1:9", sample_rate=0.1, buffer_items=10_000),),
+        CaptureConfig(), metrics, MemorySink(10))
+    routing = Routing.configured(Backend("primary", "http://127.0.0.1:8")).with_canary(
+        Canary(Backend("other", "http://127.0.0.1:9"), (10.0, 100.0), 0, 60.0, 0.0))
+    offered = queued = 0
+    for i in range(3_000):
+        session = f"h:s{i}"
+        if routing.chooses_canary(session):
+            continue  # served live by the canary (the relay's order)
+        offered += 1
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "%d"}]}' % i
+        queued += mirror.offer("chat_completions", "POST", "/v1/chat/completions",
+                               CIMultiDict(), body, None, f"r{i}", session)
+    mirror.joiner.close()
+    assert abs(queued - 0.1 * offered) < 5 * (0.09 * offered) ** 0.5, (queued, offered)
 
 
 def test_sampling_is_the_same_in_another_process() -> None:
