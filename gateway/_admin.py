@@ -185,6 +185,12 @@ class BackendView(BaseModel):
     url: str
     model: str | None = None  # the model its live requests are rewritten to, if any
 
+    @field_validator("url")
+    @classmethod
+    def _masked(cls, url: str) -> str:
+        """An answer never holds a URL's password (the routing itself keeps the real URL)."""
+        return masked_url(url)
+
 
 class CanaryView(BaseModel):
     backend: BackendView

@@ -219,6 +219,28 @@ async def test_admin_refuses_metadata_service_and_own_destinations(
     assert "hunter2" not in caplog.text
 
 
+async def test_routing_answers_never_hold_a_password() -> None:
+    """GET /routing and each routing change's answer showed the primary's and the rollback
+    target's URLs whole, password and all (the candidates' answers masked them)."""
+    async with run_sim() as primary, run_sim() as cand:
+        primary_url = primary.url.replace("http://", "http://user:hunter2@")
+        secret_url = cand.url.replace("http://", "http://user:hunter2@")
+        async with run_gateway(primary_url, candidates=[{"name": "c", "url": secret_url}]) \
+                as gw, aiohttp.ClientSession() as session:
+            answers = []
+            async with session.get(gw.admin_url + "/routing") as r:
+                answers.append(await r.text())
+            async with session.post(gw.admin_url + "/candidates/c/promote",
+                                    json={"force": True, "reason": "test"}) as r:
+                assert r.status == 200, await r.text()
+                answers.append(await r.text())
+            async with session.get(gw.admin_url + "/routing") as r:
+                answers.append(await r.text())
+            assert gw.state.routing.primary.url == secret_url  # routed with the real URL
+    for answer in answers:
+        assert "hunter2" not in answer and "user:***@" in answer, answer
+
+
 def test_backends_rows_never_hold_a_password() -> None:
     async def main() -> list[str | None]:
         from sqlalchemy import select
