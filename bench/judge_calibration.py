@@ -24,6 +24,7 @@ Rules of the measurement:
    inverse, cost gamma, 0/1 rates and agreements Bernoulli (success 0.99, JSON validity
    0.95, exact match 0.7, tool calls 0.9, finish reason 0.95), similarities beta (mean
    0.91 and 0.8), cache ratio uniform (not gated), any other 0/1 metric Bernoulli 0.99.
+   The windows are chat traffic's: no embeddings answer, so no ``quality.embedding_distance``.
    Per-exchange latency ratios are ratios of two latencies.
 3. ``--rev`` judges the same trials with another revision's ``evaluators`` (``git
    archive``), in a second process at the same time, and prints the two side by side.
@@ -98,6 +99,8 @@ def _window(rng: np.random.Generator, n: int, scenario: str, metrics: Any,
 
     out: Window = {}
     for name, spec in metrics.items():
+        if name == "quality.embedding_distance":
+            continue  # chat traffic: no embeddings answer to compare
         if spec.kind == "per_backend":
             out[name] = samples_type(candidate=per_backend(name, spec.unit, True),
                                      baseline=per_backend(name, spec.unit, False))

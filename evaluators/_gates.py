@@ -7,12 +7,18 @@ metric, a :class:`MetricGate`, by the metric's name:
 1. A metric named in ``Gates.metrics`` gets exactly that gate (a ``None`` threshold
    switches its check off; ``min_samples=None`` falls back to ``Gates.min_samples``).
 2. Pairwise metrics (one value per exchange, candidate against primary): the semantic
-   similarity metric must keep its mean above ``min_semantic_similarity``; every
-   pairwise metric is compared with the noise floor when a secondary's sample exists,
-   within ``max_noise_floor_shift_ratio``, on the mean. The per-exchange latency ratios
-   (``latency.*_ratio``) are latency: their median (a ratio's mean is pulled by its few
-   slowest requests) within the latency tolerance ``max_median_shift_ratio``, so a
-   candidate 4 % slower, inside the 10 % latency gate, does not fail its ratios'.
+   similarity metric must keep its mean above ``min_semantic_similarity``, the
+   embeddings' cosine distance (``quality.embedding_distance``) below
+   ``max_embedding_distance`` (a distance, not a minimum cosine: the band of a limit is a
+   share of it, and a share of a cosine near 1 spans all the room up to 1). Every
+   pairwise metric but that distance is compared with the noise floor when a secondary's
+   sample exists, within ``max_noise_floor_shift_ratio``, on the mean (relative to a
+   floor near 0, a distance 0.0002 larger is 20 % worse; the floor still counts for it
+   through the judge's rule 3, which relaxes a limit the replica itself does not keep).
+   The per-exchange latency ratios (``latency.*_ratio``) are latency: their median (a
+   ratio's mean is pulled by its few slowest requests) within the latency tolerance
+   ``max_median_shift_ratio``, so a candidate 4 % slower, inside the 10 % latency gate,
+   does not fail its ratios'.
    Pairwise checks use the mean: many pairwise metrics are 0/1 agreements, whose
    Hodges-Lehmann shift is 0 whatever the two rates are.
 3. Rate metrics (``rate_metrics``: 0/1 per exchange, such as ``reliability.success``):
@@ -57,15 +63,17 @@ __all__ = [
     "DEFAULT_MARGINAL_BAND",
     "DEFAULT_MAX_COST_RATIO",
     "DEFAULT_MAX_E2E_P99_RATIO",
+    "DEFAULT_MAX_EMBEDDING_DISTANCE",
     "DEFAULT_MAX_ERROR_RATE_INCREASE",
     "DEFAULT_MAX_JUDGED_EXCHANGES",
     "DEFAULT_MAX_MEDIAN_SHIFT_RATIO",
     "DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO",
     "DEFAULT_MAX_STD_RATIO",
     "DEFAULT_MAX_TTFT_P99_RATIO",
-    "DEFAULT_MIN_SAMPLES",
+        "DEFAULT_MIN_SAMPLES",
     "DEFAULT_MIN_SEMANTIC_SIMILARITY",
     "E2E_METRIC",
+    "EMBEDDING_DISTANCE_METRIC",
     "LATENCY_PREFIX",
     "RATE_METRICS",
     "SEMANTIC_SIMILARITY_METRIC",
@@ -83,6 +91,7 @@ __all__ = [
 TTFT_METRIC: Final = "latency.ttft_s"
 E2E_METRIC: Final = "latency.e2e_s"
 SEMANTIC_SIMILARITY_METRIC: Final = "quality.semantic_similarity"
+EMBEDDING_DISTANCE_METRIC: Final = "quality.embedding_distance"
 LATENCY_PREFIX: Final = "latency."
 COST_PREFIX: Final = "cost."
 CACHE_PREFIX: Final = "cache."
@@ -95,6 +104,10 @@ DEFAULT_MAX_STD_RATIO: Final = 1.25
 DEFAULT_MAX_TTFT_P99_RATIO: Final = 1.2
 DEFAULT_MAX_E2E_P99_RATIO: Final = 1.2
 DEFAULT_MIN_SEMANTIC_SIMILARITY: Final = 0.85
+DEFAULT_MAX_EMBEDDING_DISTANCE: Final = 0.01
+"""Rule 2: an embedding model served with int8 or fp8 weights keeps its vectors within
+this cosine distance (1 - cosine) of the full-precision model's; past it, nearest-neighbour
+rankings change."""
 DEFAULT_MAX_COST_RATIO: Final = 1.10
 DEFAULT_MAX_ERROR_RATE_INCREASE: Final = 0.01
 DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO: Final = 0.02
@@ -166,6 +179,8 @@ class Gates(BaseModel):
     max_ttft_p99_ratio: float | None = Field(default=DEFAULT_MAX_TTFT_P99_RATIO, ge=1.0)
     max_e2e_p99_ratio: float | None = Field(default=DEFAULT_MAX_E2E_P99_RATIO, ge=1.0)
     min_semantic_similarity: float | None = DEFAULT_MIN_SEMANTIC_SIMILARITY
+    max_embedding_distance: float | None = Field(default=DEFAULT_MAX_EMBEDDING_DISTANCE,
+                                                  ge=0.0)
     max_cost_ratio: float | None = Field(default=DEFAULT_MAX_COST_RATIO, ge=1.0)
     max_error_rate_increase: float | None = Field(default=DEFAULT_MAX_ERROR_RATE_INCREASE, ge=0.0)
     max_noise_floor_shift_ratio: float | None = Field(
@@ -185,13 +200,17 @@ class Gates(BaseModel):
             return explicit
         if pairwise:
             similarity = metric == SEMANTIC_SIMILARITY_METRIC
+            embedding = metric == EMBEDDING_DISTANCE_METRIC
             # A per-exchange latency ratio is latency: it gets the latency tolerance, not
             # the answers' agreement's (rule 2).
             latency = metric.startswith(LATENCY_PREFIX)
             return MetricGate(
                 min_mean=self.min_semantic_similarity if similarity else None,
-                max_noise_floor_shift_ratio=(self.max_median_shift_ratio if latency
-                                             else self.max_noise_floor_shift_ratio),
+                max_mean=self.max_embedding_distance if embedding else None,
+                max_noise_floor_shift_ratio=(
+                    None if embedding
+                    else self.max_median_shift_ratio if latency
+                    else self.max_noise_floor_shift_ratio),
                 noise_floor_statistic="median" if latency else "mean",
             )
         if metric in self.rate_metrics:

@@ -42,19 +42,27 @@ Rules:
    than the request asked for is seen although only choice 0 is compared (rule 6). It is
    None where it cannot be known: a truncated capture (a choice may be in the lost part),
    an answer without ``choices`` (embeddings, an error).
+10. ``embeddings`` are an embeddings answer's vectors (``data[i].embedding``, floats or
+   vLLM's and OpenAI's base64 of little-endian float32, which the ``openai`` client asks
+   for by default), one row per input in ``index`` order, as float32. None where they
+   cannot all be known: a truncated capture, another answer, or data that is not one
+   finite vector of the same length for each index from 0 up (rule 5).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 
-__all__ = ["Capture", "Observation", "Usage", "observe"]
+__all__ = ["Capture", "Embeddings", "Observation", "Usage", "observe"]
 
 MAX_TOOL_CALLS = 128
 """Most tool calls an answer's observation keeps (a delta's index beyond it is ignored)."""
@@ -88,6 +96,63 @@ class Usage:
             completion_tokens=_count_or_none(usage.get("completion_tokens")),
             cached_tokens=cached,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """An embeddings answer's vectors (rule 10): ``count`` rows of ``dims`` float32,
+    little-endian, in ``data`` (bytes: compact to hand to the scoring process, and equal
+    when the vectors are)."""
+
+    count: int
+    dims: int
+    data: bytes
+
+    def matrix(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype="<f4").reshape(self.count, self.dims)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Embeddings | None:
+        """Rule 10: ``data`` of an embeddings answer, or None where it is not whole."""
+        items = _list(data)
+        rows: dict[int, np.ndarray] = {}
+        for item in items:
+            index = _int_or_none(item.get("index")) if isinstance(item, dict) else None
+            if index is None or index in rows:
+                return None
+            row = _vector(item.get("embedding"))
+            if row is None:
+                return None
+            rows[index] = row
+        if not rows or sorted(rows) != list(range(len(rows))):
+            return None
+        dims = {row.size for row in rows.values()}
+        if len(dims) != 1 or 0 in dims:
+            return None
+        matrix = np.stack([rows[i] for i in range(len(rows))])
+        if not np.isfinite(matrix).all():
+            return None
+        return cls(len(rows), dims.pop(), matrix.astype("<f4").tobytes())
+
+
+def _vector(embedding: Any) -> np.ndarray | None:
+    """One ``embedding``: a list of numbers, or base64 of little-endian float32."""
+    if isinstance(embedding, str):
+        try:
+            raw = base64.b64decode(embedding, validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        return np.frombuffer(raw, dtype="<f4") if len(raw) % 4 == 0 else None
+    if not isinstance(embedding, list) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in embedding):
+        return None
+    try:
+        row = np.asarray(embedding, dtype=np.float64)
+    except OverflowError:  # an integer past float64
+        return None
+    if row.size and not np.abs(row).max() <= np.finfo(np.float32).max:
+        return None  # past float32, or not finite
+    return row.astype(np.float32)
 
 
 @dataclass(slots=True)
@@ -155,6 +220,7 @@ class Observation:
     concurrency: int | None = None
     backend_running: int | None = None
     choices: int | None = None
+    embeddings: Embeddings | None = None
 
     @property
     def ok(self) -> bool:
@@ -190,6 +256,7 @@ def observe(capture: Capture, *, request_id: str, backend: str, route: str,
         concurrency=capture.concurrency,
         backend_running=capture.backend_running,
         choices=parsed.choices,
+        embeddings=parsed.embeddings,
     )
 
 
@@ -201,6 +268,7 @@ class _Parsed:
     model: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     choices: int | None = None
+    embeddings: Embeddings | None = None
 
 
 def _parse_body(capture: Capture) -> _Parsed:
@@ -354,6 +422,8 @@ def _absorb_completion(doc: dict[str, Any], parsed: _Parsed) -> None:
     parsed.usage = Usage.from_json(doc.get("usage"))
     if isinstance(doc.get("choices"), list):
         parsed.choices = sum(1 for c in doc["choices"] if isinstance(c, dict))
+    if doc.get("object") == "list" and "data" in doc:
+        parsed.embeddings = Embeddings.from_json(doc["data"])
     choices = _list(doc.get("choices"))
     choice = next((c for c in choices if _first_choice(c)), None)
     if not isinstance(choice, dict):

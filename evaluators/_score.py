@@ -104,6 +104,9 @@ METRICS: MappingProxyType[str, MetricSpec] = MappingProxyType({
     "quality.json_valid": _spec(
         _H, _B, "1/0", "text is a JSON object or array (when the primary's looks like JSON)"),
     "quality.finish_reason_match": _spec(_H, _P, "1/0", "same finish_reason"),
+    "quality.embedding_distance": _spec(
+        _L, _P, "0..2", "cosine distance (1 - cosine) of the two embeddings of each input, "
+        "averaged (embeddings)"),
     "quality.choices_complete": _spec(
         _H, _B, "1/0", "as many choices as the request asked for (n, per prompt)"),
     "reliability.success": _spec(_H, _B, "1/0", "no error and a 2xx status"),

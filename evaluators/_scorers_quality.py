@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
+import numpy as np
 import orjson
 from rapidfuzz.distance import Levenshtein
 
@@ -37,6 +38,7 @@ __all__ = [
     "CaptureScorer",
     "ChoiceCountScorer",
     "EditSimilarityScorer",
+    "EmbeddingSimilarityScorer",
     "ExactMatchScorer",
     "FinishReasonScorer",
     "JsonValidityScorer",
@@ -326,3 +328,41 @@ class FinishReasonScorer:
         value = (_flag(primary == candidate)
                  if known and primary is not None and candidate is not None else None)
         return [Score("quality.finish_reason_match", value, None)]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingSimilarityScorer:
+    """How far apart the two backends' embeddings of the same inputs are: the cosine
+    distance (1 - cosine) of each input's two vectors, averaged over the inputs (0.0 for
+    the same vectors).
+
+    An embeddings answer has no text, so without this its exchange was judged on latency,
+    success and cost alone: a candidate returning other vectors passed. ``None`` when
+    either answer is not a whole, known embeddings answer (observation rule 10); 1.0 (no
+    agreement: unrelated vectors) when the two answers have different numbers of vectors
+    or dimensions: a client's index cannot take the candidate's vectors in place of the
+    primary's. A zero vector agrees only with a zero vector.
+    """
+
+    name: str = "embedding_similarity"
+
+    def score(self, exchange: Exchange) -> list[Score]:
+        primary, candidate = exchange.primary, exchange.candidate_observation
+        value = None
+        if (primary.ok and candidate.ok and not primary.truncated and not candidate.truncated
+                and primary.embeddings is not None and candidate.embeddings is not None):
+            value = _mean_cosine_distance(candidate.embeddings.matrix(),
+                                          primary.embeddings.matrix())
+        return [Score("quality.embedding_distance", value, None)]
+
+
+def _mean_cosine_distance(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return 1.0
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    norms = np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1)
+    dots = np.einsum("ij,ij->i", a64, b64)
+    zero_a, zero_b = ~np.any(a64, axis=1), ~np.any(b64, axis=1)
+    cosines = np.where(norms > 0.0, dots / np.where(norms > 0.0, norms, 1.0),
+                       (zero_a & zero_b).astype(np.float64))
+    return float(1.0 - np.clip(cosines, -1.0, 1.0).mean())
