@@ -38,7 +38,7 @@ from pydantic import (
     field_validator,
 )
 
-from gateway._config import MIN_ADMIN_TOKEN_LENGTH, AdminConfig, CandidateConfig
+from gateway._config import MAX_WINDOW_S, MIN_ADMIN_TOKEN_LENGTH, AdminConfig, CandidateConfig
 from gateway._destinations import RefusedDestination, check_candidate_url, masked_url
 from gateway._environment import ADMIN_TOKEN_ENV
 from gateway._exceptions import (
@@ -412,7 +412,7 @@ def _window_start(window_s: str | None) -> datetime | None:
         seconds = float(window_s)
     except ValueError:
         seconds = -1.0
-    if not 0 < seconds < 10 * 365 * 86400:
+    if not 0 < seconds < MAX_WINDOW_S:
         raise InvalidBody("window_s must be a positive number of seconds")
     return datetime.now(UTC) - timedelta(seconds=seconds)
 

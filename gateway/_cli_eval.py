@@ -185,11 +185,16 @@ def report(config_path: Path | None, db_url: str | None, candidate: str,
 async def _build(config: GatewayConfig, candidate: str, secondary: str | None,
                  since: datetime | None) -> Report:
     from evaluators import build_report
-    from evaluators.store import create_engine, session_factory
+    from evaluators.store import create_engine, list_candidates, session_factory
 
     engine = create_engine(config.evaluation.store)
     try:
         async with session_factory(engine)() as session, session.begin():
+            known = [c.name for c in await list_candidates(session)]
+            if candidate not in known:  # a typo is not "too few samples" (the admin's 404)
+                have = f"known: {', '.join(known)}" if known else \
+                    "none has been registered yet"
+                raise click.ClickException(f"no candidate {candidate!r} in the store ({have})")
             return await build_report(session, candidate, config.evaluation.gates,
                                       secondary=secondary, since=since, record=False)
     finally:

@@ -175,3 +175,34 @@ def test_a_candidate_flag_refused_never_quotes_its_url(flag: str, problem: str) 
     assert problem in result.stderr
     for part in (SECRET, SECRET[:6], SECRET[6:]):
         assert part not in result.output
+
+
+def test_report_on_a_candidate_the_store_never_saw_says_so(tmp_path: Path) -> None:
+    """A mistyped name printed an INCONCLUSIVE report ("no gated metric to judge") and
+    exited 0, which a script reads as "wait for more data"; the admin API answers 404."""
+    import asyncio
+
+    from evaluators.store import StoreConfig, create_engine, register_backend, session_factory
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
+    runner = CliRunner()
+    assert runner.invoke(main, ["db", "upgrade", "--db", url]).exit_code == 0
+    empty = runner.invoke(main, ["report", "fast", "--db", url])
+    assert empty.exit_code == 1, empty.output
+    assert empty.stderr.splitlines() == [
+        "Error: no candidate 'fast' in the store (none has been registered yet)"]
+
+    async def register() -> None:
+        engine = create_engine(StoreConfig(url=url))
+        async with session_factory(engine)() as session, session.begin():
+            await register_backend(session, "fast", role="candidate")
+            await register_backend(session, "replica", role="secondary")
+        await engine.dispose()
+
+    asyncio.run(register())
+    typo = runner.invoke(main, ["report", "fsat", "--db", url])
+    assert typo.exit_code == 1, typo.output
+    assert typo.stderr.splitlines() == [
+        "Error: no candidate 'fsat' in the store (known: fast, replica)"]
+    known = runner.invoke(main, ["report", "fast", "--db", url])
+    assert known.exit_code == 0 and "INCONCLUSIVE" in known.output
