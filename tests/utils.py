@@ -156,6 +156,22 @@ async def run_gateway(
             yield RunningGateway(url, app, runner, admin_url + "/admin/v1")
 
 
+@asynccontextmanager
+async def judged_candidate(store_url: str, candidate: dict[str, Any],
+                           **backend: Any) -> AsyncIterator[RunningGateway]:
+    """A gateway judging the simulator ``cand`` (``backend`` and ``candidate``'s settings)
+    against a primary simulator (``backend``'s) and its replica, ``replica``, the noise
+    floor; scores go to ``store_url``, a metric is judged from 10 values."""
+    async with run_sim(**backend) as primary, run_sim(**backend) as secondary, \
+            run_sim(**{**backend, **candidate}) as cand, \
+            run_gateway(primary.url, candidates=[
+                {"name": "cand", "url": cand.url},
+                {"name": "replica", "url": secondary.url, "role": "secondary"}],
+                evaluation={"enabled": True, "store": {"url": store_url},
+                            "gates": {"min_samples": 10}}) as gw:
+        yield gw
+
+
 async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> None:
     """Wait until ``condition()`` holds; fail after ``within_s`` seconds."""
     async with asyncio.timeout(within_s):

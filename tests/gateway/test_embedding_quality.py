@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import openai
 
-from tests.utils import RunningGateway, eventually, run_gateway, run_sim
+from tests.utils import RunningGateway, eventually, judged_candidate
 
 REQUESTS = 16
 METRIC = "quality.embedding_distance"
@@ -39,13 +39,7 @@ async def _report(http: aiohttp.ClientSession, gw: RunningGateway, name: str) ->
 
 async def test_a_candidate_with_other_embeddings_fails_on_quality(tmp_path: Any) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'u.db'}"
-    async with run_sim(ttft_ms=1) as primary, run_sim(ttft_ms=1) as secondary, \
-            run_sim(ttft_ms=1, variant="other") as candidate, \
-            run_gateway(primary.url, candidates=[
-                {"name": "cand", "url": candidate.url},
-                {"name": "replica", "url": secondary.url, "role": "secondary"}],
-                evaluation={"enabled": True, "store": {"url": url},
-                            "gates": {"min_samples": 10}}) as gw, \
+    async with judged_candidate(url, {"variant": "other"}, ttft_ms=1) as gw, \
             aiohttp.ClientSession() as http:
         await _embed(gw, REQUESTS)
         await eventually(lambda: gw.written_records >= 2 * REQUESTS, within_s=30)

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from evaluators import EvaluationProcessError
-from tests.utils import RunningGateway, eventually, run_gateway, run_sim
+from tests.utils import RunningGateway, eventually, judged_candidate, run_gateway, run_sim
 
 REQUESTS = 24
 
@@ -34,15 +34,9 @@ async def _traffic(gw: RunningGateway, n: int) -> None:
 
 
 async def test_report_shows_a_worse_candidate_beyond_the_noise_floor(db_url: str) -> None:
-    async with run_sim(ttft_ms=5, itl_ms=1, tokens=12) as primary, \
-            run_sim(ttft_ms=5, itl_ms=1, tokens=12) as secondary, \
-            run_sim(ttft_ms=150, itl_ms=2, tokens=12, variant="other") as candidate, \
-            run_gateway(primary.url, candidates=[
-                {"name": "cand", "url": candidate.url},
-                {"name": "replica", "url": secondary.url, "role": "secondary"}],
-                evaluation={"enabled": True, "store": {"url": db_url},
-                            "gates": {"min_samples": 10}}) as gw, \
-            aiohttp.ClientSession() as http:
+    slower_and_other = {"ttft_ms": 150, "itl_ms": 2, "variant": "other"}
+    async with judged_candidate(db_url, slower_and_other, ttft_ms=5, itl_ms=1,
+                                tokens=12) as gw, aiohttp.ClientSession() as http:
         await _traffic(gw, REQUESTS)
         await eventually(lambda: gw.written_records >= 2 * REQUESTS, within_s=30)
         async with http.get(gw.admin_url + "/candidates/cand/report") as resp:
