@@ -75,7 +75,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
 
     sync = RoutingSync(routing, serve_routing, metrics,
                        config.admin.routing_poll_interval_s, config.admin.store_timeout_s)
-    promoter = Promoter(sync, mirror, metrics, scorekeeper)
+    upstreams = Upstreams(config.primary, config.candidates)  # _routing rule 5
+    promoter = Promoter(sync, mirror, metrics, scorekeeper, upstreams)
 
     def scrape_targets() -> dict[str, str]:
         primary = sync.routing.primary
@@ -88,7 +89,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
         config=config,
         metrics=metrics,
         sync=sync,
-        upstreams=Upstreams(config.primary),
+        upstreams=upstreams,
         observations=RecentObservations(config.capture.recent_observations),
         mirror=mirror,
         scorekeeper=scorekeeper,

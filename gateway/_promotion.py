@@ -46,6 +46,10 @@ Rules (DESIGN.md invariant 8):
    replica's judgement is its own verdict in the store. The canary's backend is in the
    routing, so a replica without that candidate (one added at runtime elsewhere) drives
    it to the end too, promotion included.
+   The routing names backends, never their keys: each replica sends a live backend the
+   settings it has for it (``_routing`` rule 5), so a candidate added or changed here is
+   made known to the live pools (``Upstreams``) too, and forgotten when it is removed
+   unless the routing still names it (the rollback target).
 7. A candidate change is checked again after its audit entry is stored: a routing adopted
    meanwhile may have made the candidate the primary (removed here) or the canary. The
    canary's candidate is not removed while the canary runs: its sessions would stay on a
@@ -73,7 +77,7 @@ from gateway._config import MAX_CANDIDATES, CandidateConfig
 from gateway._exceptions import ChangeNotStored, Conflict, InvalidBody, NotFound
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Candidate, Mirror
-from gateway._routing import Backend, Canary, Routing
+from gateway._routing import Backend, Canary, Routing, Upstreams
 from gateway._scorekeeper import Scorekeeper
 from gateway._sync import RoutingSync
 
@@ -114,9 +118,10 @@ class Promoter:
     the canary (rules 2 and 4)."""
 
     def __init__(self, sync: RoutingSync, mirror: Mirror, metrics: GatewayMetrics,
-                 scorekeeper: Scorekeeper | None) -> None:
+                 scorekeeper: Scorekeeper | None, upstreams: Upstreams) -> None:
         self._sync = sync
         self._mirror = mirror
+        self._upstreams = upstreams  # the live pools: a candidate's own settings (rule 5)
         self._metrics = metrics
         self._scorekeeper = scorekeeper
         self._canary_task: asyncio.Task[None] | None = None
@@ -180,6 +185,7 @@ class Promoter:
                 backend=(config.name, role, config.url))
             self._check_backend_name(config)  # rule 7: promoted meanwhile?
             candidate = await self._mirror.add_candidate(config)
+            self._upstreams.know(config)
             self._done("candidate_add", config.name)
             return candidate
 
@@ -191,6 +197,7 @@ class Promoter:
                 ADMIN_ACTOR, "candidate_update", name, {"changes": changes}))
             self._still_candidate(name)
             candidate = self._mirror.update_candidate(name, config)
+            self._upstreams.know(config)
             self._done("candidate_update", name)
             return candidate
 
@@ -212,9 +219,13 @@ class Promoter:
             self._not_the_canary(name)
             await self._sync.record(f"removing candidate {name}",
                                     AuditNote(ADMIN_ACTOR, "candidate_remove", name))
-            self._still_candidate(name)
+            config = self._still_candidate(name).config
             self._not_the_canary(name)
             await self._mirror.remove_candidate(name)
+            routing = self.routing
+            live = {(b.name, b.url) for b in (routing.primary, routing.previous) if b}
+            if (config.name, config.url) not in live:
+                self._upstreams.forget(config.name, config.url)
             self._done("candidate_remove", name)
 
     # -- routing ------------------------------------------------------------------------

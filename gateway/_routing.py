@@ -6,7 +6,8 @@ Rules (DESIGN.md invariant 8):
    names; a promotion replaces the snapshot for requests that start afterwards, so
    requests in flight finish on the backend they started on.
 2. A progressive canary sends a share of sessions to the canary backend, decided by the
-   same keyed hash as sampling, so a session stays on one side as the share grows.
+   same keyed hash as sampling (salt ``"canary"``; candidates' mirror samples hash in their
+   own namespace, ``_sampler`` rule 4), so a session stays on one side as the share grows.
    A candidate that takes live traffic (the canary, a promoted candidate) keeps its
    ``model`` rewrite in its :class:`Backend`: its live requests name the model it serves,
    as its mirrored ones did when it was judged (without it, a backend serving another
@@ -15,18 +16,33 @@ Rules (DESIGN.md invariant 8):
    rollback needs no reconnect and cuts no request in flight.
 4. Replicas converge through the database (``RoutingSync``): the snapshot with the
    highest version wins.
+5. A backend's credentials and connection settings are never part of the routing (it is
+   stored, shared by every replica, and shown by the admin API): a :class:`Backend` is a
+   name, a URL and a model. Each replica's ``Upstreams`` looks a live backend's settings
+   up in its own configuration, by name *and* URL: the configured primary's (its
+   ``api_key``, timeouts and limits; the client's credentials forwarded when it has no
+   key), or a candidate's, configured or added at runtime (its own ``api_key``, timeouts,
+   limits and ``forward_credentials``), kept after it is promoted, so the canary, a
+   promoted candidate and a rolled-back primary each get their own key. A backend this
+   replica has no settings for (a routing adopted from a replica that has that candidate)
+   gets no key and none of the client's credentials, with the primary's timeouts and
+   limits, and a warning once: never another backend's key. A live backend receives the
+   client's other headers as the primary does (the mirror's allow-list is for replays).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway._config import UpstreamConfig
+from gateway._config import CandidateConfig, UpstreamConfig
 from gateway._sampler import sampled
 from gateway._upstream import Upstream
 
 __all__ = ["Backend", "Canary", "Routing", "Upstreams"]
+
+log = logging.getLogger("understudy.routing")
 
 CANARY_SAMPLING_KEY = "canary"
 
@@ -143,25 +159,68 @@ class Routing:
                    Backend(**origin) if origin else None)
 
 
-@dataclass(slots=True)
 class Upstreams:
-    """One pooled session per backend that takes live traffic, opened on first use.
+    """One pooled session per backend that takes live traffic, opened on first use, with
+    that backend's own settings as this replica knows them (rule 5)."""
 
-    Every live backend uses the primary's timeouts and limits (``template``).
-    """
+    __slots__ = ("_known", "_pools", "primary")
 
-    template: UpstreamConfig
-    _pools: dict[Backend, Upstream] = field(default_factory=dict)
+    def __init__(self, primary: UpstreamConfig,
+                 candidates: tuple[CandidateConfig, ...] = ()) -> None:
+        self.primary = primary
+        # (name, url) -> settings: the URL too, so a key never goes to another address.
+        self._known: dict[tuple[str, str], UpstreamConfig] = {(primary.name, primary.url): primary}
+        self._pools: dict[Backend, Upstream] = {}
+        for candidate in candidates:
+            self.know(candidate)
+
+    def know(self, config: CandidateConfig) -> None:
+        """Remember ``config`` as the settings of the backend it names (added at runtime,
+        or changed: a pool already open for it takes them at once)."""
+        key = (config.name, config.url)
+        self._known[key] = config
+        for backend, upstream in self._pools.items():
+            if (backend.name, backend.url) == key:
+                _configure(upstream, config)
+
+    def forget(self, name: str, url: str) -> None:
+        """Drop a removed candidate's settings (not the configured primary's); an open pool
+        keeps what it has until shutdown (rule 3)."""
+        if (name, url) != (self.primary.name, self.primary.url):
+            self._known.pop((name, url), None)
 
     def get(self, backend: Backend) -> Upstream:
         upstream = self._pools.get(backend)
         if upstream is None:
-            config = self.template.model_copy(update={"name": backend.name, "url": backend.url})
-            upstream = self._pools[backend] = Upstream(config)
-            upstream.open()
+            upstream = self._pools[backend] = self._open(backend)
+        return upstream
+
+    def _open(self, backend: Backend) -> Upstream:
+        config = self._known.get((backend.name, backend.url))
+        if config is None:
+            # Rule 5: no settings here. No key and no client credentials rather than
+            # another backend's; the primary's timeouts and limits (no secret in them).
+            log.warning("live backend %s has no settings on this replica (a routing adopted "
+                        "from another): it is sent no API key and no client credentials",
+                        backend.name)
+            config = self.primary.model_copy(update={"name": backend.name, "url": backend.url,
+                                                     "api_key": None})
+            upstream = Upstream(config, forward_credentials=False)
+        else:
+            upstream = Upstream(config)
+            _configure(upstream, config)
+        upstream.open()
         return upstream
 
     async def close(self) -> None:
         for upstream in self._pools.values():
             await upstream.close()
         self._pools.clear()
+
+
+def _configure(upstream: Upstream, config: UpstreamConfig) -> None:
+    """A live backend's credential policy from its settings (rule 5): a candidate's own
+    ``forward_credentials``; the primary forwards the client's (when it has no key)."""
+    upstream.config = config
+    upstream.forward_credentials = (config.forward_credentials
+                                    if isinstance(config, CandidateConfig) else True)

@@ -21,11 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import MemorySink, Outcome
 from evaluators.store import load_routing, save_routing
-from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig
+from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig, UpstreamConfig
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
-from gateway._routing import Backend, Canary, Routing
+from gateway._routing import Backend, Canary, Routing, Upstreams
 from gateway._scorekeeper import Scorekeeper
 from gateway._sync import RoutingSync
 from tests.fixtures_db import migrated_engine, sqlite_url
@@ -98,7 +98,9 @@ class Replica:
                            metrics, poll_interval_s=poll_interval_s)
         judge = ToldJudge(Outcome.MARGINAL)
         judge.routing = lambda: sync.routing
-        promoter = Promoter(sync, mirror, metrics, cast(Scorekeeper, judge))
+        promoter = Promoter(sync, mirror, metrics, cast(Scorekeeper, judge),
+                            Upstreams(UpstreamConfig(), tuple(
+                                c.config for c in mirror.candidates.values())))
         await sync.start(engine)
         return cls(promoter, sync, judge)
 

@@ -6,14 +6,18 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 from typing import Any
 
 import aiohttp
 import openai
 import sqlalchemy as sa
+from multidict import CIMultiDict
+from pydantic import SecretStr
 
 from evaluators.store import create_engine
-from gateway._routing import Backend, Canary
+from gateway._config import CandidateConfig, UpstreamConfig
+from gateway._routing import Backend, Canary, Upstreams
 from tests.fixtures_db import audit_log
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
@@ -362,3 +366,84 @@ async def test_a_candidate_live_names_the_model_it_serves() -> None:
         before = primary.stats.requests_seen
         assert set(await statuses("r", 4)) == {200}
         assert primary.stats.requests_seen == before + 4
+
+
+async def test_a_candidate_live_is_sent_its_own_api_key(caplog: Any) -> None:
+    """The canary and a promoted candidate were sent the primary's api_key: the live pool of
+    every backend was built from the primary's settings. Each live backend gets its own key
+    now (looked up locally, never stored in the routing), the primary its own again after a
+    rollback; no key shows in the routing view, /metrics or the logs."""
+    caplog.set_level(logging.DEBUG)
+    secrets = ("primary-secret", "cand-own-key")
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2) as cand, \
+            run_gateway(primary.url, candidates=[{"name": "c", "url": cand.url,
+                                                  "api_key": "cand-own-key"}],
+                        primary={"api_key": "primary-secret"}) as gw, \
+            aiohttp.ClientSession() as http:
+
+        async def chats(tag: str, n: int) -> None:
+            for i in range(n):
+                async with http.post(gw.base_url + "/chat/completions", json={
+                        "model": "sim-model", "messages": [{"role": "user", "content": "hi"}]},
+                        headers={"X-Session-Id": f"{tag}{i}",
+                                 "Authorization": "Bearer client-key"}) as resp:
+                    await resp.read()
+                    assert resp.status == 200
+
+        def keys_seen(sim: Any, since: int) -> set[str]:
+            # Live requests carry X-Forwarded-For; mirrored replays do not.
+            return {r.headers.get("Authorization", "") for r in list(sim.stats.requests)[since:]
+                    if "X-Forwarded-For" in r.headers}
+
+        status, _ = await _post(http, gw.admin_url + "/candidates/c/canary",
+                                {"steps": [50, 100], "interval_s": 600})
+        assert status == 202
+        await chats("s", 30)
+        assert keys_seen(cand, 0) == {"Bearer cand-own-key"}  # was {"Bearer primary-secret"}
+        assert keys_seen(primary, 0) == {"Bearer primary-secret"}
+        status, body = await _post(http, gw.admin_url + "/candidates/c/promote",
+                                   {"force": True, "reason": "drill"})
+        assert status == 200
+        seen = len(cand.stats.requests)
+        await chats("p", 4)
+        assert keys_seen(cand, seen) == {"Bearer cand-own-key"}
+        status, body = await _post(http, gw.admin_url + "/rollback", {"reason": "drill"})
+        assert status == 200
+        seen = len(primary.stats.requests)
+        await chats("r", 4)
+        assert keys_seen(primary, seen) == {"Bearer primary-secret"}
+        async with http.get(gw.admin_url + "/routing") as resp:
+            view = await resp.text()
+        async with http.get(gw.url + "/metrics") as resp:
+            metrics = await resp.text()
+        stored = json.dumps(gw.state.routing.to_dict())
+    for text in (view, metrics, stored, caplog.text, json.dumps(body)):
+        assert not any(secret in text for secret in secrets)
+
+
+async def test_a_backend_without_local_settings_gets_no_key() -> None:
+    """A routing adopted from another replica may name a candidate this one does not have:
+    it is sent no key and none of the client's credentials, never the primary's key."""
+    upstreams = Upstreams(UpstreamConfig(url="http://127.0.0.1:8",
+                                         api_key=SecretStr("primary-secret")),
+                          (CandidateConfig(name="c", url="http://127.0.0.1:9",
+                                           api_key=SecretStr("cand-own-key")),))
+    client = CIMultiDict({"Authorization": "Bearer client-key", "Accept": "*/*"})
+    try:
+        own = upstreams.get(Backend("c", "http://127.0.0.1:9", "m")).credentials(client)
+        assert own["Authorization"] == "Bearer cand-own-key"
+        elsewhere = upstreams.get(Backend("c", "http://127.0.0.1:10"))  # same name, other URL
+        unknown = upstreams.get(Backend("d", "http://127.0.0.1:11"))
+        for upstream in (elsewhere, unknown):
+            sent = upstream.credentials(client)
+            assert "Authorization" not in sent and sent["Accept"] == "*/*"
+        primary = upstreams.get(Backend("primary", "http://127.0.0.1:8"))
+        assert primary.credentials(client)["Authorization"] == "Bearer primary-secret"
+        # A candidate changed at runtime: its open pool takes the new settings at once.
+        upstreams.know(CandidateConfig(name="c", url="http://127.0.0.1:9",
+                                       api_key=SecretStr("rotated")))
+        own = upstreams.get(Backend("c", "http://127.0.0.1:9", "m")).credentials(client)
+        assert own["Authorization"] == "Bearer rotated"
+    finally:
+        await upstreams.close()
