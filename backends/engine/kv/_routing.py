@@ -24,16 +24,24 @@ Rules
      not a queue.
 3. The prices are learned, not configured: seconds per computed prefill token and per
    transferred block are moving averages of what the prefill nodes report.
+4. A node that failed at the transport (refused the connection, hung up, or went silent: the
+   router calls ``node_down``) is left out of every policy's choice for ``NODE_DOWN_S``, as long
+   as another node of its kind is up; then it is tried again.  A continuing conversation whose
+   node is down goes to an up one (``affinity`` for that kind of node only).  Without this a
+   dead decode node, free of streams and holding the conversation, is the cheapest and the
+   stickiest: every request would go on failing there until the records expire.  With every
+   node of a kind down, all of them are chosen from as before.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from ..serving._server_config import RoutingPolicyName
 from ._blockpool import BlockHash
@@ -42,10 +50,12 @@ from ._transfer import KVSource
 __all__ = [
     "DECODE_SLOT_S",
     "MAX_CONVERSATIONS",
+    "NODE_DOWN_S",
     "POLICIES",
     "Cluster",
     "ConversationIndex",
     "KVRecord",
+    "NodeRole",
     "RouteJob",
     "RoutingPolicy",
 ]
@@ -59,6 +69,10 @@ DECODE_SLOT_S = 0.05
 INITIAL_PREFILL_S_PER_TOKEN = 0.003
 INITIAL_TRANSFER_S_PER_BLOCK = 0.002
 _EWMA = 0.2
+# Rule 4: how long a node that failed at the transport is left out of the choice.
+NODE_DOWN_S = 10.0
+
+NodeRole = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,12 +151,37 @@ class _PrefillNode:
 class Cluster:
     """The router's view of its nodes: load in flight, cache estimates, learned prices."""
 
-    def __init__(self, num_prefill: int, num_decode: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_prefill: int,
+        num_decode: int,
+        block_size: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.block_size = block_size
         self.prefill = [_PrefillNode() for _ in range(num_prefill)]
         self.decode_streams = [0] * num_decode
         self.prefill_s_per_token = INITIAL_PREFILL_S_PER_TOKEN
         self.transfer_s_per_block = INITIAL_TRANSFER_S_PER_BLOCK
+        self._clock = clock
+        # Rule 4: until when each node is left out of the choice.
+        self._down_until: dict[NodeRole, list[float]] = {
+            "prefill": [-math.inf] * num_prefill,
+            "decode": [-math.inf] * num_decode,
+        }
+
+    # -- availability (rule 4) --------------------------------------------------------------
+
+    def node_down(self, role: NodeRole, node: int) -> None:
+        """``node`` failed at the transport: leave it out for ``NODE_DOWN_S``."""
+        self._down_until[role][node] = self._clock() + NODE_DOWN_S
+
+    def available(self, role: NodeRole) -> list[int]:
+        """The nodes of ``role`` to choose from: those not down, or all if every one is."""
+        now = self._clock()
+        up = [n for n, until in enumerate(self._down_until[role]) if until <= now]
+        return up or list(range(len(self._down_until[role])))
 
     # -- prices -----------------------------------------------------------------------------
 
@@ -201,7 +240,8 @@ class RoundRobin:
 
     def choose(self, job: RouteJob, cluster: Cluster) -> tuple[int, int]:
         turn = next(self._turns)
-        return turn % len(cluster.prefill), turn % len(cluster.decode_streams)
+        prefill, decode = cluster.available("prefill"), cluster.available("decode")
+        return prefill[turn % len(prefill)], decode[turn % len(decode)]
 
 
 class Affinity:
@@ -209,20 +249,27 @@ class Affinity:
         self._new = RoundRobin()
 
     def choose(self, job: RouteJob, cluster: Cluster) -> tuple[int, int]:
-        if job.record is not None:
-            return job.record.prefill_node, job.record.decode_node
-        return self._new.choose(job, cluster)
+        record = job.record
+        if record is None:
+            return self._new.choose(job, cluster)
+        prefill, decode = record.prefill_node, record.decode_node
+        prefill_up = prefill in cluster.available("prefill")
+        decode_up = decode in cluster.available("decode")
+        if prefill_up and decode_up:
+            return prefill, decode
+        new_prefill, new_decode = self._new.choose(job, cluster)  # rule 4: off a down node
+        return prefill if prefill_up else new_prefill, decode if decode_up else new_decode
 
 
 class KVAware:
     def choose(self, job: RouteJob, cluster: Cluster) -> tuple[int, int]:
         # Equal prices go to the less busy node, then to the lower index.
         prefill = min(
-            range(len(cluster.prefill)),
+            cluster.available("prefill"),
             key=lambda n: (cluster.prefill_cost(n, job), cluster.prefill[n].queued_tokens, n),
         )
         decode = min(
-            range(len(cluster.decode_streams)),
+            cluster.available("decode"),
             key=lambda n: (cluster.decode_cost(n, job), cluster.decode_streams[n], n),
         )
         return prefill, decode

@@ -39,6 +39,12 @@ Rules
    headers is a 504 OpenAI-style error; after them an error event and ``[DONE]`` (rule 4).
    Either way the upstream connection is closed, which ends the request on the node once it
    runs again, and the node's stream is no longer counted.
+8. A node that fails at the transport -- refuses the connection, hangs up, or is given up
+   silent (rule 7) -- is marked down in the ``Cluster`` (``kv._routing`` rule 4): the policies
+   leave it out for ``NODE_DOWN_S`` while another node of its kind is up, and a conversation
+   whose record names a down decode node is routed without it (its read-back would wait on
+   that node).  A decode node's failures are counted
+   (``understudy_router_decode_failures_total{node}``): each is a 502 or 504 to its client.
 """
 
 from __future__ import annotations
@@ -72,7 +78,14 @@ from backends.openai_wire import (
 )
 
 from ..kv._blockpool import hash_blocks
-from ..kv._routing import POLICIES, Cluster, ConversationIndex, KVRecord, RouteJob
+from ..kv._routing import (
+    POLICIES,
+    Cluster,
+    ConversationIndex,
+    KVRecord,
+    NodeRole,
+    RouteJob,
+)
 from ..kv._store import DEFAULT_BLOCK_SIZE
 from ..kv._transfer import KVSource
 from ..model._model import LlamaModel
@@ -103,7 +116,8 @@ NODE_LIMIT_RETRY_S = 10.0
 _KV_MARKER = b'"kv_transfer_params"'
 
 ReadbackOutcome = Literal["attached", "new", "off"]
-NodeRole = Literal["prefill", "decode"]
+# A node that raised one of these is down (rule 8); a status or a bad body is not.
+_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 _T = TypeVar("_T")
 
 
@@ -144,6 +158,13 @@ class RouterMetrics:
             "prefill": [timeouts.labels(role="prefill", node=str(p)) for p in range(num_prefill)],
             "decode": [timeouts.labels(role="decode", node=str(d)) for d in range(num_decode)],
         }
+        decode_failures = Counter(
+            "understudy_router_decode_failures",
+            "Requests whose decode node refused the connection, hung up or was given up silent "
+            "(a 502 or 504, or mid-stream an error event).",
+            ("node",), registry=self.registry,
+        )  # fmt: skip
+        self.decode_failures = [decode_failures.labels(node=str(d)) for d in range(num_decode)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +244,13 @@ class Router:
         """A node failed a request: it may have restarted with another limit (rule 6)."""
         self._unsure.add(url)
 
+    def decode_failed(self, node: int, exc: BaseException) -> None:
+        """Decode node ``node`` failed a request (rule 8)."""
+        self.metrics.decode_failures[node].inc()
+        self.node_failed(self.decode_urls[node])
+        if isinstance(exc, _TRANSPORT_ERRORS):
+            self.cluster.node_down("decode", node)
+
     def node_url(self, role: NodeRole, node: int) -> str:
         return (self.prefill_urls if role == "prefill" else self.decode_urls)[node]
 
@@ -243,6 +271,7 @@ class Router:
                     continue  # busy, not gone: wait on
                 self.metrics.node_timeouts[role][node].inc()
                 self.node_failed(self.node_url(role, node))
+                self.cluster.node_down(role, node)
                 raise NodeSilentError(
                     f"{role} node {node} sent nothing for {idle_s:g} s and did not answer its "
                     f"health check within {idle_s:g} s"
@@ -285,6 +314,8 @@ class Router:
     def route(self, prompt: tuple[int, ...]) -> _Routed:
         hashes = tuple(hash_blocks(self.hash_seed, prompt, self.block_size))
         record = self.conversations.match(hashes)
+        if record is not None and record.decode_node not in self.cluster.available("decode"):
+            record = None  # rule 8: its KV is on a down node
         job = RouteJob(len(prompt), hashes, record, readback=self.config.kv_readback)
         outcome: ReadbackOutcome = "off" if not self.config.kv_readback else "new"
         if job.readable_blocks:
@@ -321,6 +352,8 @@ class Router:
                     log.warning("prefill node %d answered %d", node, response.status)
         except (aiohttp.ClientError, TimeoutError, ValueError, NodeSilentError) as exc:
             log.warning("prefill node %d failed: %s", node, exc)
+            if isinstance(exc, _TRANSPORT_ERRORS):
+                self.cluster.node_down("prefill", node)  # rule 8
             answer = None
         finally:
             self.cluster.prefill_finished(node, tokens, job.hashes)
@@ -454,6 +487,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
             answer["kv_transfer_params"] = None
             return json_response(answer)
     except NodeSilentError as exc:
+        router.metrics.decode_failures[node].inc()  # marked down by ``from_node``
         message = str(exc)
         log.warning("gave up: %s", message)
         return json_response(
@@ -462,7 +496,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
         if client_left(request):
             return web.Response()  # nobody to answer; leaving the block ended the decode
-        router.node_failed(router.decode_urls[node])
+        router.decode_failed(node, exc)
         message = f"decode node {node} failed: {type(exc).__name__}: {exc}"
         log.warning(message)
         return json_response(error_body(message, status=502, err_type="BadGatewayError"), 502)
@@ -495,6 +529,7 @@ async def _relay_stream(
     except (aiohttp.ClientError, TimeoutError, ConnectionResetError, NodeSilentError) as exc:
         if client_left(request):
             return response  # leaving the block closes the decode request
+        router.decode_failed(node, exc)
         # After the headers an error is an event, then [DONE], as vLLM ends a failed stream.
         if isinstance(exc, NodeSilentError):
             message = f"{exc} (mid-stream)"

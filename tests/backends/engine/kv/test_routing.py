@@ -11,6 +11,7 @@ from backends.engine.kv._blockpool import BlockHash, hash_blocks
 from backends.engine.kv._routing import (
     DECODE_SLOT_S,
     MAX_ESTIMATED_BLOCKS,
+    NODE_DOWN_S,
     POLICIES,
     Cluster,
     ConversationIndex,
@@ -18,7 +19,7 @@ from backends.engine.kv._routing import (
     RouteJob,
 )
 from backends.engine.kv._transfer import KVSource
-from backends.engine.serving._server_config import ROUTING_POLICIES
+from backends.engine.serving._server_config import ROUTING_POLICIES, RoutingPolicyName
 from tests.backends.engine.kv.fake_clock import FakeClock
 
 SEED = bytes(32)
@@ -261,3 +262,32 @@ def test_kv_aware_decodes_where_the_conversation_is_unless_that_node_is_busy() -
     cluster.decode_streams[0] = streams
     cluster.decode_streams[1] = streams
     assert policy.choose(job, cluster)[1] == 2  # equally busy everywhere: locality again
+
+
+# -- nodes that failed (rule 4) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_leaves_a_down_node_out_until_it_may_be_up_again(
+    name: RoutingPolicyName,
+) -> None:
+    """A dead decode node has no streams and holds the conversation: without rule 4 kv-aware
+    and affinity send the conversation's every turn (and kv-aware every new one) to it."""
+    clock = FakeClock()
+    cluster = Cluster(2, 2, BLOCK_SIZE, clock=clock)
+    policy = POLICIES[name]()
+    prompt = _hashes(6)
+    continuing = _job(prompt, _record(prompt, 5, prefill_node=0, decode_node=0))
+    jobs = [continuing, _job(_hashes(6, 100)), continuing, _job(_hashes(6, 200))]
+    cluster.node_down("decode", 0)
+    cluster.node_down("prefill", 1)
+    assert [policy.choose(job, cluster) for job in jobs] == [(0, 1)] * 4
+    clock.now += NODE_DOWN_S
+    assert cluster.available("decode") == cluster.available("prefill") == [0, 1]
+    chosen = {policy.choose(job, cluster) for job in jobs}
+    assert (0, 0) in chosen  # tried again
+    # Every node of a kind down: the choice is among all of them, as before.
+    cluster.node_down("decode", 0)
+    cluster.node_down("decode", 1)
+    assert cluster.available("decode") == [0, 1]
+    assert policy.choose(_job(_hashes(6, 300)), cluster)[1] in (0, 1)

@@ -11,7 +11,7 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
@@ -228,3 +228,70 @@ async def test_a_silent_prefill_node_falls_back_and_a_busy_node_is_waited_for(
         # The slow decode node answered its health checks: waited for, never given up.
         assert _given_up(router, "decode") == 0
         await _all_ended(frozen, 1)
+
+
+# -- nodes that fail (rule 8) -----------------------------------------------------------------
+
+HARBOUR = "You are the help desk of a harbour. " + " ".join(
+    f"Pier {i} takes ships of up to {20 + 7 * i} metres." for i in range(8)
+)
+
+
+async def _answer(
+    http: aiohttp.ClientSession, server: RunningEngineServer, messages: list[dict[str, str]]
+) -> tuple[int, dict[str, object]]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+    async with asyncio.timeout(60), http.post(
+        server.base_url + "/chat/completions", json=body
+    ) as response:  # fmt: skip
+        return response.status, await response.json()
+
+
+async def test_a_dead_decode_node_is_left_out_and_its_conversations_move(
+    engine_model: LlamaModel,
+) -> None:
+    """Two decode nodes, the first killed after a conversation's first turn: kv-aware sent
+    that conversation's every later turn, and every new conversation (an idle dead node is the
+    cheapest), to the dead node -- 502 after 502.  Now one request fails (counted) and the next
+    ones go to the live node, with the tokens of an engine that computes everything."""
+    first = [{"role": "system", "content": HARBOUR}, {"role": "user", "content": "Which pier?"}]
+    other = [{"role": "system", "content": HARBOUR}, {"role": "user", "content": "Hello there."}]
+    async with serve_engine(engine_model, enable_prefix_caching=False) as unified, (
+        aiohttp.ClientSession()
+    ) as http:  # fmt: skip
+        _, turn1 = await _answer(http, unified, first)
+        reply = turn1["choices"][0]["message"]["content"]  # type: ignore[index]
+        second = [
+            *first,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Why?"},
+        ]
+        expected = [await _answer(http, unified, messages) for messages in (second, other)]
+        doomed = AsyncExitStack()
+        dead = await doomed.enter_async_context(serve_engine(engine_model, role="decode"))
+        async with (
+            doomed,
+            serve_engine(engine_model, role="prefill") as prefill,
+            serve_engine(engine_model, role="decode") as live,
+            serve_engine(
+                engine_model, role="router", prefill_urls=(prefill.root_url,),
+                decode_urls=(dead.root_url, live.root_url), routing_policy="kv-aware",
+            ) as router,
+        ):  # fmt: skip
+            status, answer = await _answer(http, router, first)  # on decode node 0
+            assert status == 200 and answer["choices"] == turn1["choices"]
+            await doomed.aclose()
+            status, error = await _answer(http, router, second)
+            assert status == 502 and "decode node 0 failed" in str(error)
+            started = time.monotonic()
+            got = [await _answer(http, router, messages) for messages in (second, other)]
+            took = time.monotonic() - started
+            failures = [
+                _router_count(router, "understudy_router_decode_failures_total", node=str(n))
+                for n in (0, 1)
+            ]
+    for (status, answer), (_, want) in zip(got, expected, strict=True):
+        assert status == 200
+        assert answer["choices"] == want["choices"]
+    assert failures == [1, 0]
+    assert took < 30  # no read-back waited on the dead node
