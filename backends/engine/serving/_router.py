@@ -116,7 +116,8 @@ NODE_LIMIT_RETRY_S = 10.0
 _KV_MARKER = b'"kv_transfer_params"'
 
 ReadbackOutcome = Literal["attached", "new", "off"]
-# A node that raised one of these is down (rule 8); a status or a bad body is not.
+# A node that raised one of these is down (rule 8): OSError includes a reset and a timeout
+# (connect, or the whole prefill); a status or a bad body is not.
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 _T = TypeVar("_T")
 
