@@ -88,6 +88,12 @@ class EngineAnswer:
         self._prompt_tokens = len(generation.prompt_ids)
         self._cached_tokens = 0
         self._completion_tokens = 0
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string ended the answer (the engine did not finish the request)."""
+        return self._stopped
 
     @property
     def response(self) -> web.StreamResponse | None:
@@ -143,6 +149,7 @@ class EngineAnswer:
                 stop_reason: str | int | None = None
                 if piece.stop is not None:
                     finish, stop_reason = "stop", piece.stop
+                    self._stopped = True
                 elif (
                     finish == "stop"
                     and event.token_id in params.stop_token_ids

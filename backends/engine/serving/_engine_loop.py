@@ -16,7 +16,8 @@ Rules
    and counted (``understudy_engine_requests_refused_total{reason="overloaded"}``).
 5. A handler always releases its request when it is done with it; one that did not finish
    (client gone, stop string matched, shutdown) is aborted in the engine, so the engine never
-   keeps computing for nobody.
+   keeps computing for nobody.  A request its handler ended on a stop string is counted as
+   vLLM counts it, finished by ``stop`` with its end-to-end latency, not as aborted.
 6. A step that raises kills the loop: every in-flight request gets ``EngineFailed``, new ones
    are refused with it, and ``alive`` turns false (``/health`` reports it).
 7. Other work on the engine (importing or exporting KV blocks) goes through ``call``: the
@@ -235,13 +236,18 @@ class EngineLoop:
             self._metrics.refused("stopped")
             raise EngineStopped("The engine is not running.")
 
-    def release(self, handle: RequestHandle) -> None:
-        """The handler is done with ``handle``; abort it in the engine if it did not finish."""
+    def release(self, handle: RequestHandle, *, stopped: bool = False) -> None:
+        """The handler is done with ``handle``; abort it in the engine if it did not finish.
+        ``stopped``: the handler ended the answer on a stop string (rule 5)."""
         if handle.finished:
             return
         handle.finished = True
         if self._handles.pop(handle.engine_id, None) is not None:
-            self._metrics.finished("abort")
+            if stopped:
+                loop = self._loop
+                assert loop is not None
+                self._metrics.e2e.observe(loop.time() - handle.arrived_at)
+            self._metrics.finished("stop" if stopped else "abort")
             self._post(_Abort(handle.engine_id))
 
     def _post(self, command: _Add | _Abort | _Call) -> None:

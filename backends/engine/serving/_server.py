@@ -305,7 +305,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
         return writer.response or web.Response()
     finally:
         # Also on CancelledError (a runner with handler_cancellation): the engine stops too.
-        engine_loop.release(handle)
+        engine_loop.release(handle, stopped=writer.stopped)
 
 
 async def _health(request: web.Request) -> web.StreamResponse:

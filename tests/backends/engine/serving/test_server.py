@@ -161,6 +161,14 @@ async def test_stop_strings_cut_the_text(engine_model: LlamaModel) -> None:
         )
         _, streamed = await _stream_chat(client, QUESTION, stop=[" Paris"])
         await client.close()
+        # A stop string ends the request as vLLM counts it: finished by "stop", not aborted
+        # (the engine is told to stop computing all the same).
+        await eventually(lambda: server.app[ENGINE_LOOP].num_in_flight == 0, within_s=10)
+        await eventually(lambda: not server.engine.has_unfinished_requests(), within_s=10)
+        finished = "vllm:request_success_total"
+        assert _metric(server, finished, finished_reason="stop") == 2
+        assert _metric(server, finished, finished_reason="abort") == 0
+        assert _metric(server, "vllm:e2e_request_latency_seconds_count") == 2
     content = whole.choices[0].message.content
     assert content == streamed and content is not None and "Paris" not in content
     assert whole.choices[0].finish_reason == "stop"
