@@ -22,6 +22,8 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
    credentials only when it is configured to receive them.
 5. Stopping: buffers close (queued items dropped as ``shutdown``), in-flight replays get
    ``drain_timeout_s`` to finish, the rest are cancelled; afterwards the budget is zero.
+   A candidate removed while the mirror stops (a routing another replica changed, adopted
+   meanwhile) is stopped once, by its removal; the stop goes on with the others.
 6. With ``[record]`` on, ``offer`` also hands each request to the ``TrafficRecorder``
    (``_record.py``: O(1), no await) before any candidate is considered, and the mirror
    counts as active without candidates, so the relay offers it every request.
@@ -272,8 +274,15 @@ class Mirror:
             gauge.remove(name)
 
     async def stop(self) -> None:
-        for candidate in self.candidates.values():
-            await self._stop_candidate(candidate, self.config.drain_timeout_s, reason="shutdown")
+        # Rule 5: a routing adopted meanwhile may remove a candidate (``_app.serve_routing``)
+        # while one drains; each is stopped once, by its removal or here.
+        stopped: set[str] = set()
+        while pending := [c for name, c in self.candidates.items() if name not in stopped]:
+            for candidate in pending:
+                stopped.add(candidate.name)
+                if self.candidates.get(candidate.name) is candidate:
+                    await self._stop_candidate(candidate, self.config.drain_timeout_s,
+                                               reason="shutdown")
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

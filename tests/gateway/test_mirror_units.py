@@ -245,3 +245,28 @@ def test_rewritten_body_owns_no_more_memory_than_its_length() -> None:
         tracemalloc.stop()
     assert plan.injected_usage
     assert held < 2 * len(plan.body) + 64 * 1024
+
+
+async def test_stopping_survives_a_candidate_removed_meanwhile() -> None:
+    """A routing adopted while the gateway stops (another replica promoted a candidate:
+    ``serve_routing`` removes it from the mirror) changed the candidates while ``stop``
+    iterated over them: RuntimeError, and the rest of the stop (the other candidates'
+    drain, the sweeper, the joiner, the recorder) never ran."""
+    metrics = GatewayMetrics()
+    configs = tuple(CandidateConfig(name=n, url="http://127.0.0.1:9") for n in "abc")
+    mirror = Mirror(MirrorConfig(), configs, CaptureConfig(), metrics, MemorySink(10))
+    await mirror.start()
+    stopping = mirror._stop_candidate
+    stopped: list[str] = []
+
+    async def stop_one(candidate: object, *args: object, **kwargs: object) -> None:
+        if not stopped and "c" in mirror.candidates:  # the first await of the stop
+            await mirror.remove_candidate("c")
+        stopped.append(candidate.name)  # type: ignore[attr-defined]
+        await stopping(candidate, *args, **kwargs)  # type: ignore[arg-type]
+
+    mirror._stop_candidate = stop_one  # type: ignore[method-assign]
+    candidates = list(mirror.candidates.values())
+    await mirror.stop()
+    assert sorted(stopped) == ["a", "b", "c"]  # c by its removal, a and b by the stop
+    assert all(not c.workers for c in candidates)
