@@ -23,7 +23,8 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
 5. Stopping: buffers close (queued items dropped as ``shutdown``), in-flight replays get
    ``drain_timeout_s`` to finish, the rest are cancelled; afterwards the budget is zero.
    A candidate removed while the mirror stops (a routing another replica changed, adopted
-   meanwhile) is stopped once, by its removal; the stop goes on with the others.
+   meanwhile) is stopped once, by its removal; the stop goes on with the others. What the
+   stop dropped is logged, a warning per candidate: the counter ends with the process.
 6. With ``[record]`` on, ``offer`` also hands each request to the ``TrafficRecorder``
    (``_record.py``: O(1), no await) before any candidate is considered, and the mirror
    counts as active without candidates, so the relay offers it every request.
@@ -41,6 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 
 import orjson
 from multidict import CIMultiDict
@@ -129,6 +131,7 @@ class Mirror:
                              on_drop=self._count_drop, on_join=self._count_join)
         self._sweeper: asyncio.Task[None] | None = None
         self.traffic = TrafficTally()  # all traffic seen, and the drops, by prompt size
+        self._shutdown_drops: Counter[str] = Counter()  # rule 5: said in the log at the stop
         self.backend_load: BackendLoad | None = None  # the scraped running counts, if any
         self.recorder = (TrafficRecorder(record, metrics)
                          if record is not None and record.path is not None else None)
@@ -290,6 +293,10 @@ class Mirror:
         self.joiner.close()
         if self.recorder is not None:
             await self.recorder.stop()
+        for name, dropped in sorted(self._shutdown_drops.items()):
+            log.warning("candidate %r: %d mirrored requests dropped at shutdown (queued or "
+                        "not replayed within [mirror] drain_timeout_s; a larger concurrency "
+                        "replays more of them)", name, dropped)
 
     async def _stop_candidate(self, candidate: Candidate, drain_timeout_s: float,
                               reason: MirrorDropReason) -> None:
@@ -382,6 +389,8 @@ class Mirror:
     def _count_drop(self, candidate: str, reason: MirrorDropReason,
                     prompt_bytes: int | None = None) -> None:
         self.metrics.mirror_dropped.labels(candidate, reason).inc()
+        if reason == "shutdown":
+            self._shutdown_drops[candidate] += 1
         if prompt_bytes is not None:
             self.traffic.dropped(candidate, reason, prompt_bytes)
 

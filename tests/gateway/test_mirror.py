@@ -135,7 +135,8 @@ def _failures(metrics: GatewayMetrics) -> float:
                for s in m.samples if s.name.endswith("_total"))
 
 
-async def test_overloaded_stalled_candidate_drops_and_counts() -> None:
+async def test_overloaded_stalled_candidate_drops_and_counts(
+        caplog: pytest.LogCaptureFixture) -> None:
     async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
             run_sim(fault="hang_before_first_byte") as cand, \
             run_gateway(primary.url, candidates=[_candidate("slow", cand.url, max_concurrency=1,
@@ -152,6 +153,11 @@ async def test_overloaded_stalled_candidate_drops_and_counts() -> None:
         mirror = gw.state.mirror
     assert mirror.budget.used == 0
     assert gw.metric("understudy_mirror_dropped_total", candidate="slow", reason="shutdown") == 4
+    # The counter ends with the process: the stop says it in the log too.
+    (said,) = [r for r in caplog.records if r.name == "understudy.mirror"
+               and r.levelname == "WARNING" and "shutdown" in r.getMessage()]
+    assert said.getMessage().startswith("candidate 'slow': 4 mirrored requests dropped at "
+                                        "shutdown"), said.getMessage()
 
 
 async def test_identical_queued_requests_are_deduplicated() -> None:
