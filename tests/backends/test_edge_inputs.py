@@ -240,6 +240,44 @@ async def test_the_engine_refuses_options_it_does_not_implement(
         assert status == 200
 
 
+# vLLM renders, decodes or answers differently under each of these; the engine answered as if
+# unset (a continued final message got a new assistant turn, <|im_end|> never appeared in the
+# text, the token ids asked for were null).  The first three are chat fields only.
+UNSUPPORTED_RENDERING = {
+    "continue_final_message": True,
+    "chat_template": "{{ messages[0]['content'] }}",
+    "documents": [{"title": "t", "text": "x"}],
+    "skip_special_tokens": False,
+    "return_token_ids": True,
+}
+
+
+async def test_the_engine_refuses_rendering_options_it_does_not_implement(
+    engine_model: LlamaModel,
+) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    async with serve_engine(engine_model) as engine:
+        for name, value in UNSUPPORTED_RENDERING.items():
+            body = {"messages": messages, "max_tokens": 1, "add_generation_prompt": False,
+                    name: value}  # fmt: skip
+            status, answer = await post_raw(engine.root_url, CHAT, orjson.dumps(body))
+            assert (status, answer["error"]["param"]) == (400, name)
+            assert "not supported by this engine" in answer["error"]["message"]
+        for name in ("skip_special_tokens", "return_token_ids"):
+            body = {"prompt": "x", "max_tokens": 1, name: UNSUPPORTED_RENDERING[name]}
+            status, answer = await post_raw(engine.root_url, COMPLETIONS, orjson.dumps(body))
+            assert (status, answer["error"]["param"]) == (400, name)
+        neutral = {"continue_final_message": False, "skip_special_tokens": True,
+                   "return_token_ids": False, "chat_template": None, "documents": None}  # fmt: skip
+        body = {"messages": messages, "max_tokens": 1, **neutral}
+        status, _ = await post_raw(engine.root_url, CHAT, orjson.dumps(body))
+        assert status == 200
+        # A completion has no chat template: vLLM takes (and ignores) the chat fields there.
+        body = {"prompt": "x", "max_tokens": 1, "continue_final_message": True}
+        status, _ = await post_raw(engine.root_url, COMPLETIONS, orjson.dumps(body))
+        assert status == 200
+
+
 @pytest.mark.parametrize(
     "encoded",
     [

@@ -11,8 +11,9 @@ Rules
 3. ``max_tokens`` (``max_completion_tokens`` first for chat) above ``max_model_len`` is
    refused; otherwise it is cut to the room the prompt leaves, as vLLM does; unset, chat
    may use all that room and a completion gets vLLM's default of 16.
-4. Options the engine does not implement (log-probabilities, penalties, n > 1, ...) are refused
-   when set to anything but their neutral value, rather than silently ignored.
+4. Options the engine does not implement (log-probabilities, penalties, n > 1, a chat template
+   or a continued final message, special tokens' text, ...) are refused when set to anything
+   but their neutral value, rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -101,6 +102,16 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "prompt_embeds": (None,),
+    # vLLM's output extras: special tokens' text, the answer's token ids.
+    "skip_special_tokens": (None, True),
+    "return_token_ids": (None, False),
+}
+# Chat fields that change how vLLM renders the prompt (a completion has no template: vLLM takes
+# and ignores them there).
+_CHAT_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "documents": (None,),
 }
 
 
@@ -136,7 +147,8 @@ def parse_generation_request(
     n = choice_count(body)
     if n not in (None, 1):
         raise invalid_value("The engine answers with one choice.", param="n", value=n)
-    for name, neutral in _NEUTRAL.items():
+    unsupported = _NEUTRAL | _CHAT_NEUTRAL if kind == "chat" else _NEUTRAL
+    for name, neutral in unsupported.items():
         if body.get(name) not in neutral:
             raise invalid_value(
                 f"`{name}` is not supported by this engine.", param=name, value=body[name]
