@@ -123,6 +123,7 @@ class _Add:
     prompt: tuple[int, ...]
     params: SamplingParams
     retain_kv_s: float | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,7 @@ class EngineLoop:
         *,
         arrived_at: float,
         retain_kv_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Queue a request for the next step; raise if the loop cannot take it now."""
         self._check_running()
@@ -214,7 +216,7 @@ class EngineLoop:
             )
         handle = RequestHandle(engine_id=f"req-{next(self._ids)}", arrived_at=arrived_at)
         self._handles[handle.engine_id] = handle
-        self._post(_Add(handle.engine_id, tuple(prompt), params, retain_kv_s))
+        self._post(_Add(handle.engine_id, tuple(prompt), params, retain_kv_s, cache_salt))
         return handle
 
     async def call(self, function: Callable[[Engine], T]) -> T:
@@ -347,6 +349,7 @@ class EngineLoop:
                                 command.prompt,
                                 command.params,
                                 retain_kv_s=command.retain_kv_s,
+                                cache_salt=command.cache_salt,
                             )
                         except ValueError as exc:
                             rejected.append((command.engine_id, str(exc)))

@@ -14,6 +14,9 @@ Rules
 4. Options the engine does not implement (log-probabilities, penalties, n > 1, a chat template
    or a continued final message, special tokens' text, ...) are refused when set to anything
    but their neutral value, rather than silently ignored.
+5. ``cache_salt`` (vLLM's, a non-empty string) keys the request's prefix-cache blocks: requests
+   share cached blocks only under the same salt (or none), so one tenant cannot read another's
+   prompts from its time to first token.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class GenerationRequest:
     params: SamplingParams
     stop: tuple[str, ...]
     stream_options: StreamOptions
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -178,7 +182,17 @@ def parse_generation_request(
         params=params,
         stop=_stop_strings(stops.stop),
         stream_options=options,
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """Rule 5, refused with vLLM's words."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise invalid_value("Parameter 'cache_salt' must be a non-empty string if provided.",
+                            param="cache_salt", value=salt)
+    return salt
 
 
 # -- prompts ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from backends.openai_wire import (
     ServedModel,
     decode_body,
     install_openai_app,
+    invalid_value,
     json_response,
     metrics_response,
     response_id,
@@ -278,12 +279,16 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
             max_model_len=serving.max_model_len,
         )
         if kv_node is not None:
+            if generation.cache_salt is not None:  # a prefill node's cache is every tenant's
+                raise invalid_value("`cache_salt` is not supported by a disaggregated node.",
+                                    param="cache_salt", value=generation.cache_salt)
             await receive_prompt_kv(kv_node, body, generation.prompt_ids)
         handle = engine_loop.submit(
             generation.prompt_ids,
             generation.params,
             arrived_at=arrived_at,
             retain_kv_s=None if kv_node is None else kv_node.retain_s,
+            cache_salt=generation.cache_salt,
         )
     except (RequestError, EngineServerError) as exc:
         return json_response(exc.body(), exc.status)

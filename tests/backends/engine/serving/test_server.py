@@ -204,6 +204,41 @@ async def test_prefix_cache_reports_cached_tokens_and_keeps_the_tokens(
     assert [text for text, _ in results[True]] == [text for text, _ in results[False]]
 
 
+async def test_a_cache_salt_keeps_one_tenants_prefix_cache_from_anothers(
+    engine_model: LlamaModel,
+) -> None:
+    """vLLM's ``cache_salt``: requests share cached blocks only under the same salt, so one
+    tenant cannot learn from the time to first token what another's prompts began with.
+    The engine took the field and ignored it: every tenant shared one cache."""
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which river?"}]
+
+    async def cached(client: openai.AsyncOpenAI, salt: str | None) -> int:
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1, **extra)  # type: ignore[call-overload]
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+    async with serve_engine(engine_model) as server:
+        client = _client(server)
+        seen = [await cached(client, salt) for salt in ("tenant-a", "tenant-b", "tenant-a",
+                                                       None, "tenant-b")]
+        for bad in ("", 7):
+            with pytest.raises(openai.BadRequestError, match="cache_salt"):
+                await cached(client, bad)  # type: ignore[arg-type]
+        await client.close()
+    assert seen[0] == seen[1] == seen[3] == 0  # each salt (and none) starts cold
+    assert seen[2] > 0 and seen[4] > 0  # and reuses its own blocks
+    # A decode node's prompt blocks come from a prefill node whose cache every tenant
+    # shares: it refuses the salt rather than take it and isolate nothing.
+    async with serve_engine(engine_model, role="decode") as decode:
+        client = _client(decode)
+        with pytest.raises(openai.BadRequestError, match="disaggregated"):
+            await cached(client, "tenant-a")
+        await client.close()
+
+
 async def test_concurrent_requests_match_solo_answers(engine_model: LlamaModel) -> None:
     questions = [
         "What is the capital of France?",
