@@ -7,8 +7,10 @@ and the exit status is 128 + the signal's number.
 
 from __future__ import annotations
 
+import math
 import signal
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -19,14 +21,26 @@ __all__ = ["demo_command"]
 _DEFAULTS = DemoSpec()
 
 
+class _NumberRange(click.FloatRange):
+    """``FloatRange`` that refuses NaN: it compares false with both bounds, so click lets it
+    through, and the demo would start its engines to fail minutes later."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number.", param, ctx)
+        return number
+
+
 @click.command("demo")
 @click.option("--sessions", type=click.IntRange(1, 1000), default=_DEFAULTS.sessions,
               show_default=True, help="Agentic sessions to drive through the gateway.")
 @click.option("--turns", type=click.IntRange(1, 16), default=_DEFAULTS.turns,
               show_default=True, help="Turns per session, at most.")
-@click.option("--minutes", type=click.FloatRange(0.1, 120), default=_DEFAULTS.minutes,
+@click.option("--minutes", type=_NumberRange(0.1, 120), default=_DEFAULTS.minutes,
               show_default=True, help="No session starts after this (in-flight ones finish).")
-@click.option("--rate", type=click.FloatRange(0.01, 100), default=_DEFAULTS.rate,
+@click.option("--rate", type=_NumberRange(0.01, 100), default=_DEFAULTS.rate,
               show_default=True, help="Session arrivals per second (Poisson).")
 @click.option("--min-samples", type=click.IntRange(10, 10_000),
               default=_DEFAULTS.min_samples, show_default=True,

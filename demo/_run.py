@@ -194,14 +194,28 @@ async def _drive(spec: DemoSpec, client: GatewayClient, names: list[str],
     return task.result()
 
 
+def _work_folder(workdir: Path | None) -> Path:
+    """Rule 5's folder, made and found writable before anything starts (a RuntimeError, the
+    command's one-line error, where it cannot be)."""
+    try:
+        if workdir is None:
+            return Path(tempfile.mkdtemp(prefix="understudy-demo-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as exc:
+        raise RuntimeError(f"cannot use the work folder {workdir}: "
+                           f"{exc.strerror or exc}") from exc
+    return workdir
+
+
 def run_demo(spec: DemoSpec, console: Console | None = None) -> Scorecard:
     """The whole demo (module rules 1-5); the scorecard it printed."""
     console = console or Console(width=max(Console().width, MIN_WIDTH))
     started = time.monotonic()
     for noisy in ("httpx", "httpx2"):  # the openai client's HTTP library logs every request
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    workdir = spec.workdir or Path(tempfile.mkdtemp(prefix="understudy-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = _work_folder(spec.workdir)
     console.print(f"[bold]understudy demo[/]: logs, config and store in {workdir}")
     baseline = DeploymentSpec(PRIMARY, "unified", BASELINE_ARGS, "recompute baseline")
     replica = DeploymentSpec(REPLICA, "unified", BASELINE_ARGS, "noise floor")
