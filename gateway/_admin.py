@@ -53,7 +53,7 @@ from gateway._exceptions import (
 from gateway._mirror import Candidate
 from gateway._openapi import Operation, openapi_document
 from gateway._promotion import Promoter, RoutingChange
-from gateway._routing import Routing
+from gateway._routing import Backend, Routing
 from gateway._scorecard import (
     Distributions,
     TrafficSeries,
@@ -191,6 +191,10 @@ class BackendView(BaseModel):
         """An answer never holds a URL's password (the routing itself keeps the real URL)."""
         return masked_url(url)
 
+    @classmethod
+    def of(cls, backend: Backend) -> BackendView:
+        return cls(name=backend.name, url=backend.url, model=backend.model)
+
 
 class CanaryView(BaseModel):
     backend: BackendView
@@ -210,7 +214,13 @@ class RoutingView(BaseModel):
 
     @classmethod
     def of(cls, routing: Routing) -> RoutingView:
-        return cls.model_validate(routing.to_dict())
+        # Built from the backends, not the stored form: that keeps their models apart
+        # (``_routing`` rule 6), a view shows each backend's with it.
+        canary, previous = routing.canary, routing.previous
+        return cls(version=routing.version, primary=BackendView.of(routing.primary),
+                   previous=None if previous is None else BackendView.of(previous),
+                   canary=None if canary is None else CanaryView.model_validate(
+                       {**canary.to_dict(), "backend": BackendView.of(canary.backend)}))
 
 
 class ActionResult(BaseModel):

@@ -28,6 +28,15 @@ Rules (DESIGN.md invariant 8):
    gets no key and none of the client's credentials, with the primary's timeouts and
    limits, and a warning once: never another backend's key. A live backend receives the
    client's other headers as the primary does (the mirror's allow-list is for replays).
+6. The stored form is read by every replica, including ones still running an older
+   release during a rolling upgrade (and a build downgraded to): a backend's dict holds
+   ``name`` and ``url`` only, as it always did (an older reader builds its ``Backend``
+   from exactly those), and the live backends' ``model`` rewrites go in a top-level
+   ``models`` map by role (``primary``, ``previous``, ``canary``, ``origin``), which an
+   older reader ignores (it serves the client's model name, as it always did).
+   ``from_dict`` ignores keys it does not know, inside backend dicts and at the top, so a
+   newer release's additions never stop this one; it still reads a ``model`` inside a
+   backend dict (stored so by the release of 2c2d01a).
 """
 
 from __future__ import annotations
@@ -57,9 +66,15 @@ class Backend:
     model: str | None = None
 
     def to_dict(self) -> dict[str, str]:
-        # ``model`` only when set: a routing without one reads as before on every replica.
-        named = {"name": self.name, "url": self.url}
-        return named if self.model is None else {**named, "model": self.model}
+        """The stored form (rule 6): name and URL only; the routing keeps ``model``."""
+        return {"name": self.name, "url": self.url}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], model: str | None = None) -> Backend:
+        """Rule 6: unknown keys are ignored; ``model`` where the backend dict has none."""
+        stored = data.get("model", model)
+        return cls(str(data["name"]), str(data["url"]),
+                   None if stored is None else str(stored))
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +119,9 @@ class Canary:
                 "actor": self.actor}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Canary:
-        backend = data["backend"]
+    def from_dict(cls, data: dict[str, Any], model: str | None = None) -> Canary:
         measured = data.get("measured_since")
-        return cls(Backend(**backend), tuple(data["steps"]),
+        return cls(Backend.from_dict(data["backend"], model), tuple(data["steps"]),
                    int(data["step"]), float(data["interval_s"]), float(data["step_started_at"]),
                    None if measured is None else float(measured), str(data.get("actor", "admin")))
 
@@ -144,19 +158,32 @@ class Routing:
     def with_canary(self, canary: Canary | None) -> Routing:
         return replace(self, version=self.version + 1, canary=canary)
 
+    def models(self) -> dict[str, str]:
+        """The ``model`` rewrite of each backend that has one, by its role (rule 6)."""
+        backends = {"primary": self.primary, "previous": self.previous,
+                    "canary": self.canary.backend if self.canary else None,
+                    "origin": self.origin}
+        return {role: backend.model for role, backend in backends.items()
+                if backend is not None and backend.model is not None}
+
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "primary": self.primary.to_dict(),
-                "previous": self.previous.to_dict() if self.previous else None,
-                "canary": self.canary.to_dict() if self.canary else None,
-                "origin": self.origin.to_dict() if self.origin else None}
+        """The stored form (rule 6): backend dicts an older release reads, models apart."""
+        out = {"version": self.version, "primary": self.primary.to_dict(),
+               "previous": self.previous.to_dict() if self.previous else None,
+               "canary": self.canary.to_dict() if self.canary else None,
+               "origin": self.origin.to_dict() if self.origin else None}
+        models = self.models()
+        return {**out, "models": models} if models else out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Routing:
         previous, canary, origin = data.get("previous"), data.get("canary"), data.get("origin")
-        return cls(int(data["version"]), Backend(**data["primary"]),
-                   Backend(**previous) if previous else None,
-                   Canary.from_dict(canary) if canary else None,
-                   Backend(**origin) if origin else None)
+        models = data.get("models") or {}
+        return cls(int(data["version"]),
+                   Backend.from_dict(data["primary"], models.get("primary")),
+                   Backend.from_dict(previous, models.get("previous")) if previous else None,
+                   Canary.from_dict(canary, models.get("canary")) if canary else None,
+                   Backend.from_dict(origin, models.get("origin")) if origin else None)
 
 
 class Upstreams:

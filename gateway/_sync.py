@@ -22,7 +22,9 @@ Rules (DESIGN.md invariant 8):
    PostgreSQL through LISTEN/NOTIFY. A LISTEN that is lost (the server restarted, the
    network cut) or cannot be set up at start is set up again in the background, within
    seconds of the store's return, and the routing is read once then (a change made
-   meanwhile is adopted at once); polling covers the time between.
+   meanwhile is adopted at once); polling covers the time between. A stored routing this
+   release cannot read is logged (its error's type, never its values) and polling goes
+   on: the next readable one is adopted.
 4. Without a database (evaluation disabled) the routing is this process's alone. With
    one that is not reachable yet (``attach`` before ``start``: a store outage at start),
    changes go to the database and fail there; none is applied to this replica alone.
@@ -267,6 +269,11 @@ class RoutingSync:
                 await self.refresh()
             except StoreError as exc:  # the database is away: keep serving what we have
                 log.warning("routing: cannot read the routing state: %s", exc)
+            except Exception as exc:
+                # A stored routing this release cannot read (another release wrote it):
+                # keep serving what we have and poll on. A poll that died would leave this
+                # replica on its routing for good, silently (rule 3).
+                log.error("routing: cannot adopt the stored routing: %s", _why(exc))
 
     def _notified(self) -> None:
         task = asyncio.get_running_loop().create_task(self.refresh(), name="routing-notified")
@@ -276,7 +283,15 @@ class RoutingSync:
     def _refreshed(self, task: asyncio.Task[None]) -> None:
         self._refreshing.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning("routing: cannot read the routing state after a notify: %s", exc)
+            log.warning("routing: cannot read the routing state after a notify: %s", _why(exc))
+
+
+def _why(exc: BaseException) -> str:
+    """What to log of a failed read: a store error's own (safe) text; of any other, its type
+    only (a stored value in its text could be a URL with a password)."""
+    if isinstance(exc, StoreError):
+        return str(exc)
+    return f"{type(exc).__name__} (the stored routing is not in a form this release reads)"
 
 
 def _changed_meanwhile(adopted: Routing) -> Conflict:
