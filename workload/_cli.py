@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import signal
 import threading
 import urllib.parse
@@ -27,6 +28,8 @@ __all__ = ["load_command"]
 
 QUIET_LOGGERS = ("httpx", "httpx2", "openai")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
+_NOT_HEADER_TEXT = re.compile(r"[^\x20-\x7e]")
 
 
 @click.command("load")
@@ -74,9 +77,10 @@ def load_command(url: str, sessions: int, turns: int, rate: float, think_s: floa
     from workload._driver import run_workload
     from workload._replay import replay_workload
 
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise click.UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
+    url = _checked_url(url)
+    if api_key is not None and _NOT_HEADER_TEXT.search(api_key):  # not echoed: a secret
+        raise click.UsageError(
+            "--api-key (or OPENAI_API_KEY) must be printable ASCII: a header carries it")
     for name in QUIET_LOGGERS:  # a line per request would bury the summary
         logging.getLogger(name).setLevel(logging.WARNING)
     try:  # the flags alone: a ValidationError while driving is no usage error
@@ -118,6 +122,28 @@ def load_command(url: str, sessions: int, turns: int, rate: float, think_s: floa
         raise SystemExit(128 + stopped_by.value)
     if summary.turns == 0 or summary.errors == summary.turns:
         raise SystemExit(1)
+
+
+def _checked_url(url: str) -> str:
+    """``url`` as the client can use it, or a usage error before anything is sent: the
+    client would fail on it mid-run with a traceback (a bad port, a control character), or
+    append its routes after a query (``/?key=1/v1models``)."""
+    url = url.strip()  # e.g. read from a file with its newline
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 -- raises for a port that is no number or out of range
+    except ValueError as exc:
+        raise click.UsageError(f"--url is not a valid URL ({exc}): {url!r}") from exc
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise click.UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
+    if _SPACE_OR_CONTROL.search(url):
+        raise click.UsageError(f"--url holds a space or a control character: {url!r}")
+    if not parts.hostname:
+        raise click.UsageError(f"--url names no host: {url!r}")
+    if "?" in url or "#" in url:
+        raise click.UsageError("--url must carry no query or fragment (the client appends "
+                               f"the API's routes to its path): {url!r}")
+    return url
 
 
 def _run_until_signalled(run: Callable[[asyncio.Event], Coroutine[Any, Any, WorkloadSummary]]

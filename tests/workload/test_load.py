@@ -285,3 +285,37 @@ def _load(tmp_path: Path, flags: list[str], *, replay: bool) -> Result:
         path.write_text('{"offset_s": 0, "route": "/v1/completions", "body": {}}\n')
         args += ["--replay", str(path)]
     return CliRunner().invoke(main, args)
+
+
+@pytest.mark.parametrize(("url", "words"), [
+    ("http://[::1", "--url is not a valid URL"),
+    ("http://127.0.0.1:99999", "--url is not a valid URL"),
+    ("http://127.0.0.1:port", "--url is not a valid URL"),
+    ("http://:8080", "--url names no host"),
+    ("http://127.0.0.1:1?key=1", "--url must carry no query or fragment"),
+    ("http://127.0.0.1:1/v1#top", "--url must carry no query or fragment"),
+    ("http://127.0.0.1:1/v\x01", "--url holds a space or a control character"),
+    ("http://127.0.0.1:1/a b", "--url holds a space or a control character"),
+])
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_url_the_client_cannot_use_is_a_usage_error(tmp_path: Path, url: str, words: str,
+                                                      replay: bool) -> None:
+    # Each was a traceback (ValueError, OverflowError, httpx's InvalidURL), a "Connection
+    # error" for a server never asked, or a request to a mangled URL ('/?key=1/v1models').
+    result = _load(tmp_path, ["--url", url, "--sessions", "1", "--turns", "1"], replay=replay)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.output.splitlines()[-1].startswith(f"Error: {words}"), result.output
+
+
+@pytest.mark.parametrize("key", ["sk-1\n", "sk\x00", "schlüssel"])
+@pytest.mark.parametrize("replay", [False, True])
+def test_an_api_key_no_header_can_carry_is_a_usage_error(tmp_path: Path, key: str,
+                                                         replay: bool) -> None:
+    # A line break (a key read from a file) failed every request as 'connection': "cannot
+    # reach" a server that was never asked. The key itself is not echoed.
+    result = _load(tmp_path, ["--api-key", key, "--sessions", "1", "--turns", "1"],
+                   replay=replay)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1] == (
+        "Error: --api-key (or OPENAI_API_KEY) must be printable ASCII: a header carries it")
