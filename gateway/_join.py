@@ -32,7 +32,9 @@ JoinCallback = Callable[[Exchange], None]
 
 def observation_charge(observation: Observation) -> int:
     text = len(observation.text) if observation.text else 0
-    return OBSERVATION_OVERHEAD_BYTES + text + BYTES_PER_CHUNK_GAP * len(observation.chunk_gaps_s)
+    vectors = len(observation.embeddings.data) if observation.embeddings is not None else 0
+    return (OBSERVATION_OVERHEAD_BYTES + text + vectors
+            + BYTES_PER_CHUNK_GAP * len(observation.chunk_gaps_s))
 
 
 @dataclass(slots=True)

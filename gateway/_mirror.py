@@ -23,8 +23,9 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
 5. Stopping: buffers close (queued items dropped as ``shutdown``), in-flight replays get
    ``drain_timeout_s`` to finish, the rest are cancelled; afterwards the budget is zero.
    A candidate removed while the mirror stops (a routing another replica changed, adopted
-   meanwhile) is stopped once, by its removal; the stop goes on with the others. What the
-   stop dropped is logged, a warning per candidate: the counter ends with the process.
+   meanwhile) is stopped once, by its removal, and the stop waits for that removal's drain
+   as for its own. What the stop dropped is logged, a warning per candidate: the counter
+   ends with the process.
 6. With ``[record]`` on, ``offer`` also hands each request to the ``TrafficRecorder``
    (``_record.py``: O(1), no await) before any candidate is considered, and the mirror
    counts as active without candidates, so the relay offers it every request.
@@ -132,6 +133,7 @@ class Mirror:
         self._sweeper: asyncio.Task[None] | None = None
         self.traffic = TrafficTally()  # all traffic seen, and the drops, by prompt size
         self._shutdown_drops: Counter[str] = Counter()  # rule 5: said in the log at the stop
+        self._removals: set[asyncio.Task[None]] = set()  # candidates removed, still draining
         self.backend_load: BackendLoad | None = None  # the scraped running counts, if any
         self.recorder = (TrafficRecorder(record, metrics)
                          if record is not None and record.path is not None else None)
@@ -272,7 +274,11 @@ class Mirror:
     async def remove_candidate(self, name: str) -> None:
         """Stop mirroring to ``name``; its buffer is released and its bytes return."""
         candidate = self.candidates.pop(name)
-        await self._stop_candidate(candidate, self.config.drain_timeout_s, reason="removed")
+        removal = asyncio.create_task(self._stop_candidate(
+            candidate, self.config.drain_timeout_s, reason="removed"))
+        self._removals.add(removal)  # rule 5: a stop meanwhile waits for it
+        removal.add_done_callback(self._removals.discard)
+        await asyncio.shield(removal)
         for gauge in (self.metrics.buffer_items, self.metrics.buffer_bytes):
             gauge.remove(name)
 
@@ -286,6 +292,7 @@ class Mirror:
                 if self.candidates.get(candidate.name) is candidate:
                     await self._stop_candidate(candidate, self.config.drain_timeout_s,
                                                reason="shutdown")
+        await asyncio.gather(*self._removals, return_exceptions=True)
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

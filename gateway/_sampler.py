@@ -4,6 +4,11 @@ Rules (DESIGN.md invariant 5):
 1. The decision is a pure function of (namespace, salt, sampling key, rate): a keyed
    BLAKE2b hash mapped to [0, 1) and compared with the rate. Python's ``hash`` is salted
    per process and is never used.
+2. With ``unit = "session"`` the key is the session: the configured header (default
+   ``X-Session-Id``), else the body's ``user`` field, else a hash of the conversation's
+   opening (model, system prompt, first user message), which every later turn repeats.
+   So every turn of a sampled conversation is mirrored, on every replica.
+3. With ``unit = "request"`` the key is the request id.
 4. Samplers never share a hash: a candidate's mirror sample (:func:`mirror_sampled`) is
    salted with its name under the BLAKE2b personalization :data:`MIRROR_NAMESPACE`; the
    canary's routing (``"canary"``) and the recorder (``"record"``) use their fixed salts
@@ -12,11 +17,6 @@ Rules (DESIGN.md invariant 5):
    a 10 % canary's other 90 %) or the recorder's; under its own namespace its sample is
    independent of theirs. The namespace is a personalization, not a prefix of the salt,
    so a 64-character name keeps all of its bytes in the key.
-2. With ``unit = "session"`` the key is the session: the configured header (default
-   ``X-Session-Id``), else the body's ``user`` field, else a hash of the conversation's
-   opening (model, system prompt, first user message), which every later turn repeats.
-   So every turn of a sampled conversation is mirrored, on every replica.
-3. With ``unit = "request"`` the key is the request id.
 """
 
 from __future__ import annotations

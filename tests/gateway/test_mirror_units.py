@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -81,11 +83,15 @@ async def test_the_mirror_samples_a_candidate_named_canary_beside_a_canary() -> 
     assert abs(queued - 0.1 * offered) < 5 * (0.09 * offered) ** 0.5, (queued, offered)
 
 
-def test_sampling_is_the_same_in_another_process() -> None:
+@pytest.mark.parametrize("function", ["sampled", "mirror_sampled"])
+def test_sampling_is_the_same_in_another_process(function: str) -> None:
+    """Replicas agree on every sampler: the canary's and recorder's, and candidates'."""
     keys = [f"k{i}" for i in range(300)]
-    here = "".join("1" if sampled("cand", k, 0.3) else "0" for k in keys)
-    code = ("from gateway._sampler import sampled; "
-            f"print(''.join('1' if sampled('cand', k, 0.3) else '0' for k in {keys!r}))")
+    sample: Callable[[str, str, float], bool] = (
+        sampled if function == "sampled" else mirror_sampled)
+    here = "".join("1" if sample("cand", k, 0.3) else "0" for k in keys)
+    code = (f"from gateway._sampler import {function}; "
+            f"print(''.join('1' if {function}('cand', k, 0.3) else '0' for k in {keys!r}))")
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={"PYTHONHASHSEED": "12345"}).stdout.strip()
     assert there == here
@@ -226,6 +232,20 @@ def test_observation_charge_grows_with_text() -> None:
         _observation("r", "p", "x"))
 
 
+def test_observation_charge_counts_an_embeddings_answers_vectors() -> None:
+    """An embeddings answer's vectors are held while it waits to be joined: 40 vectors of
+    1,024 float32 (160 KiB) were charged 1 KiB, outside the budget's bound."""
+    rows = ",".join(f'{{"index":{i},"embedding":[{",".join(["0.5"] * 1024)}]}}'
+                    for i in range(40))
+    capture = Capture(started=0.0, max_bytes=1 << 20, max_chunk_times=8, status=200)
+    capture.add_chunk(0.1, b'{"object":"list","data":[' + rows.encode() + b"]}")
+    capture.ended = 0.2
+    observation = observe(capture, request_id="r", backend="p", route="embeddings",
+                          wall_started=0.0)
+    assert observation.embeddings is not None
+    assert observation_charge(observation) >= 40 * 1024 * 4
+
+
 def test_rewritten_body_owns_no_more_memory_than_its_length() -> None:
     """The budget charges a payload's length: the body must not own much more than that."""
     import tracemalloc
@@ -270,3 +290,40 @@ async def test_stopping_survives_a_candidate_removed_meanwhile() -> None:
     await mirror.stop()
     assert sorted(stopped) == ["a", "b", "c"]  # c by its removal, a and b by the stop
     assert all(not c.workers for c in candidates)
+
+
+async def test_stopping_waits_for_a_removal_under_way() -> None:
+    """A removal already draining its candidate when the stop began (``serve_routing``
+    adopting a routing in its own task) was skipped by the stop, which then closed the
+    joiner and returned with that candidate's replay still running and its bytes held."""
+    held: list[asyncio.StreamWriter] = []  # connections it never answers
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    mirror = Mirror(MirrorConfig(drain_timeout_s=0.5), (CandidateConfig(
+        name="c", url=f"http://127.0.0.1:{port}"),), CaptureConfig(), GatewayMetrics(),
+        MemorySink(10))
+    await mirror.start()
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}'
+    assert mirror.offer("chat_completions", "POST", "/v1/chat/completions",
+                        CIMultiDict({"Content-Type": "application/json"}), body, None, "r1",
+                        "h:s")
+    candidate = mirror.candidates["c"]
+    for _ in range(100):  # the replay is under way
+        if candidate.in_flight:
+            break
+        await asyncio.sleep(0.01)
+    assert candidate.in_flight == 1
+    removal = asyncio.create_task(mirror.remove_candidate("c"))
+    await asyncio.sleep(0)  # the removal has taken it out of the candidates and drains it
+    assert "c" not in mirror.candidates
+    await mirror.stop()
+    assert removal.done() and all(w.done() for w in candidate.workers)
+    assert mirror.budget.used == 0
+    for writer in held:
+        writer.close()
+    server.close()
+    await server.wait_closed()
