@@ -31,13 +31,14 @@ def _segment(name: str) -> str:
 
 def _shown(url: str) -> str:
     """``url`` as an error prints it: a password in it (``http://user:pw@host``) as ``***``.
-    Found by hand, not parsed: a URL the parser refuses is shown too."""
+    Found by hand, not parsed: a URL the parser refuses is shown too, a password holding a
+    ``/``, ``?`` or ``#`` among them (the userinfo ends at the last ``@``; one in a query
+    masks more than the password, never less)."""
     scheme, sep, rest = url.partition("://")
-    end = next((i for i, c in enumerate(rest) if c in "/?#"), len(rest))
-    userinfo, at, host = rest[:end].rpartition("@")
+    userinfo, at, after = rest.rpartition("@")
     if not at or ":" not in userinfo:
         return url
-    return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{host}{rest[end:]}"
+    return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{after}"
 
 
 def _call(admin: tuple[str, str | None], method: str, path: str,

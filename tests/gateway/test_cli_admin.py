@@ -91,6 +91,7 @@ async def test_rollback_and_promote_name_the_routing_they_were_decided_on() -> N
     ("ftp://operator:{pw}@127.0.0.1:{port}/admin/v1", 2),     # not http
     ("http://operator:{pw}@127.0.0.1:99999/admin/v1", 2),     # a port urlsplit refuses
     ("http://operator:{pw}@[::1/admin/v1", 2),                # a host urlsplit refuses
+    ("http://operator:a/{pw}@127.0.0.1:{port}/admin/v1", 2),  # a '/' in the password
 ])
 def test_an_admin_url_refused_never_shows_its_password(url: str, exit_code: int) -> None:
     """Each refusal quoted the --admin-url whole, password and all."""
