@@ -38,7 +38,7 @@ __all__ = [
     "CaptureScorer",
     "ChoiceCountScorer",
     "EditSimilarityScorer",
-    "EmbeddingSimilarityScorer",
+    "EmbeddingDistanceScorer",
     "ExactMatchScorer",
     "FinishReasonScorer",
     "JsonValidityScorer",
@@ -331,7 +331,7 @@ class FinishReasonScorer:
 
 
 @dataclass(frozen=True, slots=True)
-class EmbeddingSimilarityScorer:
+class EmbeddingDistanceScorer:
     """How far apart the two backends' embeddings of the same inputs are: the cosine
     distance (1 - cosine) of each input's two vectors, averaged over the inputs (0.0 for
     the same vectors).
@@ -344,7 +344,7 @@ class EmbeddingSimilarityScorer:
     primary's. A zero vector agrees only with a zero vector.
     """
 
-    name: str = "embedding_similarity"
+    name: str = "embedding_distance"
 
     def score(self, exchange: Exchange) -> list[Score]:
         primary, candidate = exchange.primary, exchange.candidate_observation

@@ -1,5 +1,5 @@
 """Embeddings answers: their vectors read from the wire (observation rule 10), the cosine
-distance between two backends' (``EmbeddingSimilarityScorer``), and its gate."""
+distance between two backends' (``EmbeddingDistanceScorer``), and its gate."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from evaluators import Gates, MetricSamples, Outcome, judge
 from evaluators._exchange import Exchange
 from evaluators._observation import Capture, Embeddings, observe
 from evaluators._score import Direction
-from evaluators._scorers_quality import EmbeddingSimilarityScorer
+from evaluators._scorers_quality import EmbeddingDistanceScorer
 
 METRIC = "quality.embedding_distance"
 
@@ -38,7 +38,7 @@ def _observe(body: bytes, *, max_bytes: int = 1 << 20, backend: str = "primary")
 def _distance(primary: bytes, candidate: bytes) -> float | None:
     exchange = Exchange("r", "s", "embeddings", "cand", _observe(primary),
                         _observe(candidate, backend="cand"))
-    (score,) = EmbeddingSimilarityScorer().score(exchange)
+    (score,) = EmbeddingDistanceScorer().score(exchange)
     assert score.metric == METRIC and score.primary is None
     return score.candidate
 
@@ -101,7 +101,7 @@ def test_an_answer_not_whole_is_not_scored() -> None:
     rows = [[1.0, 2.0]]
     truncated = Exchange("r", "s", "embeddings", "cand", _observe(_answer(rows)),
                          _observe(_answer(rows), max_bytes=10, backend="cand"))
-    (score,) = EmbeddingSimilarityScorer().score(truncated)
+    (score,) = EmbeddingDistanceScorer().score(truncated)
     assert score.candidate is None
     chat = orjson.dumps({"object": "chat.completion", "choices": []})
     assert _distance(_answer(rows), chat) is None

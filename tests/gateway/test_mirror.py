@@ -202,9 +202,10 @@ async def test_requests_reusing_a_request_id_are_never_paired_with_each_other() 
     """The join is keyed by the request id, which a client may send. Four requests under one
     ``X-Request-Id`` at once were all replayed, one was joined (with whichever primary answer
     came first) and three were lost, counted nowhere. Now one is mirrored and joined with its
-    own answer; the others are counted ``duplicate_id``."""
+    own answer; the others are counted ``duplicate_id``. (The candidate answers after a
+    second, so the first is still being joined when the last arrives, on a busy machine too.)"""
     async with run_sim(ttft_ms=5, itl_ms=0, tokens=2) as primary, \
-            run_sim(ttft_ms=80, itl_ms=0, tokens=2) as cand, \
+            run_sim(ttft_ms=1000, itl_ms=0, tokens=2) as cand, \
             run_gateway(primary.url, candidates=[_candidate("c", cand.url,
                                                             max_concurrency=4)]) as gw:
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
