@@ -57,7 +57,9 @@ Rules:
 7. Every INCONCLUSIVE metric carries ``samples_needed`` (``_power.py``): the values per
    side at which the effect seen so far would be significant among the verdict's checks
    (rule 10: at the first of Holm's bars, the level over the number of checks the gated
-   metrics make once judged, ``MetricGate.tested_checks``) with probability
+   metrics make once judged, ``MetricGate.tested_checks``: a metric not judged yet counted
+   with every check it can make, a required one without samples as one, so the wait is
+   never short of the family's) with probability
    :data:`ESTIMATE_POWER` (the count at which the verdict is as likely as not to turn),
    floored at the gate's minimum; the verdict's ``more_samples_needed`` is the largest of
    the more-needed counts.
