@@ -9,7 +9,8 @@ Rules:
    that is not a finite number >= 0, a ``route`` that is not a string) is an error naming
    its line number, and so is a file with no record at all: a wrong file fails loudly, not
    as an empty replay, and before anything is sent. The lines past ``max_requests`` are not
-   read as records, only counted, in ``not_sent``.
+   read as records, only counted, in ``not_sent``. No line is read whole past
+   ``MAX_RECORD_LINE_BYTES``: a longer one, wherever it is, is such an error.
 2. Records are sent in offset order, each at ``(offset_s - first offset) / speed`` after the
    replay began, whatever the answers' speed: an open loop, as production is. At most
    ``concurrency`` are in flight; a record whose send time is at or past ``duration_s`` is
@@ -35,6 +36,7 @@ import asyncio
 import math
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Final
@@ -48,6 +50,10 @@ from workload._summary import summarize
 
 __all__ = ["REPLAY_ROUTES", "TrafficRecord", "read_records", "replay_workload"]
 
+MAX_RECORD_LINE_BYTES: Final = 64 * 2**20
+"""A line longer than this is no record (rule 1): eight times the gateway's default
+``max_body_bytes``. A file that is no recording (weights, an archive) has lines of any
+length, and a line is read whole to be checked."""
 REPLAY_ROUTES: Final[dict[str, ReplayRoute]] = {
     "/v1/chat/completions": "chat_completions",
     "/v1/completions": "completions",
@@ -101,8 +107,11 @@ def _index(fh: BinaryIO, path: Path, max_requests: int) -> tuple[list[_Entry], i
     entries: list[_Entry] = []
     left = 0
     position = 0
-    for number, line in enumerate(fh, start=1):
+    for number, line in enumerate(iter(_line_reader(fh), b""), start=1):
         at, position = position, position + len(line)
+        if len(line) > MAX_RECORD_LINE_BYTES:
+            raise ValueError(f"{path}:{number}: not a traffic record (a line over "
+                             f"{MAX_RECORD_LINE_BYTES} bytes)")
         if not line.strip():
             continue
         if len(entries) >= max_requests:
@@ -118,11 +127,16 @@ def _index(fh: BinaryIO, path: Path, max_requests: int) -> tuple[list[_Entry], i
     return entries, left
 
 
+def _line_reader(fh: BinaryIO) -> Callable[[], bytes]:
+    """``fh``'s next line, cut one byte past ``MAX_RECORD_LINE_BYTES`` (rule 1)."""
+    return lambda: fh.readline(MAX_RECORD_LINE_BYTES + 1)
+
+
 def _load(fh: BinaryIO, path: Path, entry: _Entry) -> TrafficRecord:
     """Rule 6: ``entry``'s record, read again. No await between the seek and the read: the
     one file object serves every request of the replay."""
     fh.seek(entry.position)
-    return _parsed(fh.readline(), path, entry.number)
+    return _parsed(_line_reader(fh)(), path, entry.number)
 
 
 def _parsed(line: bytes, path: Path, number: int) -> TrafficRecord:
@@ -135,8 +149,11 @@ def _parsed(line: bytes, path: Path, number: int) -> TrafficRecord:
 def _record(doc: Any) -> TrafficRecord:
     if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
         raise ValueError("expected an object with a 'body' object")
+    offset_s = doc["offset_s"]
+    if isinstance(offset_s, bool) or not isinstance(offset_s, int | float):
+        raise TypeError(f"offset_s must be a number, got {type(offset_s).__name__}")
     session = doc.get("session")
-    return TrafficRecord(float(doc["offset_s"]), doc["route"], doc["body"],
+    return TrafficRecord(float(offset_s), doc["route"], doc["body"],
                          session if isinstance(session, str) else None)
 
 
@@ -149,10 +166,10 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
     fh = path.open("rb")
     try:  # a large file takes seconds to check: not on the loop, which handles Ctrl-C
         records, not_sent = await asyncio.to_thread(_index, fh, path, spec.max_requests)
+        client = open_client(base_url, api_key, spec.request_timeout_s)
     except BaseException:
         fh.close()
         raise
-    client = open_client(base_url, api_key, spec.request_timeout_s)
     loop = asyncio.get_running_loop()
     started = loop.time()
     results: list[TurnResult] = []

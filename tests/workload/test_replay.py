@@ -10,9 +10,11 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
+import workload._replay
 from gateway.cli import main
 from tests.utils import eventually, free_port, run_gateway, run_sim
 from workload import ReplaySpec, WorkloadSpec, read_records, replay_workload, run_workload
@@ -143,6 +145,8 @@ async def test_records_waiting_for_a_slot_at_the_end_are_counted_not_sent(
     b'{"offset_s": 0, "route": ["/v1/completions"], "body": {}}',
     b'{"offset_s": 0, "route": "/v1/completions", "body": {"prompt": "\xff\xfe"}}',
     b'{"offset_s": 0, "route": "/v1/completions", "body": {"prompt": "a \\ud800 b"}}',
+    b'{"offset_s": "5", "route": "/v1/completions", "body": {}}',
+    b'{"offset_s": true, "route": "/v1/completions", "body": {}}',
 ])
 async def test_a_line_that_is_not_a_record_is_named(tmp_path: Path, line: bytes) -> None:
     path = tmp_path / "odd.jsonl"
@@ -200,3 +204,34 @@ async def test_a_replay_holds_the_bodies_in_flight_not_the_file(tmp_path: Path) 
     assert summary.turns == 2 and summary.errors_by_kind == (("cancelled", 2),)
     assert summary.not_sent == 398
     assert peak < path.stat().st_size / 4, peak  # was the whole file, parsed
+
+
+async def test_a_line_over_the_bound_is_refused_without_reading_it_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A file that is no recording (a model's weights, a tarball) has lines of any length: the
+    # check read each whole, 3x its size in memory (1.2 GB for a 400 MB line).
+    monkeypatch.setattr(workload._replay, "MAX_RECORD_LINE_BYTES", 1000)
+    record = b'{"offset_s": 0, "route": "/v1/completions", "body": {}}\n'
+    path = tmp_path / "blob.jsonl"
+    path.write_bytes(record + b"x" * 2_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"blob\.jsonl:2: not a traffic record \(a line "
+                                             r"over 1000 bytes\)"):
+            read_records(path, 10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 200_000, peak
+    path.write_bytes(record + b'{"offset_s": 0, "route": "/v1/completions", "body": '
+                     b'{"prompt": "' + b"y" * 1000 + b'"}}\n')
+    with pytest.raises(ValueError, match=r"blob\.jsonl:2: .*a line over 1000 bytes"):
+        read_records(path, 1)  # past max_requests too: not read whole to be counted
+
+
+async def test_a_client_that_cannot_be_made_leaves_the_file_closed(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    _write(path, [{"offset_s": 0, "route": "/v1/completions", "body": {}}])
+    with pytest.raises(Exception, match="non-printable"):  # the client's InvalidURL
+        await replay_workload(path, "http://127.0.0.1:1/v\x01")
+    assert str(path) not in {f.path for f in psutil.Process().open_files()}
