@@ -22,7 +22,9 @@ Rules:
    as ``cancelled``; those still waiting for a slot then are counted as not sent.
 5. ``stop`` set (the command's Ctrl-C) ends the replay early: records not yet sent are counted
    as not sent, requests in flight are cancelled at once (``cancelled``), and the summary of
-   what was sent is returned.
+   what was sent is returned. Set while the file is still checked (rule 1), it ends the check
+   within ``HALT_CHECK_LINES`` lines and the replay with an empty summary: nothing was sent,
+   and the records were not all counted.
 6. Memory does not grow with the file: the first pass checks every line and keeps only where
    each record lies (``_Entry``: its offset, line position, route, session, depth); a
    record's body is read again from the file when its request takes a slot, so at most
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +57,8 @@ MAX_RECORD_LINE_BYTES: Final = 64 * 2**20
 """A line longer than this is no record (rule 1): eight times the gateway's default
 ``max_body_bytes``. A file that is no recording (weights, an archive) has lines of any
 length, and a line is read whole to be checked."""
+HALT_CHECK_LINES: Final = 4096
+"""Rule 5: the check looks at ``stop`` after this many lines."""
 REPLAY_ROUTES: Final[dict[str, ReplayRoute]] = {
     "/v1/chat/completions": "chat_completions",
     "/v1/completions": "completions",
@@ -101,13 +106,20 @@ def read_records(path: Path, max_requests: int) -> list[TrafficRecord]:
         return [_load(fh, path, entry) for entry in entries]
 
 
-def _index(fh: BinaryIO, path: Path, max_requests: int) -> tuple[list[_Entry], int]:
+class _Halted(Exception):
+    """Rule 5: the check ended by ``stop``."""
+
+
+def _index(fh: BinaryIO, path: Path, max_requests: int,
+           halt: threading.Event | None = None) -> tuple[list[_Entry], int]:
     """Rules 1, 6: where the first ``max_requests`` records of ``fh`` lie, in offset order,
-    and how many non-blank lines follow them."""
+    and how many non-blank lines follow them. ``halt`` set: ``_Halted`` (rule 5)."""
     entries: list[_Entry] = []
     left = 0
     position = 0
     for number, line in enumerate(iter(_line_reader(fh), b""), start=1):
+        if halt is not None and number % HALT_CHECK_LINES == 0 and halt.is_set():
+            raise _Halted
         at, position = position, position + len(line)
         if len(line) > MAX_RECORD_LINE_BYTES:
             raise ValueError(f"{path}:{number}: not a traffic record (a line over "
@@ -157,6 +169,27 @@ def _record(doc: Any) -> TrafficRecord:
                          session if isinstance(session, str) else None)
 
 
+async def _checked(fh: BinaryIO, path: Path, max_requests: int, stop: asyncio.Event
+                   ) -> tuple[list[_Entry], int] | None:
+    """``_index`` in a thread (a large file takes seconds: not on the loop, which handles
+    Ctrl-C); None when ``stop`` is set first (rule 5). The thread has ended when this
+    returns, so the file may be closed."""
+    halt = threading.Event()
+    checking = asyncio.ensure_future(asyncio.to_thread(_index, fh, path, max_requests, halt))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((checking, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not checking.done():
+            halt.set()
+            await asyncio.wait((checking,))
+    try:
+        return checking.result()
+    except _Halted:
+        return None
+
+
 async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None = None,
                           api_key: str | None = None, on_turn: OnTurn | None = None,
                           stop: asyncio.Event | None = None) -> WorkloadSummary:
@@ -164,8 +197,12 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
     spec = spec or ReplaySpec()
     stop = stop or asyncio.Event()
     fh = path.open("rb")
-    try:  # a large file takes seconds to check: not on the loop, which handles Ctrl-C
-        records, not_sent = await asyncio.to_thread(_index, fh, path, spec.max_requests)
+    try:
+        checked = await _checked(fh, path, spec.max_requests, stop)
+        if checked is None:  # rule 5
+            fh.close()
+            return summarize([], 0.0)
+        records, not_sent = checked
         client = open_client(base_url, api_key, spec.request_timeout_s)
     except BaseException:
         fh.close()

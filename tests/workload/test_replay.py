@@ -235,3 +235,20 @@ async def test_a_client_that_cannot_be_made_leaves_the_file_closed(tmp_path: Pat
     with pytest.raises(Exception, match="non-printable"):  # the client's InvalidURL
         await replay_workload(path, "http://127.0.0.1:1/v\x01")
     assert str(path) not in {f.path for f in psutil.Process().open_files()}
+
+
+async def test_stop_while_the_file_is_checked_ends_the_replay_at_once(tmp_path: Path) -> None:
+    # The check (in a thread) ran to its end whatever the stop, so Ctrl-C or a supervisor's
+    # SIGTERM waited for it: 11 s on a 137 MB recording.
+    path = tmp_path / "rec.jsonl"
+    with path.open("wb") as fh:
+        fh.write(b'{"offset_s": 0, "route": "/v1/completions", "body": {}}\n')
+        fh.write(b"x\n" * 10_000_000)  # only counted past max_requests, yet seconds
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    summary = await replay_workload(path, f"http://127.0.0.1:{free_port()}",
+                                    spec=ReplaySpec(max_requests=1), stop=stop)
+    assert loop.time() - began < 0.5
+    assert summary.turns == 0 and summary.not_sent == 0  # none was counted, none sent
