@@ -75,7 +75,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
 
     sync = RoutingSync(routing, serve_routing, metrics,
                        config.admin.routing_poll_interval_s, config.admin.store_timeout_s)
-    upstreams = Upstreams(config.primary, config.candidates)  # _routing rule 5
+    upstreams = Upstreams(config.primary, config.candidates, metrics)  # _routing rule 5
     promoter = Promoter(sync, mirror, metrics, scorekeeper, upstreams)
 
     def scrape_targets() -> dict[str, str]:

@@ -221,6 +221,12 @@ class GatewayMetrics:
         self.admin_actions = counter("understudy_admin_actions",
                                      "Promotions, rollbacks and canary steps, by action.",
                                      "action")
+        self.live_without_settings = counter(
+            "understudy_live_backend_without_settings",
+            "Pools this replica opened for a live backend (primary, rollback target, canary) "
+            "it has no settings for, by backend: sent no API key and no client credentials "
+            "(a routing adopted from a replica that has that candidate; a candidate added at "
+            "runtime, promoted, then this replica restarted).", "backend")
         self.admin_store_failures = counter(
             "understudy_admin_store_failures",
             "Admin changes refused with 503, unapplied, because the store could not take "

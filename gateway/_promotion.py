@@ -49,7 +49,14 @@ Rules (DESIGN.md invariant 8):
    The routing names backends, never their keys: each replica sends a live backend the
    settings it has for it (``_routing`` rule 5), so a candidate added or changed here is
    made known to the live pools (``Upstreams``) too, and forgotten when it is removed
-   unless the routing still names it (the rollback target).
+   unless the routing served then still names it (primary, rollback target or canary:
+   a routing adopted during the removal's drain may have made it one). A candidate's
+   name and URL never change (a change is refused before it is stored), so its settings
+   are never left behind at an old address. A candidate added at runtime is
+   this replica's alone and only until it restarts: promoted, and this replica
+   restarted, its key is gone here (it is in no configuration), and its pool is opened
+   without settings (``understudy_live_backend_without_settings_total``). Put a candidate
+   meant for promotion in every replica's configuration.
 7. A candidate change is checked again after its audit entry is stored: a routing adopted
    meanwhile may have made the candidate the primary (removed here) or the canary. The
    canary's candidate is not removed while the canary runs: its sessions would stay on a
@@ -74,6 +81,7 @@ from typing import Any, Final
 from evaluators import Outcome
 from evaluators.store import AuditNote, BackendRole
 from gateway._config import MAX_CANDIDATES, CandidateConfig
+from gateway._destinations import masked_url
 from gateway._exceptions import ChangeNotStored, Conflict, InvalidBody, NotFound
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Candidate, Mirror
@@ -192,7 +200,12 @@ class Promoter:
     async def update_candidate(self, name: str, config: CandidateConfig,
                                changes: dict[str, Any]) -> Candidate:
         async with self._lock:
-            self._candidate(name)
+            if (config.name, config.url) != (name, self._candidate(name).config.url):
+                # Refused before anything is stored (the mirror refuses it too): a new
+                # address is a new backend, whose settings ``know`` would add beside the
+                # old address's, kept there with its key (rule 5). Remove and add it.
+                raise InvalidBody(f"candidate {name!r}: its name and URL cannot change; "
+                                  "remove it and add it again")
             await self._sync.record(f"changing candidate {name}", AuditNote(
                 ADMIN_ACTOR, "candidate_update", name, {"changes": changes}))
             self._still_candidate(name)
@@ -222,9 +235,9 @@ class Promoter:
             config = self._still_candidate(name).config
             self._not_the_canary(name)
             await self._mirror.remove_candidate(name)
-            routing = self.routing
-            live = {(b.name, b.url) for b in (routing.primary, routing.previous) if b}
-            if (config.name, config.url) not in live:
+            # Rule 5, on the routing served now: one adopted during the drain may have made
+            # this backend the primary, the rollback target or the canary.
+            if (config.name, config.url) not in _addresses(self.routing):
                 self._upstreams.forget(config.name, config.url)
             self._done("candidate_remove", name)
 
@@ -281,7 +294,7 @@ class Promoter:
         routing = await self._sync.commit(
             lambda r: r.promoted(backend),
             audit=lambda new: AuditNote(actor, "promote", name, {
-                "force": force, "reason": reason, "routing": new.to_dict(),
+                "force": force, "reason": reason, "routing": _audited(new),
                 "verdict": verdict}, judgement.verdict_id), decided_on=decided_on)
         await self._stop_driver()  # the promoted routing has no canary
         self._done("promote", name, verdict)
@@ -296,7 +309,7 @@ class Promoter:
             routing = await self._sync.commit(
                 _rolled_back,
                 audit=lambda new: AuditNote(actor, "rollback", new.primary.name, {
-                    "reason": reason, "routing": new.to_dict(), "verdict": None}))
+                    "reason": reason, "routing": _audited(new), "verdict": None}))
             await self._stop_driver()  # the rolled-back routing has no canary
             self._done("rollback", routing.primary.name)
             return RoutingChange(routing)
@@ -443,6 +456,25 @@ def _live(candidate: Candidate) -> Backend:
     rule 2): its live requests name the model its mirrored ones were judged on."""
     config = candidate.config
     return Backend(config.name, config.url, config.model)
+
+
+def _addresses(routing: Routing) -> set[tuple[str, str]]:
+    """(name, URL) of every backend ``routing`` may send live traffic to (rule 5)."""
+    return {(backend.name, backend.url) for backend in routing.live_backends()}
+
+
+def _audited(routing: Routing) -> dict[str, Any]:
+    """``routing`` as an audit entry holds it: its URLs' passwords masked (``_routing``
+    rule 5; the stored routing keeps them, its replicas connect with them)."""
+    data = routing.to_dict()
+    for role in ("primary", "previous", "origin"):
+        if data[role] is not None:
+            data[role] = {**data[role], "url": masked_url(data[role]["url"])}
+    if data["canary"] is not None:
+        backend = data["canary"]["backend"]
+        data["canary"] = {**data["canary"],
+                          "backend": {**backend, "url": masked_url(backend["url"])}}
+    return data
 
 
 def _rolled_back(routing: Routing) -> Routing:

@@ -16,18 +16,24 @@ Rules (DESIGN.md invariant 8):
    rollback needs no reconnect and cuts no request in flight.
 4. Replicas converge through the database (``RoutingSync``): the snapshot with the
    highest version wins.
-5. A backend's credentials and connection settings are never part of the routing (it is
+5. A backend's ``api_key`` and connection settings are never part of the routing (it is
    stored, shared by every replica, and shown by the admin API): a :class:`Backend` is a
-   name, a URL and a model. Each replica's ``Upstreams`` looks a live backend's settings
-   up in its own configuration, by name *and* URL: the configured primary's (its
+   name, a URL and a model. The URL is kept whole, so a password written inside it
+   (``http://user:pw@host``) is stored in the routing (every replica connects with it);
+   it is masked wherever the routing is shown: the admin API's answers and the copies in
+   promote and rollback audit entries. Each replica's ``Upstreams`` looks a live backend's
+   settings up in its own configuration, by name *and* URL: the configured primary's (its
    ``api_key``, timeouts and limits; the client's credentials forwarded when it has no
    key), or a candidate's, configured or added at runtime (its own ``api_key``, timeouts,
    limits and ``forward_credentials``), kept after it is promoted, so the canary, a
-   promoted candidate and a rolled-back primary each get their own key. A backend this
-   replica has no settings for (a routing adopted from a replica that has that candidate)
+   promoted candidate and a rolled-back primary each get their own key. A candidate added
+   at runtime is in this process's memory only: after a restart this replica has no
+   settings for it, even where it is the promoted primary. A backend this replica has no
+   settings for (that case, or a routing adopted from a replica that has that candidate)
    gets no key and none of the client's credentials, with the primary's timeouts and
-   limits, and a warning once: never another backend's key. A live backend receives the
-   client's other headers as the primary does (the mirror's allow-list is for replays).
+   limits, a warning once and ``understudy_live_backend_without_settings_total{backend}``
+   counted: never another backend's key. A live backend receives the client's other
+   headers as the primary does (the mirror's allow-list is for replays).
 6. The stored form is read by every replica, including ones still running an older
    release during a rolling upgrade (and a build downgraded to): a backend's dict holds
    ``name`` and ``url`` only, as it always did (an older reader builds its ``Backend``
@@ -46,6 +52,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway._config import CandidateConfig, UpstreamConfig
+from gateway._metrics import GatewayMetrics
 from gateway._sampler import sampled
 from gateway._upstream import Upstream
 
@@ -158,6 +165,12 @@ class Routing:
     def with_canary(self, canary: Canary | None) -> Routing:
         return replace(self, version=self.version + 1, canary=canary)
 
+    def live_backends(self) -> tuple[Backend, ...]:
+        """The backends this routing may send live traffic to: the primary, the rollback
+        target and the canary's."""
+        canary = self.canary.backend if self.canary else None
+        return tuple(b for b in (self.primary, self.previous, canary) if b is not None)
+
     def models(self) -> dict[str, str]:
         """The ``model`` rewrite of each backend that has one, by its role (rule 6)."""
         backends = {"primary": self.primary, "previous": self.previous,
@@ -190,11 +203,13 @@ class Upstreams:
     """One pooled session per backend that takes live traffic, opened on first use, with
     that backend's own settings as this replica knows them (rule 5)."""
 
-    __slots__ = ("_known", "_pools", "primary")
+    __slots__ = ("_known", "_pools", "_unconfigured", "primary")
 
     def __init__(self, primary: UpstreamConfig,
-                 candidates: tuple[CandidateConfig, ...] = ()) -> None:
+                 candidates: tuple[CandidateConfig, ...] = (),
+                 metrics: GatewayMetrics | None = None) -> None:
         self.primary = primary
+        self._unconfigured = None if metrics is None else metrics.live_without_settings
         # (name, url) -> settings: the URL too, so a key never goes to another address.
         self._known: dict[tuple[str, str], UpstreamConfig] = {(primary.name, primary.url): primary}
         self._pools: dict[Backend, Upstream] = {}
@@ -228,8 +243,11 @@ class Upstreams:
             # Rule 5: no settings here. No key and no client credentials rather than
             # another backend's; the primary's timeouts and limits (no secret in them).
             log.warning("live backend %s has no settings on this replica (a routing adopted "
-                        "from another): it is sent no API key and no client credentials",
+                        "from another, or a candidate added at runtime before this replica "
+                        "restarted): it is sent no API key and no client credentials",
                         backend.name)
+            if self._unconfigured is not None:
+                self._unconfigured.labels(backend.name).inc()
             config = self.primary.model_copy(update={"name": backend.name, "url": backend.url,
                                                      "api_key": None})
             upstream = Upstream(config, forward_credentials=False)

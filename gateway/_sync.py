@@ -59,6 +59,7 @@ from evaluators.store import (
     save_routing,
 )
 from gateway._config import DEFAULT_ADMIN_STORE_TIMEOUT_S
+from gateway._destinations import masked_url
 from gateway._exceptions import ChangeNotStored, Conflict, translate_store_errors
 from gateway._metrics import GatewayMetrics
 from gateway._routing import Routing
@@ -142,7 +143,8 @@ class RoutingSync:
         if stored.origin != configured.origin:
             log.warning("routing: the configured primary is %s, but the stored routing "
                         "started from %s: starting a new routing history (version %d)",
-                        configured.primary.url, stored.origin.url if stored.origin else "?",
+                        masked_url(configured.primary.url),
+                        masked_url(stored.origin.url) if stored.origin else "?",
                         stored.version + 1)
             new = Routing.configured(configured.primary, stored.version + 1)
             if not await save_routing(engine, new.version, new.to_dict(),
@@ -155,8 +157,8 @@ class RoutingSync:
         if stored.primary != configured.primary:
             log.warning("routing: serving %s (%s), promoted at version %d, instead of the "
                         "configured primary %s; `understudy rollback` switches back",
-                        stored.primary.name, stored.primary.url, stored.version,
-                        configured.primary.url)
+                        stored.primary.name, masked_url(stored.primary.url), stored.version,
+                        masked_url(configured.primary.url))
 
     async def stop(self) -> None:
         if self._poller is not None:

@@ -7,17 +7,22 @@ import contextlib
 import gzip
 import json
 import logging
+import time
+from functools import partial
 from typing import Any
 
 import aiohttp
 import openai
+import pytest
 import sqlalchemy as sa
 from multidict import CIMultiDict
 from pydantic import SecretStr
 
 from evaluators.store import create_engine
 from gateway._config import CandidateConfig, UpstreamConfig
-from gateway._routing import Backend, Canary, Upstreams
+from gateway._exceptions import InvalidBody
+from gateway._metrics import GatewayMetrics
+from gateway._routing import Backend, Canary, Routing, Upstreams
 from tests.fixtures_db import audit_log
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
@@ -447,3 +452,111 @@ async def test_a_backend_without_local_settings_gets_no_key() -> None:
         assert own["Authorization"] == "Bearer rotated"
     finally:
         await upstreams.close()
+
+
+async def _live_keys(http: aiohttp.ClientSession, gw: RunningGateway, sim: Any,
+                     tag: str, n: int) -> set[str]:
+    """The Authorization headers ``sim`` got on ``n`` live chats (sessions ``tag``0...),
+    the client sending its own key."""
+    seen = len(sim.stats.requests)
+    for i in range(n):
+        async with http.post(gw.base_url + "/chat/completions", json={
+                "model": "sim-model", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"X-Session-Id": f"{tag}{i}",
+                         "Authorization": "Bearer client-key"}) as resp:
+            await resp.read()
+            assert resp.status == 200
+    # Live requests carry X-Forwarded-For; mirrored replays do not.
+    return {r.headers.get("Authorization", "") for r in list(sim.stats.requests)[seen:]
+            if "X-Forwarded-For" in r.headers}
+
+
+async def test_a_candidate_removed_as_a_routing_made_it_the_canary_keeps_its_key(
+        monkeypatch: Any) -> None:
+    """The removal's "still live" check looked at the primary and the rollback target only:
+    a routing adopted during the removal's drain that made the candidate the canary left
+    its settings forgotten, and the canary's pool was opened keyless."""
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2) as cand, \
+            run_gateway(primary.url, candidates=[{"name": "x", "url": cand.url,
+                                                  "api_key": "cand-own-key"}]) as gw, \
+            aiohttp.ClientSession() as http:
+        mirror, sync = gw.state.mirror, gw.state.sync
+        drain = mirror.remove_candidate
+
+        async def drained_while_another_replica_started_a_canary(name: str) -> None:
+            await drain(name)
+            canary = Canary(Backend("x", cand.url), (100.0,), 0, 600.0, time.time())
+            await sync.commit(partial(Routing.with_canary, canary=canary))
+
+        monkeypatch.setattr(mirror, "remove_candidate",
+                            drained_while_another_replica_started_a_canary)
+        async with http.delete(gw.admin_url + "/candidates/x") as resp:
+            assert resp.status == 200, await resp.text()
+        assert gw.state.routing.canary is not None
+        assert await _live_keys(http, gw, cand, "s", 4) == {"Bearer cand-own-key"}  # was {""}
+
+
+async def test_a_candidate_url_change_is_refused_before_it_is_stored(tmp_path: Any) -> None:
+    """A changed URL reached the live pools' settings only after the audit entry was
+    stored, and there the mirror refused it (ValueError: a 500, an audit entry for a change
+    never applied); had it gone through, the key would have stayed at the old address. It
+    is refused first now, nothing stored, the key where it was."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'p.db'}"
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2) as old, \
+            run_gateway(primary.url, candidates=[{"name": "x", "url": old.url,
+                                                  "api_key": "cand-own-key"}],
+                        evaluation=_evaluation(url)) as gw, \
+            aiohttp.ClientSession() as http:
+        config = gw.state.mirror.candidates["x"].config
+        moved = "http://127.0.0.1:1"
+        with pytest.raises(InvalidBody, match="cannot change"):
+            await gw.state.promoter.update_candidate(
+                "x", config.model_copy(update={"url": moved}), {"url": moved})
+        assert gw.state.mirror.candidates["x"].config == config
+        await gw.state.sync.commit(lambda r: r.promoted(Backend("x", old.url)))
+        assert await _live_keys(http, gw, old, "o", 3) == {"Bearer cand-own-key"}
+    assert await _audit(url) == []  # no candidate_update entry
+
+
+async def test_audit_entries_of_promote_and_rollback_mask_a_url_password(
+        tmp_path: Any) -> None:
+    """Promote and rollback audit entries copied the routing whole, a password inside a
+    backend's URL included; the copy masks it (the stored routing keeps it to connect)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'p.db'}"
+    password = "url-secret-5d1e"
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2) as cand:
+        cand_url = cand.url.replace("http://", f"http://user:{password}@", 1)
+        async with run_gateway(primary.url, candidates=[{"name": "c", "url": cand_url}],
+                               evaluation=_evaluation(url)) as gw, \
+                aiohttp.ClientSession() as http:
+            status, body = await _post(http, gw.admin_url + "/candidates/c/promote",
+                                       {"force": True, "reason": "drill"})
+            assert status == 200, body
+            status, body = await _post(http, gw.admin_url + "/rollback", {"reason": "drill"})
+            assert status == 200, body
+            assert gw.state.routing.previous == Backend("c", cand_url)
+    entries = {action: detail for action, _, detail in await _audit(url)}
+    for action in ("promote", "rollback"):
+        text = json.dumps(entries[action])
+        assert password not in text and "user:***@" in text, text
+
+
+async def test_a_pool_opened_without_local_settings_is_counted() -> None:
+    """A live backend this replica has no settings for (a candidate added at runtime and
+    promoted elsewhere, or here before a restart) was visible only as one warning."""
+    metrics = GatewayMetrics()
+    upstreams = Upstreams(UpstreamConfig(url="http://127.0.0.1:8"),
+                          (CandidateConfig(name="c", url="http://127.0.0.1:9"),), metrics)
+    try:
+        upstreams.get(Backend("c", "http://127.0.0.1:9"))
+        upstreams.get(Backend("primary", "http://127.0.0.1:8"))
+        upstreams.get(Backend("d", "http://127.0.0.1:11"))
+        upstreams.get(Backend("d", "http://127.0.0.1:11"))  # its pool, opened once
+    finally:
+        await upstreams.close()
+    text = metrics.exposition().decode()
+    assert 'understudy_live_backend_without_settings_total{backend="d"} 1.0' in text
+    assert 'backend="c"' not in text and 'backend="primary"' not in text

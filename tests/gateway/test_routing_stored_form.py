@@ -125,3 +125,23 @@ async def test_the_poll_survives_a_stored_routing_it_cannot_read(
         assert not any(SECRET in r.getMessage() for r in caplog.records)
     finally:
         await sync.stop()
+
+
+async def test_a_new_routing_history_is_logged_without_a_url_password(
+        engine: AsyncEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """A replica whose configured primary is not the stored history's origin logged both
+    URLs whole, passwords and all."""
+    stored = Routing.configured(Backend("primary", f"http://u:{SECRET}@127.0.0.1:8"))
+    assert await save_routing(engine, stored.version, stored.to_dict(), expected=None)
+
+    async def serve(_: Routing) -> None:
+        pass
+
+    caplog.set_level(logging.WARNING, logger="understudy.routing")
+    sync = RoutingSync(Routing.configured(Backend("primary", f"http://u:{SECRET}@127.0.0.1:9")),
+                       serve, GatewayMetrics(), poll_interval_s=60.0)
+    await sync.start(engine)
+    await sync.stop()
+    assert sync.routing.version == 2
+    assert "new routing history" in caplog.text and "u:***@127.0.0.1:9" in caplog.text
+    assert SECRET not in caplog.text
