@@ -39,12 +39,18 @@ Rules
    headers is a 504 OpenAI-style error; after them an error event and ``[DONE]`` (rule 4).
    Either way the upstream connection is closed, which ends the request on the node once it
    runs again, and the node's stream is no longer counted.
-8. A node that fails at the transport -- refuses the connection, hangs up, or is given up
-   silent (rule 7) -- is marked down in the ``Cluster`` (``kv._routing`` rule 4): the policies
-   leave it out for ``NODE_DOWN_S`` while another node of its kind is up, and a conversation
-   whose record names a down decode node is routed without it (its read-back would wait on
-   that node).  A decode node's failures are counted
-   (``understudy_router_decode_failures_total{node}``): each is a 502 or 504 to its client.
+8. A node that fails at the transport -- refuses the connection (or does not take it within
+   its connect timeout), hangs up, or is given up silent (rule 7) -- is marked down in the
+   ``Cluster`` (``kv._routing`` rule 4): the policies leave it out for ``NODE_DOWN_S`` while
+   another node of its kind is up, and a conversation whose record names a down decode node
+   is routed without it (its read-back would wait on that node).  A prefill that outlasts
+   ``PREFILL_TIMEOUT_S`` is not a transport failure: its node answered every health check
+   (rule 7 decides busy or dead), it is only slow, so the prefill fails (rule 4) and the node
+   stays up.  A decode node's failures are counted
+   (``understudy_router_decode_failures_total{node}``): a transport failure, a node given up
+   silent, or a 200 answer whose body is not typed ``application/json``; each is a 502 or
+   504 to its client (or mid-stream an error event).  An error status the node answers is
+   relayed, not counted.
 """
 
 from __future__ import annotations
@@ -116,10 +122,19 @@ NODE_LIMIT_RETRY_S = 10.0
 _KV_MARKER = b'"kv_transfer_params"'
 
 ReadbackOutcome = Literal["attached", "new", "off"]
-# A node that raised one of these is down (rule 8): OSError includes a reset and a timeout
-# (connect, or the whole prefill); a status or a bad body is not.
+# A node that raised one of these failed at the transport (rule 8): OSError includes a reset;
+# a status or a bad body is not, nor a whole call's timeout (``_failed_at_transport``).
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 _T = TypeVar("_T")
+
+
+def _failed_at_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` marks its node down (rule 8).  A plain ``TimeoutError`` is a call's
+    ``total`` timeout (``PREFILL_TIMEOUT_S``) on a node that answered its health checks:
+    slow, not down.  aiohttp's connect and socket-read timeouts are ``ClientConnectionError``s."""
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientConnectionError):
+        return False
+    return isinstance(exc, _TRANSPORT_ERRORS)
 
 
 class NodeSilentError(Exception):
@@ -161,8 +176,10 @@ class RouterMetrics:
         }
         decode_failures = Counter(
             "understudy_router_decode_failures",
-            "Requests whose decode node refused the connection, hung up or was given up silent "
-            "(a 502 or 504, or mid-stream an error event).",
+            "Requests that failed on their decode node: it refused the connection, hung up, "
+            "was given up silent, or answered 200 with a body not typed application/json "
+            "(each a 502 or 504, or mid-stream an error event). An error status the node "
+            "answered is relayed, not counted.",
             ("node",), registry=self.registry,
         )  # fmt: skip
         self.decode_failures = [decode_failures.labels(node=str(d)) for d in range(num_decode)]
@@ -249,7 +266,7 @@ class Router:
         """Decode node ``node`` failed a request (rule 8)."""
         self.metrics.decode_failures[node].inc()
         self.node_failed(self.decode_urls[node])
-        if isinstance(exc, _TRANSPORT_ERRORS):
+        if _failed_at_transport(exc):
             self.cluster.node_down("decode", node)
 
     def node_url(self, role: NodeRole, node: int) -> str:
@@ -353,7 +370,7 @@ class Router:
                     log.warning("prefill node %d answered %d", node, response.status)
         except (aiohttp.ClientError, TimeoutError, ValueError, NodeSilentError) as exc:
             log.warning("prefill node %d failed: %s", node, exc)
-            if isinstance(exc, _TRANSPORT_ERRORS):
+            if _failed_at_transport(exc):
                 self.cluster.node_down("prefill", node)  # rule 8
             answer = None
         finally:

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from backends.engine import LlamaModel, RunningEngineServer
 from backends.engine.serving import _router
+from backends.engine.serving._kv_node import PREFILL_ROUTE
 from backends.engine.serving._router import ROUTER
 from backends.openai_wire import SSE_CONTENT_TYPE, sse_event
 from tests.fixtures_engine import serve_disaggregated, serve_engine
@@ -231,6 +232,51 @@ async def test_a_silent_prefill_node_falls_back_and_a_busy_node_is_waited_for(
 
 
 # -- nodes that fail (rule 8) -----------------------------------------------------------------
+
+@asynccontextmanager
+async def _slow_prefill_node() -> AsyncIterator[str]:
+    """A prefill node alive but slow: its ``/health`` answers 200, a prefill never ends."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def prefill(_: web.Request) -> web.Response:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post(PREFILL_ROUTE, prefill)
+    async with serving(web.AppRunner(app, handler_cancellation=True)) as url:
+        yield url
+
+
+async def test_a_slow_prefill_past_its_timeout_does_not_mark_its_node_down(
+    engine_model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill node that answered every health check (busy, rule 7) but outlasted
+    ``PREFILL_TIMEOUT_S`` was marked down like a dead one (the timeout is an OSError): a
+    live node left out for ``NODE_DOWN_S``.  The prefill fails, the node stays up."""
+    monkeypatch.setattr(_router, "PREFILL_TIMEOUT_S", 3 * READ_TIMEOUT_S)
+    async with (
+        _slow_prefill_node() as slow,
+        run_sim(model=MODEL) as decode,
+        serve_engine(
+            engine_model, role="router", prefill_urls=(slow,), decode_urls=(decode.url,),
+            node_read_timeout_s=READ_TIMEOUT_S,
+        ) as router,
+        aiohttp.ClientSession() as http,
+    ):  # fmt: skip
+        cluster = router.app[ROUTER].cluster
+        downs: list[tuple[str, int]] = []
+        monkeypatch.setattr(cluster, "node_down", lambda role, node: downs.append((role, node)))
+        status, raw, took = await _ask(http, router, CHAT)
+        assert status == 200 and orjson.loads(raw)["choices"][0]["message"]["content"]
+        assert took >= 3 * READ_TIMEOUT_S  # the whole prefill budget, checks passed meanwhile
+        assert _router_count(router, "understudy_router_prefill_failures_total") == 1
+        assert _given_up(router, "prefill") == 0
+        assert downs == []  # was [("prefill", 0)]
+
 
 HARBOUR = "You are the help desk of a harbour. " + " ".join(
     f"Pier {i} takes ships of up to {20 + 7 * i} metres." for i in range(8)
