@@ -386,38 +386,21 @@ async def test_a_candidate_live_is_sent_its_own_api_key(caplog: Any) -> None:
                                                   "api_key": "cand-own-key"}],
                         primary={"api_key": "primary-secret"}) as gw, \
             aiohttp.ClientSession() as http:
-
-        async def chats(tag: str, n: int) -> None:
-            for i in range(n):
-                async with http.post(gw.base_url + "/chat/completions", json={
-                        "model": "sim-model", "messages": [{"role": "user", "content": "hi"}]},
-                        headers={"X-Session-Id": f"{tag}{i}",
-                                 "Authorization": "Bearer client-key"}) as resp:
-                    await resp.read()
-                    assert resp.status == 200
-
-        def keys_seen(sim: Any, since: int) -> set[str]:
-            # Live requests carry X-Forwarded-For; mirrored replays do not.
-            return {r.headers.get("Authorization", "") for r in list(sim.stats.requests)[since:]
-                    if "X-Forwarded-For" in r.headers}
-
         status, _ = await _post(http, gw.admin_url + "/candidates/c/canary",
                                 {"steps": [50, 100], "interval_s": 600})
         assert status == 202
-        await chats("s", 30)
-        assert keys_seen(cand, 0) == {"Bearer cand-own-key"}  # was {"Bearer primary-secret"}
-        assert keys_seen(primary, 0) == {"Bearer primary-secret"}
+        seen = len(primary.stats.requests)
+        assert await _live_keys(http, gw, cand, "s", 30) == {"Bearer cand-own-key"}  # was
+        # {"Bearer primary-secret"}; the other half of the sessions stayed on the primary:
+        assert {r.headers.get("Authorization", "") for r in list(primary.stats.requests)[seen:]
+                if "X-Forwarded-For" in r.headers} == {"Bearer primary-secret"}
         status, body = await _post(http, gw.admin_url + "/candidates/c/promote",
                                    {"force": True, "reason": "drill"})
         assert status == 200
-        seen = len(cand.stats.requests)
-        await chats("p", 4)
-        assert keys_seen(cand, seen) == {"Bearer cand-own-key"}
+        assert await _live_keys(http, gw, cand, "p", 4) == {"Bearer cand-own-key"}
         status, body = await _post(http, gw.admin_url + "/rollback", {"reason": "drill"})
         assert status == 200
-        seen = len(primary.stats.requests)
-        await chats("r", 4)
-        assert keys_seen(primary, seen) == {"Bearer primary-secret"}
+        assert await _live_keys(http, gw, primary, "r", 4) == {"Bearer primary-secret"}
         async with http.get(gw.admin_url + "/routing") as resp:
             view = await resp.text()
         async with http.get(gw.url + "/metrics") as resp:
