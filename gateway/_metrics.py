@@ -1,8 +1,9 @@
 """Every Prometheus metric the gateway exports, in one place.
 
-Label sets are bounded: ``route`` is one of ROUTES, ``status`` an HTTP status code,
-``kind`` one of the UpstreamErrorKind literals. Each app owns its registry (no globals),
-so several gateways in one process (tests) do not collide.
+Label sets are bounded: ``route`` is one of ROUTES, ``status`` one of STATUS_LABELS (a
+backend's status line may carry any three digits: ``status_label``), ``kind`` one of the
+UpstreamErrorKind literals. Each app owns its registry (no globals), so several gateways
+in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from http import HTTPStatus
 from typing import Final, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -27,6 +29,7 @@ from gateway._scorekeeper import StoreStatus
 
 __all__ = [
     "ROUTES",
+    "STATUS_LABELS",
     "EvaluationCollector",
     "GatewayMetrics",
     "MirrorDropReason",
@@ -34,6 +37,7 @@ __all__ = [
     "Route",
     "RouteSeries",
     "route_of",
+    "status_label",
 ]
 
 Route = Literal[MirroredRoute, "health", "metrics"]
@@ -65,6 +69,21 @@ LATENCY_BUCKETS: Final = (
 
 def route_of(path: str) -> Route:
     return _ROUTE_BY_PATH.get(path.rstrip("/"), "other")
+
+
+_NAMED_STATUSES: Final = frozenset(int(s) for s in HTTPStatus if s >= 200) | {499}
+"""Statuses counted as themselves: the registered ones, and 499 (the answer never came)."""
+STATUS_LABELS: Final[frozenset[str]] = frozenset(
+    {str(s) for s in _NAMED_STATUSES} | {"2xx", "3xx", "4xx", "5xx", "other"})
+"""Every value of ``understudy_requests{status}``."""
+
+
+def status_label(status: int) -> str:
+    """``status`` as a bounded label: a named status itself, another in 200-599 by its
+    class (a backend's 529 is "5xx"), the rest (a status line's 042 or 999) "other"."""
+    if status in _NAMED_STATUSES:
+        return str(status)
+    return f"{status // 100}xx" if 200 <= status < 600 else "other"
 
 
 class LatencyHistogram(Histogram):
@@ -119,10 +138,14 @@ class RouteSeries:
         self.e2e = metrics.e2e.labels(route)
 
     def answered(self, status: int) -> Counter:
-        """The ``understudy_requests{route, status}`` child (a status code, 499 for none)."""
+        """The ``understudy_requests{route, status}`` child (a status code, 499 for none;
+        ``status_label``). Kept for named statuses only, so this dict is bounded too."""
         child = self._answered.get(status)
         if child is None:
-            child = self._answered[status] = self._requests.labels(self._route, str(status))
+            label = status_label(status)
+            child = self._requests.labels(self._route, label)
+            if label == str(status):
+                self._answered[status] = child
         return child
 
 
