@@ -19,10 +19,18 @@ Rules:
    begins a transaction for DML only: each CREATE TABLE committed alone, two first starts
    raced ("table backends already exists"), and one stopped part-way left tables without
    a revision that every later upgrade failed on.
-3. A database at a revision this code does not know (migrated by a newer understudy) is
+3. On SQLite foreign keys are off while a migration runs (``PRAGMA foreign_keys`` is set
+   before its transaction begins, and set on again on the connection after it ends):
+   batch mode alters a table by copying it and dropping the original, and with foreign
+   keys on SQLite's DROP TABLE first deletes the table's rows, firing ``ON DELETE
+   CASCADE``: downgrading 0003 (it drops two columns of ``exchanges``) deleted every
+   observation and score. A migration must therefore not leave rows referring to nothing
+   itself (none deletes a row another refers to; PostgreSQL, which keeps its checks on
+   while migrating, would refuse one that did).
+4. A database at a revision this code does not know (migrated by a newer understudy) is
    refused with :class:`StoreRejected` naming both revisions, before anything is run:
    retrying cannot cure it, and a newer schema is not this code's to write.
-4. A target revision Alembic cannot reach (no such revision, a relative one walking past
+5. A target revision Alembic cannot reach (no such revision, a relative one walking past
    either end, an "upgrade" to an older one) is :class:`UnknownRevision`, with Alembic's
    reason: the caller's argument is wrong, nothing was run.
 """
@@ -40,7 +48,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Connection, text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from evaluators.store._engine import create_engine
 from evaluators.store._errors import (
@@ -71,6 +79,7 @@ def lock_for_migration(connection: Connection) -> None:
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
                            {"key": MIGRATION_LOCK_KEY})
     elif connection.dialect.name == "sqlite":
+        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")  # rule 3: outside a transaction
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
@@ -118,16 +127,30 @@ async def _run(url: str | AsyncEngine, verb: Literal["upgrade", "downgrade"],
                 command.upgrade(config, revision)
             else:
                 command.downgrade(config, revision)
-        except CommandError as exc:  # rule 4: Alembic resolves the target before running
+        except CommandError as exc:  # rule 5: Alembic resolves the target before running
             raise UnknownRevision(f"{revision!r}: {exc}") from exc
 
     with translate_store_errors():
-        async with _engine_for(url) as engine, engine.begin() as connection:
-            await connection.run_sync(migrate)
+        async with _engine_for(url) as engine, engine.connect() as connection:
+            try:
+                async with connection.begin():
+                    await connection.run_sync(migrate)
+            finally:
+                if connection.dialect.name == "sqlite":
+                    await _foreign_keys_on(connection)
+
+
+async def _foreign_keys_on(connection: AsyncConnection) -> None:
+    """Rule 3: the pooled connection goes back with foreign keys enforced; one that cannot
+    be told so is closed, so the pool opens a new one (its connect event turns them on)."""
+    try:
+        await connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+    except Exception:
+        await connection.invalidate()
 
 
 def _refuse_unknown_revision(connection: Connection, config: Config) -> None:
-    """Rule 3."""
+    """Rule 4."""
     script = ScriptDirectory.from_config(config)
     known = {revision.revision for revision in script.walk_revisions()}
     heads = MigrationContext.configure(connection).get_current_heads()
