@@ -10,7 +10,17 @@ Rules:
 2. Bodies are validated with pydantic, strictly: a string or a boolean where a number
    belongs, or NaN/Infinity, is a 422, never coerced. Every error is an OpenAI-style JSON
    body with the right 4xx, never a 500 or a traceback. The token never reaches a log.
-3. Changes take effect without a restart: the handlers hand them to the ``Promoter``,
+3. A browser's request from another site is a 403 whatever the token: a ``Sec-Fetch-Site``
+   other than ``same-origin`` or ``none``, or (a browser without it) an ``Origin`` whose
+   host and port are not the ``Host``'s. Without a token a form or a no-cors fetch on any
+   page the operator opened could otherwise POST a change (a candidate at its own address
+   with the clients' credentials forwarded). Without a token the ``Host`` must also be a
+   loopback name or address, or a DNS-rebound name would make that page same-origin.
+   The scorecard page's files are exempt from the site check (a link elsewhere opens it).
+4. Every answer carries ``Cache-Control: no-store``, ``X-Content-Type-Options: nosniff``
+   and a Content-Security-Policy with ``frame-ancestors 'none'`` (the page's own is
+   stricter); the data is the operator's, read with the token.
+5. Changes take effect without a restart: the handlers hand them to the ``Promoter``,
    which stores each before it applies it to the live gateway, wholly or not at all.
    When the store cannot take a change in time the answer is 503 (``ChangeNotStored``,
    OpenAI-style JSON with the reason) and nothing was applied.
@@ -23,7 +33,7 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Final, TypeVar
 
 import orjson
 from aiohttp import web
@@ -37,11 +47,13 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+from yarl import URL
 
 from gateway._config import MAX_WINDOW_S, MIN_ADMIN_TOKEN_LENGTH, AdminConfig, CandidateConfig
 from gateway._destinations import RefusedDestination, check_candidate_url, masked_url
 from gateway._environment import ADMIN_TOKEN_ENV
 from gateway._exceptions import (
+    Forbidden,
     GatewayError,
     InvalidBody,
     MalformedBody,
@@ -74,6 +86,15 @@ MAX_ADMIN_BODY_BYTES = 64 * 1024
 MIN_CANARY_INTERVAL_S = 1.0
 """Each canary interval ends in a judgement (store reads, a verdict): a shorter one had the
 judge run back to back, a CPU core spent for as long as the canary ran."""
+
+SAME_ORIGIN_FETCH_SITES: Final = frozenset({"same-origin", "none"})
+"""Rule 3: the ``Sec-Fetch-Site`` values a browser sends for the page's own fetches and for
+an address typed or bookmarked; ``same-site`` is another port or subdomain, not us."""
+ANSWER_HEADERS: Final = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
+                         "Content-Security-Policy": "default-src 'none'; "
+                                                    "frame-ancestors 'none'",
+                         "X-Frame-Options": "DENY"}
+"""Rule 4: set on every answer that does not set its own."""
 
 Model = TypeVar("Model", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -350,6 +371,60 @@ def _auth(token: str | None, open_paths: frozenset[str] = frozenset()) -> Middle
     return auth
 
 
+def _same_site(token_set: bool, open_paths: frozenset[str]) -> Middleware:
+    """Rule 3: refuse a browser's request from another site, and without a token one
+    whose ``Host`` is not loopback (DNS rebinding)."""
+    @web.middleware
+    async def same_site(request: web.Request, handler: Handler) -> web.StreamResponse:
+        host = request.headers.get("Host")
+        if not token_set and host is not None and not _loopback_authority(host):
+            request.content.feed_eof()  # unread, and not to be read: the connection closes
+            raise Forbidden("this admin API has no token, so it answers only to a loopback "
+                            "Host (localhost, 127.0.0.1, [::1]); set admin.token to reach "
+                            "it by another name")
+        if request.path not in open_paths:
+            site = request.headers.get("Sec-Fetch-Site")
+            origin = request.headers.get("Origin")
+            if site is not None:
+                cross = site.lower() not in SAME_ORIGIN_FETCH_SITES
+            else:
+                cross = origin is not None and _authority(origin) != (host or "").lower()
+            if cross:
+                request.content.feed_eof()
+                raise Forbidden("a browser request from another site is refused (its "
+                                "Origin or Sec-Fetch-Site is not this admin listener)")
+        return await handler(request)
+
+    return same_site
+
+
+def _authority(origin: str) -> str | None:
+    """``Origin``'s host[:port] as a ``Host`` header writes it; None for ``null`` or junk."""
+    try:
+        url = URL(origin)
+    except ValueError:
+        return None
+    if not url.absolute or url.raw_host is None:
+        return None
+    return url.raw_authority.lower()
+
+
+def _loopback_authority(host: str) -> bool:
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    name = name.strip("[]").lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):  # RFC 6761: never resolved out
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+async def _answer_headers(_: web.Request, response: web.StreamResponse) -> None:
+    for name, value in ANSWER_HEADERS.items():
+        response.headers.setdefault(name, value)
+
+
 # -- handlers ---------------------------------------------------------------------------
 
 async def list_candidates(request: web.Request) -> web.Response:
@@ -523,11 +598,13 @@ def build_admin_app(state: GatewayState) -> web.Application:
     token = state.config.admin.token  # never empty: AdminConfig makes a blank one None
     page = scorecard_files()
     app = web.Application(
-        middlewares=[_errors, _auth(token.get_secret_value() if token is not None else None,
-                                    frozenset(page))],
+        middlewares=[_errors, _same_site(token is not None, frozenset(page)),
+                     _auth(token.get_secret_value() if token is not None else None,
+                           frozenset(page))],
         client_max_size=MAX_ADMIN_BODY_BYTES,
     )
     app[ADMIN_STATE] = state
+    app.on_response_prepare.append(_answer_headers)
     document = orjson.dumps(admin_openapi())
 
     async def openapi(_: web.Request) -> web.Response:

@@ -9,6 +9,8 @@
     │   │                        501  a transfer coding other than chunked (gzip, chunked)
     │   ├── HeadersTooLarge      431  the request's headers exceed max_header_bytes
     │   ├── Unauthorized         401  admin API: missing or wrong bearer token
+    │   ├── Forbidden            403  admin API: a browser's cross-site request, or a
+    │   │                             Host that is not loopback where no token is set
     │   ├── NotFound             404  admin API: no such candidate or route
     │   ├── Conflict             409  admin API: the action does not fit the state
     │   ├── InvalidBody          422  admin API: the body failed validation
@@ -51,6 +53,7 @@ __all__ = [
     "ChangeNotStoredReason",
     "Conflict",
     "FaultyFraming",
+    "Forbidden",
     "GatewayError",
     "HeadersTooLarge",
     "InvalidBody",
@@ -121,6 +124,14 @@ class HeadersTooLarge(RequestError):
 class Unauthorized(RequestError):
     status_hint = 401
     error_type = "authentication_error"
+
+
+class Forbidden(RequestError):
+    """Refused before its body is read: the connection closes rather than read it."""
+
+    status_hint = 403
+    error_type = "permission_error"
+    closes_connection = True
 
 
 class NotFound(RequestError):

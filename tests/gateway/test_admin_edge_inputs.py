@@ -211,7 +211,7 @@ async def test_a_body_cut_short_is_no_traceback(caplog: pytest.LogCaptureFixture
         for method, path in (("POST", "/candidates"), ("POST", "/rollback")):
             host, port = gw.admin_url.removeprefix("http://").split("/")[0].split(":")
             reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(f"{method} /admin/v1{path} HTTP/1.1\r\nHost: x\r\n".encode()
+            writer.write(f"{method} /admin/v1{path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
                          + b"Content-Length: 100\r\nConnection: close\r\n\r\n{\"name\"")
             writer.write_eof()
             async with asyncio.timeout(10):
@@ -362,8 +362,9 @@ async def test_a_body_its_content_encoding_cannot_decode_is_400_not_500(
     """aiohttp decodes an admin body's Content-Encoding as it reads it; one that does not
     decode raised past the handler: a 500 and an 'Unhandled exception' traceback."""
     async with run_sim() as sim, run_gateway(sim.url) as gw:
-        answer = await _raw_admin(gw.admin_url, b"POST /admin/v1/rollback HTTP/1.1\r\nHost: x\r\n"
-                                  b"Content-Type: application/json\r\nContent-Encoding: "
+        answer = await _raw_admin(gw.admin_url, b"POST /admin/v1/rollback HTTP/1.1\r\n"
+                                  b"Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                  b"Content-Encoding: "
                                   + encoding + b"\r\nContent-Length: %d\r\n"
                                   b"Connection: close\r\n\r\n" % len(body) + body)
         head, _, error = answer.partition(b"\r\n\r\n")

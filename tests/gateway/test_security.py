@@ -263,3 +263,64 @@ def test_backends_rows_never_hold_a_password() -> None:
                 await engine.dispose()
 
     assert asyncio.run(main()) == ["http://u:***@10.0.0.1:8000"]
+
+
+# -- the admin API against a browser on another site -------------------------------------
+
+async def test_a_tokenless_admin_api_refuses_cross_site_and_rebound_browser_requests() -> None:
+    """Without a token (loopback only) any web page the operator opened could change the
+    gateway: a form or a no-cors fetch POSTing text/plain added a candidate at the page's
+    own address with the clients' credentials forwarded (every mirrored prompt and API key
+    sent to it), paused or promoted one; a DNS-rebound name reached it as its own origin."""
+    async with run_sim() as sim, run_gateway(sim.url) as gw, \
+            aiohttp.ClientSession() as session:
+        admin_port = gw.admin_url.split(":")[2].split("/")[0]
+        body = json.dumps({"name": "exfil", "url": sim.url, "forward_credentials": True})
+        text = {"Content-Type": "text/plain"}
+        refused: list[dict[str, str]] = [
+            {**text, "Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"},
+            {**text, "Origin": "https://evil.example"},  # a browser without Sec-Fetch-*
+            {**text, "Origin": "null"},  # a sandboxed frame, a data: URL
+            {**text, "Sec-Fetch-Site": "same-site"},  # another port of the same host
+            # DNS rebinding: evil.example resolves to 127.0.0.1, its page is same-origin.
+            {**text, "Host": f"evil.example:{admin_port}",
+             "Origin": f"http://evil.example:{admin_port}", "Sec-Fetch-Site": "same-origin"},
+        ]
+        for headers in refused:
+            async with session.post(gw.admin_url + "/candidates", data=body,
+                                    headers=headers) as r:
+                assert r.status == 403, (headers, r.status, await r.text())
+                assert (await r.json())["error"]["type"] == "permission_error"
+            async with session.get(gw.admin_url + "/candidates", headers=headers) as r:
+                assert r.status == 403, headers
+        assert gw.state.mirror.candidates == {}
+        # The CLI, curl and the scorecard page itself are served as before.
+        admitted: list[dict[str, str]] = [
+            {}, {"Host": f"localhost:{admin_port}"}, {"Host": f"[::1]:{admin_port}"},
+            {"Origin": f"http://127.0.0.1:{admin_port}", "Sec-Fetch-Site": "same-origin"},
+            {"Sec-Fetch-Site": "none"},
+        ]
+        for i, headers in enumerate(admitted):
+            async with session.post(gw.admin_url + "/candidates", headers=headers,
+                                    json={"name": f"c{i}", "url": sim.url}) as r:
+                assert r.status == 201, (headers, await r.text())
+        root = gw.admin_url.removesuffix("/admin/v1")
+        async with session.get(root + "/admin/ui", headers={"Sec-Fetch-Site": "cross-site"}) as r:
+            assert r.status == 200  # a link to the page from elsewhere opens it
+
+
+async def test_admin_answers_are_not_cached_sniffed_or_framed() -> None:
+    """The page's files carried no-store, nosniff and frame-ancestors; the API's answers,
+    the operator's data read with the token, carried none of them."""
+    token = "headers-admin-token"
+    async with run_sim() as sim, run_gateway(sim.url, admin={"token": token}) as gw, \
+            aiohttp.ClientSession() as session:
+        for headers in ({"Authorization": f"Bearer {token}"}, {}):
+            for path in ("/candidates", "/routing", "/openapi.json", "/nothing"):
+                async with session.get(gw.admin_url + path, headers=headers) as r:
+                    await r.read()
+                    assert r.headers.get("Cache-Control") == "no-store", (path, r.headers)
+                    assert r.headers.get("X-Content-Type-Options") == "nosniff", path
+                    assert "frame-ancestors 'none'" in r.headers.get(
+                        "Content-Security-Policy", ""), path
+                    assert token not in str(r.headers)
