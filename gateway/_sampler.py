@@ -17,6 +17,14 @@ Rules (DESIGN.md invariant 5):
    a 10 % canary's other 90 %) or the recorder's; under its own namespace its sample is
    independent of theirs. The namespace is a personalization, not a prefix of the salt,
    so a 64-character name keeps all of its bytes in the key.
+5. A session key is at most :data:`MAX_SESSION_KEY_CHARS` characters: a longer one (a
+   header up to ``max_header_field_bytes``, a ``user`` field up to ``max_body_bytes``, both
+   the client's) becomes its kind and a BLAKE2b digest of its value, the same on every
+   replica. It is held per mirrored request, per join and per exchange awaiting evaluation
+   (10,000 of those, counted, not charged to the budget), and the store refuses one over
+   200 characters; a key within the bound is kept as it was (a longer one samples unlike
+   it did before this rule: across a rolling upgrade such a canary session may switch
+   backend once). A request-id key (``r:``) is the request id itself, as the relay keeps it.
 """
 
 from __future__ import annotations
@@ -27,13 +35,16 @@ from typing import Any, Final
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["MIRROR_NAMESPACE", "mirror_sampled", "sampled", "session_key"]
+__all__ = ["MAX_SESSION_KEY_CHARS", "MIRROR_NAMESPACE", "mirror_sampled", "sampled",
+           "session_key"]
 
 _SCALE = float(1 << 64)
 # A text-completion conversation grows by appending to its prompt: its head is stable.
 OPENING_PROMPT_CHARS = 512
 MIRROR_NAMESPACE: Final = b"mirror"
 """Rule 4: the BLAKE2b personalization (at most 16 bytes) of candidates' mirror samples."""
+MAX_SESSION_KEY_CHARS: Final = 128
+"""Rule 5: the longest session key kept as it came."""
 
 
 def sampled(salt: str, key: str, rate: float, *, namespace: bytes = b"") -> bool:
@@ -62,13 +73,22 @@ def session_key(headers: CIMultiDict[str] | CIMultiDictProxy[str], payload: dict
                 header: str, request_id: str) -> str:
     explicit = headers.get(header)
     if explicit:
-        return f"h:{explicit}"
+        return _bounded("h", explicit)
     if payload is None:
         return f"r:{request_id}"
     user = payload.get("user")
     if isinstance(user, str) and user:
-        return f"u:{user}"
+        return _bounded("u", user)
     return "c:" + _opening_hash(payload)
+
+
+def _bounded(kind: str, value: str) -> str:
+    """Rule 5: ``kind:value``, or ``kind#<digest>`` past the bound."""
+    if len(value) + len(kind) + 1 <= MAX_SESSION_KEY_CHARS:
+        return f"{kind}:{value}"
+    # Lone surrogates (a header's bytes that are not UTF-8) hashed as they are, as ``sampled``.
+    digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=32)
+    return f"{kind}#{digest.hexdigest()}"
 
 
 def _opening_hash(payload: dict[str, Any]) -> str:
