@@ -16,7 +16,12 @@ Rules:
    detokenizes to it): one such answer would otherwise cost its exchange, scores and all.
    A tool call's name and arguments are such texts too: a lone surrogate in one made the
    JSON encoder of the PostgreSQL insert raise, failing its whole batch.
-2. Unknown stays unknown: a missing usage gives NULL token counts, never 0.
+2. Unknown stays unknown: a missing usage gives NULL token counts, never 0. A score value
+   that is not a finite number (NaN, an infinity) makes the record invalid, as the
+   scorers' ``Score`` refuses it: PostgreSQL stored NaN where SQLite stored NULL, and one
+   such value in a metric made the judge refuse all of that metric's samples. So does a
+   start time no ``datetime`` can hold: it raised out of ``submit``, leaving the record
+   neither accepted nor counted (the writer's rule 7).
 3. ITL is derived from ``chunk_gaps_s``: the mean, and the p99 by nearest rank.
 4. ``text_chars`` (what ``queue_text_chars`` bounds) counts every stored text: the
    prompt, and each answer with its tool calls' names and arguments (an agent's answer
@@ -198,11 +203,19 @@ def _score(score: ScoreLike) -> tuple[str, float | None, float | None]:
 
 
 def _value(metric: str, value: float | None) -> float | None:
-    if value is None or type(value) is float:  # the common case, checked first: it is hot
+    if value is None:
         return value
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRecord(f"score {metric!r}: value must be a number or None, got {value!r}")
-    return float(value)
+    if type(value) is not float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRecord(
+                f"score {metric!r}: value must be a number or None, got {value!r}")
+        try:
+            value = float(value)
+        except OverflowError:  # an int past a float's range
+            raise InvalidRecord(f"score {metric!r}: {value} is past a float's range") from None
+    if not math.isfinite(value):  # rule 2
+        raise InvalidRecord(f"score {metric!r}: {value!r} is not a finite number")
+    return value
 
 
 def _identity(what: str, value: str, limit: int) -> str:
@@ -232,4 +245,7 @@ def _cut(value: str | None, limit: int) -> str | None:
 
 
 def _utc(timestamp: float) -> datetime:
-    return datetime.fromtimestamp(timestamp, UTC)
+    try:
+        return datetime.fromtimestamp(timestamp, UTC)
+    except (OverflowError, ValueError, OSError) as exc:  # rule 2: past year 9999, NaN
+        raise InvalidRecord(f"start time {timestamp!r} is not a storable time: {exc}") from None

@@ -393,6 +393,27 @@ async def test_unstorable_records_are_refused_and_counted(engine: AsyncEngine) -
     assert writer.stats.last_error is not None
 
 
+async def test_a_score_or_time_no_store_holds_is_refused_and_counted(engine: AsyncEngine) -> None:
+    """NaN was stored as NaN on PostgreSQL and as NULL on SQLite (one NaN made the judge
+    refuse the metric's every sample), an infinity as given; a start time past year 9999
+    raised out of submit, the record neither accepted nor counted (``_rows`` rule 2)."""
+    far = 1e12  # year 33658
+    bad = [(make_exchange("nan"), [Score("ttft_ratio", float("nan"), 1.0)]),
+           (make_exchange("inf"), [Score("similarity", float("inf"))]),
+           (make_exchange("big"), [Score("similarity", 10**400)]),
+           (make_exchange("far", primary=make_observation("far", "primary", started_at=far),
+                          started_at=far), SCORES)]
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        assert [writer.submit(exchange, scores) for exchange, scores in bad] == [False] * 4
+        assert writer.submit(make_exchange("ok"), SCORES)
+        await written(writer, 1)
+    stats = writer.stats
+    assert (stats.submitted, stats.accepted, stats.dropped["invalid"]) == (5, 1, 4)
+    async with session_factory(engine)() as session:
+        assert await load_samples(session, "cand-a") == {
+            "ttft_ratio": ([1.5], [1.0]), "similarity": ([0.9], [])}
+
+
 async def test_a_backends_impossible_token_counts_cost_no_record(engine: AsyncEngine) -> None:
     """A candidate's usage of 10**30 or -3 tokens is unknown (``_observation`` rule 5): it
     was stored as given, which PostgreSQL refused (the record lost, scores and all) and
