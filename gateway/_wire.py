@@ -297,7 +297,10 @@ class Connection(BodyFraming, asyncio.Protocol):
         lines = text.split("\r\n")
         version, _, rest = lines[0].partition(" ")
         code, _, reason = rest.partition(" ")
-        if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+        # Three digits, from 100: below is no HTTP status (RFC 9110 15), and it would reach
+        # the client as a status line of one or two digits.
+        if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit() \
+                or code[0] == "0":
             raise MalformedResponse("bad status line")
         status = int(code)
         if 100 <= status < 200:

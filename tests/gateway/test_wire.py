@@ -157,6 +157,10 @@ async def test_body_until_close_and_no_body_statuses() -> None:
 @pytest.mark.parametrize("answer", [
     b"HTTP/1.1 200 OK\r\nX-Bad: a\x00b\r\nContent-Length: 0\r\n\r\n",
     b"HTTP/1.1 2000 OK\r\n\r\n",
+    # Below 100: no HTTP status (RFC 9110 15); the relay wrote it to the client as "HTTP/1.1
+    # 42", a status line no client parses.
+    b"HTTP/1.1 042 X\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 000 X\r\nContent-Length: 0\r\n\r\n",
     b"SMTP ready\r\n\r\n",
     b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
     b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
