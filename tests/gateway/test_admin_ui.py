@@ -222,3 +222,21 @@ async def test_without_evaluation_the_page_says_so_and_still_shows_routing(
         dom = await _browse(_page(gw, TOKEN), tmp_path, "--dump-dom")
         assert _body_state(dom) == "ready"
         assert "evaluation is disabled" in dom and 'id="no-canary"' in dom
+
+
+async def test_markup_in_what_others_name_is_shown_as_text(tmp_path: Path) -> None:
+    """A candidate's URL is admin API input and may hold markup (a path or query with ``<``,
+    quotes); the page shows it, in the table, as text: no element, no attribute made of it."""
+    _chromium()
+    markup = "<img/src=x/onerror=document.body.dataset.pwned=1>\"'><b/id=injected>b</b>"
+    async with run_sim() as sim, \
+            run_gateway(sim.url, admin={"token": TOKEN}) as gw, \
+            aiohttp.ClientSession(headers=AUTH) as http:
+        async with http.post(gw.admin_url + "/candidates",
+                             json={"name": "marked", "url": f"{sim.url}/{markup}"}) as resp:
+            assert resp.status == 201, await resp.text()
+        dom = await _browse(_page(gw, TOKEN), tmp_path, "--dump-dom")
+        assert _body_state(dom) == "ready"
+        assert "<img" not in dom and 'id="injected"' not in dom and "pwned" not in dom.split(
+            "<body", 1)[1].split(">", 1)[0]
+        assert "&lt;img/src=x/onerror=" in dom  # there, as text
