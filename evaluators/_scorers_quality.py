@@ -164,7 +164,8 @@ class TextSimilarity(Protocol):
 class SemanticSimilarityScorer:
     """Cosine similarity of the two answers' sentence embeddings.
 
-    Both encoders read the first 256 tokens of each answer. The static one (default)
+    Both encoders read the first 256 tokens of each answer (of its first
+    ``MAX_TEXT_CHARS`` characters: ``_embedding``). The static one (default)
     costs ~0.1 ms a pair of 200-token answers; MiniLM itself ~15 ms a pair of short
     answers and ~120 ms a pair of 200-token ones here. ``score_batch`` encodes a batch's
     texts together.

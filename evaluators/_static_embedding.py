@@ -22,8 +22,9 @@ Theory of operation:
    memory-mapped, so the gateway's scoring child and its restarts share its pages.
    ``scripts/setup.sh`` distils it at install; otherwise the first use does.
 5. Embedding: the text's first ``MAX_SEQUENCE_TOKENS - 2`` WordPiece tokens (the window
-   MiniLM reads, without ``[CLS]``/``[SEP]``), the mean of their rows, L2-normalised; a
-   text without tokens has the zero vector.
+   MiniLM reads, without ``[CLS]``/``[SEP]``; of its first ``MAX_TEXT_CHARS`` characters,
+   as MiniLM's), the mean of their rows, L2-normalised; a text without tokens has the
+   zero vector.
 6. Similarity: the cosine is order-blind and runs high for two long English texts (two
    unrelated 200-token answers ~0.62 where MiniLM says ~0.18; two unrelated sentences
    ~0.3 against 0.13), so it is calibrated onto MiniLM's scale:
@@ -53,6 +54,7 @@ from tokenizers import Tokenizer
 
 from evaluators._embedding import (
     MAX_SEQUENCE_TOKENS,
+    MAX_TEXT_CHARS,
     EncoderStats,
     SentenceEncoder,
     distinct_texts,
@@ -239,7 +241,8 @@ class StaticSentenceEncoder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         if not texts:
             return out, np.zeros(0, dtype=np.int64)
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        encodings = self._tokenizer.encode_batch([t[:MAX_TEXT_CHARS] for t in texts],
+                                                 add_special_tokens=False)
         lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
         ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64,
                           count=int(lengths.sum()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,28 @@ def test_batched_equals_one_at_a_time_and_empty_text_is_the_zero_vector(
     assert batched[-1] == 0.0
     assert not static.encode([""]).any()
     assert static.encode([]).shape == (0, STATIC_DIM)
+
+
+def test_a_long_answer_costs_its_head_not_its_length(static: StaticSentenceEncoder) -> None:
+    """The tokenizer tokenizes a whole text before it truncates: twenty 240 KB answers of
+    punctuation (a token a character) took ~10 s of CPU here when only 254 tokens are
+    read."""
+    marks = "!?.,;:" * 40_000
+    pairs = [(marks[i:] + PAIRS[0]["primary"], marks[i + 1:]) for i in range(10)]
+    started = time.process_time()
+    values = static.similarities(pairs)
+    assert time.process_time() - started < 1.0
+    assert min(values) > 0.9  # the same first tokens: punctuation on both sides
+
+
+@pytest.mark.parametrize("model", ["static", "minilm"])
+def test_an_answer_s_first_tokens_are_read_whatever_follows(
+        model: str, static: StaticSentenceEncoder, minilm: SentenceEncoder) -> None:
+    encoder = static if model == "static" else minilm
+    prose = PAIRS[0]["primary"]
+    long = prose + " " + "!?.,;:" * 40_000
+    assert encoder.similarity(long, prose + " !") == pytest.approx(
+        encoder.similarity(long[:20_000], prose + " !"), abs=1e-6)
 
 
 def test_calibration_is_monotone_for_a_length_and_bounded() -> None:
