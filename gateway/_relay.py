@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -220,8 +221,9 @@ class UsageEventFilter(SseFilter):
     (vLLM sends it right after the last of them) gives them its fingerprint and is dropped;
     any other event (with ``n > 1``, a choice still streaming after another finished)
     passes them on as they came, before it. No event waits past the next one, and the
-    order is the upstream's. Only complete events (ending in a blank line) are passed on;
-    vLLM separates events with ``\n\n``.
+    order is the upstream's. Only complete events (ending in a blank line) are passed on,
+    each with its own line ends: a blank line is two line ends in a row, each CRLF, LF or CR
+    (the SSE grammar; vLLM writes ``\n\n``, sse-starlette ``\r\n\r\n``).
 
     ``feed`` is the C base's (``gateway/_relaycore.c``, per chunk): it keeps the bytes after
     the last blank line in ``_pending``, passes whole events with neither marker as they
@@ -237,7 +239,7 @@ class UsageEventFilter(SseFilter):
         """Whole events (``complete`` ends in a blank line) of which one may be marked, or
         with terminal events held before them."""
         out: list[bytes] = []
-        for event in complete[:-2].split(b"\n\n"):
+        for event in _events(complete):
             if any(m in event for m in self._USAGE):
                 out += [_stamp(held, _fingerprint(event)) for held in self._held]
                 self._held = []
@@ -248,12 +250,28 @@ class UsageEventFilter(SseFilter):
                 out += self._held
                 self._held = []
                 out.append(event)
-        return b"".join(e + b"\n\n" for e in out)
+        return b"".join(out)
 
     def flush(self) -> bytes:
-        rest = b"".join(e + b"\n\n" for e in self._held) + self._pending
+        rest = b"".join(self._held) + self._pending
         self._held, self._pending = [], b""
         return rest
+
+
+# A blank line: two line ends in a row, each CRLF, LF or CR (a CR then LF is one).
+_BLANK_LINE = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
+
+
+def _events(complete: bytes) -> list[bytes]:
+    """The events of ``complete`` (the C base cut it after a blank line), each with the
+    blank line that ends it; more blank lines at the end stay with the last event."""
+    events, start = [], 0
+    for blank in _BLANK_LINE.finditer(complete):
+        events.append(complete[start:blank.end()])
+        start = blank.end()
+    if start < len(complete):
+        events[-1] += complete[start:]
+    return events
 
 
 def _fingerprint(event: bytes) -> bytes | None:

@@ -275,6 +275,22 @@ concat(PyObject *a, PyObject *b)
     return out;
 }
 
+/* Where the last whole event of ``p`` ends (past its blank line), or -1. A blank line is
+ * two line ends in a row, each CRLF, LF or CR (the SSE grammar: vLLM writes \n\n,
+ * sse-starlette \r\n\r\n), so it holds one of the pairs LF LF, CR CR, LF CR, and each
+ * such pair is one (a CR then LF is one line end). A CR ending the pair takes the LF after
+ * it when that came; one still to come begins the next event, which changes no event. */
+static Py_ssize_t
+last_event_end(const char *p, Py_ssize_t n)
+{
+    for (Py_ssize_t i = n - 2; i >= 0; i--) {
+        char a = p[i], b = p[i + 1];
+        if ((a == '\n' && (b == '\n' || b == '\r')) || (a == '\r' && b == '\r'))
+            return i + 2 + (b == '\r' && i + 2 < n && p[i + 2] == '\n');
+    }
+    return -1;
+}
+
 /* What to write for ``chunk`` (a new reference; b"" to write nothing yet). */
 static PyObject *
 filter_feed(SseFilter *self, PyObject *chunk)
@@ -298,25 +314,19 @@ filter_feed(SseFilter *self, PyObject *chunk)
     if (data == NULL)
         return NULL;
     const char *p = PyBytes_AS_STRING(data);
-    Py_ssize_t n = PyBytes_GET_SIZE(data), cut = -1;
-    for (Py_ssize_t i = n - 2; i >= 0; i--) {
-        if (p[i] == '\n' && p[i + 1] == '\n') {
-            cut = i;
-            break;
-        }
-    }
+    Py_ssize_t n = PyBytes_GET_SIZE(data), cut = last_event_end(p, n);
     if (cut < 0) {
         Py_SETREF(self->pending, data);
         return Py_NewRef(s_empty);
     }
     PyObject *complete, *rest;
-    if (cut + 2 == n) {
+    if (cut == n) {
         complete = Py_NewRef(data);
         rest = Py_NewRef(s_empty);
     }
     else {
-        complete = PyBytes_FromStringAndSize(p, cut + 2);
-        rest = PyBytes_FromStringAndSize(p + cut + 2, n - cut - 2);
+        complete = PyBytes_FromStringAndSize(p, cut);
+        rest = PyBytes_FromStringAndSize(p + cut, n - cut);
     }
     Py_DECREF(data);
     if (complete == NULL || rest == NULL) {
