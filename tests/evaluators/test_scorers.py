@@ -239,6 +239,19 @@ def test_tool_call_match(candidate_calls: tuple[dict[str, Any], ...],
     assert only(ToolCallScorer().score(exchange)).candidate == expected
 
 
+@pytest.mark.parametrize("depth", [990, 1000, 1024])
+def test_tool_call_arguments_nested_as_deep_as_json_parses_never_raise(depth: int) -> None:
+    """orjson parses 1,024 levels; comparing two such values raised RecursionError (past
+    the interpreter's ~1,000), and score_batch dropped the whole exchange."""
+    deep = "[" * depth + "]" * depth
+    other = "[" * depth + "1" + "]" * depth
+    for candidate, expected in ((deep, 1.0), (other, 0.0)):
+        exchange = make_exchange(primary=make_observation(tool_calls=(_call("f", deep),),
+                                                          text=""),
+                                 tool_calls=(_call("f", candidate),), text="")
+        assert only(ToolCallScorer().score(exchange)).candidate == expected
+
+
 def test_tool_call_match_is_unknown_when_an_answer_is_incomplete() -> None:
     calls = (_call("f", "{}"),)
     primary = make_observation(tool_calls=calls)
