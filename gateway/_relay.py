@@ -240,7 +240,9 @@ class UsageEventFilter(SseFilter):
         with terminal events held before them."""
         out: list[bytes] = []
         for event in _events(complete):
-            if any(m in event for m in self._USAGE):
+            if self._done:  # what follows the usage event passes, as the C base passes it
+                out.append(event)
+            elif any(m in event for m in self._USAGE):
                 out += [_stamp(held, _fingerprint(event)) for held in self._held]
                 self._held = []
                 self._done = True

@@ -72,3 +72,29 @@ async def test_events_ended_by_any_blank_line_stream_and_lose_only_the_usage_eve
             more.set()
         got += await resp.content.read()
     assert got == first + terminal + done
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["apart", "in_one_read"])
+async def test_what_follows_the_usage_event_passes_however_the_reads_fall(split: bool) -> None:
+    """The filter drops the one usage event the gateway's ``include_usage`` added and passes
+    what follows as it came (the C base, once ``_done``). An event after it in the same read
+    went through ``_marked``, which dropped a second usage event too: the client's bytes
+    depended on where the upstream's reads fell."""
+    end = b"\n\n"
+    first = _event([{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}], end)
+    terminal = _event([{"index": 0, "delta": {}, "finish_reason": "stop"}], end)
+    usage = _event([], end, usage={"prompt_tokens": 1, "completion_tokens": 1})
+    again = _event([], end, usage={"prompt_tokens": 1, "completion_tokens": 2})
+    done = b"data: [DONE]" + end
+    head, tail = first + terminal + usage, again + done
+    more = asyncio.Event()
+    async with _upstream(head if split else head + tail, tail if split else b"", more) as url, \
+            run_gateway(url) as gw, aiohttp.ClientSession() as http, \
+            http.post(gw.base_url + "/chat/completions", json=_REQUEST) as resp:
+        try:
+            async with asyncio.timeout(2):
+                got = await resp.content.readexactly(len(first + terminal))
+        finally:
+            more.set()
+        got += await resp.content.read()
+    assert got == first + terminal + again + done
