@@ -95,4 +95,6 @@ def with_fields(body: bytes, fields: Mapping[str, Any], coding: str | None = Non
     if not isinstance(payload, dict):
         return body
     out = orjson.dumps({**payload, **fields})
-    return encode(coding, out) if coding is not None else out
+    # orjson's output can own far more memory than its length; the budget charges the
+    # length (as ``_relay.plan_request``): an exact copy keeps the charge true.
+    return encode(coding, out) if coding is not None else bytes(memoryview(out))

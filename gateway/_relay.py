@@ -105,7 +105,7 @@ class RequestPlan:
             return replace(self, body=with_fields(self.body, {"model": model}, coding))
         payload = {**self.payload, "model": model}
         upstream = _with_usage(payload) if self.injected_usage else payload
-        return replace(self, body=orjson.dumps(upstream))
+        return replace(self, body=bytes(memoryview(orjson.dumps(upstream))))
 
 
 class RelayStream(Protocol):

@@ -265,6 +265,19 @@ def test_rewritten_body_owns_no_more_memory_than_its_length() -> None:
         tracemalloc.stop()
     assert plan.injected_usage
     assert held < 2 * len(plan.body) + 64 * 1024
+    # The same for a body rewritten for a candidate, mirrored or live.
+    from gateway._body_coding import with_fields
+
+    plain = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 65536}]})
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        rewritten = with_fields(plain, {"model": "cand"})
+        named = plan_request("chat_completions", "POST", plain).naming("cand", None)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * (len(rewritten) + len(named.body)) + 64 * 1024
 
 
 async def test_stopping_survives_a_candidate_removed_meanwhile() -> None:
