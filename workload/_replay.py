@@ -9,8 +9,10 @@ Rules:
    that is not a finite number >= 0, a ``route`` that is not a string) is an error naming
    its line number, and so is a file with no record at all: a wrong file fails loudly, not
    as an empty replay, and before anything is sent. The lines past ``max_requests`` are not
-   read as records, only counted, in ``not_sent``. No line is read whole past
-   ``MAX_RECORD_LINE_BYTES``: a longer one, wherever it is, is such an error.
+   read as records, only counted, in ``lines_past_max_requests``: records or junk, nobody
+   knows, so they are not ``not_sent`` (which counts records read and then not sent). No
+   line is read whole past ``MAX_RECORD_LINE_BYTES``: a longer one, wherever it is, is such
+   an error.
 2. Records are sent in offset order, each at ``(offset_s - first offset) / speed`` after the
    replay began, whatever the answers' speed: an open loop, as production is. At most
    ``concurrency`` are in flight; a record whose send time is at or past ``duration_s`` is
@@ -202,7 +204,7 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
         if checked is None:  # rule 5
             fh.close()
             return summarize([], 0.0)
-        records, not_sent = checked
+        records, past_max_requests = checked
         client = open_client(base_url, api_key, spec.request_timeout_s)
     except BaseException:
         fh.close()
@@ -210,6 +212,7 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
     loop = asyncio.get_running_loop()
     started = loop.time()
     results: list[TurnResult] = []
+    not_sent = 0
     slots = asyncio.Semaphore(spec.concurrency)
 
     def record(result: TurnResult) -> None:
@@ -263,4 +266,5 @@ async def replay_workload(path: Path, base_url: str, *, spec: ReplaySpec | None 
         await client.close()
         fh.close()
     planned = Counter(item.session or f"replay-{index}" for index, item in enumerate(records))
-    return summarize(results, loop.time() - started, not_sent, planned)
+    return summarize(results, loop.time() - started, not_sent, planned,
+                     lines_past_max_requests=past_max_requests)

@@ -149,8 +149,11 @@ class WorkloadSummary:
     wall_s: float
     by_depth: tuple[DepthStats, ...]
     results: tuple[TurnResult, ...]
-    not_sent: int = 0  # turns or recorded requests cut by a bound (duration, count, route)
+    not_sent: int = 0  # turns or records read and cut by a bound (duration, drain, stop, route)
     errors_by_kind: tuple[tuple[str, int], ...] = ()  # ("http_500", 3), ...: most first
+    # A replay's non-blank lines past --max-requests: never read as records (junk or not),
+    # so neither sent nor not_sent.
+    lines_past_max_requests: int = 0
 
     def __post_init__(self) -> None:
         if sum(count for _, count in self.errors_by_kind) != self.errors:
@@ -164,6 +167,7 @@ class WorkloadSummary:
             "errors": self.errors,
             "errors_by_kind": dict(self.errors_by_kind),
             "not_sent": self.not_sent,
+            "lines_past_max_requests": self.lines_past_max_requests,
             "wall_s": round(self.wall_s, 3),
             "by_depth": [_fields(d) for d in self.by_depth],
         }

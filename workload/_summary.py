@@ -27,7 +27,8 @@ def _mean(values: Sequence[int]) -> float | None:
 
 
 def summarize(results: Iterable[TurnResult], wall_s: float, not_sent: int = 0,
-              planned: Mapping[str, int] | None = None) -> WorkloadSummary:
+              planned: Mapping[str, int] | None = None, *,
+              lines_past_max_requests: int = 0) -> WorkloadSummary:
     """``results`` folded. A session is completed when every request ``planned`` for it (its
     turns; a replayed key's records) was sent and answered without error: one cut short by
     the duration, a stop or a bound is not. Without ``planned``, when none failed."""
@@ -69,6 +70,7 @@ def summarize(results: Iterable[TurnResult], wall_s: float, not_sent: int = 0,
         by_depth=tuple(depths),
         results=ordered,
         not_sent=not_sent,
+        lines_past_max_requests=lines_past_max_requests,
     )
 
 
@@ -88,13 +90,20 @@ def _kinds(summary: WorkloadSummary) -> str:
     return " (" + ", ".join(f"{kind}: {count}" for kind, count in summary.errors_by_kind) + ")"
 
 
+def _past(summary: WorkloadSummary) -> str:
+    """``, 40 lines past --max-requests`` (not read: records or not); empty for none."""
+    if not summary.lines_past_max_requests:
+        return ""
+    return f", {summary.lines_past_max_requests} lines past --max-requests"
+
+
 def summary_table(summary: WorkloadSummary, title: str = "understudy load") -> Table:
     """Sessions, turns and errors (by kind) in the caption; TTFT / e2e p50 and p99 by turn
     depth."""
     table = Table(title=title, caption=(
         f"{summary.sessions} sessions ({summary.sessions_completed} completed), "
         f"{summary.turns} turns, {summary.errors} errors{_kinds(summary)}, "
-        f"{summary.not_sent} not sent, {summary.wall_s:.1f} s"))
+        f"{summary.not_sent} not sent{_past(summary)}, {summary.wall_s:.1f} s"))
     for header in ("turn", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms",
                    "e2e p99 ms", "prompt tok", "cached tok"):
         table.add_column(header, justify="right")

@@ -171,13 +171,26 @@ async def test_an_empty_recording_is_an_error_not_an_empty_replay(tmp_path: Path
     assert result.output.strip().splitlines() == [f"Error: {path}: no traffic records"]
 
 
-async def test_records_past_max_requests_are_counted_not_sent(tmp_path: Path) -> None:
+async def test_lines_past_max_requests_are_counted_apart_from_not_sent(
+        tmp_path: Path) -> None:
+    # The lines past --max-requests are not read (rule 1): records or junk (a log line, a
+    # last line cut short), they were all counted as records not sent (5 here, 2 of them junk).
     path = tmp_path / "rec.jsonl"
     _write(path, [{"offset_s": i * 0.01, "route": "/v1/chat/completions", "session": "a",
                    "body": _chat("x")} for i in range(5)])
+    with path.open("a") as fh:
+        fh.write('replay done\n\n{"offset_s": 9, "rou')
     async with run_sim(**FAST) as sim:
         summary = await replay_workload(path, sim.url, spec=ReplaySpec(max_requests=2))
-    assert summary.turns == 2 and summary.not_sent == 3
+        args = ["load", "--url", sim.url, "--replay", str(path), "--max-requests", "2"]
+        table = await asyncio.to_thread(CliRunner().invoke, main, args)
+        as_json = await asyncio.to_thread(CliRunner().invoke, main, [*args, "--json"])
+    assert summary.turns == 2 and summary.not_sent == 0  # was 5
+    assert summary.lines_past_max_requests == 5  # 3 records, 2 junk lines; the blank one not
+    assert summary.sessions_completed == 1  # the records read were all sent and answered
+    assert "0 not sent, 5 lines past --max-requests," in " ".join(table.output.split())
+    doc = json.loads(as_json.output.splitlines()[-1])
+    assert (doc["turns"], doc["not_sent"], doc["lines_past_max_requests"]) == (2, 0, 5)
 
 
 async def test_a_replayed_session_with_records_not_sent_is_not_completed(tmp_path: Path) -> None:
@@ -259,4 +272,5 @@ async def test_stop_while_the_file_is_checked_ends_the_replay_at_once(tmp_path: 
     # whole check counted them all as not sent, in seconds); the time bound only catches a
     # hang, generous for a loaded machine (0.54 s in a CI run, 3.3 s for the whole check).
     assert summary.turns == 0 and summary.not_sent == 0  # none was counted, none sent
+    assert summary.lines_past_max_requests == 0
     assert loop.time() - began < 2.0
