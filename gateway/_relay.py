@@ -70,7 +70,7 @@ from gateway._exceptions import (
 from gateway._headers import REQUEST_ID_HEADER, downstream_headers, forwarded_headers
 from gateway._metrics import Route, route_of
 from gateway._relaycore import ClientSink, SseFilter
-from gateway._sampler import session_key
+from gateway._sampler import exchange_request_id, session_key
 from gateway._state import GatewayState
 from gateway._upstream import Upstream
 
@@ -299,6 +299,8 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
     started, wall_started = loop.time(), time.time()
     # 128 random bits as 32 hex digits, like uuid4().hex, without building a UUID.
     request_id = client.headers.get(REQUEST_ID_HEADER) or os.urandom(16).hex()
+    # What the mirror joins and the store keeps (_sampler rule 6); relayed: request_id.
+    exchange_id = exchange_request_id(request_id)
     route = route_of(client.path)
     metrics = state.metrics
     limit = state.config.server.max_header_bytes
@@ -333,14 +335,14 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
         backend = routing.primary
         if state.mirror.active or routing.canary is not None:
             session = session_key(headers, plan.payload, state.config.mirror.session_header,
-                                  request_id)
+                                  exchange_id)
             if routing.canary is not None and routing.chooses_canary(session):
                 # Served live by the canary: not a primary answer to compare against.
                 backend = routing.canary.backend
                 state.mirror.skip("canary")
             elif state.mirror.active:
                 mirrored = state.mirror.offer(route, client.method, client.raw_path,
-                                              headers, plan.body, plan.payload, request_id,
+                                              headers, plan.body, plan.payload, exchange_id,
                                               session)
         if backend.model is not None:  # a candidate live: the model it serves (rule 3)
             plan = plan.naming(backend.model, headers.get("Content-Encoding"))
@@ -361,7 +363,7 @@ async def relay(client: RelayClient, state: GatewayState) -> None:
     finally:
         metrics.relaying -= 1
         capture.ended = loop.time()
-        _record(state, capture, request_id, route, wall_started, mirrored)
+        _record(state, capture, exchange_id, route, wall_started, mirrored)
 
 
 def _framing_refusal(client: RelayClient) -> tuple[str, GatewayError] | None:

@@ -24,7 +24,18 @@ Rules (DESIGN.md invariant 5):
    (10,000 of those, counted, not charged to the budget), and the store refuses one over
    200 characters; a key within the bound is kept as it was (a longer one samples unlike
    it did before this rule: across a rolling upgrade such a canary session may switch
-   backend once). A request-id key (``r:``) is the request id itself, as the relay keeps it.
+   backend once). The length is the store's: a header's byte that is not UTF-8 (a lone
+   surrogate) counts as its 6-character backslash escape (100 such bytes were 602
+   characters there, and the exchange was dropped as invalid). A request-id key (``r:``)
+   is the request id as the relay keeps it (rule 6).
+6. The request id the mirror keys on (the join of a primary's answer with its candidates',
+   the duplicate-id check, a request-unit sample, an ``r:`` session key, both Observations
+   and the stored exchange) is at most :data:`MAX_REQUEST_ID_CHARS` characters, counted as
+   in rule 5: a client's longer ``X-Request-Id`` becomes ``#`` and a BLAKE2b digest
+   of it (:func:`exchange_request_id`), the same on every replica and for both sides of a
+   join, so the answers still pair and a reused id is still a duplicate. The store refused
+   an id over 200 characters, which dropped the exchange as invalid. The id relayed (to the
+   primary, to candidates, back to the client) is the client's, as sent.
 """
 
 from __future__ import annotations
@@ -35,8 +46,8 @@ from typing import Any, Final
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["MAX_SESSION_KEY_CHARS", "MIRROR_NAMESPACE", "mirror_sampled", "sampled",
-           "session_key"]
+__all__ = ["MAX_REQUEST_ID_CHARS", "MAX_SESSION_KEY_CHARS", "MIRROR_NAMESPACE",
+           "exchange_request_id", "mirror_sampled", "sampled", "session_key"]
 
 _SCALE = float(1 << 64)
 # A text-completion conversation grows by appending to its prompt: its head is stable.
@@ -45,6 +56,8 @@ MIRROR_NAMESPACE: Final = b"mirror"
 """Rule 4: the BLAKE2b personalization (at most 16 bytes) of candidates' mirror samples."""
 MAX_SESSION_KEY_CHARS: Final = 128
 """Rule 5: the longest session key kept as it came."""
+MAX_REQUEST_ID_CHARS: Final = 128
+"""Rule 6: the longest request id an exchange is keyed on as it came."""
 
 
 def sampled(salt: str, key: str, rate: float, *, namespace: bytes = b"") -> bool:
@@ -84,11 +97,29 @@ def session_key(headers: CIMultiDict[str] | CIMultiDictProxy[str], payload: dict
 
 def _bounded(kind: str, value: str) -> str:
     """Rule 5: ``kind:value``, or ``kind#<digest>`` past the bound."""
-    if len(value) + len(kind) + 1 <= MAX_SESSION_KEY_CHARS:
+    if _stored_chars(value, MAX_SESSION_KEY_CHARS) + len(kind) + 1 <= MAX_SESSION_KEY_CHARS:
         return f"{kind}:{value}"
     # Lone surrogates (a header's bytes that are not UTF-8) hashed as they are, as ``sampled``.
     digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=32)
     return f"{kind}#{digest.hexdigest()}"
+
+
+def exchange_request_id(request_id: str) -> str:
+    """Rule 6: the id ``request_id``'s exchange is joined and stored under: itself, or
+    ``#<digest>`` where the store would hold more than :data:`MAX_REQUEST_ID_CHARS`."""
+    if _stored_chars(request_id, MAX_REQUEST_ID_CHARS) <= MAX_REQUEST_ID_CHARS:
+        return request_id
+    # Lone surrogates (a header's bytes that are not UTF-8) hashed as they are, as ``sampled``.
+    digest = hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=32)
+    return f"#{digest.hexdigest()}"
+
+
+def _stored_chars(value: str, bound: int) -> int:
+    """The length of ``value`` as the store keeps it, where that matters below ``bound``:
+    a lone surrogate (a header's byte that is not UTF-8) as its backslash escape."""
+    if len(value) > bound or value.isascii():  # the common cases: no escape to measure
+        return len(value)
+    return len(value.encode("utf-8", "backslashreplace").decode())
 
 
 def _opening_hash(payload: dict[str, Any]) -> str:

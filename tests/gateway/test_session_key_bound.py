@@ -9,11 +9,17 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from evaluators import Exchange, Observation
 from evaluators.store._rows import build_record
 from gateway._sampler import MAX_SESSION_KEY_CHARS, session_key
 from tests.utils import eventually, run_gateway, run_sim
 
 CHAT: dict[str, object] = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+OBSERVATION = Observation(
+    request_id="r1", backend="primary", route="chat_completions", status=200, streamed=False,
+    started_at=1_700_000_000.0, ttft_s=None, chunk_gaps_s=(), e2e_s=0.1, usage=None,
+    finish_reason="stop", text="hi", tool_calls=(), model="m", bytes=10, truncated=False,
+    error=None)
 
 
 def _key(payload: dict[str, object] | None, **headers: str) -> str:
@@ -33,6 +39,18 @@ def test_a_long_session_key_is_a_digest_of_bounded_size() -> None:
     assert len(_key(CHAT, **{"X-Session-Id": fits + "s"})) <= MAX_SESSION_KEY_CHARS
     # A header's bytes that are not UTF-8 (lone surrogates) are hashed, never raise.
     assert len(_key(CHAT, **{"X-Session-Id": "\udcff" * 500})) <= MAX_SESSION_KEY_CHARS
+
+
+def test_a_session_key_is_bounded_as_the_store_keeps_it() -> None:
+    """100 bytes that are not UTF-8 were a 102-character key kept whole, which the store
+    escapes to 602 characters and refused (the exchange dropped as invalid)."""
+    key = _key(CHAT, **{"X-Session-Id": "\udcff" * 100})
+    assert key.startswith("h#")
+    build_record(Exchange("r1", key, "chat_completions", "cand", OBSERVATION, OBSERVATION),
+                 (), prompt=None, store_prompts=False, store_answers=False, queued_at=0.0,
+                 hash_key=b"k" * 32)
+    # UTF-8 text is kept as the store keeps it, whole.
+    assert _key(CHAT, **{"X-Session-Id": "é" * 100}) == "h:" + "é" * 100
 
 
 async def test_a_client_sending_a_huge_user_field_holds_no_copy_of_it_per_exchange() -> None:
