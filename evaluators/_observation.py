@@ -47,6 +47,13 @@ Rules:
    for by default), one row per input in ``index`` order, as float32. None where they
    cannot all be known: a truncated capture, another answer, or data that is not one
    finite vector of the same length for each index from 0 up (rule 5).
+11. A time that is not a finite number (NaN, an infinity: an Observation built by hand, a
+   clock that failed) is unknown, as a time not measured is: ``ttft_s`` and ``e2e_s``
+   become None, and ``chunk_gaps_s`` with one such gap becomes ``()`` (no ITL: a mean or
+   percentile over it is not a number either). Enforced when an Observation is built, so
+   every scorer and every store reads the same value: PostgreSQL stored a NaN latency as
+   NaN where SQLite stored NULL, and a latency scorer handed it to ``Score``, which refused
+   it and with it the whole exchange's scores.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import base64
 import binascii
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -221,6 +229,16 @@ class Observation:
     backend_running: int | None = None
     choices: int | None = None
     embeddings: Embeddings | None = None
+
+    def __post_init__(self) -> None:
+        # Rule 11. One sum per observation: NaN and infinities carry through it (as does a
+        # sum past a float's range, whose mean would be infinite too).
+        if self.ttft_s is not None and not math.isfinite(self.ttft_s):
+            object.__setattr__(self, "ttft_s", None)
+        if self.e2e_s is not None and not math.isfinite(self.e2e_s):
+            object.__setattr__(self, "e2e_s", None)
+        if not math.isfinite(sum(self.chunk_gaps_s)):
+            object.__setattr__(self, "chunk_gaps_s", ())
 
     @property
     def ok(self) -> bool:

@@ -312,3 +312,22 @@ def test_quality_scorers_on_observations_parsed_from_a_real_stream() -> None:
     scores = score_exchange(exchange, [ExactMatchScorer(), TokenF1Scorer(),
                                        FinishReasonScorer()])
     assert [s.candidate for s in scores] == [0.0, 1.0, 1.0]
+
+
+def test_a_time_that_is_not_a_number_is_unknown_to_every_scorer(
+        every_scorer: list[Scorer]) -> None:
+    """A NaN or infinite latency is unknown (``_observation`` rule 11): the latency
+    scorers handed it to ``Score``, which refused it, and the exchange lost every score."""
+    nan, inf = float("nan"), float("inf")
+    for times in ({"ttft_s": nan, "e2e_s": nan, "chunk_gaps_s": (0.05, nan, 0.05)},
+                  {"ttft_s": inf, "e2e_s": -inf, "chunk_gaps_s": (0.05, -inf)}):
+        primary = make_observation(**times)
+        assert (primary.ttft_s, primary.e2e_s, primary.chunk_gaps_s) == (None, None, ())
+        scores = {s.metric: s for s in score_exchange(
+            make_exchange(primary, dataclasses.replace(make_observation(), backend="cand")),
+            every_scorer)}
+        for metric in ("latency.ttft_s", "latency.itl_mean_s", "latency.e2e_s",
+                       "throughput.output_tps"):
+            assert scores[metric].primary is None and scores[metric].candidate is not None
+        assert scores["latency.ttft_ratio"].candidate is None
+        assert scores["quality.exact_match"].candidate == 1.0

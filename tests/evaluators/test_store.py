@@ -443,6 +443,34 @@ async def test_a_backends_impossible_token_counts_cost_no_record(engine: AsyncEn
     assert costs and min(costs) >= 0
 
 
+async def test_a_time_that_is_not_a_number_is_unknown_on_every_backend(
+        engine: AsyncEngine) -> None:
+    """An observation's NaN latency was stored as NaN on PostgreSQL and as NULL on SQLite
+    (the same record read differently by backend), an infinity as given on both; a time
+    that is not a finite number is unknown (``_observation`` rule 11): NULL on both."""
+    nan, inf = float("nan"), float("inf")
+    odd: dict[str, dict[str, Any]] = {
+        "nan": {"ttft_s": nan, "e2e_s": nan, "chunk_gaps_s": (0.01, nan, 0.02)},
+        "inf": {"ttft_s": inf, "e2e_s": -inf, "chunk_gaps_s": (0.01, inf)}}
+    exchanges = [make_exchange(name, primary=dataclasses.replace(
+        make_observation(name, "primary"), **times)) for name, times in odd.items()]
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        for exchange in exchanges:
+            assert writer.submit(exchange, SCORES)
+        await written(writer, 2)
+    assert sum(writer.stats.dropped.values()) == 0
+    async with engine.connect() as connection:
+        stored = (await connection.execute(
+            select(BackendRow.name, ObservationRow.ttft_s, ObservationRow.e2e_s,
+                   ObservationRow.itl_mean_s, ObservationRow.itl_p99_s, ObservationRow.chunks)
+            .join(BackendRow, BackendRow.id == ObservationRow.backend_id)
+            .order_by(ObservationRow.id))).all()
+    by_backend = {name: [tuple(row)[1:] for row in stored if row[0] == name]
+                  for name in ("primary", "cand-a")}
+    assert by_backend == {"primary": [(None, None, None, None, 0)] * 2, "cand-a": [
+        (0.1, pytest.approx(0.16), pytest.approx(0.02), 0.03, 4)] * 2}
+
+
 async def test_a_value_the_driver_cannot_bind_costs_its_record_alone(engine: AsyncEngine) -> None:
     """SQLite's driver raised a bare OverflowError for an int past 64 bits, which failed the
     whole batch; PostgreSQL's out-of-range error was rejected and split down to the record."""
