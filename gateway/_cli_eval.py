@@ -131,11 +131,15 @@ def db_prune(config_path: Path | None, db_url: str | None, older_than: str | Non
         pruned = asyncio.run(_prune(store, cutoff))
     except StoreError as exc:  # unreachable, or not migrated: say so, no traceback
         raise click.ClickException(f"{masked_url(store.url)}: {exc}") from exc
+    older = f"older than {days:g} days ({cutoff:%Y-%m-%d %H:%M:%S} UTC)"
+    if not pruned.batches:
+        click.echo(f"{masked_url(store.url)}: nothing {older} to delete, "
+                   f"{pruned.seconds:.2f} s")
+        return
     click.echo(f"{masked_url(store.url)}: deleted {pruned.exchanges} exchanges "
                f"({pruned.observations} observations, {pruned.scores} scores) and "
-               f"{pruned.traffic_counts} traffic counts older than {days:g} days "
-               f"({cutoff:%Y-%m-%d %H:%M:%S} UTC) in {pruned.batches} batches, "
-               f"{pruned.seconds:.2f} s")
+               f"{pruned.traffic_counts} traffic counts {older} in {pruned.batches} "
+               f"{'batch' if pruned.batches == 1 else 'batches'}, {pruned.seconds:.2f} s")
 
 
 async def _prune(store: StoreConfig, cutoff: datetime) -> Pruned:

@@ -56,7 +56,8 @@ class Pruned:
     scores: int = 0
     traffic_counts: int = 0
     batches: int = 0
-    """Transactions that deleted something or found the end (each one bounded, rule 2)."""
+    """Transactions that deleted something (each one bounded, rule 2). The lookup that
+    finds nothing more to delete is not one: a pruning of nothing took 0 batches."""
     seconds: float = 0.0
     longest_batch_s: float = 0.0
     """The longest one transaction held its locks."""
@@ -97,7 +98,7 @@ async def prune_store(engine: AsyncEngine, cutoff: datetime, *,
                     done, found = await step(engine, cutoff, batch)
                 elapsed = time.monotonic() - started
             done = Pruned(done.exchanges, done.observations, done.scores, done.traffic_counts,
-                          1, elapsed, elapsed)
+                          1 if found else 0, elapsed, elapsed)
             total += done
             if on_batch is not None:
                 on_batch(done)

@@ -450,6 +450,32 @@ def test_db_prune_end_to_end_on_a_file_store(file_store: str, tmp_path: Path) ->
     assert _left(file_store) == {"new0", "new1"}
 
 
+def test_db_prune_counts_only_the_batches_that_deleted(file_store: str) -> None:
+    """A prune of nothing said "deleted 0 exchanges ... in 2 batches": the lookup that
+    found the end of each table counted as a batch."""
+    args = ["db", "prune", "--db", file_store, "--older-than", "35"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert "deleted 4 exchanges (8 observations, 8 scores) and 0 traffic counts older " \
+           "than 35 days" in first.output
+    assert " in 1 batch, " in first.output  # 4 exchanges, one batch; no traffic counts
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0, again.output
+    assert "nothing older than 35 days (" in again.output
+    assert "to delete" in again.output and "batch" not in again.output, again.output
+    assert _left(file_store) == {"new0", "new1"}
+
+
+async def test_a_prune_that_deletes_nothing_takes_no_batch(engine: AsyncEngine) -> None:
+    await fill(engine, old=0, recent=2)
+    nothing = await prune_store(engine, retention_cutoff(30), batch=5)
+    assert (nothing.exchanges, nothing.traffic_counts, nothing.batches) == (0, 0, 0)
+    await fill(engine, old=10, recent=0)
+    exact = await prune_store(engine, retention_cutoff(30), batch=5)
+    # Two full batches; the lookup that then finds the end deletes nothing, is no batch.
+    assert (exact.exchanges, exact.batches) == (10, 2)
+
+
 def test_db_prune_takes_the_configs_bound(file_store: str, tmp_path: Path) -> None:
     config = tmp_path / "understudy.toml"
     config.write_text(f'[evaluation.store]\nurl = "{file_store}"\nretention_days = 0\n')
