@@ -13,11 +13,14 @@ Rules
 3. The decode node's ``kv_transfer_params`` (the retained prompt + answer of this turn) never
    reach the client: the router takes them off the finishing chunk (or the whole body, where
    they become null as on vLLM) and files them for the conversation's next turn.
-4. Failures degrade, never corrupt: a prefill node that fails or times out is counted and the
-   decode node computes the prompt itself; a decode node's error status is relayed as is; one
-   that fails before its headers is a 502 OpenAI-style error, after them an error event and
-   ``[DONE]``.  A client that leaves ends the decode request (the upstream connection closes
-   and the decode node aborts).
+4. Failures degrade, never corrupt: a prefill node that fails or times out, or answers 200 with
+   a body that is not its answer (not JSON, not an object, a field not a number), is counted
+   and the decode node computes the prompt itself; a decode node's error status is relayed as
+   is; one that fails before its headers is a 502 OpenAI-style error, after them an error
+   event and ``[DONE]``.  So is a decode node's 200 whose body is not a JSON object, or whose
+   finishing event (the one the router parses, rule 3) is not JSON: never a 500.  A client
+   that leaves ends the decode request (the upstream connection closes and the decode node
+   aborts).
 5. The router hashes prompts with the nodes' hash-chain seed: the model's fingerprint, which a
    KV codec makes its own (``BlockPool``: ``H(fingerprint, codec fingerprint)``), so the router
    takes the seed a decode node reports beside its ``kv_transfer_params`` (``hash_seed``) and
@@ -48,15 +51,18 @@ Rules
    (rule 7 decides busy or dead), it is only slow, so the prefill fails (rule 4) and the node
    stays up.  A decode node's failures are counted
    (``understudy_router_decode_failures_total{node}``): a transport failure, a node given up
-   silent, or a 200 answer whose body is not typed ``application/json``; each is a 502 or
-   504 to its client (or mid-stream an error event).  An error status the node answers is
-   relayed, not counted.
+   silent, or a 200 answer that is not one (``NodeAnswerError``: a body not typed
+   ``application/json``, not JSON, not a JSON object, a finishing event not JSON); each is a
+   502 or 504 to its client (or mid-stream an error event).  A bad answer does not mark its
+   node down: the node answered at the transport, as one that answers an error status does
+   (relayed, not counted); its ``max_model_len`` is asked again (rule 6).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -103,6 +109,7 @@ __all__ = [
     "NODE_LIMIT_RETRY_S",
     "PREFILL_TIMEOUT_S",
     "ROUTER",
+    "NodeAnswerError",
     "NodeSilentError",
     "Router",
     "RouterMetrics",
@@ -142,6 +149,11 @@ class NodeSilentError(Exception):
     within it either (rule 7)."""
 
 
+class NodeAnswerError(Exception):
+    """A decode node's 200 that is no answer: its body not a JSON object, or its finishing
+    event not JSON (rule 8).  Not a transport failure: the node stays up."""
+
+
 class RouterMetrics:
     """The router's own series (bounded: node indexes, a few outcomes)."""
 
@@ -177,9 +189,9 @@ class RouterMetrics:
         decode_failures = Counter(
             "understudy_router_decode_failures",
             "Requests that failed on their decode node: it refused the connection, hung up, "
-            "was given up silent, or answered 200 with a body not typed application/json "
-            "(each a 502 or 504, or mid-stream an error event). An error status the node "
-            "answered is relayed, not counted.",
+            "was given up silent, or answered 200 with no answer: a body that is not a JSON "
+            "object, or a finishing event that is not JSON (each a 502 or 504, or mid-stream an "
+            "error event). An error status the node answered is relayed, not counted.",
             ("node",), registry=self.registry,
         )  # fmt: skip
         self.decode_failures = [decode_failures.labels(node=str(d)) for d in range(num_decode)]
@@ -375,17 +387,15 @@ class Router:
             answer = None
         finally:
             self.cluster.prefill_finished(node, tokens, job.hashes)
-        if not isinstance(answer, dict):
+        report = _prefill_report(answer)
+        if report is None:
+            if answer is not None:
+                log.warning("prefill node %d answered 200 with no prefill report", node)
             self.metrics.prefill_failed.inc()
             self.node_failed(self.prefill_urls[node])
             return None
-        self.cluster.learn(
-            int(answer.get("computed_tokens", 0)),
-            float(answer.get("compute_s", 0.0)),
-            int(answer.get("pulled_blocks", 0)),
-            float(answer.get("pull_s", 0.0)),
-        )
-        params = answer.get("kv_transfer_params")
+        self.cluster.learn(*report)
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         return params if isinstance(params, dict) else None
 
     def file(self, routed: _Routed, params: object) -> None:
@@ -414,6 +424,44 @@ class Router:
                 expires_at=time.monotonic() + float(ttl),
             )
         )
+
+
+def _prefill_report(answer: object) -> tuple[int, float, int, float] | None:
+    """A prefill node's answer as ``Cluster.learn`` takes it (computed tokens, their seconds,
+    pulled blocks, their seconds); None when it is no such answer (rule 4): not an object, or
+    a field that is not a finite number >= 0 (a count, a whole one)."""
+    if not isinstance(answer, dict):
+        return None
+    values: list[float] = []
+    for name, whole in (
+        ("computed_tokens", True), ("compute_s", False), ("pulled_blocks", True), ("pull_s", False)
+    ):  # fmt: skip
+        value = answer.get(name, 0)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+            or (whole and not isinstance(value, int))
+        ):
+            return None
+        values.append(value)
+    computed, compute_s, pulled, pull_s = values
+    return int(computed), float(compute_s), int(pulled), float(pull_s)
+
+
+async def _decode_answer(router: Router, node: int, upstream: aiohttp.ClientResponse
+                         ) -> dict[str, Any]:
+    """The decode node's 200 body as a JSON object; ``NodeAnswerError`` when it is not one
+    (rule 8).  A body not typed ``application/json`` is aiohttp's ``ContentTypeError``."""
+    try:
+        answer = await router.from_node("decode", node, upstream.json(loads=orjson.loads))
+    except ValueError as exc:  # not JSON, or not UTF-8 (orjson's errors are ValueErrors)
+        raise NodeAnswerError(f"its 200 answer is not JSON: {exc}") from exc
+    if not isinstance(answer, dict):  # aiohttp reads an empty body as None
+        what = "empty" if answer is None else f"a JSON {type(answer).__name__}"
+        raise NodeAnswerError(f"its 200 answer is {what}, not a JSON object")
+    return answer
 
 
 ROUTER = web.AppKey("router", Router)
@@ -500,7 +548,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
                 )
             if generation.stream_options.stream:
                 return await _relay_stream(request, upstream, router, routed)
-            answer = await router.from_node("decode", node, upstream.json())
+            answer = await _decode_answer(router, node, upstream)
             router.file(routed, answer.get("kv_transfer_params"))
             answer["kv_transfer_params"] = None
             return json_response(answer)
@@ -511,6 +559,11 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
         return json_response(
             error_body(message, status=504, err_type="GatewayTimeoutError"), 504
         )
+    except NodeAnswerError as exc:  # rule 8: counted, not marked down
+        router.decode_failed(node, exc)
+        message = f"decode node {node} failed: {exc}"
+        log.warning(message)
+        return json_response(error_body(message, status=502, err_type="BadGatewayError"), 502)
     except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
         if client_left(request):
             return web.Response()  # nobody to answer; leaving the block ended the decode
@@ -539,12 +592,17 @@ async def _relay_stream(
             if line not in (b"\n", b"\r\n"):
                 continue
             if _KV_MARKER in event and event.startswith(b"data: {"):
-                chunk = orjson.loads(bytes(event[len(b"data: ") :]))
+                try:
+                    chunk = orjson.loads(bytes(event[len(b"data: ") :]))
+                except orjson.JSONDecodeError as exc:  # rule 8; relayed, it would leak rule 3
+                    raise NodeAnswerError(f"its finishing event is not JSON: {exc}") from exc
                 router.file(routed, chunk.pop("kv_transfer_params", None))
                 event = bytearray(sse_event(chunk))
             await response.write(bytes(event))
             event.clear()
-    except (aiohttp.ClientError, TimeoutError, ConnectionResetError, NodeSilentError) as exc:
+    except (
+        aiohttp.ClientError, TimeoutError, ConnectionResetError, NodeSilentError, NodeAnswerError
+    ) as exc:  # fmt: skip
         if client_left(request):
             return response  # leaving the block closes the decode request
         router.decode_failed(node, exc)
@@ -553,6 +611,10 @@ async def _relay_stream(
             message = f"{exc} (mid-stream)"
             log.warning("gave up: %s", message)
             body = error_body(message, status=504, err_type="GatewayTimeoutError")
+        elif isinstance(exc, NodeAnswerError):
+            message = f"decode node {node} failed mid-stream: {exc}"
+            log.warning(message)
+            body = error_body(message, status=502, err_type="BadGatewayError")
         else:
             message = f"decode node {node} failed mid-stream: {type(exc).__name__}"
             log.warning("%s: %s", message, exc)

@@ -1,8 +1,10 @@
-"""The router's own checks: it refuses what its nodes would refuse, without asking them, and
-it waits on a node that stopped answering only for a bounded time.
+"""The router's own checks: it refuses what its nodes would refuse, without asking them, it
+waits on a node that stopped answering only for a bounded time, and a node's 200 that is no
+answer is a clean error (or a failed prefill), never a 500.
 
 Real nodes with a small KV pool (fewer tokens than the model's window) on loopback sockets;
-a stopped node is a loopback server that takes the connection and answers nothing.
+a stopped node is a loopback server that takes the connection and answers nothing, a garbled
+one a loopback server that answers every POST 200 with a given body.
 """
 
 from __future__ import annotations
@@ -341,3 +343,116 @@ async def test_a_dead_decode_node_is_left_out_and_its_conversations_move(
         assert answer["choices"] == want["choices"]
     assert failures == [1, 0]
     assert took < 30  # no read-back waited on the dead node
+
+
+# -- nodes that answer 200 with a bad body (rule 8) --------------------------------------------
+
+@asynccontextmanager
+async def _answering_node(body: bytes, content_type: str) -> AsyncIterator[str]:
+    """A node up at the transport (``/health`` is 200) whose every POST is a 200 with
+    ``body`` typed ``content_type``."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def post(_: web.Request) -> web.Response:
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/{tail:.*}", post)
+    async with serving(web.AppRunner(app)) as url:
+        yield url
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b"not json", "application/json"),  # was a 500: JSONDecodeError out of the handler
+        (b'{"id": "chatcmpl-1", "choices": [{"ind', "application/json"),  # cut short
+        (b"", "application/json"),  # was a 500: aiohttp reads an empty body as None
+        (b'["not", "an", "object"]', "application/json"),  # was a 500: list.get
+        (b"\xff\xfe not utf-8", "application/json"),
+        (b"not json", "text/plain"),  # already a 502 (aiohttp's ContentTypeError)
+    ],
+)
+async def test_a_decode_node_that_answers_200_without_a_json_object_is_a_502(
+    engine_model: LlamaModel, monkeypatch: pytest.MonkeyPatch, body: bytes, content_type: str
+) -> None:
+    """Counted as a decode failure, its node asked its limit again, but not marked down: it
+    answered at the transport (rule 8), as a node that answers an error status does."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"  # prefill fails: decode computes
+        async with (
+            _answering_node(body, content_type) as garbled,
+            serve_engine(
+                engine_model, role="router", prefill_urls=(dead,), decode_urls=(garbled,)
+            ) as router,
+            aiohttp.ClientSession() as http,
+        ):  # fmt: skip
+            state = router.app[ROUTER]
+            downs: list[tuple[str, int]] = []
+            monkeypatch.setattr(
+                state.cluster, "node_down", lambda role, node: downs.append((role, node))
+            )
+            status, raw, _ = await _ask(http, router, CHAT)
+            assert status == 502, raw
+            error = orjson.loads(raw)["error"]
+            assert error["code"] == 502 and error["type"] == "BadGatewayError"
+            assert error["message"].startswith("decode node 0 failed")
+            assert _router_count(router, "understudy_router_decode_failures_total", node="0") == 1
+            assert ("decode", 0) not in downs
+            assert garbled in state._unsure  # rule 6: asked its limit again
+            assert state.cluster.decode_streams == [0]
+
+
+async def test_a_finishing_event_that_is_not_json_is_an_error_event_then_done(
+    engine_model: LlamaModel,
+) -> None:
+    """The router parses the event that carries ``kv_transfer_params`` (rule 3); one cut short
+    escaped the handler (an orjson error after the headers: the stream ended without
+    ``[DONE]``).  Now it is a decode failure, mid-stream: an error event, then ``[DONE]``."""
+    stream = sse_event(_CHUNK) + b'data: {"choices": [], "kv_transfer_params": {"remo\n\n'
+    async with (
+        _answering_node(stream, SSE_CONTENT_TYPE) as garbled,
+        serve_engine(
+            engine_model, role="router", prefill_urls=(garbled,), decode_urls=(garbled,)
+        ) as router,
+        aiohttp.ClientSession() as http,
+    ):  # fmt: skip
+        status, raw, _ = await _ask(http, router, {**CHAT, "stream": True})
+        assert status == 200 and raw.startswith(sse_event(_CHUNK))
+        assert b"kv_transfer_params" not in raw  # rule 3, even for a bad event
+        assert b'"code":502' in raw and raw.endswith(b"data: [DONE]\n\n")
+        assert b"decode node 0 failed mid-stream: its finishing event is not JSON" in raw
+        assert _router_count(router, "understudy_router_decode_failures_total", node="0") == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",  # already a failed prefill
+        b'{"computed_tokens": "many", "compute_s": 0.1}',  # was a 500: int("many")
+        b'{"computed_tokens": null}',  # was a 500: int(None)
+        b'{"computed_tokens": 12, "compute_s": "fast"}',  # was a 500: float("fast")
+    ],
+)
+async def test_a_prefill_node_that_answers_200_with_a_bad_body_is_a_failed_prefill(
+    engine_model: LlamaModel, body: bytes
+) -> None:
+    """The decode node computes the prompt itself (rule 4); the prices are not touched."""
+    async with (
+        _answering_node(body, "application/json") as garbled,
+        run_sim(model=MODEL) as decode,
+        serve_engine(
+            engine_model, role="router", prefill_urls=(garbled,), decode_urls=(decode.url,)
+        ) as router,
+        aiohttp.ClientSession() as http,
+    ):  # fmt: skip
+        cluster = router.app[ROUTER].cluster
+        prices = (cluster.prefill_s_per_token, cluster.transfer_s_per_block)
+        status, raw, _ = await _ask(http, router, CHAT)
+        assert status == 200 and orjson.loads(raw)["choices"][0]["message"]["content"]
+        assert _router_count(router, "understudy_router_prefill_failures_total") == 1
+        assert (cluster.prefill_s_per_token, cluster.transfer_s_per_block) == prices
