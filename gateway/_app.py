@@ -71,6 +71,7 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
     async def serve_routing(new: Routing) -> None:
         if new.primary.name in mirror.candidates:  # a primary is not its own candidate
             await mirror.remove_candidate(new.primary.name)
+        promoter.served(new)  # its backends' series kept, a left one's retired
         promoter.follow(new)  # a canary it holds is driven here too (Promoter rule 5)
 
     sync = RoutingSync(routing, serve_routing, metrics,

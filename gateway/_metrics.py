@@ -4,19 +4,36 @@ Label sets are bounded: ``route`` is one of ROUTES, ``status`` one of STATUS_LAB
 backend's status line may carry any three digits: ``status_label``), ``kind`` one of the
 UpstreamErrorKind literals. Each app owns its registry (no globals), so several gateways
 in one process (tests) do not collide.
+
+A backend's name (labels ``candidate``, ``backend``, ``upstream``) is bounded by the backends
+the gateway knows now, not by every backend it ever knew: an operator may add and remove
+candidates at runtime without end. Rules:
+1. A backend's series are exported while it is a candidate or a backend of the routing
+   served (primary, rollback target, canary): ``Promoter`` rule 8 decides, and calls
+   ``retire_backend`` when it is neither, ``admit_backend`` when it is one again.
+2. ``retire_backend`` removes every series of that name at once (a counter of a removed
+   label set is gone, as Prometheus expects of a deleted object), and until it is admitted
+   again a series of that name is never created: what still counts for it (a mirrored
+   request's join completing after the removal, a scrape or a live request in flight) goes
+   nowhere. So a removal that races with work in flight cannot bring its series back, and
+   a candidate added again under the same name starts from zero.
+3. The retired names kept are the last ``MAX_RETIRED_BACKENDS``: a name forgotten beyond
+   them was removed that many removals ago, long after anything in flight for it ended
+   (a join waits ``join_timeout_s``, a replay or a live request its timeouts).
 """
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from http import HTTPStatus
-from typing import Final, Literal, get_args
+from typing import Final, Literal, Self, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
@@ -28,6 +45,7 @@ from gateway._config import MirroredRoute
 from gateway._scorekeeper import StoreStatus
 
 __all__ = [
+    "MAX_RETIRED_BACKENDS",
     "ROUTES",
     "STATUS_LABELS",
     "EvaluationCollector",
@@ -61,6 +79,9 @@ _ROUTE_BY_PATH: Final[dict[str, Route]] = {
     "/v1/embeddings": "embeddings",
     "/v1/models": "models",
 }
+
+MAX_RETIRED_BACKENDS: Final = 1024
+"""Rule 3: the retired backend names remembered, the oldest forgotten first."""
 
 LATENCY_BUCKETS: Final = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -120,6 +141,55 @@ class LatencyHistogram(Histogram):
         return tuple(samples)
 
 
+class _ByBackend(MetricWrapperBase):
+    """A metric labelled by a backend's name whose retired names get no series (rule 2):
+    the child ``labels`` hands out for one is dropped from the metric as it is made, so
+    what is counted on it is exported nowhere. The check is one set lookup a call."""
+
+    _retired: Collection[str] = frozenset()
+    _backend_index = 0
+    _backend_label = ""
+    _label_names: tuple[str, ...] = ()
+
+    def watch(self, retired: Collection[str], label_names: tuple[str, ...],
+              backend_label: str) -> None:
+        """Keep ``retired`` (the caller's, read on each call) for ``backend_label``."""
+        self._retired = retired
+        self._label_names = label_names
+        self._backend_label = backend_label
+        self._backend_index = label_names.index(backend_label)
+
+    def labels(self, *labelvalues: object, **labelkwargs: object) -> Self:
+        child = super().labels(*labelvalues, **labelkwargs)
+        if self._retired:
+            name = labelkwargs[self._backend_label] if labelkwargs \
+                else labelvalues[self._backend_index]
+            if str(name) in self._retired:
+                self.remove(*(str(labelkwargs[n]) for n in self._label_names)
+                            if labelkwargs else labelvalues)
+        return child
+
+    def forget(self, name: str) -> None:
+        """Remove every series whose backend label is ``name``."""
+        gone = {tuple(sample.labels[n] for n in self._label_names)
+                for family in self.collect() for sample in family.samples
+                if sample.labels.get(self._backend_label) == name}
+        for values in gone:
+            self.remove(*values)
+
+
+class _BackendCounter(_ByBackend, Counter):
+    pass
+
+
+class _BackendGauge(_ByBackend, Gauge):
+    pass
+
+
+class _BackendLatency(_ByBackend, LatencyHistogram):
+    pass
+
+
 class RouteSeries:
     """One route's per-request series, their labelled children looked up once.
 
@@ -152,6 +222,8 @@ class RouteSeries:
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._retired: dict[str, None] = {}  # rules 2 and 3: a set in retirement order
+        self._by_backend: list[_ByBackend] = []
 
         # One declaration each: name, help, then the label names (bounded: module docstring).
         def counter(name: str, doc: str, *labels: str) -> Counter:
@@ -163,6 +235,27 @@ class GatewayMetrics:
         def latency(name: str, doc: str, *labels: str) -> Histogram:
             return LatencyHistogram(name, doc, labels, buckets=LATENCY_BUCKETS,
                                     registry=self.registry)
+
+        # Labelled by a backend's name, their first label: rules 1 and 2.
+        def by_backend(metric: _ByBackend, labels: tuple[str, ...]) -> None:
+            metric.watch(self._retired, labels, labels[0])
+            self._by_backend.append(metric)
+
+        def backend_counter(name: str, doc: str, *labels: str) -> Counter:
+            metric = _BackendCounter(name, doc, labels, registry=self.registry)
+            by_backend(metric, labels)
+            return metric
+
+        def backend_gauge(name: str, doc: str, *labels: str) -> Gauge:
+            metric = _BackendGauge(name, doc, labels, registry=self.registry)
+            by_backend(metric, labels)
+            return metric
+
+        def backend_latency(name: str, doc: str, *labels: str) -> Histogram:
+            metric = _BackendLatency(name, doc, labels, buckets=LATENCY_BUCKETS,
+                                     registry=self.registry)
+            by_backend(metric, labels)
+            return metric
 
         self.requests = counter("understudy_requests", "Requests answered, by route and status.",
                                 "route", "status")
@@ -176,9 +269,13 @@ class GatewayMetrics:
             "Time from request to the first body chunk of the primary's answer.", "route")
         self.e2e = latency("understudy_primary_e2e_seconds",
                            "Time from request to the end of the answer.", "route")
-        self.upstream_errors = counter("understudy_upstream_errors",
+        self.upstream_errors = backend_counter("understudy_upstream_errors",
                                        "Failures talking to an upstream, by kind.",
                                        "upstream", "kind")
+        self.usage_filter_oversized = counter(
+            "understudy_usage_filter_oversized_events",
+            "SSE events that outgrew MAX_EVENT_BYTES (64 KiB) before their end on a stream "
+            "whose usage event the gateway filters out: passed on unheld, as they came.")
         self.connections_closed = counter(
             "understudy_connections_closed",
             "Client connections the gateway closed because a bound was exceeded, by reason "
@@ -193,27 +290,27 @@ class GatewayMetrics:
         self.rejected = counter("understudy_requests_rejected",
                                 "Requests refused before forwarding, by reason.", "reason")
 
-        # -- mirroring (label ``candidate`` is bounded by the configured candidates) --
-        self.mirror_queued = counter("understudy_mirror_queued",
+        # -- mirroring (label ``candidate``: the candidates there are now, rule 1) --
+        self.mirror_queued = backend_counter("understudy_mirror_queued",
                                      "Requests queued for a candidate.", "candidate")
-        self.mirror_dropped = counter(
+        self.mirror_dropped = backend_counter(
             "understudy_mirror_dropped",
             "Requests not mirrored or not evaluated, by candidate and reason.",
             "candidate", "reason")
-        self.mirror_completed = counter("understudy_mirror_completed",
+        self.mirror_completed = backend_counter("understudy_mirror_completed",
                                         "Candidate replays that answered 2xx.", "candidate")
-        self.mirror_failed = counter("understudy_mirror_failed",
+        self.mirror_failed = backend_counter("understudy_mirror_failed",
                                      "Candidate replays that failed, by kind.",
                                      "candidate", "kind")
-        self.backend_scrapes = counter(
+        self.backend_scrapes = backend_counter(
             "understudy_backend_scrapes",
             "Scrapes of a backend's vllm:num_requests_running, by outcome "
             "(ok, error, timeout, status, absent, too_large).", "backend", "outcome")
-        self.mirror_joined = counter(
+        self.mirror_joined = backend_counter(
             "understudy_mirror_joined",
             "Candidate observations joined with the primary's and handed to evaluation.",
             "candidate")
-        self.mirror_truncated = counter(
+        self.mirror_truncated = backend_counter(
             "understudy_mirror_truncated",
             "Joined exchanges with an answer that outgrew [capture] max_bytes (its text "
             "lost, the exchange's quality not scored), by candidate and side (candidate, "
@@ -223,17 +320,17 @@ class GatewayMetrics:
             "Request bodies with a Content-Encoding the mirror could not read (forwarded and "
             "mirrored as sent, their session key, turn depth and record unknown), by reason "
             "(unsupported, too_large, corrupt).", "reason")
-        self.buffer_items = gauge("understudy_mirror_buffer_items",
+        self.buffer_items = backend_gauge("understudy_mirror_buffer_items",
                                   "Requests queued per candidate.", "candidate")
-        self.buffer_bytes = gauge("understudy_mirror_buffer_bytes",
+        self.buffer_bytes = backend_gauge("understudy_mirror_buffer_bytes",
                                   "Payload bytes queued per candidate.", "candidate")
         self.budget_used = gauge("understudy_memory_budget_used_bytes",
                                  "Bytes held for mirroring and evaluation.")
         self.budget_limit = gauge("understudy_memory_budget_limit_bytes",
                                   "The process-wide mirroring budget.")
-        self.candidate_ttft = latency("understudy_candidate_ttft_seconds",
+        self.candidate_ttft = backend_latency("understudy_candidate_ttft_seconds",
                                       "Candidate time to first body chunk.", "candidate")
-        self.candidate_e2e = latency("understudy_candidate_e2e_seconds",
+        self.candidate_e2e = backend_latency("understudy_candidate_e2e_seconds",
                                      "Candidate end-to-end time.", "candidate")
 
         # -- routing -------------------------------------------------------------------
@@ -244,7 +341,7 @@ class GatewayMetrics:
         self.admin_actions = counter("understudy_admin_actions",
                                      "Promotions, rollbacks and canary steps, by action.",
                                      "action")
-        self.live_without_settings = counter(
+        self.live_without_settings = backend_counter(
             "understudy_live_backend_without_settings",
             "Pools this replica opened for a live backend (primary, rollback target, canary) "
             "it has no settings for, by backend: sent no API key and no client credentials "
@@ -269,6 +366,20 @@ class GatewayMetrics:
         if series is None:
             series = self._by_route[route] = RouteSeries(self, route)
         return series
+
+    def retire_backend(self, name: str) -> None:
+        """Rule 2: remove every series of backend ``name``, and make none until it is
+        admitted again."""
+        self._retired.pop(name, None)
+        self._retired[name] = None
+        while len(self._retired) > MAX_RETIRED_BACKENDS:
+            del self._retired[next(iter(self._retired))]
+        for metric in self._by_backend:
+            metric.forget(name)
+
+    def admit_backend(self, name: str) -> None:
+        """Rule 1: ``name`` is a candidate or a live backend (again): it may have series."""
+        self._retired.pop(name, None)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,7 +14,9 @@ Rules (DESIGN.md invariants 1, 3, 6, 7):
    whose id is still being joined (a client reusing ids, a retry while the first's replay
    runs) is not mirrored (``duplicate_id``), and only a request ``offer`` queued hands its
    primary Observation to the joiner, so no answer is paired with another request's and
-   none is lost uncounted.
+   none is lost uncounted. A removed candidate's Prometheus series are gone
+   (``_metrics`` rule 2): what still ends for it after its removal (a join that waited for
+   the primary) is counted in the sample-bias tally, not in a series of its name.
 3. A candidate's workers (``max_concurrency`` of them) replay requests streaming, and
    record the candidate's Observation exactly as the relay records the primary's, so
    candidate TTFT and inter-token latency are measured.
@@ -274,13 +276,21 @@ class Mirror:
     async def remove_candidate(self, name: str) -> None:
         """Stop mirroring to ``name``; its buffer is released and its bytes return."""
         candidate = self.candidates.pop(name)
-        removal = asyncio.create_task(self._stop_candidate(
-            candidate, self.config.drain_timeout_s, reason="removed"))
+        removal = asyncio.create_task(self._remove(candidate))
         self._removals.add(removal)  # rule 5: a stop meanwhile waits for it
         removal.add_done_callback(self._removals.discard)
         await asyncio.shield(removal)
-        for gauge in (self.metrics.buffer_items, self.metrics.buffer_bytes):
-            gauge.remove(name)
+
+    async def _remove(self, candidate: Candidate) -> None:
+        """The removal itself, whole even when the caller is cancelled (a DELETE whose
+        client left): its buffer gauges go with it, their functions holding the buffer."""
+        try:
+            await self._stop_candidate(candidate, self.config.drain_timeout_s,
+                                       reason="removed")
+        finally:
+            if candidate.name not in self.candidates:  # not added again meanwhile
+                for gauge in (self.metrics.buffer_items, self.metrics.buffer_bytes):
+                    gauge.remove(candidate.name)
 
     async def stop(self) -> None:
         # Rule 5: a routing adopted meanwhile may remove a candidate (``_app.serve_routing``)

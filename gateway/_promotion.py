@@ -65,6 +65,12 @@ Rules (DESIGN.md invariant 8):
    (``routing_version``): a 409 when the routing has moved on, nothing applied. A rollback
    toggles primary and previous, so two at once (two operators; a client retrying one whose
    answer it lost) each succeeded and the second undid the first; named, one applies.
+8. A backend's Prometheus series (``_metrics`` rules 1-3) are exported while it is a
+   candidate here or a backend of the routing served (primary, rollback target, canary),
+   and retired when it is neither: a candidate removed (after its drain, so the drops its
+   removal counts go with it), a backend a routing change left behind. A candidate added
+   is admitted before its series are made; a routing served admits its backends (one a
+   replica promoted elsewhere may be a name retired here).
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ class Promoter:
         self._canary_task: asyncio.Task[None] | None = None
         self._closed = False
         self._lock = asyncio.Lock()
+        self._live = _names(sync.routing)  # of the routing last served (rule 8)
 
     @property
     def routing(self) -> Routing:
@@ -192,6 +199,7 @@ class Promoter:
                 AuditNote(ADMIN_ACTOR, "candidate_add", config.name, _settings(config)),
                 backend=(config.name, role, config.url))
             self._check_backend_name(config)  # rule 7: promoted meanwhile?
+            self._metrics.admit_backend(config.name)  # rule 8
             candidate = await self._mirror.add_candidate(config)
             self._upstreams.know(config)
             self._done("candidate_add", config.name)
@@ -239,7 +247,22 @@ class Promoter:
             # this backend the primary, the rollback target or the canary.
             if (config.name, config.url) not in _addresses(self.routing):
                 self._upstreams.forget(config.name, config.url)
+            self._settle_series(name)
             self._done("candidate_remove", name)
+
+    def served(self, routing: Routing) -> None:
+        """Rule 8 for a routing this replica now serves (its own change or one adopted):
+        its backends' series stay, those of a backend it left behind go."""
+        live, self._live = self._live, _names(routing)
+        self._settle_series(*sorted(live ^ self._live))
+
+    def _settle_series(self, *names: str) -> None:
+        """Rule 8: admit or retire each of ``names`` by what it is now."""
+        for name in names:
+            if name in self._mirror.candidates or name in self._live:
+                self._metrics.admit_backend(name)
+            else:
+                self._metrics.retire_backend(name)
 
     # -- routing ------------------------------------------------------------------------
 
@@ -461,6 +484,11 @@ def _live(candidate: Candidate) -> Backend:
 def _addresses(routing: Routing) -> set[tuple[str, str]]:
     """(name, URL) of every backend ``routing`` may send live traffic to (rule 5)."""
     return {(backend.name, backend.url) for backend in routing.live_backends()}
+
+
+def _names(routing: Routing) -> frozenset[str]:
+    """The names of the backends ``routing`` sends live traffic to (rule 8)."""
+    return frozenset(backend.name for backend in routing.live_backends())
 
 
 def _audited(routing: Routing) -> dict[str, Any]:
