@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import urllib.error
@@ -63,9 +64,11 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
         # http.client sends a header as Latin-1: these are the token's UTF-8 bytes, as the
         # gateway compares them (a token beyond Latin-1 was a UnicodeEncodeError).
         request.add_header("Authorization", f"Bearer {token}".encode().decode("latin-1"))
+    # Whatever answers at a wrong --admin-url (a web page, another protocol, nothing) is one
+    # line naming the URL, never a traceback.
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            return json.loads(response.read() or b"null")
+            raw = response.read()
     except urllib.error.HTTPError as exc:
         try:
             message = json.loads(exc.read())["error"]["message"]
@@ -75,6 +78,23 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
     except urllib.error.URLError as exc:
         raise click.ClickException(f"admin API at {_shown(url)} unreachable: {exc.reason}") \
             from None
+    except TimeoutError:
+        raise click.ClickException(f"admin API at {_shown(url)} did not answer within "
+                                   f"{REQUEST_TIMEOUT_S:g} s") from None
+    except http.client.RemoteDisconnected:
+        raise click.ClickException(f"{_shown(url)} closed the connection without an answer; "
+                                   "is --admin-url the admin API's?") from None
+    except http.client.HTTPException as exc:
+        raise click.ClickException(f"{_shown(url)} answered something that is not HTTP "
+                                   f"({type(exc).__name__}); is --admin-url the admin "
+                                   "API's?") from None
+    except OSError as exc:  # the connection reset mid-answer
+        raise click.ClickException(f"admin API at {_shown(url)}: {exc}") from None
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        raise click.ClickException(f"{_shown(url)} answered with something that is not JSON; "
+                                   "is --admin-url the admin API's (.../admin/v1)?") from None
 
 
 def _routing_version(admin: tuple[str, str | None]) -> int:

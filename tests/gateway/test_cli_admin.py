@@ -103,3 +103,47 @@ def test_an_admin_url_refused_never_shows_its_password(url: str, exit_code: int)
     assert result.exit_code == exit_code, result.output
     assert password not in result.output
     assert "operator:***@" in result.output  # the URL is still named, its password masked
+
+
+async def _answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     answer: bytes | None) -> None:
+    """Read a request's head, then send ``answer`` and close (None: wait, answer nothing)."""
+    try:
+        await reader.readuntil(b"\r\n\r\n")
+        if answer is None:
+            await reader.read()  # until the client gives up
+        else:
+            writer.write(answer)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(("answer", "said"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 6\r\n\r\n<html>",
+     "not JSON"),                                      # a web page at that address
+    (b"", "closed the connection"),                     # closed without an answer
+    (b"SSH-2.0-OpenSSH_9.6\r\n", "not HTTP"),           # another protocol's server
+    (None, "did not answer within"),                    # never answers
+])
+async def test_an_admin_url_that_is_no_admin_api_is_one_line_not_a_traceback(
+    answer: bytes | None, said: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A --admin-url at the wrong port or host: a JSONDecodeError, RemoteDisconnected,
+    BadStatusLine or TimeoutError traceback from the CLI."""
+    monkeypatch.setattr("gateway._cli_admin.REQUEST_TIMEOUT_S", 0.5)
+    server = await asyncio.start_server(lambda r, w: _answering(r, w, answer),
+                                        "127.0.0.1", 0)
+    async with server:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/admin/v1"
+        for args in (["routing"], ["candidates", "list"]):
+            result = await asyncio.to_thread(CliRunner().invoke, main,
+                                             [*args, "--admin-url", url]
+                                             if args == ["routing"] else
+                                             ["candidates", "--admin-url", url, *args[1:]])
+            assert result.exit_code == 1, result.output
+            assert isinstance(result.exception, SystemExit), result.exception
+            assert result.output.startswith("Error: ") and said in result.output, result.output
+            assert result.output.count("\n") == 1 and url in result.output
