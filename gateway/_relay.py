@@ -6,7 +6,11 @@ Rules (DESIGN.md invariant 1):
 2. Per chunk the relay does only: read a clock, append to the bounded :class:`Capture`,
    note the time for the idle watchdog, and write. The one exception is a stream on which
    the gateway itself asked for usage (``include_usage``) that the client did not ask
-   for: there whole SSE events are passed on and the extra usage event is dropped.
+   for: there whole SSE events are passed on and the extra usage event is dropped. An event
+   is held whole only up to ``MAX_EVENT_BYTES``: one longer passes on unheld, as it comes,
+   and is counted (``understudy_usage_filter_oversized_events``). It cannot be the usage
+   event (vLLM's is a few hundred bytes, as its per-token events are), and holding it would
+   let a backend that never ends an event grow the gateway's memory without bound.
 3. The request body is read once, bounded by ``max_body_bytes``, and parsed as JSON at
    most once (only for the routes whose fields matter). A body that is not JSON is
    forwarded untouched: the backend judges it. A body that does not arrive whole within
@@ -74,14 +78,17 @@ from gateway._sampler import exchange_request_id, session_key
 from gateway._state import GatewayState
 from gateway._upstream import Upstream
 
-__all__ = ["MAX_HELD_BYTES", "AiohttpClient", "ClientStream", "RelayClient", "RelayStream",
-           "RelayedResponse", "RequestPlan", "UsageEventFilter", "origin_form", "plan_request",
-           "read_body", "relay"]
+__all__ = ["MAX_EVENT_BYTES", "MAX_HELD_BYTES", "AiohttpClient", "ClientStream", "RelayClient",
+           "RelayStream", "RelayedResponse", "RequestPlan", "UsageEventFilter", "origin_form",
+           "plan_request", "read_body", "relay"]
 
 log = logging.getLogger("understudy.gateway")
 
 MAX_HELD_BYTES = 64 * 1024
 """The most of an answer that is not a stream held back to leave with its head."""
+MAX_EVENT_BYTES = 64 * 1024
+"""The most of an unfinished SSE event the usage filter holds (rule 2). vLLM's usage event
+is a few hundred bytes, a per-token event with 20 top logprobs a few KB."""
 
 _JSON_ROUTES: frozenset[Route] = frozenset({"chat_completions", "completions", "embeddings"})
 _STREAMING_ROUTES: frozenset[Route] = frozenset({"chat_completions", "completions"})
@@ -223,14 +230,22 @@ class UsageEventFilter(SseFilter):
     passes them on as they came, before it. No event waits past the next one, and the
     order is the upstream's. Only complete events (ending in a blank line) are passed on,
     each with its own line ends: a blank line is two line ends in a row, each CRLF, LF or CR
-    (the SSE grammar; vLLM writes ``\n\n``, sse-starlette ``\r\n\r\n``).
+    (the SSE grammar; vLLM writes ``\n\n``, sse-starlette ``\r\n\r\n``). An event that
+    outgrows ``max_event_bytes`` before its blank line (rule 2) is passed on unheld instead:
+    the events held before it first, as they came, then its bytes as they come; holding
+    resumes with the next event. ``oversized`` counts such events (a terminal one among them
+    is not given the usage event's fingerprint).
 
-    ``feed`` is the C base's (``gateway/_relaycore.c``, per chunk): it keeps the bytes after
-    the last blank line in ``_pending``, passes whole events with neither marker as they
-    are (or everything, once ``_done``), and hands the others to ``_marked``, here.
+    ``feed`` is the C base's (``gateway/_relaycore.c``, per chunk, its rule 5): it keeps the
+    bytes after the last blank line in ``_pending`` (at most ``max_event_bytes``), passes
+    whole events with neither marker as they are (or everything, once ``_done``), and hands
+    the others to ``_marked``, here.
     """
 
     __slots__ = ()
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        super().__init__(max_event_bytes)
 
     _USAGE = (b'"choices":[]', b'"choices": []')
     _TERMINAL = (b'"finish_reason":"', b'"finish_reason": "')
@@ -438,6 +453,9 @@ async def _relay_answer(client: RelayClient, state: GatewayState, upstream: Upst
             log.warning("request %s cut mid-answer: %s (%s)", request_id, exc, exc.kind)
             client.cut()  # the answer had begun: cut it, never end it cleanly
             return
+        finally:
+            if usage_filter is not None and usage_filter.oversized:
+                state.metrics.usage_filter_oversized.inc(usage_filter.oversized)
         # A whole answer that came before the client stream went live (a small one) goes
         # out with the head and the end in one write.
         await client.end(stream)
