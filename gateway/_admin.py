@@ -450,12 +450,10 @@ async def update_candidate(request: web.Request) -> web.Response:
     candidate = _candidate(request)
     update = await _body(request, CandidateUpdate)
     changes = update.model_dump(exclude_none=True)
-    try:
-        config = CandidateConfig.model_validate({**candidate.config.model_dump(), **changes})
-    except ValidationError as exc:
-        raise InvalidBody(str(exc)) from None
+    # Merged with the settings there are when the change is applied, not these: another
+    # change may be applied while this one waits (Promoter.update_candidate).
     candidate = await request.app[ADMIN_STATE].promoter.update_candidate(
-        candidate.name, config, changes)
+        candidate.name, changes)
     log.info("admin: candidate %s updated: %s", candidate.name, sorted(changes))
     return _json(CandidateView.of(candidate))
 

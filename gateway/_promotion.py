@@ -84,6 +84,8 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Final
 
+from pydantic import ValidationError
+
 from evaluators import Outcome
 from evaluators.store import AuditNote, BackendRole
 from gateway._config import MAX_CANDIDATES, CandidateConfig
@@ -205,10 +207,17 @@ class Promoter:
             self._done("candidate_add", config.name)
             return candidate
 
-    async def update_candidate(self, name: str, config: CandidateConfig,
-                               changes: dict[str, Any]) -> Candidate:
+    async def update_candidate(self, name: str, changes: dict[str, Any]) -> Candidate:
+        """Apply ``changes`` to the candidate's settings as they are once the lock is held:
+        two changes at once (two operators) each keep the other's fields, where a config
+        built before the lock put back what the first had changed."""
         async with self._lock:
-            if (config.name, config.url) != (name, self._candidate(name).config.url):
+            current = self._candidate(name).config
+            try:
+                config = CandidateConfig.model_validate({**current.model_dump(), **changes})
+            except ValidationError as exc:
+                raise InvalidBody(_problems(exc)) from None
+            if (config.name, config.url) != (name, current.url):
                 # Refused before anything is stored (the mirror refuses it too): a new
                 # address is a new backend, whose settings ``know`` would add beside the
                 # old address's, kept there with its key (rule 5). Remove and add it.
@@ -484,6 +493,12 @@ def _live(candidate: Candidate) -> Backend:
 def _addresses(routing: Routing) -> set[tuple[str, str]]:
     """(name, URL) of every backend ``routing`` may send live traffic to (rule 5)."""
     return {(backend.name, backend.url) for backend in routing.live_backends()}
+
+
+def _problems(exc: ValidationError) -> str:
+    """A validation error as one line: each field and what is wrong with it."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
+                     for e in exc.errors(include_url=False))
 
 
 def _names(routing: Routing) -> frozenset[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -208,3 +209,24 @@ async def test_openapi_document_describes_every_route() -> None:
     assert status == 200 and doc["openapi"].startswith("3.")
     assert {"/candidates", "/candidates/{name}", "/candidates/{name}/pause"} <= set(doc["paths"])
     assert "CandidateConfig" in doc["components"]["schemas"]
+
+
+async def test_two_changes_of_one_candidate_at_once_each_keep_the_others_field(
+        tmp_path: Any) -> None:
+    """Each PATCH built the candidate's new settings before it waited for the store (its
+    audit entry) and the other change: the later one put back the field the earlier one had
+    changed, and both answered 200."""
+    store = f"sqlite+aiosqlite:///{tmp_path / 's.db'}"
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}],
+                        evaluation={"enabled": True, "store": {"url": store}}) as gw, \
+            aiohttp.ClientSession() as http:
+        url = gw.admin_url + "/candidates/c"
+        answers = await asyncio.gather(
+            _call(http, "PATCH", url, json={"sample_rate": 0.25}),
+            _call(http, "PATCH", url, json={"max_concurrency": 2}),
+            _call(http, "PATCH", url, json={"buffer_items": 7}))
+        assert [status for status, _ in answers] == [200, 200, 200]
+        _, view = await _call(http, "GET", url)
+        assert (view["sample_rate"], view["max_concurrency"], view["buffer_items"]) == \
+            (0.25, 2, 7)

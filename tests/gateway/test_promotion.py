@@ -495,8 +495,7 @@ async def test_a_candidate_url_change_is_refused_before_it_is_stored(tmp_path: A
         config = gw.state.mirror.candidates["x"].config
         moved = "http://127.0.0.1:1"
         with pytest.raises(InvalidBody, match="cannot change"):
-            await gw.state.promoter.update_candidate(
-                "x", config.model_copy(update={"url": moved}), {"url": moved})
+            await gw.state.promoter.update_candidate("x", {"url": moved})
         assert gw.state.mirror.candidates["x"].config == config
         await gw.state.sync.commit(lambda r: r.promoted(Backend("x", old.url)))
         assert await _live_keys(http, gw, old, "o", 3) == {"Bearer cand-own-key"}
