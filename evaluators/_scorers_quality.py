@@ -12,18 +12,35 @@ An answer in text where the other called a tool is compared as text (it differs)
 
 The tool calls of one message are compared as a set (:func:`same_calls`): parallel calls
 are independent, their order is not part of the answer.
+
+Rules of cost and of equality (the scoring child must keep up with the traffic):
+1. Each text scorer but exact match reads a bounded prefix of each answer, as the sentence
+   encoders read their first ``MAX_TEXT_CHARS``: edit similarity the first
+   :data:`DEFAULT_MAX_EDIT_CHARS` characters (Levenshtein is quadratic), token F1 the first
+   :data:`DEFAULT_MAX_F1_CHARS` (linear, but a Chinese or Japanese character is a token of
+   its own). Answers of ordinary length (up to these bounds) score as they always did;
+   two longer answers that differ only past the bound score as equal there. Exact match
+   compares the whole texts (one ``memcmp``).
+2. Tool-call arguments are equal when they are the same JSON value: key order and
+   spacing do not count; numbers compare by value, an integer exactly however long (two
+   integers past 2**64 are as different as their digits, never rounded to one float), a
+   number with a fraction or an exponent as the double it reads as (``1`` equals ``1.0``,
+   ``1e2`` equals ``100``); ``true`` and ``false`` are never numbers (``true`` is not
+   ``1``, whatever Python's ``True == 1`` says). Arguments that are not JSON, or nested
+   deeper than Python can compare (~1,000 levels), are compared as their text.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import string
 import unicodedata
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import orjson
@@ -35,6 +52,7 @@ from evaluators._score import Score
 
 __all__ = [
     "DEFAULT_MAX_EDIT_CHARS",
+    "DEFAULT_MAX_F1_CHARS",
     "CaptureScorer",
     "ChoiceCountScorer",
     "EditSimilarityScorer",
@@ -51,17 +69,29 @@ __all__ = [
     "token_f1",
 ]
 
-# Levenshtein is quadratic: ~0.07 s of CPU at 50k characters, 1.3 s at 200k. Past this
-# length on either side the edit similarity is not computed (None).
-DEFAULT_MAX_EDIT_CHARS = 65_536
+# Rule 1. Levenshtein is quadratic: at the old cap (65,536 characters a side, None past
+# it) one exchange took 0.16 s of CPU in ASCII, 0.9 s in CJK (an alphabet rapidfuzz hashes);
+# at this bound 4 ms and 12 ms, and an answer past it gets a value.
+DEFAULT_MAX_EDIT_CHARS: Final = 8_192
+# Rule 1. Token F1 is linear, but each distinct character of a text beyond ASCII is sorted
+# into mark, unspaced script or neither in Python: 80,000 CJK characters a side took 0.4 s,
+# 0.04 s at this bound (ASCII: 12 ms and 1 ms).
+DEFAULT_MAX_F1_CHARS: Final = 8_192
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = MappingProxyType(str.maketrans("", "", string.punctuation))
 _JSON_OPENERS = ("{", "[")
-# Han ideographs (with extension A, compatibility ones and the supplementary planes), kana.
-_UNSPACED_SCRIPTS = re.compile(
+# Rule 2. A negative integer past -2**63 has 19 digits, one past 2**64 - 1 has 20: what
+# orjson reads exactly ends there. A run of this many digits anywhere (in a string or a
+# fraction too: then it is only read twice) sends the arguments to the standard library.
+# Found as zeros in the UTF-8 bytes (a regex took 3x orjson's parse of the arguments).
+_LONG_DIGITS: Final = b"0" * 19
+_DIGITS_AS_ZERO: Final = bytes.maketrans(b"123456789", b"000000000")
+# Runs of Han ideographs (with extension A, compatibility ones and the supplementary
+# planes) and kana.
+_UNSPACED_RUNS = re.compile(
     "[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
-    "\U00020000-\U0003134f]")
+    "\U00020000-\U0003134f]+")
 
 
 def complete_text(observation: Observation) -> str | None:
@@ -95,11 +125,18 @@ def _normalize_answer(text: str) -> list[str]:
     text = text.lower()
     if text.isascii():
         text = text.translate(_PUNCTUATION)
-    else:  # one translate (each is a dict lookup per character here), built per text
-        marks = {ord(c): None for c in set(text)
-                 if unicodedata.category(c).startswith("P") or c in string.punctuation}
-        text = _UNSPACED_SCRIPTS.sub(r" \g<0> ", text.translate(marks))
+    else:  # one translate, built per text (each is a dict lookup per character here),
+        # then one call a run of unspaced script, not one a character (a regex template
+        # per character cost 0.4 s for 80k CJK characters a side)
+        marks = dict.fromkeys(ord(c) for c in set(text)
+                              if unicodedata.category(c).startswith("P")
+                              or c in string.punctuation)
+        text = _UNSPACED_RUNS.sub(_spaced_out, text.translate(marks))
     return _ARTICLES.sub(" ", text).split()
+
+
+def _spaced_out(run: re.Match[str]) -> str:
+    return f" {' '.join(run[0])} "
 
 
 def token_f1(candidate: str, reference: str) -> float:
@@ -127,26 +164,32 @@ class ExactMatchScorer:
 
 @dataclass(frozen=True, slots=True)
 class EditSimilarityScorer:
-    """``1 - Levenshtein distance / max(len)`` of the two texts (1.0 for two empty ones)."""
+    """``1 - Levenshtein distance / max(len)`` of the two texts' first ``max_chars``
+    characters (rule 1; 1.0 for two empty ones)."""
 
     max_chars: int = DEFAULT_MAX_EDIT_CHARS
     name: str = "edit_similarity"
 
     def score(self, exchange: Exchange) -> list[Score]:
         texts = _texts(exchange)
-        if texts is None or max(len(texts[0]), len(texts[1])) > self.max_chars:
+        if texts is None:
             return [Score("quality.edit_similarity", None, None)]
-        value = float(Levenshtein.normalized_similarity(texts[0], texts[1]))
+        candidate, primary = texts[0][:self.max_chars], texts[1][:self.max_chars]
+        value = float(Levenshtein.normalized_similarity(candidate, primary))
         return [Score("quality.edit_similarity", value, None)]
 
 
 @dataclass(frozen=True, slots=True)
 class TokenF1Scorer:
+    """:func:`token_f1` of the two texts' first ``max_chars`` characters (rule 1)."""
+
+    max_chars: int = DEFAULT_MAX_F1_CHARS
     name: str = "token_f1"
 
     def score(self, exchange: Exchange) -> list[Score]:
         texts = _texts(exchange)
-        value = token_f1(texts[0], texts[1]) if texts is not None else None
+        value = (token_f1(texts[0][:self.max_chars], texts[1][:self.max_chars])
+                 if texts is not None else None)
         return [Score("quality.token_f1", value, None)]
 
 
@@ -190,12 +233,59 @@ class SemanticSimilarityScorer:
 
 
 def _call_key(call: dict[str, Any]) -> tuple[str, Any]:
+    """The call's name and its parsed arguments (rule 2). orjson reads an integer past 64
+    bits as the nearest float (2**64 and 2**64 + 1 were one value): arguments with a run of
+    :data:`_LONG_DIGITS` are read again by the standard library, whose integers are exact.
+    """
     arguments = call.get("arguments")
+    parsed = arguments  # not text: an object built by hand, compared as it is
     try:
-        parsed = orjson.loads(arguments) if isinstance(arguments, str | bytes) else arguments
-    except orjson.JSONDecodeError:
-        parsed = ("unparsed", arguments)  # equal only to the very same unparsable string
+        if isinstance(arguments, str | bytes):
+            parsed = orjson.loads(arguments)
+            raw = arguments.encode() if isinstance(arguments, str) else arguments
+            if _LONG_DIGITS in raw.translate(_DIGITS_AS_ZERO):
+                parsed = json.loads(arguments, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):  # orjson's JSONDecodeError is a ValueError
+        # equal only to the very same text: not JSON, an integer of more digits than
+        # Python converts (4,300), or nested deeper than the standard library parses
+        parsed = ("unparsed", arguments)
     return str(call.get("name")), parsed
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # as orjson refuses it
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Rule 2. Python's ``==`` is looser than JSON's equality, never stricter: it says
+    ``1 == 1.0`` (wanted) and ``True == 1`` (not). Two values it finds equal are the same
+    JSON when they serialise alike (key order aside): the common case, at C speed;
+    otherwise (``1`` against ``1.0``, a bool against a number, an integer orjson cannot
+    write) :func:`_same_kinds` walks them."""
+    if a != b:
+        return False
+    try:
+        if orjson.dumps(a, option=orjson.OPT_SORT_KEYS) == \
+                orjson.dumps(b, option=orjson.OPT_SORT_KEYS):
+            return True
+    except orjson.JSONEncodeError:  # past 64 bits, or nested past orjson's 254 levels
+        pass
+    return _same_kinds(a, b)
+
+
+def _same_kinds(a: Any, b: Any) -> bool:
+    """Whether two values that Python finds equal hold a bool in the same places."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b)
+    pairs: Iterable[tuple[Any, Any]] = ()
+    if isinstance(a, dict) and isinstance(b, dict):  # equal: the same keys
+        pairs = ((item, b[key]) for key, item in a.items())
+    elif isinstance(a, list | tuple) and isinstance(b, list | tuple):  # equal: same length
+        pairs = zip(a, b, strict=True)
+    for x, y in pairs:  # a loop, not all(): one frame a level, as deep as == compares
+        if not _same_kinds(x, y):
+            return False
+    return True
 
 
 def same_calls(candidate: Sequence[dict[str, Any]], primary: Sequence[dict[str, Any]]) -> bool:
@@ -206,9 +296,10 @@ def same_calls(candidate: Sequence[dict[str, Any]], primary: Sequence[dict[str, 
     same calls in different orders). What is sequential in an agent is the turns, each of
     them an exchange of its own. Each call matches at most one call of the other side, so
     a call made twice matches only a call made twice. Pairs are compared as the keys
-    compare (``1`` equals ``1.0`` in arguments; arguments nested too deep for Python to
-    compare, as their text), at most ``MAX_TOOL_CALLS`` a side: a quadratic match is a
-    few thousand comparisons at worst."""
+    compare (rule 2: ``1`` equals ``1.0`` in arguments, ``true`` does not equal ``1``, big
+    integers compare exactly; arguments nested too deep for Python to compare, as their
+    text), at most ``MAX_TOOL_CALLS`` a side: a quadratic match is a few thousand
+    comparisons at worst."""
     if len(candidate) != len(primary):
         return False
     unmatched = [(_call_key(c), c) for c in primary]
@@ -226,7 +317,7 @@ def same_calls(candidate: Sequence[dict[str, Any]], primary: Sequence[dict[str, 
 def _same_call(key: tuple[str, Any], other: tuple[str, Any], call: dict[str, Any],
                other_call: dict[str, Any]) -> bool:
     try:
-        return key == other
+        return key[0] == other[0] and _same_json(key[1], other[1])
     except RecursionError:  # orjson parses 1,024 levels, more than a comparison recurses
         return (str(call.get("name")), call.get("arguments")) == \
             (str(other_call.get("name")), other_call.get("arguments"))

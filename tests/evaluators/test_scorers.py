@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
+from rapidfuzz.distance import Levenshtein
 
 from evaluators import Capture, Exchange, Observation, Usage, observe
 from evaluators._embedding import SentenceEncoder
@@ -15,6 +16,8 @@ from evaluators._price import GpuHourPrice, TokenPrice
 from evaluators._score import METRICS, Score, Scorer, score_exchange
 from evaluators._scorers import DEFAULT_SCORERS, SCORERS, ScorerConfig, build_scorers
 from evaluators._scorers_quality import (
+    DEFAULT_MAX_EDIT_CHARS,
+    DEFAULT_MAX_F1_CHARS,
     EditSimilarityScorer,
     ExactMatchScorer,
     FinishReasonScorer,
@@ -180,11 +183,38 @@ def test_edit_similarity(a: str, b: str, expected: float) -> None:
     assert only(EditSimilarityScorer().score(exchange)).candidate == pytest.approx(expected)
 
 
-def test_edit_similarity_is_not_computed_past_its_length_bound() -> None:
+def test_edit_similarity_reads_only_its_first_max_chars(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Levenshtein is quadratic: near the old 65,536-character cap one exchange cost
+    0.1-0.9 s of CPU, and past it the value was None. Now each text's first
+    ``max_chars`` characters are compared (quality rule 1): what differs past them does
+    not count, what differs within them does."""
     exchange = make_exchange(primary=make_observation(text="x" * 11), text="x" * 10)
-    assert only(EditSimilarityScorer(max_chars=10).score(exchange)).candidate is None
+    assert only(EditSimilarityScorer(max_chars=10).score(exchange)).candidate == 1.0
     assert only(EditSimilarityScorer(max_chars=11).score(exchange)).candidate == (
         pytest.approx(10 / 11))
+
+    shared = "The capital of France is Paris. " * (DEFAULT_MAX_EDIT_CHARS // 32 + 1)
+    head = shared[:DEFAULT_MAX_EDIT_CHARS]
+    primary = make_observation(text=head + "a" * 1000)
+    assert only(EditSimilarityScorer().score(make_exchange(primary, text=head + "b" * 2000))
+                ).candidate == 1.0
+    within = head[:-1] + "?" + "a" * 1000
+    assert only(EditSimilarityScorer().score(make_exchange(primary, text=within))
+                ).candidate == pytest.approx(1 - 1 / DEFAULT_MAX_EDIT_CHARS)
+
+    handed: list[int] = []
+    similarity = Levenshtein.normalized_similarity
+
+    def spy(a: str, b: str) -> float:
+        handed.extend((len(a), len(b)))
+        return float(similarity(a, b))
+
+    monkeypatch.setattr(Levenshtein, "normalized_similarity", spy)
+    long = make_observation(text="x" * 100_000)  # past the old cap: it was None
+    assert only(EditSimilarityScorer().score(make_exchange(long, text="x" * 200_000))
+                ).candidate == 1.0
+    assert handed == [DEFAULT_MAX_EDIT_CHARS, DEFAULT_MAX_EDIT_CHARS]
 
 
 @pytest.mark.parametrize(("candidate", "reference", "expected"), [
@@ -195,11 +225,31 @@ def test_edit_similarity_is_not_computed_past_its_length_bound() -> None:
     ("the", "", 1.0),  # nothing left after normalisation on either side
     ("answer", "", 0.0),
     ("red green", "blue", 0.0),
+    # MLQA: each Han or kana character a token, every mark dropped, the kana-range ones
+    # (U+30FB, U+30A0) too: {東, 京, 大, 阪} against {東, 京}: P = 1, R = 1/2
+    ("東京", "東京・大阪。", 2 / 3),
+    ("東京\u30a0大阪", "「東京」 大阪", 1.0),
 ])
 def test_token_f1_is_squad_f1(candidate: str, reference: str, expected: float) -> None:
     assert token_f1(candidate, reference) == pytest.approx(expected)
     exchange = make_exchange(primary=make_observation(text=reference), text=candidate)
     assert only(TokenF1Scorer().score(exchange)).candidate == pytest.approx(expected)
+
+
+def test_token_f1_reads_only_its_first_max_chars() -> None:
+    """80,000 CJK characters a side cost 0.2-0.5 s of CPU (a token each, spaced out by a
+    regex with a Python-level template). Now each text's first ``max_chars`` characters
+    are read (quality rule 1): what differs past them does not count, what differs within
+    them does."""
+    head = ("東京は日本の首都です。" * (DEFAULT_MAX_F1_CHARS // 11 + 1))[:DEFAULT_MAX_F1_CHARS]
+    primary = make_observation(text=head + "大阪" * 40_000)
+    past = make_exchange(primary, text=head + "名古屋" * 30_000)
+    assert only(TokenF1Scorer().score(past)).candidate == 1.0
+    within = make_exchange(primary, text=head[:-2] + "京都" + "大阪" * 40_000)
+    value = only(TokenF1Scorer().score(within)).candidate
+    assert value is not None and 0.99 < value < 1.0
+    assert only(TokenF1Scorer(max_chars=4).score(
+        make_exchange(make_observation(text="one two"), text="one twelve"))).candidate == 1.0
 
 
 def test_semantic_similarity_ranks_paraphrase_above_unrelated(
@@ -230,6 +280,25 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
     ((_call("f", "{}"),), (), 0.0),
     ((_call("f", "{broken"),), (_call("f", "{broken"),), 1.0),
     ((_call("f", "{broken"),), (_call("f", "{}"),), 0.0),
+    # A bool is never a number (Python's True == 1 said it was); numbers are equal by
+    # value, an integer exactly however long (orjson read 2**64 and 2**64 + 1 as one float).
+    ((_call("f", '{"a": true}'),), (_call("f", '{"a": 1}'),), 0.0),
+    ((_call("f", '{"a": false}'),), (_call("f", '{"a": 0}'),), 0.0),
+    ((_call("f", '{"a": [0, true]}'),), (_call("f", '{"a": [0.0, 1]}'),), 0.0),
+    ((_call("f", "true"),), (_call("f", "1"),), 0.0),
+    ((_call("f", '{"a": [0, true]}'),), (_call("f", '{ "a" : [0.0, true] }'),), 1.0),
+    ((_call("f", '{"x": 1e2, "y": 0.10}'),), (_call("f", '{"y": 0.1, "x": 100}'),), 1.0),
+    ((_call("f", '{"n": 18446744073709551616}'),),
+     (_call("f", '{"n": 18446744073709551617}'),), 0.0),
+    ((_call("f", '{"n": -9223372036854775809}'),),
+     (_call("f", '{"n": -9223372036854775810}'),), 0.0),
+    ((_call("f", '{"n": 18446744073709551617, "b": true}'),),
+     (_call("f", '{"b": true, "n": 18446744073709551617}'),), 1.0),
+    ((_call("f", '{"n": 18446744073709551617, "b": true}'),),
+     (_call("f", '{"b": 1, "n": 18446744073709551617}'),), 0.0),
+    ((_call("f", '{"n": 1' + "0" * 4400 + "}"),), (_call("f", '{"n": 1' + "0" * 4400 + "}"),),
+     1.0),  # more digits than Python converts: compared as text
+    ((_call("f", '{"x": NaN}'),), (_call("f", '{"x": NaN}'),), 1.0),  # not JSON: as text
 ])
 def test_tool_call_match(candidate_calls: tuple[dict[str, Any], ...],
                          primary_calls: tuple[dict[str, Any], ...],
