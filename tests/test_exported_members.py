@@ -16,7 +16,7 @@ EXPORTED: dict[str, str] = {
         DONE_EVENT JSON_CONTENT_TYPE LABELS SIMULATED_VLLM_VERSION SSE_CONTENT_TYPE AnswerWriter
         ClientGone ConfigError RequestError RequestKind RequestOutcome ResponseIdentity
         SamplingFields ServedApp ServedModel StopFields StreamOptions Usage VLLMSeries
-        chat_messages
+        chat_messages chat_template_kwargs
         check_message_content check_message_role check_room choice_count client_left
         completion_prompt
         config_error decode_body embedding_response encode_body error_body install_openai_app

@@ -5,10 +5,10 @@ answer through this package as peers, so a client -- the gateway, its evaluators
 SDK -- cannot tell them from vLLM, nor one from another, by the bytes:
 
 - requests: ``decode_body`` (integers exact, as vLLM reads them; ``encode_body`` writes a body
-  again), ``request_object``, ``stream_options``, the typed field readers (pydantic's lax
-  ``int``, with its bounds), ``requested_max_tokens``, ``check_room``, ``request_seed``,
-  ``sampling_fields`` and ``stop_fields``, refusing with vLLM's statuses and wording
-  (``RequestError``);
+  again), ``request_object``, ``stream_options``, ``chat_template_kwargs``, the typed field
+  readers (pydantic's lax ``int``, with its bounds), ``requested_max_tokens``, ``check_room``,
+  ``request_seed``, ``sampling_fields`` and ``stop_fields``, refusing with vLLM's statuses and
+  wording (``RequestError``);
 - answers: the bodies (``_bodies``: chunks, the usage chunk, whole responses, embeddings, the
   model list) and ``AnswerWriter``, which writes them as a JSON body or an SSE stream;
 - the app: ``install_openai_app`` (FastAPI-style errors, ``/v1/models``, ``/version``),
@@ -56,6 +56,7 @@ from ._metrics import LABELS, RequestOutcome, VLLMSeries, metrics_response
 from ._requests import (
     StreamOptions,
     chat_messages,
+    chat_template_kwargs,
     check_message_content,
     check_message_role,
     check_room,
@@ -88,6 +89,7 @@ __all__ = [
     "Usage",
     "VLLMSeries",
     "chat_messages",
+    "chat_template_kwargs",
     "check_message_content",
     "check_message_role",
     "check_room",

@@ -233,6 +233,20 @@ def chat_messages(body: dict[str, Any]) -> list[Any]:
     return messages
 
 
+def chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat body's ``chat_template_kwargs`` (vLLM's extra variables for the chat template):
+    an object, ``{}`` when unset or null; anything else refused as FastAPI refuses it. What
+    the variables do is each server's: a template renders them, the simulator has none."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise schema_error(
+            "dict_type", "body.chat_template_kwargs", "Input should be a valid dictionary", kwargs
+        )
+    return kwargs
+
+
 def check_message_role(index: int, message: object) -> dict[str, Any]:
     """Message ``index`` as an object with a string ``role``."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):

@@ -9,6 +9,7 @@ from backends.openai_wire import (
     RequestKind,
     StreamOptions,
     chat_messages,
+    chat_template_kwargs,
     check_message_content,
     check_message_role,
     check_room,
@@ -78,6 +79,9 @@ def parse_request(
     if kind == "chat":
         prompt_key: object = _chat_messages(body)
         prompt_tokens = chat_prompt_tokens(body["messages"])
+        # No template to render them (the prompt is counted in words), so the variables change
+        # nothing here; a body vLLM refuses for their type is still refused.
+        chat_template_kwargs(body)
     else:
         prompt_key, prompt_tokens = _completion_prompt(body)
     check_room(

@@ -8,6 +8,7 @@ exact bytes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,7 +18,9 @@ import pytest
 from aiohttp import web
 
 from backends.engine import LlamaModel
-from backends.openai_wire import ServedModel, install_openai_app, serve_app
+from backends.engine.model._tokenizer import ChatTokenizer
+from backends.engine.serving._openai import parse_generation_request
+from backends.openai_wire import RequestError, ServedModel, install_openai_app, serve_app
 from backends.sim import SimConfig, running_sim
 from tests.fixtures_engine import serve_disaggregated, serve_engine
 
@@ -276,6 +279,85 @@ async def test_the_engine_refuses_rendering_options_it_does_not_implement(
         body = {"prompt": "x", "max_tokens": 1, "continue_final_message": True}
         status, _ = await post_raw(engine.root_url, COMPLETIONS, orjson.dumps(body))
         assert status == 200
+
+
+# vLLM's chat_template_kwargs are the chat template's extra variables.  The engine took any
+# value and rendered as if unset: a variable its template reads was never rendered, and a
+# chat_template among them (vLLM refuses it) or a value that is no object (vLLM's request
+# model refuses it) was answered 200.
+THINKING = "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
+
+
+def _chat_prompt(tokenizer: ChatTokenizer, **fields: object) -> tuple[int, ...]:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **fields}
+    return parse_generation_request(
+        "chat", body, tokenizer=tokenizer, served_model="m", max_model_len=2048
+    ).prompt_ids
+
+
+def _with_template(tokenizer: ChatTokenizer, template: str) -> ChatTokenizer:
+    """The same vocabulary under another chat template (a GGUF may carry any)."""
+    return ChatTokenizer(dataclasses.replace(tokenizer._spec, chat_template=template))
+
+
+def test_the_engine_renders_the_chat_template_kwargs_its_template_reads(
+    engine_model: LlamaModel,
+) -> None:
+    smol = engine_model.tokenizer
+    template = smol._spec.chat_template
+    assert template is not None and "enable_thinking" not in template
+    thinking = _with_template(smol, THINKING + template)  # as Qwen3's and SmolLM3's read it
+    plain = _chat_prompt(thinking)
+    off = _chat_prompt(thinking, chat_template_kwargs={"enable_thinking": False})
+    assert smol.decode(off, skip_special_tokens=False).startswith("/no_think\n")  # was plain
+    assert off[-len(plain):] == plain
+    assert _chat_prompt(thinking, chat_template_kwargs={"enable_thinking": True}) == plain
+    # The request's own add_generation_prompt wins, as vLLM merges its fields over the kwargs.
+    assert _chat_prompt(thinking, chat_template_kwargs={"add_generation_prompt": False}) == plain
+    # A variable the template does not read changes nothing (vLLM drops it), even one the
+    # render sets itself.
+    unread = {"enable_thinking": False, "bos_token": "<s>"}
+    assert _chat_prompt(smol, chat_template_kwargs=unread) == _chat_prompt(smol)
+    # A variable the template fails on is the request's 400, never a 500 (OverflowError and
+    # ZeroDivisionError escaped jinja2's and type errors).
+    failing = _with_template(smol, "{% for _ in range(n) %}x{% endfor %}{{ 1 // d }}" + template)
+    for variables in ({"n": 10**9, "d": 1}, {"n": 1, "d": 0}, {"n": "x", "d": 1}):
+        with pytest.raises(RequestError) as refused:
+            _chat_prompt(failing, chat_template_kwargs=variables)
+        assert refused.value.status == 400 and refused.value.param == "messages"
+        assert refused.value.message.startswith("The chat template failed: ")
+
+
+async def test_chat_template_kwargs_are_checked_alike_and_a_template_among_them_refused(
+    engine_model: LlamaModel,
+) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    not_an_object = orjson.dumps({**body, "chat_template_kwargs": "no thinking"})
+    async with serve_engine(engine_model) as engine:
+        status, plain = await post_raw(engine.root_url, CHAT, orjson.dumps(body))
+        assert status == 200
+        for kwargs in (None, {}, {"enable_thinking": False}):  # SmolLM2's template reads none
+            payload = orjson.dumps({**body, "chat_template_kwargs": kwargs})
+            status, answer = await post_raw(engine.root_url, CHAT, payload)
+            assert status == 200
+            assert answer["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+            assert answer["choices"] == plain["choices"]
+        payload = orjson.dumps(
+            {**body, "chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}"}}
+        )
+        status, answer = await post_raw(engine.root_url, CHAT, payload)
+        assert (status, answer["error"]["param"]) == (400, "chat_template_kwargs")  # was 200
+        assert "not supported by this engine" in answer["error"]["message"]
+        served = await post_raw(engine.root_url, CHAT, not_an_object)
+    # The simulator has no template: it renders no variable, but refuses what vLLM refuses.
+    async with running_sim(sim_config()) as sim:
+        payload = orjson.dumps({**body, "chat_template_kwargs": {"enable_thinking": False}})
+        assert (await post_raw(sim.root_url, CHAT, payload))[0] == 200
+        simulated = await post_raw(sim.root_url, CHAT, not_an_object)
+    assert served == simulated  # the engine's was 200
+    status, error = served
+    assert (status, error["error"]["param"]) == (400, "body.chat_template_kwargs")
+    assert "Input should be a valid dictionary" in error["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -39,7 +40,14 @@ def _raise_exception(message: str) -> None:
 class ChatTokenizer:
     """Encode, decode and chat-format text for one model."""
 
-    __slots__ = ("_spec", "_template", "_tokenizer", "im_end_token_id", "im_start_token_id")
+    __slots__ = (
+        "_spec",
+        "_template",
+        "_tokenizer",
+        "im_end_token_id",
+        "im_start_token_id",
+        "template_variables",
+    )
 
     def __init__(self, spec: TokenizerSpec) -> None:
         if spec.model != "gpt2":
@@ -76,12 +84,18 @@ class ChatTokenizer:
         self.im_start_token_id = tokenizer.token_to_id(_IM_START)
         self.im_end_token_id = tokenizer.token_to_id(_IM_END)
         self._template: jinja2.Template | None = None
+        # The names the chat template reads and does not set itself: those a render's extra
+        # variables (vLLM's ``chat_template_kwargs``) can change.
+        self.template_variables: frozenset[str] = frozenset()
         if spec.chat_template is not None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
             )
             env.globals["raise_exception"] = _raise_exception
             self._template = env.from_string(spec.chat_template)
+            self.template_variables = frozenset(
+                jinja2.meta.find_undeclared_variables(env.parse(spec.chat_template))
+            )
 
     @property
     def backend(self) -> Tokenizer:
@@ -123,15 +137,19 @@ class ChatTokenizer:
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> str:
-        """The chat template applied to ``messages`` (OpenAI-style role/content dicts)."""
+        """The chat template applied to ``messages`` (OpenAI-style role/content dicts); ``extra``
+        variables may set the special tokens' text, as in ``transformers``, not the messages."""
         if self._template is None:
             raise ValueError("this model's GGUF carries no chat template")
+        variables = {
+            "bos_token": self._token(self._spec.bos_token_id),
+            "eos_token": self._token(self._spec.eos_token_id),
+            **extra,
+        }
         return self._template.render(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
-            bos_token=self._token(self._spec.bos_token_id),
-            eos_token=self._token(self._spec.eos_token_id),
-            **extra,
+            **variables,
         )
 
     def apply_chat_template(

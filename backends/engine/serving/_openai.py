@@ -8,6 +8,11 @@ Rules
    a ``RequestError`` carrying its status: bad input never becomes a 500.
 2. A chat is rendered with the model's own chat template (from the GGUF) and tokenized; a
    completion prompt is a string or a list of token ids (or a batch of exactly one of those).
+   ``chat_template_kwargs`` are the template's extra variables, as on vLLM: those the template
+   reads are rendered (``{"enable_thinking": false}`` for a template that reads it), the
+   others change nothing, as vLLM drops them; the request's own ``add_generation_prompt`` and
+   ``continue_final_message`` win over theirs, and a ``chat_template`` among them is refused
+   as the field is (rule 4).
 3. ``max_tokens`` (``max_completion_tokens`` first for chat) above ``max_model_len`` is
    refused; otherwise it is cut to the room the prompt leaves, as vLLM does; unset, chat
    may use all that room and a completion gets vLLM's default of 16.
@@ -25,13 +30,12 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-
 from backends.openai_wire import (
     RequestError,
     RequestKind,
     StreamOptions,
     chat_messages,
+    chat_template_kwargs,
     check_message_content,
     check_message_role,
     check_room,
@@ -116,6 +120,9 @@ _CHAT_NEUTRAL: dict[str, tuple[object, ...]] = {
     "chat_template": (None,),
     "documents": (None,),
 }
+# Template variables the request's own fields set, whatever its chat_template_kwargs say: vLLM
+# merges those fields over the kwargs, and they are never null there (rule 2).
+_OWN_TEMPLATE_VARIABLES = frozenset({"add_generation_prompt", "continue_final_message"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,12 +209,32 @@ def _chat_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
     messages = chat_messages(body)
     flat = [_chat_message(index, message) for index, message in enumerate(messages)]
     add_generation_prompt = optional_bool(body, "add_generation_prompt")
+    variables = _template_variables(body, tokenizer)
     try:
         return tokenizer.apply_chat_template(
-            flat, add_generation_prompt=add_generation_prompt is not False
+            flat, add_generation_prompt=add_generation_prompt is not False, **variables
         )
-    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+    except Exception as exc:
+        # As vLLM: the render's failure is the request's (its messages, its variables: on them
+        # a template's range() or arithmetic raises OverflowError or ZeroDivisionError, beside
+        # jinja2's and type errors).
         raise invalid_value(f"The chat template failed: {exc}", param="messages") from exc
+
+
+def _template_variables(body: dict[str, Any], tokenizer: ChatTokenizer) -> dict[str, Any]:
+    """Rule 2: the request's ``chat_template_kwargs`` that the template reads."""
+    kwargs = chat_template_kwargs(body)
+    if kwargs.get("chat_template") is not None:  # rule 4, as the ``chat_template`` field
+        raise invalid_value(
+            "`chat_template_kwargs.chat_template` is not supported by this engine.",
+            param="chat_template_kwargs",
+            value=kwargs["chat_template"],
+        )
+    return {
+        name: value
+        for name, value in kwargs.items()
+        if name in tokenizer.template_variables and name not in _OWN_TEMPLATE_VARIABLES
+    }
 
 
 def _chat_message(index: int, message: object) -> dict[str, str]:

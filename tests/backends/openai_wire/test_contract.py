@@ -173,6 +173,11 @@ ERROR_CASES: dict[str, tuple[str, bytes]] = {
         b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}',
     ),
     "missing_prompt": ("/v1/completions", b"{}"),
+    # The chat template's extra variables: an object (a template reads them, or nothing does).
+    "chat_template_kwargs_not_object": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "no"}',
+    ),
     # Integers as vLLM reads them: exact past 64 bits (orjson read 2**64 as a float), within
     # the bounds its request models and SamplingParams set, a float only when whole.
     "seed_past_int64": (
