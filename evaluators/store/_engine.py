@@ -8,7 +8,13 @@ Rules:
    on checkout so one cut by an outage is replaced instead of failing a batch, connect
    and statement timeouts so an unreachable server fails fast rather than hangs.
 2. SQLite: write-ahead logging (readers do not block the writer), a busy timeout instead
-   of an immediate "database is locked", foreign keys enforced.
+   of an immediate "database is locked", foreign keys enforced. Turning a new file to
+   write-ahead logging needs the file's exclusive lock, and SQLite does not wait for it
+   while another connection holds the write lock (the busy handler is skipped there, as
+   waiting could deadlock): replicas started together on a fresh file failed to connect
+   ("database is locked", about one round in fifty of four replicas). That pragma is tried
+   again every ``WAL_RETRY_S`` within the busy timeout (``_write_ahead_logging``); the
+   write lock it waits for is another replica's migration, tens of milliseconds.
 3. SQLite: a file in a folder that does not exist is refused before aiosqlite tries to
    open it, with the same error SQLite gives ("unable to open database file") and the
    folder named. aiosqlite reports a failed open from its worker thread to the event
@@ -19,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,8 @@ __all__ = ["create_engine", "session_factory"]
 
 POOL_RECYCLE_S = 1800
 """Replace pooled connections older than this (servers and middleboxes drop idle ones)."""
+WAL_RETRY_S = 0.01
+"""Rule 2: how long a connection waits before asking again for write-ahead logging."""
 
 
 def create_engine(target: str | StoreConfig) -> AsyncEngine:
@@ -75,6 +84,7 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
         options["pool_timeout"] = config.pool_timeout_s
     engine = _create_async_engine(url, **options)
     busy_ms = int(config.sqlite_busy_timeout_s * 1000)
+    locked = engine.sync_engine.dialect.loaded_dbapi.OperationalError
 
     @event.listens_for(engine.sync_engine, "do_connect")
     def _refuse_missing_folder(dialect: Any, _record: Any, cargs: list[Any],
@@ -92,7 +102,7 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
         cursor = dbapi_connection.cursor()
         try:
             if not in_memory:
-                cursor.execute("PRAGMA journal_mode=WAL")
+                _write_ahead_logging(cursor, locked, config.sqlite_busy_timeout_s)
                 cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
             cursor.execute("PRAGMA foreign_keys=ON")
@@ -100,3 +110,18 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
             cursor.close()
 
     return engine
+
+
+def _write_ahead_logging(cursor: Any, locked: type[Exception], busy_timeout_s: float) -> None:
+    """Rule 2: ``PRAGMA journal_mode=WAL``, asked again while the file is locked, within the
+    busy timeout. It runs in the connect hook, which cannot await: the wait blocks the
+    caller's thread, only while a new file is being made by another connection."""
+    deadline = time.monotonic() + busy_timeout_s
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except locked as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(WAL_RETRY_S)
