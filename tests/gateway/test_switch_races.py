@@ -55,28 +55,42 @@ async def _admin(http: aiohttp.ClientSession, gw: RunningGateway, method: str, p
         return resp.status, await resp.json()
 
 
-def _held(call: Callable[..., Awaitable[Any]], gate: asyncio.Event) -> Callable[..., Any]:
-    """``call``, held until ``gate`` is set: a store call slower than another replica."""
-    async def held(*args: Any, **kwargs: Any) -> Any:
-        await gate.wait()
-        return await call(*args, **kwargs)
+class _Gate:
+    """Holds store calls until opened: a store call slower than another replica."""
 
-    return held
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()  # a held call has started
+        self.opened = asyncio.Event()
+
+    def hold(self, call: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+        """``call``, held until the gate is opened."""
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self.entered.set()
+            await self.opened.wait()
+            return await call(*args, **kwargs)
+
+        return held
 
 
 async def _promote_on_a_while_b_waits(http: aiohttp.ClientSession, a: RunningGateway,
-                                      b: RunningGateway, gate: asyncio.Event,
+                                      b: RunningGateway, gate: _Gate,
                                       b_call: Coroutine[Any, Any, tuple[int, Any]],
                                       ) -> tuple[int, Any]:
     """Start ``b_call`` (held at ``gate``), promote x on A, let B hear of it, release B."""
     waiting = asyncio.create_task(b_call)
-    await asyncio.sleep(0.3)  # B has looked at the routing and is in its store call
-    assert not waiting.done()
+    # B has looked at the routing and is in its store call: waited for, not slept for (a
+    # fixed 0.3 s let A promote first on a loaded machine, and B then decided on A's
+    # routing). The bound only catches a B that never gets there.
+    entered = asyncio.create_task(gate.entered.wait())
+    await asyncio.wait((waiting, entered), timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    entered.cancel()
+    assert gate.entered.is_set() and not waiting.done(), (
+        waiting.result() if waiting.done() else "B never reached its store call")
     status, body = await _admin(http, a, "POST", "/candidates/x/promote",
                                 {"force": True, "reason": "on A"})
     assert status == 200, body
     await eventually(lambda: b.state.routing.version == a.state.routing.version)  # NOTIFY
-    gate.set()
+    gate.opened.set()
     return await waiting
 
 
@@ -92,8 +106,8 @@ async def test_a_promotion_judged_while_another_replica_promoted_is_refused(
         scorekeeper = b.state.scorekeeper
         assert scorekeeper is not None
         version, entries = b.state.routing.version, len(await audit_log(pg_database))
-        gate = asyncio.Event()
-        scorekeeper.judge = _held(scorekeeper.judge, gate)  # type: ignore[method-assign]
+        gate = _Gate()
+        scorekeeper.judge = gate.hold(scorekeeper.judge)  # type: ignore[method-assign]
         status, body = await _promote_on_a_while_b_waits(
             http, a, b, gate, _admin(http, b, "POST", f"/candidates/{name}/promote",
                                      {"force": True, "reason": "on B"}))
@@ -116,8 +130,8 @@ async def test_a_candidate_change_a_promotion_overtook_is_a_409_not_a_500(
     takes x off B's candidates. Before, B then changed a candidate that was gone: a 500
     (KeyError) for DELETE and PATCH, a 200 naming a paused candidate no longer there."""
     async with _two_replicas(pg_database) as (a, b, http):
-        gate = asyncio.Event()
-        b.state.sync.record = _held(b.state.sync.record, gate)  # type: ignore[method-assign]
+        gate = _Gate()
+        b.state.sync.record = gate.hold(b.state.sync.record)  # type: ignore[method-assign]
         status, answer = await _promote_on_a_while_b_waits(
             http, a, b, gate, _admin(http, b, method, path, body))
         assert status == 409, answer
