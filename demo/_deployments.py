@@ -22,6 +22,7 @@ from demo.processes import (
     THREAD_ENV,
     Process,
     free_port,
+    signals_deferred,
     spawn,
     stop_all,
     understudy_argv,
@@ -79,8 +80,9 @@ def _start(workdir: Path, deployment: Deployment) -> None:
     spec = deployment.spec
 
     def engine(name: str, args: Sequence[str]) -> Process:
-        process = _spawn(workdir, name, args)
-        deployment.engines.append(process)
+        with signals_deferred():  # on its list before a stop signal unwinds (processes rule 5)
+            process = _spawn(workdir, name, args)
+            deployment.engines.append(process)
         return process
 
     if spec.kind == "unified":

@@ -47,7 +47,7 @@ from demo._deployments import Deployment, DeploymentSpec, deployments
 from demo._gateway import GatewayClient, Samples, gateway_config, new_token, scrape, total
 from demo._scorecard import Scorecard, card_from_report, render, would_promote
 from demo._spec import DemoSpec
-from demo.processes import free_port, spawn, understudy_argv, wait_healthy
+from demo.processes import free_port, signals_deferred, spawn, understudy_argv, wait_healthy
 from evaluators.store import create_engine, load_samples_by_turn_depth, session_factory
 from workload import TurnResult, WorkloadSpec, WorkloadSummary, run_workload
 
@@ -85,13 +85,13 @@ def _gateway(workdir: Path, primary: tuple[str, str], candidates: list[tuple[str
                                      store_path=workdir / "understudy.db", primary=primary,
                                      candidates=candidates, min_samples=min_samples))
     url = f"http://127.0.0.1:{port}"
-    gateway = spawn("gateway", understudy_argv("serve", "--config", str(config)), workdir,
-                    url=url)
-    try:
+    with contextlib.ExitStack() as stopping:
+        with signals_deferred():  # its stop in place before a stop signal unwinds
+            gateway = spawn("gateway", understudy_argv("serve", "--config", str(config)),
+                            workdir, url=url)
+            stopping.callback(gateway.stop, GATEWAY_STOP_TIMEOUT_S)
         wait_healthy([gateway], GATEWAY_READY_TIMEOUT_S)
         yield GatewayClient(url, f"http://127.0.0.1:{admin_port}", token)
-    finally:
-        gateway.stop(GATEWAY_STOP_TIMEOUT_S)
 
 
 class _Progress:

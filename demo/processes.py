@@ -15,6 +15,11 @@ Rules:
    exit stacks stop the children as on Ctrl-C; later signals are ignored until the block is
    left, so that unwinding runs whole (it is bounded: ``stop_all``'s grace). Without it
    SIGTERM and SIGHUP ended the program at once and left every child running.
+5. A child is put where its stopper finds it (a list ``stop_all`` is given, a ``finally``
+   that stops it) inside ``signals_deferred``, its ``spawn`` included: a stop signal that
+   arrives meanwhile raises ``Interrupted`` when the block is left, with the child in
+   place. Raised between the fork and that (inside ``Popen``, or as ``spawn`` returned), it
+   left a running child that no one stopped.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ __all__ = [
     "Process",
     "free_port",
     "interrupted_by_signals",
+    "signals_deferred",
     "spawn",
     "stop_all",
     "understudy_argv",
@@ -181,3 +187,30 @@ def interrupted_by_signals(note: Callable[[signal.Signals], None]) -> Iterator[N
     finally:
         for each, handler in previous.items():
             signal.signal(each, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Rule 5: a stop signal received inside the block is handled when the block is left,
+    by the handler there was before it (``interrupted_by_signals``': ``Interrupted``),
+    the first one received only. Off the main thread, nothing is deferred."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def defer(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    previous = {each: signal.signal(each, defer) for each in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for each, handler in previous.items():
+            signal.signal(each, handler)
+        if received:
+            handler = previous[signal.Signals(received[0])]
+            if callable(handler):
+                handler(received[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(received[0])
