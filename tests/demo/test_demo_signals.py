@@ -48,7 +48,7 @@ def _stop_demo_when(ready: Ready, stop: signal.Signals, workdir: Path) -> None:
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
         reader.start()
-        demo, started = psutil.Process(proc.pid), []
+        demo, started, err = psutil.Process(proc.pid), [], ""
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             while not ready(children := demo.children(), "".join(lines)):
@@ -62,7 +62,10 @@ def _stop_demo_when(ready: Ready, stop: signal.Signals, workdir: Path) -> None:
         finally:
             running = kill_left_running(proc, started)
         reader.join(EXIT_TIMEOUT_S)
-    assert running == [], f"left running after {stop.name}"
+    # Once in a CI run (not reproduced in 40 runs since, loaded or not) the last engine
+    # started was left running: what the demo said and how it ended tell why next time.
+    assert running == [], (f"left running after {stop.name}: {running}; the demo exited "
+                           f"{proc.returncode}: {err[-2000:]}")
     assert proc.returncode == 128 + stop.value, err
     assert f"Stopped by {stop.name}" in err, err
 
