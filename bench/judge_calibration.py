@@ -1,7 +1,7 @@
 """How often the judge calls an identical candidate worse, and how often it catches a worse one.
 
     .venv/bin/python bench/judge_calibration.py [--quick] [--trials N] [--sizes N ...]
-                                                [--rev GIT_REV]
+                                                [--looks K] [--rev GIT_REV]
 
 The judge (``evaluators.judge``) gates ~17 metrics with ~25 checks, each a test at the
 gates' confidence. This benchmark feeds it synthetic windows whose truth is known and counts
@@ -26,7 +26,14 @@ Rules of the measurement:
    0.91 and 0.8), cache ratio uniform (not gated), any other 0/1 metric Bernoulli 0.99.
    The windows are chat traffic's: no embeddings answer, so no ``quality.embedding_distance``.
    Per-exchange latency ratios are ratios of two latencies.
-3. ``--rev`` judges the same trials with another revision's ``evaluators`` (``git
+3. ``--looks K`` also judges each trial as a canary judges a held step: every interval
+   again, on its growing window. Trial ``t``'s window of the largest size is judged at
+   ``K`` nested prefixes (``n/K``, ``2n/K``, ... ``n``); a FAIL before the first PASS is a
+   rollback (a PASS moves the canary on), and a FAIL at any look is counted too. Each
+   look is judged twice: at the gates' confidence every time ("one level", how canaries
+   were judged before), and at the level the canary spends on that look
+   (``Gates.for_look``, "spent"), where the revision has it.
+4. ``--rev`` judges the same trials with another revision's ``evaluators`` (``git
    archive``), in a second process at the same time, and prints the two side by side.
    The figures are counts, not timings: the machine's load does not change them.
 
@@ -42,6 +49,7 @@ import sys
 import tempfile
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,18 +151,68 @@ def judge_cells(sizes: list[int], trials: int) -> dict[str, dict[str, int]]:
     return cells
 
 
-def _spawn(code: Path, sizes: list[int], trials: int) -> subprocess.Popen[str]:
+HELD = ("rolled back", "FAIL at any look", "moved on", "held throughout")
+
+
+POLICIES = ("one level", "spent")
+
+
+def held_step_cells(n: int, trials: int, looks: int) -> dict[str, dict[str, dict[str, int]]]:
+    """Rule 3: each scenario's counts, by policy, of what a canary does with one held step
+    judged at ``looks`` nested prefixes of a window of ``n``."""
+    import dataclasses
+
+    from evaluators._gates import Gates
+    from evaluators._judge import MetricSamples, judge
+    from evaluators._score import METRICS
+
+    def prefix(window: Window, size: int) -> Window:
+        return {name: dataclasses.replace(samples, **{
+            field: values[:size] for field in ("candidate", "baseline", "noise_floor")
+            if (values := getattr(samples, field)) is not None})
+            for name, samples in window.items()}
+
+    directions = {name: spec.direction for name, spec in METRICS.items()}
+    gates = Gates()
+    policies: dict[str, Callable[[int], Any]] = {"one level": lambda look: gates}
+    if hasattr(gates, "for_look"):  # a revision before it judged every look at one level
+        policies["spent"] = gates.for_look
+    cells: dict[str, dict[str, dict[str, int]]] = {}
+    for scenario in SCENARIOS:
+        counts = {policy: Counter[str]() for policy in policies}
+        for t in range(trials):
+            seed = zlib.crc32(f"{scenario}/{n}/{t}".encode())
+            window = _window(np.random.default_rng(seed), n, scenario, METRICS, MetricSamples)
+            for policy, gates_at in policies.items():
+                verdicts = [judge(prefix(window, n * k // looks), gates_at(k), directions,
+                                  seed=t).outcome.value for k in range(1, looks + 1)]
+                _count_held(counts[policy], verdicts)
+        cells[scenario] = {policy: {key: counted[key] for key in HELD}
+                           for policy, counted in counts.items()}
+    return cells
+
+
+def _count_held(counts: Counter[str], verdicts: list[str]) -> None:
+    moved = "PASS" in verdicts
+    before_pass = verdicts[:verdicts.index("PASS")] if moved else verdicts
+    counts["FAIL at any look"] += "FAIL" in verdicts
+    counts["rolled back"] += "FAIL" in before_pass
+    counts["moved on"] += moved and "FAIL" not in before_pass
+    counts["held throughout"] += not moved and "FAIL" not in verdicts
+
+
+def _spawn(code: Path, sizes: list[int], trials: int, looks: int) -> subprocess.Popen[str]:
     argv = [sys.executable, __file__, "--worker", str(code), "--trials", str(trials),
-            "--sizes", *map(str, sizes)]
+            "--looks", str(looks), "--sizes", *map(str, sizes)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
 
 
-def _collect(child: subprocess.Popen[str]) -> dict[str, dict[str, int]]:
+def _collect(child: subprocess.Popen[str]) -> dict[str, Any]:
     out, _ = child.communicate()
     if child.returncode != 0:
         raise SystemExit(f"a judging process failed (exit {child.returncode})")
-    cells: dict[str, dict[str, int]] = json.loads(out)
-    return cells
+    result: dict[str, Any] = json.loads(out)
+    return result
 
 
 def _rate(counts: dict[str, int], *outcomes: str) -> str:
@@ -167,24 +225,30 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="300 exchanges a side, 40 trials")
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 300, 1000])
+    parser.add_argument("--looks", type=int, default=1,
+                        help="also judge a held canary step this many times (rule 3)")
     parser.add_argument("--rev", help="judge the same trials with this git revision too")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.trials < 1 or min(args.sizes) < 2:
-        parser.error("--trials must be at least 1 and every size at least 2")
+    if args.trials < 1 or min(args.sizes) < 2 or args.looks < 1:
+        parser.error("--trials and --looks must be at least 1 and every size at least 2")
+    if max(args.sizes) // args.looks < 2:
+        parser.error("--looks: the first look needs at least 2 exchanges a side")
     if args.quick:
         args.sizes, args.trials = [300], 40
     if args.worker is not None:
         sys.path.insert(0, args.worker)
-        print(json.dumps(judge_cells(args.sizes, args.trials)))
+        held = (held_step_cells(max(args.sizes), args.trials, args.looks)
+                if args.looks > 1 else {})
+        print(json.dumps({"cells": judge_cells(args.sizes, args.trials), "held": held}))
         return 0
     revisions = {"this tree": code_revision(("evaluators",))}
     with tempfile.TemporaryDirectory(prefix="judge-calibration-") as tmp:
-        children = {"this tree": _spawn(REPO_ROOT, args.sizes, args.trials)}
+        children = {"this tree": _spawn(REPO_ROOT, args.sizes, args.trials, args.looks)}
         if args.rev is not None:
             revisions[args.rev] = git_commit(args.rev)
             children[args.rev] = _spawn(export_code(Path(tmp), args.rev), args.sizes,
-                                        args.trials)
+                                        args.trials, args.looks)
         results = {label: _collect(child) for label, child in children.items()}
     header = ["scenario", "n a side"]
     for label in results:
@@ -193,8 +257,8 @@ def main() -> int:
     for scenario in SCENARIOS:
         for n in args.sizes:
             row = [scenario, str(n)]
-            for cells in results.values():
-                counts = cells[f"{scenario}|{n}"]
+            for result in results.values():
+                counts = result["cells"][f"{scenario}|{n}"]
                 row += [_rate(counts, o) for o in OUTCOMES]
             rows.append(row)
     print(render_table(f"The judge's verdicts over {args.trials} seeded trials a cell "
@@ -202,8 +266,22 @@ def main() -> int:
                        header, rows))
     print("False alarms: FAIL under 'identical' and 'slightly slower'; misses: anything but "
           "FAIL under 'worse'.")
+    if args.looks > 1:
+        n = max(args.sizes)
+        columns = [(label, policy) for label, result in results.items()
+                   for policy in POLICIES if policy in result["held"][SCENARIOS[0]]]
+        header = ["scenario"] + [f"{label}, {policy}: {HELD[0]}" if i == 0 else key
+                                 for label, policy in columns for i, key in enumerate(HELD)]
+        rows = [[scenario] + [f"{results[label]['held'][scenario][policy][key] / args.trials:.0%}"
+                              for label, policy in columns for key in HELD]
+                for scenario in SCENARIOS]
+        print(render_table(f"A held canary step judged {args.looks} times on its growing "
+                           f"window ({n // args.looks} to {n} a side), {args.trials} trials",
+                           header, rows))
+        print("A rollback is a FAIL before the first PASS (a PASS moves the canary on).")
     print(write_results(RESULTS, {"trials": args.trials, "sizes": args.sizes,
-                                  "revisions": revisions, "cells": results}))
+                                  "looks": args.looks, "revisions": revisions,
+                                  "results": results}))
     return 0
 
 

@@ -32,6 +32,12 @@ metric, a :class:`MetricGate`, by the metric's name:
    toward worse by at most ``max_median_shift_ratio`` of the primary's median. Latency
    spread may grow by at most ``max_std_ratio``; TTFT and end-to-end latency also bound
    the ratio of the bad tail (p99).
+7. One growing window judged again and again (a held canary step, each interval) spends
+   its error rate ``1 - confidence`` over the looks (:meth:`Gates.for_look`): look ``k``
+   is judged at ``(1 - confidence) * 6 / (pi**2 * k**2)``, which sums to ``1 - confidence``
+   over any number of looks. Judged at the full rate every time, a candidate 4 % slower
+   (inside the 10 % latency gate) was rolled back by one of ten looks in 20 % of canaries,
+   an identical one in 3 % (``bench/judge_calibration.py --looks 10``).
 
 :func:`backend_checks` and :func:`pairwise_checks` apply one metric's gate to its
 statistics; how a check grades is the judge's rule 2 (``evaluators/_judge.py``).
@@ -230,6 +236,13 @@ class Gates(BaseModel):
 
     def min_samples_for(self, gate: MetricGate) -> int:
         return self.min_samples if gate.min_samples is None else gate.min_samples
+
+    def for_look(self, look: int) -> Gates:
+        """Rule 7: these gates for the ``look``-th judgement (from 1) of one growing window."""
+        if look < 1:
+            raise ValueError(f"look must be at least 1, not {look}")
+        error_rate = (1.0 - self.confidence) * 6.0 / (math.pi ** 2 * look ** 2)
+        return self.model_copy(update={"confidence": 1.0 - error_rate})
 
 
 class Outcome(StrEnum):

@@ -34,6 +34,11 @@ Rules (DESIGN.md invariant 8):
       anything else (the replays scored after the step up can turn its PASS) takes the
       canary back to the step below, begun afresh, to measure more. A canary that
       started at 100 % has no step below: it holds (its scores are the mirror's before it).
+   c. A held step is judged again every interval on its growing window: each judgement is
+      a look at the same evidence, and the gates' error rate is spent over the looks
+      (``Canary.look``, ``evaluators._gates`` rule 7), so a candidate as good as the
+      primary is rolled back, or a worse one moved on, by one of any number of looks at
+      most as often as by one judgement at the gates' confidence.
 4. Routing changes go through ``RoutingSync.commit``, which makes them the replicas' state
    too. One lock orders every change of this replica, candidates' included.
 5. Every replica drives the canary of the routing it serves (``follow``): the one that
@@ -275,8 +280,10 @@ class Promoter:
 
     # -- routing ------------------------------------------------------------------------
 
-    async def _judge(self, name: str, since: float | None = None) -> Judgement:
-        """The judge on ``name``'s scores (those since ``since``, a wall-clock time)."""
+    async def _judge(self, name: str, since: float | None = None,
+                     look: int | None = None) -> Judgement:
+        """The judge on ``name``'s scores (those since ``since``, a wall-clock time), as the
+        ``look``-th judgement of that window (rule 3c; None: a judgement of its own)."""
         scorekeeper = self._scorekeeper
         if scorekeeper is None:
             return Judgement(None, None, ("evaluation is disabled: no verdict",))
@@ -286,7 +293,7 @@ class Promoter:
                                              if_late=None)
         if inputs is None:  # the store is not attached: nothing to judge with
             return Judgement(None, None, ("the store is not attached: no verdict",))
-        judged = await scorekeeper.judge(inputs)  # statistics: bounded by the gates' cap
+        judged = await scorekeeper.judge(inputs, look)  # statistics: bounded by the gates' cap
         report = await self._sync.store_call(f"recording the verdict on {name}",
                                              lambda _: scorekeeper.record(judged),
                                              if_late=None)
@@ -427,7 +434,8 @@ class Promoter:
     async def _judge_step(self, current: Canary) -> None:
         """One step of rule 3, for the canary ``current`` as this replica serves it."""
         name, actor = current.backend.name, current.actor
-        judgement = await self._judge(name, current.judged_since)
+        look = current.look(time.time())
+        judgement = await self._judge(name, current.judged_since, look)
         verdict, verdict_id, reasons = judgement.label, judgement.verdict_id, judgement.reasons
         async with self._lock:
             canary = self.routing.canary
@@ -436,7 +444,7 @@ class Promoter:
             if judgement.outcome is Outcome.FAIL:
                 await self._sync.commit(_without_canary, audit=lambda _: AuditNote(
                     actor, "canary_rollback", name, {
-                        "step": canary.step, "percent": canary.percent,
+                        "step": canary.step, "percent": canary.percent, "look": look,
                         "reasons": list(reasons),
                         "verdict": verdict}, verdict_id))
                 self._done("canary_rollback", name, verdict)
@@ -460,7 +468,7 @@ class Promoter:
             await self._sync.commit(partial(Routing.with_canary, canary=step),
                                     audit=lambda _: AuditNote(actor, "canary_step", name, {
                                         "step": step.step, "percent": step.percent,
-                                        "verdict": verdict}, verdict_id))
+                                        "look": look, "verdict": verdict}, verdict_id))
             self._done("canary_step", name, verdict)
 
     async def _step_back(self, canary: Canary, judgement: Judgement) -> None:

@@ -106,6 +106,13 @@ class Canary:
         """The start of the scores this step is judged on (``_promotion`` rule 3)."""
         return self.step_started_at if self.percent < 100 else self.measured_since
 
+    def look(self, now: float) -> int:
+        """Which judgement of this step's window one at ``now`` is, from 1 (``_promotion``
+        rule 3c): one an interval since its scores began, the same on every replica."""
+        since = self.judged_since
+        start = self.step_started_at if since is None else since
+        return max(1, round((now - start) / self.interval_s))
+
     def next_step(self, now: float) -> Canary:
         measured = self.step_started_at if self.percent < 100 else self.measured_since
         return Canary(self.backend, self.steps, self.step + 1, self.interval_s, now, measured,

@@ -324,11 +324,15 @@ class Scorekeeper:
             return await load_report_inputs(session, candidate, self.config.gates,
                                             secondary=self.secondary, since=since)
 
-    async def judge(self, inputs: ReportInputs) -> Report:
-        """The statistics over ``inputs``, in a worker thread; nothing is stored."""
+    async def judge(self, inputs: ReportInputs, look: int | None = None) -> Report:
+        """The statistics over ``inputs``, in a worker thread; nothing is stored. ``look``:
+        the how-manyth judgement of one growing window this is (a held canary step), whose
+        error rate the gates spend over the looks (``evaluators._gates`` rule 7)."""
+        gates = self.config.gates if look is None else self.config.gates.for_look(look)
+
         def judge_then_trim() -> Report:
             try:
-                return judge_inputs(inputs, self.config.gates, replica_at_same_rate=same_rate)
+                return judge_inputs(inputs, gates, replica_at_same_rate=same_rate)
             finally:
                 trim_heaps()  # its buffers' pages back to the system (``_memory`` rule 2)
 

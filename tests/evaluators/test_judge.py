@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -293,6 +294,21 @@ def test_gates_are_frozen_and_strict() -> None:
         Gates(min_smaples=5)  # type: ignore[call-arg]
     with pytest.raises(pydantic.ValidationError):
         Gates(confidence=1.5)
+
+
+def test_the_looks_at_one_window_spend_the_error_rate_between_them() -> None:
+    """Gates rule 7: look k at one growing window is judged at (1 - confidence) * 6 /
+    (pi^2 k^2), so the error rates of any number of looks add up to at most the gates'."""
+    gates = Gates(confidence=0.99)
+    levels = [1.0 - gates.for_look(k).confidence for k in range(1, 10_001)]
+    assert levels[0] == pytest.approx(0.01 * 6 / np.pi ** 2)  # 0.61 %
+    assert levels[9] == pytest.approx(levels[0] / 100)
+    assert all(b < a for a, b in itertools.pairwise(levels))
+    assert 0.0099 < sum(levels) <= 0.01
+    assert gates.for_look(2).model_dump(exclude={"confidence"}) == \
+        gates.model_dump(exclude={"confidence"})
+    with pytest.raises(ValueError, match="at least 1"):
+        gates.for_look(0)
 
 
 def test_bad_inputs_are_refused() -> None:

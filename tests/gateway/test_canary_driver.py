@@ -8,6 +8,7 @@ together step it once per interval.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -43,12 +44,14 @@ class ToldJudge:
         self.at_full: Outcome | None = None
         self.routing: Callable[[], Routing] | None = None
         self.judged = 0
+        self.looks: list[int | None] = []
 
     async def read(self, candidate: str, since: Any = None) -> str:
         return candidate
 
-    async def judge(self, inputs: Any) -> Any:
+    async def judge(self, inputs: Any, look: int | None = None) -> Any:
         self.judged += 1
+        self.looks.append(look)
         outcome = self.outcome
         canary = self.routing().canary if self.routing is not None else None
         if self.at_full is not None and canary is not None and canary.percent == 100:
@@ -156,6 +159,19 @@ async def test_marginal_holds_the_last_mirrored_step_and_a_pass_then_promotes(
     assert driven.sync.routing.canary is None
     await eventually(lambda: not _driving(driven.promoter))
     assert await driven.actions() == ["canary_start", "canary_step", "canary_step", "promote"]
+
+
+async def test_a_held_step_is_judged_as_one_more_look_each_time(driven: Driven) -> None:
+    """Rule 3c: the driver tells the judge which look at the step's window each judgement
+    is, so that the gates spend their error rate over the looks; judgements are an
+    interval apart at least, so each is a later look than the one before."""
+    driven.judge.outcome = Outcome.INCONCLUSIVE  # holds any step
+    await driven.promoter.start_canary("c", actor="t", steps=(25.0, 100.0),
+                                       interval_s=INTERVAL_S)
+    await eventually(lambda: len(driven.judge.looks) >= 4)
+    looks = [look for look in driven.judge.looks[:4] if look is not None]
+    assert len(looks) == 4 and looks[0] >= 1, driven.judge.looks
+    assert all(b > a for a, b in itertools.pairwise(looks)), looks
 
 
 @pytest.mark.parametrize("at_full", [Outcome.MARGINAL, Outcome.INCONCLUSIVE])

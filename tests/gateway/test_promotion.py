@@ -288,6 +288,21 @@ def test_the_full_step_is_judged_on_the_scores_since_the_last_mirrored_step() ->
     assert Canary(canary.backend, (100.0,), 0, 1.0, 5.0).judged_since is None  # whole window
 
 
+def test_each_judgement_of_a_step_is_one_more_look_at_its_window() -> None:
+    """Rule 3c: the looks at a step's growing window are counted from where its scores
+    begin, one an interval, the same on every replica; a new step begins a new window, and
+    the 100 % step goes on counting the looks at the last mirrored step's."""
+    canary = Canary(Backend("good", "http://127.0.0.1:9"), (10.0, 50.0, 100.0), 0, 30.0, 100.0)
+    assert [canary.look(100.0 + 30.0 * k) for k in (1, 2, 3, 10)] == [1, 2, 3, 10]
+    assert canary.look(100.0) == canary.look(110.0) == 1  # never before the first
+    assert canary.look(100.0 + 30.0 * 4 + 9.0) == 4  # a judgement late by less than half
+    half = canary.next_step(400.0)
+    assert half.look(430.0) == 1
+    full = half.next_step(490.0)
+    assert full.look(520.0) == 4  # judged on the scores since 400: its fourth look
+    assert Canary(canary.backend, (100.0,), 0, 30.0, 5.0).look(65.0) == 2  # its own start
+
+
 async def _routing_change(http: aiohttp.ClientSession, gw: RunningGateway, path: str,
                           body: dict[str, Any]) -> tuple[int, Any]:
     async with http.post(gw.admin_url + path, json=body) as resp:
