@@ -62,8 +62,8 @@ def _stop_demo_when(ready: Ready, stop: signal.Signals, workdir: Path) -> None:
         finally:
             running = kill_left_running(proc, started)
         reader.join(EXIT_TIMEOUT_S)
-    # Once in a CI run (not reproduced in 40 runs since, loaded or not) the last engine
-    # started was left running: what the demo said and how it ended tell why next time.
+    # What the demo said and how it ended tell why (a signal as the last engine was
+    # started left it running, once in a CI run, before processes rule 5).
     assert running == [], (f"left running after {stop.name}: {running}; the demo exited "
                            f"{proc.returncode}: {err[-2000:]}")
     assert proc.returncode == 128 + stop.value, err
