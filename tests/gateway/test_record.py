@@ -300,12 +300,12 @@ async def test_a_failed_write_leaves_whole_lines_and_a_clean_stop(tmp_path: Path
             url = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession() as client:
                 await _until_up(client, url)
-                for _ in range(4):  # ~4.2 kB lines: the third crosses the 10 kB limit
+                for sent in range(1, 5):  # ~4.2 kB lines: the third crosses the 10 kB limit
                     async with client.post(f"{url}/v1/chat/completions", json=body) as answer:
                         assert answer.status == 200
-                    await asyncio.sleep(0.3)  # one line per write
-                async with client.get(f"{url}/metrics") as answer:
-                    metrics = await answer.text()
+                    # One line per write: the next is sent once this one is written or
+                    # dropped (a fixed 0.3 s could let a loaded recorder take two at once).
+                    metrics = await _once_recorded(client, url, sent)
             process.send_signal(signal.SIGTERM)
             async with asyncio.timeout(60):
                 out, _ = await process.communicate()
@@ -318,6 +318,25 @@ async def test_a_failed_write_leaves_whole_lines_and_a_clean_stop(tmp_path: Path
     assert 'understudy_record_dropped_total{reason="write_error"} 2.0' in metrics
     assert len(_lines(path)) == 2  # whole lines only: no half line to fail a replay
     assert b"Traceback" not in out and out.count(b"WARNING understudy.record") == 1
+
+
+def _recorded(metrics: str) -> float:
+    """Requests the recorder has written or dropped, from a /metrics text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(("understudy_record_written_total ",
+                                   "understudy_record_dropped_total{")))
+
+
+async def _once_recorded(client: aiohttp.ClientSession, url: str, requests: int) -> str:
+    """The gateway's /metrics once its recorder has written or dropped ``requests`` requests
+    (it writes in a worker thread after the answer); the bound only catches a hang."""
+    async with asyncio.timeout(30):
+        while True:
+            async with client.get(f"{url}/metrics") as answer:
+                metrics = await answer.text()
+            if _recorded(metrics) >= requests:
+                return metrics
+            await asyncio.sleep(0.05)
 
 
 async def _until_up(client: aiohttp.ClientSession, url: str) -> None:
