@@ -23,11 +23,12 @@ from gateway import STATE, build_app, load_config, make_admin_runner, make_runne
 from gateway._state import GatewayState
 
 
-def fuzz_settings(max_examples: int, deadline_ms: int = 500,
-                  *suppress: HealthCheck) -> settings:
+def fuzz_settings(max_examples: int, *suppress: HealthCheck) -> settings:
     """The suite's property tests: reproducible (derandomized, no example database) and
-    not failed for slow data generation on a loaded machine."""
-    return settings(max_examples=max_examples, deadline=deadline_ms, derandomize=True,
+    not failed for slow data generation or a slow example on a loaded machine (no
+    deadline: an example that ran past one and not on its replay was an "unreliable test
+    timings" failure; speed is the benchmarks' to check)."""
+    return settings(max_examples=max_examples, deadline=None, derandomize=True,
                     database=None, suppress_health_check=[HealthCheck.too_slow, *suppress])
 
 

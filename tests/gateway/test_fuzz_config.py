@@ -36,7 +36,7 @@ from gateway._config import (
 )
 from tests.utils import fuzz_settings
 
-FUZZ = fuzz_settings(150, 1000, HealthCheck.function_scoped_fixture)
+FUZZ = fuzz_settings(150, HealthCheck.function_scoped_fixture)
 
 SECRET = "Zq9-s3cr3t-VALUE-77"
 
