@@ -234,7 +234,8 @@ class UsageEventFilter(SseFilter):
     outgrows ``max_event_bytes`` before its blank line (rule 2) is passed on unheld instead:
     the events held before it first, as they came, then its bytes as they come; holding
     resumes with the next event. ``oversized`` counts such events (a terminal one among them
-    is not given the usage event's fingerprint).
+    is not given the usage event's fingerprint). Only the usage event and its blank line are
+    dropped, to the byte, however the reads fall (``_around_usage``).
 
     ``feed`` is the C base's (``gateway/_relaycore.c``, per chunk, its rule 5): it keeps the
     bytes after the last blank line in ``_pending`` (at most ``max_event_bytes``), passes
@@ -254,13 +255,17 @@ class UsageEventFilter(SseFilter):
         """Whole events (``complete`` ends in a blank line) of which one may be marked, or
         with terminal events held before them."""
         out: list[bytes] = []
-        for event in _events(complete):
+        events = _events(complete)
+        for k, event in enumerate(events, 1):
             if self._done:  # what follows the usage event passes, as the C base passes it
                 out.append(event)
             elif any(m in event for m in self._USAGE):
                 out += [_stamp(held, _fingerprint(event)) for held in self._held]
                 self._held = []
                 self._done = True
+                around, owes_lf = _around_usage(event)
+                out.append(around)
+                self._skip_lf = owes_lf and k == len(events)
             elif any(m in event for m in self._TERMINAL):
                 self._held.append(event)
             else:
@@ -289,6 +294,19 @@ def _events(complete: bytes) -> list[bytes]:
     if start < len(complete):
         events[-1] += complete[start:]
     return events
+
+
+def _around_usage(event: bytes) -> tuple[bytes, bool]:
+    """What of the usage event passes on, and whether an LF still to come is its.
+
+    Only the event and its blank line are dropped: a line end before it is the previous
+    event's (a CRLF whose read ended at the CR leaves its LF here), and line ends after its
+    blank line pass as they came. A blank line that ends the event (and so the read) at a CR
+    owes the LF that may follow: ``_relaycore.c`` rule 6 drops it when it comes."""
+    start = len(event) - len(event.lstrip(b"\r\n"))
+    blank = _BLANK_LINE.search(event, start)
+    end = blank.end() if blank else len(event)
+    return event[:start] + event[end:], end == len(event) and event.endswith(b"\r")
 
 
 def _fingerprint(event: bytes) -> bytes | None:

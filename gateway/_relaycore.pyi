@@ -32,6 +32,7 @@ class SseFilter:
     _pending: bytes
     _held: list[bytes]
     _done: bool
+    _skip_lf: bool
     @property
     def max_event_bytes(self) -> int: ...
     @property

@@ -20,6 +20,7 @@ import itertools
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,8 +30,8 @@ from tests.utils import fuzz_settings
 FUZZ = fuzz_settings(200)
 
 
-def _event(doc: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(doc) + b"\n\n"
+def _event(doc: dict[str, Any], eol: bytes = b"\n") -> bytes:
+    return b"data: " + orjson.dumps(doc) + eol + eol
 
 
 def _chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -46,7 +47,9 @@ def _chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 
 @st.composite
 def stream_pairs(draw: st.DrawFn) -> tuple[bytes, bytes]:
-    """(what vLLM sends with include_usage, what it sends without it) for one request."""
+    """(what vLLM sends with include_usage, what it sends without it) for one request, its
+    lines ended as vLLM ends them (LF) or as sse-starlette does (CRLF)."""
+    eol = draw(st.sampled_from([b"\n", b"\r\n"]))
     n = draw(st.integers(1, 2))
     pieces = draw(st.lists(st.tuples(st.integers(0, n - 1), st.text(max_size=10)), max_size=10))
     fingerprint = draw(st.none() | st.text(min_size=1, max_size=8))
@@ -62,13 +65,17 @@ def stream_pairs(draw: st.DrawFn) -> tuple[bytes, bytes]:
                         "finish_reason": None,
                     }
                 ]
-            )
+            ),
+            eol,
         )
         for i in range(n)
     ]
     common += [
         _event(
-            _chunk([{"index": i, "delta": {"content": p}, "logprobs": None, "finish_reason": None}])
+            _chunk(
+                [{"index": i, "delta": {"content": p}, "logprobs": None, "finish_reason": None}]
+            ),
+            eol,
         )
         for i, p in pieces
     ]
@@ -96,9 +103,9 @@ def stream_pairs(draw: st.DrawFn) -> tuple[bytes, bytes]:
         },
         **stamp,
     )
-    done = b"data: [DONE]\n\n"
-    upstream = b"".join([*common, *map(_event, terminal), _event(usage), done])
-    client = b"".join([*common, *(_event({**t, **stamp}) for t in terminal), done])
+    done = b"data: [DONE]" + eol + eol
+    upstream = b"".join([*common, *(_event(t, eol) for t in terminal), _event(usage, eol), done])
+    client = b"".join([*common, *(_event({**t, **stamp}, eol) for t in terminal), done])
     return upstream, client
 
 
@@ -124,7 +131,8 @@ def test_client_sees_the_stream_without_usage_when_cut_up_to_the_usage_event(
 ) -> None:
     """Every split whose cuts fall before the usage event ends (the defect spares these)."""
     upstream, client = pair
-    end = upstream.index(b"\n\n", upstream.index(b'"choices":[]')) + 2
+    blank = b"\r\n\r\n" if b"\r\n" in upstream else b"\n\n"
+    end = upstream.index(blank, upstream.index(b'"choices":[]')) + len(blank)
     head = _splits(upstream[:end], cuts)
     assert _filtered([*head, upstream[end:]]) == client
 
@@ -197,3 +205,22 @@ def test_reproducer_bytes_after_the_usage_event_stay_in_order() -> None:
     assert _filtered([terminal + usage + b"d", b"ata: [DONE]\n\n"]) == (
         terminal + b"data: [DONE]\n\n"
     )
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"], ids=["LF", "CRLF", "CR"])
+def test_every_cut_around_the_usage_event_loses_and_adds_no_byte(eol: bytes) -> None:
+    """One or two cuts anywhere from the terminal event's blank line to the event after the
+    usage event. A CRLF blank line cut between its CR and its LF ends its event at the CR
+    (the LF still to come begins the next read): the filter once dropped that LF with the
+    usage event after it (the client got ``\\r\\n\\r`` before ``data: [DONE]``), or, when the
+    usage event's own LF was the one cut off, passed it on (``\\r\\n\\r\\n\\n``)."""
+    terminal = b'data: {"choices":[{"finish_reason":"stop"}]}' + eol + eol
+    usage = b'data: {"choices":[],"usage":{},"system_fingerprint":"fp"}' + eol + eol
+    done = b"data: [DONE]" + eol + eol
+    upstream = terminal + usage + done
+    client = (b'data: {"choices":[{"finish_reason":"stop"}],"system_fingerprint":"fp"}'
+              + eol + eol + done)
+    cuts = range(len(terminal) - 3, len(terminal) + len(usage) + 3)
+    for a, b in itertools.combinations_with_replacement(cuts, 2):
+        chunks = [upstream[:a], upstream[a:b], upstream[b:]]
+        assert _filtered([c for c in chunks if c]) == client, (a, b)
