@@ -43,6 +43,15 @@ Rules (DESIGN.md invariant 8):
    ``from_dict`` ignores keys it does not know, inside backend dicts and at the top, so a
    newer release's additions never stop this one; it still reads a ``model`` inside a
    backend dict (stored so by the release of 2c2d01a).
+7. An older replica writes back what it read, less what it does not know: a routing it
+   stores (a canary step, a promotion, a rollback) has no ``models`` map, and reading it
+   as it stands takes every live backend's model rewrite away. So the map is always
+   stored, ``{}`` where no backend has a model, and a routing stored without one (by a
+   release before 974d832) is read with the routing this replica knew (``from_dict``'s
+   ``known``): a backend whose dict names no model takes the one ``known`` gives the
+   backend of the same name and URL, whatever its role (the canary promoted keeps its
+   model). A backend's model never changes while it stays live (a PATCH changes the
+   candidate's settings, not the routing), so name and URL say which model it is.
 """
 
 from __future__ import annotations
@@ -192,18 +201,30 @@ class Routing:
                "previous": self.previous.to_dict() if self.previous else None,
                "canary": self.canary.to_dict() if self.canary else None,
                "origin": self.origin.to_dict() if self.origin else None}
-        models = self.models()
-        return {**out, "models": models} if models else out
+        return {**out, "models": self.models()}  # even empty: rule 7
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Routing:
+    def from_dict(cls, data: dict[str, Any], known: Routing | None = None) -> Routing:
+        """Rules 6 and 7: ``known`` is the routing this replica served before ``data``."""
         previous, canary, origin = data.get("previous"), data.get("canary"), data.get("origin")
-        models = data.get("models") or {}
+        if "models" in data or known is None:
+            models = data.get("models") or {}
+            return cls(int(data["version"]),
+                       Backend.from_dict(data["primary"], models.get("primary")),
+                       Backend.from_dict(previous, models.get("previous")) if previous else None,
+                       Canary.from_dict(canary, models.get("canary")) if canary else None,
+                       Backend.from_dict(origin, models.get("origin")) if origin else None)
+        by_address = {(b.name, b.url): b.model for b in (*known.live_backends(), known.origin)
+                      if b is not None and b.model is not None}
+
+        def model(backend: dict[str, Any]) -> str | None:
+            return by_address.get((str(backend["name"]), str(backend["url"])))
+
         return cls(int(data["version"]),
-                   Backend.from_dict(data["primary"], models.get("primary")),
-                   Backend.from_dict(previous, models.get("previous")) if previous else None,
-                   Canary.from_dict(canary, models.get("canary")) if canary else None,
-                   Backend.from_dict(origin, models.get("origin")) if origin else None)
+                   Backend.from_dict(data["primary"], model(data["primary"])),
+                   Backend.from_dict(previous, model(previous)) if previous else None,
+                   Canary.from_dict(canary, model(canary["backend"])) if canary else None,
+                   Backend.from_dict(origin, model(origin)) if origin else None)
 
 
 class Upstreams:

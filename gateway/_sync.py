@@ -24,7 +24,9 @@ Rules (DESIGN.md invariant 8):
    seconds of the store's return, and the routing is read once then (a change made
    meanwhile is adopted at once); polling covers the time between. A stored routing this
    release cannot read is logged (its error's type, never its values) and polling goes
-   on: the next readable one is adopted.
+   on: the next readable one is adopted. A stored routing is read with the one this
+   replica serves (``_routing`` rule 7): one an older release stored without the
+   ``models`` map keeps the model rewrites this replica knew for its backends.
 4. Without a database (evaluation disabled) the routing is this process's alone. With
    one that is not reachable yet (``attach`` before ``start``: a store outage at start),
    changes go to the database and fail there; none is applied to this replica alone.
@@ -129,7 +131,7 @@ class RoutingSync:
             except StoreError:  # another replica inserted it at the same moment
                 stored = await load_routing(engine)
         if stored is not None:
-            await self._adopt(engine, Routing.from_dict(stored[1]))
+            await self._adopt(engine, Routing.from_dict(stored[1], known=self._routing))
         self._poller = asyncio.create_task(self._poll(), name="routing-poll")
         self._listener = await listen_for_routing(engine, self._notified)  # rule 3
 
@@ -150,7 +152,8 @@ class RoutingSync:
             if not await save_routing(engine, new.version, new.to_dict(),
                                       expected=stored.version):
                 stored_now = await load_routing(engine)
-                new = Routing.from_dict(stored_now[1]) if stored_now else new
+                new = (Routing.from_dict(stored_now[1], known=self._routing) if stored_now
+                       else new)
             await self._apply(new)
             return
         await self._apply(stored)
@@ -260,7 +263,7 @@ class RoutingSync:
 
     async def _adopt_newer(self, stored: tuple[int, dict[str, Any]] | None) -> None:
         if stored is not None and stored[0] > self._routing.version:
-            await self._apply(Routing.from_dict(stored[1]))
+            await self._apply(Routing.from_dict(stored[1], known=self._routing))
             log.info("routing: converged on version %d (primary %s)", self._routing.version,
                      self._routing.primary.name)
 

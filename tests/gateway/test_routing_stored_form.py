@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,9 @@ def test_the_previous_release_reads_the_stored_routing() -> None:
         _OldBackend("o", "http://127.0.0.1:12"))
     assert Routing.from_dict(stored) == routing  # this release keeps every model
     plain = Routing.configured(Backend("primary", "http://127.0.0.1:8"))
-    assert "models" not in plain.to_dict() and Routing.from_dict(plain.to_dict()) == plain
+    assert plain.to_dict()["models"] == {}  # always stored (rule 7), and ignored there too
+    assert _old_from_dict(plain.to_dict())[1] == _OldBackend("primary", "http://127.0.0.1:8")
+    assert Routing.from_dict(plain.to_dict()) == plain
 
 
 def test_a_routing_stored_by_2c2d01a_or_a_newer_release_is_read() -> None:
@@ -145,3 +147,70 @@ async def test_a_new_routing_history_is_logged_without_a_url_password(
     assert sync.routing.version == 2
     assert "new routing history" in caplog.text and "u:***@127.0.0.1:9" in caplog.text
     assert SECRET not in caplog.text
+
+
+def _old_to_dict(version: int, primary: _OldBackend, previous: _OldBackend | None,
+                 canary: dict[str, Any] | None, origin: _OldBackend | None) -> dict[str, Any]:
+    """How the release before 2c2d01a stores a routing (e7629f1's ``Routing.to_dict``):
+    backend dicts of name and URL, and no ``models`` map."""
+    def named(backend: _OldBackend | None) -> dict[str, str] | None:
+        return None if backend is None else {"name": backend.name, "url": backend.url}
+
+    return {"version": version, "primary": named(primary), "previous": named(previous),
+            "canary": canary, "origin": named(origin)}
+
+
+def test_a_routing_stored_without_models_keeps_the_models_known_for_its_backends() -> None:
+    """A routing stored with no ``models`` map (by a release that does not know it) takes
+    each backend's model from the routing this replica knew, by name and URL; one stored
+    with the map (even empty) is read as stored."""
+    known = _with_models()
+    stored = known.to_dict()
+    old = _old_to_dict(known.version + 1, *_old_from_dict(stored)[1:3], stored["canary"],
+                       _old_from_dict(stored)[4])
+    assert Routing.from_dict(old, known=known) == replace(known, version=known.version + 1)
+    moved = {**old, "previous": None, "primary": {"name": "b", "url": "http://127.0.0.1:10"}}
+    assert Routing.from_dict(moved, known=known).primary == Backend(
+        "b", "http://127.0.0.1:10", "model-b")  # the canary's model follows it to primary
+    other_url = {**old, "primary": {"name": "a", "url": "http://127.0.0.1:99"}}
+    assert Routing.from_dict(other_url, known=known).primary.model is None
+    plain = Routing.configured(Backend("a", "http://127.0.0.1:9"), known.version + 1)
+    assert plain.to_dict()["models"] == {}
+    assert Routing.from_dict(plain.to_dict(), known=known) == plain
+
+
+async def test_an_older_release_stepping_the_canary_does_not_drop_its_model(
+        engine: AsyncEngine) -> None:
+    """Replicas of an older release drive the canary too during a rolling upgrade; each
+    writes the routing back without the ``models`` map it never read. A replica of this
+    release adopted that routing with no models: its canary (and, once promoted, its
+    primary) got the client's model name, 404 on a backend serving only its own."""
+    async def serve(_: Routing) -> None:
+        pass
+
+    origin = Backend("primary", "http://127.0.0.1:8")
+    sync = RoutingSync(Routing.configured(origin), serve, GatewayMetrics(),
+                       poll_interval_s=0.02)
+    await sync.start(engine)
+    try:
+        canary = Canary(Backend("b", "http://127.0.0.1:10", "model-b"), (10.0, 50.0, 100.0),
+                        0, 60.0, 1.0)
+        await sync.commit(lambda routing: routing.with_canary(canary))
+        stored = await load_routing(engine)
+        assert stored is not None and stored[1]["models"] == {"canary": "model-b"}
+        # An older replica reads it (models ignored) and steps the canary.
+        version, primary, previous, _, old_origin = _old_from_dict(stored[1])
+        stepped = {**stored[1]["canary"], "step": 1, "percent": 50.0, "step_started_at": 2.0}
+        assert await save_routing(engine, version + 1, _old_to_dict(
+            version + 1, primary, previous, stepped, old_origin), expected=version)
+        await eventually(lambda: sync.routing.version == version + 1)
+        assert sync.routing.canary is not None
+        assert sync.routing.canary.percent == 50.0
+        assert sync.routing.canary.backend == canary.backend  # model-b kept
+        # This replica's next change stores the map again.
+        promoted = await sync.commit(lambda routing: routing.promoted(canary.backend))
+        assert promoted.primary.model == "model-b"
+        stored = await load_routing(engine)
+        assert stored is not None and stored[1]["models"] == {"primary": "model-b"}
+    finally:
+        await sync.stop()
