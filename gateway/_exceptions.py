@@ -189,7 +189,8 @@ class UpstreamBroken(UpstreamError):
     pass
 
 
-def error_response(error: GatewayError, request_id: str | None = None) -> web.Response:
+def error_response(error: GatewayError, request_id: str | None = None, *,
+                   response_class: type[web.Response] = web.Response) -> web.Response:
     body = {
         "error": {
             "message": str(error),
@@ -199,7 +200,7 @@ def error_response(error: GatewayError, request_id: str | None = None) -> web.Re
         }
     }
     headers = {"X-Request-Id": request_id} if request_id else None
-    return web.Response(
+    return response_class(
         status=error.status_hint,
         body=orjson.dumps(body),
         content_type="application/json",

@@ -72,6 +72,7 @@ from gateway._connections import (
     parser_refusal,
     request_line,
 )
+from gateway._headers import wire_text
 from gateway._relay import MAX_HELD_BYTES, origin_form, relay
 from gateway._relaycore import ClientSink
 
@@ -436,7 +437,7 @@ def error_answer(status: int, body: bytes, request_id: str | None, *, close: boo
     head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n")
     if request_id:
-        head += f"X-Request-Id: {request_id}\r\n"
+        head += f"X-Request-Id: {wire_text(request_id)}\r\n"  # the client's bytes
     if close:
         head += "Connection: close\r\n"
     return (head + "\r\n").encode("latin-1", "replace") + body

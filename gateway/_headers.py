@@ -11,6 +11,13 @@ request id, the session header and the configured extras (``[mirror].forward_hea
 a candidate's ``forward_headers``); the client's credentials only when the candidate has
 ``forward_credentials``. A header nobody named — ``X-Auth-Token``, ``X-Goog-Api-Key``,
 ``OpenAI-Organization``, a custom auth header — never reaches a candidate.
+
+The request id goes to every upstream and back to the client as the client's bytes: a
+field's octets past ASCII are opaque (RFC 9110 §5.5), and nginx and vLLM (Starlette's
+Latin-1 headers) give them back unchanged. aiohttp's parser reads a field as UTF-8, each
+other byte a surrogate escape; an upstream's answer head is read as Latin-1 (``_wire``),
+one character a byte, and written so. ``wire_text`` turns the one into the other, so an
+id that is not UTF-8 comes back as sent, not as ``?`` per byte.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ __all__ = [
     "candidate_allow_list",
     "downstream_headers",
     "forwarded_headers",
+    "wire_text",
     "with_credentials",
 ]
 
@@ -112,6 +120,16 @@ def with_credentials(
 def downstream_headers(
     upstream: CIMultiDictProxy[str], *, request_id: str, body_rewritten: bool
 ) -> CIMultiDict[str]:
+    """An upstream's answer headers (Latin-1 text, ``_wire``) as the client receives them,
+    with the client's request id in the same form."""
     out = _copy(upstream, _RESPONSE_DROPPED if body_rewritten else HOP_BY_HOP)
-    out[REQUEST_ID_HEADER] = request_id
+    out[REQUEST_ID_HEADER] = wire_text(request_id)
     return out
+
+
+def wire_text(value: str) -> str:
+    """A field as aiohttp's parser read it (UTF-8, each other byte a surrogate escape) as
+    the text of an answer's head, one Latin-1 character a byte: the bytes it came as."""
+    if value.isascii():
+        return value
+    return value.encode("utf-8", "surrogateescape").decode("latin-1")

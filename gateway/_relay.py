@@ -38,6 +38,11 @@ Rules (DESIGN.md invariant 1):
    decodes as chunked) is a 501, and an HTTP/1.0 request with ``Transfer-Encoding`` a 400;
    both close the connection and are never relayed: the body left coded, or framed one way
    here and another by an HTTP/1.0 hop before the gateway.
+8. The answer's head carries the client's request id as the client's bytes (``_headers``:
+   ``wire_text``), on either server: the front writes its head as Latin-1, and so do the
+   responses here (:class:`RelayedResponse`, :class:`RelayedError`), since aiohttp's own
+   writer encodes each character as UTF-8 and drops a surrogate escape: a byte of the id
+   that is not UTF-8 would come back changed, or not at all.
 """
 
 from __future__ import annotations
@@ -71,7 +76,12 @@ from gateway._exceptions import (
     UpstreamError,
     error_response,
 )
-from gateway._headers import REQUEST_ID_HEADER, downstream_headers, forwarded_headers
+from gateway._headers import (
+    REQUEST_ID_HEADER,
+    downstream_headers,
+    forwarded_headers,
+    wire_text,
+)
 from gateway._metrics import Route, route_of
 from gateway._relaycore import ClientSink, SseFilter
 from gateway._sampler import exchange_request_id, session_key
@@ -532,7 +542,9 @@ class AiohttpClient:
         return self._request.scheme
 
     def refuse(self, error: GatewayError, request_id: str | None) -> None:
-        self.response = error_response(error, request_id)
+        self.response = error_response(
+            error, None if request_id is None else wire_text(request_id),
+            response_class=RelayedError)  # rule 8
         # aiohttp reads and drops an unread body, then keeps the connection: for one
         # never to come (a 413 before 100 Continue) the client's next request would be
         # read as that body. Closed after the answer, as the front does (_front.py rule 6).
@@ -558,9 +570,40 @@ class AiohttpClient:
 class RelayedResponse(web.StreamResponse):
     """A ``StreamResponse`` whose head waits for the first write instead of leaving alone
     at ``prepare`` (aiohttp's ``Response`` does the same): a small answer goes out with its
-    head and its end in one write, one system call instead of two."""
+    head and its end in one write, one system call instead of two. Its head is written as
+    Latin-1 (rule 8)."""
 
     _send_headers_immediately = False
+
+    async def _write_headers(self) -> None:
+        _latin1_head(self)
+
+
+class RelayedError(web.Response):
+    """A refusal on a connection aiohttp serves, its head written as Latin-1 (rule 8)."""
+
+    async def _write_headers(self) -> None:
+        _latin1_head(self)
+
+
+_HEAD_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _latin1_head(response: web.StreamResponse) -> None:
+    """Rule 8: what aiohttp's ``_write_headers`` does (the head buffered in its writer,
+    sent with the first write), one Latin-1 byte a character instead of UTF-8; a value with
+    a control character is refused, as aiohttp's writer refuses it (aiohttp 3.14's
+    internals, pinned in pyproject.toml)."""
+    request, writer = response._req, response._payload_writer
+    assert request is not None and isinstance(writer, StreamWriter)
+    version = request.version
+    lines = [f"HTTP/{version[0]}.{version[1]} {response.status} {response.reason}",
+             *map(": ".join, response.headers.items())]
+    if any(_HEAD_FORBIDDEN.search(line) is not None for line in lines):
+        raise ValueError("a header holds a control character")
+    head = "\r\n".join([*lines, "", ""])
+    writer._headers_buf = head.encode("latin-1", "replace")
+    writer._headers_written = False
 
 
 class ClientStream(ClientSink):

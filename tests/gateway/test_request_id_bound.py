@@ -3,12 +3,15 @@ scored and stored under an id of bounded size (``_sampler`` rule 6)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import aiohttp
 from sqlalchemy import func, select
 
 from evaluators.store import ExchangeRow, ScoreRow, create_engine
 from gateway._sampler import MAX_REQUEST_ID_CHARS, exchange_request_id
-from tests.utils import RunningGateway, eventually, run_gateway, run_sim
+from tests.utils import RunningGateway, answering_once, eventually, run_gateway, run_sim
 
 CHAT: dict[str, object] = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
 LONG_IDS = ("req-" + "0123456789" * 30, "req-" + "0123456789" * 30 + "x")
@@ -95,3 +98,79 @@ async def test_a_long_request_id_still_joins_and_is_still_a_duplicate() -> None:
         assert exchange.primary.request_id == exchange.candidate_observation.request_id == \
             exchange.request_id
         assert exchange.primary.ok and exchange.candidate_observation.ok
+
+
+NOT_UTF8_IDS = (b"req-\xff\xfe-1", b"req-\xc3\xa9-2", b"req-\xe9-3")
+"""Ids whose bytes are not all ASCII: not UTF-8, UTF-8 (an e acute), Latin-1."""
+
+
+async def _exchange_raw(port: int, request: bytes, *,
+                        after: bytes = b"") -> tuple[list[bytes], bytes]:
+    """Send ``after`` (a request answered first, on the same connection) and then
+    ``request`` (which asks to close); the last answer's head lines, as bytes, and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        if after:
+            writer.write(after)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            await reader.readexactly(length)
+        writer.write(request)
+        answer = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n"), body
+
+
+def _chat_request(request_id: bytes) -> bytes:
+    body = json.dumps(CHAT).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+            b"Content-Type: application/json\r\nX-Request-Id: " + request_id +
+            b"\r\nContent-Length: " + str(len(body)).encode() +
+            b"\r\nConnection: close\r\n\r\n" + body)
+
+
+def _request_id_of(head: list[bytes]) -> bytes:
+    ids = [line.partition(b":")[2].strip() for line in head
+           if line.lower().startswith(b"x-request-id:")]
+    assert len(ids) == 1, head
+    return ids[0]
+
+
+async def test_a_request_id_not_in_utf8_comes_back_as_the_client_sent_it() -> None:
+    """The primary and the candidate were sent the id's bytes as they came, but the client
+    got them back as '?' for each byte that is not UTF-8 (and an e acute sent as UTF-8
+    back as Latin-1's one byte): RFC 9110 5.5 makes such octets opaque, and nginx and
+    vLLM (Starlette's Latin-1 headers) give them back unchanged. Now every one of them
+    gets the bytes the client sent, on a connection the front serves and on one handed
+    to aiohttp (its first request /health), answered or refused (502)."""
+    health = b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n"
+    async with run_sim(ttft_ms=1, itl_ms=1, tokens=4) as primary, \
+            run_sim(ttft_ms=1, itl_ms=1, tokens=4) as cand, \
+            run_gateway(primary.url, candidates=[{"name": "cand", "url": cand.url}]) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        sent: list[bytes] = []
+        for after in (b"", health):
+            for request_id in NOT_UTF8_IDS:
+                request_id += b"-handed" if after else b"-front"
+                head, _ = await _exchange_raw(port, _chat_request(request_id), after=after)
+                assert head[0].startswith(b"HTTP/1.1 200"), head
+                assert _request_id_of(head) == request_id
+                sent.append(request_id)
+        await eventually(lambda: len(gw.sink) == len(sent), within_s=30)
+        stored = {exchange.request_id for exchange in gw.sink.snapshot()}
+    for backend in (primary, cand):
+        got = [r.headers["X-Request-Id"].encode("utf-8", "surrogateescape")
+               for r in backend.stats.requests]
+        assert got == sent
+    # The exchange is kept under the id as aiohttp read it (_sampler rule 6): its bytes.
+    assert {rid.encode("utf-8", "surrogateescape") for rid in stored} == set(sent)
+    async with answering_once(b"") as dead, run_gateway(dead) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        for after in (b"", health):
+            head, body = await _exchange_raw(port, _chat_request(NOT_UTF8_IDS[0]), after=after)
+            assert head[0].startswith(b"HTTP/1.1 502"), (head, body)
+            assert _request_id_of(head) == NOT_UTF8_IDS[0]
+            assert json.loads(body)["error"]["type"]
