@@ -3,7 +3,8 @@
 Rules:
 1. Every engine process is a child of the benchmark, run from the code snapshot
    (``_procs.snapshot_code``) with its own log file, and stopped by its own pid
-   (``_procs.Child.stop``). All listen on 127.0.0.1 only, on free ports.
+   (``_procs.spawn``: on the deployment's exit stack from the moment it runs, so a start
+   cut short stops what it started). All listen on 127.0.0.1 only, on free ports.
 2. Every child runs with one BLAS and one OpenMP thread (``THREAD_ENV``): on two shared cores,
    numpy's BLAS threads spin-waiting for each other collapse throughput under load, and the
    nodes of a disaggregated deployment must not each claim every core.
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import Child
+from _procs import Child, spawn
 from _stream_timing import StreamError, sse_chunks
 
-from demo.processes import THREAD_ENV, free_port, spawn, understudy_argv, wait_healthy
+from demo.processes import THREAD_ENV, free_port, understudy_argv, wait_healthy
 
 __all__ = [
     "MODEL",
@@ -71,10 +72,6 @@ class Deployment:
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
 
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
-
     def check_alive(self) -> None:
         for child in self.children:
             if not child.alive():
@@ -98,11 +95,11 @@ class Deployment:
         return out
 
 
-def _spawn(workdir: Path, code: Path, name: str, args: list[str]) -> Child:
-    """An engine from the snapshot ``code`` (rules 1-2)."""
+def _spawn(stack: ExitStack, workdir: Path, code: Path, name: str, args: list[str]) -> Child:
+    """An engine from the snapshot ``code`` (rules 1-2), stopped when ``stack`` closes."""
     port = free_port()
     argv = understudy_argv("engine", "--host", "127.0.0.1", "--port", str(port), *args)
-    return spawn(name, argv, workdir, cwd=code, env={**os.environ, **THREAD_ENV},
+    return spawn(stack, name, argv, workdir, code, extra_env=THREAD_ENV,
                  url=f"http://127.0.0.1:{port}")
 
 
@@ -119,16 +116,14 @@ def start_unified(
     """One ``--role unified`` engine, started (not yet ready: ``wait_ready``); stopped when
     the context exits."""
     deployment = Deployment(name, "")
-    try:
+    with ExitStack() as stack:
         args = ["--role", "unified", *engine_args]
         if not prefix_caching:
             args.append("--no-prefix-caching")
-        child = _spawn(workdir, code, name, args)
+        child = _spawn(stack, workdir, code, name, args)
         deployment.children.append(child)
         deployment.url = child.url
         yield deployment
-    finally:
-        deployment.stop()
 
 
 @contextlib.contextmanager
@@ -145,11 +140,11 @@ def start_disaggregated(
     """``prefill`` + ``decode`` nodes and a router (``--policy``) in front of them, started
     (not yet ready: ``wait_ready``); all stopped when the context exits."""
     deployment = Deployment(name, "")
-    try:
+    with ExitStack() as stack:
         for role, count in (("prefill", prefill), ("decode", decode)):
             for index in range(count):
                 child = _spawn(
-                    workdir, code, f"{name}-{role}{index}", ["--role", role, *engine_args]
+                    stack, workdir, code, f"{name}-{role}{index}", ["--role", role, *engine_args]
                 )
                 deployment.children.append(child)
                 (deployment.prefill_urls if role == "prefill" else deployment.decode_urls).append(
@@ -160,12 +155,10 @@ def start_disaggregated(
             router_args += ["--prefill", url]
         for url in deployment.decode_urls:
             router_args += ["--decode", url]
-        router = _spawn(workdir, code, f"{name}-router", router_args)
+        router = _spawn(stack, workdir, code, f"{name}-router", router_args)
         deployment.children.append(router)
         deployment.url = router.url
         yield deployment
-    finally:
-        deployment.stop()
 
 
 # --- one chat turn ----------------------------------------------------------------------------

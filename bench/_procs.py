@@ -12,7 +12,13 @@ Rules:
    as Ctrl-C, ``demo.processes`` rule 4), and exits 128 + the signal's number.
    vLLM is the exception to "by its own pid": it forks an engine core and helpers, so it
    runs in its own process group and ``backends.vllm.VLLMServer`` stops the whole group.
-3. CPU time is read from ``/proc/PID/stat`` (utime + stime, in clock ticks) so that the
+3. A child's stop is on the ``ExitStack`` its starter was given from the moment it runs:
+   ``spawn`` and ``popen`` start it and register its stop inside ``signals_deferred``
+   (``demo.processes`` rule 5), so a start that fails (not ready in time, a child that
+   exits) or is interrupted, even between the fork and the registration, leaves nothing
+   running: the stack stops it as it closes. Starting functions take the stack first and
+   need no cleanup of their own; their callers need none either.
+4. CPU time is read from ``/proc/PID/stat`` (utime + stime, in clock ticks) so that the
    relays are measured alike whatever language they are written in; nginx is its master
    plus its workers.
 """
@@ -28,15 +34,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
 from backends.vllm import VLLMProfile, VLLMServer, VLLMServerError, model_dir
 from demo.processes import (
+    STOP_GRACE_S,
     Process,
     free_port,
     interrupted_by_signals,
+    signals_deferred,
     understudy_argv,
     wait_healthy,
 )
@@ -59,6 +68,7 @@ __all__ = [
     "loadgen_result",
     "machine_ticks",
     "nginx_version",
+    "popen",
     "process_tree",
     "run_loadgens",
     "run_main",
@@ -208,54 +218,78 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def wait_ready(child: Child, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Wait until ``child`` answers its ``/health``; stop it if it never does, or if the
-    wait is interrupted (rule 2: the caller never got it, so cannot stop it)."""
-    try:
-        wait_healthy([child], timeout_s, poll_s=HEALTH_POLL_S)
-    except BaseException:
-        child.stop()
-        raise
+def wait_ready(child: Child, timeout_s: float | None = None) -> None:
+    """Wait until ``child`` answers its ``/health`` (``READY_TIMEOUT_S`` unless told); if it
+    never does, the stack it is on stops it (rule 3)."""
+    wait_healthy([child], READY_TIMEOUT_S if timeout_s is None else timeout_s,
+                 poll_s=HEALTH_POLL_S)
 
 
-def spawn(name: str, argv: list[str], workdir: Path, code: Path, *,
-           cwd: Path | None = None) -> Child:
+def spawn(stack: ExitStack, name: str, argv: list[str], workdir: Path, code: Path, *,
+          cwd: Path | None = None, extra_env: Mapping[str, str] | None = None,
+          url: str = "") -> Child:
     """Start ``argv`` in ``code`` (``python -m`` puts the cwd first on sys.path), or in
-    ``cwd`` with ``code`` first on PYTHONPATH; it logs to ``workdir/NAME.log``."""
+    ``cwd`` with ``code`` first on PYTHONPATH, with ``extra_env`` added to the environment;
+    it logs to ``workdir/NAME.log`` and is stopped when ``stack`` closes (rule 3)."""
     env = None
-    if cwd is not None:
-        env = {**os.environ,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(code),
-                                                           os.environ.get("PYTHONPATH")]))}
-    return start_process(name, argv, workdir, cwd=cwd or code, env=env)
+    if cwd is not None or extra_env:
+        env = {**os.environ, **(extra_env or {})}
+        if cwd is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code),
+                                                              os.environ.get("PYTHONPATH")]))
+    with signals_deferred():
+        child = start_process(name, argv, workdir, cwd=cwd or code, env=env, url=url)
+        stack.callback(child.stop)
+    return child
 
 
-def start_sim(workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float, tokens: int,
-              name: str = "sim", extra: Sequence[str] = ()) -> Child:
+def popen(stack: ExitStack, argv: Sequence[str], **options: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(argv, **options)`` for a child whose output the benchmark reads (a
+    load generator, a worker, py-spy), stopped when ``stack`` closes (rule 3)."""
+    with signals_deferred():
+        proc: subprocess.Popen[Any] = subprocess.Popen(list(argv), **options)
+        stack.callback(_stop_popen, proc)
+    return proc
+
+
+def _stop_popen(proc: subprocess.Popen[Any]) -> None:
+    """``demo.processes`` rule 1 for a bare Popen: SIGTERM, SIGKILL past the grace; then
+    its pipes are closed."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with suppress(OSError):  # unread input to a child that is gone
+                stream.close()
+
+
+def start_sim(stack: ExitStack, workdir: Path, code: Path, *, ttft_ms: float, itl_ms: float,
+              tokens: int, name: str = "sim", extra: Sequence[str] = ()) -> Child:
     """The vLLM simulator on a free port (it picks port 0 and prints its URL); ``extra``:
     more ``sim`` flags (``--variant``, ``--fault``)."""
     argv = understudy_argv("sim", "--port", "0", "--ttft-ms", str(ttft_ms), "--itl-ms",
                            str(itl_ms), "--tokens", str(tokens), *extra)
-    child = spawn(name, argv, workdir, code)
+    child = spawn(stack, name, argv, workdir, code)
     deadline = time.monotonic() + READY_TIMEOUT_S
-    try:
-        while time.monotonic() < deadline and not child.url:
-            if match := _SIM_LINE.search(child.log.read_bytes()):
-                child.url = match.group(1).decode()
-                break
-            if not child.alive():
-                break
-            time.sleep(0.05)
-        if not child.url:
-            raise RuntimeError(f"simulator did not start:\n{child.log_tail()}")
-    except BaseException:  # rule 2: not started, or interrupted
-        child.stop()
-        raise
+    while time.monotonic() < deadline and not child.url:
+        if match := _SIM_LINE.search(child.log.read_bytes()):
+            child.url = match.group(1).decode()
+            break
+        if not child.alive():
+            break
+        time.sleep(0.05)
+    if not child.url:
+        raise RuntimeError(f"simulator did not start:\n{child.log_tail()}")
     wait_ready(child)
     return child
 
 
-def start_gateway(workdir: Path, code: Path, primary_url: str) -> Child:
+def start_gateway(stack: ExitStack, workdir: Path, code: Path, primary_url: str) -> Child:
     """The understudy gateway (one process, uvloop) in front of ``primary_url``.
 
     Each gateway runs in a directory of its own: its embedded store (SQLite, a file in
@@ -267,19 +301,18 @@ def start_gateway(workdir: Path, code: Path, primary_url: str) -> Child:
     run_dir.mkdir()
     argv = understudy_argv("serve", "--primary", primary_url, "--host", "127.0.0.1",
                            "--port", str(port))
-    child = spawn("gateway", argv, run_dir, code, cwd=run_dir)
-    child.url = f"http://127.0.0.1:{port}"
+    child = spawn(stack, "gateway", argv, run_dir, code, cwd=run_dir,
+                  url=f"http://127.0.0.1:{port}")
     wait_ready(child)
     return child
 
 
-def start_bare_relay(workdir: Path, primary_url: str) -> Child:
+def start_bare_relay(stack: ExitStack, workdir: Path, primary_url: str) -> Child:
     """bench/_bare_relay.py: aiohttp + uvloop relaying chunks and nothing else."""
     port = free_port()
     script = Path(__file__).resolve().parent / "_bare_relay.py"
     argv = [sys.executable, str(script), "--primary", primary_url, "--port", str(port)]
-    child = spawn("aiohttp", argv, workdir, workdir)
-    child.url = f"http://127.0.0.1:{port}"
+    child = spawn(stack, "aiohttp", argv, workdir, workdir, url=f"http://127.0.0.1:{port}")
     wait_ready(child)
     return child
 
@@ -353,8 +386,9 @@ _NGINX_MIRROR_LOCATION = """\
         }}"""
 
 
-def start_nginx(workdir: Path, binary: str, primary_url: str, *, name: str = "nginx",
-                candidate_url: str | None = None, mirror_timeout_s: int = 5) -> Child:
+def start_nginx(stack: ExitStack, workdir: Path, binary: str, primary_url: str, *,
+                name: str = "nginx", candidate_url: str | None = None,
+                mirror_timeout_s: int = 5) -> Child:
     """nginx ``proxy_pass`` to ``primary_url``, and ``mirror`` to ``candidate_url`` if given."""
     prefix = workdir / name
     (prefix / "tmp").mkdir(parents=True, exist_ok=True)
@@ -369,24 +403,21 @@ def start_nginx(workdir: Path, binary: str, primary_url: str, *, name: str = "ng
                          if candidate_url else "")))
     argv = [binary, "-e", str(prefix / "error.log"), "-p", str(prefix), "-c", str(conf),
             "-g", "daemon off;"]
-    child = spawn(name, argv, workdir, workdir)
-    child.url = f"http://127.0.0.1:{port}"
+    child = spawn(stack, name, argv, workdir, workdir, url=f"http://127.0.0.1:{port}")
     wait_ready(child)
     child.extra_pids = children_of(child.pid)  # the worker(s)
     if not child.extra_pids:
-        child.stop()
         raise RuntimeError(f"{name} started without a worker process")
     return child
 
 
-def start_engine(workdir: Path, code: Path, *, name: str = "engine") -> Child:
+def start_engine(stack: ExitStack, workdir: Path, code: Path, *, name: str = "engine") -> Child:
     """The reference engine (``understudy engine --role unified``) from the code snapshot,
     on a free port, with prefix caching on (its default, as vLLM's profile)."""
     port = free_port()
     argv = understudy_argv("engine", "--role", "unified", "--host", "127.0.0.1",
                            "--port", str(port))
-    child = spawn(name, argv, workdir, code)
-    child.url = f"http://127.0.0.1:{port}"
+    child = spawn(stack, name, argv, workdir, code, url=f"http://127.0.0.1:{port}")
     wait_ready(child, ENGINE_READY_TIMEOUT_S)
     return child
 
@@ -400,7 +431,7 @@ def start_vllm(workdir: Path, *, max_model_len: int) -> VLLMServer:
     try:
         server.start()
         server.wait_healthy(VLLM_READY_TIMEOUT_S)
-    except BaseException as exc:  # rule 2: not started, or interrupted
+    except BaseException as exc:  # not started, or interrupted: the caller never got it
         server.stop()
         if isinstance(exc, VLLMServerError):
             raise RuntimeError(f"vLLM did not start: {exc}") from exc
@@ -428,28 +459,30 @@ def loadgen_result(returncode: int | None, out: str, err: str) -> dict[str, Any]
 
 def run_loadgens(script: Path, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One load generator per spec, all at once; their results in the same order."""
-    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(spec)], cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for spec in specs]
-    results = []
-    for proc, spec in zip(procs, specs, strict=True):
-        try:
-            out, err = proc.communicate(timeout=float(spec["deadline_s"]) + 90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        results.append(loadgen_result(proc.returncode, out, err))
+    with ExitStack() as stack:
+        procs = [popen(stack, [sys.executable, str(script), json.dumps(spec)], cwd=REPO_ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for spec in specs]
+        results = []
+        for proc, spec in zip(procs, specs, strict=True):
+            try:
+                out, err = proc.communicate(timeout=float(spec["deadline_s"]) + 90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            results.append(loadgen_result(proc.returncode, out, err))
     return results
 
 
 class LoadGen:
-    """A load generator kept for the whole run (``--serve``: one spec a line on stdin)."""
+    """A load generator kept for the whole run (``--serve``: one spec a line on stdin),
+    stopped when ``stack`` closes."""
 
-    def __init__(self, workdir: Path, script: Path = LOADGEN_SCRIPT) -> None:
-        self._log = (workdir / "loadgen.log").open("wb")
-        self._proc = subprocess.Popen([sys.executable, str(script), "--serve"], cwd=REPO_ROOT,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._log, text=True)
+    def __init__(self, stack: ExitStack, workdir: Path, script: Path = LOADGEN_SCRIPT) -> None:
+        self._log = stack.enter_context((workdir / "loadgen.log").open("wb"))
+        self._proc = popen(stack, [sys.executable, str(script), "--serve"], cwd=REPO_ROOT,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                           text=True)
 
     def run(self, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         assert self._proc.stdin is not None and self._proc.stdout is not None
@@ -458,17 +491,7 @@ class LoadGen:
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
         line = self._proc.stdout.readline() if ready else ""
         if not line:
-            self.close()
+            _stop_popen(self._proc)
             tail = Path(self._log.name).read_text(errors="replace")[-2000:]
             raise RuntimeError(f"load generator gave no result within {timeout_s:.0f} s:\n{tail}")
         return loadgen_result(0, line, "")
-
-    def close(self) -> None:
-        if self._proc.stdin is not None and not self._proc.stdin.closed:
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(5)
-        self._log.close()

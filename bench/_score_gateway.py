@@ -24,6 +24,7 @@ import sqlite3
 import tempfile
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +46,15 @@ CANDIDATE_CONCURRENCY = 64
 READY_TIMEOUT_S = 90.0
 
 
-def _sim(workdir: Path, name: str, variant: str) -> Child:
+def _sim(stack: ExitStack, workdir: Path, name: str, variant: str) -> Child:
     port = free_port()
     argv = understudy_argv("sim", "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms",
                            str(ITL_MS), "--tokens", str(TOKENS), "--variant", variant)
-    child = spawn(name, argv, workdir, REPO_ROOT)
-    child.url = f"http://127.0.0.1:{port}"
-    return child
+    return spawn(stack, name, argv, workdir, REPO_ROOT, url=f"http://127.0.0.1:{port}")
 
 
-def _gateway(workdir: Path, primary: str, candidate: str, semantic_model: str
-             ) -> tuple[Child, Path]:
+def _gateway(stack: ExitStack, workdir: Path, primary: str, candidate: str,
+             semantic_model: str) -> tuple[Child, Path]:
     port = free_port()
     db = workdir / "gateway.db"
     candidate_entry = {"name": "cand", "url": candidate, "sample_rate": 1.0,
@@ -69,9 +68,8 @@ def _gateway(workdir: Path, primary: str, candidate: str, semantic_model: str
     config = workdir / "gateway.toml"
     config.write_text("\n".join(lines) + "\n")
     argv = understudy_argv("serve", "--config", str(config))
-    child = spawn("gateway", argv, workdir, REPO_ROOT, cwd=workdir)
-    child.url = f"http://127.0.0.1:{port}"
-    return child, db
+    return spawn(stack, "gateway", argv, workdir, REPO_ROOT, cwd=workdir,
+                 url=f"http://127.0.0.1:{port}"), db
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -161,25 +159,18 @@ def _stored(db: Path) -> dict[str, int]:
 def run_gateway_phase(*, quick: bool = False, variant: str = "",
                       semantic_model: str = "static") -> dict[str, Any]:
     duration = QUICK_DURATION_S if quick else DURATION_S
-    with tempfile.TemporaryDirectory(prefix="score-gw-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="score-gw-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        children: list[Child] = []
-        try:
-            primary = _sim(workdir, "primary", "")
-            candidate = _sim(workdir, "candidate", variant)
-            children += [primary, candidate]
-            for sim in (primary, candidate):
-                wait_ready(sim, READY_TIMEOUT_S)
-            gateway, db = _gateway(workdir, primary.url, candidate.url, semantic_model)
-            children.append(gateway)
-            wait_ready(gateway, READY_TIMEOUT_S)
-            load_before = loadavg()
-            tally = asyncio.run(_offer(gateway.url, duration))
-            metrics, drain_s = _drain(gateway.url)
-            stored = _stored(db)
-        finally:
-            for child in reversed(children):
-                child.stop()
+        primary = _sim(stack, workdir, "primary", "")
+        candidate = _sim(stack, workdir, "candidate", variant)
+        for sim in (primary, candidate):
+            wait_ready(sim, READY_TIMEOUT_S)
+        gateway, db = _gateway(stack, workdir, primary.url, candidate.url, semantic_model)
+        wait_ready(gateway, READY_TIMEOUT_S)
+        load_before = loadavg()
+        tally = asyncio.run(_offer(gateway.url, duration))
+        metrics, drain_s = _drain(gateway.url)
+        stored = _stored(db)
     pick = {k.removeprefix("understudy_"): v for k, v in metrics.items()
             if k.startswith(_DRAIN_SERIES[:3])}
     return {"rate": RATE, "duration_s": duration, "tokens": TOKENS, "variant": variant,

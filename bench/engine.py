@@ -209,7 +209,7 @@ def _cached_text(values: list[int | None]) -> str:
 def start_servers(stack: ExitStack, workdir: Path, code: Path) -> tuple[Child, VLLMServer]:
     """Both servers, started side by side; each is stopped when ``stack`` closes."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        engine_f: Future[Child] = pool.submit(start_engine, workdir, code)
+        engine_f: Future[Child] = pool.submit(start_engine, stack, workdir, code)
         vllm_f: Future[VLLMServer] = pool.submit(start_vllm, workdir, max_model_len=MAX_MODEL_LEN)
         # Registered before waiting, so an interrupt still stops whatever did start.
         stack.callback(_stop_started, vllm_f, lambda s: s.stop())
@@ -224,7 +224,9 @@ def _stop_started(future: Future[Any], stop: Callable[[Any], None]) -> None:
         return
     try:
         started = future.result(timeout=START_WAIT_S)
-    except Exception:  # its start failed, and start_* stopped what it had started
+    except Exception:
+        # Its start failed: start_vllm stopped its server; start_engine's child is on the
+        # stack from its spawn (_procs rule 3; one added while the stack closes still runs).
         return
     stop(started)
 

@@ -50,6 +50,7 @@ import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _procs import code_revision, export_code, git_commit, run_main  # noqa: E402
+from _procs import code_revision, export_code, git_commit, popen, run_main  # noqa: E402
 from _report import RESULTS_DIR, render_table, write_results  # noqa: E402
 
 OUTCOMES = ("PASS", "MARGINAL", "INCONCLUSIVE", "FAIL")
@@ -201,10 +202,12 @@ def _count_held(counts: Counter[str], verdicts: list[str]) -> None:
     counts["held throughout"] += not moved and "FAIL" not in verdicts
 
 
-def _spawn(code: Path, sizes: list[int], trials: int, looks: int) -> subprocess.Popen[str]:
+def _spawn(stack: ExitStack, code: Path, sizes: list[int], trials: int,
+           looks: int) -> subprocess.Popen[str]:
+    """A judging worker on ``code``, stopped when ``stack`` closes (``_procs`` rule 3)."""
     argv = [sys.executable, __file__, "--worker", str(code), "--trials", str(trials),
             "--looks", str(looks), "--sizes", *map(str, sizes)]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    return popen(stack, argv, stdout=subprocess.PIPE, text=True)
 
 
 def _collect(child: subprocess.Popen[str]) -> dict[str, Any]:
@@ -243,11 +246,11 @@ def main() -> int:
         print(json.dumps({"cells": judge_cells(args.sizes, args.trials), "held": held}))
         return 0
     revisions = {"this tree": code_revision(("evaluators",))}
-    with tempfile.TemporaryDirectory(prefix="judge-calibration-") as tmp:
-        children = {"this tree": _spawn(REPO_ROOT, args.sizes, args.trials, args.looks)}
+    with tempfile.TemporaryDirectory(prefix="judge-calibration-") as tmp, ExitStack() as stack:
+        children = {"this tree": _spawn(stack, REPO_ROOT, args.sizes, args.trials, args.looks)}
         if args.rev is not None:
             revisions[args.rev] = git_commit(args.rev)
-            children[args.rev] = _spawn(export_code(Path(tmp), args.rev), args.sizes,
+            children[args.rev] = _spawn(stack, export_code(Path(tmp), args.rev), args.sizes,
                                         args.trials, args.looks)
         results = {label: _collect(child) for label, child in children.items()}
     header = ["scenario", "n a side"]

@@ -163,19 +163,18 @@ class Plan:
 
 # --- processes -------------------------------------------------------------------------
 
-def spawn_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
+def spawn_sim(stack: ExitStack, workdir: Path, code: Path, name: str, *extra: str) -> Child:
     """bench/_procs.start_sim with the options it does not take (fault, context); not
-    waited for (see ``ready``), so that the Python children start side by side."""
+    waited for (see ``ready``), so that the Python children start side by side. Stopped
+    when ``stack`` closes, as every child here."""
     port = free_port()
     argv = understudy_argv("sim", "--port", str(port), "--ttft-ms", str(TTFT_MS), "--itl-ms",
                            str(ITL_MS), "--tokens", str(TOKENS), "--max-model-len",
                            str(SIM_MAX_MODEL_LEN), *extra)
-    child = spawn(name, argv, workdir, code)
-    child.url = f"http://127.0.0.1:{port}"
-    return child
+    return spawn(stack, name, argv, workdir, code, url=f"http://127.0.0.1:{port}")
 
 
-def spawn_gateway(workdir: Path, code: Path, name: str, primary_url: str,
+def spawn_gateway(stack: ExitStack, workdir: Path, code: Path, name: str, primary_url: str,
                   candidates: list[dict[str, Any]], budget_bytes: int | None = None,
                   evaluation: bool = True) -> Child:
     """A gateway from a generated TOML config: default settings except those named here;
@@ -194,9 +193,7 @@ def spawn_gateway(workdir: Path, code: Path, name: str, primary_url: str,
     config = workdir / f"{name}.toml"
     config.write_text("\n".join(lines))
     argv = understudy_argv("serve", "--config", str(config))
-    child = spawn(name, argv, workdir, code)
-    child.url = f"http://127.0.0.1:{port}"
-    return child
+    return spawn(stack, name, argv, workdir, code, url=f"http://127.0.0.1:{port}")
 
 
 def ready(*children: Child) -> None:
@@ -415,13 +412,13 @@ def brief(f: dict[str, Any]) -> str:
                if "drain_s" in f else "") + errors)
 
 
-def spawn_memory_gateways(workdir: Path, code: Path, primary: Child, stalled: Child,
-                          plan: Plan, quick: bool) -> dict[str, Child]:
+def spawn_memory_gateways(stack: ExitStack, workdir: Path, code: Path, primary: Child,
+                          stalled: Child, plan: Plan, quick: bool) -> dict[str, Child]:
     """The overload phase's gateways: the budget, buffers far above it."""
     candidate = candidate_entry("stalled", stalled.url, buffer_items=RSS_BUFFER_ITEMS,
                                 buffer_bytes=RSS_BUFFER_BYTES)
     variants = {"stalled": [candidate]} if quick else {"control": [], "stalled": [candidate]}
-    return {label: spawn_gateway(workdir, code, f"gw-memory-{label}", primary.url,
+    return {label: spawn_gateway(stack, workdir, code, f"gw-memory-{label}", primary.url,
                                  candidates, budget_bytes=plan.memory_budget)
             for label, candidates in variants.items()}
 
@@ -761,34 +758,28 @@ def main() -> int:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
             prefix="understudy-mirror-")))
         code = snapshot_code(workdir) if args.rev is None else export_code(workdir, args.rev)
-
-        def started(child: Child) -> Child:
-            stack.callback(child.stop)
-            return child
-
-        primary = started(spawn_sim(workdir, code, "sim-primary"))
-        healthy = started(spawn_sim(workdir, code, "sim-healthy", "--variant", "candidate"))
-        stalled = started(spawn_sim(workdir, code, "sim-stalled",
-                                    "--fault", "hang_before_first_byte"))
+        primary = spawn_sim(stack, workdir, code, "sim-primary")
+        healthy = spawn_sim(stack, workdir, code, "sim-healthy", "--variant", "candidate")
+        stalled = spawn_sim(stack, workdir, code, "sim-stalled",
+                            "--fault", "hang_before_first_byte")
         candidates = {"none": None, "healthy": healthy, "stalled": stalled}
         relays: dict[str, Child] = {}
         for target in (t for t in chosen if t.startswith("gw-")):
             sim = candidates[target.split("-")[1]]
-            relays[target] = started(spawn_gateway(
-                workdir, code, target, primary.url,
+            relays[target] = spawn_gateway(
+                stack, workdir, code, target, primary.url,
                 [candidate_entry(sim.name.removeprefix("sim-"), sim.url)] if sim else [],
-                evaluation=not target.endswith("-noeval")))
-        memory_gateways = {} if args.no_memory else {
-            label: started(child) for label, child in spawn_memory_gateways(
-                workdir, code, primary, stalled, plan, args.quick).items()}
+                evaluation=not target.endswith("-noeval"))
+        memory_gateways = {} if args.no_memory else spawn_memory_gateways(
+            stack, workdir, code, primary, stalled, plan, args.quick)
         ready(primary, healthy, stalled, *relays.values(), *memory_gateways.values())
         for target in (t for t in chosen if t.startswith("nginx-")):
             if nginx is None:
                 continue
             sim = candidates[target.split("-")[1]]
-            relays[target] = started(start_nginx(
-                workdir, nginx, primary.url, name=target, candidate_url=sim.url if sim else None,
-                mirror_timeout_s=NGINX_MIRROR_TIMEOUT_S))
+            relays[target] = start_nginx(
+                stack, workdir, nginx, primary.url, name=target,
+                candidate_url=sim.url if sim else None, mirror_timeout_s=NGINX_MIRROR_TIMEOUT_S)
         rounds, pairs = run_rounds(plan, relays, [primary, healthy, stalled], log)
         side_by_side = summarise_pairs(pairs)
         gateways = [name for name in GATEWAYS if name in relays]

@@ -55,6 +55,7 @@ from _procs import (
     code_revision,
     find_nginx,
     nginx_version,
+    popen,
     run_main,
     snapshot_code,
     start_bare_relay,
@@ -186,12 +187,9 @@ def start_sim_and_gateway(stack: ExitStack, workdir: Path, code: Path, scenario:
                           *, name: str) -> tuple[Child, Child]:
     """The scenario's simulator (child ``name``) and a gateway in front of it, both stopped
     when ``stack`` closes."""
-    sim = start_sim(workdir, code, ttft_ms=scenario.sim.ttft_ms, itl_ms=scenario.sim.itl_ms,
-                    tokens=scenario.sim.tokens, name=name)
-    stack.callback(sim.stop)
-    gateway = start_gateway(workdir, code, sim.url)
-    stack.callback(gateway.stop)
-    return sim, gateway
+    sim = start_sim(stack, workdir, code, ttft_ms=scenario.sim.ttft_ms,
+                    itl_ms=scenario.sim.itl_ms, tokens=scenario.sim.tokens, name=name)
+    return sim, start_gateway(stack, workdir, code, sim.url)
 
 
 def run_scenario(loadgen: LoadGen, scenario: Scenario, workdir: Path, code: Path,
@@ -203,13 +201,9 @@ def run_scenario(loadgen: LoadGen, scenario: Scenario, workdir: Path, code: Path
                                              name=f"sim-{scenario.key}")
         relays: dict[str, Child | None] = {"direct": None, "gateway": gateway}
         if bare:
-            bare_child = start_bare_relay(workdir, sim.url)
-            stack.callback(bare_child.stop)
-            relays["aiohttp"] = bare_child
+            relays["aiohttp"] = start_bare_relay(stack, workdir, sim.url)
         if nginx is not None:
-            nginx_child = start_nginx(workdir, nginx, sim.url)
-            stack.callback(nginx_child.stop)
-            relays["nginx"] = nginx_child
+            relays["nginx"] = start_nginx(stack, workdir, nginx, sim.url)
         order = list(relays)
         rounds: list[dict[str, dict[str, Any]]] = []
         for index in range(scenario.rounds):
@@ -432,10 +426,10 @@ def profile_gateway(loadgen: LoadGen, scenario: Scenario, workdir: Path, code: P
         path.parent.mkdir(parents=True, exist_ok=True)
         # --native shows where the time inside uvloop and aiohttp's C parts goes; it
         # pauses the gateway for each sample, so this round's timings are not reported.
-        spy = subprocess.Popen([str(pyspy), "record", "--pid", str(gateway.pid), "--rate", "200",
-                                "--native", "--format", "raw", "--duration", str(duration),
-                                "--output", str(path)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        spy = popen(stack, [str(pyspy), "record", "--pid", str(gateway.pid), "--rate", "200",
+                           "--native", "--format", "raw", "--duration", str(duration),
+                           "--output", str(path)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(1.0)
         figures = derive(run_loadgen(loadgen, scenario, gateway.url,
                                      {"relay": gateway.cpu_pids()}, client_usage))
@@ -580,8 +574,7 @@ def _main(stack: ExitStack) -> int:
     print(f"code: {revision} (copied at start; the run does not see later edits)", flush=True)
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="understudy-bench-")))
     code = snapshot_code(workdir)
-    loadgen = LoadGen(workdir)
-    stack.callback(loadgen.close)
+    loadgen = LoadGen(stack, workdir)
     for scenario in chosen:
         results[scenario.key] = run_scenario(loadgen, scenario, workdir, code, nginx,
                                              not args.no_aiohttp, args.client_usage, log)

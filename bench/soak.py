@@ -37,6 +37,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +74,16 @@ ADMIN_TIMEOUT_S = 60.0
 loaded cores that has taken over 10 s. Slower than this is a failed operation."""
 
 
-def start_soak_sim(workdir: Path, code: Path, name: str, *extra: str) -> Child:
+def start_soak_sim(stack: ExitStack, workdir: Path, code: Path, name: str, *extra: str) -> Child:
     """A simulator with the soak's timings (20 ms TTFT, 5 ms per token, 32 tokens)."""
-    return start_sim(workdir, code, ttft_ms=20, itl_ms=5, tokens=32, name=name, extra=extra)
+    return start_sim(
+        stack, workdir, code, ttft_ms=20, itl_ms=5, tokens=32, name=name, extra=extra
+    )
 
 
 def start_gateway(
-    workdir: Path, code: Path, primary: str, healthy: str, faulty: str, token: str
+    stack: ExitStack, workdir: Path, code: Path, primary: str, healthy: str, faulty: str,
+    token: str,
 ) -> tuple[Child, str]:
     port, admin = free_port(), free_port()
     run_dir = workdir / "gateway"
@@ -100,8 +104,8 @@ def start_gateway(
         "--candidate",
         f"faulty={faulty},rate=1.0,unit=request",
     )
-    child = spawn("gateway", argv, run_dir, code, cwd=run_dir)
-    child.url = f"http://127.0.0.1:{port}"
+    child = spawn(stack, "gateway", argv, run_dir, code, cwd=run_dir,
+                  url=f"http://127.0.0.1:{port}")
     wait_ready(child, 60)
     return child, f"http://127.0.0.1:{admin}/admin/v1"
 
@@ -315,61 +319,52 @@ def main() -> None:
     duration_s = 120.0 if args.quick else args.minutes * 60
     token = secrets.token_urlsafe(24)
     revision = code_revision()
-    children: list[Child] = []
-    loadgen: LoadGen | None = None
-    with tempfile.TemporaryDirectory(prefix="understudy-soak-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="understudy-soak-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         code = snapshot_code(workdir)
-        try:
-            primary = start_soak_sim(workdir, code, "primary")
-            healthy = start_soak_sim(workdir, code, "healthy", "--variant", "h")
-            faulty = start_soak_sim(
-                workdir,
-                code,
-                "faulty",
-                "--fault",
-                "reset_mid_stream",
-                "--fault-rate",
-                "0.5",
-                "--fault-after-chunks",
-                "4",
+        primary = start_soak_sim(stack, workdir, code, "primary")
+        healthy = start_soak_sim(stack, workdir, code, "healthy", "--variant", "h")
+        faulty = start_soak_sim(
+            stack,
+            workdir,
+            code,
+            "faulty",
+            "--fault",
+            "reset_mid_stream",
+            "--fault-rate",
+            "0.5",
+            "--fault-after-chunks",
+            "4",
+        )
+        gateway, admin = start_gateway(
+            stack, workdir, code, primary.url, healthy.url, faulty.url, token
+        )
+        loadgen = LoadGen(stack, workdir)
+        operator = Operator(gateway, admin, token, duration_s, healthy.url)
+        operator.start()
+        modes = [("stream", False), ("stream", True), ("small", False)]
+        rounds: list[dict[str, Any]] = []
+        started = time.monotonic()
+        while (left := duration_s - (time.monotonic() - started)) > 1:
+            mode, usage = modes[len(rounds) % len(modes)]
+            result = loadgen.run(
+                spec(gateway.url, mode, usage, min(ROUND_S, left)), timeout_s=ROUND_S + 120
             )
-            children += [primary, healthy, faulty]
-            gateway, admin = start_gateway(
-                workdir, code, primary.url, healthy.url, faulty.url, token
+            rounds.append(
+                {
+                    "mode": mode,
+                    "client_usage": usage,
+                    "ok": result["ok"],
+                    "errors": result["errors"],
+                    "cut": result["cut_by_deadline"],
+                    "error_samples": result["error_samples"],
+                }
             )
-            children.append(gateway)
-            loadgen = LoadGen(workdir)
-            operator = Operator(gateway, admin, token, duration_s, healthy.url)
-            operator.start()
-            modes = [("stream", False), ("stream", True), ("small", False)]
-            rounds: list[dict[str, Any]] = []
-            started = time.monotonic()
-            while (left := duration_s - (time.monotonic() - started)) > 1:
-                mode, usage = modes[len(rounds) % len(modes)]
-                result = loadgen.run(
-                    spec(gateway.url, mode, usage, min(ROUND_S, left)), timeout_s=ROUND_S + 120
-                )
-                rounds.append(
-                    {
-                        "mode": mode,
-                        "client_usage": usage,
-                        "ok": result["ok"],
-                        "errors": result["errors"],
-                        "cut": result["cut_by_deadline"],
-                        "error_samples": result["error_samples"],
-                    }
-                )
-            operator.stop_event.set()
-            operator.join(30)
-            elapsed = time.monotonic() - started
-            _s, health = http_json(gateway.url + "/health")
-            gateway_alive = gateway.alive()
-        finally:
-            if loadgen is not None:
-                loadgen.close()
-            for child in reversed(children):
-                child.stop()
+        operator.stop_event.set()
+        operator.join(30)
+        elapsed = time.monotonic() - started
+        _s, health = http_json(gateway.url + "/health")
+        gateway_alive = gateway.alive()
     report(rounds, operator, health, gateway_alive, elapsed, revision)
 
 

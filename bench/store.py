@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -302,16 +303,17 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
     await _admin(admin_url, f'CREATE DATABASE "{name}"')
     base = admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
     url = f"{base}/{name}"
-    sims = [start_sim(workdir, REPO_ROOT, ttft_ms=STREAM_TTFT_MS, itl_ms=STREAM_ITL_MS,
-                      tokens=STREAM_TOKENS, name=f"sim-{role}")
-            for role in ("primary", "candidate")]
-    records = workload(2_000, secrets.token_hex(4))  # built before anything is measured
-    pickle_us = statistics.median(_pickle_us(records) for _ in range(3))
-    gc.collect()
-    gc.freeze()
     figures: dict[str, list[dict[str, Any]]] = {"idle": [], "saturated": []}
     submit_s: list[float] = []
+    simulators = ExitStack()  # stops them as it closes (_procs rule 3)
     try:
+        sims = [start_sim(simulators, workdir, REPO_ROOT, ttft_ms=STREAM_TTFT_MS,
+                          itl_ms=STREAM_ITL_MS, tokens=STREAM_TOKENS, name=f"sim-{role}")
+                for role in ("primary", "candidate")]
+        records = workload(2_000, secrets.token_hex(4))  # built before anything is measured
+        pickle_us = statistics.median(_pickle_us(records) for _ in range(3))
+        gc.collect()
+        gc.freeze()
         gateway = load_config(None, {
             "server": {"port": 0}, "primary": {"url": sims[0].url},
             "candidates": [{"name": "candidate", "url": sims[1].url}],
@@ -350,8 +352,7 @@ async def proxy_rounds(admin_url: str, rounds: int, requests_per_worker: int,
         finally:
             await runner.cleanup()
     finally:
-        for sim in sims:
-            sim.stop()
+        simulators.close()
         gc.unfreeze()
         await _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     medians = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]
