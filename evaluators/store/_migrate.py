@@ -32,7 +32,10 @@ Rules:
    retrying cannot cure it, and a newer schema is not this code's to write.
 5. A target revision Alembic cannot reach (no such revision, a relative one walking past
    either end, an "upgrade" to an older one) is :class:`UnknownRevision`, with Alembic's
-   reason: the caller's argument is wrong, nothing was run.
+   reason: the caller's argument is wrong, nothing was run. An upgrade's target is
+   resolved before Alembic runs (``_resolve_upgrade``): a relative one walking past the
+   newest revision (``head+1``, ``0004+2``) fails an assertion inside Alembic, not a
+   ``CommandError``, and was a traceback.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -124,6 +128,7 @@ async def _run(url: str | AsyncEngine, verb: Literal["upgrade", "downgrade"],
         _refuse_unknown_revision(connection, config)
         try:
             if verb == "upgrade":
+                _resolve_upgrade(connection, config, revision)
                 command.upgrade(config, revision)
             else:
                 command.downgrade(config, revision)
@@ -160,6 +165,19 @@ def _refuse_unknown_revision(connection: Connection, config: Config) -> None:
             f"the database's schema is at revision {', '.join(map(repr, unknown))}, which this "
             f"understudy does not know (its newest is {script.get_current_head()!r}): a newer "
             "understudy migrated it; run that version, or use another database")
+
+
+def _resolve_upgrade(connection: Connection, config: Config, revision: str) -> None:
+    """Rule 5: resolve an upgrade's target as ``command.upgrade`` will, before it runs."""
+    script = ScriptDirectory.from_config(config)
+    current = MigrationContext.configure(connection).get_current_heads()
+    try:
+        list(script.revision_map.iterate_revisions(revision, current, implicit_base=True))
+    except RevisionError:
+        return  # ``command.upgrade`` refuses it with a CommandError, in Alembic's words
+    except AssertionError:  # Alembic's ``is_revision`` on a walk that found no revision
+        raise UnknownRevision(f"{revision!r}: walks past the newest revision, "
+                              f"{script.get_current_head()!r}") from None
 
 
 def _config(connection: Connection | None) -> Config:

@@ -46,6 +46,21 @@ def test_a_revision_it_cannot_reach_is_one_line_and_a_usage_error(
     assert asyncio.run(current_revision(url)) is None  # nothing ran
 
 
+@pytest.mark.parametrize("revision", ["head+1", "head+2", "0001+9"])
+def test_an_upgrade_walking_past_the_newest_revision_is_one_line_and_a_usage_error(
+        tmp_path: Path, revision: str) -> None:
+    """README: ``head+1`` is refused as ``Error: --revision: ...``, exit 2. Alembic fails an
+    assertion resolving it (not a CommandError): it was a traceback, exit 1. Found walking
+    the README on a fresh clone."""
+    url = sqlite_url(tmp_path)
+    refused = (2, [f"Error: --revision: {revision!r}: walks past the newest revision, "
+                   f"{head_revision()!r}"])
+    assert invoke("db", "upgrade", "--revision", revision, "--db", url) == refused
+    assert asyncio.run(current_revision(url)) is None  # nothing ran
+    assert invoke("db", "upgrade", "--db", url)[0] == 0
+    assert invoke("db", "upgrade", "--revision", revision, "--db", url) == refused  # at head
+
+
 def test_a_store_it_cannot_open_is_one_line_naming_it(tmp_path: Path) -> None:
     with socket.socket() as closed:  # bound, never listening: connections are refused
         closed.bind(("127.0.0.1", 0))
