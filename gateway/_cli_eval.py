@@ -158,7 +158,8 @@ async def _prune(store: StoreConfig, cutoff: datetime) -> Pruned:
 @click.argument("candidate")
 @click.option("--window-s", type=float, help="Judge only scores of the last N seconds.")
 @click.option("--secondary", help="The replica of the primary whose scores are the noise "
-              "floor (default: the config's candidate with role = \"secondary\").")
+              "floor (default: the config's candidate with role = \"secondary\", else the "
+              "store's, the one scored last).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def report(config_path: Path | None, db_url: str | None, candidate: str,
            window_s: float | None, secondary: str | None, as_json: bool) -> None:
@@ -194,11 +195,17 @@ async def _build(config: GatewayConfig, candidate: str, secondary: str | None,
     engine = create_engine(config.evaluation.store)
     try:
         async with session_factory(engine)() as session, session.begin():
-            known = [c.name for c in await list_candidates(session)]
+            summaries = await list_candidates(session)
+            known = [c.name for c in summaries]
             if candidate not in known:  # a typo is not "too few samples" (the admin's 404)
                 have = f"known: {', '.join(known)}" if known else \
                     "none has been registered yet"
                 raise click.ClickException(f"no candidate {candidate!r} in the store ({have})")
+            if secondary is None:  # ``--db`` alone: the replica the gateways registered
+                replicas = [c for c in summaries if c.role == "secondary"]
+                newest = max(replicas, default=None,
+                             key=lambda c: c.last_scored_at or datetime.min.replace(tzinfo=UTC))
+                secondary = newest.name if newest else None
             return await build_report(session, candidate, config.evaluation.gates,
                                       secondary=secondary, since=since, record=False)
     finally:

@@ -206,3 +206,36 @@ def test_report_on_a_candidate_the_store_never_saw_says_so(tmp_path: Path) -> No
         "Error: no candidate 'fsat' in the store (known: fast, replica)"]
     known = runner.invoke(main, ["report", "fast", "--db", url])
     assert known.exit_code == 0 and "INCONCLUSIVE" in known.output
+    assert "(noise floor: replica)" in known.output
+
+
+def test_report_from_the_store_alone_takes_the_replica_it_registered(tmp_path: Path) -> None:
+    """``report NAME --db URL`` judged without the noise floor (``noise_floor_from: null``)
+    where the admin API and ``report --config`` judged against the replica the gateway had
+    registered as ``secondary``: the README's two report commands gave two verdicts. Found
+    walking the README; ``--secondary`` still names another."""
+    import asyncio
+
+    import orjson
+
+    from evaluators.store import StoreConfig, create_engine, register_backend, session_factory
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
+    runner = CliRunner()
+    assert runner.invoke(main, ["db", "upgrade", "--db", url]).exit_code == 0
+
+    async def register() -> None:
+        engine = create_engine(StoreConfig(url=url))
+        async with session_factory(engine)() as session, session.begin():
+            await register_backend(session, "fast", role="candidate")
+            await register_backend(session, "other", role="candidate")
+            await register_backend(session, "replica", role="secondary")
+        await engine.dispose()
+
+    asyncio.run(register())
+    judged = runner.invoke(main, ["report", "fast", "--db", url, "--json"])
+    assert judged.exit_code == 0, judged.output
+    assert orjson.loads(judged.stdout)["noise_floor_from"] == "replica"
+    chosen = runner.invoke(main, ["report", "fast", "--db", url, "--json",
+                                  "--secondary", "other"])
+    assert orjson.loads(chosen.stdout)["noise_floor_from"] == "other"
