@@ -43,7 +43,7 @@ from pydantic_settings import (
 from yarl import URL
 
 from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig
-from evaluators.store import StoreConfig
+from evaluators.store import StoreConfig, masked_url
 from gateway._environment import ADMIN_TOKEN_ENV, ADMIN_URL_ENV
 
 __all__ = [
@@ -356,6 +356,17 @@ class GatewayConfig(BaseSettings):
                              "not its own candidate (pick another name)")
         return candidates
 
+    def printable(self) -> dict[str, Any]:
+        """The effective settings as JSON values for ``serve --print-config``: every URL
+        shown with its password as ``***``, every secret as ``**********``. ``repr`` leaves
+        the URLs out, so the primary, the candidates and the store were not shown at all."""
+        shown = self.model_dump(mode="json")
+        for upstream in (shown["primary"], *shown["candidates"]):
+            upstream["url"] = _masked(upstream["url"])
+        store = shown["evaluation"]["store"]
+        store["url"] = masked_url(store["url"])
+        return shown
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -370,6 +381,12 @@ class GatewayConfig(BaseSettings):
         token = os.environ.get(ADMIN_TOKEN_ENV)
         admin_token = InitSettingsSource(settings_cls, {"admin": {"token": token}} if token else {})
         return (init_settings, admin_token, env_settings, TomlConfigSettingsSource(settings_cls))
+
+
+def _masked(url: str) -> str:
+    """An upstream URL (valid: checked when built) with its password replaced by ``***``."""
+    parsed = URL(url)
+    return str(parsed.with_password("***")) if parsed.password else url
 
 
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> GatewayConfig:

@@ -154,7 +154,9 @@ def serve(config_path: Path | None, primary: str | None, host: str | None,
     except (OSError, ValueError) as exc:  # no file, not TOML, an unguarded admin listener
         raise ConfigError([f"invalid configuration: {exc}"]) from exc
     if print_config:
-        click.echo(repr(config))
+        import orjson
+
+        click.echo(orjson.dumps(config.printable(), option=orjson.OPT_INDENT_2).decode())
         return
     try:
         run(config)

@@ -44,6 +44,35 @@ def test_secrets_are_masked(tmp_path: Path) -> None:
     assert config.primary.api_key.get_secret_value() == "sk-very-secret"
 
 
+def test_print_config_shows_every_url_with_its_password_masked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: ``--print-config`` "shows the effective config with secrets masked", and a
+    URL's password as ``***``. It printed ``repr(config)``, which leaves every URL out: the
+    primary, the candidates and the store it would use were not shown. Found walking the
+    README on a fresh clone."""
+    import orjson
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+
+    token = "t0ken-" + "x" * 20
+    monkeypatch.setenv("UNDERSTUDY_ADMIN_TOKEN", token)
+    result = CliRunner().invoke(main, [
+        "serve", "--primary", "http://u:pw-primary@127.0.0.1:8000/v1",
+        "--candidate", "fast=http://c:pw-candidate@127.0.0.1:8001,rate=0.1",
+        "--db", "postgresql://s:pw-store@db.internal/understudy", "--print-config"])
+    assert result.exit_code == 0, result.output
+    for secret in ("pw-primary", "pw-candidate", "pw-store", token):
+        assert secret not in result.output
+    shown = orjson.loads(result.stdout)
+    assert shown["primary"]["url"] == "http://u:***@127.0.0.1:8000"
+    assert [(c["name"], c["url"], c["sample_rate"]) for c in shown["candidates"]] == [
+        ("fast", "http://c:***@127.0.0.1:8001", 0.1)]
+    assert shown["evaluation"]["store"]["url"] == \
+        "postgresql+asyncpg://s:***@db.internal/understudy"
+    assert shown["admin"]["token"] == "**********"
+
+
 @pytest.mark.parametrize(
     "text",
     ['[primary]\nurl = "ftp://x"\n', "[server]\nport = -1\n", "[nope]\nx = 1\n",
