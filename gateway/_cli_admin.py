@@ -71,9 +71,17 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
             raw = response.read()
     except urllib.error.HTTPError as exc:
         try:
-            message = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = exc.reason
+            error = json.loads(exc.read())["error"]
+            message, kind = error["message"], error.get("type")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            message, kind = exc.reason, None
+        # The admin API's own 404 names what it lacks (a candidate), with its headers; any
+        # other is a path it does not serve: --admin-url without /admin/v1, the proxy's port,
+        # a vLLM. It printed "Error: 404: Not Found", naming neither the URL nor the mistake.
+        if exc.code == 404 and (kind != "not_found_error"
+                                or exc.headers.get("X-Frame-Options") != "DENY"):
+            raise click.ClickException(f"{_shown(url)}{path}: 404 {message}; is --admin-url "
+                                       "the admin API's (.../admin/v1)?") from None
         raise click.ClickException(f"{exc.code}: {message}") from None
     except urllib.error.URLError as exc:
         raise click.ClickException(f"admin API at {_shown(url)} unreachable: {exc.reason}") \

@@ -127,6 +127,12 @@ async def _answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     (b"", "closed the connection"),                     # closed without an answer
     (b"SSH-2.0-OpenSSH_9.6\r\n", "not HTTP"),           # another protocol's server
     (None, "did not answer within"),                    # never answers
+    (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: 22\r\n\r\n"
+     b'{"detail":"Not Found"}', "404 Not Found; is --admin-url the admin API's (.../admin/v1)?"),
+    # a vLLM, or the admin listener without /admin/v1
+    (b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: 58\r\n\r\n"
+     b'{"error":{"message":"not found","type":"not_found_error"}}',
+     "404 not found; is --admin-url the admin API's (.../admin/v1)?"),  # the proxy's port
 ])
 async def test_an_admin_url_that_is_no_admin_api_is_one_line_not_a_traceback(
     answer: bytes | None, said: str, monkeypatch: pytest.MonkeyPatch,
