@@ -53,12 +53,23 @@ Rules
    completes a block encodes 8 blocks per layer and role, serially ~1 ms a layer under
    ``e8-2`` (its codebook search, in C with the GIL released), while the other decode thread
    waited.
+10. The arenas give memory back.  Each grows by doubling when it has no free slot; once
+    ``forget`` or ``drop_window`` leaves an arena of more than ``SHRINK_MIN_SLOTS`` slots
+    with at most a quarter of them in use, its slots in use are moved to the lowest ids, in
+    their order, and it is cut to twice their number.  Why: a burst of long contexts (many
+    blocks raw for a layer at once, a full decoded cache) left an arena at its high-water
+    mark, its rows written and so resident, for the life of the engine.  Half full after a
+    cut and cut again only at a quarter, an arena moves each slot's rows at most once per
+    doubling or halving of what it holds (amortised O(1) per slot; the check is O(1)).
+    Slot ids live only in ``_raw``, ``_decoded`` and ``_window`` between calls, so moving
+    rows between calls changes no result.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +87,8 @@ DEFAULT_DECODED_CACHE_BYTES = 64 * MiB
 """Bound of the decoded-block cache of an engine with a codec (rule 3)."""
 BIMODAL_EVERY = 32
 """One block decoded on a miss in this many enters the cache on top (rule 3b)."""
+SHRINK_MIN_SLOTS = 64
+"""An arena this small is never cut (rule 10): a few MiB at most, and no churn at idle."""
 
 Float32Array = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.intp]
@@ -86,6 +99,33 @@ Float16Array = npt.NDArray[np.float16]
 def _to_half(x: Float32Array) -> Float16Array:
     """``x`` as float16 (rule 8), finite: values beyond float16's range are clipped to it."""
     return np.clip(x, -_HALF_MAX, _HALF_MAX).astype(np.float16)
+
+
+_Arena = TypeVar("_Arena", Float32Array, Float16Array)
+
+
+def _compacted(
+    keys: _Arena, values: _Arena, maps: list[dict[_Key, int]], reserved: int
+) -> tuple[_Arena, _Arena, list[int]] | None:
+    """Rule 10: ``keys``/``values`` cut to twice the slots in use, those moved to the lowest
+    ids after the ``reserved`` ones (the null slot) and renumbered in ``maps`` in place (an
+    ``OrderedDict`` keeps its order); the new arrays and free list, or None where the arena
+    is small or more than a quarter full."""
+    size = keys.shape[1]
+    used = reserved + sum(len(m) for m in maps)
+    if size <= SHRINK_MIN_SLOTS or used * 4 > size:
+        return None
+    new_size = max(SHRINK_MIN_SLOTS // 2, 2 * used)
+    old_ids = list(range(reserved))
+    for mapping in maps:
+        for key, slot in mapping.items():
+            mapping[key] = len(old_ids)
+            old_ids.append(slot)
+    new_keys = np.zeros((keys.shape[0], new_size, *keys.shape[2:]), keys.dtype)
+    new_values = np.zeros((values.shape[0], new_size, *values.shape[2:]), values.dtype)
+    new_keys[:, :used] = keys[:, old_ids]
+    new_values[:, :used] = values[:, old_ids]
+    return new_keys, new_values, list(range(new_size - 1, used - 1, -1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +353,18 @@ class CodedKVStorage:
             if slot is not None:
                 self._window_free.append(slot)
         self.codec.forget(block)
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Rule 10, for each arena that holds a quarter of its slots or fewer."""
+        raw = [] if self._half else [self._raw]
+        cut = _compacted(self._arena_keys, self._arena_values, [self._decoded, *raw], 1)
+        if cut is not None:
+            self._arena_keys, self._arena_values, self._free = cut
+        raw = [self._raw] if self._half else []
+        half = _compacted(self._window_keys, self._window_values, [self._window, *raw], 0)
+        if half is not None:
+            self._window_keys, self._window_values, self._window_free = half
 
     # -- the recent window (rule 8) ---------------------------------------------------------
 
@@ -331,6 +383,7 @@ class CodedKVStorage:
                 self._encode_window(layer, block, slot, store=True)
             del self._window[layer, block]
             self._window_free.append(slot)
+        self._shrink()
 
     def raw_rows(self, layer: int, blocks: IntArray) -> tuple[Float32Array, Float32Array]:
         """``(K^T [kv_heads, head_dim, n * bs], V [kv_heads, n * bs, head_dim])``: copies of the

@@ -20,7 +20,11 @@ import pytest
 
 from backends.engine import Engine, LlamaModel, SamplingParams
 from backends.engine._arrays import Float32Array
-from backends.engine.kv._coded_store import DEFAULT_DECODED_CACHE_BYTES, CodedKVStorage
+from backends.engine.kv._coded_store import (
+    DEFAULT_DECODED_CACHE_BYTES,
+    SHRINK_MIN_SLOTS,
+    CodedKVStorage,
+)
 from backends.engine.kv._paged_codec import SERVED_CODECS, PagedCodec
 from backends.engine.kv._plan import KVPlan
 from backends.engine.kv._store import KVLayout
@@ -558,3 +562,42 @@ def test_a_fixed_kv_memory_admits_the_codec_ratio_more_tokens_and_answers_them(
     assert stats.kv_bytes_per_token == 3240
     assert stats.decoded_cache is not None
     assert stats.decoded_cache.bytes <= FIXED_KV // 4
+
+
+@pytest.mark.parametrize("name", ["kivi-2", WINDOW32_HEAVY2])
+def test_an_arena_gives_memory_back_after_a_burst(name: str) -> None:
+    """``_coded_store`` rule 10: a burst of blocks (written raw, then sealed into the decoded
+    cache or kept as window rows) grew an arena that stayed at its high-water mark, rows
+    written and resident, after the blocks were forgotten. Now it is cut once a quarter or
+    less of it is in use; what the blocks still held read as before, bit for bit, and a
+    second burst grows it again."""
+    burst = 120
+    blocks = np.arange(1, burst + 1, dtype=np.intp)
+    q, keys_t, values = _qkv(7, burst * BS)
+    layout = KVLayout(1, HEADS, DIM, BS)
+    store = CodedKVStorage(layout, burst + 1, _codec(name))
+
+    def fill(into: CodedKVStorage, which: npt.NDArray[np.intp]) -> None:
+        for block in which.tolist():
+            cols = slice((block - 1) * BS, block * BS)
+            slots = (np.full(BS, block, dtype=np.intp), np.arange(BS, dtype=np.intp))
+            k, v = keys_t[:, :, cols].transpose(2, 0, 1), values[:, cols].transpose(1, 0, 2)
+            into.write(0, slots, k, v)
+        queries = q[BS - 1 :: BS][which - 1].reshape(which.size, HEADS * GROUP, DIM)
+        into.seal(0, which, which == 1, queries)
+
+    fill(store, blocks)
+    kept = blocks[:2]
+    before = [a.tobytes() for a in store.gather(0, kept)]
+    peak = store.arena_bytes
+    for block in blocks[2:].tolist():
+        store.forget(block)
+    # Each arena at most SHRINK_MIN_SLOTS slots: float32 rows, and float16 window rows.
+    assert store.arena_bytes <= SHRINK_MIN_SLOTS * store.entry_bytes * 3 // 2 < peak
+    assert [a.tobytes() for a in store.gather(0, kept)] == before
+    fill(store, blocks[2:])  # the burst again, on the cut arena
+    fresh = CodedKVStorage(layout, burst + 1, _codec(name))
+    fill(fresh, blocks)
+    assert store.arena_bytes == peak
+    for got, want in zip(store.gather(0, blocks), fresh.gather(0, blocks), strict=True):
+        assert got.tobytes() == want.tobytes()
