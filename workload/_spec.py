@@ -55,7 +55,9 @@ _HeaderName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # NaN and infinity are no rate or bound: refused as such ("--rate nan" was refused as
+    # "rate: Input should be less than or equal to 10000").
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class WorkloadSpec(_Spec):

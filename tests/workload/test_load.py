@@ -261,8 +261,21 @@ def test_an_infinite_time_bound_is_refused(tmp_path: Path, flag: str, field: str
                                            replay: bool) -> None:
     result = _load(tmp_path, [flag, "inf"], replay=replay)
     assert result.exit_code == 2
-    assert result.output.splitlines() == [
-        f"Error: {field}: Input should be less than or equal to 86400"]
+    assert result.output.splitlines() == [f"Error: {field}: Input should be a finite number"]
+
+
+@pytest.mark.parametrize(("flag", "field", "replay"), [
+    ("--rate", "rate", False), ("--think-s", "think_s", False),
+    ("--duration-s", "duration_s", False), ("--timeout-s", "request_timeout_s", False),
+    ("--drain-s", "drain_s", True), ("--speed", "speed", True),
+])
+def test_nan_is_refused_as_no_number(tmp_path: Path, flag: str, field: str,
+                                     replay: bool) -> None:
+    """``--rate nan`` was refused as "rate: Input should be less than or equal to 10000",
+    which reads as if the value were too large. Found walking the README."""
+    result = _load(tmp_path, [flag, "nan"], replay=replay)
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [f"Error: {field}: Input should be a finite number"]
 
 
 @pytest.mark.parametrize("header", ["X Session", "X-Session:", "Sitzung-Ä"])
