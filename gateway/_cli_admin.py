@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from gateway._environment import ADMIN_TOKEN_ENV, ADMIN_URL_ENV
@@ -20,6 +21,9 @@ __all__ = ["ADMIN_COMMANDS"]
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8081/admin/v1"
 REQUEST_TIMEOUT_S = 120.0  # a promotion runs the judge first
+LIST_MAX_WIDTH = 1_000
+"""Widest line ``candidates list`` prints when its output is no terminal (a URL is at
+most a few hundred characters)."""
 
 
 def _segment(name: str) -> str:
@@ -131,12 +135,17 @@ def candidates_list(ctx: click.Context) -> None:
     table = Table()
     for column in ("name", "role", "url", "rate", "unit", "concurrency", "paused", "queued",
                    "in flight"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # never "http:/…": every cell whole
     for c in _call(ctx.obj, "GET", "/candidates")["candidates"]:
         table.add_row(c["name"], c["role"], c["url"], str(c["sample_rate"]),
                       c["sampling_unit"], str(c["max_concurrency"]), str(c["paused"]),
                       str(c["queued"]), str(c["in_flight"]))
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: a row a line, as wide as it needs
+        wide = console.options.update_width(LIST_MAX_WIDTH)
+        console = Console(width=max(console.width,
+                                    Measurement.get(console, wide, table).maximum))
+    console.print(table)
 
 
 @candidates.command("add")

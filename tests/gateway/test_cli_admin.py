@@ -36,6 +36,25 @@ async def test_a_name_that_is_no_candidate_is_a_404_naming_it(name: str) -> None
             assert result.output == f"Error: 404: no candidate named {name!r}\n"
 
 
+async def test_candidates_list_shows_every_cell_whole() -> None:
+    """At 80 columns (a pipe, CliRunner) the list cut its cells: the URL read "http:/…", the
+    role "candi…", the unit "sessi…". Found walking the README on a fresh clone."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[
+                {"name": "fast-checkpoint", "url": sim.url + "/", "sampling_unit": "request"},
+                {"name": "replica", "url": sim.url, "role": "secondary"}],
+                admin={"token": TOKEN}) as gw:
+        result = await understudy(gw, "candidates", "list")
+    assert result.exit_code == 0, result.output
+    assert "\u2026" not in result.output  # no cell cut with an ellipsis
+    rows = {line.split("\u2502")[1].strip(): line for line in result.output.splitlines()
+            if line.startswith("\u2502")}
+    assert set(rows) == {"fast-checkpoint", "replica"}
+    for cell in (sim.url, "candidate", "request"):
+        assert cell in rows["fast-checkpoint"]
+    assert "secondary" in rows["replica"] and "session" in rows["replica"]
+
+
 @pytest.mark.parametrize("name", ["../c", "c/../c", "..", "../canary"])
 async def test_a_name_with_a_slash_or_dots_never_reaches_another_route(name: str) -> None:
     """``candidates remove ../canary`` was ``DELETE /admin/v1/canary`` once the server
