@@ -1,4 +1,5 @@
-"""``understudy candidates|promote|rollback|canary|routing``: the admin API from a terminal."""
+"""``understudy candidates|promote|rollback|canary|canary-stop|routing``: the admin API from a
+terminal."""
 
 from __future__ import annotations
 
@@ -243,6 +244,18 @@ def canary(name: str, steps: str, interval_s: float, actor: str, admin_url: str,
                 {"steps": percents, "interval_s": interval_s, "actor": actor}))
 
 
+@click.command("canary-stop")
+@click.option("--reason")
+@click.option("--actor", default=lambda: os.environ.get("USER", "admin"))
+@click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar=ADMIN_URL_ENV)
+@click.option("--token", envvar=ADMIN_TOKEN_ENV)
+def canary_stop(reason: str | None, actor: str, admin_url: str, token: str | None) -> None:
+    """Stop the canary; its sessions go back to the primary."""
+    admin = (admin_url, token)
+    _echo(_call(admin, "DELETE", "/canary", {"reason": reason, "actor": actor,
+                                             "routing_version": _routing_version(admin)}))
+
+
 @click.command()
 @click.option("--admin-url", default=DEFAULT_ADMIN_URL, envvar=ADMIN_URL_ENV)
 @click.option("--token", envvar=ADMIN_TOKEN_ENV)
@@ -251,4 +264,5 @@ def routing(admin_url: str, token: str | None) -> None:
     _echo(_call((admin_url, token), "GET", "/routing"))
 
 
-ADMIN_COMMANDS: tuple[click.Command, ...] = (candidates, promote, rollback, canary, routing)
+ADMIN_COMMANDS: tuple[click.Command, ...] = (candidates, promote, rollback, canary, canary_stop,
+                                              routing)

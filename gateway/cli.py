@@ -40,6 +40,8 @@ class Subcommand:
 SUBCOMMANDS: Mapping[str, Subcommand] = {
     "canary": Subcommand("gateway._cli_admin:canary", "Shift live sessions to candidate NAME "
                          "step by step while the judge passes."),
+    "canary-stop": Subcommand("gateway._cli_admin:canary_stop",
+                              "Stop the canary; its sessions go back to the primary."),
     "candidates": Subcommand("gateway._cli_admin:candidates", "List, add, change, pause, "
                              "resume or remove candidates on a running gateway."),
     "db": Subcommand("gateway._cli_eval:db",

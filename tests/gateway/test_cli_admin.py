@@ -1,5 +1,6 @@
-"""``understudy candidates|promote|rollback|canary|routing`` against a running gateway: what an
-operator types wrong is one line naming it, never a traceback nor another route's action."""
+"""``understudy candidates|promote|rollback|canary|canary-stop|routing`` against a running
+gateway: what an operator types wrong is one line naming it, never a traceback nor another
+route's action."""
 
 from __future__ import annotations
 
@@ -103,6 +104,22 @@ async def test_rollback_and_promote_name_the_routing_they_were_decided_on() -> N
         result = await understudy(gw, "rollback")
         assert result.exit_code == 0, result.output
         assert gw.state.routing.primary.name == "primary" and gw.state.routing.version == 3
+
+
+async def test_canary_stop_sends_the_canarys_sessions_back_to_the_primary() -> None:
+    """The CLI could start a canary but not stop one (``DELETE /canary`` only by hand).
+    Found walking the README on a fresh clone."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}],
+                        admin={"token": TOKEN}) as gw:
+        result = await understudy(gw, "canary", "c", "--steps", "10,100", "--interval-s", "600")
+        assert result.exit_code == 0, result.output
+        assert gw.state.routing.canary is not None
+        result = await understudy(gw, "canary-stop", "--reason", "paging")
+        assert result.exit_code == 0, result.output
+        assert gw.state.routing.canary is None and gw.state.routing.primary.name == "primary"
+        result = await understudy(gw, "canary-stop")  # none running: one line, no traceback
+        assert result.exit_code == 1 and result.output.startswith("Error: 409: "), result.output
 
 
 @pytest.mark.parametrize(("url", "exit_code"), [
