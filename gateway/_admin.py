@@ -64,7 +64,7 @@ from gateway._exceptions import (
 )
 from gateway._mirror import Candidate
 from gateway._openapi import Operation, openapi_document
-from gateway._promotion import Promoter, RoutingChange
+from gateway._promotion import Promoter, RoutingChange, body_problems
 from gateway._routing import Backend, Routing
 from gateway._scorecard import (
     Distributions,
@@ -311,9 +311,7 @@ async def _body(request: web.Request, model: type[Model]) -> Model:
         # Strict (rule 2): "0.5" is no rate and true no interval, as JSON types go.
         return model.model_validate_json(raw or b"{}", strict=True)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
-                             for e in exc.errors(include_url=False))
-        raise InvalidBody(problems) from None
+        raise InvalidBody(body_problems(exc)) from None
 
 
 def _candidate(request: web.Request) -> Candidate:

@@ -91,6 +91,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from backends.openai_wire import validation_problems
 from evaluators import Outcome
 from evaluators.store import AuditNote, BackendRole
 from gateway._config import MAX_CANDIDATES, CandidateConfig
@@ -102,7 +103,7 @@ from gateway._routing import Backend, Canary, Routing, Upstreams
 from gateway._scorekeeper import Scorekeeper
 from gateway._sync import RoutingSync
 
-__all__ = ["NO_VERDICT", "Judgement", "Promoter", "RoutingChange"]
+__all__ = ["NO_VERDICT", "Judgement", "Promoter", "RoutingChange", "body_problems"]
 
 log = logging.getLogger("understudy.promotion")
 
@@ -221,7 +222,7 @@ class Promoter:
             try:
                 config = CandidateConfig.model_validate({**current.model_dump(), **changes})
             except ValidationError as exc:
-                raise InvalidBody(_problems(exc)) from None
+                raise InvalidBody(body_problems(exc)) from None
             if (config.name, config.url) != (name, current.url):
                 # Refused before anything is stored (the mirror refuses it too): a new
                 # address is a new backend, whose settings ``know`` would add beside the
@@ -503,10 +504,10 @@ def _addresses(routing: Routing) -> set[tuple[str, str]]:
     return {(backend.name, backend.url) for backend in routing.live_backends()}
 
 
-def _problems(exc: ValidationError) -> str:
-    """A validation error as one line: each field and what is wrong with it."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
-                     for e in exc.errors(include_url=False))
+def body_problems(exc: ValidationError) -> str:
+    """An admin body's validation error as one line: each field and what is wrong with it,
+    in the words every ``understudy`` surface uses (``validation_problems``)."""
+    return "; ".join(validation_problems(exc, whole="body"))
 
 
 def _names(routing: Routing) -> frozenset[str]:

@@ -23,6 +23,7 @@ EXPORTED: dict[str, str] = {
         invalid_value is_token_ids json_response metrics_response optional_bool optional_float
         optional_int request_object request_seed requested_max_tokens response_id sampling_fields
         schema_error serve_app serve_until_signalled sse_event stop_fields stream_options
+        validation_problems
     """,
     "backends.sim": """
         MAX_RECORDED_REQUESTS SIM_STATS FaultMode RecordedRequest RunningSim SimConfig SimStats

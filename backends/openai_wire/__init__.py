@@ -15,7 +15,8 @@ SDK -- cannot tell them from vLLM, nor one from another, by the bytes:
   ``serve_app``, ``serve_until_signalled`` (the command line's loop);
 - the command line's settings: ``config_error`` turns a ``ValidationError`` into a
   ``ConfigError``, one ``Error: <field>: <message>`` line per field and exit status 2, for every
-  ``understudy`` command alike;
+  ``understudy`` command alike; ``validation_problems`` words those fields (the admin API's
+  422s too) in plain words;
 - metrics: ``VLLMSeries``, vLLM's Prometheus series, named and bucketed as vLLM does.
 """
 
@@ -38,7 +39,7 @@ from ._bodies import (
     Usage,
     embedding_response,
 )
-from ._config_error import ConfigError, config_error
+from ._config_error import ConfigError, config_error, validation_problems
 from ._errors import RequestError, error_body, invalid_value, schema_error
 from ._fields import (
     SamplingFields,
@@ -120,4 +121,5 @@ __all__ = [
     "sse_event",
     "stop_fields",
     "stream_options",
+    "validation_problems",
 ]

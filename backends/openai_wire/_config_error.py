@@ -4,7 +4,9 @@ A command that builds a pydantic model from its flags, a file or the environment
 ``sim``, ``engine``, ``load``) turns the ``ValidationError`` into ``config_error(exc)``: one
 line per invalid field, ``Error: <field>: <message>``, without pydantic's header, its
 ``errors.pydantic.dev`` URL or the value given (it may be a token or a password), and exit
-status 2, a usage error, as click gives a bad flag.  It lives here, beside
+status 2, a usage error, as click gives a bad flag.  ``validation_problems`` words each field
+the same way for every surface that reports a ``ValidationError`` (the admin API's 422s too), a
+validator's own words without pydantic's ``Value error, ``.  It lives here, beside
 ``serve_until_signalled``, because this is the package every command can import: ``backends``
 imports neither ``gateway`` nor ``workload``.
 """
@@ -17,7 +19,7 @@ from typing import IO, Any
 import click
 from pydantic import ValidationError
 
-__all__ = ["CONFIG_ERROR_EXIT_STATUS", "ConfigError", "config_error"]
+__all__ = ["CONFIG_ERROR_EXIT_STATUS", "ConfigError", "config_error", "validation_problems"]
 
 CONFIG_ERROR_EXIT_STATUS = 2
 """Click's own for a usage error (a bad flag, a missing argument)."""
@@ -39,13 +41,20 @@ class ConfigError(click.ClickException):
             click.echo(f"Error: {problem}", file=file, err=True)
 
 
-def config_error(exc: ValidationError) -> ConfigError:
-    """``exc`` as one ``<field>: <message>`` problem per invalid field."""
+def validation_problems(exc: ValidationError, whole: str | None = None) -> list[str]:
+    """``exc`` as one ``<field>: <message>`` per invalid field, in plain words: a validator's
+    ``ValueError`` without the ``Value error, `` pydantic puts before it, and neither the value
+    given nor a URL. ``whole`` names an error of the whole input (``exc.title`` if not given)."""
     problems = []
     for error in exc.errors(include_url=False, include_input=False, include_context=False):
-        field = ".".join(str(part) for part in error["loc"]) or exc.title
+        field = ".".join(str(part) for part in error["loc"]) or whole or exc.title
         message = error["msg"]
         if error["type"] == "value_error":
             message = message.removeprefix(_VALUE_ERROR_PREFIX)
         problems.append(f"{field}: {message}")
-    return ConfigError(problems)
+    return problems
+
+
+def config_error(exc: ValidationError) -> ConfigError:
+    """``exc`` as one ``<field>: <message>`` problem per invalid field."""
+    return ConfigError(validation_problems(exc))

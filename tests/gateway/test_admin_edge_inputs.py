@@ -373,3 +373,28 @@ async def test_a_body_its_content_encoding_cannot_decode_is_400_not_500(
         async with aiohttp.ClientSession() as http:
             assert (await _call(http, "GET", gw.admin_url + "/routing"))[0] == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize(("method", "path", "body", "message"), [
+    ("POST", "/candidates/c/canary", {"steps": [50, 10]},
+     "steps: steps must be increasing percentages in (0, 100]"),
+    ("POST", "/candidates/c/canary", {"steps": [50, 100], "actor": "a\nb"},
+     "actor: holds a control character (NUL, a line break, ...)"),
+    ("POST", "/candidates", {"name": "d", "url": "ftp://x"},
+     "url: upstream url must start with http:// or https://, got scheme 'ftp'"),
+    ("POST", "/candidates", {"name": "d", "url": "http://"}, "url: upstream url names no host"),
+    ("POST", "/candidates", {"name": "..", "url": "http://127.0.0.1:9"},
+     "name: a candidate name cannot be '.' or '..'"),
+])
+async def test_a_422_says_what_is_wrong_in_plain_words(method: str, path: str,
+                                                       body: dict[str, Any],
+                                                       message: str) -> None:
+    """A validator's own words came after pydantic's "Value error, " ("steps: Value error,
+    steps must be increasing ..."): the CLI's config errors dropped it, the admin API did
+    not. Found walking the README on a fresh clone."""
+    async with run_sim() as sim, \
+            run_gateway(sim.url, candidates=[{"name": "c", "url": sim.url}]) as gw, \
+            aiohttp.ClientSession() as http:
+        status, answer = await _call(http, method, gw.admin_url + path, json=body)
+        assert status == 422 and _is_error(answer, 422), answer
+        assert answer["error"]["message"] == message
