@@ -47,6 +47,19 @@ def _shown(url: str) -> str:
     return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{after}"
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx is answered as the error it is, never followed: urllib's redirect copies every
+    header but the content ones to wherever ``Location`` points, the bearer token with them
+    (another host, or plain http from https). The admin API itself never redirects."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _call(admin: tuple[str, str | None], method: str, path: str,
           body: dict[str, Any] | None = None) -> Any:
     url, token = admin[0].rstrip("/"), admin[1]
@@ -72,9 +85,14 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
     # Whatever answers at a wrong --admin-url (a web page, another protocol, nothing) is one
     # line naming the URL, never a traceback.
     try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+        with _OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
             raw = response.read()
     except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:
+            exc.close()
+            raise click.ClickException(f"{_shown(url)}{path}: {exc.code} redirects elsewhere; "
+                                       "not followed, the token would go with it: give "
+                                       "--admin-url the admin API's own address") from None
         try:
             error = json.loads(exc.read())["error"]
             message, kind = error["message"], error.get("type")

@@ -5,6 +5,7 @@ route's action."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 
 import pytest
@@ -189,3 +190,43 @@ async def test_an_admin_url_that_is_no_admin_api_is_one_line_not_a_traceback(
             assert isinstance(result.exception, SystemExit), result.exception
             assert result.output.startswith("Error: ") and said in result.output, result.output
             assert result.output.count("\n") == 1 and url in result.output
+
+
+async def test_a_redirect_is_not_followed_with_the_token() -> None:
+    """urllib follows a 3xx to wherever ``Location`` points and copies every header but the
+    content ones: the bearer token went to another host (and over http from https). The
+    admin API never redirects; a redirect is one line naming the URL, and nothing more is
+    sent."""
+    seen: list[bytes] = []
+
+    async def elsewhere(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            seen.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2\r\n\r\n{}")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    other = await asyncio.start_server(elsewhere, "127.0.0.1", 0)
+    async with other:
+        target = f"http://127.0.0.1:{other.sockets[0].getsockname()[1]}/steal"
+        for status in (b"301 Moved Permanently", b"302 Found", b"307 Temporary Redirect",
+                       b"308 Permanent Redirect"):
+            answer = (b"HTTP/1.1 " + status + b"\r\nLocation: " + target.encode()
+                      + b"\r\nContent-Length: 0\r\n\r\n")
+            server = await asyncio.start_server(functools.partial(_answering, answer=answer),
+                                                "127.0.0.1", 0)
+            async with server:
+                url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/admin/v1"
+                for args in (["routing"], ["rollback"]):
+                    result = await asyncio.to_thread(
+                        CliRunner().invoke, main, [*args, "--admin-url", url],
+                        env={"UNDERSTUDY_ADMIN_TOKEN": TOKEN})
+                    assert result.exit_code == 1, result.output
+                    assert isinstance(result.exception, SystemExit), result.exception
+                    assert result.output.count("\n") == 1 and url in result.output
+                    assert "redirect" in result.output, result.output
+    assert seen == [], seen  # nothing reached the other address, the token least of all
