@@ -226,6 +226,10 @@ def candidates_remove(ctx: click.Context, name: str) -> None:
 def promote(name: str, force: bool, reason: str | None, actor: str, admin_url: str,
             token: str | None) -> None:
     """Promote candidate NAME to primary if the judge passes it."""
+    if force and not (reason and reason.strip()):
+        # Refused here, in the flags' names: the server's "force: true needs a reason" names
+        # its body's field, not what was typed.
+        raise click.UsageError("--force needs --reason (why the judge is overruled)")
     admin = (admin_url, token)
     _echo(_call(admin, "POST", f"/candidates/{_segment(name)}/promote",
                 {"force": force, "reason": reason, "actor": actor,

@@ -107,6 +107,30 @@ async def test_rollback_and_promote_name_the_routing_they_were_decided_on() -> N
         assert gw.state.routing.primary.name == "primary" and gw.state.routing.version == 3
 
 
+@pytest.mark.parametrize("reason", [[], ["--reason", ""], ["--reason", "  "]],
+                         ids=["none", "empty", "blank"])
+async def test_promote_force_without_a_reason_is_a_usage_error_naming_the_flags(
+        reason: list[str]) -> None:
+    """The server answered it, naming its body's field ("422: force: true needs a reason"),
+    not the flags typed. Now the CLI refuses it before any request. Found walking the README
+    on a fresh clone."""
+    connections: list[None] = []
+
+    async def admin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(None)
+        writer.close()
+
+    server = await asyncio.start_server(admin, "127.0.0.1", 0)
+    async with server:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/admin/v1"
+        result = await asyncio.to_thread(
+            CliRunner().invoke, main, ["promote", "c", "--force", *reason, "--admin-url", url])
+    assert result.exit_code == 2, result.output
+    assert result.output.endswith("Error: --force needs --reason (why the judge is "
+                                  "overruled)\n"), result.output
+    assert connections == []
+
+
 async def test_canary_stop_sends_the_canarys_sessions_back_to_the_primary() -> None:
     """The CLI could start a canary but not stop one (``DELETE /canary`` only by hand).
     Found walking the README on a fresh clone."""
