@@ -118,7 +118,8 @@ def main(log_level: str) -> None:
 @click.option("--candidate", "candidates", multiple=True, metavar="NAME=URL[,rate=R]",
               help="Mirror to a candidate (repeatable; replaces the file's candidates). "
                    "Options: rate=0..1, unit=request|session, concurrency=N, model=M.")
-@click.option("--admin-port", type=int, help="Port of the admin API (off unless given).")
+@click.option("--admin-port", type=int, help="Port of the admin API; beats [admin] port and "
+              "UNDERSTUDY_ADMIN__PORT. Off unless one of them gives a port.")
 @click.option("--db", "db_url", help="Evaluation store URL: sqlite+aiosqlite:///FILE "
               "(default understudy.db) or postgresql+asyncpg://USER@HOST/DB.")
 @click.option("--print-config", is_flag=True, help="Print the effective config and exit.")

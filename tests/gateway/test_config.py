@@ -101,6 +101,36 @@ def test_the_admin_token_variable_beats_the_nested_one_and_flags_beat_both(
     assert config.admin.token.get_secret_value() == "o" * 20  # type: ignore[union-attr]
 
 
+def test_serve_help_says_the_file_or_environment_opens_the_admin_api_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve --help`` said ``--admin-port`` was "off unless given", but ``[admin] port``
+    (or UNDERSTUDY_ADMIN__PORT) opens the admin API as well, as the README says. Found walking
+    the README on a fresh clone."""
+    import orjson
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+
+    _clear_understudy_environment(monkeypatch)
+    shown = " ".join(CliRunner().invoke(main, ["serve", "--help"], terminal_width=80)
+                     .output.split())
+    assert "[admin] port" in shown and "UNDERSTUDY_ADMIN__PORT" in shown, shown
+    assert "off unless given" not in shown
+    path = tmp_path / "c.toml"
+    path.write_text("[admin]\nport = 8091\n")
+
+    def admin_port(*flags: str) -> object:
+        result = CliRunner().invoke(main, ["serve", "--config", str(path), *flags,
+                                           "--print-config"])
+        assert result.exit_code == 0, result.output
+        return orjson.loads(result.stdout)["admin"]["port"]
+
+    assert admin_port() == 8091
+    monkeypatch.setenv("UNDERSTUDY_ADMIN__PORT", "8092")
+    assert admin_port() == 8092
+    assert admin_port("--admin-port", "8093") == 8093
+
+
 def test_a_named_file_must_exist_and_configs_are_one_type(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         load_config(tmp_path / "missing.toml")
