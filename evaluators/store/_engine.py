@@ -21,10 +21,16 @@ Rules:
    loop; when the caller's ``asyncio.run`` has ended by then (``understudy db upgrade
    --db`` with a mistyped path) the thread prints a traceback after the error
    (aiosqlite #389).
+4. SQLite: a new database file is made readable and writable by its owner only (0600)
+   before SQLite opens it, and SQLite gives its -wal and -shm files the same mode: the
+   store holds the routing, whose backend URLs keep their passwords, and texts with
+   ``store_prompts``/``store_answers``. Under the usual umask (022) SQLite made all three
+   world-readable. An existing file keeps the mode it has (the operator's to set).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -89,13 +95,14 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
     @event.listens_for(engine.sync_engine, "do_connect")
     def _refuse_missing_folder(dialect: Any, _record: Any, cargs: list[Any],
                                cparams: dict[str, Any]) -> None:
-        """Rule 3 (a ``file:`` URI is left to SQLite)."""
+        """Rules 3 and 4 (a ``file:`` URI is left to SQLite)."""
         if in_memory or cparams.get("uri") or not cargs:
             return
         folder = Path(cargs[0]).parent
         if not folder.is_dir():
             raise dialect.dbapi.OperationalError(
                 f"unable to open database file: no folder {str(folder)!r}")
+        _private_new_file(Path(cargs[0]))
 
     @event.listens_for(engine.sync_engine, "connect")
     def _pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -110,6 +117,15 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
             cursor.close()
 
     return engine
+
+
+def _private_new_file(path: Path) -> None:
+    """Rule 4: create ``path`` empty with mode 0600 unless something is there already (an
+    empty file is a new database to SQLite)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:  # there already, or not to be made here: SQLite opens it or says why not
+        pass
 
 
 def _write_ahead_logging(cursor: Any, locked: type[Exception], busy_timeout_s: float) -> None:

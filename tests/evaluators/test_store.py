@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -215,6 +216,32 @@ async def test_sqlite_engine_uses_wal_and_a_busy_timeout(tmp_path: Any) -> None:
             assert (await connection.execute(text("PRAGMA foreign_keys"))).scalar() == 1
     finally:
         await engine.dispose()
+
+
+async def test_a_new_sqlite_store_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """SQLite made the file (and its -wal, -shm) with the process's umask, world-readable
+    under the usual 022: it holds the routing, whose backend URLs keep their passwords
+    (every replica connects with them), and prompts and answers with ``store_prompts`` or
+    ``store_answers``. Another user on the host could read them."""
+    path = tmp_path / "store.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    old = os.umask(0o022)
+    try:
+        await upgrade(url)
+        engine = create_engine(StoreConfig(url=url))
+        try:
+            async with engine.connect() as connection:
+                await connection.execute(text("SELECT count(*) FROM backends"))
+                assert _modes(tmp_path) == {"store.db": 0o600, "store.db-shm": 0o600,
+                                            "store.db-wal": 0o600}
+        finally:
+            await engine.dispose()
+    finally:
+        os.umask(old)
+
+
+def _modes(folder: Path) -> dict[str, int]:
+    return {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir()}
 
 
 # -- the writer ------------------------------------------------------------------------------
