@@ -584,11 +584,14 @@ def _judge_pairwise(
     if not (gate.has_limit_checks or floor_gated):
         return _ungated(name, statistics)
     need = gates.min_samples_for(gate)
-    floor_ok = floor_gated and n_floor >= need
+    floor_measured = floor is not None and n_floor >= need
+    floor_ok = floor_gated and floor_measured
     if statistics is None or n < need or not (gate.has_limit_checks or floor_ok):
         counts = f"{n} values" + (f", noise floor {n_floor}" if floor is not None else "")
         return _inconclusive(name, counts, need, statistics)
-    comparison = statistics.noise_floor if floor_ok else None
+    # Rule 3 relaxes a limit to a floor with enough values whether or not the metric is
+    # also held to the floor itself (the embeddings' distance is not, gates rule 2).
+    comparison = statistics.noise_floor if floor_measured else None
     checks = pairwise_checks(statistics, comparison, gate, gates.marginal_band)
     if floor_gated and not floor_ok:
         note = f"noise floor not used: {n_floor} values, {need} needed"

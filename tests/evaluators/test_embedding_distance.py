@@ -12,6 +12,7 @@ import pytest
 
 from evaluators import Gates, MetricSamples, Outcome, judge
 from evaluators._exchange import Exchange
+from evaluators._judge import MetricVerdict
 from evaluators._observation import Capture, Embeddings, observe
 from evaluators._score import Direction
 from evaluators._scorers_quality import EmbeddingDistanceScorer
@@ -123,3 +124,22 @@ def test_the_gate_holds_the_distance_under_its_maximum() -> None:
     assert outcome(0.05) is Outcome.FAIL
     assert outcome(0.05, floor=0.0005) is Outcome.FAIL
     assert outcome(0.0012, floor=0.001) is Outcome.PASS
+
+
+def test_a_replica_that_misses_the_maximum_relaxes_it() -> None:
+    """Gates rule 2 and the judge's rule 3: the distance has no noise-floor check of its
+    own, but a replica of the primary that does not keep the maximum relaxes it to the
+    replica's own distance. The floor was dropped with the check, so a candidate exactly
+    as far from the primary as the primary's own replica (0.02 against 0.01) FAILed."""
+    rng = np.random.default_rng(4)
+    directions: dict[str, Direction] = {METRIC: "lower"}
+
+    def judged(mean: float) -> MetricVerdict:
+        samples = MetricSamples(candidate=np.abs(rng.normal(mean, 0.005, 200)),
+                                noise_floor=np.abs(rng.normal(0.02, 0.005, 200)))
+        return judge({METRIC: samples}, Gates(), directions).metric(METRIC)
+
+    as_far = judged(0.02)
+    assert as_far.outcome is not Outcome.FAIL, as_far.reasons
+    assert "relaxed from 0.01 to the noise floor's mean" in as_far.reasons[0]
+    assert judged(0.05).outcome is Outcome.FAIL  # beyond the replica's distance too
