@@ -106,7 +106,7 @@ def summary_table(summary: WorkloadSummary, title: str = "understudy load") -> T
         f"{summary.not_sent} not sent{_past(summary)}, {summary.wall_s:.1f} s"))
     for header in ("turn", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms",
                    "e2e p99 ms", "prompt tok", "cached tok"):
-        table.add_column(header, justify="right")
+        table.add_column(header, justify="right", overflow="fold")  # never "reque…"
     for d in summary.by_depth:
         table.add_row(str(d.turn), str(d.turns), str(d.errors), _ms(d.ttft_p50_s),
                       _ms(d.ttft_p99_s), _ms(d.e2e_p50_s), _ms(d.e2e_p99_s),

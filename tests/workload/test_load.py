@@ -156,6 +156,26 @@ async def test_cli_json_and_table() -> None:
     assert "TTFT" in table.output and "2 sessions (2 completed), 4 turns, 0 errors" in table.output
 
 
+async def test_the_summary_table_shows_every_header_and_cell_whole() -> None:
+    """At 80 columns (a pipe, CliRunner) the summary cut its headers with an ellipsis:
+    "requests" read "reque…". As ``candidates list`` (f84295d): a cell folds where it must,
+    and output that is no terminal is as wide as the table needs. Found walking the README
+    on a fresh clone."""
+    async with run_sim(**FAST) as sim:
+        args = ["load", "--url", sim.url, "--sessions", "2", "--turns", "2", "--rate", "50",
+                "--think-s", "0.01", "--duration-s", "20"]
+        result = await asyncio.to_thread(CliRunner().invoke, main, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert "\u2026" not in result.output, result.output  # nothing cut with an ellipsis
+    header = next(line for line in result.output.splitlines() if "turn" in line)
+    assert [cell.strip() for cell in header.strip("\u2503").split("\u2503")] == [
+        "turn", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms", "e2e p99 ms",
+        "prompt tok", "cached tok"], result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("\u2502")]
+    assert [[cell.strip() for cell in row.split("\u2502")[1:3]] for row in rows] == [
+        ["0", "2"], ["1", "2"]], result.output
+
+
 async def test_cli_unreachable_server_is_a_clear_error() -> None:
     from tests.utils import free_port
 
