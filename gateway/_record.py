@@ -17,7 +17,8 @@ Rules:
    successor ``safety_identifier``, ``prompt_cache_key``, vLLM's ``cache_salt`` and
    ``request_id``) are written as keyed hashes under a key drawn at start, never raw (a
    ``user`` is often an e-mail address, a cache salt a tenant's secret): stable within one
-   file, so equal values stay equal for the replay, meaningless outside it.
+   file, so equal values stay equal for the replay, meaningless outside it. The file is
+   created readable by its owner only (0600), whatever the umask.
 5. Message contents, tool-call arguments, completion prompts and embedding inputs are
    written only with ``prompts = true``; otherwise each of their texts is replaced by filler
    of the same length (so a replay keeps the prompt sizes) and token ids by zeros; a tool
@@ -106,6 +107,11 @@ IDENTIFIERS: Final = frozenset({
 _KEPT_KEYS: Final = frozenset({"role", "type", "id", "tool_call_id"})
 """Message fields that are structure, not text, and stay as sent (rule 5)."""
 _SAMPLER_NAME: Final = "record"
+
+
+def _owner_only(path: str, flags: int) -> int:
+    """Rule 4: a new recording is made readable by its owner only (mode 0600)."""
+    return os.open(path, flags, 0o600)
 
 
 def _filler(length: int) -> str:
@@ -222,7 +228,8 @@ class TrafficRecorder:
         # mistake is not moved aside; opening it fails and the gateway does not start.
         if self.path.is_file() and self.path.stat().st_size > 0:
             self._keep_previous()
-        return self.path.open("wb", buffering=0)
+        # Owner only, whatever the umask: with ``prompts = true`` it holds the prompts.
+        return FileIO(self.path, "w", opener=_owner_only)
 
     def _keep_previous(self) -> None:
         """Rule 6: ``path`` becomes ``path.1``; the kept ``.1`` .. ``.n`` move one number up."""

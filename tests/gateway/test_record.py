@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import signal
 import sys
@@ -91,6 +92,22 @@ async def test_recording_keeps_prompts_when_configured(tmp_path: Path) -> None:
     for secret in (SECRET_KEY, E_MAIL, "Bearer", "sid="):
         assert secret not in text
     assert _lines(path)[1]["body"]["messages"] == _chat(1)["messages"]
+
+
+async def test_a_recording_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """The file was opened with the process's umask, world-readable under the usual 022:
+    with ``prompts = true`` any user on the host could read every recorded prompt."""
+    path = tmp_path / "traffic.jsonl"
+    old = os.umask(0o022)
+    try:
+        async with run_sim(tokens=4) as sim, \
+                run_gateway(sim.url, record={"path": str(path), "prompts": True}) as gw:
+            await _send(gw.url, 1)
+            await eventually(lambda: gw.metric("understudy_record_written_total") == 1)
+    finally:
+        os.umask(old)
+    assert SECRET_PROMPT in path.read_text()
+    assert path.stat().st_mode & 0o777 == 0o600
 
 
 _PRIVATE = "tenant-acme-7731"
