@@ -8,10 +8,11 @@ scores by (candidate, metric, created_at), verdicts by (candidate, created_at).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -166,15 +167,22 @@ async def load_samples(session: AsyncSession, candidate: str,
 def _grouped_samples(rows: Iterable[tuple[_Key, float | None, float | None]],
                      ) -> dict[_Key, StoredSamples]:
     """``(key, candidate value, primary value)`` rows as samples by key, in row order,
-    unknown (NULL) values left out."""
+    unknown values (NULL, or not a finite number: see :func:`_known`) left out."""
     grouped: dict[_Key, StoredSamples] = {}
     for key, candidate_value, primary_value in rows:
         found = grouped.setdefault(key, StoredSamples([], []))
-        if candidate_value is not None:
+        if _known(candidate_value):
             found.candidate.append(candidate_value)
-        if primary_value is not None:
+        if _known(primary_value):
             found.primary.append(primary_value)
     return grouped
+
+
+def _known(value: float | None) -> TypeGuard[float]:
+    """A stored score is known when it is a finite number. The writer refuses NaN and the
+    infinities (``_rows`` rule 2), but PostgreSQL stored them before it did (and SQLite an
+    infinity): read as unknown, like NULL, they cannot make the judge raise."""
+    return value is not None and math.isfinite(value)
 
 
 async def newest_scores_start(session: AsyncSession, candidate: str,
@@ -233,7 +241,7 @@ async def load_conditioned_samples(
             found = out.setdefault(metric, ConditionedSamples())
             for columns, reading in ((found.candidate_columns, readings[:5]),
                                      (found.primary_columns, readings[5:])):
-                if reading[0] is not None:  # the side's value
+                if _known(reading[0]):  # the side's value
                     for column, item in zip(columns, (*reading, prompt_bytes), strict=True):
                         column.append(item)
     return out

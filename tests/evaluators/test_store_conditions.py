@@ -4,12 +4,17 @@ evaluated requests, and the all-traffic histograms (SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from typing import Any
 
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import Gates, Score, build_report
 from evaluators.store import (
     TRAFFIC_SEEN,
+    ScoreRow,
     ScoreWriter,
     TrafficCount,
     load_conditioned_samples,
@@ -78,3 +83,34 @@ async def test_a_judgement_reads_the_newest_exchanges_up_to_the_cap(engine: Asyn
     stats = report.to_dict()["metrics"][0]["statistics"]
     assert stats["median_candidate"] == 29.5  # the newest 30: 15..44
     assert uncapped.samples == {"latency.ttft_s": 45} and uncapped.capped_at is None
+
+
+async def test_a_stored_value_that_is_no_finite_number_is_unknown(engine: AsyncEngine) -> None:
+    """A score written as NaN or an infinity (PostgreSQL stored them so before the writer
+    refused them, ``_rows`` rule 2) is read as unknown, like NULL: it made the judge's
+    ``_as_sample`` raise, so the report (the CLI's, the admin API's) was a traceback."""
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        for i in range(40):
+            assert writer.submit(make_exchange(f"r{i}"), [
+                Score("latency.ttft_s", 0.2 + i / 1000, 0.2 + i / 1000),
+                Score("quality.token_f1", 1.0, None)])
+        await written(writer, 40)
+    async with session_factory(engine)() as session, session.begin():
+        def rows(metric: str) -> Any:
+            return select(ScoreRow.id).where(ScoreRow.metric == metric).order_by(ScoreRow.id)
+        ttft = list((await session.execute(rows("latency.ttft_s"))).scalars())
+        f1 = list((await session.execute(rows("quality.token_f1"))).scalars())
+        for row, column, value in ((ttft[0], ScoreRow.candidate_value, math.nan),
+                                   (ttft[1], ScoreRow.primary_value, math.inf),
+                                   (f1[0], ScoreRow.candidate_value, -math.inf)):
+            await session.execute(update(ScoreRow).where(ScoreRow.id == row)
+                                  .values({column: value}))
+    async with session_factory(engine)() as session:
+        report = await build_report(session, "cand-a", Gates(), record=False)
+        loaded = await load_conditioned_samples(session, "cand-a", ["latency.ttft_s"])
+    conditioned = loaded["latency.ttft_s"]
+    assert (len(conditioned.candidate), len(conditioned.primary)) == (39, 39)
+    assert len(conditioned.candidate_concurrency) == len(conditioned.primary_prompt_bytes) == 39
+    assert report.samples == {"latency.ttft_s": 39, "quality.token_f1": 39}
+    assert report.verdict.metric("latency.ttft_s").statistics is not None
+    json.dumps(report.to_dict(), allow_nan=False)
