@@ -13,6 +13,7 @@ import asyncio
 import re
 import shutil
 import uuid
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import openai
 import pytest
 from PIL import Image, ImageStat
 
-from gateway._scorecard import CDF_POINTS, HISTOGRAM_BINS, SCORECARD_PATH
+from gateway._scorecard import CDF_POINTS, HISTOGRAM_BINS, SCORECARD_PATH, scorecard_files
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
 TOKEN = "scorecard-admin-token"
@@ -240,3 +241,38 @@ async def test_markup_in_what_others_name_is_shown_as_text(tmp_path: Path) -> No
         assert "<img" not in dom and 'id="injected"' not in dom and "pwned" not in dom.split(
             "<body", 1)[1].split(">", 1)[0]
         assert "&lt;img/src=x/onerror=" in dom  # there, as text
+
+
+class _FormFields(HTMLParser):
+    """The names of the controls a form would send when submitted without the script."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_form = False
+        self.forms: list[dict[str, Any]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        if tag == "form":
+            self.in_form = True
+            self.forms.append({"method": (attributes.get("method") or "get").lower(),
+                               "names": []})
+        elif self.in_form and tag in ("input", "select", "textarea") \
+                and attributes.get("name"):
+            self.forms[-1]["names"].append(attributes["name"])
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "form":
+            self.in_form = False
+
+
+def test_the_token_form_sent_without_its_script_puts_no_token_in_the_url() -> None:
+    """The token field had a name and the form no method: submitted before the deferred
+    script had taken over (Enter pressed while it loads, a script blocked or failing),
+    the browser sent ``GET /admin/ui?token=...``, the token in the history and in any
+    access log on the way (the fragment the README promises never does that)."""
+    parser = _FormFields()
+    parser.feed(scorecard_files()[SCORECARD_PATH][0].decode())
+    assert parser.forms, "no form on the page"
+    for form in parser.forms:
+        assert form["method"] != "get" or form["names"] == [], form
