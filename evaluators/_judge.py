@@ -49,10 +49,15 @@ Rules:
      replica has the gate's minimum of values;
    - else with the primary's, within concurrency bins (van Elteren, ``_matching.py``),
      and for TTFT within concurrency x cache strata (prompt length x cached share): the
-     median-shift check reads that stratified shift, the tail and spread checks the
-     pooled values (they only flag worse, which a lighter load cannot fake). No stratum
-     held by both sides, or fewer matched values than the gate's minimum, is
-     INCONCLUSIVE with the reason;
+     median-shift check reads that stratified shift; the other checks (the tail, the
+     spread) read the candidate's values in the strata both sides hold against the
+     primary's there resampled to the candidate's mix over them (``_at_candidate_load``:
+     ``_reweight`` rules 2-3, each value weighted by its stratum's candidate share over
+     its primary share). Pooled, a mirror's lighter load hid a longer tail (5 % of answers
+     stalled 60 ms at 10 % of the load: MARGINAL, tail ratio 1.23) and a canary's heavier
+     load made one (an identical engine at about twice the load: FAIL, tail ratio 1.3).
+     No stratum held by both sides, or fewer matched values (or a resampled primary
+     smaller) than the gate's minimum, is INCONCLUSIVE with the reason;
    - pooled as in rule 2 when no concurrency was recorded on either side (old rows).
 7. Every INCONCLUSIVE metric carries ``samples_needed`` (``_power.py``): the values per
    side at which the effect seen so far would be significant among the verdict's checks
@@ -89,9 +94,13 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from evaluators._gates import (
     SEVERITY,
@@ -470,7 +479,7 @@ def _judge_metric(
     conditions = samples.conditions
     if basis == "primary" and conditions is not None and conditions.recorded:
         return _judge_matched(name, samples, conditions, gates, gate, higher, statistics,
-                              family)
+                              family, seed)
     if statistics is None or min(n_c, n_b) < need:
         estimate = _estimate(gate, statistics, None, PowerQuery(
             n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family))
@@ -482,9 +491,10 @@ def _judge_metric(
 
 def _judge_matched(
     name: str, samples: MetricSamples, conditions: LoadConditions, gates: Gates,
-    gate: MetricGate, higher: bool, statistics: Comparison | None, family: int,
+    gate: MetricGate, higher: bool, statistics: Comparison | None, family: int, seed: int,
 ) -> MetricVerdict:
-    """Rule 6's second case: the median shift within concurrency (and cache) strata."""
+    """Rule 6's second case: the median shift within concurrency (and cache) strata, the
+    other checks at the candidate's mix of them."""
     assert samples.baseline is not None
     need = gates.min_samples_for(gate)
     basis = "primary at matched load" + (" and cache" if conditions.cache else "")
@@ -511,19 +521,43 @@ def _judge_matched(
         return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,),
                              statistics, basis, matched, estimate)
     m_c, m_b = matched.n_candidate_matched, matched.n_baseline_matched
-    if statistics is None or min(m_c, m_b) < need:
+    b_at_load, c_at_load = _at_candidate_load(b_values, b_labels, c_values, c_labels, seed)
+    if statistics is None or min(m_c, m_b, b_at_load.size) < need:
         estimate = _estimate(gate, statistics, matched, PowerQuery(
             m_b, m_c, gates.confidence, ESTIMATE_POWER, need, family))
-        return _inconclusive(name, f"at matched load: candidate {m_c}, primary {m_b}", need,
-                             statistics, basis=basis, matched=matched, estimate=estimate)
+        resampled = f" (resampled to its mix: {b_at_load.size})" if b_at_load.size < m_b else ""
+        return _inconclusive(name, f"at matched load: candidate {m_c}, primary {m_b}"
+                             f"{resampled}", need, statistics, basis=basis, matched=matched,
+                             estimate=estimate)
     checks = []
     if gate.max_shift_ratio is not None:
         checks.append(stratified_shift_check(matched, gate, gates.marginal_band, basis))
     rest = gate.model_copy(update={"max_shift_ratio": None})
-    checks += backend_checks(statistics, rest, gates.marginal_band)
+    at_load = compare_samples(b_at_load, c_at_load, confidence=gates.confidence,
+                              higher_is_better=higher, seed=seed)
+    checks += backend_checks(at_load, rest, gates.marginal_band)
     verdict = _verdict(name, checks, statistics, basis)
     return MetricVerdict(verdict.metric, verdict.outcome, True, verdict.reasons,
                          verdict.checks, statistics, basis, matched)
+
+
+def _at_candidate_load(
+    b_values: Sequence[float], b_labels: Sequence[str], c_values: Sequence[float],
+    c_labels: Sequence[str], seed: int,
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Rule 6: the primary's and the candidate's values in the strata both hold, the
+    primary's resampled to the candidate's mix over them (each value weighted by its
+    stratum's candidate count over its primary count; ``_reweight`` rules 2-3)."""
+    shared = set(b_labels) & set(c_labels)
+    c_count = Counter(label for label in c_labels if label in shared)
+    b_count = Counter(label for label in b_labels if label in shared)
+    keep = [i for i, label in enumerate(b_labels) if label in shared]
+    weights = np.array([c_count[b_labels[i]] / b_count[b_labels[i]] for i in keep],
+                       dtype=np.float64)
+    baseline = np.asarray(b_values, dtype=np.float64)[keep]
+    candidate = np.array([v for v, label in zip(c_values, c_labels, strict=True)
+                          if label in shared], dtype=np.float64)
+    return baseline[resample_indices(weights, seed)], candidate
 
 
 def _condition_labels(
