@@ -12,19 +12,15 @@ import urllib.request
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Table
 
 from gateway._environment import ADMIN_TOKEN_ENV, ADMIN_URL_ENV
+from gateway.terminal import print_table
 
 __all__ = ["ADMIN_COMMANDS"]
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8081/admin/v1"
 REQUEST_TIMEOUT_S = 120.0  # a promotion runs the judge first
-LIST_MAX_WIDTH = 1_000
-"""Widest line ``candidates list`` prints when its output is no terminal (a URL is at
-most a few hundred characters)."""
 
 
 def _segment(name: str) -> str:
@@ -159,12 +155,7 @@ def candidates_list(ctx: click.Context) -> None:
         table.add_row(c["name"], c["role"], c["url"], str(c["sample_rate"]),
                       c["sampling_unit"], str(c["max_concurrency"]), str(c["paused"]),
                       str(c["queued"]), str(c["in_flight"]))
-    console = Console()
-    if not console.is_terminal:  # a pipe or a file: a row a line, as wide as it needs
-        wide = console.options.update_width(LIST_MAX_WIDTH)
-        console = Console(width=max(console.width,
-                                    Measurement.get(console, wide, table).maximum))
-    console.print(table)
+    print_table(table)
 
 
 @candidates.command("add")

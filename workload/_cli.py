@@ -20,18 +20,14 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
-from rich.console import Console
-from rich.measure import Measurement
 
+from gateway.terminal import print_table
 from workload._spec import DEFAULT_SESSION_HEADER, ReplaySpec, WorkloadSpec, WorkloadSummary
 
 __all__ = ["load_command"]
 
 QUIET_LOGGERS = ("httpx", "httpx2", "openai")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-SUMMARY_MAX_WIDTH = 1_000
-"""Widest line the summary table prints when its output is no terminal (its columns need
-about a hundred characters)."""
 _SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
 _NOT_HEADER_TEXT = re.compile(r"[^\x20-\x7e]")
 
@@ -187,10 +183,4 @@ def _print(summary: WorkloadSummary, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(summary.to_json()))
     else:
-        table = summary_table(summary)
-        console = Console()
-        if not console.is_terminal:  # a pipe or a file: a row a line, as wide as it needs
-            wide = console.options.update_width(SUMMARY_MAX_WIDTH)
-            console = Console(width=max(console.width,
-                                        Measurement.get(console, wide, table).maximum))
-        console.print(table)
+        print_table(summary_table(summary))
