@@ -173,8 +173,12 @@ async def judged_candidate(store_url: str, candidate: dict[str, Any],
         yield gw
 
 
-async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> None:
-    """Wait until ``condition()`` holds; fail after ``within_s`` seconds."""
+HANG_S = 30.0  # a wait that only catches a hang, not a slow machine
+
+
+async def eventually(condition: Callable[[], bool], within_s: float = HANG_S) -> None:
+    """Wait until ``condition()`` holds; fail after ``within_s`` seconds (by default only a
+    hang: a loaded CI machine takes seconds for what takes milliseconds idle)."""
     async with asyncio.timeout(within_s):
         while not condition():  # noqa: ASYNC110 - polling a plain predicate
             await asyncio.sleep(0.02)

@@ -215,7 +215,7 @@ async def test_a_write_still_going_at_the_drain_timeout_is_counted(
             return (gw.metric("understudy_record_written_total")
                     + gw.metric("understudy_record_dropped_total", reason="shutdown"))
 
-        await eventually(lambda: counted() == 3, within_s=3)
+        await eventually(lambda: counted() == 3)
         written = gw.metric("understudy_record_written_total")
     assert written >= 1 and len(_lines(path)) == written
 

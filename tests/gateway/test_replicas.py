@@ -21,6 +21,10 @@ from tests.utils import free_ports, run_sim
 TOKEN = "replica-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 POLL_INTERVAL_S = 1.0
+# A replica hears a change by LISTEN at once, by its poll within POLL_INTERVAL_S; two
+# gateway processes, the CLI and PostgreSQL on a loaded 2-core CI machine can stretch
+# that to seconds. The bound only catches a replica that never converges.
+CONVERGED_WITHIN_S = 30.0
 
 
 @asynccontextmanager
@@ -61,12 +65,12 @@ async def _routing(http: aiohttp.ClientSession, admin_url: str) -> dict[str, Any
 
 
 async def _converged(http: aiohttp.ClientSession, admin_url: str, primary: str) -> float:
-    """Seconds until the replica at ``admin_url`` routes to ``primary`` (at most two of its
-    poll intervals)."""
+    """Seconds until the replica at ``admin_url`` routes to ``primary`` (fails after
+    ``CONVERGED_WITHIN_S``)."""
     started = time.monotonic()
     while (await _routing(http, admin_url))["primary"]["name"] != primary:
         waited = time.monotonic() - started
-        assert waited < 2 * POLL_INTERVAL_S, f"{admin_url} did not converge on {primary}"
+        assert waited < CONVERGED_WITHIN_S, f"{admin_url} did not converge on {primary}"
         await asyncio.sleep(0.05)
     return time.monotonic() - started
 
@@ -132,7 +136,7 @@ async def test_a_canary_outlives_the_replica_it_was_started_on(pg_database: str)
                                        "actor": "ops"}) as resp:
                 assert resp.status == 202, await resp.text()
         # A is gone; B heard of the canary within its poll interval.
-        deadline = time.monotonic() + 10 * POLL_INTERVAL_S
+        deadline = time.monotonic() + CONVERGED_WITHIN_S
         while (await _routing(http, admin_b))["canary"] is None:
             assert time.monotonic() < deadline, "replica B never served the canary"
             await asyncio.sleep(0.05)

@@ -20,6 +20,11 @@ from tests.utils import answering_once, eventually, run_gateway, run_sim
 from workload import TurnResult, WorkloadSpec, run_workload
 
 FAST = {"ttft_ms": 5.0, "itl_ms": 1.0, "tokens": 8}
+# Answers far slower than any bound below: a run that waited for one would overrun it,
+# while the bound leaves a loaded CI machine seconds of slack for what the README
+# promises (a stop cancels what is in flight and ends the run; well under 1 s idle).
+SLOW = {"ttft_ms": 60_000, "tokens": 4}
+AT_ONCE_S = 10.0
 
 
 def _by_session(requests: list[RecordedRequest]) -> dict[str, list[dict[str, Any]]]:
@@ -133,13 +138,13 @@ async def test_duration_bound_and_drain() -> None:
         summary = await run_workload(spec, sim.url)
     assert summary.not_sent > 0 and summary.errors == 0
     assert all(r.started_s < 0.5 for r in summary.results)
-    async with run_sim(ttft_ms=5000, tokens=4) as slow:
+    async with run_sim(**SLOW) as slow:
         spec = WorkloadSpec(sessions=2, turns=2, rate=100, think_s=0, duration_s=0.2,
                             drain_s=0.3)
         began = loop.time()
         summary = await run_workload(spec, slow.url)
         took = loop.time() - began
-    assert took < 2.0  # 0.2 s of arrivals, 0.3 s of drain: not the 5 s answers
+    assert took < AT_ONCE_S  # 0.2 s of arrivals, 0.3 s of drain: not the 60 s answers
     assert summary.turns == 2 and {r.error for r in summary.results} == {"cancelled"}
 
 
@@ -196,15 +201,15 @@ async def test_a_model_lookup_refused_names_the_url_it_asked() -> None:
 async def test_stop_ends_a_run_at_once_with_its_summary() -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    async with run_sim(ttft_ms=5000, tokens=4) as slow:
-        spec = WorkloadSpec(sessions=20, turns=2, rate=10, think_s=0, duration_s=60)
+    async with run_sim(**SLOW) as slow:
+        spec = WorkloadSpec(sessions=20, turns=2, rate=10, think_s=0, duration_s=120)
         run = asyncio.create_task(run_workload(spec, slow.url, stop=stop))
         await eventually(lambda: len(slow.stats.requests) >= 2)
         stop.set()
         began = loop.time()
-        summary = await asyncio.wait_for(run, 5)
+        summary = await asyncio.wait_for(run, 2 * AT_ONCE_S)
         took = loop.time() - began
-    assert took < 1.0  # not the 5 s answers, not the 60 s run
+    assert took < AT_ONCE_S  # not the 60 s answers, not the 120 s run
     assert summary.turns >= 2 and {r.error for r in summary.results} == {"cancelled"}
     assert summary.errors_by_kind == (("cancelled", summary.turns),)
 
@@ -228,11 +233,11 @@ async def test_stop_ends_a_run_still_looking_up_its_model() -> None:
     port = server.sockets[0].getsockname()[1]
     stop = asyncio.Event()
     async with server:
-        spec = WorkloadSpec(sessions=3, turns=2, duration_s=60, request_timeout_s=30)
+        spec = WorkloadSpec(sessions=3, turns=2, duration_s=120, request_timeout_s=60)
         run = asyncio.create_task(run_workload(spec, f"http://127.0.0.1:{port}", stop=stop))
         await eventually(lambda: bool(held))
         stop.set()
-        summary = await asyncio.wait_for(run, 2)  # not the 30 s the lookup may take
+        summary = await asyncio.wait_for(run, AT_ONCE_S)  # not the 60 s the lookup may take
         for writer in held:
             writer.close()
     assert summary.turns == 0 and summary.not_sent == 6

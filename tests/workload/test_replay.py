@@ -270,7 +270,8 @@ async def test_stop_while_the_file_is_checked_ends_the_replay_at_once(tmp_path: 
                                     spec=ReplaySpec(max_requests=1), stop=stop)
     # Stopped within the check: none of the 10 M lines past max_requests was counted (the
     # whole check counted them all as not sent, in seconds); the time bound only catches a
-    # hang, generous for a loaded machine (0.54 s in a CI run, 3.3 s for the whole check).
+    # hang, generous for a loaded machine (0.54 s in a CI run, 3.3 s for the whole check):
+    # the counts above, not the clock, tell a stopped check from a whole one.
     assert summary.turns == 0 and summary.not_sent == 0  # none was counted, none sent
     assert summary.lines_past_max_requests == 0
-    assert loop.time() - began < 2.0
+    assert loop.time() - began < 30.0
