@@ -42,7 +42,8 @@ Rules (DESIGN.md invariant 1):
    ``wire_text``), on either server: the front writes its head as Latin-1, and so do the
    responses here (:class:`RelayedResponse`, :class:`RelayedError`), since aiohttp's own
    writer encodes each character as UTF-8 and drops a surrogate escape: a byte of the id
-   that is not UTF-8 would come back changed, or not at all.
+   that is not UTF-8 would come back changed, or not at all. A head all ASCII (nearly
+   every one) is the same bytes either way and is left to aiohttp's own writer.
 """
 
 from __future__ import annotations
@@ -576,17 +577,29 @@ class RelayedResponse(web.StreamResponse):
     _send_headers_immediately = False
 
     async def _write_headers(self) -> None:
-        _latin1_head(self)
+        if _ascii_head(self):  # aiohttp's own writer, as fast, gives the same bytes
+            await super()._write_headers()
+        else:
+            _latin1_head(self)
 
 
 class RelayedError(web.Response):
     """A refusal on a connection aiohttp serves, its head written as Latin-1 (rule 8)."""
 
     async def _write_headers(self) -> None:
-        _latin1_head(self)
+        if _ascii_head(self):
+            await super()._write_headers()
+        else:
+            _latin1_head(self)
 
 
 _HEAD_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _ascii_head(response: web.StreamResponse) -> bool:
+    """Rule 8: a head all ASCII is the same bytes in UTF-8 and Latin-1, so aiohttp's own
+    writer (its C serializer) writes it; only a head past ASCII is built here, in Python."""
+    return all(name.isascii() and value.isascii() for name, value in response.headers.items())
 
 
 def _latin1_head(response: web.StreamResponse) -> None:
