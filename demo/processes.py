@@ -35,7 +35,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 __all__ = [
     "STOP_SIGNALS",
@@ -181,12 +181,21 @@ def interrupted_by_signals(note: Callable[[signal.Signals], None]) -> Iterator[N
         note(signal.Signals(signum))
         raise Interrupted
 
-    previous = {each: signal.signal(each, interrupt) for each in STOP_SIGNALS}
-    try:
+    with _stop_signals_to(interrupt):
         yield
+
+
+@contextlib.contextmanager
+def _stop_signals_to(handler: Callable[[int, object], None],
+                     ) -> Iterator[dict[signal.Signals, Any]]:
+    """Every stop signal handled by ``handler`` inside the block, the handlers before it
+    (which the block is given) put back when it is left."""
+    previous = {each: signal.signal(each, handler) for each in STOP_SIGNALS}
+    try:
+        yield previous
     finally:
-        for each, handler in previous.items():
-            signal.signal(each, handler)
+        for each, before in previous.items():
+            signal.signal(each, before)
 
 
 @contextlib.contextmanager
@@ -202,12 +211,10 @@ def signals_deferred() -> Iterator[None]:
     def defer(signum: int, frame: object) -> None:
         received.append(signum)
 
-    previous = {each: signal.signal(each, defer) for each in STOP_SIGNALS}
     try:
-        yield
+        with _stop_signals_to(defer) as previous:
+            yield
     finally:
-        for each, handler in previous.items():
-            signal.signal(each, handler)
         if received:
             handler = previous[signal.Signals(received[0])]
             if callable(handler):
