@@ -65,10 +65,15 @@ def demo_command(sessions: int, turns: int, minutes: float, rate: float, min_sam
             run_demo(DemoSpec(sessions=sessions, turns=turns, minutes=minutes, rate=rate,
                               min_samples=min_samples, primary_vllm=primary_vllm,
                               promote=not no_promote, workdir=workdir))
-    except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from exc
-    except KeyboardInterrupt:
-        stopped_by = received[0] if received else signal.SIGINT
-        click.echo(f"Stopped by {stopped_by.name}: every process the demo started is stopped.",
-                   err=True)
-        raise SystemExit(128 + stopped_by.value) from None
+    except BaseException as exc:
+        # A stop signal ends the demo with its status whatever carried it up: ``Interrupted``
+        # is raised where the program is, and C code there may wrap it (pydantic-core, building
+        # a schema in the openai client's lazy import, made it a SchemaError: exit 1).
+        if received or isinstance(exc, KeyboardInterrupt):
+            stopped_by = received[0] if received else signal.SIGINT
+            click.echo(f"Stopped by {stopped_by.name}: every process the demo started is "
+                       "stopped.", err=True)
+            raise SystemExit(128 + stopped_by.value) from None
+        if isinstance(exc, RuntimeError):
+            raise click.ClickException(str(exc)) from exc
+        raise
