@@ -9,7 +9,8 @@ Rules:
    dir and stopped by its own pid (SIGTERM, then SIGKILL after a bound): nothing is left
    running and nothing system-wide changes (nginx gets a generated config and prefix).
    A benchmark stopped by a signal stops them too (``run_main``: SIGTERM and SIGHUP taken
-   as Ctrl-C, ``demo.processes`` rule 4), and exits 128 + the signal's number.
+   as Ctrl-C, ``demo.processes`` rule 4), and exits 128 + the signal's number, whatever
+   exception carried it up (rule 6).
    vLLM is the exception to "by its own pid": it forks an engine core and helpers, so it
    runs in its own process group and ``backends.vllm.VLLMServer`` stops the whole group.
 3. A child's stop is on the ``ExitStack`` its starter was given from the moment it runs:
@@ -30,7 +31,6 @@ import os
 import re
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -43,8 +43,8 @@ from backends.vllm import VLLMProfile, VLLMServer, VLLMServerError, model_dir
 from demo.processes import (
     STOP_GRACE_S,
     Process,
+    ended_by_signals,
     free_port,
-    interrupted_by_signals,
     signals_deferred,
     understudy_argv,
     wait_healthy,
@@ -106,16 +106,11 @@ Child = Process
 
 def run_main(main: Callable[[], int | None]) -> int:
     """A benchmark's ``main``, stopped by SIGINT, SIGTERM or SIGHUP as by Ctrl-C (rule 2):
-    its exit status, or 128 + the signal's number."""
-    received: list[signal.Signals] = []
-    try:
-        with interrupted_by_signals(received.append):
-            return main() or 0
-    except KeyboardInterrupt:
-        stopped_by = received[0] if received else signal.SIGINT
-        print(f"Stopped by {stopped_by.name}: every process the benchmark started is stopped.",
-              file=sys.stderr)
-        return 128 + stopped_by.value
+    its exit status; a stop signal it received raises ``SystemExit(128 + its number)``
+    instead, whatever exception carried it up (``demo.processes`` rule 6)."""
+    with ended_by_signals("the benchmark"):
+        status = main() or 0
+    return status
 
 
 def snapshot_code(workdir: Path) -> Path:

@@ -2,13 +2,12 @@
 
 SIGINT, SIGTERM and SIGHUP end a demo the way Ctrl-C does (``demo.processes`` rule 4):
 ``run_demo`` unwinds and stops every process it started (seven engines and the gateway),
-and the exit status is 128 + the signal's number.
+and the exit status is 128 + the signal's number, whatever exception carried it up (rule 6).
 """
 
 from __future__ import annotations
 
 import math
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -57,23 +56,12 @@ def demo_command(sessions: int, turns: int, minutes: float, rate: float, min_sam
     """Run the real-model demo: a primary, its replica and three candidates behind the
     gateway, agentic traffic, the scorecard, and a promotion."""
     from demo._run import run_demo  # the gateway, the store, the workload: not for --help
-    from demo.processes import interrupted_by_signals
+    from demo.processes import ended_by_signals
 
-    received: list[signal.Signals] = []
     try:
-        with interrupted_by_signals(received.append):
+        with ended_by_signals("the demo"):  # its status: 128 + a stop signal's number
             run_demo(DemoSpec(sessions=sessions, turns=turns, minutes=minutes, rate=rate,
                               min_samples=min_samples, primary_vllm=primary_vllm,
                               promote=not no_promote, workdir=workdir))
-    except BaseException as exc:
-        # A stop signal ends the demo with its status whatever carried it up: ``Interrupted``
-        # is raised where the program is, and C code there may wrap it (pydantic-core, building
-        # a schema in the openai client's lazy import, made it a SchemaError: exit 1).
-        if received or isinstance(exc, KeyboardInterrupt):
-            stopped_by = received[0] if received else signal.SIGINT
-            click.echo(f"Stopped by {stopped_by.name}: every process the demo started is "
-                       "stopped.", err=True)
-            raise SystemExit(128 + stopped_by.value) from None
-        if isinstance(exc, RuntimeError):
-            raise click.ClickException(str(exc)) from exc
-        raise
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from exc

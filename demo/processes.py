@@ -20,6 +20,12 @@ Rules:
    arrives meanwhile raises ``Interrupted`` when the block is left, with the child in
    place. Raised between the fork and that (inside ``Popen``, or as ``spawn`` returned), it
    left a running child that no one stopped.
+6. A program that starts children runs inside ``ended_by_signals``: a stop signal it
+   received is its exit status (128 + the signal's number), whatever exception carries it
+   up, or none. ``Interrupted`` is raised where the program is, and C code there may wrap
+   it: in CI a SIGTERM landed in the openai client's lazy import, where pydantic-core made
+   it a SchemaError, and the demo exited 1 with a traceback instead of 143. Unwinding
+   through the wrapper still ran every ``finally``, so the children were stopped.
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 __all__ = [
     "STOP_SIGNALS",
     "THREAD_ENV",
     "Interrupted",
     "Process",
+    "ended_by_signals",
     "free_port",
     "interrupted_by_signals",
     "signals_deferred",
@@ -183,6 +190,32 @@ def interrupted_by_signals(note: Callable[[signal.Signals], None]) -> Iterator[N
 
     with _stop_signals_to(interrupt):
         yield
+
+
+@contextlib.contextmanager
+def ended_by_signals(program: str) -> Iterator[None]:
+    """Rule 6: the block runs inside ``interrupted_by_signals``; if a stop signal was received
+    it ends with ``SystemExit(128 + its number)``, after one line on stderr that says so
+    (``program``: who started the processes, "the demo"), whether the block raised (any
+    exception: the signal's ``Interrupted`` or what wrapped it) or returned. A
+    ``KeyboardInterrupt`` without a signal received (Ctrl-C off the main thread) is a SIGINT.
+    Anything else the block raises goes up unchanged."""
+    received: list[signal.Signals] = []
+    try:
+        with interrupted_by_signals(received.append):
+            yield
+    except BaseException as exc:
+        if not received and not isinstance(exc, KeyboardInterrupt):
+            raise
+        _exit_stopped_by(received[0] if received else signal.SIGINT, program)
+    if received:
+        _exit_stopped_by(received[0], program)
+
+
+def _exit_stopped_by(stop: signal.Signals, program: str) -> NoReturn:
+    print(f"Stopped by {stop.name}: every process {program} started is stopped.",
+          file=sys.stderr)
+    raise SystemExit(128 + stop.value) from None
 
 
 @contextlib.contextmanager
