@@ -31,6 +31,7 @@ from gateway._config import GatewayConfig
 from gateway._connections import ConnectionGuard, GatewayRunner, openai_error_body
 from gateway._destinations import masked_url
 from gateway._front import FrontRunner
+from gateway._headers import credential_headers
 from gateway._memory import return_large_buffers
 from gateway._metrics import EvaluationCollector, GatewayMetrics
 from gateway._mirror import Mirror
@@ -76,7 +77,8 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
 
     sync = RoutingSync(routing, serve_routing, metrics,
                        config.admin.routing_poll_interval_s, config.admin.store_timeout_s)
-    upstreams = Upstreams(config.primary, config.candidates, metrics)  # _routing rule 5
+    upstreams = Upstreams(config.primary, config.candidates, metrics,  # _routing rule 5
+                          credentials=credential_headers(config.mirror.credential_headers))
     promoter = Promoter(sync, mirror, metrics, scorekeeper, upstreams)
 
     def scrape_targets() -> dict[str, str]:

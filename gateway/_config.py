@@ -261,6 +261,10 @@ class MirrorConfig(_Section):
     # Client headers every candidate receives besides content type, accept, request id
     # and the session header; credentials only with a candidate's forward_credentials.
     forward_headers: tuple[HeaderName, ...] = ()
+    # Headers a deployment's clients send credentials in besides the well-known ones
+    # (_headers.CREDENTIAL_HEADERS): a candidate, mirrored or live, gets them only with
+    # forward_credentials, and an upstream with its own api_key never.
+    credential_headers: tuple[HeaderName, ...] = ()
     join_timeout_s: float = Field(DEFAULT_JOIN_TIMEOUT_S, gt=0)
     drain_timeout_s: float = Field(DEFAULT_MIRROR_DRAIN_TIMEOUT_S, ge=0)
     sink_capacity: int = Field(DEFAULT_SINK_CAPACITY, gt=0)

@@ -5,12 +5,20 @@ are never forwarded in either direction. ``Content-Length`` is recomputed by the
 transport whenever the relay may change the body.
 
 The primary receives the client's request as sent (it is the service the client called).
-A candidate receives only an allow-list (DESIGN.md, security defaults): the content
-type and encoding (the body goes on as it came, compressed or not), ``Accept``, the
-request id, the session header and the configured extras (``[mirror].forward_headers``,
-a candidate's ``forward_headers``); the client's credentials only when the candidate has
-``forward_credentials``. A header nobody named — ``X-Auth-Token``, ``X-Goog-Api-Key``,
-``OpenAI-Organization``, a custom auth header — never reaches a candidate.
+A candidate's mirrored requests carry only an allow-list (DESIGN.md, security defaults):
+the content type and encoding (the body goes on as it came, compressed or not),
+``Accept``, the request id, the session header and the configured extras
+(``[mirror].forward_headers``, a candidate's ``forward_headers``); the client's
+credentials only when the candidate has ``forward_credentials``. A header nobody named
+never reaches a candidate's replays.
+
+The client's credentials are every header an LLM API or its gateway authenticates or
+bills by (:data:`CREDENTIAL_HEADERS`: OpenAI's, Anthropic's, Azure's, Google's, a bearer
+token, a cookie) and the names in ``[mirror].credential_headers`` (a deployment's own
+auth header). A backend that takes live traffic (the canary, a promoted candidate) gets
+the client's other headers as the primary does, and these only with
+``forward_credentials``; a backend with its own ``api_key`` gets that key instead of all
+of them, the primary included.
 
 The request id goes to every upstream and back to the client as the client's bytes: a
 field's octets past ASCII are opaque (RFC 9110 §5.5), and nginx and vLLM (Starlette's
@@ -32,6 +40,7 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "allowed_only",
     "candidate_allow_list",
+    "credential_headers",
     "downstream_headers",
     "forwarded_headers",
     "wire_text",
@@ -53,17 +62,30 @@ HOP_BY_HOP = frozenset(
 _REQUEST_RECOMPUTED = frozenset({"host", "content-length", "expect"})
 _RESPONSE_RECOMPUTED = frozenset({"content-length"})
 
-CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key"})
+CREDENTIAL_HEADERS = frozenset({
+    "authorization", "cookie", "x-auth-token",
+    "openai-organization", "openai-project",  # OpenAI: which account the key bills
+    "x-api-key",  # Anthropic, and many API gateways
+    "api-key", "ocp-apim-subscription-key",  # Azure OpenAI, Azure API Management
+    "x-goog-api-key",  # Google
+})
+"""The headers a client's credentials travel in, besides ``[mirror].credential_headers``."""
 CANDIDATE_HEADERS = frozenset({"content-type", "content-encoding", "accept",
                                REQUEST_ID_HEADER.lower()})
 """What every candidate receives of a client's headers, besides the session header."""
 
 
+def credential_headers(extras: Iterable[str] = ()) -> frozenset[str]:
+    """The headers (lower-case) that carry a client's credentials, ``extras`` named too."""
+    return CREDENTIAL_HEADERS | {h.lower() for h in extras}
+
+
 def candidate_allow_list(session_header: str, extras: Iterable[str], *,
-                         credentials: bool) -> frozenset[str]:
-    """The headers (lower-case) a candidate may receive of a client's request."""
+                         credentials: frozenset[str] | None) -> frozenset[str]:
+    """The headers (lower-case) a candidate may receive of a client's request: the
+    ``credentials`` too where it is trusted with them (``None``: not)."""
     allowed = CANDIDATE_HEADERS | {session_header.lower()} | {h.lower() for h in extras}
-    return allowed | CREDENTIAL_HEADERS if credentials else allowed
+    return allowed if credentials is None else allowed | credentials
 
 
 def allowed_only(headers: CIMultiDict[str], allowed: frozenset[str]) -> CIMultiDict[str]:
@@ -104,13 +126,15 @@ def forwarded_headers(
 
 
 def with_credentials(
-    headers: CIMultiDict[str], *, forward_client_credentials: bool, api_key: str | None
+    headers: CIMultiDict[str], *, forward_client_credentials: bool, api_key: str | None,
+    credentials: frozenset[str] = CREDENTIAL_HEADERS,
 ) -> CIMultiDict[str]:
-    """Apply one upstream's credential policy: its own key, the client's, or none."""
+    """Apply one upstream's credential policy: its own key, the client's ``credentials``
+    headers, or none."""
     if forward_client_credentials and api_key is None:
         return headers
     out = CIMultiDict(headers)
-    for name in CREDENTIAL_HEADERS:
+    for name in credentials:
         out.popall(name, None)
     if api_key is not None:
         out["Authorization"] = f"Bearer {api_key}"

@@ -64,7 +64,7 @@ from gateway._budget import MemoryBudget, payload_key
 from gateway._buffer import BufferClosed, CandidateBuffer, MirrorItem, MirrorRequest
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig, RecordConfig
 from gateway._exceptions import UpstreamError
-from gateway._headers import candidate_allow_list
+from gateway._headers import candidate_allow_list, credential_headers
 from gateway._join import Joiner
 from gateway._metrics import GatewayMetrics, MirrorDropReason, Route
 from gateway._record import RECORDED_ROUTES, TrafficRecorder
@@ -89,8 +89,10 @@ class Candidate:
         self.config = config
         self.name = config.name
         self._mirror = mirror or MirrorConfig()
+        self._credentials = credential_headers(self._mirror.credential_headers)
         self.upstream = Upstream(config, forward_credentials=config.forward_credentials,
-                                 allowed_headers=self._allowed_headers(config))
+                                 allowed_headers=self._allowed_headers(config),
+                                 credentials=self._credentials)
         self.buffer = CandidateBuffer(config.name, config.buffer_items, config.buffer_bytes,
                                       budget)
         self.paused = False
@@ -114,7 +116,7 @@ class Candidate:
     def _allowed_headers(self, config: CandidateConfig) -> frozenset[str]:
         return candidate_allow_list(
             self._mirror.session_header, (*self._mirror.forward_headers, *config.forward_headers),
-            credentials=config.forward_credentials)
+            credentials=self._credentials if config.forward_credentials else None)
 
 
 class Mirror:

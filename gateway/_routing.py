@@ -33,7 +33,10 @@ Rules (DESIGN.md invariant 8):
    gets no key and none of the client's credentials, with the primary's timeouts and
    limits, a warning once and ``understudy_live_backend_without_settings_total{backend}``
    counted: never another backend's key. A live backend receives the client's other
-   headers as the primary does (the mirror's allow-list is for replays).
+   headers as the primary does (the mirror's allow-list is for replays); "the client's
+   credentials" are every header ``_headers`` counts as one (``Authorization``, the
+   OpenAI, Anthropic, Azure and Google key and account headers, ``[mirror]
+   .credential_headers``), not ``Authorization`` alone.
 6. The stored form is read by every replica, including ones still running an older
    release during a rolling upgrade (and a build downgraded to): a backend's dict holds
    ``name`` and ``url`` only, as it always did (an older reader builds its ``Backend``
@@ -61,6 +64,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway._config import CandidateConfig, UpstreamConfig
+from gateway._headers import CREDENTIAL_HEADERS
 from gateway._metrics import GatewayMetrics
 from gateway._sampler import sampled
 from gateway._upstream import Upstream
@@ -231,12 +235,14 @@ class Upstreams:
     """One pooled session per backend that takes live traffic, opened on first use, with
     that backend's own settings as this replica knows them (rule 5)."""
 
-    __slots__ = ("_known", "_pools", "_unconfigured", "primary")
+    __slots__ = ("_credentials", "_known", "_pools", "_unconfigured", "primary")
 
     def __init__(self, primary: UpstreamConfig,
                  candidates: tuple[CandidateConfig, ...] = (),
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, *,
+                 credentials: frozenset[str] = CREDENTIAL_HEADERS) -> None:
         self.primary = primary
+        self._credentials = credentials  # the headers that carry the client's credentials
         self._unconfigured = None if metrics is None else metrics.live_without_settings
         # (name, url) -> settings: the URL too, so a key never goes to another address.
         self._known: dict[tuple[str, str], UpstreamConfig] = {(primary.name, primary.url): primary}
@@ -278,9 +284,10 @@ class Upstreams:
                 self._unconfigured.labels(backend.name).inc()
             config = self.primary.model_copy(update={"name": backend.name, "url": backend.url,
                                                      "api_key": None})
-            upstream = Upstream(config, forward_credentials=False)
+            upstream = Upstream(config, forward_credentials=False,
+                                credentials=self._credentials)
         else:
-            upstream = Upstream(config)
+            upstream = Upstream(config, credentials=self._credentials)
             _configure(upstream, config)
         upstream.open()
         return upstream

@@ -40,7 +40,7 @@ from yarl import URL
 from evaluators import Capture
 from gateway._config import UpstreamConfig
 from gateway._exceptions import translate_upstream_errors
-from gateway._headers import allowed_only, with_credentials
+from gateway._headers import CREDENTIAL_HEADERS, allowed_only, with_credentials
 from gateway._relaycore import Tee
 from gateway._wire import Connection, ConnectionPool, Disconnected
 
@@ -98,9 +98,12 @@ class Upstream:
     """A backend the gateway forwards to, with its own connection pool."""
 
     def __init__(self, config: UpstreamConfig, *, forward_credentials: bool = True,
-                 allowed_headers: frozenset[str] | None = None) -> None:
+                 allowed_headers: frozenset[str] | None = None,
+                 credentials: frozenset[str] = CREDENTIAL_HEADERS) -> None:
         self.config = config
         self.forward_credentials = forward_credentials
+        # The headers that carry the client's credentials (``_headers``).
+        self.client_credentials = credentials
         # None: every forwarded header (the primary); else only these (a candidate).
         self.allowed_headers = allowed_headers
         self.name = config.name
@@ -136,6 +139,7 @@ class Upstream:
             headers = allowed_only(headers, self.allowed_headers)
         key = self.config.api_key
         return with_credentials(headers, forward_client_credentials=self.forward_credentials,
+                                credentials=self.client_credentials,
                                 api_key=key.get_secret_value() if key is not None else None)
 
     def request_head(self, method: str, raw_path: str, headers: CIMultiDict[str],

@@ -57,9 +57,61 @@ async def test_candidates_receive_only_allowed_headers() -> None:
         assert got["X-Request-Id"]
         trusted_got = trusted.stats.requests[-1].headers
         assert trusted_got["Authorization"] == "Bearer client-secret"
+        # Trusted with the client's credentials: every header that carries one.
+        assert trusted_got["X-Goog-Api-Key"] == "goog-1"
+        assert trusted_got["OpenAI-Organization"] == "org-1"
         assert "X-Tenant" not in trusted_got  # plain's extra is plain's alone
-        for name in ("X-Auth-Token", "X-Goog-Api-Key", "OpenAI-Organization", "X-Acme-Auth"):
-            assert name not in trusted_got, name
+        # A custom auth header is no credential until [mirror].credential_headers names
+        # it: like any other unnamed header it never reaches a replay.
+        assert "X-Acme-Auth" not in trusted_got
+
+
+async def test_a_live_candidate_gets_no_client_credential_without_forward_credentials(
+) -> None:
+    """The canary and a promoted candidate were sent every client header but
+    Authorization, Cookie, x-api-key and api-key: X-Goog-Api-Key, X-Auth-Token and
+    OpenAI-Organization reached a candidate not trusted with credentials. Now none of the
+    credential headers does, nor one named in [mirror].credential_headers; the client's
+    other headers still do (it answers the client as the primary would)."""
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2) as plain, \
+            run_sim(ttft_ms=0, itl_ms=0, tokens=2) as trusted, \
+            run_gateway(primary.url, candidates=[
+                {"name": "plain", "url": plain.url, "sample_rate": 0.0},
+                {"name": "trusted", "url": trusted.url, "sample_rate": 0.0,
+                 "forward_credentials": True}],
+                mirror={"credential_headers": ["X-Acme-Auth"]}) as gw, \
+            aiohttp.ClientSession() as http:
+        headers = {**SECRET_HEADERS, "X-Session-Id": "s-1", "X-Tenant": "t-1"}
+        for name, sim in (("plain", plain), ("trusted", trusted)):
+            async with http.post(f"{gw.admin_url}/candidates/{name}/canary",
+                                 json={"steps": [100], "interval_s": 600}) as resp:
+                assert resp.status == 202, await resp.text()
+            assert (await _post(gw.url, headers)).status == 200
+            got = sim.stats.requests[-1].headers
+            assert got["X-Tenant"] == "t-1" and got["X-Forwarded-For"]  # served live
+            if name == "plain":
+                for secret in ("Authorization", "Cookie", "X-Auth-Token", "X-Goog-Api-Key",
+                               "OpenAI-Organization", "X-Acme-Auth"):
+                    assert secret not in got, secret
+            else:
+                for secret in ("Authorization", "X-Goog-Api-Key", "X-Acme-Auth"):
+                    assert got[secret] == SECRET_HEADERS[secret], secret
+            async with http.delete(f"{gw.admin_url}/canary") as resp:
+                assert resp.status == 200, await resp.text()
+
+
+async def test_a_primary_with_its_own_key_gets_none_of_the_client_credentials() -> None:
+    """A primary with an api_key got the client's X-Goog-Api-Key, X-Auth-Token and
+    OpenAI-Organization beside the gateway's own key."""
+    async with run_sim(ttft_ms=0, itl_ms=0, tokens=2) as primary, \
+            run_gateway(primary.url, primary={"api_key": "gateway-key"}) as gw:
+        assert (await _post(gw.url, SECRET_HEADERS)).status == 200
+        got = primary.stats.requests[-1].headers
+        assert got["Authorization"] == "Bearer gateway-key"
+        for secret in ("Cookie", "X-Auth-Token", "X-Goog-Api-Key", "OpenAI-Organization"):
+            assert secret not in got, secret
+        assert got["X-Acme-Auth"] == "acme-1"  # not named a credential here
 
 
 # -- item 6: slowloris and connection bounds ----------------------------------------------
