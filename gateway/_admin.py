@@ -5,7 +5,10 @@ Rules:
    in constant time; missing, empty or wrong → 401. An empty or blank configured token is
    no token, and one shorter than ``MIN_ADMIN_TOKEN_LENGTH`` is refused when the config is
    read. With no token the API refuses to listen on a non-loopback address (checked at
-   start). The scorecard page's static files (``_scorecard.py``) hold no data and are
+   start). With ``tls_cert_file`` and ``tls_key_file`` it serves HTTPS only (TLS 1.2 at
+   least), so the token never crosses the network in clear; a non-loopback listener
+   without them is allowed (a TLS proxy in front is common) and warned of at start. The
+   scorecard page's static files (``_scorecard.py``) hold no data and are
    served without it; the data they fetch is behind it like every other route.
 2. Bodies are validated with pydantic, strictly: a string or a boolean where a number
    belongs, or NaN/Infinity, is a 422, never coerced. Every error is an OpenAI-style JSON
@@ -31,6 +34,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Final, TypeVar
@@ -277,19 +281,47 @@ class ReportBody(BaseModel):
 
 # -- plumbing ---------------------------------------------------------------------------
 
-def check_admin_binding(config: AdminConfig) -> None:
-    """Refuse to expose an admin API without a token beyond loopback."""
-    if config.token is not None:
-        return
+def _loopback(host: str) -> bool:
     try:
-        loopback = ipaddress.ip_address(config.host).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        loopback = config.host == "localhost"
-    if not loopback:
+        return host == "localhost"
+
+
+def check_admin_binding(config: AdminConfig) -> None:
+    """Refuse to expose an admin API without a token beyond loopback, or with TLS files
+    that do not load (rule 1)."""
+    admin_tls(config)
+    if config.token is None and not _loopback(config.host):
         raise ValueError(f"admin API on {config.host} needs a token of at least "
                          f"{MIN_ADMIN_TOKEN_LENGTH} characters (admin.token or "
                          f"{ADMIN_TOKEN_ENV}; an empty one is none); without one it only "
                          "listens on a loopback address")
+
+
+def admin_tls(config: AdminConfig) -> ssl.SSLContext | None:
+    """The admin listener's TLS context from its PEM files (rule 1); ``None``: plain HTTP.
+    Files that do not load (missing, unreadable, not PEM, a key not the certificate's)
+    are a ``ValueError`` naming them."""
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"admin TLS: cannot load the certificate {config.tls_cert_file} "
+                         f"with the key {config.tls_key_file}: "
+                         f"{getattr(exc, 'reason', None) or exc}") from None
+    return context
+
+
+def warn_if_in_clear(config: AdminConfig) -> None:
+    """Rule 1: a token sent to a non-loopback listener without TLS is readable on the way."""
+    if config.tls_cert_file is None and not _loopback(config.host):
+        log.warning("the admin API on %s serves plain HTTP: its bearer token crosses the "
+                    "network in clear unless a TLS proxy is in front; set [admin] "
+                    "tls_cert_file and tls_key_file to serve HTTPS", config.host)
 
 
 def _json(model: BaseModel, status: int = 200) -> web.Response:

@@ -26,7 +26,7 @@ import orjson
 from aiohttp import HttpVersion11, web
 
 from evaluators import EvaluationSink, MemorySink
-from gateway._admin import build_admin_app, check_admin_binding
+from gateway._admin import admin_tls, build_admin_app, check_admin_binding, warn_if_in_clear
 from gateway._config import GatewayConfig
 from gateway._connections import ConnectionGuard, GatewayRunner, openai_error_body
 from gateway._destinations import masked_url
@@ -291,9 +291,13 @@ async def _serve_until(config: GatewayConfig, stop: asyncio.Event,
         if config.admin.port is not None:
             admin_runner = make_admin_runner(app)
             await admin_runner.setup()
-            await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
-            log.info("understudy admin API on http://%s:%s/admin/v1", config.admin.host,
+            tls = admin_tls(config.admin)
+            await web.TCPSite(admin_runner, config.admin.host, config.admin.port,
+                              ssl_context=tls).start()
+            log.info("understudy admin API on %s://%s:%s/admin/v1",
+                     "http" if tls is None else "https", config.admin.host,
                      admin_runner.addresses[0][1])
+            warn_if_in_clear(config.admin)
         site = web.TCPSite(runner, config.server.host, config.server.port)
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else config.server.port

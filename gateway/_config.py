@@ -25,12 +25,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    FilePath,
     JsonValue,
     SecretStr,
     ValidationError,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
@@ -313,6 +315,15 @@ class AdminConfig(_Section):
     # "host" or "host:port" a candidate added through the API may use although it is a
     # refused destination (gateway/_destinations.py: metadata, own ports, service ports).
     allowed_candidate_hosts: tuple[str, ...] = ()
+    # PEM files: with both, the admin API serves HTTPS only (gateway/_admin.py rule 1).
+    tls_cert_file: FilePath | None = None
+    tls_key_file: FilePath | None = None
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> AdminConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("admin TLS needs both tls_cert_file and tls_key_file")
+        return self
 
     @field_validator("token")
     @classmethod
