@@ -75,10 +75,11 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
         promoter.served(new)  # its backends' series kept, a left one's retired
         promoter.follow(new)  # a canary it holds is driven here too (Promoter rule 5)
 
-    sync = RoutingSync(routing, serve_routing, metrics,
-                       config.admin.routing_poll_interval_s, config.admin.store_timeout_s)
     upstreams = Upstreams(config.primary, config.candidates, metrics,  # _routing rule 5
                           credentials=credential_headers(config.mirror.credential_headers))
+    sync = RoutingSync(routing, serve_routing, metrics,
+                       config.admin.routing_poll_interval_s, config.admin.store_timeout_s,
+                       settings_models=upstreams.models)
     promoter = Promoter(sync, mirror, metrics, scorekeeper, upstreams)
 
     def scrape_targets() -> dict[str, str]:

@@ -50,16 +50,18 @@ Rules (DESIGN.md invariant 8):
    stores (a canary step, a promotion, a rollback) has no ``models`` map, and reading it
    as it stands takes every live backend's model rewrite away. So the map is always
    stored, ``{}`` where no backend has a model, and a routing stored without one (by a
-   release before 974d832) is read with the routing this replica knew (``from_dict``'s
-   ``known``): a backend whose dict names no model takes the one ``known`` gives the
-   backend of the same name and URL, whatever its role (the canary promoted keeps its
-   model). A backend's model never changes while it stays live (a PATCH changes the
-   candidate's settings, not the routing), so name and URL say which model it is.
+   release before 974d832) is read with the models this replica knows (``from_dict``'s
+   ``known``), by name and URL whatever the role (the canary promoted keeps its model):
+   first the routing it served (a backend's model never changes while it stays live: a
+   PATCH changes the candidate's settings, not the routing), then the candidates it has
+   settings for (``Upstreams.models``), so a replica that starts while such a routing is
+   the latest still sends the canary its model.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -207,9 +209,16 @@ class Routing:
                "origin": self.origin.to_dict() if self.origin else None}
         return {**out, "models": self.models()}  # even empty: rule 7
 
+    def models_by_address(self) -> dict[tuple[str, str], str]:
+        """The ``model`` rewrite of each backend here that has one, by name and URL."""
+        return {(b.name, b.url): b.model for b in (*self.live_backends(), self.origin)
+                if b is not None and b.model is not None}
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any], known: Routing | None = None) -> Routing:
-        """Rules 6 and 7: ``known`` is the routing this replica served before ``data``."""
+    def from_dict(cls, data: dict[str, Any],
+                  known: Mapping[tuple[str, str], str] | None = None) -> Routing:
+        """Rules 6 and 7: ``known`` is each backend's model as this replica knows it, by
+        name and URL, for a routing stored without the ``models`` map."""
         previous, canary, origin = data.get("previous"), data.get("canary"), data.get("origin")
         if "models" in data or known is None:
             models = data.get("models") or {}
@@ -218,11 +227,9 @@ class Routing:
                        Backend.from_dict(previous, models.get("previous")) if previous else None,
                        Canary.from_dict(canary, models.get("canary")) if canary else None,
                        Backend.from_dict(origin, models.get("origin")) if origin else None)
-        by_address = {(b.name, b.url): b.model for b in (*known.live_backends(), known.origin)
-                      if b is not None and b.model is not None}
 
         def model(backend: dict[str, Any]) -> str | None:
-            return by_address.get((str(backend["name"]), str(backend["url"])))
+            return known.get((str(backend["name"]), str(backend["url"])))
 
         return cls(int(data["version"]),
                    Backend.from_dict(data["primary"], model(data["primary"])),
@@ -258,6 +265,12 @@ class Upstreams:
         for backend, upstream in self._pools.items():
             if (backend.name, backend.url) == key:
                 _configure(upstream, config)
+
+    def models(self) -> dict[tuple[str, str], str]:
+        """The ``model`` rewrite of each candidate this replica has settings for, by name
+        and URL (rule 7: what a routing stored without its models map is read with)."""
+        return {key: config.model for key, config in self._known.items()
+                if isinstance(config, CandidateConfig) and config.model is not None}
 
     def forget(self, name: str, url: str) -> None:
         """Drop a removed candidate's settings (not the configured primary's); an open pool

@@ -25,8 +25,9 @@ Rules (DESIGN.md invariant 8):
    meanwhile is adopted at once); polling covers the time between. A stored routing this
    release cannot read is logged (its error's type, never its values) and polling goes
    on: the next readable one is adopted. A stored routing is read with the one this
-   replica serves (``_routing`` rule 7): one an older release stored without the
-   ``models`` map keeps the model rewrites this replica knew for its backends.
+   replica serves and the candidates it has settings for (``_routing`` rule 7): one an
+   older release stored without the ``models`` map keeps the model rewrites this replica
+   knows for its backends.
 4. Without a database (evaluation disabled) the routing is this process's alone. With
    one that is not reachable yet (``attach`` before ``start``: a store outage at start),
    changes go to the database and fail there; none is applied to this replica alone.
@@ -44,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -87,8 +88,10 @@ class RoutingSync:
 
     def __init__(self, initial: Routing, on_change: Callable[[Routing], Awaitable[None]],
                  metrics: GatewayMetrics, poll_interval_s: float,
-                 store_timeout_s: float = DEFAULT_ADMIN_STORE_TIMEOUT_S) -> None:
+                 store_timeout_s: float = DEFAULT_ADMIN_STORE_TIMEOUT_S,
+                 settings_models: Callable[[], Mapping[tuple[str, str], str]] = dict) -> None:
         self._routing = initial
+        self._settings_models = settings_models  # _routing rule 7
         self._on_change = on_change
         self._metrics = metrics
         self._poll_interval_s = poll_interval_s
@@ -105,6 +108,10 @@ class RoutingSync:
     def routing(self) -> Routing:
         """The one snapshot this replica serves (replaced whole, never mutated)."""
         return self._routing
+
+    def _known_models(self) -> dict[tuple[str, str], str]:
+        """``_routing`` rule 7: the served routing's models first, then the settings'."""
+        return {**self._settings_models(), **self._routing.models_by_address()}
 
     async def _apply(self, routing: Routing) -> None:
         self._routing = routing
@@ -131,7 +138,7 @@ class RoutingSync:
             except StoreError:  # another replica inserted it at the same moment
                 stored = await load_routing(engine)
         if stored is not None:
-            await self._adopt(engine, Routing.from_dict(stored[1], known=self._routing))
+            await self._adopt(engine, Routing.from_dict(stored[1], known=self._known_models()))
         self._poller = asyncio.create_task(self._poll(), name="routing-poll")
         self._listener = await listen_for_routing(engine, self._notified)  # rule 3
 
@@ -152,7 +159,7 @@ class RoutingSync:
             if not await save_routing(engine, new.version, new.to_dict(),
                                       expected=stored.version):
                 stored_now = await load_routing(engine)
-                new = (Routing.from_dict(stored_now[1], known=self._routing) if stored_now
+                new = (Routing.from_dict(stored_now[1], known=self._known_models()) if stored_now
                        else new)
             await self._apply(new)
             return
@@ -263,7 +270,7 @@ class RoutingSync:
 
     async def _adopt_newer(self, stored: tuple[int, dict[str, Any]] | None) -> None:
         if stored is not None and stored[0] > self._routing.version:
-            await self._apply(Routing.from_dict(stored[1], known=self._routing))
+            await self._apply(Routing.from_dict(stored[1], known=self._known_models()))
             log.info("routing: converged on version %d (primary %s)", self._routing.version,
                      self._routing.primary.name)
 

@@ -14,8 +14,9 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators.store import load_routing, save_routing
+from gateway._config import CandidateConfig, UpstreamConfig
 from gateway._metrics import GatewayMetrics
-from gateway._routing import Backend, Canary, Routing
+from gateway._routing import Backend, Canary, Routing, Upstreams
 from gateway._sync import RoutingSync
 from tests.fixtures_db import migrated_engine, sqlite_url
 from tests.utils import eventually
@@ -168,15 +169,16 @@ def test_a_routing_stored_without_models_keeps_the_models_known_for_its_backends
     stored = known.to_dict()
     old = _old_to_dict(known.version + 1, *_old_from_dict(stored)[1:3], stored["canary"],
                        _old_from_dict(stored)[4])
-    assert Routing.from_dict(old, known=known) == replace(known, version=known.version + 1)
+    assert Routing.from_dict(old, known=known.models_by_address()) == replace(
+        known, version=known.version + 1)
     moved = {**old, "previous": None, "primary": {"name": "b", "url": "http://127.0.0.1:10"}}
-    assert Routing.from_dict(moved, known=known).primary == Backend(
+    assert Routing.from_dict(moved, known=known.models_by_address()).primary == Backend(
         "b", "http://127.0.0.1:10", "model-b")  # the canary's model follows it to primary
     other_url = {**old, "primary": {"name": "a", "url": "http://127.0.0.1:99"}}
-    assert Routing.from_dict(other_url, known=known).primary.model is None
+    assert Routing.from_dict(other_url, known=known.models_by_address()).primary.model is None
     plain = Routing.configured(Backend("a", "http://127.0.0.1:9"), known.version + 1)
     assert plain.to_dict()["models"] == {}
-    assert Routing.from_dict(plain.to_dict(), known=known) == plain
+    assert Routing.from_dict(plain.to_dict(), known=known.models_by_address()) == plain
 
 
 async def test_an_older_release_stepping_the_canary_does_not_drop_its_model(
@@ -214,3 +216,34 @@ async def test_an_older_release_stepping_the_canary_does_not_drop_its_model(
         assert stored is not None and stored[1]["models"] == {"primary": "model-b"}
     finally:
         await sync.stop()
+
+
+async def test_a_replica_started_on_a_routing_stored_without_models_takes_its_settings(
+        engine: AsyncEngine) -> None:
+    """A replica of this release that starts while the latest routing is one an older
+    release stored (no ``models`` map) had no routing of its own with the canary in it:
+    the canary got the client's model name (a 404 from a backend serving only its own)
+    until a newer replica wrote the routing again. It now takes the model from the
+    candidate's settings it has, by name and URL."""
+    async def serve(_: Routing) -> None:
+        pass
+
+    origin = Backend("primary", "http://127.0.0.1:8")
+    canary = {"backend": {"name": "b", "url": "http://127.0.0.1:10"}, "steps": [10.0, 100.0],
+              "step": 0, "percent": 10.0, "interval_s": 60.0, "step_started_at": 1.0}
+    old = _old_to_dict(2, _OldBackend(origin.name, origin.url), None, canary,
+                       _OldBackend(origin.name, origin.url))
+    assert await save_routing(engine, 2, old, expected=None)
+    settings = {("b", "http://127.0.0.1:10"): "model-b",
+                ("b", "http://127.0.0.1:99"): "model-elsewhere"}
+    sync = RoutingSync(Routing.configured(origin), serve, GatewayMetrics(),
+                       poll_interval_s=60.0, settings_models=lambda: settings)
+    await sync.start(engine)
+    await sync.stop()
+    assert sync.routing.version == 2 and sync.routing.canary is not None
+    assert sync.routing.canary.backend == Backend("b", "http://127.0.0.1:10", "model-b")
+    # What the gateway passes as settings_models: its candidates' rewrites, by name and URL.
+    upstreams = Upstreams(UpstreamConfig(url=origin.url), (
+        CandidateConfig(name="b", url="http://127.0.0.1:10", model="model-b"),
+        CandidateConfig(name="c", url="http://127.0.0.1:11")))
+    assert upstreams.models() == {("b", "http://127.0.0.1:10"): "model-b"}
