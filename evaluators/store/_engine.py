@@ -25,12 +25,12 @@ Rules:
    before SQLite opens it, and SQLite gives its -wal and -shm files the same mode: the
    store holds the routing, whose backend URLs keep their passwords, and texts with
    ``store_prompts``/``store_answers``. Under the usual umask (022) SQLite made all three
-   world-readable. An existing file keeps the mode it has (the operator's to set).
+   world-readable. An existing file keeps the mode it has (the operator's to set), and
+   one others can read or write is logged when the engine is made (``_file_modes``).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 from sqlalchemy.pool import StaticPool
 
 from evaluators.store._config import StoreConfig
+from evaluators.store._file_modes import private_new_file, warn_if_shared
 
 __all__ = ["create_engine", "session_factory"]
 
@@ -89,6 +90,9 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
         options["max_overflow"] = config.pool_overflow
         options["pool_timeout"] = config.pool_timeout_s
     engine = _create_async_engine(url, **options)
+    if not in_memory and url.database and not url.query.get("uri"):
+        warn_if_shared(Path(url.database), "the routing (backend URLs with their passwords) "
+                       "and the scores")
     busy_ms = int(config.sqlite_busy_timeout_s * 1000)
     locked = engine.sync_engine.dialect.loaded_dbapi.OperationalError
 
@@ -102,7 +106,7 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
         if not folder.is_dir():
             raise dialect.dbapi.OperationalError(
                 f"unable to open database file: no folder {str(folder)!r}")
-        _private_new_file(Path(cargs[0]))
+        private_new_file(Path(cargs[0]))
 
     @event.listens_for(engine.sync_engine, "connect")
     def _pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -117,15 +121,6 @@ def _sqlite_engine(config: StoreConfig) -> AsyncEngine:
             cursor.close()
 
     return engine
-
-
-def _private_new_file(path: Path) -> None:
-    """Rule 4: create ``path`` empty with mode 0600 unless something is there already (an
-    empty file is a new database to SQLite)."""
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    except OSError:  # there already, or not to be made here: SQLite opens it or says why not
-        pass
 
 
 def _write_ahead_logging(cursor: Any, locked: type[Exception], busy_timeout_s: float) -> None:

@@ -11,7 +11,8 @@ Rules:
    ``$XDG_STATE_HOME/understudy/hash.key`` (``~/.local/state/understudy/hash.key``),
    which is created (32 random bytes, hex, mode 0600) at the writer's start when absent.
    Replicas that share a store must share the key (give it in config, or share the file)
-   or their hashes of one session differ.
+   or their hashes of one session differ. A key file others can read or write is logged
+   (``_file_modes``): with the key, anyone can test guesses against the stored hashes.
 3. A key file that cannot be read or created is logged and replaced by a random key for
    this process: hashes then do not match across restarts, but nothing is stored in clear.
 """
@@ -26,6 +27,7 @@ import secrets
 from pathlib import Path
 
 from evaluators.store._config import StoreConfig
+from evaluators.store._file_modes import warn_if_shared
 
 __all__ = ["default_hash_key_file", "keyed_digest", "load_hash_key"]
 
@@ -64,6 +66,7 @@ def _read_or_create(path: Path) -> bytes:
         pass
     else:
         if key:
+            warn_if_shared(path, "the key of the stored session hashes")
             return key
         raise OSError(f"{path} is empty")
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

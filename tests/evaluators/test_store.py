@@ -240,6 +240,33 @@ async def test_a_new_sqlite_store_is_readable_by_its_owner_only(tmp_path: Path) 
         os.umask(old)
 
 
+async def test_a_store_or_hash_key_others_can_read_is_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A store made by an older release (0644 under the usual umask), or a hash key file
+    copied without its mode, keeps its mode: that was silent, although the store holds
+    backend URLs with their passwords and the key lets anyone test guesses of session keys
+    against the stored hashes. Each is now logged once, naming the file and its mode."""
+    path = tmp_path / "store.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    await upgrade(url)
+    key_file = tmp_path / "hash.key"
+    key_file.write_bytes(b"k" * 64 + b"\n")
+    caplog.set_level("WARNING", logger="understudy.store")
+    for mode in (0o600, 0o644):
+        caplog.clear()
+        path.chmod(mode)
+        key_file.chmod(mode)
+        await create_engine(StoreConfig(url=url)).dispose()
+        assert load_hash_key(StoreConfig(url=url, hash_key_file=key_file)) == b"k" * 64
+        warned = [r.getMessage() for r in caplog.records]
+        if mode == 0o600:
+            assert warned == []
+        else:
+            assert len(warned) == 2, warned
+            assert f"{path} holds the routing" in warned[0] and "(mode 644)" in warned[0]
+            assert f"{key_file} holds the key" in warned[1]
+
+
 def _modes(folder: Path) -> dict[str, int]:
     return {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir()}
 
