@@ -14,7 +14,9 @@ metric, a :class:`MetricGate`, by the metric's name:
    pairwise metric but that distance is compared with the noise floor when a secondary's
    sample exists, within ``max_noise_floor_shift_ratio``, on the mean (relative to a
    floor near 0, a distance 0.0002 larger is 20 % worse; the floor still counts for it
-   through the judge's rule 3, which relaxes a limit the replica itself does not keep).
+   through the judge's rule 3, which relaxes a limit the replica itself does not keep,
+   by at most ``max_noise_floor_miss`` of the limit, the same for a minimum and a
+   maximum).
    The per-exchange latency ratios (``latency.*_ratio``) are latency: their median (a
    ratio's mean is pulled by its few slowest requests) within the latency tolerance
    ``max_median_shift_ratio``, so a candidate 4 % slower, inside the 10 % latency gate,
@@ -22,7 +24,10 @@ metric, a :class:`MetricGate`, by the metric's name:
    Pairwise checks use the mean: many pairwise metrics are 0/1 agreements, whose
    Hodges-Lehmann shift is 0 whatever the two rates are.
 3. Rate metrics (``rate_metrics``: 0/1 per exchange, such as ``reliability.success``):
-   the rate may move toward worse by at most ``max_error_rate_increase`` (absolute).
+   the rate may move toward worse by at most ``max_error_rate_increase`` (absolute). The
+   check reads counts, not a bootstrap (``_statistics`` rule 7): its evidence is Fisher's
+   exact test, its interval Newcombe's, and it passes only where that interval rules out
+   a worsening beyond the limit (:attr:`Check.bounded`; the judge's rule 1).
 4. ``cost.*``: the mean (the spend per request) may grow by at most ``max_cost_ratio``.
 5. ``cache.*`` is not gated: a mirrored candidate sees only a sample of the traffic, so
    its cache is colder than the primary's by construction. Nor is ``capture.*``: how often
@@ -57,8 +62,10 @@ from scipy import stats
 from evaluators._statistics import (
     DEFAULT_CONFIDENCE,
     MIN_COMPARABLE_SAMPLES,
+    RATE_TEST,
     Comparison,
     PairwiseSummary,
+    RateComparison,
 )
 from evaluators._strata import StratifiedComparison
 
@@ -73,6 +80,7 @@ __all__ = [
     "DEFAULT_MAX_ERROR_RATE_INCREASE",
     "DEFAULT_MAX_JUDGED_EXCHANGES",
     "DEFAULT_MAX_MEDIAN_SHIFT_RATIO",
+    "DEFAULT_MAX_NOISE_FLOOR_MISS",
     "DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO",
     "DEFAULT_MAX_STD_RATIO",
     "DEFAULT_MAX_TTFT_P99_RATIO",
@@ -117,6 +125,10 @@ rankings change."""
 DEFAULT_MAX_COST_RATIO: Final = 1.10
 DEFAULT_MAX_ERROR_RATE_INCREASE: Final = 0.01
 DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO: Final = 0.02
+DEFAULT_MAX_NOISE_FLOOR_MISS: Final = 0.2
+"""The judge's rule 3: how far, as a share of a pairwise limit, a noise-floor replica may
+itself miss that limit and still relax it (a similarity minimum of 0.85 to 0.68 at most, an
+embedding-distance maximum of 0.01 to 0.012). A replica further off is no noise floor."""
 DEFAULT_MARGINAL_BAND: Final = 0.05
 DEFAULT_MAX_JUDGED_EXCHANGES: Final = 2000
 """A judgement reads the newest this many scored exchanges of its window at most: the
@@ -192,6 +204,7 @@ class Gates(BaseModel):
     max_noise_floor_shift_ratio: float | None = Field(
         default=DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO, ge=0.0
     )
+    max_noise_floor_miss: float = Field(default=DEFAULT_MAX_NOISE_FLOOR_MISS, ge=0.0)
     # MARGINAL within +/- marginal_band * |threshold| of each threshold.
     marginal_band: float = Field(default=DEFAULT_MARGINAL_BAND, ge=0.0, lt=1.0)
     # 0/1 metrics judged by their rate (the mean), not by a shift of the median.
@@ -274,6 +287,10 @@ class Check:
     margin: float | None = None
     """The band around the threshold this check was graded with (None: not graded by
     rule 2, so not graded again by the judge's rule 10)."""
+    bounded: bool = False
+    """A PASS needs the interval's upper end (``ci_high``) within the threshold, not the
+    estimate alone (a rate, rule 3: the judge's rule 1); short of it the check is
+    INCONCLUSIVE, too few samples to tell."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -293,10 +310,13 @@ class _Evidence:
     high: float | None
     significant: bool
     p_value: float | None = None
+    bounded: bool = False
 
 
-def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
-    """The judge's rule 2 for a per-backend metric's enabled checks."""
+def backend_checks(c: Comparison, gate: MetricGate, band: float,
+                   rates: RateComparison | None = None) -> list[Check]:
+    """The judge's rule 2 for a per-backend metric's enabled checks; a rate's check
+    (rule 3) reads ``rates``, the same samples compared as counts."""
     hib = c.higher_is_better
     ratio = "primary/candidate" if hib else "candidate/primary"  # larger is worse
     checks: list[Check] = []
@@ -318,11 +338,17 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
         label = f"mean ratio {ratio}"
         checks.append(_graded("mean_ratio", label, evidence, gate.max_mean_ratio, band))
     if gate.max_mean_worsening is not None:
-        low, high = _orient_shift(c.mean_shift_ci_low, c.mean_shift_ci_high, hib)
-        x = _worse(c.mean_shift, hib)
-        evidence = _Evidence(x, low, high, _above(low, 0.0),
-                             _interval_p(x, low, 0.0, c.confidence))
-        label = "change of the rate toward worse"
+        if rates is None:
+            raise ValueError("a rate's check reads the samples compared as counts "
+                             "(compare_rates)")
+        low, high = _orient_shift(rates.change_ci_low, rates.change_ci_high, hib)
+        x = _worse(rates.change, hib) + 0.0  # no -0
+        one_sided = (1.0 - rates.confidence) / 2.0
+        evidence = _Evidence(x, low, high, rates.p_worse < one_sided, rates.p_worse,
+                             bounded=True)
+        label = (f"change of the rate toward worse ({rates.ones_candidate}/"
+                 f"{rates.n_candidate} against {rates.ones_baseline}/{rates.n_baseline}, "
+                 f"{RATE_TEST} p={rates.p_worse:.2g})")
         checks.append(_graded("mean_worsening", label, evidence, gate.max_mean_worsening, band))
     if gate.max_tail_ratio is not None:
         low, high = _orient_ratio(c.tail_ratio_ci_low, c.tail_ratio_ci_high, hib)
@@ -371,32 +397,33 @@ def stratified_shift_check(
 
 
 def pairwise_checks(
-    s: PairwiseSummary, floor: Comparison | None, gate: MetricGate, band: float
+    s: PairwiseSummary, floor: Comparison | None, gate: MetricGate, band: float, *,
+    max_floor_miss: float = DEFAULT_MAX_NOISE_FLOOR_MISS, replica: str | None = None,
 ) -> list[Check]:
     """The judge's rules 2 and 3 for a pairwise metric; ``floor`` compares the values
-    (candidate) with the noise floor's (baseline)."""
+    (candidate) with the noise floor's (baseline), measured on ``replica`` (its name,
+    where known); ``max_floor_miss`` bounds the relaxation (``Gates.max_noise_floor_miss``)."""
     checks: list[Check] = []
     for limit, sign in ((gate.min_mean, 1.0), (gate.max_mean, -1.0)):
         if limit is None:
             continue
-        kind, note = "minimum" if sign > 0 else "maximum", ""
-        interval = [sign * (limit - b) for b in (s.mean_ci_low, s.mean_ci_high)
-                    if b is not None]
-        if floor is not None and sign * (limit - floor.mean_baseline) > 0.0:
-            note = f" (relaxed from {limit:.4g} to the noise floor's mean)"
-            limit = floor.mean_baseline
-            # The floor's mean is measured too: the shortfall's interval is the two
-            # samples' (candidate - floor), not the candidate's alone against a constant.
-            interval = [-sign * b for b in (floor.mean_shift_ci_low, floor.mean_shift_ci_high)
-                        if b is not None]
-        bounds = sorted(interval)
-        low, high = (bounds[0], bounds[1]) if len(bounds) == 2 else (None, None)
-        shortfall = sign * (limit - s.mean)
-        evidence = _Evidence(shortfall, low, high, _above(low, 0.0),
-                             _interval_p(shortfall, low, 0.0, s.confidence))
-        label = f"mean {s.mean:.4g} against the {kind} {limit:.4g}{note}, shortfall"
-        margin = band * abs(limit)
-        checks.append(_graded("mean_limit", label, evidence, 0.0, 0.0, margin=margin))
+        miss = 0.0 if floor is None else sign * (limit - floor.mean_baseline)
+        bound = max_floor_miss * abs(limit)
+        if floor is None or miss <= 0.0:
+            checks.append(_limit_check(s, None, limit, sign, band))
+        elif miss <= bound:
+            checks.append(_limit_check(s, floor, limit, sign, band))
+        else:
+            # No noise floor (judge rule 3): graded as configured and as if relaxed; a
+            # FAIL stands only where both grades give it.
+            configured = _limit_check(s, None, limit, sign, band)
+            relaxed = _limit_check(s, floor, limit, sign, band)
+            both_fail = configured.outcome is relaxed.outcome is Outcome.FAIL
+            if configured.outcome is not Outcome.FAIL or both_fail:
+                checks.append(configured)
+            checks.append(_no_noise_floor(sign, limit, floor.mean_baseline, miss, bound,
+                                          max_floor_miss, replica, configured.outcome,
+                                          both_fail))
     tolerance = gate.max_noise_floor_shift_ratio
     if floor is not None and tolerance is not None and gate.noise_floor_statistic == "median":
         hib = floor.higher_is_better
@@ -419,6 +446,50 @@ def pairwise_checks(
     return checks
 
 
+def _limit_check(s: PairwiseSummary, floor: Comparison | None, limit: float, sign: float,
+                 band: float) -> Check:
+    """Rule 2's mean_limit check of a minimum (``sign`` 1) or maximum (-1); relaxed to
+    ``floor``'s mean when given (the judge's rule 3)."""
+    kind, note = "minimum" if sign > 0 else "maximum", ""
+    interval = [sign * (limit - b) for b in (s.mean_ci_low, s.mean_ci_high) if b is not None]
+    if floor is not None:
+        note = f" (relaxed from {limit:.4g} to the noise floor's mean)"
+        limit = floor.mean_baseline
+        # The floor's mean is measured too: the shortfall's interval is the two samples'
+        # (candidate - floor), not the candidate's alone against a constant.
+        interval = [-sign * b for b in (floor.mean_shift_ci_low, floor.mean_shift_ci_high)
+                    if b is not None]
+    bounds = sorted(interval)
+    low, high = (bounds[0], bounds[1]) if len(bounds) == 2 else (None, None)
+    shortfall = sign * (limit - s.mean)
+    evidence = _Evidence(shortfall, low, high, _above(low, 0.0),
+                         _interval_p(shortfall, low, 0.0, s.confidence))
+    label = f"mean {s.mean:.4g} against the {kind} {limit:.4g}{note}, shortfall"
+    return _graded("mean_limit", label, evidence, 0.0, 0.0, margin=band * abs(limit))
+
+
+def _no_noise_floor(sign: float, limit: float, floor_mean: float, miss: float, bound: float,
+                    share: float, replica: str | None, configured: Outcome,
+                    both_fail: bool) -> Check:
+    """The judge's rule 3: a replica that misses a limit by more than the bound is no
+    noise floor; the limit is not relaxed, and the metric passes on neither grade."""
+    kind = "minimum" if sign > 0 else "maximum"
+    who = "the noise-floor replica" + (f" {replica!r}" if replica else "")
+    if both_fail:
+        then = "the candidate FAILs it both as configured and as if relaxed"
+    elif configured is Outcome.PASS:
+        then = "the candidate keeps it as configured, but no PASS rests on a broken floor"
+    else:
+        then = (f"the candidate is {configured.value} on it as configured, not a FAIL as "
+                "if relaxed, and which holds cannot be told")
+    reason = (f"{who} misses the {kind} {limit:.4g} itself by {miss:.4g} (its mean "
+              f"{floor_mean:.4g}), beyond the bound {bound:.4g} ({share:.0%} of the limit, "
+              f"max_noise_floor_miss): no noise floor, not relaxed; {then}; fix or replace "
+              "that replica")
+    return Check("noise_floor_bound", Outcome.INCONCLUSIVE, miss, bound, None, None, False,
+                 reason)
+
+
 def _graded(
     name: str,
     label: str,
@@ -433,23 +504,26 @@ def _graded(
     over zero) falls back to the evidence alone."""
     fmt = _percent if percent else _number
     margin = band * abs(threshold) if margin is None else margin
-    outcome, why = _grade(e.significant, e.x, threshold, margin)
+    upper = e.high if e.bounded else None
+    outcome, why = _grade(e.significant, e.x, threshold, margin, e.bounded, upper)
     if e.x is None:
         reason = f"{label} undefined (a zero denominator): {why}"
         return Check(name, outcome, None, threshold, e.low, e.high, e.significant, reason,
-                     e.p_value, margin)
+                     e.p_value, margin, e.bounded)
     interval = ""
     if e.low is not None and e.high is not None:
         interval = f" (CI {fmt(e.low)}..{fmt(e.high)})"
     band_text = f"{margin:.1%}" if percent else _number(margin)
     reason = f"{label}: {fmt(e.x)}{interval}; limit {fmt(threshold)} +/- {band_text}: {why}"
     return Check(name, outcome, e.x, threshold, e.low, e.high, e.significant, reason,
-                 e.p_value, margin)
+                 e.p_value, margin, e.bounded)
 
 
 def _grade(significant: bool, x: float | None, threshold: float | None,
-           margin: float) -> tuple[Outcome, str]:
-    """Rule 2's outcome and the words that say why (the last part of a check's reason)."""
+           margin: float, bounded: bool = False,
+           upper: float | None = None) -> tuple[Outcome, str]:
+    """Rule 2's outcome and the words that say why (the last part of a check's reason);
+    a ``bounded`` check passes only with its interval's ``upper`` end within the limit."""
     if x is None or threshold is None:
         if significant:
             return Outcome.MARGINAL, "significantly worse"
@@ -460,6 +534,9 @@ def _grade(significant: bool, x: float | None, threshold: float | None,
         return Outcome.MARGINAL, "significant, but not beyond the limit and its band"
     if x > threshold - margin:
         return Outcome.MARGINAL, "not significant, but in the limit's band or beyond"
+    if bounded and (upper is None or upper > threshold):
+        return Outcome.INCONCLUSIVE, ("too few samples: the interval does not rule out a "
+                                      "worsening beyond the limit")
     return Outcome.PASS, "within the limit"
 
 
@@ -468,7 +545,8 @@ def not_significant_overall(check: Check, note: str) -> Check:
     judge's rule 10), graded again as not significant; ``note`` says why."""
     if check.margin is None:
         raise ValueError(f"{check.name}: not a check graded by rule 2")
-    outcome, why = _grade(False, check.value, check.threshold, check.margin)
+    outcome, why = _grade(False, check.value, check.threshold, check.margin, check.bounded,
+                          check.ci_high)
     head = check.reason.rsplit(": ", 1)[0]  # the words after the last ": " say why
     return replace(check, outcome=outcome, significant=False,
                    reason=f"{head}: {why} ({note})")

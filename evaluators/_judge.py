@@ -4,7 +4,13 @@ Rules:
 1. A metric is judged only when each side holds at least its gate's minimum number of
    values (the candidate and the primary; for a pairwise metric, its values). Below
    that the metric is INCONCLUSIVE: too little data never passes. Its statistics are
-   still computed and exposed from two values a side.
+   still computed and exposed from two values a side. A rate (a 0/1 metric, gates rule
+   3) needs more to pass than the minimum: values enough that the interval of its change
+   rules out a worsening beyond its limit (``Check.bounded``). 0 errors in 30 on both
+   sides is still consistent with 15 points more errors (the rule of three at a one-sided
+   1 %), so it PASSed a 1-point gate on the estimate alone; short of that bound the rate
+   is INCONCLUSIVE, too few samples, with the values per side that would rule it out
+   (rule 7).
 2. Each check reduces to a value x oriented so that larger is worse, a threshold T in
    the same units, a band b (``marginal_band`` times the threshold as configured; for
    a limit on a mean, times the limit), and evidence that x is really on the bad side:
@@ -16,8 +22,11 @@ Rules:
      the shift's interval lies wholly on the bad side of 0.
    - mean_ratio (cost): candidate mean over primary mean; its interval lies wholly
      above 1 (no change).
-   - mean_worsening (0/1 rates): the change of the mean toward worse; its interval lies
-     wholly on the bad side of 0.
+   - mean_worsening (0/1 rates): the change of the rate toward worse; Fisher's exact test,
+     one-sided, rejects "no worse" (``_statistics`` rule 7: a count, not a bootstrap,
+     whose interval collapsed at 0 errors and called 5 errors in 30 against 0 significant,
+     where Fisher's p is 0.026). Its interval is Newcombe's, and a PASS needs that
+     interval's upper end within T as well (rule 1).
    - tail_ratio: candidate p99 over primary p99 (p1 when higher is better); the
      interval's lower bound is above T itself: the tail is beyond the gate, not merely
      worse (Kayenta's gap: a longer tail under an unchanged median).
@@ -30,10 +39,25 @@ Rules:
      bad side of 0.
    A statistic that is undefined (a ratio over a zero) degrades its check to the
    evidence alone: MARGINAL when it holds, PASS otherwise.
-3. A noise floor with enough values lowers a pairwise minimum to the floor's mean when
-   the primary's own replica does not reach it: differences count beyond the floor only.
-   The floor's mean is itself measured, so the shortfall's interval is then the two
-   samples' (candidate against floor), not the candidate's against a constant.
+3. A noise floor with enough values lowers a pairwise minimum (raises a maximum) to the
+   floor's mean when the primary's own replica does not reach it: differences count
+   beyond the floor only. The floor's mean is itself measured, so the shortfall's
+   interval is then the two samples' (candidate against floor), not the candidate's
+   against a constant. It relaxes a limit by at most ``Gates.max_noise_floor_miss`` of it
+   (a share, so one bound for a similarity minimum and a distance maximum alike): a
+   replica that misses the limit by more is no noise floor (a wrong model or route, an
+   error page scored), and a broken replica at 0.3 lowered the 0.85 similarity minimum to
+   0.3, so almost any candidate passed. Such a replica is broken, or the primary is
+   that noisy: the judge cannot tell which, so the limit is graded both ways, as
+   configured and as if relaxed, and a FAIL stands only where both give it (a candidate
+   beyond the limit and the replica alike). Otherwise the limit's check gives way to an
+   INCONCLUSIVE ``noise_floor_bound`` check naming the replica: it never passes, even a
+   candidate that keeps the configured limit. Not a limit relaxed as far as the bound:
+   that would be a number neither the operator nor the replica gave, still loosened by a
+   floor that measures nothing, and the same replica is the floor of the metric's own
+   noise-floor check; an operator trusts the verdict more when it names the broken
+   replica and waits for it to be fixed (or the bound widened, where the primary really
+   is that noisy).
 4. A metric's verdict is the worst of its checks. A metric without checks is not gated:
    its verdict and statistics are shown but do not count.
 5. The candidate's verdict is the worst over gated metrics, FAIL > INCONCLUSIVE >
@@ -67,7 +91,9 @@ Rules:
    never short of the family's) with probability
    :data:`ESTIMATE_POWER` (the count at which the verdict is as likely as not to turn),
    floored at the gate's minimum; the verdict's ``more_samples_needed`` is the largest of
-   the more-needed counts.
+   the more-needed counts. A rate whose change seen so far is inside its limit's band
+   turns instead when its interval rules out the limit (rule 1; ``_power`` rule 4b: the
+   interval is not among Holm's family, so alpha is the gates' own).
 8. A sample-bias check (``_sample_bias.py``) that refuses makes the verdict
    INCONCLUSIVE ("sample skew: ..."); a flagged skew is listed among the reasons.
 9. Below the refusal bound a flagged skew is corrected where it can be: each per-backend
@@ -120,6 +146,7 @@ from evaluators._power import (
     samples_needed_for_location,
     samples_needed_for_mean,
     samples_needed_for_rate,
+    samples_needed_to_bound_rate,
 )
 from evaluators._reweight import REWEIGHT_METHOD, Reweighting, resample_indices, value_weights
 from evaluators._sample_bias import SampleBias
@@ -129,9 +156,12 @@ from evaluators._statistics import (
     MIN_COMPARABLE_SAMPLES,
     Comparison,
     PairwiseSummary,
+    RateComparison,
     Samples,
+    compare_rates,
     compare_samples,
     holm_rejected,
+    is_rate,
     summarize_pairwise,
 )
 from evaluators._strata import StratifiedComparison, bin_labels, compare_strata
@@ -233,6 +263,8 @@ class MetricVerdict:
     samples_needed: SampleSizeEstimate | None = None
     reweighting: Reweighting | None = None
     """Rule 9: the weights this metric was judged with, and its unweighted result."""
+    rates: RateComparison | None = None
+    """A rate's samples compared as counts (rule 2's mean_worsening reads them)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -247,6 +279,7 @@ class MetricVerdict:
             "samples_needed": (None if self.samples_needed is None
                                else self.samples_needed.to_dict()),
             "reweighting": None if self.reweighting is None else self.reweighting.to_dict(),
+            "rates": None if self.rates is None else self.rates.to_dict(),
         }
 
 
@@ -281,8 +314,10 @@ def judge(
     *,
     seed: int = DEFAULT_SEED,
     sample_bias: SampleBias | None = None,
+    noise_floor_from: str | None = None,
 ) -> Verdict:
-    """Judge one candidate over one window; see the module's rules."""
+    """Judge one candidate over one window; see the module's rules. ``noise_floor_from``
+    names the replica the noise floors were measured on (rule 3's reasons name it)."""
     names = sorted(set(samples) | set(gates.required_metrics))
     verdicts = []
     reweigh = sample_bias if sample_bias is not None and sample_bias.skew \
@@ -308,7 +343,7 @@ def judge(
                                                   gates, higher, metric_seed, family))
                 continue
         verdicts.append(_judge_metric(name, metric_samples, gates, higher, metric_seed,
-                                      family))
+                                      family, noise_floor_from))
     verdicts = _significant_overall(verdicts, gates)
     if sample_bias is not None and sample_bias.skew:
         reweighted = [v.metric for v in verdicts if v.reweighting is not None]
@@ -370,7 +405,10 @@ def _significant_overall(verdicts: list[MetricVerdict], gates: Gates) -> list[Me
         outcome = max((c.outcome for c in checks), key=SEVERITY.__getitem__)
         out[i] = dataclasses.replace(out[i], outcome=outcome, checks=tuple(checks),
                                      reasons=tuple(c.reason for c in checks))
-    return out
+    # Rule 7: only an INCONCLUSIVE metric says how many samples it waits for.
+    return [dataclasses.replace(v, samples_needed=None)
+            if v.samples_needed is not None and v.outcome is not Outcome.INCONCLUSIVE else v
+            for v in out]
 
 
 def _replica_is_basis(name: str, samples: MetricSamples, gates: Gates) -> bool:
@@ -455,9 +493,10 @@ def _sample_bias_verdict(bias: SampleBias, reweighted: Sequence[str] = (),
 
 def _judge_metric(
     name: str, samples: MetricSamples, gates: Gates, higher: bool, seed: int, family: int,
+    replica_name: str | None = None,
 ) -> MetricVerdict:
     if samples.baseline is None:
-        return _judge_pairwise(name, samples, gates, higher, seed)
+        return _judge_pairwise(name, samples, gates, higher, seed, replica_name)
     gate = gates.gate_for(name, pairwise=False)
     need = gates.min_samples_for(gate)
     baseline, basis, side = samples.baseline, "primary", "primary"
@@ -480,13 +519,44 @@ def _judge_metric(
     if basis == "primary" and conditions is not None and conditions.recorded:
         return _judge_matched(name, samples, conditions, gates, gate, higher, statistics,
                               family, seed)
+    asked = PowerQuery(n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family)
     if statistics is None or min(n_c, n_b) < need:
-        estimate = _estimate(gate, statistics, None, PowerQuery(
-            n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family))
+        estimate = _estimate(gate, statistics, None, asked, gates.marginal_band)
         return _inconclusive(name, f"candidate {n_c}, {side} {n_b}", need, statistics,
                              basis=basis, estimate=estimate)
+    if gate.max_mean_worsening is not None:
+        return _judge_rate(name, baseline, samples.candidate, gates, gate, higher,
+                           statistics, basis, asked)
     checks = backend_checks(statistics, gate, gates.marginal_band)
     return _verdict(name, checks, statistics, basis)
+
+
+def _judge_rate(
+    name: str, baseline: Samples, candidate: Samples, gates: Gates, gate: MetricGate,
+    higher: bool, statistics: Comparison, basis: str, asked: PowerQuery,
+) -> MetricVerdict:
+    """Rules 1 and 2 for a 0/1 metric: its samples compared as counts."""
+    if not (is_rate(baseline) and is_rate(candidate)):
+        reason = "not judged as a rate: it holds values other than 0 and 1 (rate_metrics)"
+        check = Check("rate", Outcome.INCONCLUSIVE, None, None, None, None, False, reason)
+        return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,),
+                             statistics, basis)
+    rates = compare_rates(baseline, candidate, confidence=gates.confidence,
+                          higher_is_better=higher)
+    checks = backend_checks(statistics, gate, gates.marginal_band, rates)
+    estimate = None
+    if any(c.bounded and c.outcome is not Outcome.FAIL and c.ci_high is not None
+           and c.threshold is not None and c.ci_high > c.threshold for c in checks):
+        # Rule 7, also where a significant change is MARGINAL now: rule 10 may grade it
+        # again as not significant, and then it waits for the bound (the judge drops
+        # the estimate of a metric that ends up not INCONCLUSIVE).
+        estimate = _estimate(gate, statistics, None, asked, gates.marginal_band)
+        if estimate is not None and estimate.needed_per_side is not None:
+            more = f" (about {estimate.needed_per_side} per side at the rates seen so far)"
+            checks = [dataclasses.replace(c, reason=c.reason + more)
+                      if c.outcome is Outcome.INCONCLUSIVE else c for c in checks]
+    verdict = _verdict(name, checks, statistics, basis)
+    return dataclasses.replace(verdict, samples_needed=estimate, rates=rates)
 
 
 def _judge_matched(
@@ -515,7 +585,7 @@ def _judge_matched(
         why = matched.reason if matched is not None else "no value with a recorded load"
         reason = f"not comparable at matched load: {why}"
         estimate = _estimate(gate, statistics, None, PowerQuery(
-            n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family))
+            n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family), gates.marginal_band)
         check = Check("matched_load", Outcome.INCONCLUSIVE, None, None, None, None, False,
                       reason)
         return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,),
@@ -524,7 +594,7 @@ def _judge_matched(
     b_at_load, c_at_load = _at_candidate_load(b_values, b_labels, c_values, c_labels, seed)
     if statistics is None or min(m_c, m_b, b_at_load.size) < need:
         estimate = _estimate(gate, statistics, matched, PowerQuery(
-            m_b, m_c, gates.confidence, ESTIMATE_POWER, need, family))
+            m_b, m_c, gates.confidence, ESTIMATE_POWER, need, family), gates.marginal_band)
         resampled = f" (resampled to its mix: {b_at_load.size})" if b_at_load.size < m_b else ""
         return _inconclusive(name, f"at matched load: candidate {m_c}, primary {m_b}"
                              f"{resampled}", need, statistics, basis=basis, matched=matched,
@@ -576,14 +646,21 @@ def _condition_labels(
 
 def _estimate(
     gate: MetricGate, statistics: Comparison | None,
-    matched: StratifiedComparison | None, asked: PowerQuery,
+    matched: StratifiedComparison | None, asked: PowerQuery, band: float,
 ) -> SampleSizeEstimate | None:
     """Rule 7 for the test that decides the metric's gate."""
     if statistics is None:
         return None
     if gate.max_mean_worsening is not None:
-        return samples_needed_for_rate(
-            _unit(statistics.mean_baseline), _unit(statistics.mean_candidate), asked)
+        rate_b, rate_c = _unit(statistics.mean_baseline), _unit(statistics.mean_candidate)
+        limit = gate.max_mean_worsening
+        worse = (rate_b - rate_c) if statistics.higher_is_better else (rate_c - rate_b)
+        if limit > 0.0 and worse <= limit * (1.0 - band):
+            # Inside the band the verdict turns when the interval rules the limit out.
+            return samples_needed_to_bound_rate(rate_b, rate_c, limit,
+                                                statistics.higher_is_better,
+                                                dataclasses.replace(asked, family=1))
+        return samples_needed_for_rate(rate_b, rate_c, asked)
     if gate.max_mean_ratio is not None:
         return samples_needed_for_mean(
             statistics.mean_candidate - statistics.mean_baseline, statistics.std_baseline,
@@ -599,7 +676,8 @@ def _unit(x: float, low: float = 0.0) -> float:
 
 
 def _judge_pairwise(
-    name: str, samples: MetricSamples, gates: Gates, higher: bool, seed: int
+    name: str, samples: MetricSamples, gates: Gates, higher: bool, seed: int,
+    replica_name: str | None = None,
 ) -> MetricVerdict:
     gate = gates.gate_for(name, pairwise=True)
     floor = samples.noise_floor
@@ -626,7 +704,8 @@ def _judge_pairwise(
     # Rule 3 relaxes a limit to a floor with enough values whether or not the metric is
     # also held to the floor itself (the embeddings' distance is not, gates rule 2).
     comparison = statistics.noise_floor if floor_measured else None
-    checks = pairwise_checks(statistics, comparison, gate, gates.marginal_band)
+    checks = pairwise_checks(statistics, comparison, gate, gates.marginal_band,
+                             max_floor_miss=gates.max_noise_floor_miss, replica=replica_name)
     if floor_gated and not floor_ok:
         note = f"noise floor not used: {n_floor} values, {need} needed"
         checks.append(Check("noise_floor", Outcome.PASS, None, None, None, None, False, note))

@@ -21,6 +21,15 @@ Theory of operation:
        n = (z(1 - alpha/2)*sqrt(2*pbar*(1 - pbar)) + z(power)*sqrt(p1*q1 + p2*q2))^2
            / (p1 - p2)^2,   pbar = (p1 + p2)/2.
 4. Means (cost's ``mean_ratio``): n = (z(1 - alpha/2) + z(power))^2 * (s1^2 + s2^2) / d^2.
+4b. Rates ruled out beyond a limit (the judge's rule 1 for a rate: a PASS needs the
+   upper end of the change's interval within the limit): the fewest values per side at
+   which Newcombe's interval (``_statistics`` rule 7) around the rates seen so far ends
+   within ``limit``, found by bisection; the interval is taken at the two-sided level
+   whose z is z(1 - alpha/2) + z(power), so at power 1/2 it is the judge's own interval.
+   This is the sample size of a non-inferiority test (Blackwelder, 1982), with the score
+   interval in place of the normal one, which at 0 errors on both sides would say 0.
+   A rate seen beyond the limit, or an interval that stays past it at
+   :data:`MAX_SAMPLES_ESTIMATE`, gives ``needed_per_side = None``.
 5. The estimate is never below ``min_samples`` (the gate's floor: a decision needs
    that many whatever the effect). No observed effect, or an estimate above
    :data:`MAX_SAMPLES_ESTIMATE`, gives ``needed_per_side = None``: no practical window
@@ -37,7 +46,11 @@ from typing import Any, Final, Literal
 
 from scipy import stats
 
-from evaluators._statistics import DEFAULT_CONFIDENCE, MIN_COMPARABLE_SAMPLES
+from evaluators._statistics import (
+    DEFAULT_CONFIDENCE,
+    MIN_COMPARABLE_SAMPLES,
+    rate_change_interval,
+)
 
 __all__ = [
     "DEFAULT_POWER",
@@ -47,12 +60,13 @@ __all__ = [
     "samples_needed_for_location",
     "samples_needed_for_mean",
     "samples_needed_for_rate",
+    "samples_needed_to_bound_rate",
 ]
 
 DEFAULT_POWER: Final = 0.8
 MAX_SAMPLES_ESTIMATE: Final = 10_000_000
 
-PowerTest = Literal["mann_whitney", "two_proportions", "two_means"]
+PowerTest = Literal["mann_whitney", "two_proportions", "two_means", "rate_bound"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +150,47 @@ def samples_needed_for_rate(baseline_rate: float, candidate_rate: float,
     return _estimate("two_proportions", diff, "rate change", needed, asked)
 
 
+def samples_needed_to_bound_rate(baseline_rate: float, candidate_rate: float, limit: float,
+                                 higher_is_better: bool,
+                                 asked: PowerQuery) -> SampleSizeEstimate:
+    """Rule 4b for a 0/1 metric whose rate must be shown no worse than ``limit``.
+
+    What a platform engineer reads: how many more requests before the data can rule out
+    an error rate worse than the primary's by more than the gate allows, at the rates seen
+    so far (0 errors in 30 on both sides still allows some 15 points more).
+    """
+    for rate in (baseline_rate, candidate_rate):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"a rate lies in [0, 1], got {rate}")
+    if limit <= 0.0:
+        raise ValueError(f"the limit of a worsening is positive, got {limit}")
+    sign = -1.0 if higher_is_better else 1.0
+    seen = sign * (candidate_rate - baseline_rate) + 0.0  # no -0
+    level = 1.0 - 2.0 * float(stats.norm.sf(_z_sum(asked)))
+
+    def reaches(n: int) -> float:
+        """The interval's end toward worse at ``n`` a side, the rates held."""
+        ones_b, ones_c = round(baseline_rate * n), round(candidate_rate * n)
+        low, high = rate_change_interval(ones_b, n, ones_c, n, level)
+        return high if sign > 0.0 else -low
+
+    needed: float | None = None
+    if seen < limit and reaches(MAX_SAMPLES_ESTIMATE) <= limit:
+        low_n, high_n = 1, MAX_SAMPLES_ESTIMATE
+        while low_n < high_n:
+            middle = (low_n + high_n) // 2
+            if reaches(middle) <= limit:
+                high_n = middle
+            else:
+                low_n = middle + 1
+        needed = float(low_n)
+    why = (None if needed is not None else
+           "the rate seen so far is beyond the limit" if seen >= limit else
+           "a change this close to the limit")
+    return _estimate("rate_bound", seen, "rate change toward worse", needed, asked,
+                     unreachable=why)
+
+
 def samples_needed_for_mean(mean_shift: float, std_baseline: float, std_candidate: float,
                             asked: PowerQuery) -> SampleSizeEstimate:
     """The two-means estimate (rule 4) for a metric gated on its mean, such as cost.
@@ -163,13 +218,15 @@ def _z_sum(asked: PowerQuery) -> float:
 
 
 def _estimate(test: PowerTest, effect: float, effect_name: str, needed: float | None,
-              asked: PowerQuery) -> SampleSizeEstimate:
-    """Rules 1 and 5: round up, floor at ``min_samples``, None when out of reach."""
+              asked: PowerQuery, *, unreachable: str | None = None) -> SampleSizeEstimate:
+    """Rules 1 and 5: round up, floor at ``min_samples``, None when out of reach
+    (``unreachable`` says why, where the test has its own words for it)."""
     have = min(asked.have_baseline, asked.have_candidate)
     alpha, family = asked.alpha, asked.family
     power, min_samples = asked.power, asked.min_samples
     if needed is None or not math.isfinite(needed) or needed > MAX_SAMPLES_ESTIMATE:
-        why = "no effect observed" if needed is None else "an effect this small"
+        why = unreachable or ("no effect observed" if needed is None else
+                              "an effect this small")
         reason = (
             f"{why} ({effect_name} {effect:.3g}): no practical number of samples "
             f"shows it; the gates decide once each side has {min_samples}"

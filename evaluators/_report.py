@@ -318,7 +318,7 @@ def judge_inputs(inputs: ReportInputs, gates: Gates, *,
     use_replica = replica_at_same_rate and secondary is not None and secondary != inputs.candidate
     samples = _metric_samples(inputs.stored, inputs.floor, inputs.conditioned, use_replica)
     bias = _sample_bias(inputs.evaluated, inputs.traffic)
-    verdict = judge(samples, gates, _DIRECTIONS, sample_bias=bias)
+    verdict = judge(samples, gates, _DIRECTIONS, sample_bias=bias, noise_floor_from=secondary)
     conditions = _conditions(inputs.conditioned, inputs.replica, secondary, gates)
     return Report(candidate=inputs.candidate, secondary=secondary, since=inputs.since,
                   generated_at=datetime.now(UTC),

@@ -26,6 +26,19 @@ Theory of operation:
    the same input gives the same result.
 6. Inputs must be finite. A statistic that is undefined (a ratio over zero) is None,
    never NaN or infinity, so that ``to_dict()`` is JSON-ready.
+7. A 0/1 metric (a rate: success, JSON validity) is a count, not a continuous sample, and
+   :func:`compare_rates` treats it as one. Whether the candidate's rate is worse is
+   Fisher's exact test, one-sided: exact at any count, where the bootstrap's percentile
+   interval collapses near 0 and 1 (a primary with 0 errors in 30 resamples to 0 errors
+   every time, so 5 errors in 30 against it were significant, where Fisher's p is 0.026).
+   Boschloo's test is more powerful but took 13 s at 1,000 a side and 75 s at 2,000.
+   The change's interval is Newcombe's hybrid score interval ("Interval estimation for
+   the difference between independent proportions", 1998, method 10): each rate's Wilson
+   score interval (scipy's) combined,
+       low  = d - sqrt((p_c - l_c)^2 + (u_b - p_b)^2)
+       high = d + sqrt((u_c - p_c)^2 + (p_b - l_b)^2),   d = p_c - p_b,
+   which keeps its level near 0 and 1 (0 errors in 30 is still consistent with an
+   error rate of 15 % at a one-sided 1 %, as the rule of three says).
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -47,13 +60,18 @@ __all__ = [
     "DEFAULT_SEED",
     "MAX_PAIRWISE_DIFFERENCES",
     "MIN_COMPARABLE_SAMPLES",
+    "RATE_TEST",
     "Comparison",
     "PairwiseSummary",
+    "RateComparison",
     "Samples",
     "ShiftEstimate",
+    "compare_rates",
     "compare_samples",
     "hodges_lehmann",
     "holm_rejected",
+    "is_rate",
+    "rate_change_interval",
     "summarize_pairwise",
 ]
 
@@ -67,6 +85,8 @@ BOOTSTRAP_RESAMPLES: Final = 2000
 BOOTSTRAP_MAX_BATCH_VALUES: Final = 1 << 22
 BAD_TAIL_WHEN_LOWER_IS_BETTER: Final = 0.99
 BAD_TAIL_WHEN_HIGHER_IS_BETTER: Final = 0.01
+RATE_TEST: Final = "Fisher's exact, one-sided"
+"""Rule 7: the test of a rate's worsening."""
 
 Samples = Sequence[float] | npt.NDArray[np.floating[Any]]
 FloatArray = npt.NDArray[np.float64]
@@ -193,6 +213,31 @@ class PairwiseSummary:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class RateComparison:
+    """Two samples of a 0/1 metric compared as counts (rule 7). ``ones_*`` counts the
+    values that are 1 (successes, valid answers); ``change`` is candidate - baseline of
+    the rates, with Newcombe's interval at ``confidence``; ``p_worse`` is the one-sided
+    exact p of a rate this much worse (lower when higher is better) if it is no worse."""
+
+    confidence: float
+    higher_is_better: bool
+    n_baseline: int
+    n_candidate: int
+    ones_baseline: int
+    ones_candidate: int
+    rate_baseline: float
+    rate_candidate: float
+    change: float
+    change_ci_low: float
+    change_ci_high: float
+    p_worse: float
+    test: str = RATE_TEST
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 def holm_rejected(p_values: Sequence[float], alpha: float) -> tuple[bool, ...]:
     """Holm's step-down procedure ("A simple sequentially rejective multiple test
     procedure", 1979): which of the hypotheses, one p-value each, are rejected while the
@@ -299,6 +344,67 @@ def compare_samples(
         variance_p_value=variance_p,
         bootstrap_resamples=BOOTSTRAP_RESAMPLES,
     )
+
+
+def is_rate(values: Samples) -> bool:
+    """Every value is 0 or 1 (rule 7)."""
+    array = np.asarray(values, dtype=np.float64)
+    return bool(np.all((array == 0.0) | (array == 1.0)))
+
+
+def compare_rates(
+    baseline: Samples,
+    candidate: Samples,
+    *,
+    confidence: float = DEFAULT_CONFIDENCE,
+    higher_is_better: bool,
+) -> RateComparison:
+    """Compare two independent samples of a 0/1 metric as counts (rule 7)."""
+    b = _as_sample(baseline, "baseline")
+    c = _as_sample(candidate, "candidate")
+    _check_confidence(confidence)
+    for name, sample in (("baseline", b), ("candidate", c)):
+        if not is_rate(sample):
+            raise ValueError(f"{name} of a rate holds a value other than 0 and 1")
+    ones_b, ones_c = int(np.sum(b)), int(np.sum(c))
+    n_b, n_c = int(b.size), int(c.size)
+    # Columns are the samples; the first row counts the ones. "less": the candidate's
+    # share of ones is lower than the baseline's, worse when higher is better.
+    table = np.array([[ones_c, ones_b], [n_c - ones_c, n_b - ones_b]])
+    alternative: Literal["less", "greater"] = "less" if higher_is_better else "greater"
+    p_worse = float(stats.fisher_exact(table, alternative=alternative).pvalue)
+    low, high = rate_change_interval(ones_b, n_b, ones_c, n_c, confidence)
+    return RateComparison(
+        confidence=confidence,
+        higher_is_better=higher_is_better,
+        n_baseline=n_b,
+        n_candidate=n_c,
+        ones_baseline=ones_b,
+        ones_candidate=ones_c,
+        rate_baseline=ones_b / n_b,
+        rate_candidate=ones_c / n_c,
+        change=ones_c / n_c - ones_b / n_b,
+        change_ci_low=low,
+        change_ci_high=high,
+        p_worse=_probability(p_worse),
+    )
+
+
+def rate_change_interval(ones_baseline: int, n_baseline: int, ones_candidate: int,
+                         n_candidate: int, confidence: float) -> tuple[float, float]:
+    """Newcombe's hybrid score interval of candidate - baseline rates (rule 7)."""
+    _check_confidence(confidence)
+    p_b, p_c = ones_baseline / n_baseline, ones_candidate / n_candidate
+    l_b, u_b = _wilson(ones_baseline, n_baseline, confidence)
+    l_c, u_c = _wilson(ones_candidate, n_candidate, confidence)
+    change = p_c - p_b
+    return (change - math.hypot(p_c - l_c, u_b - p_b),
+            change + math.hypot(u_c - p_c, p_b - l_b))
+
+
+def _wilson(ones: int, n: int, confidence: float) -> tuple[float, float]:
+    ci = stats.binomtest(ones, n).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def summarize_pairwise(

@@ -11,7 +11,7 @@ import pytest
 from evaluators._gates import EMBEDDING_DISTANCE_METRIC, Gates, Outcome, backend_checks
 from evaluators._judge import MetricSamples, judge
 from evaluators._score import METRICS
-from evaluators._statistics import compare_samples, holm_rejected
+from evaluators._statistics import compare_rates, compare_samples, holm_rejected
 
 DIRECTIONS = {name: spec.direction for name, spec in METRICS.items()}
 A_A_TRIALS = 30
@@ -105,11 +105,17 @@ def test_a_checks_p_value_agrees_with_its_own_interval(seed: int) -> None:
     baseline = rng.lognormal(np.log(0.2), 0.3, 120)
     candidate = rng.lognormal(np.log(0.2 * scale), 0.3 * rng.uniform(0.8, 1.5), 120)
     gates = Gates()
+    # A rate's check reads counts (gates rule 3): 0/1 values, one rate 0-6 points worse.
+    ok = (rng.random(120) < 0.95).astype(float)
+    worse = (rng.random(120) < 0.95 - rng.uniform(0.0, 0.06)).astype(float)
     for higher in (False, True):
         c = compare_samples(baseline, candidate, higher_is_better=higher, seed=seed)
-        for metric in ("latency.ttft_s", "cost.usd", "reliability.success"):
+        r = compare_samples(ok, worse, higher_is_better=higher, seed=seed)
+        rates = compare_rates(ok, worse, higher_is_better=higher)
+        for metric, compared in (("latency.ttft_s", c), ("cost.usd", c),
+                                 ("reliability.success", r)):
             gate = gates.gate_for(metric, pairwise=False)
-            for check in backend_checks(c, gate, gates.marginal_band):
+            for check in backend_checks(compared, gate, gates.marginal_band, rates):
                 if check.p_value is not None:
                     alone = check.p_value < (1.0 - gates.confidence) / 2.0
                     assert alone == check.significant, (metric, check.reason, check.p_value)
