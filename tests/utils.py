@@ -6,7 +6,7 @@ import asyncio
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +182,21 @@ async def eventually(condition: Callable[[], bool], within_s: float = HANG_S) ->
     async with asyncio.timeout(within_s):
         while not condition():  # noqa: ASYNC110 - polling a plain predicate
             await asyncio.sleep(0.02)
+
+
+def waiting_in(function: Callable[..., Awaitable[Any]]) -> bool:
+    """Whether a task of the running loop is suspended inside ``function`` (a coroutine
+    function), at any depth of its awaits: a server in this process that waits for the rest
+    of a request's body waits in ``web.BaseRequest.read`` (aiohttp) or ``read_body`` (the
+    gateway's front). What a test waits for where a sleep stood for "the server got there"."""
+    code = function.__code__
+    for task in asyncio.all_tasks():
+        awaited: Any = task.get_coro()
+        while awaited is not None:
+            if getattr(awaited, "cr_code", None) is code:
+                return True
+            awaited = getattr(awaited, "cr_await", None)
+    return False
 
 
 async def leave_stream_after(stream: openai.AsyncStream[Any], chunks: int) -> None:

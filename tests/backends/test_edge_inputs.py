@@ -23,6 +23,7 @@ from backends.engine.serving._openai import parse_generation_request
 from backends.openai_wire import RequestError, ServedModel, install_openai_app, serve_app
 from backends.sim import SimConfig, running_sim
 from tests.fixtures_engine import serve_disaggregated, serve_engine
+from tests.utils import eventually, waiting_in
 
 CHAT = "/v1/chat/completions"
 # "é" as one code point: its bytes differ in every encoding.
@@ -409,10 +410,11 @@ async def test_a_client_gone_mid_body_leaves_no_traceback(
         _, writer = await asyncio.open_connection(sim.host, sim.port)
         writer.write(head + b'{"messages": [')
         await writer.drain()
-        await asyncio.sleep(0.2)  # the handler is reading the body
+        await eventually(lambda: waiting_in(web.BaseRequest.read))  # the handler reads it
         writer.close()
         await writer.wait_closed()
-        await asyncio.sleep(0.2)  # and notices the client left
+        # and notices the client left: the connection's task has ended, all it logs logged
+        await eventually(lambda: not waiting_in(web.RequestHandler.start))
         status, _ = await post_raw(sim.root_url, CHAT, b'{"messages": []}')
         assert status == 400  # still answering
     assert no_tracebacks(caplog) == []

@@ -12,10 +12,11 @@ import time
 
 import psutil
 import pytest
+from aiohttp import web
 
 from gateway._app import serve
 from gateway._config import load_config
-from tests.utils import run_sim
+from tests.utils import HANG_S, eventually, run_sim, waiting_in
 
 TOKEN = "shutdown-admin-token-0123"
 
@@ -24,6 +25,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def _refuses(port: int) -> bool:
+    """Whether nothing listens on ``port`` (a connection the listener queued when it closed
+    is reset)."""
+    try:
+        _, probe = await asyncio.open_connection("127.0.0.1", port)
+    except (ConnectionRefusedError, ConnectionResetError):
+        return True
+    probe.close()
+    await probe.wait_closed()
+    return False
 
 
 async def test_an_admin_request_in_flight_holds_neither_the_proxy_nor_the_exit() -> None:
@@ -46,17 +59,18 @@ async def test_an_admin_request_in_flight_holds_neither_the_proxy_nor_the_exit()
             writer.write(b"POST /admin/v1/rollback HTTP/1.1\r\nHost: x\r\nAuthorization: "
                          b"Bearer " + TOKEN.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
             await writer.drain()
-            await asyncio.sleep(0.2)  # the handler is reading the body
+            await eventually(lambda: waiting_in(web.BaseRequest.read))  # the handler reads it
             stopped = time.monotonic()
             stop.set()
-            await asyncio.sleep(0.1)
-            refused = False
-            try:
-                _, probe = await asyncio.open_connection("127.0.0.1", port)
-                probe.close()
-            except ConnectionRefusedError:
-                refused = True
-            assert refused, "the proxy still accepts after the stop"
+            # The proxy refuses while the admin request drains (its handler still waits for
+            # the body), not once that is done.
+            async with asyncio.timeout(HANG_S):
+                while True:
+                    assert waiting_in(web.BaseRequest.read), \
+                        "the proxy still accepted after the stop, until the admin API drained"
+                    if await _refuses(port) and waiting_in(web.BaseRequest.read):
+                        break
+                    await asyncio.sleep(0.02)
             async with asyncio.timeout(10):
                 await serving
             assert time.monotonic() - stopped < 3, time.monotonic() - stopped

@@ -15,6 +15,7 @@ from gateway._config import UpstreamConfig
 from gateway._exceptions import UpstreamTimeout
 from gateway._upstream import Upstream
 from tests.gateway.test_wire import Handler, raw_listener
+from tests.utils import HANG_S, eventually
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 EVENTS = [b"data: %d\n\n" % i for i in range(4)]
@@ -61,6 +62,8 @@ async def relay_to(upstream: Upstream, client: SlowClient, capture: Capture) -> 
 
 
 async def test_a_slow_client_pauses_the_upstream_and_gets_every_piece() -> None:
+    sent = asyncio.Event()
+
     async def events(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         framed = [b"%x\r\n%b\r\n" % (len(event), event) for event in EVENTS]
@@ -71,15 +74,19 @@ async def test_a_slow_client_pauses_the_upstream_and_gets_every_piece() -> None:
             writer.write(frame)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
+        sent.set()
 
     async with upstream_at(events, idle_timeout_s=5) as upstream:
         client, capture = SlowClient(), new_capture()
         relay = asyncio.create_task(relay_to(upstream, client, capture))
-        for _ in range(250):  # bounded: the first piece puts the client behind
-            if client.drains:
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.2)  # the upstream's other pieces are due meanwhile
+        await eventually(lambda: client.drains > 0)  # the first piece puts the client behind
+        # Every other piece and the end are at the relay's socket now (on loopback a write
+        # is at the peer as it returns); a relay reading on read them at the loop's next
+        # turns, whatever the machine's speed: three turns, no wall-clock wait.
+        async with asyncio.timeout(HANG_S):
+            await sent.wait()
+        for _ in range(3):
+            await asyncio.sleep(0)
         assert not relay.done() and client.drains == 1  # still waiting for the client
         assert len(client.pieces) < len(EVENTS)  # the upstream is not read meanwhile
         client.caught_up.set()

@@ -423,7 +423,8 @@ async def test_an_owner_cuts_a_pull_whose_puller_stops_reading(
         payload, flags = encode_pull(pull)
         write_frame(writer, FrameKind.PULL, payload, flags)
         await writer.drain()
-        await asyncio.sleep(SHORT_TIMEOUT_S + 1.0)  # not reading: the owner's writes stall
+        # Not reading: the owner's writes stall until SERVE_PULL_TIMEOUT_S cuts the pull.
+        await eventually(lambda: owner.node.sample("understudy_kv_serves_cut_total") == 1)
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionResetError):
             async with asyncio.timeout(10):
                 while True:
@@ -450,7 +451,7 @@ async def test_an_owner_answers_at_most_its_bound_of_pulls_and_refuses_the_rest(
         address = (owner.server.host, owner.server.port)
         held = [await asyncio.open_connection(*address) for _ in range(2)]  # no PULL yet
         try:
-            await asyncio.sleep(0.1)  # both accepted: the owner's two serves are taken
+            await eventually(lambda: owner.server.serving == 2)  # both serves are taken
             pullers = [start_puller() for _ in range(5)]
             started = asyncio.get_running_loop().time()
             outcomes = await asyncio.gather(
