@@ -19,7 +19,7 @@ import time
 import tomllib
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -159,17 +159,25 @@ def query(prometheus: str, promql: str) -> list[dict[str, Any]]:
     return result
 
 
-def eventually_series(prometheus: str, promql: str, at_least: float | None = None,
-                      ) -> list[dict[str, Any]]:
-    """``promql``'s result once it has one (and, with ``at_least``, once its first value
-    reaches it: a scrape may land before the last request is counted)."""
+Series = list[dict[str, Any]]
+
+
+def eventually_series(prometheus: str, promql: str,
+                      complete: Callable[[Series], bool] = bool) -> Series:
+    """``promql``'s result once ``complete`` holds for it (by default: once it has a
+    series). Prometheus spreads its first scrapes over the interval and a scrape may land
+    before the last request is counted, so a result is complete only when every series
+    the caller waits for is there with its value."""
     deadline = time.monotonic() + QUERY_TIMEOUT_S
     while True:
         result = query(prometheus, promql)
-        reached = at_least is None or (result and float(result[0]["value"][1]) >= at_least)
-        if (result and reached) or time.monotonic() > deadline:
+        if complete(result) or time.monotonic() > deadline:
             return result
         time.sleep(1)
+
+
+def labels(result: Series, name: str) -> set[str]:
+    return {r["metric"].get(name, "") for r in result}
 
 
 def test_the_stack_runs_without_containers_and_prometheus_scrapes_it(
@@ -223,11 +231,13 @@ def test_the_stack_runs_without_containers_and_prometheus_scrapes_it(
             assert done.returncode == 0, (done.stdout + done.stderr + "\ngateway log:\n"
                                           + (tmp_path / "gateway.log").read_text()[-4000:])
 
-            up = eventually_series(prometheus, "up == 1")
-            assert {r["metric"]["instance"] for r in up} == set(targets.values()), up
+            every_target = set(targets.values())
+            up = eventually_series(prometheus, "up == 1",
+                                   lambda r: labels(r, "instance") == every_target)
+            assert labels(up, "instance") == every_target, up
             requests = eventually_series(
                 prometheus, 'sum by (job) (understudy_requests_total{route="chat_completions"})',
-                at_least=4)
+                lambda r: bool(r) and float(r[0]["value"][1]) >= 4)
             assert requests and requests[0]["metric"]["job"] == "gateway"
             assert float(requests[0]["value"][1]) >= 4  # 2 sessions x 2 turns
             for promql in (
@@ -239,7 +249,9 @@ def test_the_stack_runs_without_containers_and_prometheus_scrapes_it(
             ):
                 assert eventually_series(prometheus, promql), promql
             per_token = {r["metric"]["backend"]: float(r["value"][1]) for r in
-                         eventually_series(prometheus, "understudy_kv_bytes_per_token")}
+                         eventually_series(prometheus, "understudy_kv_bytes_per_token",
+                                           lambda r: {"kivi4", "primary"} <= labels(
+                                               r, "backend"))}
             assert per_token["kivi4"] < per_token["primary"] / 4, per_token
     finally:
         os.environ.pop("UNDERSTUDY_ADMIN_TOKEN", None)
