@@ -26,8 +26,11 @@ from gateway._routing import Backend, Canary, Routing, Upstreams
 from tests.fixtures_db import audit_log
 from tests.utils import RunningGateway, eventually, run_gateway, run_sim
 
+# What these tests judge is the switching, on a few exchanges: a rate passes only where its
+# interval rules out the limit (0 errors in 8 a side rules out ~40 points, not the default 1).
 LOOSE_GATES = {"min_samples": 8, "max_median_shift_ratio": 3.0, "max_std_ratio": 10.0,
-               "max_ttft_p99_ratio": 10.0, "max_e2e_p99_ratio": 10.0, "marginal_band": 0.0}
+               "max_ttft_p99_ratio": 10.0, "max_e2e_p99_ratio": 10.0, "marginal_band": 0.0,
+               "max_error_rate_increase": 0.5}
 
 
 def _evaluation(url: str, **gates: Any) -> dict[str, Any]:
