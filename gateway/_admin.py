@@ -7,7 +7,10 @@ Rules:
    read. With no token the API refuses to listen on a non-loopback address (checked at
    start). With ``tls_cert_file`` and ``tls_key_file`` it serves HTTPS only (TLS 1.2 at
    least), so the token never crosses the network in clear; a non-loopback listener
-   without them is allowed (a TLS proxy in front is common) and warned of at start. The
+   without them is allowed (a TLS proxy in front is common) and warned of at start. With
+   ``tls_client_ca_file`` as well, a client must show a certificate one of those
+   authorities signed (mutual TLS) before any route answers, the token still asked for
+   after it: a leaked token alone opens nothing. The
    scorecard page's static files (``_scorecard.py``) hold no data and are
    served without it; the data they fetch is behind it like every other route.
 2. Bodies are validated with pydantic, strictly: a string or a boolean where a number
@@ -313,6 +316,14 @@ def admin_tls(config: AdminConfig) -> ssl.SSLContext | None:
         raise ValueError(f"admin TLS: cannot load the certificate {config.tls_cert_file} "
                          f"with the key {config.tls_key_file}: "
                          f"{getattr(exc, 'reason', None) or exc}") from None
+    if config.tls_client_ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=config.tls_client_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"admin TLS: cannot load the client authorities "
+                             f"{config.tls_client_ca_file}: "
+                             f"{getattr(exc, 'reason', None) or exc}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -14,7 +15,12 @@ from typing import Any
 import click
 from rich.table import Table
 
-from gateway._environment import ADMIN_TOKEN_ENV, ADMIN_URL_ENV
+from gateway._environment import (
+    ADMIN_CLIENT_CERT_ENV,
+    ADMIN_CLIENT_KEY_ENV,
+    ADMIN_TOKEN_ENV,
+    ADMIN_URL_ENV,
+)
 from gateway.terminal import print_table
 
 __all__ = ["ADMIN_COMMANDS"]
@@ -53,7 +59,23 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+def _opener() -> urllib.request.OpenerDirector:
+    """An opener that follows no redirect and, where ``$UNDERSTUDY_ADMIN_CLIENT_CERT`` names
+    one, shows that client certificate to an admin API that asks for it (mutual TLS); the
+    authorities it trusts are the default ones or ``$SSL_CERT_FILE``'s."""
+    cert = os.environ.get(ADMIN_CLIENT_CERT_ENV)
+    if not cert:
+        return urllib.request.build_opener(_NoRedirect)
+    key = os.environ.get(ADMIN_CLIENT_KEY_ENV) or None
+    context = ssl.create_default_context()
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        files = f"${ADMIN_CLIENT_CERT_ENV} {cert}" + (f" with ${ADMIN_CLIENT_KEY_ENV} {key}"
+                                                      if key else "")
+        raise click.UsageError(f"{files}: not a client certificate and its key "
+                               f"({getattr(exc, 'reason', None) or exc})") from None
+    return urllib.request.build_opener(_NoRedirect, urllib.request.HTTPSHandler(context=context))
 
 
 def _call(admin: tuple[str, str | None], method: str, path: str,
@@ -81,7 +103,7 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
     # Whatever answers at a wrong --admin-url (a web page, another protocol, nothing) is one
     # line naming the URL, never a traceback.
     try:
-        with _OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
+        with _opener().open(request, timeout=REQUEST_TIMEOUT_S) as response:
             raw = response.read()
     except urllib.error.HTTPError as exc:
         if 300 <= exc.code < 400:
@@ -103,25 +125,39 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
                                        "the admin API's (.../admin/v1)?") from None
         raise click.ClickException(f"{exc.code}: {message}") from None
     except urllib.error.URLError as exc:
-        raise click.ClickException(f"admin API at {_shown(url)} unreachable: {exc.reason}") \
-            from None
+        raise click.ClickException(f"admin API at {_shown(url)} unreachable: {exc.reason}"
+                                   f"{_certificate_hint(exc.reason)}") from None
     except TimeoutError:
         raise click.ClickException(f"admin API at {_shown(url)} did not answer within "
                                    f"{REQUEST_TIMEOUT_S:g} s") from None
     except http.client.RemoteDisconnected:
+        # Under TLS 1.3 a server that wants a client certificate drops the connection after
+        # the handshake: its alert never reaches urllib.
+        maybe = _certificate_hint("CERTIFICATE_REQUIRED") if parts.scheme == "https" else ""
         raise click.ClickException(f"{_shown(url)} closed the connection without an answer; "
-                                   "is --admin-url the admin API's?") from None
+                                   f"is --admin-url the admin API's?{maybe}") from None
     except http.client.HTTPException as exc:
         raise click.ClickException(f"{_shown(url)} answered something that is not HTTP "
                                    f"({type(exc).__name__}); is --admin-url the admin "
                                    "API's?") from None
     except OSError as exc:  # the connection reset mid-answer
-        raise click.ClickException(f"admin API at {_shown(url)}: {exc}") from None
+        raise click.ClickException(f"admin API at {_shown(url)}: {exc}"
+                                   f"{_certificate_hint(exc)}") from None
     try:
         return json.loads(raw or b"null")
     except ValueError:
         raise click.ClickException(f"{_shown(url)} answered with something that is not JSON; "
                                    "is --admin-url the admin API's (.../admin/v1)?") from None
+
+
+def _certificate_hint(reason: object) -> str:
+    """A hint where the admin API refused, or may have refused, the handshake for want of a
+    client certificate and none is set."""
+    if "CERTIFICATE_REQUIRED" in str(reason) and not os.environ.get(ADMIN_CLIENT_CERT_ENV):
+        return (f"; an admin API that asks for a client certificate needs "
+                f"${ADMIN_CLIENT_CERT_ENV} (and ${ADMIN_CLIENT_KEY_ENV} where the key is in "
+                "a file of its own)")
+    return ""
 
 
 def _routing_version(admin: tuple[str, str | None]) -> int:

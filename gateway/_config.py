@@ -318,11 +318,16 @@ class AdminConfig(_Section):
     # PEM files: with both, the admin API serves HTTPS only (gateway/_admin.py rule 1).
     tls_cert_file: FilePath | None = None
     tls_key_file: FilePath | None = None
+    # PEM authorities: with one, a client must also show a certificate one of them signed.
+    tls_client_ca_file: FilePath | None = None
 
     @model_validator(mode="after")
     def _tls_files_together(self) -> AdminConfig:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("admin TLS needs both tls_cert_file and tls_key_file")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("admin tls_client_ca_file needs tls_cert_file and tls_key_file: "
+                             "client certificates are asked for over TLS only")
         return self
 
     @field_validator("token")

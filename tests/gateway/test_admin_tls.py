@@ -151,3 +151,78 @@ def test_print_config_names_the_tls_files(pem: dict[str, Path]) -> None:
         "UNDERSTUDY_ADMIN__TLS_KEY_FILE": str(pem["key"])})
     assert result.exit_code == 0, result.output
     assert str(pem["cert"]) in result.output and str(pem["key"]) in result.output
+
+
+@pytest.fixture
+def client_pem(authority: trustme.CA, tmp_path: Path) -> Path:
+    """A client certificate the authority signed, its key in the same file."""
+    client = authority.issue_cert("operator@example.org")
+    path = tmp_path / "operator.pem"
+    client.private_key_and_cert_chain_pem.write_to_path(str(path))
+    return path
+
+
+async def test_a_client_authority_makes_the_admin_api_ask_for_a_certificate_and_the_token(
+        pem: dict[str, Path], client_pem: Path) -> None:
+    """Mutual TLS (``tls_client_ca_file``): before, anyone holding the token reached every
+    route; now a client also needs a certificate the configured authority signed."""
+    async with serving_gateway({"tls_cert_file": str(pem["cert"]),
+                                "tls_key_file": str(pem["key"]),
+                                "tls_client_ca_file": str(pem["ca"])}) as port:
+        url = f"https://127.0.0.1:{port}"
+        anonymous = ssl.create_default_context(cafile=str(pem["ca"]))
+        with pytest.raises(aiohttp.ClientError):  # the handshake is refused: no answer
+            await _routing(url, anonymous)
+        holding = ssl.create_default_context(cafile=str(pem["ca"]))
+        holding.load_cert_chain(str(client_pem))
+        assert await _routing(url, holding) == 200
+        async with aiohttp.ClientSession() as http, http.get(
+                url + "/admin/v1/routing", ssl=holding) as resp:
+            assert resp.status == 401  # the certificate alone opens nothing either
+        # A certificate from another authority is refused as no certificate is.
+        stranger = trustme.CA().issue_cert("intruder@example.org")
+        foreign = ssl.create_default_context(cafile=str(pem["ca"]))
+        stranger_pem = client_pem.with_name("stranger.pem")
+        stranger.private_key_and_cert_chain_pem.write_to_path(str(stranger_pem))
+        foreign.load_cert_chain(str(stranger_pem))
+        with pytest.raises(aiohttp.ClientError):
+            await _routing(url, foreign)
+
+
+async def test_the_admin_cli_shows_its_client_certificate_from_the_environment(
+        pem: dict[str, Path], client_pem: Path, tmp_path: Path) -> None:
+    async with serving_gateway({"tls_cert_file": str(pem["cert"]),
+                                "tls_key_file": str(pem["key"]),
+                                "tls_client_ca_file": str(pem["ca"])}) as port:
+        env = {"UNDERSTUDY_ADMIN_URL": f"https://127.0.0.1:{port}/admin/v1",
+               "UNDERSTUDY_ADMIN_TOKEN": TOKEN, "SSL_CERT_FILE": str(pem["ca"])}
+        run = CliRunner().invoke
+        without = await asyncio.to_thread(run, main, ["routing"], env=env)
+        assert without.exit_code == 1
+        assert ("an admin API that asks for a client certificate needs "
+                "$UNDERSTUDY_ADMIN_CLIENT_CERT") in without.output
+        assert "Traceback" not in without.output
+        shown = await asyncio.to_thread(run, main, ["routing"], env={
+            **env, "UNDERSTUDY_ADMIN_CLIENT_CERT": str(client_pem)})
+        assert shown.exit_code == 0, shown.output
+        assert '"primary"' in shown.output
+        not_pem = tmp_path / "not.pem"
+        not_pem.write_text("not a certificate\n")
+        broken = await asyncio.to_thread(run, main, ["routing"], env={
+            **env, "UNDERSTUDY_ADMIN_CLIENT_CERT": str(not_pem)})
+        assert broken.exit_code == 2
+        assert f"$UNDERSTUDY_ADMIN_CLIENT_CERT {not_pem}: not a client certificate" \
+            in broken.output
+        assert "Traceback" not in broken.output
+
+
+def test_a_client_authority_needs_the_server_certificate_and_must_load(
+        pem: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="client certificates are asked for over TLS"):
+        AdminConfig(tls_client_ca_file=pem["ca"])
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("not an authority\n")
+    unloadable = AdminConfig(port=0, tls_cert_file=pem["cert"], tls_key_file=pem["key"],
+                             tls_client_ca_file=not_pem)
+    with pytest.raises(ValueError, match="admin TLS: cannot load the client authorities"):
+        check_admin_binding(unloadable)
