@@ -46,7 +46,12 @@ from yarl import URL
 
 from evaluators import DEFAULT_SCORERS, Gates, ScorerConfig
 from evaluators.store import StoreConfig, masked_url
-from gateway._environment import ADMIN_TOKEN_ENV, ADMIN_URL_ENV
+from gateway._environment import (
+    ADMIN_CLIENT_CERT_ENV,
+    ADMIN_CLIENT_KEY_ENV,
+    ADMIN_TOKEN_ENV,
+    ADMIN_URL_ENV,
+)
 
 __all__ = [
     "MAX_CANDIDATES",
@@ -74,6 +79,8 @@ ENV_NESTED_DELIMITER = "__"
 OTHER_ENVIRONMENT: frozenset[str] = frozenset({
     ADMIN_TOKEN_ENV,               # the admin token, read below besides UNDERSTUDY_ADMIN__TOKEN
     ADMIN_URL_ENV,                 # the admin commands' API root (gateway/_cli_admin.py)
+    ADMIN_CLIENT_CERT_ENV,         # their client certificate, for mutual TLS
+    ADMIN_CLIENT_KEY_ENV,          # and its key where it has a file of its own
     "UNDERSTUDY_HOME",             # models, vLLM, static embeddings (backends/vllm, evaluators)
     "UNDERSTUDY_CACHE_DIR",        # the KV codecs' calibration cache (backends/engine)
     "UNDERSTUDY_VLLM_PYTHON",      # scripts/setup-vllm.sh
