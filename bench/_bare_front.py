@@ -21,6 +21,7 @@ from multidict import CIMultiDict
 
 from evaluators import Capture
 from gateway._config import UpstreamConfig
+from gateway._headers import CREDENTIAL_HEADERS
 from gateway._upstream import Upstream
 
 _HEAD_END = b"\r\n\r\n"
@@ -63,7 +64,7 @@ class BareFront(asyncio.Protocol):
 
 
 async def _serve(primary: str, port: int) -> None:
-    upstream = Upstream(UpstreamConfig(name="primary", url=primary))
+    upstream = Upstream(UpstreamConfig(name="primary", url=primary), credentials=CREDENTIAL_HEADERS)
     upstream.open()
     server = await asyncio.get_running_loop().create_server(
         lambda: BareFront(upstream), "127.0.0.1", port)

@@ -127,7 +127,7 @@ def forwarded_headers(
 
 def with_credentials(
     headers: CIMultiDict[str], *, forward_client_credentials: bool, api_key: str | None,
-    credentials: frozenset[str] = CREDENTIAL_HEADERS,
+    credentials: frozenset[str],
 ) -> CIMultiDict[str]:
     """Apply one upstream's credential policy: its own key, the client's ``credentials``
     headers, or none."""

@@ -66,7 +66,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway._config import CandidateConfig, UpstreamConfig
-from gateway._headers import CREDENTIAL_HEADERS
 from gateway._metrics import GatewayMetrics
 from gateway._sampler import sampled
 from gateway._upstream import Upstream
@@ -247,7 +246,7 @@ class Upstreams:
     def __init__(self, primary: UpstreamConfig,
                  candidates: tuple[CandidateConfig, ...] = (),
                  metrics: GatewayMetrics | None = None, *,
-                 credentials: frozenset[str] = CREDENTIAL_HEADERS) -> None:
+                 credentials: frozenset[str]) -> None:
         self.primary = primary
         self._credentials = credentials  # the headers that carry the client's credentials
         self._unconfigured = None if metrics is None else metrics.live_without_settings

@@ -40,7 +40,7 @@ from yarl import URL
 from evaluators import Capture
 from gateway._config import UpstreamConfig
 from gateway._exceptions import translate_upstream_errors
-from gateway._headers import CREDENTIAL_HEADERS, allowed_only, with_credentials
+from gateway._headers import allowed_only, with_credentials
 from gateway._relaycore import Tee
 from gateway._wire import Connection, ConnectionPool, Disconnected
 
@@ -99,7 +99,7 @@ class Upstream:
 
     def __init__(self, config: UpstreamConfig, *, forward_credentials: bool = True,
                  allowed_headers: frozenset[str] | None = None,
-                 credentials: frozenset[str] = CREDENTIAL_HEADERS) -> None:
+                 credentials: frozenset[str]) -> None:
         self.config = config
         self.forward_credentials = forward_credentials
         # The headers that carry the client's credentials (``_headers``).

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from evaluators import MemorySink, Outcome
 from evaluators.store import load_routing, save_routing
 from gateway._config import CandidateConfig, CaptureConfig, MirrorConfig, UpstreamConfig
+from gateway._headers import CREDENTIAL_HEADERS
 from gateway._metrics import GatewayMetrics
 from gateway._mirror import Mirror
 from gateway._promotion import Promoter
@@ -103,7 +104,8 @@ class Replica:
         judge.routing = lambda: sync.routing
         promoter = Promoter(sync, mirror, metrics, cast(Scorekeeper, judge),
                             Upstreams(UpstreamConfig(), tuple(
-                                c.config for c in mirror.candidates.values())))
+                                c.config for c in mirror.candidates.values()),
+                                credentials=CREDENTIAL_HEADERS))
         await sync.start(engine)
         return cls(promoter, sync, judge)
 

@@ -21,6 +21,7 @@ from pydantic import SecretStr
 from evaluators.store import create_engine
 from gateway._config import CandidateConfig, UpstreamConfig
 from gateway._exceptions import InvalidBody
+from gateway._headers import CREDENTIAL_HEADERS
 from gateway._metrics import GatewayMetrics
 from gateway._routing import Backend, Canary, Routing, Upstreams
 from tests.fixtures_db import audit_log
@@ -434,7 +435,8 @@ async def test_a_backend_without_local_settings_gets_no_key() -> None:
     upstreams = Upstreams(UpstreamConfig(url="http://127.0.0.1:8",
                                          api_key=SecretStr("primary-secret")),
                           (CandidateConfig(name="c", url="http://127.0.0.1:9",
-                                           api_key=SecretStr("cand-own-key")),))
+                                           api_key=SecretStr("cand-own-key")),),
+                          credentials=CREDENTIAL_HEADERS)
     client = CIMultiDict({"Authorization": "Bearer client-key", "Accept": "*/*"})
     try:
         own = upstreams.get(Backend("c", "http://127.0.0.1:9", "m")).credentials(client)
@@ -549,7 +551,8 @@ async def test_a_pool_opened_without_local_settings_is_counted() -> None:
     promoted elsewhere, or here before a restart) was visible only as one warning."""
     metrics = GatewayMetrics()
     upstreams = Upstreams(UpstreamConfig(url="http://127.0.0.1:8"),
-                          (CandidateConfig(name="c", url="http://127.0.0.1:9"),), metrics)
+                          (CandidateConfig(name="c", url="http://127.0.0.1:9"),), metrics,
+                          credentials=CREDENTIAL_HEADERS)
     try:
         upstreams.get(Backend("c", "http://127.0.0.1:9"))
         upstreams.get(Backend("primary", "http://127.0.0.1:8"))

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators.store import load_routing, save_routing
 from gateway._config import CandidateConfig, UpstreamConfig
+from gateway._headers import CREDENTIAL_HEADERS
 from gateway._metrics import GatewayMetrics
 from gateway._routing import Backend, Canary, Routing, Upstreams
 from gateway._sync import RoutingSync
@@ -246,5 +247,5 @@ async def test_a_replica_started_on_a_routing_stored_without_models_takes_its_se
     # What the gateway passes as settings_models: its candidates' rewrites, by name and URL.
     upstreams = Upstreams(UpstreamConfig(url=origin.url), (
         CandidateConfig(name="b", url="http://127.0.0.1:10", model="model-b"),
-        CandidateConfig(name="c", url="http://127.0.0.1:11")))
+        CandidateConfig(name="c", url="http://127.0.0.1:11")), credentials=CREDENTIAL_HEADERS)
     assert upstreams.models() == {("b", "http://127.0.0.1:10"): "model-b"}

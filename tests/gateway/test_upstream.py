@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from evaluators import Capture
 from gateway._config import UpstreamConfig
 from gateway._exceptions import UpstreamTimeout
+from gateway._headers import CREDENTIAL_HEADERS
 from gateway._upstream import Upstream
 from tests.gateway.test_wire import Handler, raw_listener
 from tests.utils import HANG_S, eventually
@@ -43,7 +44,8 @@ class SlowClient:
 async def upstream_at(handler: Handler, idle_timeout_s: float) -> AsyncIterator[Upstream]:
     async with raw_listener(handler) as port:
         upstream = Upstream(UpstreamConfig(url=f"http://127.0.0.1:{port}",
-                                           idle_timeout_s=idle_timeout_s))
+                                           idle_timeout_s=idle_timeout_s),
+                            credentials=CREDENTIAL_HEADERS)
         upstream.open()
         try:
             yield upstream
@@ -121,7 +123,8 @@ def test_the_request_head_keeps_the_base_path_under_credentials_and_refuses_line
 ) -> None:
     """An upstream URL's user and password become Basic credentials, never part of the
     path; a header value holding CR, LF or NUL is refused, never sent."""
-    upstream = Upstream(UpstreamConfig(name="p", url="http://user:pw@127.0.0.1:8000/base"))
+    upstream = Upstream(UpstreamConfig(name="p", url="http://user:pw@127.0.0.1:8000/base"),
+                        credentials=CREDENTIAL_HEADERS)
     head = upstream.request_head("POST", "/v1/models?x=1", CIMultiDict(Accept="*/*"), b"{}")
     assert head == (b"POST /base/v1/models?x=1 HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
                     b"Accept: */*\r\nAuthorization: Basic dXNlcjpwdw==\r\n"
