@@ -16,7 +16,8 @@ metric, a :class:`MetricGate`, by the metric's name:
    floor near 0, a distance 0.0002 larger is 20 % worse; the floor still counts for it
    through the judge's rule 3, which relaxes a limit the replica itself does not keep,
    by at most ``max_noise_floor_miss`` of the limit, the same for a minimum and a
-   maximum).
+   maximum; a replica beyond that on one metric is no floor for any, the judge's rule
+   11).
    The per-exchange latency ratios (``latency.*_ratio``) are latency: their median (a
    ratio's mean is pulled by its few slowest requests) within the latency tolerance
    ``max_median_shift_ratio``, so a candidate 4 % slower, inside the 10 % latency gate,
@@ -98,7 +99,9 @@ __all__ = [
     "MetricGate",
     "Outcome",
     "backend_checks",
+    "broken_floor",
     "not_significant_overall",
+    "on_broken_floor",
     "pairwise_checks",
 ]
 
@@ -399,10 +402,13 @@ def stratified_shift_check(
 def pairwise_checks(
     s: PairwiseSummary, floor: Comparison | None, gate: MetricGate, band: float, *,
     max_floor_miss: float = DEFAULT_MAX_NOISE_FLOOR_MISS, replica: str | None = None,
+    broken: str | None = None,
 ) -> list[Check]:
     """The judge's rules 2 and 3 for a pairwise metric; ``floor`` compares the values
     (candidate) with the noise floor's (baseline), measured on ``replica`` (its name,
-    where known); ``max_floor_miss`` bounds the relaxation (``Gates.max_noise_floor_miss``)."""
+    where known); ``max_floor_miss`` bounds the relaxation (``Gates.max_noise_floor_miss``).
+    ``broken`` says which metric showed that replica broken (:func:`broken_floor`): it
+    is then no floor here either (the judge's rule 11)."""
     checks: list[Check] = []
     for limit, sign in ((gate.min_mean, 1.0), (gate.max_mean, -1.0)):
         if limit is None:
@@ -411,6 +417,8 @@ def pairwise_checks(
         bound = max_floor_miss * abs(limit)
         if floor is None or miss <= 0.0:
             checks.append(_limit_check(s, None, limit, sign, band))
+        elif miss <= bound and broken is not None:
+            checks.append(_not_relaxed(s, floor, limit, sign, band, broken))
         elif miss <= bound:
             checks.append(_limit_check(s, floor, limit, sign, band))
         else:
@@ -432,7 +440,8 @@ def pairwise_checks(
         evidence = _Evidence(x, low, high, floor.significantly_worse,
                              _interval_p(x, low, 0.0, floor.confidence))
         label = "median change toward worse beyond the noise floor, relative to the floor's"
-        checks.append(_graded("noise_floor", label, evidence, tolerance, band, True))
+        checks.append(on_broken_floor(_graded("noise_floor", label, evidence, tolerance,
+                                              band, True), broken))
     elif floor is not None and tolerance is not None:
         scale = abs(floor.mean_baseline)
         hib = floor.higher_is_better
@@ -442,15 +451,63 @@ def pairwise_checks(
         evidence = _Evidence(x, rel[0], rel[1], _above(low, 0.0),
                              _interval_p(x, rel[0], 0.0, floor.confidence))
         label = "mean change toward worse beyond the noise floor, relative to the floor"
-        checks.append(_graded("noise_floor", label, evidence, tolerance, band, True))
+        checks.append(on_broken_floor(_graded("noise_floor", label, evidence, tolerance,
+                                              band, True), broken))
     return checks
 
 
+def broken_floor(metric: str, floor: Comparison, gate: MetricGate, max_floor_miss: float,
+                 replica: str | None = None) -> str | None:
+    """Why ``replica`` is no noise floor, as rule 3 of the judge found on ``metric``: the
+    first of its limits that the replica's own mean misses by more than
+    ``max_floor_miss`` of it (None: it misses none so far)."""
+    for limit, sign in ((gate.min_mean, 1.0), (gate.max_mean, -1.0)):
+        if limit is None:
+            continue
+        miss = sign * (limit - floor.mean_baseline)
+        if miss > max_floor_miss * abs(limit):
+            kind = "minimum" if sign > 0 else "maximum"
+            who = "the replica" + (f" {replica!r}" if replica else "")
+            return (f"{who} missed {metric}'s {kind} {limit:.4g} by {miss:.4g} (beyond "
+                    f"{max_floor_miss:.0%} of it, max_noise_floor_miss)")
+    return None
+
+
+def on_broken_floor(check: Check, broken: str | None) -> Check:
+    """A noise-floor ``check`` read on a replica shown ``broken`` (the judge's rule 11):
+    a FAIL stands (worse even than that replica); anything else is INCONCLUSIVE with what
+    it measured, and tests nothing among the verdict's checks (no p-value, no band)."""
+    if broken is None or check.outcome is Outcome.FAIL:
+        return check
+    return replace(check, outcome=Outcome.INCONCLUSIVE, p_value=None, margin=None,
+                   reason=f"noise floor not used: {broken}; as if it were the floor, "
+                          f"{check.outcome.value}: {check.reason}")
+
+
+def _not_relaxed(s: PairwiseSummary, floor: Comparison, limit: float, sign: float,
+                 band: float, broken: str) -> Check:
+    """The judge's rule 11 for a limit its replica misses within the bound: graded as
+    configured and as if relaxed, as rule 3 grades a limit beyond it; a FAIL stands only
+    where both give it."""
+    configured = _limit_check(s, None, limit, sign, band, f" (not relaxed: {broken})")
+    if configured.outcome is not Outcome.FAIL:
+        return configured
+    relaxed = _limit_check(s, floor, limit, sign, band)
+    if relaxed.outcome is Outcome.FAIL:
+        return configured
+    head = configured.reason.rsplit(": ", 1)[0]  # the words after the last ": " say why
+    return replace(configured, outcome=Outcome.INCONCLUSIVE, p_value=None, margin=None,
+                   reason=f"{head}: FAIL as configured but {relaxed.outcome.value} as if "
+                          f"relaxed to the replica's mean {floor.mean_baseline:.4g}; the "
+                          "replica is broken or the primary that noisy, and which holds "
+                          "cannot be told")
+
+
 def _limit_check(s: PairwiseSummary, floor: Comparison | None, limit: float, sign: float,
-                 band: float) -> Check:
+                 band: float, note: str = "") -> Check:
     """Rule 2's mean_limit check of a minimum (``sign`` 1) or maximum (-1); relaxed to
-    ``floor``'s mean when given (the judge's rule 3)."""
-    kind, note = "minimum" if sign > 0 else "maximum", ""
+    ``floor``'s mean when given (the judge's rule 3); ``note`` follows the limit."""
+    kind = "minimum" if sign > 0 else "maximum"
     interval = [sign * (limit - b) for b in (s.mean_ci_low, s.mean_ci_high) if b is not None]
     if floor is not None:
         note = f" (relaxed from {limit:.4g} to the noise floor's mean)"

@@ -55,9 +55,9 @@ Rules:
    candidate that keeps the configured limit. Not a limit relaxed as far as the bound:
    that would be a number neither the operator nor the replica gave, still loosened by a
    floor that measures nothing, and the same replica is the floor of the metric's own
-   noise-floor check; an operator trusts the verdict more when it names the broken
-   replica and waits for it to be fixed (or the bound widened, where the primary really
-   is that noisy).
+   noise-floor check and of every other metric's (rule 11); an operator trusts the
+   verdict more when it names the broken replica and waits for it to be fixed (or the
+   bound widened, where the primary really is that noisy).
 4. A metric's verdict is the worst of its checks. A metric without checks is not gated:
    its verdict and statistics are shown but do not count.
 5. The candidate's verdict is the worst over gated metrics, FAIL > INCONCLUSIVE >
@@ -114,6 +114,27 @@ Rules:
    an identical candidate is called significant stays at most (1 - confidence) / 2. A
    check significant alone but not among them is graded again as not significant (rule
    2), and its reason says so.
+11. A replica shown broken by one metric (rule 3) is no noise floor for any metric of the
+   verdict: one replica measures every floor, and one that agrees with the primary on
+   10 % of answers, its similarity 0.3, made a candidate as far off "no worse than noise"
+   on exact match, which has no limit of its own to catch it. Once every metric is
+   judged, each pairwise metric measured against that replica is graded again on the
+   same statistics, with the first such metric (in metric order) and its miss named:
+   - a noise_floor check that does not FAIL is INCONCLUSIVE, "noise floor not used",
+     with what it measured and how it would grade on the replica. It tests nothing the
+     verdict relies on, so it carries no p-value into rule 10's family (rule 7's family
+     still counts it, so no wait is short); a FAIL keeps its p-value, and where rule 10
+     grades it again as not significant it rests on the replica again and is
+     INCONCLUSIVE too. A FAIL stands: the candidate is worse even than the broken
+     replica.
+   - a limit the replica misses within the bound is not relaxed either, and is graded as
+     rule 3 grades a limit beyond it: as configured and as if relaxed, a FAIL standing
+     only where both give it. A FAIL as configured alone is INCONCLUSIVE (the replica is
+     broken or the primary that noisy, and which cannot be told), not the FAIL of the
+     limit as configured: the primary's noise on this metric is then unknown, not known
+     to be nil. Where the candidate keeps the configured limit it passes it, with no
+     ``noise_floor_bound`` check of its own: that PASS rests on no floor, and the
+     metric that found the replica broken holds the verdict INCONCLUSIVE already.
 """
 
 from __future__ import annotations
@@ -135,7 +156,9 @@ from evaluators._gates import (
     MetricGate,
     Outcome,
     backend_checks,
+    broken_floor,
     not_significant_overall,
+    on_broken_floor,
     pairwise_checks,
     stratified_shift_check,
 )
@@ -344,7 +367,10 @@ def judge(
                 continue
         verdicts.append(_judge_metric(name, metric_samples, gates, higher, metric_seed,
                                       family, noise_floor_from))
-    verdicts = _significant_overall(verdicts, gates)
+    broken = _broken_floor(verdicts, gates, noise_floor_from)
+    if broken is not None:
+        verdicts = _without_floor(verdicts, samples, gates, noise_floor_from, broken)
+    verdicts = _significant_overall(verdicts, gates, broken)
     if sample_bias is not None and sample_bias.skew:
         reweighted = [v.metric for v in verdicts if v.reweighting is not None]
         verdicts.append(_sample_bias_verdict(sample_bias, reweighted, not_reweighted))
@@ -387,8 +413,42 @@ def _family_size(names: Sequence[str], samples: Mapping[str, MetricSamples],
     return max(1, count)
 
 
-def _significant_overall(verdicts: list[MetricVerdict], gates: Gates) -> list[MetricVerdict]:
-    """Rule 10: every gated check's evidence tested together."""
+def _broken_floor(verdicts: Sequence[MetricVerdict], gates: Gates,
+                  replica: str | None) -> str | None:
+    """Rule 11: why the replica is no noise floor, as the first metric (in metric order)
+    whose limit it misses beyond rule 3's bound says it (None: no metric does)."""
+    for verdict in verdicts:
+        s = verdict.statistics
+        if not (isinstance(s, PairwiseSummary) and s.noise_floor is not None and any(
+                check.name == "noise_floor_bound" for check in verdict.checks)):
+            continue
+        gate = gates.gate_for(verdict.metric, pairwise=True)
+        why = broken_floor(verdict.metric, s.noise_floor, gate, gates.max_noise_floor_miss,
+                           replica)
+        if why is not None:
+            return why
+    return None
+
+
+def _without_floor(verdicts: Sequence[MetricVerdict], samples: Mapping[str, MetricSamples],
+                   gates: Gates, replica: str | None, broken: str) -> list[MetricVerdict]:
+    """Rule 11: every pairwise metric measured against the replica graded again on the
+    same statistics, the replica no noise floor."""
+    out = []
+    for verdict in verdicts:
+        metric_samples = samples.get(verdict.metric)
+        if (metric_samples is not None and metric_samples.noise_floor is not None
+                and isinstance(verdict.statistics, PairwiseSummary)):
+            verdict = _pairwise_verdict(verdict.metric, metric_samples, verdict.statistics,
+                                        gates, replica, broken)
+        out.append(verdict)
+    return out
+
+
+def _significant_overall(verdicts: list[MetricVerdict], gates: Gates,
+                         broken: str | None = None) -> list[MetricVerdict]:
+    """Rule 10: every gated check's evidence tested together; ``broken``: rule 11 (a
+    noise-floor check's FAIL graded again here rests on that replica again)."""
     alpha = (1.0 - gates.confidence) / 2.0
     tested = [(i, j, check.p_value) for i, verdict in enumerate(verdicts) if verdict.gated
               for j, check in enumerate(verdict.checks) if check.p_value is not None]
@@ -402,6 +462,8 @@ def _significant_overall(verdicts: list[MetricVerdict], gates: Gates) -> list[Me
                 f"checks at {alpha:.1%} (Holm)")
         checks = list(out[i].checks)
         checks[j] = not_significant_overall(check, note)
+        if check.name == "noise_floor":
+            checks[j] = on_broken_floor(checks[j], broken)
         outcome = max((c.outcome for c in checks), key=SEVERITY.__getitem__)
         out[i] = dataclasses.replace(out[i], outcome=outcome, checks=tuple(checks),
                                      reasons=tuple(c.reason for c in checks))
@@ -679,7 +741,6 @@ def _judge_pairwise(
     name: str, samples: MetricSamples, gates: Gates, higher: bool, seed: int,
     replica_name: str | None = None,
 ) -> MetricVerdict:
-    gate = gates.gate_for(name, pairwise=True)
     floor = samples.noise_floor
     n = len(samples.candidate)
     n_floor = 0 if floor is None else len(floor)
@@ -692,6 +753,18 @@ def _judge_pairwise(
             higher_is_better=higher,
             seed=seed,
         )
+    return _pairwise_verdict(name, samples, statistics, gates, replica_name)
+
+
+def _pairwise_verdict(
+    name: str, samples: MetricSamples, statistics: PairwiseSummary | None, gates: Gates,
+    replica_name: str | None, broken: str | None = None,
+) -> MetricVerdict:
+    """Rules 1-4 for a pairwise metric on its statistics; ``broken``: rule 11."""
+    gate = gates.gate_for(name, pairwise=True)
+    floor = samples.noise_floor
+    n = len(samples.candidate)
+    n_floor = 0 if floor is None else len(floor)
     floor_gated = gate.max_noise_floor_shift_ratio is not None and floor is not None
     if not (gate.has_limit_checks or floor_gated):
         return _ungated(name, statistics)
@@ -705,7 +778,8 @@ def _judge_pairwise(
     # also held to the floor itself (the embeddings' distance is not, gates rule 2).
     comparison = statistics.noise_floor if floor_measured else None
     checks = pairwise_checks(statistics, comparison, gate, gates.marginal_band,
-                             max_floor_miss=gates.max_noise_floor_miss, replica=replica_name)
+                             max_floor_miss=gates.max_noise_floor_miss, replica=replica_name,
+                             broken=broken)
     if floor_gated and not floor_ok:
         note = f"noise floor not used: {n_floor} values, {need} needed"
         checks.append(Check("noise_floor", Outcome.PASS, None, None, None, None, False, note))
