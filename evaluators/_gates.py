@@ -26,9 +26,13 @@ metric, a :class:`MetricGate`, by the metric's name:
    Hodges-Lehmann shift is 0 whatever the two rates are.
 3. Rate metrics (``rate_metrics``: 0/1 per exchange, such as ``reliability.success``):
    the rate may move toward worse by at most ``max_error_rate_increase`` (absolute). The
-   check reads counts, not a bootstrap (``_statistics`` rule 7): its evidence is Fisher's
-   exact test, its interval Newcombe's, and it passes only where that interval rules out
-   a worsening beyond the limit (:attr:`Check.bounded`; the judge's rule 1).
+   check (:func:`rate_check`) reads counts, not a bootstrap (``_statistics`` rule 7): its
+   evidence is Fisher's exact test, its interval Newcombe's, and it passes only where
+   that interval rules out a worsening beyond the limit (:attr:`Check.bounded`; the
+   judge's rule 1). A gate with ``max_mean_worsening`` holds no other check: a 0/1
+   metric's median, tail and spread say nothing its rate does not, and its counts are
+   all the judge reads of it (so they may cover more than the capped values, the
+   report's rule 6).
 4. ``cost.*``: the mean (the spend per request) may grow by at most ``max_cost_ratio``.
 5. ``cache.*`` is not gated: a mirrored candidate sees only a sample of the traffic, so
    its cache is colder than the primary's by construction. Nor is ``capture.*``: how often
@@ -57,7 +61,7 @@ from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from scipy import stats
 
 from evaluators._statistics import (
@@ -103,6 +107,7 @@ __all__ = [
     "not_significant_overall",
     "on_broken_floor",
     "pairwise_checks",
+    "rate_check",
 ]
 
 TTFT_METRIC: Final = "latency.ttft_s"
@@ -159,6 +164,17 @@ class MetricGate(BaseModel):
     """What the noise-floor check compares: the mean (0/1 agreements, whose median shift
     is 0 whatever their rates) or the median (a ratio, whose mean a few slow requests
     pull: the Hodges-Lehmann shift)."""
+
+    @model_validator(mode="after")
+    def _a_rate_alone(self) -> MetricGate:
+        """Rule 3: a rate's gate checks its rate and nothing else."""
+        others = {"max_shift_ratio": self.max_shift_ratio, "max_mean_ratio": self.max_mean_ratio,
+                  "max_tail_ratio": self.max_tail_ratio, "max_std_ratio": self.max_std_ratio}
+        if self.max_mean_worsening is not None and any(v is not None for v in others.values()):
+            named = ", ".join(k for k, v in others.items() if v is not None)
+            raise ValueError(f"max_mean_worsening gates a 0/1 metric by its rate alone, "
+                             f"not also by {named}")
+        return self
 
     @property
     def has_backend_checks(self) -> bool:
@@ -316,10 +332,11 @@ class _Evidence:
     bounded: bool = False
 
 
-def backend_checks(c: Comparison, gate: MetricGate, band: float,
-                   rates: RateComparison | None = None) -> list[Check]:
-    """The judge's rule 2 for a per-backend metric's enabled checks; a rate's check
-    (rule 3) reads ``rates``, the same samples compared as counts."""
+def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
+    """The judge's rule 2 for a per-backend metric's enabled checks (a rate's gate is
+    :func:`rate_check`'s: rule 3)."""
+    if gate.max_mean_worsening is not None:
+        raise ValueError("a rate's check reads its counts (rate_check), not a Comparison")
     hib = c.higher_is_better
     ratio = "primary/candidate" if hib else "candidate/primary"  # larger is worse
     checks: list[Check] = []
@@ -340,19 +357,6 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float,
         evidence = _Evidence(x, low, high, significant, p_value)
         label = f"mean ratio {ratio}"
         checks.append(_graded("mean_ratio", label, evidence, gate.max_mean_ratio, band))
-    if gate.max_mean_worsening is not None:
-        if rates is None:
-            raise ValueError("a rate's check reads the samples compared as counts "
-                             "(compare_rates)")
-        low, high = _orient_shift(rates.change_ci_low, rates.change_ci_high, hib)
-        x = _worse(rates.change, hib) + 0.0  # no -0
-        one_sided = (1.0 - rates.confidence) / 2.0
-        evidence = _Evidence(x, low, high, rates.p_worse < one_sided, rates.p_worse,
-                             bounded=True)
-        label = (f"change of the rate toward worse ({rates.ones_candidate}/"
-                 f"{rates.n_candidate} against {rates.ones_baseline}/{rates.n_baseline}, "
-                 f"{RATE_TEST} p={rates.p_worse:.2g})")
-        checks.append(_graded("mean_worsening", label, evidence, gate.max_mean_worsening, band))
     if gate.max_tail_ratio is not None:
         low, high = _orient_ratio(c.tail_ratio_ci_low, c.tail_ratio_ci_high, hib)
         x = None if c.tail_ratio is None else _worse_ratio(c.tail_ratio, hib)
@@ -380,6 +384,25 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float,
             evidence = _Evidence(x, None, None, c.variance_increased, p_value)
             checks.append(_graded("std_ratio", label, evidence, gate.max_std_ratio, band))
     return checks
+
+
+def rate_check(rates: RateComparison, gate: MetricGate, band: float, *,
+               scope: str = "") -> Check:
+    """Rule 3: the judge's rule 2 for a rate, on its samples compared as counts; ``scope``
+    says what the counts cover (the report's: its whole window), in the reason."""
+    if gate.max_mean_worsening is None:
+        raise ValueError("the gate has no rate check")
+    hib = rates.higher_is_better
+    low, high = _orient_shift(rates.change_ci_low, rates.change_ci_high, hib)
+    x = _worse(rates.change, hib) + 0.0  # no -0
+    one_sided = (1.0 - rates.confidence) / 2.0
+    evidence = _Evidence(x, low, high, rates.p_worse < one_sided, rates.p_worse,
+                         bounded=True)
+    over = f" over {scope}" if scope else ""
+    label = (f"change of the rate toward worse{over} ({rates.ones_candidate}/"
+             f"{rates.n_candidate} against {rates.ones_baseline}/{rates.n_baseline}, "
+             f"{RATE_TEST} p={rates.p_worse:.2g})")
+    return _graded("mean_worsening", label, evidence, gate.max_mean_worsening, band)
 
 
 def stratified_shift_check(

@@ -5,12 +5,17 @@ Rules:
    values (the candidate and the primary; for a pairwise metric, its values). Below
    that the metric is INCONCLUSIVE: too little data never passes. Its statistics are
    still computed and exposed from two values a side. A rate (a 0/1 metric, gates rule
-   3) needs more to pass than the minimum: values enough that the interval of its change
+   3) is judged from its counts per side (``MetricSamples.rates``, where given: the
+   report counts its whole window, so the cap on the values it reads does not bound a
+   rate; else its values counted), and its counts are all its statistics
+   (``MetricVerdict.rates``; no bootstrap, ``statistics`` is None). It needs more to pass
+   than the minimum: values enough that the interval of its change
    rules out a worsening beyond its limit (``Check.bounded``). 0 errors in 30 on both
    sides is still consistent with 15 points more errors (the rule of three at a one-sided
    1 %), so it PASSed a 1-point gate on the estimate alone; short of that bound the rate
    is INCONCLUSIVE, too few samples, with the values per side that would rule it out
-   (rule 7).
+   (rule 7). A rate metric holding values other than 0 and 1 is INCONCLUSIVE, not judged
+   as a rate, whatever its counts.
 2. Each check reduces to a value x oriented so that larger is worse, a threshold T in
    the same units, a band b (``marginal_band`` times the threshold as configured; for
    a limit on a mean, times the limit), and evidence that x is really on the bad side:
@@ -93,7 +98,9 @@ Rules:
    floored at the gate's minimum; the verdict's ``more_samples_needed`` is the largest of
    the more-needed counts. A rate whose change seen so far is inside its limit's band
    turns instead when its interval rules out the limit (rule 1; ``_power`` rule 4b: the
-   interval is not among Holm's family, so alpha is the gates' own).
+   interval is not among Holm's family, so alpha is the gates' own). A rate's estimate
+   is sized from its counts, so it is a count the window can reach: the report counts a
+   rate over its whole window, not the newest values it caps the other metrics at.
 8. A sample-bias check (``_sample_bias.py``) that refuses makes the verdict
    INCONCLUSIVE ("sample skew: ..."); a flagged skew is listed among the reasons.
 9. Below the refusal bound a flagged skew is corrected where it can be: each per-backend
@@ -160,6 +167,7 @@ from evaluators._gates import (
     not_significant_overall,
     on_broken_floor,
     pairwise_checks,
+    rate_check,
     stratified_shift_check,
 )
 from evaluators._matching import DEFAULT_CONCURRENCY_EDGES, cache_strata
@@ -180,11 +188,11 @@ from evaluators._statistics import (
     Comparison,
     PairwiseSummary,
     RateComparison,
+    RateCounts,
     Samples,
     compare_rates,
     compare_samples,
     holm_rejected,
-    is_rate,
     summarize_pairwise,
 )
 from evaluators._strata import StratifiedComparison, bin_labels, compare_strata
@@ -239,6 +247,27 @@ class LoadConditions:
 
 
 @dataclass(frozen=True, slots=True)
+class RateSamples:
+    """A rate metric's values counted per side (rule 1): what the judge reads of a 0/1
+    metric, however many values they are. ``replica`` as in :class:`MetricSamples`;
+    ``scope`` says what the counts cover, in the rate check's reason (the report's:
+    ``the whole window``)."""
+
+    candidate: RateCounts
+    baseline: RateCounts
+    replica: RateCounts | None = None
+    scope: str = ""
+
+    @classmethod
+    def of(cls, samples: MetricSamples) -> RateSamples:
+        """``samples``' values counted, where no counts were given."""
+        if samples.baseline is None:
+            raise ValueError("a rate is a per-backend metric")
+        replica = None if samples.replica is None else RateCounts.of(samples.replica)
+        return cls(RateCounts.of(samples.candidate), RateCounts.of(samples.baseline), replica)
+
+
+@dataclass(frozen=True, slots=True)
 class MetricSamples:
     """One metric's values over a window.
 
@@ -254,12 +283,17 @@ class MetricSamples:
     replica: Samples | None = None
     """A per-backend metric's values on the noise-floor replica mirrored at the
     candidate's rate (rule 6)."""
+    rates: RateSamples | None = None
+    """A rate metric's counts (rule 1), which a rate's gate reads in place of the values
+    (which may then be empty); None: the values are counted."""
 
     def __post_init__(self) -> None:
         if self.baseline is not None and self.noise_floor is not None:
             raise ValueError("a noise floor applies to pairwise metrics (baseline=None) only")
-        if self.baseline is None and (self.conditions is not None or self.replica is not None):
-            raise ValueError("conditions and a replica apply to per-backend metrics only")
+        if self.baseline is None and (self.conditions is not None or self.replica is not None
+                                      or self.rates is not None):
+            raise ValueError("conditions, a replica and rates apply to per-backend metrics "
+                             "only")
         c, baseline = self.conditions, self.baseline
         if c is not None and baseline is not None and (
                 len(c.candidate_concurrency) != len(self.candidate)
@@ -287,7 +321,8 @@ class MetricVerdict:
     reweighting: Reweighting | None = None
     """Rule 9: the weights this metric was judged with, and its unweighted result."""
     rates: RateComparison | None = None
-    """A rate's samples compared as counts (rule 2's mean_worsening reads them)."""
+    """A rate's counts compared (rule 2's mean_worsening reads them): a rate's only
+    statistics (rule 1)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -560,6 +595,9 @@ def _judge_metric(
     if samples.baseline is None:
         return _judge_pairwise(name, samples, gates, higher, seed, replica_name)
     gate = gates.gate_for(name, pairwise=False)
+    if gate.max_mean_worsening is not None:
+        return _judge_rate(name, samples.rates or RateSamples.of(samples), gates, gate, higher,
+                           family)
     need = gates.min_samples_for(gate)
     baseline, basis, side = samples.baseline, "primary", "primary"
     replica = samples.replica
@@ -583,42 +621,68 @@ def _judge_metric(
                               family, seed)
     asked = PowerQuery(n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family)
     if statistics is None or min(n_c, n_b) < need:
-        estimate = _estimate(gate, statistics, None, asked, gates.marginal_band)
+        estimate = _estimate(gate, statistics, None, asked)
         return _inconclusive(name, f"candidate {n_c}, {side} {n_b}", need, statistics,
                              basis=basis, estimate=estimate)
-    if gate.max_mean_worsening is not None:
-        return _judge_rate(name, baseline, samples.candidate, gates, gate, higher,
-                           statistics, basis, asked)
     checks = backend_checks(statistics, gate, gates.marginal_band)
     return _verdict(name, checks, statistics, basis)
 
 
 def _judge_rate(
-    name: str, baseline: Samples, candidate: Samples, gates: Gates, gate: MetricGate,
-    higher: bool, statistics: Comparison, basis: str, asked: PowerQuery,
+    name: str, counts: RateSamples, gates: Gates, gate: MetricGate, higher: bool, family: int,
 ) -> MetricVerdict:
-    """Rules 1 and 2 for a 0/1 metric: its samples compared as counts."""
-    if not (is_rate(baseline) and is_rate(candidate)):
+    """Rules 1, 2 and 7 for a 0/1 metric: its counts compared, no bootstrap."""
+    need = gates.min_samples_for(gate)
+    baseline, basis, side = counts.baseline, "primary", "primary"
+    if counts.replica is not None and counts.replica.n >= need:
+        baseline, basis, side = counts.replica, "replica at the same rate", "replica"
+    candidate = counts.candidate
+    if not (baseline.is_rate and candidate.is_rate):
         reason = "not judged as a rate: it holds values other than 0 and 1 (rate_metrics)"
         check = Check("rate", Outcome.INCONCLUSIVE, None, None, None, None, False, reason)
-        return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,),
-                             statistics, basis)
-    rates = compare_rates(baseline, candidate, confidence=gates.confidence,
-                          higher_is_better=higher)
-    checks = backend_checks(statistics, gate, gates.marginal_band, rates)
+        return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,), None,
+                             basis)
+    rates = None
+    if min(candidate.n, baseline.n) >= MIN_COMPARABLE_SAMPLES:
+        rates = compare_rates(baseline, candidate, confidence=gates.confidence,
+                              higher_is_better=higher)
+    asked = PowerQuery(baseline.n, candidate.n, gates.confidence, ESTIMATE_POWER, need, family)
+    if rates is None or min(candidate.n, baseline.n) < need:
+        estimate = _rate_estimate(gate, rates, asked, gates.marginal_band)
+        verdict = _inconclusive(name, f"candidate {candidate.n}, {side} {baseline.n}", need,
+                                None, basis=basis, estimate=estimate)
+        return dataclasses.replace(verdict, rates=rates)
+    check = rate_check(rates, gate, gates.marginal_band, scope=counts.scope)
     estimate = None
-    if any(c.bounded and c.outcome is not Outcome.FAIL and c.ci_high is not None
-           and c.threshold is not None and c.ci_high > c.threshold for c in checks):
+    if (check.outcome is not Outcome.FAIL and check.ci_high is not None
+            and check.threshold is not None and check.ci_high > check.threshold):
         # Rule 7, also where a significant change is MARGINAL now: rule 10 may grade it
         # again as not significant, and then it waits for the bound (the judge drops
         # the estimate of a metric that ends up not INCONCLUSIVE).
-        estimate = _estimate(gate, statistics, None, asked, gates.marginal_band)
-        if estimate is not None and estimate.needed_per_side is not None:
+        estimate = _rate_estimate(gate, rates, asked, gates.marginal_band)
+        if (estimate is not None and estimate.needed_per_side is not None
+                and check.outcome is Outcome.INCONCLUSIVE):
             more = f" (about {estimate.needed_per_side} per side at the rates seen so far)"
-            checks = [dataclasses.replace(c, reason=c.reason + more)
-                      if c.outcome is Outcome.INCONCLUSIVE else c for c in checks]
-    verdict = _verdict(name, checks, statistics, basis)
-    return dataclasses.replace(verdict, samples_needed=estimate, rates=rates)
+            check = dataclasses.replace(check, reason=check.reason + more)
+    return MetricVerdict(name, check.outcome, True, (check.reason,), (check,), None, basis,
+                         samples_needed=estimate, rates=rates)
+
+
+def _rate_estimate(gate: MetricGate, rates: RateComparison | None, asked: PowerQuery,
+                   band: float) -> SampleSizeEstimate | None:
+    """Rule 7 for a rate: where its change seen so far is inside the limit's band, the
+    values per side at which its interval rules the limit out; else those at which the
+    change would be significant."""
+    limit = gate.max_mean_worsening
+    if rates is None or limit is None:
+        return None
+    rate_b, rate_c = rates.rate_baseline, rates.rate_candidate
+    worse = (rate_b - rate_c) if rates.higher_is_better else (rate_c - rate_b)
+    if limit > 0.0 and worse <= limit * (1.0 - band):
+        # Inside the band the verdict turns when the interval rules the limit out.
+        return samples_needed_to_bound_rate(rate_b, rate_c, limit, rates.higher_is_better,
+                                            dataclasses.replace(asked, family=1))
+    return samples_needed_for_rate(rate_b, rate_c, asked)
 
 
 def _judge_matched(
@@ -647,7 +711,7 @@ def _judge_matched(
         why = matched.reason if matched is not None else "no value with a recorded load"
         reason = f"not comparable at matched load: {why}"
         estimate = _estimate(gate, statistics, None, PowerQuery(
-            n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family), gates.marginal_band)
+            n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family))
         check = Check("matched_load", Outcome.INCONCLUSIVE, None, None, None, None, False,
                       reason)
         return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,),
@@ -656,7 +720,7 @@ def _judge_matched(
     b_at_load, c_at_load = _at_candidate_load(b_values, b_labels, c_values, c_labels, seed)
     if statistics is None or min(m_c, m_b, b_at_load.size) < need:
         estimate = _estimate(gate, statistics, matched, PowerQuery(
-            m_b, m_c, gates.confidence, ESTIMATE_POWER, need, family), gates.marginal_band)
+            m_b, m_c, gates.confidence, ESTIMATE_POWER, need, family))
         resampled = f" (resampled to its mix: {b_at_load.size})" if b_at_load.size < m_b else ""
         return _inconclusive(name, f"at matched load: candidate {m_c}, primary {m_b}"
                              f"{resampled}", need, statistics, basis=basis, matched=matched,
@@ -708,21 +772,11 @@ def _condition_labels(
 
 def _estimate(
     gate: MetricGate, statistics: Comparison | None,
-    matched: StratifiedComparison | None, asked: PowerQuery, band: float,
+    matched: StratifiedComparison | None, asked: PowerQuery,
 ) -> SampleSizeEstimate | None:
-    """Rule 7 for the test that decides the metric's gate."""
+    """Rule 7 for the test that decides the metric's gate (a rate's: :func:`_rate_estimate`)."""
     if statistics is None:
         return None
-    if gate.max_mean_worsening is not None:
-        rate_b, rate_c = _unit(statistics.mean_baseline), _unit(statistics.mean_candidate)
-        limit = gate.max_mean_worsening
-        worse = (rate_b - rate_c) if statistics.higher_is_better else (rate_c - rate_b)
-        if limit > 0.0 and worse <= limit * (1.0 - band):
-            # Inside the band the verdict turns when the interval rules the limit out.
-            return samples_needed_to_bound_rate(rate_b, rate_c, limit,
-                                                statistics.higher_is_better,
-                                                dataclasses.replace(asked, family=1))
-        return samples_needed_for_rate(rate_b, rate_c, asked)
     if gate.max_mean_ratio is not None:
         return samples_needed_for_mean(
             statistics.mean_candidate - statistics.mean_baseline, statistics.std_baseline,

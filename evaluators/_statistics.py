@@ -27,7 +27,11 @@ Theory of operation:
 6. Inputs must be finite. A statistic that is undefined (a ratio over zero) is None,
    never NaN or infinity, so that ``to_dict()`` is JSON-ready.
 7. A 0/1 metric (a rate: success, JSON validity) is a count, not a continuous sample, and
-   :func:`compare_rates` treats it as one. Whether the candidate's rate is worse is
+   :func:`compare_rates` treats it as one: it reads each side's :class:`RateCounts` (the
+   values, the ones among them, and those neither 0 nor 1, which make a sample no rate),
+   never the values themselves, so a rate is compared over as many values as the caller
+   counted (the report counts its whole window in the store, ``_report`` rule 6) at no
+   cost that grows with them. Whether the candidate's rate is worse is
    Fisher's exact test, one-sided: exact at any count, where the bootstrap's percentile
    interval collapses near 0 and 1 (a primary with 0 errors in 30 resamples to 0 errors
    every time, so 5 errors in 30 against it were significant, where Fisher's p is 0.026).
@@ -64,13 +68,13 @@ __all__ = [
     "Comparison",
     "PairwiseSummary",
     "RateComparison",
+    "RateCounts",
     "Samples",
     "ShiftEstimate",
     "compare_rates",
     "compare_samples",
     "hodges_lehmann",
     "holm_rejected",
-    "is_rate",
     "rate_change_interval",
     "summarize_pairwise",
 ]
@@ -214,6 +218,34 @@ class PairwiseSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class RateCounts:
+    """One sample of a 0/1 metric counted (rule 7): ``n`` values, ``ones`` of them 1 and
+    ``others`` neither 0 nor 1 (a sample with any is no rate)."""
+
+    n: int
+    ones: int
+    others: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.n, self.ones, self.others) < 0 or self.ones + self.others > self.n:
+            raise ValueError(f"counts out of range: {self.ones} ones and {self.others} "
+                             f"other values among {self.n}")
+
+    @classmethod
+    def of(cls, values: Samples) -> RateCounts:
+        """``values`` counted (each finite, as every sample is: rule 6)."""
+        array = np.asarray(values, dtype=np.float64)
+        ones = int(np.count_nonzero(array == 1.0))
+        return cls(int(array.size), ones, int(array.size) - ones
+                   - int(np.count_nonzero(array == 0.0)))
+
+    @property
+    def is_rate(self) -> bool:
+        """Every value is 0 or 1."""
+        return self.others == 0
+
+
+@dataclass(frozen=True, slots=True)
 class RateComparison:
     """Two samples of a 0/1 metric compared as counts (rule 7). ``ones_*`` counts the
     values that are 1 (successes, valid answers); ``change`` is candidate - baseline of
@@ -346,28 +378,22 @@ def compare_samples(
     )
 
 
-def is_rate(values: Samples) -> bool:
-    """Every value is 0 or 1 (rule 7)."""
-    array = np.asarray(values, dtype=np.float64)
-    return bool(np.all((array == 0.0) | (array == 1.0)))
-
-
 def compare_rates(
-    baseline: Samples,
-    candidate: Samples,
+    baseline: RateCounts,
+    candidate: RateCounts,
     *,
     confidence: float = DEFAULT_CONFIDENCE,
     higher_is_better: bool,
 ) -> RateComparison:
-    """Compare two independent samples of a 0/1 metric as counts (rule 7)."""
-    b = _as_sample(baseline, "baseline")
-    c = _as_sample(candidate, "candidate")
+    """Compare two independent samples of a 0/1 metric, counted (rule 7)."""
     _check_confidence(confidence)
-    for name, sample in (("baseline", b), ("candidate", c)):
-        if not is_rate(sample):
+    for name, counts in (("baseline", baseline), ("candidate", candidate)):
+        if not counts.is_rate:
             raise ValueError(f"{name} of a rate holds a value other than 0 and 1")
-    ones_b, ones_c = int(np.sum(b)), int(np.sum(c))
-    n_b, n_c = int(b.size), int(c.size)
+        if counts.n < MIN_COMPARABLE_SAMPLES:
+            raise ValueError(f"{name} needs at least {MIN_COMPARABLE_SAMPLES} values")
+    ones_b, ones_c = baseline.ones, candidate.ones
+    n_b, n_c = baseline.n, candidate.n
     # Columns are the samples; the first row counts the ones. "less": the candidate's
     # share of ones is lower than the baseline's, worse when higher is better.
     table = np.array([[ones_c, ones_b], [n_c - ones_c, n_b - ones_b]])

@@ -8,10 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evaluators._gates import EMBEDDING_DISTANCE_METRIC, Gates, Outcome, backend_checks
+from evaluators._gates import (
+    EMBEDDING_DISTANCE_METRIC,
+    Gates,
+    Outcome,
+    backend_checks,
+    rate_check,
+)
 from evaluators._judge import MetricSamples, judge
 from evaluators._score import METRICS
-from evaluators._statistics import compare_rates, compare_samples, holm_rejected
+from evaluators._statistics import RateCounts, compare_rates, compare_samples, holm_rejected
 
 DIRECTIONS = {name: spec.direction for name, spec in METRICS.items()}
 A_A_TRIALS = 30
@@ -110,12 +116,14 @@ def test_a_checks_p_value_agrees_with_its_own_interval(seed: int) -> None:
     worse = (rng.random(120) < 0.95 - rng.uniform(0.0, 0.06)).astype(float)
     for higher in (False, True):
         c = compare_samples(baseline, candidate, higher_is_better=higher, seed=seed)
-        r = compare_samples(ok, worse, higher_is_better=higher, seed=seed)
-        rates = compare_rates(ok, worse, higher_is_better=higher)
-        for metric, compared in (("latency.ttft_s", c), ("cost.usd", c),
-                                 ("reliability.success", r)):
+        rates = compare_rates(RateCounts.of(ok), RateCounts.of(worse),
+                              higher_is_better=higher)
+        checks = [rate_check(rates, gates.gate_for("reliability.success", pairwise=False),
+                             gates.marginal_band)]
+        for metric in ("latency.ttft_s", "cost.usd"):
             gate = gates.gate_for(metric, pairwise=False)
-            for check in backend_checks(compared, gate, gates.marginal_band, rates):
-                if check.p_value is not None:
-                    alone = check.p_value < (1.0 - gates.confidence) / 2.0
-                    assert alone == check.significant, (metric, check.reason, check.p_value)
+            checks += backend_checks(c, gate, gates.marginal_band)
+        for check in checks:
+            if check.p_value is not None:
+                alone = check.p_value < (1.0 - gates.confidence) / 2.0
+                assert alone == check.significant, (check.reason, check.p_value)

@@ -7,11 +7,14 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
+from pydantic import ValidationError
 from scipy import stats
 
-from evaluators._gates import Check, Gates, Outcome, not_significant_overall
-from evaluators._judge import MetricSamples, Verdict, judge
+from evaluators._gates import Check, Gates, MetricGate, Outcome, not_significant_overall
+from evaluators._judge import MetricSamples, RateSamples, Verdict, judge
 from evaluators._score import Direction
+from evaluators._statistics import RateCounts
 
 SUCCESS = "reliability.success"
 DIRECTIONS: dict[str, Direction] = {SUCCESS: "higher"}
@@ -98,6 +101,55 @@ def test_a_rate_metric_with_other_values_is_not_judged_as_a_rate() -> None:
     metric = judge({SUCCESS: samples}, Gates(), DIRECTIONS).metric(SUCCESS)
     assert metric.outcome is Outcome.INCONCLUSIVE
     assert "not judged as a rate" in metric.reasons[0]
+    counted = MetricSamples(candidate=[], baseline=[], rates=RateSamples(
+        RateCounts(5000, 4000, others=1000), RateCounts(5000, 5000)))
+    metric = judge({SUCCESS: counted}, Gates(), DIRECTIONS).metric(SUCCESS)
+    assert metric.outcome is Outcome.INCONCLUSIVE
+    assert "not judged as a rate" in metric.reasons[0]
+
+
+def test_a_rate_is_judged_on_its_counts_not_its_values() -> None:
+    """Rule 1: the counts the report gives (its whole window) are all a rate's gate reads,
+    however few values came with them; its figures are the counts, no bootstrap."""
+    capped = MetricSamples(candidate=np.ones(50), baseline=np.ones(50))
+    counted = MetricSamples(candidate=np.ones(50), baseline=np.ones(50), rates=RateSamples(
+        RateCounts(2000, 2000), RateCounts(2000, 2000), scope="the whole window"))
+    assert judge({SUCCESS: capped}, Gates(), DIRECTIONS).outcome is Outcome.INCONCLUSIVE
+    metric = judge({SUCCESS: counted}, Gates(), DIRECTIONS).metric(SUCCESS)
+    assert metric.outcome is Outcome.PASS, metric.reasons
+    assert metric.rates is not None and metric.rates.n_candidate == 2000
+    assert metric.statistics is None and metric.to_dict()["statistics"] is None
+    assert "over the whole window (2000/2000 against 2000/2000" in metric.reasons[0]
+
+
+def test_values_and_their_counts_judge_alike() -> None:
+    rng = np.random.default_rng(11)
+    for n, candidate_rate in ((40, 0.9), (300, 0.97), (1500, 0.99)):
+        candidate = (rng.random(n) < candidate_rate).astype(float)
+        primary = (rng.random(n) < 0.98).astype(float)
+        values = MetricSamples(candidate=candidate, baseline=primary)
+        counts = MetricSamples(candidate=[], baseline=[], rates=RateSamples.of(values))
+        by_values = judge({SUCCESS: values}, Gates(), DIRECTIONS).metric(SUCCESS)
+        by_counts = judge({SUCCESS: counts}, Gates(), DIRECTIONS).metric(SUCCESS)
+        assert by_counts == by_values
+
+
+def test_the_replicas_counts_are_the_basis_with_enough_of_them() -> None:
+    """As for the other per-backend metrics (rule 6): the replica mirrored at the
+    candidate's rate, where it has the gate's minimum of values."""
+    def judged(replica: RateCounts) -> str:
+        samples = MetricSamples(candidate=[], baseline=[], rates=RateSamples(
+            RateCounts(900, 891), RateCounts(900, 900), replica))
+        return judge({SUCCESS: samples}, Gates(), DIRECTIONS).metric(SUCCESS).basis
+    assert judged(RateCounts(900, 890)) == "replica at the same rate"
+    assert judged(RateCounts(20, 20)) == "primary"
+
+
+def test_a_rate_gate_checks_the_rate_alone() -> None:
+    """Gates rule 3: its counts are all the judge reads of a rate, so a rate's gate cannot
+    also ask for a median, a tail or a spread."""
+    with pytest.raises(ValidationError, match="by its rate alone"):
+        MetricGate(max_mean_worsening=0.01, max_shift_ratio=0.1)
 
 
 def test_graded_again_a_bounded_check_still_needs_its_bound() -> None:
