@@ -27,9 +27,17 @@ Rules:
    values are expanded from the histograms (counts scaled down past that, shares kept).
 6. A judgement reads at most the newest ``gates.max_judged_exchanges`` scored exchanges
    of its window (the window's start moves later, and the report says so), so its cost
-   is bounded however long traffic has flowed. Its three steps are separate calls (read,
-   judge, record) so a caller bounds each store step on its own: the statistics take
-   seconds on thousands of values, the reads and the write far less.
+   is bounded however long traffic has flowed. A rate (a metric whose gate is a rate's,
+   gates rule 3) is not capped: the store counts its values over the whole window as
+   asked (``rates_since``), per side the known values, the ones and those neither 0 nor
+   1, in one grouped read, and the judge reads those counts alone (its rule 1), at a cost
+   that does not grow with them. Capped, a rate could not pass where it needed more
+   values than the cap gave: ruling out a 1-point worsening at a 5 % error rate takes
+   some 5,200 a side, the default cap is 2,000. The rate check's reason says it counted
+   the whole window, ``samples`` gives the candidate's count there and ``rates_counted``
+   names the rates. The three steps are separate calls (read, judge, record) so a caller
+   bounds each store step on its own: the statistics take seconds on thousands of
+   values, the reads and the write far less.
 7. Reweighting (the judge's rule 9): each latency value carries its exchange's prompt
    size, measured as in rule 5, so that when the sample-bias check flags a skew below
    its refusal bound the judge weights each value by its size bucket's traffic share over
@@ -54,20 +62,23 @@ from typing import Any, Final
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from evaluators._gates import Gates
-from evaluators._judge import LoadConditions, MetricSamples, Verdict, judge
+from evaluators._judge import LoadConditions, MetricSamples, RateSamples, Verdict, judge
 from evaluators._matching import cache_hit_rate, compare_within_cache_strata, load_curve
 from evaluators._sample_bias import SampleBias, check_sample_bias, turn_depth_bucket
 from evaluators._score import METRICS
+from evaluators._statistics import RateCounts
 from evaluators.store import (
     TRAFFIC_SEEN,
     ConditionedSamples,
     EvaluatedRequests,
+    StoredCounts,
     StoredSamples,
     TrafficCount,
     load_conditioned_samples,
     load_evaluated_requests,
     load_samples,
     load_traffic,
+    load_value_counts,
     newest_scores_start,
     record_verdict,
 )
@@ -97,6 +108,8 @@ BYTES_PER_TOKEN_ESTIMATE: Final = 4
 """Rule 5: the gateway's estimate of prompt tokens from body bytes (``gateway/_traffic.py``)."""
 MAX_SEEN_VALUES: Final = 200_000
 UNSAMPLED: Final = "not_sampled"
+RATE_SCOPE: Final = "the whole window"
+"""Rule 6: what a rate's counts cover, as its check's reason says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +125,10 @@ class Report:
     sample_bias: SampleBias | None = None
     capped_at: int | None = None
     """Rule 6: the cap on scored exchanges, where it moved ``since`` later."""
+    rates_since: datetime | None = None
+    """Rule 6: the window's start as asked, from which the rates are counted whole."""
+    rates_counted: tuple[str, ...] = ()
+    """Rule 6: the metrics judged as rates, on their counts over the whole window."""
     unscored: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Rule 8: why exchanges of the window have no quality values, counted by reason."""
 
@@ -121,6 +138,8 @@ class Report:
             "noise_floor_from": self.secondary,
             "since": self.since.isoformat() if self.since else None,
             "newest_exchanges_only": self.capped_at,
+            "rates_since": self.rates_since.isoformat() if self.rates_since else None,
+            "rates_counted": list(self.rates_counted),
             "generated_at": self.generated_at.isoformat(),
             "samples": self.samples,
             "verdict_id": self.verdict_id,
@@ -133,9 +152,18 @@ class Report:
 
 def _metric_samples(stored: dict[str, StoredSamples], floor: dict[str, StoredSamples],
                     conditioned: dict[str, ConditionedSamples],
+                    counts: dict[str, StoredCounts],
                     replica: bool) -> dict[str, MetricSamples]:
     out: dict[str, MetricSamples] = {}
+    for metric, count in counts.items():  # rule 6: a rate's counts are all the judge reads
+        if count.candidate.n and metric in METRICS:
+            out[metric] = MetricSamples(
+                candidate=[], baseline=[],
+                rates=RateSamples(RateCounts(*count.candidate), RateCounts(*count.primary),
+                                  scope=RATE_SCOPE))
     for metric, (candidate, primary) in stored.items():
+        if metric in counts:
+            continue
         spec = METRICS.get(metric)
         if spec is None or not candidate:  # never measured (e.g. cost without prices)
             continue
@@ -286,12 +314,24 @@ class ReportInputs:
     replica: dict[str, ConditionedSamples]
     evaluated: EvaluatedRequests
     traffic: list[TrafficCount]
+    counts: dict[str, StoredCounts] = field(default_factory=dict)
+    """Rule 6: the rates' values over the whole window, counted per side."""
+    rates_since: datetime | None = None
+    """The window's start as asked: the counts' (the cap does not move it)."""
+
+
+def _rate_metrics(gates: Gates) -> list[str]:
+    """Rule 6: the per-backend metrics whose gate is a rate's, judged on counts."""
+    return [metric for metric, spec in METRICS.items() if spec.kind == "per_backend"
+            and gates.gate_for(metric, pairwise=False).max_mean_worsening is not None]
 
 
 async def load_report_inputs(session: AsyncSession, candidate: str, gates: Gates, *,
                              secondary: str | None = None,
                              since: datetime | None = None) -> ReportInputs:
-    """Rule 6's reads: the newest ``gates.max_judged_exchanges`` scored exchanges at most."""
+    """Rule 6's reads: the newest ``gates.max_judged_exchanges`` scored exchanges at most,
+    and the rates' counts over the whole window."""
+    asked = since
     cap_start = await newest_scores_start(session, candidate, list(METRICS),
                                           gates.max_judged_exchanges)
     capped = cap_start is not None and (since is None or cap_start > since)
@@ -300,6 +340,8 @@ async def load_report_inputs(session: AsyncSession, candidate: str, gates: Gates
     use_floor = secondary is not None and secondary != candidate
     return ReportInputs(
         candidate=candidate, secondary=secondary, since=since, capped=capped,
+        rates_since=asked,
+        counts=await load_value_counts(session, candidate, _rate_metrics(gates), since=asked),
         stored=await load_samples(session, candidate, since=since),
         floor=await load_samples(session, secondary, since=since) if secondary else {},
         conditioned=await load_conditioned_samples(session, candidate, CONDITIONED_METRICS,
@@ -316,16 +358,19 @@ def judge_inputs(inputs: ReportInputs, gates: Gates, *,
     """Rule 3: the statistics over ``inputs`` (CPU-bound: call it in a worker thread)."""
     secondary = inputs.secondary
     use_replica = replica_at_same_rate and secondary is not None and secondary != inputs.candidate
-    samples = _metric_samples(inputs.stored, inputs.floor, inputs.conditioned, use_replica)
+    samples = _metric_samples(inputs.stored, inputs.floor, inputs.conditioned, inputs.counts,
+                              use_replica)
     bias = _sample_bias(inputs.evaluated, inputs.traffic)
     verdict = judge(samples, gates, _DIRECTIONS, sample_bias=bias, noise_floor_from=secondary)
     conditions = _conditions(inputs.conditioned, inputs.replica, secondary, gates)
     return Report(candidate=inputs.candidate, secondary=secondary, since=inputs.since,
                   generated_at=datetime.now(UTC),
-                  samples={m: len(s.candidate) for m, s in inputs.stored.items()},
+                  samples={**{m: len(s.candidate) for m, s in inputs.stored.items()},
+                           **{m: c.candidate.n for m, c in inputs.counts.items()}},
                   verdict=verdict, verdict_id=None, conditions=conditions,
                   sample_bias=bias,
                   capped_at=gates.max_judged_exchanges if inputs.capped else None,
+                  rates_since=inputs.rates_since, rates_counted=tuple(sorted(inputs.counts)),
                   unscored=_unscored(inputs.stored))
 
 

@@ -220,8 +220,14 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _columns(stats: dict[str, Any] | None) -> tuple[Any, Any, str, Any]:
-    """(candidate, baseline, relative shift with its CI, tail ratio) of one metric."""
+def _columns(metric: dict[str, Any]) -> tuple[Any, Any, str, Any]:
+    """(candidate, baseline, relative shift with its CI, tail ratio) of one metric; a
+    rate's (its counts compared, no bootstrap) are its rates and their change in points."""
+    rates, stats = metric.get("rates"), metric.get("statistics")
+    if rates:
+        change = (f"{rates['change'] * 100:+.1f} pts [{rates['change_ci_low'] * 100:+.1f}, "
+                  f"{rates['change_ci_high'] * 100:+.1f}]")
+        return rates["rate_candidate"], rates["rate_baseline"], change, None
     if not stats:
         return None, None, "-", None
     if "n_baseline" in stats:  # per-backend: candidate against the primary
@@ -251,16 +257,19 @@ def _print(result: Report) -> None:
         console.print(f"  (judged the newest {result.capped_at} scored exchanges, since "
                       f"{result.since:%Y-%m-%d %H:%M:%S} UTC: raise max_judged_exchanges "
                       "to read more)")
+        if result.rates_counted:
+            console.print(f"  (rates counted over the whole window, n per metric as shown: "
+                          f"{', '.join(result.rates_counted)})")
     for reason, unscored in result.unscored.items():
         console.print(f"  ({unscored['exchanges']} exchanges without quality values, "
                       f"{reason}: candidate {unscored['candidate']}, primary "
                       f"{unscored['primary']}; {unscored['why']})")
     table = Table(title=f"{result.candidate} against the primary")
     for column in ("metric", "n", "verdict", "candidate", "primary / floor",
-                   "relative shift [98% CI]", "tail ratio"):
+                   "relative shift, a rate's change [98% CI]", "tail ratio"):
         table.add_column(column)
     for metric in data["metrics"]:
-        candidate, baseline, shift, tail = _columns(metric.get("statistics"))
+        candidate, baseline, shift, tail = _columns(metric)
         verdict = metric["verdict"]
         table.add_row(metric["metric"], _fmt(result.samples.get(metric["metric"])),
                       f"[{_VERDICT_STYLE.get(verdict, '')}]{verdict}[/]", _fmt(candidate),

@@ -59,12 +59,14 @@ EXPORTED: dict[str, str] = {
         CandidateSummary ConditionedSamples DropReason EvaluatedRequests ExchangeRow
         ObservationRow Pruned RetentionDays RoutingListener ScoreLike ScoreRow ScoreWriter
         StoreConfig
-        StoreError StoreRejected StoreUnavailable StoredSamples TrafficCount
-        TrafficCountRow UnknownRevision VerdictRow WriterState WriterStateError WriterStats
+        StoreError StoreRejected StoreUnavailable StoredCounts StoredSamples TrafficCount
+        TrafficCountRow UnknownRevision ValueCounts VerdictRow WriterState WriterStateError
+        WriterStats
         append_audit
         create_engine current_revision downgrade head_revision list_candidates
         listen_for_routing load_conditioned_samples load_evaluated_requests load_routing
-        load_samples load_samples_by_turn_depth load_traffic lock_for_migration masked_url
+        load_samples load_samples_by_turn_depth load_traffic load_value_counts
+        lock_for_migration masked_url
         newest_scores_start prune_store record_change record_traffic record_verdict
         register_backend retention_cutoff save_routing session_factory upgrade
     """,

@@ -9,15 +9,16 @@ scores by (candidate, metric, created_at), verdicts by (candidate, created_at).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, TypeGuard, TypeVar
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import aliased
+from sqlalchemy.orm import InstrumentedAttribute, aliased
 
 from evaluators.store._config import masked_url
 from evaluators.store._errors import StoreRejected, translate_store_errors
@@ -37,8 +38,10 @@ __all__ = [
     "CandidateSummary",
     "ConditionedSamples",
     "EvaluatedRequests",
+    "StoredCounts",
     "StoredSamples",
     "TrafficCount",
+    "ValueCounts",
     "append_audit",
     "list_candidates",
     "load_conditioned_samples",
@@ -46,6 +49,7 @@ __all__ = [
     "load_samples",
     "load_samples_by_turn_depth",
     "load_traffic",
+    "load_value_counts",
     "newest_scores_start",
     "record_traffic",
     "record_verdict",
@@ -131,6 +135,22 @@ class StoredSamples(NamedTuple):
     primary: list[float]
 
 
+class ValueCounts(NamedTuple):
+    """One side's known values of a metric (see :func:`_known`), counted: ``n`` in all,
+    ``ones`` of them 1 and ``others`` neither 0 nor 1 (a 0/1 metric, a rate, has none)."""
+
+    n: int
+    ones: int
+    others: int
+
+
+class StoredCounts(NamedTuple):
+    """One metric's values for a candidate, counted per side: ``candidate, primary``."""
+
+    candidate: ValueCounts
+    primary: ValueCounts
+
+
 _Key = TypeVar("_Key")
 
 
@@ -176,6 +196,39 @@ def _grouped_samples(rows: Iterable[tuple[_Key, float | None, float | None]],
         if _known(primary_value):
             found.primary.append(primary_value)
     return grouped
+
+
+async def load_value_counts(session: AsyncSession, candidate: str, metrics: Collection[str],
+                            since: datetime | None = None) -> dict[str, StoredCounts]:
+    """``candidate``'s values of ``metrics`` since ``since`` counted per metric and side, in
+    the store (one grouped read over the scores' (candidate, metric, created_at) index): a
+    rate's values however many are stored (the report's rule 6). Unknown values are left
+    out as :func:`load_samples` leaves them; a metric without rows is absent."""
+    query = (
+        select(ScoreRow.metric, *_counted(ScoreRow.candidate_value),
+               *_counted(ScoreRow.primary_value))
+        .join(BackendRow, BackendRow.id == ScoreRow.candidate_id)
+        .where(BackendRow.name == candidate, ScoreRow.metric.in_(list(metrics)))
+        .group_by(ScoreRow.metric)
+    )
+    if since is not None:
+        query = query.where(ScoreRow.created_at >= _aware(since))
+    with translate_store_errors():
+        rows = (await session.execute(query)).all()
+    return {metric: StoredCounts(ValueCounts(*map(int, counts[:3])),
+                                 ValueCounts(*map(int, counts[3:])))
+            for metric, *counts in rows}
+
+
+def _counted(value: InstrumentedAttribute[float | None]) -> tuple[ColumnElement[int], ...]:
+    """A column's known values, those that are 1, and those neither 0 nor 1, as SQL
+    counts (``count`` skips the NULL a ``CASE`` without ``ELSE`` gives)."""
+    # Finite, as _known asks: PostgreSQL orders NaN above every number, infinity included,
+    # and SQLite stores NaN as NULL, so a range holds the finite values on both.
+    known = value.between(-sys.float_info.max, sys.float_info.max)
+    return (func.count(case((known, 1))),
+            func.count(case((value == 1.0, 1))),
+            func.count(case((known & (value != 0.0) & (value != 1.0), 1))))
 
 
 def _known(value: float | None) -> TypeGuard[float]:
