@@ -244,6 +244,16 @@ def _columns(metric: dict[str, Any]) -> tuple[Any, Any, str, Any]:
     return candidate, baseline, shift, comparison.get("tail_ratio")
 
 
+def _confidence(data: dict[str, Any]) -> str:
+    """The intervals' confidence as the table's header says it ("98% "), read from the
+    report's statistics (the gates' ``confidence``); empty where no metric has any."""
+    for metric in data["metrics"]:
+        for figures in (metric.get("rates"), metric.get("statistics")):
+            if figures and figures.get("confidence") is not None:
+                return f"{100 * figures['confidence']:g}% "
+    return ""
+
+
 def _print(result: Report) -> None:
     console = Console(width=max(Console().width, MIN_TABLE_WIDTH))
     data = result.to_dict()
@@ -266,7 +276,7 @@ def _print(result: Report) -> None:
                       f"{unscored['primary']}; {unscored['why']})")
     table = Table(title=f"{result.candidate} against the primary")
     for column in ("metric", "n", "verdict", "candidate", "primary / floor",
-                   "relative shift, a rate's change [98% CI]", "tail ratio"):
+                   f"relative shift, a rate's change [{_confidence(data)}CI]", "tail ratio"):
         table.add_column(column)
     for metric in data["metrics"]:
         candidate, baseline, shift, tail = _columns(metric)

@@ -68,6 +68,20 @@ async def test_a_rate_reads_the_whole_window_past_the_cap(engine: AsyncEngine,
     assert "+0.0 pts" in out
 
 
+async def test_the_scorecard_names_the_gates_confidence(engine: AsyncEngine,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       ) -> None:
+    """The intervals' column says the confidence they are at; it said 98 % whatever the
+    gates' ``confidence``."""
+    await _store(engine, [[Score(SUCCESS, 1.0, 1.0), Score(TTFT, 0.2 + i / 1e4, 0.2)]
+                          for i in range(40)])
+    async with session_factory(engine)() as session:
+        report = await build_report(session, "cand-a", Gates(confidence=0.9), record=False)
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "[90% CI]" in out and "98%" not in out
+
+
 async def test_the_window_as_asked_bounds_the_counts(engine: AsyncEngine) -> None:
     """The counts start where the window was asked to, not where the cap moved it."""
     await _store(engine, [[Score(SUCCESS, 1.0, 0.0)] for _ in range(5)])
