@@ -4,6 +4,7 @@ The store (schema, batched writer, queries, shared routing state) is the public
 subpackage :mod:`evaluators.store`.
 """
 
+from evaluators._checks import Outcome
 from evaluators._exchange import (
     EvaluationSink,
     Exchange,
@@ -11,7 +12,7 @@ from evaluators._exchange import (
     json_requested,
     requested_choices,
 )
-from evaluators._gates import Gates, MetricGate, Outcome
+from evaluators._gates import Gates, MetricGate
 from evaluators._judge import MetricSamples, MetricVerdict, Verdict, judge
 from evaluators._observation import Capture, Observation, Usage, observe
 from evaluators._pipeline import (

@@ -156,11 +156,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from evaluators._gates import (
+from evaluators._checks import (
     SEVERITY,
     Check,
-    Gates,
-    MetricGate,
     Outcome,
     backend_checks,
     broken_floor,
@@ -170,6 +168,7 @@ from evaluators._gates import (
     rate_check,
     stratified_shift_check,
 )
+from evaluators._gates import Gates, MetricGate
 from evaluators._matching import DEFAULT_CONCURRENCY_EDGES, cache_strata
 from evaluators._power import (
     PowerQuery,

@@ -9,13 +9,8 @@ import numpy as np
 import pydantic
 import pytest
 
-from evaluators._gates import (
-    SEMANTIC_SIMILARITY_METRIC,
-    TTFT_METRIC,
-    Gates,
-    MetricGate,
-    Outcome,
-)
+from evaluators._checks import Outcome
+from evaluators._gates import SEMANTIC_SIMILARITY_METRIC, TTFT_METRIC, Gates, MetricGate
 from evaluators._judge import MetricSamples, Verdict, judge
 from evaluators._score import Direction
 

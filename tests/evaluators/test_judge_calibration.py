@@ -8,13 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evaluators._gates import (
-    EMBEDDING_DISTANCE_METRIC,
-    Gates,
-    Outcome,
-    backend_checks,
-    rate_check,
-)
+from evaluators._checks import Outcome, backend_checks, rate_check
+from evaluators._gates import EMBEDDING_DISTANCE_METRIC, Gates
 from evaluators._judge import MetricSamples, judge
 from evaluators._score import METRICS
 from evaluators._statistics import RateCounts, compare_rates, compare_samples, holm_rejected
@@ -111,7 +106,7 @@ def test_a_checks_p_value_agrees_with_its_own_interval(seed: int) -> None:
     baseline = rng.lognormal(np.log(0.2), 0.3, 120)
     candidate = rng.lognormal(np.log(0.2 * scale), 0.3 * rng.uniform(0.8, 1.5), 120)
     gates = Gates()
-    # A rate's check reads counts (gates rule 3): 0/1 values, one rate 0-6 points worse.
+    # A rate's check reads counts (checks rule 2): 0/1 values, one rate 0-6 points worse.
     ok = (rng.random(120) < 0.95).astype(float)
     worse = (rng.random(120) < 0.95 - rng.uniform(0.0, 0.06)).astype(float)
     for higher in (False, True):

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from evaluators._checks import Check, Outcome
 from evaluators._gates import (
     DEFAULT_MAX_NOISE_FLOOR_MISS,
     DEFAULT_MAX_NOISE_FLOOR_SHIFT_RATIO,
     EMBEDDING_DISTANCE_METRIC,
     SEMANTIC_SIMILARITY_METRIC,
-    Check,
     Gates,
     MetricGate,
-    Outcome,
 )
 from evaluators._judge import MetricSamples, MetricVerdict, Verdict, judge
 from evaluators._score import Direction
