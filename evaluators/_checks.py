@@ -405,7 +405,7 @@ def not_significant_overall(check: Check, note: str) -> Check:
     """``check``, whose evidence held alone but not among all of a verdict's checks (the
     judge's rule 10), graded again as not significant; ``note`` says why."""
     if check.margin is None:
-        raise ValueError(f"{check.name}: not a check graded by rule 2")
+        raise ValueError(f"{check.name}: not a check graded by the judge's rule 2")
     outcome, why = _grade(False, check.value, check.threshold, check.margin, check.bounded,
                           check.ci_high)
     head = check.reason.rsplit(": ", 1)[0]  # the words after the last ": " say why
