@@ -74,8 +74,9 @@ Rules:
    metric that carries its :class:`LoadConditions` (the latencies and the decode
    throughput) is compared
    - with the noise-floor replica's own values (``replica``: a replica of the primary
-     mirrored at the candidate's rate, so at its load share and cache warmth) when that
-     replica has the gate's minimum of values;
+     mirrored at the candidate's rate, so at its load share and cache warmth; a rate with
+     its counts) when that replica has the gate's minimum of values and is not shown
+     broken (rule 11);
    - else with the primary's, within concurrency bins (van Elteren, ``_matching.py``),
      and for TTFT within concurrency x cache strata (prompt length x cached share): the
      median-shift check reads that stratified shift; the other checks (the tail, the
@@ -142,6 +143,16 @@ Rules:
      to be nil. Where the candidate keeps the configured limit it passes it, with no
      ``noise_floor_bound`` check of its own: that PASS rests on no floor, and the
      metric that found the replica broken holds the verdict INCONCLUSIVE already.
+   - a per-backend metric (a rate too) whose basis would be that replica (rule 6) is
+     judged against the primary instead, as rule 6 judges one without a replica, its
+     basis ending "in place of the broken replica" and a passing ``replica`` check (no
+     p-value) naming the replica and its miss. A replica answering error pages in 5 ms,
+     or a wrong and slower model, made a candidate alike with the primary FAIL its
+     latencies (a FAIL outranks the INCONCLUSIVE of rule 3, so a canary rolled back on a
+     broken replica) or pass a slower one. The broken replica is found from the pairwise
+     metrics first, so each per-backend metric is judged once, on the basis it keeps:
+     rule 9 reweights it as any other compared with the primary, and rule 10's family
+     holds its checks graded on the primary, not the replica's.
 """
 
 from __future__ import annotations
@@ -376,32 +387,28 @@ def judge(
     """Judge one candidate over one window; see the module's rules. ``noise_floor_from``
     names the replica the noise floors were measured on (rule 3's reasons name it)."""
     names = sorted(set(samples) | set(gates.required_metrics))
-    verdicts = []
     reweigh = sample_bias if sample_bias is not None and sample_bias.skew \
         and not sample_bias.refuse else None
-    not_reweighted: list[str] = []
     family = _family_size(names, samples, gates)
+    # Rule 11 before rule 6: the pairwise metrics say whether the replica is broken, and
+    # a broken replica is the baseline of no per-backend metric, so each per-backend one
+    # is judged once, on the basis it keeps. A metric's seed is its name's, in any order.
+    pairwise = {name: _judge_metric(name, s, gates, _higher(name, directions),
+                                    _metric_seed(seed, name), family, noise_floor_from)
+                for name in names if (s := samples.get(name)) is not None and s.pairwise}
+    broken = _broken_floor([pairwise[name] for name in names if name in pairwise], gates,
+                           noise_floor_from)
+    verdicts = []
+    not_reweighted: list[str] = []
     for name in names:
         metric_samples = samples.get(name)
         if metric_samples is None:
             verdicts.append(_missing(name))
-            continue
-        direction = directions.get(name)
-        if direction not in ("higher", "lower"):
-            raise ValueError(f"{name}: direction must be 'higher' or 'lower', got {direction!r}")
-        metric_seed = seed ^ zlib.crc32(name.encode())
-        higher = direction == "higher"
-        conditions = metric_samples.conditions
-        if reweigh is not None and conditions is not None and conditions.sized:
-            if _replica_is_basis(name, metric_samples, gates):
-                not_reweighted.append(name)
-            else:
-                verdicts.append(_judge_reweighted(name, metric_samples, conditions, reweigh,
-                                                  gates, higher, metric_seed, family))
-                continue
-        verdicts.append(_judge_metric(name, metric_samples, gates, higher, metric_seed,
-                                      family, noise_floor_from))
-    broken = _broken_floor(verdicts, gates, noise_floor_from)
+        elif name in pairwise:
+            verdicts.append(pairwise[name])
+        else:
+            verdicts.append(_judge_backend(name, metric_samples, gates, directions, seed,
+                                           family, reweigh, broken, not_reweighted))
     if broken is not None:
         verdicts = _without_floor(verdicts, samples, gates, noise_floor_from, broken)
     verdicts = _significant_overall(verdicts, gates, broken)
@@ -428,6 +435,64 @@ def judge(
                          for r in sample_bias.reasons)
         reasons += tuple(f"{SAMPLE_BIAS_METRIC}: {r}" for r in verdicts[-1].reasons[1:])
     return Verdict(overall, reasons, tuple(verdicts), more_needed)
+
+
+def _higher(name: str, directions: Mapping[str, Direction]) -> bool:
+    direction = directions.get(name)
+    if direction not in ("higher", "lower"):
+        raise ValueError(f"{name}: direction must be 'higher' or 'lower', got {direction!r}")
+    return direction == "higher"
+
+
+def _metric_seed(seed: int, name: str) -> int:
+    return seed ^ zlib.crc32(name.encode())
+
+
+def _judge_backend(
+    name: str, samples: MetricSamples, gates: Gates, directions: Mapping[str, Direction],
+    seed: int, family: int, reweigh: SampleBias | None, broken: str | None,
+    not_reweighted: list[str],
+) -> MetricVerdict:
+    """Rules 6, 9 and 11 for a per-backend metric: against the replica at the same rate
+    where it is the basis and not ``broken``, else against the primary (reweighted where
+    rule 9 asks); a metric not reweighted for its replica is added to ``not_reweighted``."""
+    higher, metric_seed = _higher(name, directions), _metric_seed(seed, name)
+    instead = broken if broken is not None and _replica_is_basis(name, samples, gates) \
+        else None
+    if instead is not None:
+        samples = _without_replica(samples)
+    conditions = samples.conditions
+    sized = reweigh is not None and conditions is not None and conditions.sized
+    if sized and _replica_is_basis(name, samples, gates):
+        not_reweighted.append(name)
+    elif sized and reweigh is not None and conditions is not None:
+        verdict = _judge_reweighted(name, samples, conditions, reweigh, gates, higher,
+                                    metric_seed, family)
+        return verdict if instead is None else _in_place_of_replica(verdict, instead)
+    verdict = _judge_metric(name, samples, gates, higher, metric_seed, family)
+    return verdict if instead is None else _in_place_of_replica(verdict, instead)
+
+
+def _without_replica(samples: MetricSamples) -> MetricSamples:
+    """Rule 11: ``samples`` with no replica to be their basis (rule 6)."""
+    rates = samples.rates
+    if rates is not None:
+        rates = dataclasses.replace(rates, replica=None)
+    return dataclasses.replace(samples, replica=None, rates=rates)
+
+
+def _in_place_of_replica(verdict: MetricVerdict, broken: str) -> MetricVerdict:
+    """Rule 11: a per-backend metric judged against the primary because its replica is
+    broken says so, in its basis and in a note (a passing check, no p-value: it tests
+    nothing, so rule 10's family is the checks graded on the primary)."""
+    note = (f"replica not used as the baseline: {broken}; compared with the primary "
+            "instead")
+    basis = f"{verdict.basis}, in place of the broken replica"
+    if not verdict.gated:
+        return dataclasses.replace(verdict, basis=basis, reasons=(*verdict.reasons, note))
+    check = Check("replica", Outcome.PASS, None, None, None, None, False, note)
+    return dataclasses.replace(verdict, basis=basis, checks=(*verdict.checks, check),
+                               reasons=(*verdict.reasons, note))
 
 
 def _family_size(names: Sequence[str], samples: Mapping[str, MetricSamples],
@@ -508,8 +573,14 @@ def _significant_overall(verdicts: list[MetricVerdict], gates: Gates,
 
 
 def _replica_is_basis(name: str, samples: MetricSamples, gates: Gates) -> bool:
+    """Rule 6: the replica at the same rate has the gate's minimum of values (of counts,
+    for a rate), so it is the per-backend metric's baseline."""
     gate = gates.gate_for(name, pairwise=False)
-    return samples.replica is not None and len(samples.replica) >= gates.min_samples_for(gate)
+    need = gates.min_samples_for(gate)
+    if gate.max_mean_worsening is not None:
+        replica = (samples.rates or RateSamples.of(samples)).replica
+        return replica is not None and replica.n >= need
+    return samples.replica is not None and len(samples.replica) >= need
 
 
 def _judge_reweighted(

@@ -11,8 +11,10 @@ Rules:
 4. Conditions (the judge's rule 6): the latency and throughput metrics
    (:data:`CONDITIONED_METRICS`) are loaded with the concurrency,
    prompt and cached tokens of each observation. When the secondary is mirrored at the
-   candidate's rate (``replica_at_same_rate``) its own latencies are the baseline;
-   otherwise the judge compares at matched load. The load a value is matched on is the
+   candidate's rate (``replica_at_same_rate``) its own latencies are the baseline,
+   unless the judge finds that replica broken on a pairwise metric (its rule 11: then
+   the primary is, and the basis says so); otherwise the judge compares at matched
+   load. The load a value is matched on is the
    larger of the gateway's in-flight count at its backend and the backend's own
    ``vllm:num_requests_running`` scraped by the gateway (``backend_running``; load from
    clients the gateway does not see), the gateway's count alone where the backend does

@@ -1,11 +1,13 @@
 """A noise-floor replica relaxes a pairwise limit it misses itself, but only by
 ``Gates.max_noise_floor_miss`` of the limit: one further off is no noise floor (judge rule
 3; gates rule 2), for the similarity minimum and the embedding-distance maximum alike; and
-one further off on any metric is no noise floor for the others either (judge rule 11)."""
+one further off on any metric is no noise floor for the others either, nor the baseline
+of the per-backend metrics (judge rule 11)."""
 
 from __future__ import annotations
 
 import numpy as np
+from scipy import stats
 
 from evaluators._checks import Check, Outcome
 from evaluators._gates import (
@@ -16,8 +18,17 @@ from evaluators._gates import (
     Gates,
     MetricGate,
 )
-from evaluators._judge import MetricSamples, MetricVerdict, Verdict, judge
+from evaluators._judge import (
+    LoadConditions,
+    MetricSamples,
+    MetricVerdict,
+    RateSamples,
+    Verdict,
+    judge,
+)
+from evaluators._sample_bias import check_sample_bias
 from evaluators._score import Direction
+from evaluators._statistics import RateCounts
 
 DIRECTIONS: dict[str, Direction] = {SEMANTIC_SIMILARITY_METRIC: "higher",
                                     EMBEDDING_DISTANCE_METRIC: "lower"}
@@ -232,3 +243,126 @@ def test_a_fail_on_the_broken_replica_that_rule_10_takes_back_is_inconclusive() 
     assert "Holm" in check.reason and repr(REPLICA) in check.reason
     assert check.p_value is None
     assert verdict.outcome is Outcome.INCONCLUSIVE
+
+
+# A replica shown broken is no baseline of the per-backend metrics either (judge rules 6
+# and 11): they are judged against the primary, and say so.
+
+TTFT = "latency.ttft_s"
+E2E = "latency.e2e_s"
+SUCCESS = "reliability.success"
+LATENCY_DIRECTIONS: dict[str, Direction] = {**DIRECTIONS, TTFT: "lower", E2E: "lower",
+                                            SUCCESS: "higher"}
+
+
+def _latencies(n: int, scale: float = 1.0) -> np.ndarray:
+    """n evenly spread quantiles of a lognormal around 50 ms: no sampling noise."""
+    return scale * stats.lognorm.ppf((np.arange(n) + 0.5) / n, 0.5) * 0.05
+
+
+def _latency_window(replica_similarity: float, n: int = 300) -> Verdict:
+    """Semantic similarity 0.95 against a replica at ``replica_similarity``; TTFT and E2E
+    alike on the candidate and the primary (at the same loads), the replica's 5x faster
+    (an error page answered at once, or a smaller model)."""
+    loads = tuple(int(x) for x in np.random.default_rng(7).integers(1, 4, n))
+    window = {SEMANTIC_SIMILARITY_METRIC: MetricSamples(
+        candidate=_beta(0.95, n, 1), noise_floor=_beta(replica_similarity, n, 2))}
+    for metric in (TTFT, E2E):
+        window[metric] = MetricSamples(
+            _latencies(n), _latencies(n), conditions=LoadConditions(loads, loads),
+            replica=_latencies(n, 0.2))
+    return judge(window, Gates(), LATENCY_DIRECTIONS, noise_floor_from=REPLICA)
+
+
+def test_a_broken_replica_is_not_the_latency_baseline() -> None:
+    """A replica at similarity 0.3 answering 5x faster was the baseline of the latencies:
+    a candidate alike with the primary FAILed them, and the verdict was FAIL (a canary
+    rolled back on a broken replica). Now they are judged against the primary at matched
+    load and PASS, each naming the replica and why it was not used; the verdict is
+    INCONCLUSIVE, held by the finding that the replica is broken."""
+    verdict = _latency_window(0.3)
+    for metric in (TTFT, E2E):
+        judged = verdict.metric(metric)
+        assert judged.basis == "primary at matched load, in place of the broken replica"
+        assert judged.outcome is Outcome.PASS, judged.reasons
+        (note,) = [c for c in judged.checks if c.name == "replica"]
+        assert note.outcome is Outcome.PASS and note.p_value is None
+        assert repr(REPLICA) in note.reason and SEMANTIC_SIMILARITY_METRIC in note.reason
+        assert "max_noise_floor_miss" in note.reason
+        assert judged.matched is not None and judged.matched.comparable
+    assert verdict.outcome is Outcome.INCONCLUSIVE, verdict.reasons
+    assert verdict.reasons[0].startswith(SEMANTIC_SIMILARITY_METRIC)
+    assert not any(r.startswith(("latency.", "reliability.")) for r in verdict.reasons)
+
+
+def test_a_healthy_replica_is_still_the_latency_baseline() -> None:
+    """No change for a healthy replica (0.93 keeps the 0.85 minimum): it is the latencies'
+    baseline, and a candidate 5x slower than it FAILs. (A guard: this holds before and
+    after.)"""
+    verdict = _latency_window(0.93)
+    for metric in (TTFT, E2E):
+        judged = verdict.metric(metric)
+        assert judged.basis == "replica at the same rate"
+        assert judged.outcome is Outcome.FAIL, judged.reasons
+        assert not any(c.name == "replica" for c in judged.checks)
+    assert verdict.outcome is Outcome.FAIL
+
+
+def test_a_broken_replica_is_not_a_rates_baseline() -> None:
+    """A rate's counts take the replica as their basis too (rule 6): a broken replica
+    answering no errors made the candidate's 2 % errors, the primary's own, a worsening
+    of 2 points (a FAIL). On the primary it is no change."""
+    def judged(replica_similarity: float) -> MetricVerdict:
+        window = {
+            SEMANTIC_SIMILARITY_METRIC: MetricSamples(
+                candidate=_beta(0.95, 300, 1), noise_floor=_beta(replica_similarity, 300, 2)),
+            SUCCESS: MetricSamples(candidate=[], baseline=[], rates=RateSamples(
+                RateCounts(3000, 2940), RateCounts(3000, 2940), RateCounts(3000, 3000))),
+        }
+        verdict = judge(window, Gates(), LATENCY_DIRECTIONS, noise_floor_from=REPLICA)
+        return verdict.metric(SUCCESS)
+
+    healthy = judged(0.93)
+    assert healthy.basis == "replica at the same rate"
+    assert healthy.outcome is Outcome.FAIL, healthy.reasons
+    broken = judged(0.3)
+    assert broken.basis == "primary, in place of the broken replica"
+    assert broken.outcome is not Outcome.FAIL, broken.reasons
+    assert broken.rates is not None and broken.rates.ones_baseline == 2940
+    assert any(repr(REPLICA) in r for r in broken.reasons)
+
+
+def test_latencies_judged_on_the_primary_for_a_broken_replica_are_reweighted() -> None:
+    """Rule 9 reweights a metric compared with the primary, not one whose baseline is the
+    replica (its sample has its own mix): a broken replica no baseline, the latencies are
+    reweighted to the traffic's prompt sizes like any compared with the primary."""
+    sizes = [50.0] * 100 + [2000.0] * 40
+    bias = check_sample_bias([50.0] * 200 + [2000.0] * 200, sizes,
+                             drops=[("buffer_full", 2000.0)] * 160)
+    assert bias.skew and not bias.refuse
+    n, loads, size = len(sizes), (1,) * len(sizes), tuple(sizes)
+    prompt = tuple(int(s) for s in sizes)
+
+    def judged(replica_similarity: float) -> Verdict:
+        conditions = LoadConditions(loads, loads, prompt, (None,) * n, prompt, (None,) * n,
+                                    cache=True, candidate_prompt_size=size,
+                                    baseline_prompt_size=size)
+        window = {
+            SEMANTIC_SIMILARITY_METRIC: MetricSamples(
+                candidate=_beta(0.95, n, 1), noise_floor=_beta(replica_similarity, n, 2)),
+            TTFT: MetricSamples(_latencies(n), _latencies(n), conditions=conditions,
+                                replica=_latencies(n, 0.2)),
+        }
+        return judge(window, Gates(), LATENCY_DIRECTIONS, sample_bias=bias,
+                     noise_floor_from=REPLICA)
+
+    broken = judged(0.3)
+    ttft = broken.metric(TTFT)
+    assert ttft.reweighting is not None
+    assert ttft.basis == ("primary at matched load and cache, reweighted to the traffic's "
+                          "prompt sizes, in place of the broken replica")
+    assert not any("not reweighted" in r for r in broken.reasons)
+    healthy = judged(0.93)  # a guard: the healthy replica's latencies are not reweighted
+    assert healthy.metric(TTFT).reweighting is None
+    assert healthy.metric(TTFT).basis == "replica at the same rate"
+    assert any("not reweighted" in r and TTFT in r for r in healthy.reasons)
