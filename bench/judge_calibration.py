@@ -134,8 +134,9 @@ def judge_cells(sizes: list[int], trials: int) -> dict[str, dict[str, int]]:
     """Every (scenario, size) cell's verdict counts, judged by the ``evaluators`` on
     ``sys.path``."""
     from evaluators._gates import Gates
-    from evaluators._judge import MetricSamples, judge
+    from evaluators._judge import judge
     from evaluators._score import METRICS
+    from evaluators._verdicts import MetricSamples
 
     directions = {name: spec.direction for name, spec in METRICS.items()}
     gates = Gates()
@@ -164,8 +165,9 @@ def held_step_cells(n: int, trials: int, looks: int) -> dict[str, dict[str, dict
     import dataclasses
 
     from evaluators._gates import Gates
-    from evaluators._judge import MetricSamples, judge
+    from evaluators._judge import judge
     from evaluators._score import METRICS
+    from evaluators._verdicts import MetricSamples
 
     def prefix(window: Window, size: int) -> Window:
         return {name: dataclasses.replace(samples, **{

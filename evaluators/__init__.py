@@ -13,7 +13,7 @@ from evaluators._exchange import (
     requested_choices,
 )
 from evaluators._gates import Gates, MetricGate
-from evaluators._judge import MetricSamples, MetricVerdict, Verdict, judge
+from evaluators._judge import judge
 from evaluators._observation import Capture, Observation, Usage, observe
 from evaluators._pipeline import (
     EvaluationPipeline,
@@ -32,6 +32,7 @@ from evaluators._report import (
 from evaluators._sample_bias import turn_depth_bucket
 from evaluators._score import METRICS, Score, Scorer
 from evaluators._scorers import DEFAULT_SCORERS, SCORERS, ScorerConfig
+from evaluators._verdicts import MetricSamples, MetricVerdict, Verdict
 
 __all__ = [
     "DEFAULT_SCORERS",

@@ -1,5 +1,12 @@
 """The judge: every metric of a candidate checked against the gates, then one verdict.
 
+This module judges each metric by its kind and makes the verdict-wide passes (rules 5,
+10 and 11); the rules below are numbered for the whole judge, and the modules beside it
+implement some of them under the same numbers: ``_verdicts.py`` (what is judged and the
+answers, rules 1 and 4), ``_pairwise_judgement.py`` (rules 1-4 for a pairwise metric),
+``_matched_load.py`` (rule 6), ``_samples_needed.py`` (rule 7) and ``_sample_skew.py``
+(rules 8-9).
+
 Rules:
 1. A metric is judged only when each side holds at least its gate's minimum number of
    values (the candidate and the primary; for a pairwise metric, its values). Below
@@ -81,7 +88,7 @@ Rules:
      and for TTFT within concurrency x cache strata (prompt length x cached share): the
      median-shift check reads that stratified shift; the other checks (the tail, the
      spread) read the candidate's values in the strata both sides hold against the
-     primary's there resampled to the candidate's mix over them (``_at_candidate_load``:
+     primary's there resampled to the candidate's mix over them (``_matched_load.py``:
      ``_reweight`` rules 2-3, each value weighted by its stratum's candidate share over
      its primary share). Pooled, a mirror's lighter load hid a longer tail (5 % of answers
      stalled 60 ms at 10 % of the load: MARGINAL, tail ratio 1.23) and a canary's heavier
@@ -89,19 +96,20 @@ Rules:
      No stratum held by both sides, or fewer matched values (or a resampled primary
      smaller) than the gate's minimum, is INCONCLUSIVE with the reason;
    - pooled as in rule 2 when no concurrency was recorded on either side (old rows).
-7. Every INCONCLUSIVE metric carries ``samples_needed`` (``_power.py``): the values per
-   side at which the effect seen so far would be significant among the verdict's checks
-   (rule 10: at the first of Holm's bars, the level over the number of checks the gated
-   metrics make once judged, ``MetricGate.tested_checks``: a metric not judged yet counted
-   with every check it can make, a required one without samples as one, so the wait is
-   never short of the family's) with probability
-   :data:`ESTIMATE_POWER` (the count at which the verdict is as likely as not to turn),
-   floored at the gate's minimum; the verdict's ``more_samples_needed`` is the largest of
-   the more-needed counts. A rate whose change seen so far is inside its limit's band
-   turns instead when its interval rules out the limit (rule 1; ``_power`` rule 4b: the
-   interval is not among Holm's family, so alpha is the gates' own). A rate's estimate
-   is sized from its counts, so it is a count the window can reach: the report counts a
-   rate over its whole window, not the newest values it caps the other metrics at.
+7. Every INCONCLUSIVE metric carries ``samples_needed`` (``_samples_needed.py`` over
+   ``_power.py``): the values per side at which the effect seen so far would be
+   significant among the verdict's checks (rule 10: at the first of Holm's bars, the
+   level over the number of checks the gated metrics make once judged,
+   ``MetricGate.tested_checks``: a metric not judged yet counted with every check it can
+   make, a required one without samples as one, so the wait is never short of the
+   family's) with probability :data:`ESTIMATE_POWER` (the count at which the verdict is
+   as likely as not to turn), floored at the gate's minimum; the verdict's
+   ``more_samples_needed`` is the largest of the more-needed counts. A rate whose change
+   seen so far is inside its limit's band turns instead when its interval rules out the
+   limit (rule 1; ``_power`` rule 4b: the interval is not among Holm's family, so alpha
+   is the gates' own). A rate's estimate is sized from its counts, so it is a count the
+   window can reach: the report counts a rate over its whole window, not the newest
+   values it caps the other metrics at.
 8. A sample-bias check (``_sample_bias.py``) that refuses makes the verdict
    INCONCLUSIVE ("sample skew: ..."); a flagged skew is listed among the reasons.
 9. Below the refusal bound a flagged skew is corrected where it can be: each per-backend
@@ -159,13 +167,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import numpy.typing as npt
 
 from evaluators._checks import (
     SEVERITY,
@@ -175,204 +177,36 @@ from evaluators._checks import (
     broken_floor,
     not_significant_overall,
     on_broken_floor,
-    pairwise_checks,
     rate_check,
-    stratified_shift_check,
 )
 from evaluators._gates import Gates, MetricGate
-from evaluators._matching import DEFAULT_CONCURRENCY_EDGES, cache_strata
-from evaluators._power import (
-    PowerQuery,
-    SampleSizeEstimate,
-    samples_needed_for_location,
-    samples_needed_for_mean,
-    samples_needed_for_rate,
-    samples_needed_to_bound_rate,
-)
-from evaluators._reweight import REWEIGHT_METHOD, Reweighting, resample_indices, value_weights
+from evaluators._matched_load import judge_matched, replica_is_basis
+from evaluators._pairwise_judgement import judge_pairwise, pairwise_verdict
+from evaluators._power import PowerQuery
 from evaluators._sample_bias import SampleBias
+from evaluators._sample_skew import SAMPLE_BIAS_METRIC, judge_reweighted, sample_bias_verdict
+from evaluators._samples_needed import ESTIMATE_POWER, gate_estimate, rate_estimate
 from evaluators._score import Direction
 from evaluators._statistics import (
     DEFAULT_SEED,
     MIN_COMPARABLE_SAMPLES,
-    Comparison,
     PairwiseSummary,
-    RateComparison,
-    RateCounts,
-    Samples,
     compare_rates,
     compare_samples,
     holm_rejected,
-    summarize_pairwise,
 )
-from evaluators._strata import StratifiedComparison, bin_labels, compare_strata
+from evaluators._verdicts import (
+    MetricSamples,
+    MetricVerdict,
+    RateSamples,
+    Verdict,
+    checked_verdict,
+    inconclusive_verdict,
+    missing_verdict,
+    ungated_verdict,
+)
 
-__all__ = [
-    "ESTIMATE_POWER",
-    "Check",
-    "LoadConditions",
-    "MetricSamples",
-    "MetricVerdict",
-    "Outcome",
-    "Verdict",
-    "judge",
-]
-
-ESTIMATE_POWER = 0.5
-"""Rule 7: the power ``samples_needed`` is computed for. At 0.5 the estimate is the count
-at which the test is as likely as not to show the effect seen so far, the count a
-platform engineer should expect the verdict to turn at; about twice it gives power 0.8."""
-SAMPLE_BIAS_METRIC = "sample.bias"
-
-
-@dataclass(frozen=True, slots=True)
-class LoadConditions:
-    """What each value of a per-backend metric was measured under (rule 6), aligned with
-    ``MetricSamples.candidate`` and ``.baseline``; None where not recorded. ``cache``
-    asks for cache strata as well (TTFT)."""
-
-    candidate_concurrency: tuple[int | None, ...]
-    baseline_concurrency: tuple[int | None, ...]
-    candidate_prompt_tokens: tuple[int | None, ...] = ()
-    candidate_cached_tokens: tuple[int | None, ...] = ()
-    baseline_prompt_tokens: tuple[int | None, ...] = ()
-    baseline_cached_tokens: tuple[int | None, ...] = ()
-    cache: bool = False
-    candidate_prompt_size: tuple[float | None, ...] = ()
-    baseline_prompt_size: tuple[float | None, ...] = ()
-    """Each value's prompt size as the sample-bias check measures it (estimated tokens,
-    binned as all traffic is): what rule 9 weights by; empty when not known."""
-
-    @property
-    def sized(self) -> bool:
-        """Rule 9 can weight these values: a prompt size aligned with each of them."""
-        return (len(self.candidate_prompt_size) == len(self.candidate_concurrency) > 0
-                and len(self.baseline_prompt_size) == len(self.baseline_concurrency) > 0)
-
-    @property
-    def recorded(self) -> bool:
-        """Concurrency is known for some values of each side."""
-        return any(c is not None for c in self.candidate_concurrency) and any(
-            c is not None for c in self.baseline_concurrency)
-
-
-@dataclass(frozen=True, slots=True)
-class RateSamples:
-    """A rate metric's values counted per side (rule 1): what the judge reads of a 0/1
-    metric, however many values they are. ``replica`` as in :class:`MetricSamples`;
-    ``scope`` says what the counts cover, in the rate check's reason (the report's:
-    ``the whole window``)."""
-
-    candidate: RateCounts
-    baseline: RateCounts
-    replica: RateCounts | None = None
-    scope: str = ""
-
-    @classmethod
-    def of(cls, samples: MetricSamples) -> RateSamples:
-        """``samples``' values counted, where no counts were given."""
-        if samples.baseline is None:
-            raise ValueError("a rate is a per-backend metric")
-        replica = None if samples.replica is None else RateCounts.of(samples.replica)
-        return cls(RateCounts.of(samples.candidate), RateCounts.of(samples.baseline), replica)
-
-
-@dataclass(frozen=True, slots=True)
-class MetricSamples:
-    """One metric's values over a window.
-
-    ``baseline`` is the primary's values of a per-backend metric (None: the metric is
-    pairwise). ``noise_floor`` is the same pairwise metric measured between a secondary
-    replica of the primary and the primary.
-    """
-
-    candidate: Samples
-    baseline: Samples | None = None
-    noise_floor: Samples | None = None
-    conditions: LoadConditions | None = None
-    replica: Samples | None = None
-    """A per-backend metric's values on the noise-floor replica mirrored at the
-    candidate's rate (rule 6)."""
-    rates: RateSamples | None = None
-    """A rate metric's counts (rule 1), which a rate's gate reads in place of the values
-    (which may then be empty); None: the values are counted."""
-
-    def __post_init__(self) -> None:
-        if self.baseline is not None and self.noise_floor is not None:
-            raise ValueError("a noise floor applies to pairwise metrics (baseline=None) only")
-        if self.baseline is None and (self.conditions is not None or self.replica is not None
-                                      or self.rates is not None):
-            raise ValueError("conditions, a replica and rates apply to per-backend metrics "
-                             "only")
-        c, baseline = self.conditions, self.baseline
-        if c is not None and baseline is not None and (
-                len(c.candidate_concurrency) != len(self.candidate)
-                or len(c.baseline_concurrency) != len(baseline)):
-            raise ValueError("conditions must be aligned with the values")
-
-    @property
-    def pairwise(self) -> bool:
-        return self.baseline is None
-
-
-@dataclass(frozen=True, slots=True)
-class MetricVerdict:
-    metric: str
-    outcome: Outcome
-    gated: bool
-    reasons: tuple[str, ...]
-    checks: tuple[Check, ...]
-    statistics: Comparison | PairwiseSummary | None
-    basis: str = "primary"
-    """What the candidate was compared with (rule 6): ``primary``, ``primary at matched
-    load``, ``primary at matched load and cache`` or ``replica at the same rate``."""
-    matched: StratifiedComparison | None = None
-    samples_needed: SampleSizeEstimate | None = None
-    reweighting: Reweighting | None = None
-    """Rule 9: the weights this metric was judged with, and its unweighted result."""
-    rates: RateComparison | None = None
-    """A rate's counts compared (rule 2's mean_worsening reads them): a rate's only
-    statistics (rule 1)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "metric": self.metric,
-            "verdict": self.outcome.value,
-            "gated": self.gated,
-            "basis": self.basis,
-            "reasons": list(self.reasons),
-            "checks": [check.to_dict() for check in self.checks],
-            "statistics": None if self.statistics is None else self.statistics.to_dict(),
-            "matched": None if self.matched is None else self.matched.to_dict(),
-            "samples_needed": (None if self.samples_needed is None
-                               else self.samples_needed.to_dict()),
-            "reweighting": None if self.reweighting is None else self.reweighting.to_dict(),
-            "rates": None if self.rates is None else self.rates.to_dict(),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    outcome: Outcome
-    reasons: tuple[str, ...]
-    metrics: tuple[MetricVerdict, ...]
-    more_samples_needed: int | None = None
-    """Rule 7: the most further values per side an INCONCLUSIVE metric needs (None: no
-    metric is inconclusive for want of samples, or none can tell)."""
-
-    def metric(self, name: str) -> MetricVerdict:
-        for verdict in self.metrics:
-            if verdict.metric == name:
-                return verdict
-        raise KeyError(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "verdict": self.outcome.value,
-            "reasons": list(self.reasons),
-            "more_samples_needed": self.more_samples_needed,
-            "metrics": [metric.to_dict() for metric in self.metrics],
-        }
+__all__ = ["judge"]
 
 
 def judge(
@@ -403,7 +237,7 @@ def judge(
     for name in names:
         metric_samples = samples.get(name)
         if metric_samples is None:
-            verdicts.append(_missing(name))
+            verdicts.append(missing_verdict(name))
         elif name in pairwise:
             verdicts.append(pairwise[name])
         else:
@@ -414,7 +248,7 @@ def judge(
     verdicts = _significant_overall(verdicts, gates, broken)
     if sample_bias is not None and sample_bias.skew:
         reweighted = [v.metric for v in verdicts if v.reweighting is not None]
-        verdicts.append(_sample_bias_verdict(sample_bias, reweighted, not_reweighted))
+        verdicts.append(sample_bias_verdict(sample_bias, reweighted, not_reweighted))
     gated = [v for v in verdicts if v.gated]
     more = [v.samples_needed.more_needed for v in gated
             if v.outcome is Outcome.INCONCLUSIVE and v.samples_needed is not None
@@ -457,17 +291,18 @@ def _judge_backend(
     where it is the basis and not ``broken``, else against the primary (reweighted where
     rule 9 asks); a metric not reweighted for its replica is added to ``not_reweighted``."""
     higher, metric_seed = _higher(name, directions), _metric_seed(seed, name)
-    instead = broken if broken is not None and _replica_is_basis(name, samples, gates) \
+    instead = broken if broken is not None and replica_is_basis(name, samples, gates) \
         else None
     if instead is not None:
         samples = _without_replica(samples)
     conditions = samples.conditions
     sized = reweigh is not None and conditions is not None and conditions.sized
-    if sized and _replica_is_basis(name, samples, gates):
+    if sized and replica_is_basis(name, samples, gates):
         not_reweighted.append(name)
     elif sized and reweigh is not None and conditions is not None:
-        verdict = _judge_reweighted(name, samples, conditions, reweigh, gates, higher,
-                                    metric_seed, family)
+        verdict = judge_reweighted(
+            samples, conditions, reweigh, metric_seed,
+            lambda values: _judge_metric(name, values, gates, higher, metric_seed, family))
         return verdict if instead is None else _in_place_of_replica(verdict, instead)
     verdict = _judge_metric(name, samples, gates, higher, metric_seed, family)
     return verdict if instead is None else _in_place_of_replica(verdict, instead)
@@ -538,8 +373,8 @@ def _without_floor(verdicts: Sequence[MetricVerdict], samples: Mapping[str, Metr
         metric_samples = samples.get(verdict.metric)
         if (metric_samples is not None and metric_samples.noise_floor is not None
                 and isinstance(verdict.statistics, PairwiseSummary)):
-            verdict = _pairwise_verdict(verdict.metric, metric_samples, verdict.statistics,
-                                        gates, replica, broken)
+            verdict = pairwise_verdict(verdict.metric, metric_samples, verdict.statistics,
+                                       gates, replica, broken)
         out.append(verdict)
     return out
 
@@ -572,98 +407,12 @@ def _significant_overall(verdicts: list[MetricVerdict], gates: Gates,
             for v in out]
 
 
-def _replica_is_basis(name: str, samples: MetricSamples, gates: Gates) -> bool:
-    """Rule 6: the replica at the same rate has the gate's minimum of values (of counts,
-    for a rate), so it is the per-backend metric's baseline."""
-    gate = gates.gate_for(name, pairwise=False)
-    need = gates.min_samples_for(gate)
-    if gate.max_mean_worsening is not None:
-        replica = (samples.rates or RateSamples.of(samples)).replica
-        return replica is not None and replica.n >= need
-    return samples.replica is not None and len(samples.replica) >= need
-
-
-def _judge_reweighted(
-    name: str, samples: MetricSamples, conditions: LoadConditions, bias: SampleBias,
-    gates: Gates, higher: bool, seed: int, family: int,
-) -> MetricVerdict:
-    """Rule 9: the metric judged on its values reweighted to the traffic's prompt sizes."""
-    assert samples.baseline is not None
-    c_weights, c_unknown = value_weights(conditions.candidate_prompt_size, bias)
-    b_weights, b_unknown = value_weights(conditions.baseline_prompt_size, bias)
-    c_keep = resample_indices(c_weights, seed)
-    b_keep = resample_indices(b_weights, seed ^ 1)
-
-    def pick(values: tuple[Any, ...], keep: Any) -> tuple[Any, ...]:
-        return tuple(values[int(i)] for i in keep) if values else values
-
-    c, b = conditions, samples.baseline
-    weighted = MetricSamples(
-        candidate=[float(samples.candidate[int(i)]) for i in c_keep],
-        baseline=[float(b[int(i)]) for i in b_keep],
-        replica=samples.replica,
-        conditions=LoadConditions(
-            pick(c.candidate_concurrency, c_keep), pick(c.baseline_concurrency, b_keep),
-            pick(c.candidate_prompt_tokens, c_keep), pick(c.candidate_cached_tokens, c_keep),
-            pick(c.baseline_prompt_tokens, b_keep), pick(c.baseline_cached_tokens, b_keep),
-            cache=c.cache))
-    unweighted = _judge_metric(name, samples, gates, higher, seed, family)
-    verdict = _judge_metric(name, weighted, gates, higher, seed, family)
-    reweighting = Reweighting(
-        method=REWEIGHT_METHOD, seed=seed,
-        weights=tuple((bucket.prompt_tokens, bucket.weight) for bucket in bias.buckets
-                      if bucket.weight is not None),
-        n_candidate=len(samples.candidate), n_baseline=len(b),
-        effective_candidate=int(c_keep.size), effective_baseline=int(b_keep.size),
-        unknown=c_unknown + b_unknown, unweighted=_shift_summary(unweighted))
-    return dataclasses.replace(verdict, basis=f"{verdict.basis}, reweighted to the traffic's "
-                               "prompt sizes", reweighting=reweighting)
-
-
-def _shift_summary(verdict: MetricVerdict) -> dict[str, Any]:
-    """What rule 9 shows of the unweighted judgement: the verdict and the shift it read."""
-    out: dict[str, Any] = {"verdict": verdict.outcome.value, "basis": verdict.basis}
-    m, s = verdict.matched, verdict.statistics
-    if m is not None and m.comparable:
-        out.update(shift=m.shift, shift_ci_low=m.shift_ci_low, shift_ci_high=m.shift_ci_high,
-                   relative_shift=m.relative_shift, p_value=m.p_value)
-    elif isinstance(s, Comparison):
-        out.update(shift=s.hl_shift, shift_ci_low=s.hl_ci_low, shift_ci_high=s.hl_ci_high,
-                   relative_shift=s.relative_shift, p_value=s.p_value)
-    if isinstance(s, Comparison):
-        out["pooled_shift"] = s.hl_shift
-    return out
-
-
-def _sample_bias_verdict(bias: SampleBias, reweighted: Sequence[str] = (),
-                         not_reweighted: Sequence[str] = ()) -> MetricVerdict:
-    """Rule 8: a refusal is a gated INCONCLUSIVE; a flag alone is shown, not gated (rule
-    9: its later reasons say which metrics were reweighted and which could not be)."""
-    if bias.refuse:
-        reason = "sample skew: " + "; ".join(bias.reasons)
-        check = Check("sample_bias", Outcome.INCONCLUSIVE, bias.ks_statistic, None, None,
-                      None, True, reason)
-        return MetricVerdict(SAMPLE_BIAS_METRIC, Outcome.INCONCLUSIVE, True, (reason,),
-                             (check,), None, basis="all traffic")
-    reasons = ["sample skew flagged: " + "; ".join(bias.reasons)]
-    if reweighted:
-        weights = ", ".join(f"{b.prompt_tokens} x{b.weight:.2f}" for b in bias.buckets
-                            if b.weight is not None)
-        reasons.append(f"reweighted to the traffic's prompt sizes ({weights}): "
-                       + ", ".join(reweighted))
-    if not_reweighted:
-        reasons.append("not reweighted (the same-rate replica is their baseline): "
-                       + ", ".join(not_reweighted))
-    return MetricVerdict(SAMPLE_BIAS_METRIC, Outcome.PASS, False, tuple(reasons), (), None,
-                         basis="all traffic")
-
-
 def _judge_metric(
     name: str, samples: MetricSamples, gates: Gates, higher: bool, seed: int, family: int,
     replica_name: str | None = None,
 ) -> MetricVerdict:
     if samples.baseline is None:
-        return _judge_pairwise(name, samples, gates, higher, seed, replica_name)
+        return judge_pairwise(name, samples, gates, higher, seed, replica_name)
     gate = gates.gate_for(name, pairwise=False)
     if gate.max_mean_worsening is not None:
         return _judge_rate(name, samples.rates or RateSamples.of(samples), gates, gate, higher,
@@ -684,18 +433,18 @@ def _judge_metric(
             seed=seed,
         )
     if not gate.has_backend_checks:
-        return _ungated(name, statistics, basis)
+        return ungated_verdict(name, statistics, basis)
     conditions = samples.conditions
     if basis == "primary" and conditions is not None and conditions.recorded:
-        return _judge_matched(name, samples, conditions, gates, gate, higher, statistics,
-                              family, seed)
+        return judge_matched(name, samples, conditions, gates, gate, higher, statistics,
+                             family, seed)
     asked = PowerQuery(n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family)
     if statistics is None or min(n_c, n_b) < need:
-        estimate = _estimate(gate, statistics, None, asked)
-        return _inconclusive(name, f"candidate {n_c}, {side} {n_b}", need, statistics,
-                             basis=basis, estimate=estimate)
+        estimate = gate_estimate(gate, statistics, None, asked)
+        return inconclusive_verdict(name, f"candidate {n_c}, {side} {n_b}", need,
+                                    statistics, basis=basis, estimate=estimate)
     checks = backend_checks(statistics, gate, gates.marginal_band)
-    return _verdict(name, checks, statistics, basis)
+    return checked_verdict(name, checks, statistics, basis)
 
 
 def _judge_rate(
@@ -718,9 +467,9 @@ def _judge_rate(
                               higher_is_better=higher)
     asked = PowerQuery(baseline.n, candidate.n, gates.confidence, ESTIMATE_POWER, need, family)
     if rates is None or min(candidate.n, baseline.n) < need:
-        estimate = _rate_estimate(gate, rates, asked, gates.marginal_band)
-        verdict = _inconclusive(name, f"candidate {candidate.n}, {side} {baseline.n}", need,
-                                None, basis=basis, estimate=estimate)
+        estimate = rate_estimate(gate, rates, asked, gates.marginal_band)
+        verdict = inconclusive_verdict(name, f"candidate {candidate.n}, {side} {baseline.n}",
+                                       need, None, basis=basis, estimate=estimate)
         return dataclasses.replace(verdict, rates=rates)
     check = rate_check(rates, gate, gates.marginal_band, scope=counts.scope)
     estimate = None
@@ -729,7 +478,7 @@ def _judge_rate(
         # Rule 7, also where a significant change is MARGINAL now: rule 10 may grade it
         # again as not significant, and then it waits for the bound (the judge drops
         # the estimate of a metric that ends up not INCONCLUSIVE).
-        estimate = _rate_estimate(gate, rates, asked, gates.marginal_band)
+        estimate = rate_estimate(gate, rates, asked, gates.marginal_band)
         if (estimate is not None and estimate.needed_per_side is not None
                 and check.outcome is Outcome.INCONCLUSIVE):
             more = f" (about {estimate.needed_per_side} per side at the rates seen so far)"
@@ -737,208 +486,3 @@ def _judge_rate(
     return MetricVerdict(name, check.outcome, True, (check.reason,), (check,), None, basis,
                          samples_needed=estimate, rates=rates)
 
-
-def _rate_estimate(gate: MetricGate, rates: RateComparison | None, asked: PowerQuery,
-                   band: float) -> SampleSizeEstimate | None:
-    """Rule 7 for a rate: where its change seen so far is inside the limit's band, the
-    values per side at which its interval rules the limit out; else those at which the
-    change would be significant."""
-    limit = gate.max_mean_worsening
-    if rates is None or limit is None:
-        return None
-    rate_b, rate_c = rates.rate_baseline, rates.rate_candidate
-    worse = (rate_b - rate_c) if rates.higher_is_better else (rate_c - rate_b)
-    if limit > 0.0 and worse <= limit * (1.0 - band):
-        # Inside the band the verdict turns when the interval rules the limit out.
-        return samples_needed_to_bound_rate(rate_b, rate_c, limit, rates.higher_is_better,
-                                            dataclasses.replace(asked, family=1))
-    return samples_needed_for_rate(rate_b, rate_c, asked)
-
-
-def _judge_matched(
-    name: str, samples: MetricSamples, conditions: LoadConditions, gates: Gates,
-    gate: MetricGate, higher: bool, statistics: Comparison | None, family: int, seed: int,
-) -> MetricVerdict:
-    """Rule 6's second case: the median shift within concurrency (and cache) strata, the
-    other checks at the candidate's mix of them."""
-    assert samples.baseline is not None
-    need = gates.min_samples_for(gate)
-    basis = "primary at matched load" + (" and cache" if conditions.cache else "")
-    c_labels, c_values = _condition_labels(
-        samples.candidate, conditions.candidate_concurrency,
-        conditions.candidate_prompt_tokens, conditions.candidate_cached_tokens,
-        conditions.cache)
-    b_labels, b_values = _condition_labels(
-        samples.baseline, conditions.baseline_concurrency,
-        conditions.baseline_prompt_tokens, conditions.baseline_cached_tokens,
-        conditions.cache)
-    matched = None
-    if c_values and b_values:
-        matched = compare_strata(b_values, b_labels, c_values, c_labels,
-                                 higher_is_better=higher, confidence=gates.confidence)
-    n_c, n_b = len(samples.candidate), len(samples.baseline)
-    if matched is None or not matched.comparable:
-        why = matched.reason if matched is not None else "no value with a recorded load"
-        reason = f"not comparable at matched load: {why}"
-        estimate = _estimate(gate, statistics, None, PowerQuery(
-            n_b, n_c, gates.confidence, ESTIMATE_POWER, need, family))
-        check = Check("matched_load", Outcome.INCONCLUSIVE, None, None, None, None, False,
-                      reason)
-        return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,),
-                             statistics, basis, matched, estimate)
-    m_c, m_b = matched.n_candidate_matched, matched.n_baseline_matched
-    b_at_load, c_at_load = _at_candidate_load(b_values, b_labels, c_values, c_labels, seed)
-    if statistics is None or min(m_c, m_b, b_at_load.size) < need:
-        estimate = _estimate(gate, statistics, matched, PowerQuery(
-            m_b, m_c, gates.confidence, ESTIMATE_POWER, need, family))
-        resampled = f" (resampled to its mix: {b_at_load.size})" if b_at_load.size < m_b else ""
-        return _inconclusive(name, f"at matched load: candidate {m_c}, primary {m_b}"
-                             f"{resampled}", need, statistics, basis=basis, matched=matched,
-                             estimate=estimate)
-    checks = []
-    if gate.max_shift_ratio is not None:
-        checks.append(stratified_shift_check(matched, gate, gates.marginal_band, basis))
-    rest = gate.model_copy(update={"max_shift_ratio": None})
-    at_load = compare_samples(b_at_load, c_at_load, confidence=gates.confidence,
-                              higher_is_better=higher, seed=seed)
-    checks += backend_checks(at_load, rest, gates.marginal_band)
-    verdict = _verdict(name, checks, statistics, basis)
-    return MetricVerdict(verdict.metric, verdict.outcome, True, verdict.reasons,
-                         verdict.checks, statistics, basis, matched)
-
-
-def _at_candidate_load(
-    b_values: Sequence[float], b_labels: Sequence[str], c_values: Sequence[float],
-    c_labels: Sequence[str], seed: int,
-) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """Rule 6: the primary's and the candidate's values in the strata both hold, the
-    primary's resampled to the candidate's mix over them (each value weighted by its
-    stratum's candidate count over its primary count; ``_reweight`` rules 2-3)."""
-    shared = set(b_labels) & set(c_labels)
-    c_count = Counter(label for label in c_labels if label in shared)
-    b_count = Counter(label for label in b_labels if label in shared)
-    keep = [i for i, label in enumerate(b_labels) if label in shared]
-    weights = np.array([c_count[b_labels[i]] / b_count[b_labels[i]] for i in keep],
-                       dtype=np.float64)
-    baseline = np.asarray(b_values, dtype=np.float64)[keep]
-    candidate = np.array([v for v, label in zip(c_values, c_labels, strict=True)
-                          if label in shared], dtype=np.float64)
-    return baseline[resample_indices(weights, seed)], candidate
-
-
-def _condition_labels(
-    values: Samples, concurrency: tuple[int | None, ...], prompt: tuple[int | None, ...],
-    cached: tuple[int | None, ...], cache: bool,
-) -> tuple[list[str], list[float]]:
-    """Each value with a known concurrency, labelled by its bin (and cache stratum)."""
-    keep = [i for i, c in enumerate(concurrency) if c is not None]
-    loads = bin_labels([float(concurrency[i] or 0) for i in keep], DEFAULT_CONCURRENCY_EDGES)
-    labels = [f"concurrency {label}" for label in loads]
-    if cache and len(prompt) == len(concurrency) == len(cached):
-        strata = cache_strata([prompt[i] for i in keep], [cached[i] for i in keep])
-        labels = [f"{a}, {b}" for a, b in zip(labels, strata, strict=True)]
-    return labels, [float(values[i]) for i in keep]
-
-
-def _estimate(
-    gate: MetricGate, statistics: Comparison | None,
-    matched: StratifiedComparison | None, asked: PowerQuery,
-) -> SampleSizeEstimate | None:
-    """Rule 7 for the test that decides the metric's gate (a rate's: :func:`_rate_estimate`)."""
-    if statistics is None:
-        return None
-    if gate.max_mean_ratio is not None:
-        return samples_needed_for_mean(
-            statistics.mean_candidate - statistics.mean_baseline, statistics.std_baseline,
-            statistics.std_candidate, asked)
-    effect = statistics.effect_size
-    if matched is not None and matched.effect_size is not None:
-        effect = matched.effect_size
-    return samples_needed_for_location(_unit(effect, -1.0), asked)
-
-
-def _unit(x: float, low: float = 0.0) -> float:
-    return min(1.0, max(low, x))
-
-
-def _judge_pairwise(
-    name: str, samples: MetricSamples, gates: Gates, higher: bool, seed: int,
-    replica_name: str | None = None,
-) -> MetricVerdict:
-    floor = samples.noise_floor
-    n = len(samples.candidate)
-    n_floor = 0 if floor is None else len(floor)
-    statistics = None
-    if n >= MIN_COMPARABLE_SAMPLES:
-        statistics = summarize_pairwise(
-            samples.candidate,
-            noise_floor=floor if n_floor >= MIN_COMPARABLE_SAMPLES else None,
-            confidence=gates.confidence,
-            higher_is_better=higher,
-            seed=seed,
-        )
-    return _pairwise_verdict(name, samples, statistics, gates, replica_name)
-
-
-def _pairwise_verdict(
-    name: str, samples: MetricSamples, statistics: PairwiseSummary | None, gates: Gates,
-    replica_name: str | None, broken: str | None = None,
-) -> MetricVerdict:
-    """Rules 1-4 for a pairwise metric on its statistics; ``broken``: rule 11."""
-    gate = gates.gate_for(name, pairwise=True)
-    floor = samples.noise_floor
-    n = len(samples.candidate)
-    n_floor = 0 if floor is None else len(floor)
-    floor_gated = gate.max_noise_floor_shift_ratio is not None and floor is not None
-    if not (gate.has_limit_checks or floor_gated):
-        return _ungated(name, statistics)
-    need = gates.min_samples_for(gate)
-    floor_measured = floor is not None and n_floor >= need
-    floor_ok = floor_gated and floor_measured
-    if statistics is None or n < need or not (gate.has_limit_checks or floor_ok):
-        counts = f"{n} values" + (f", noise floor {n_floor}" if floor is not None else "")
-        return _inconclusive(name, counts, need, statistics)
-    # Rule 3 relaxes a limit to a floor with enough values whether or not the metric is
-    # also held to the floor itself (the embeddings' distance is not, gates rule 2).
-    comparison = statistics.noise_floor if floor_measured else None
-    checks = pairwise_checks(statistics, comparison, gate, gates.marginal_band,
-                             max_floor_miss=gates.max_noise_floor_miss, replica=replica_name,
-                             broken=broken)
-    if floor_gated and not floor_ok:
-        note = f"noise floor not used: {n_floor} values, {need} needed"
-        checks.append(Check("noise_floor", Outcome.PASS, None, None, None, None, False, note))
-    return _verdict(name, checks, statistics)
-
-
-def _verdict(
-    name: str, checks: list[Check], statistics: Comparison | PairwiseSummary,
-    basis: str = "primary",
-) -> MetricVerdict:
-    outcome = max((c.outcome for c in checks), key=SEVERITY.__getitem__, default=Outcome.PASS)
-    reasons = tuple(c.reason for c in checks)
-    return MetricVerdict(name, outcome, True, reasons, tuple(checks), statistics, basis)
-
-
-def _inconclusive(
-    name: str, counts: str, need: int, statistics: Comparison | PairwiseSummary | None,
-    *, basis: str = "primary", matched: StratifiedComparison | None = None,
-    estimate: SampleSizeEstimate | None = None,
-) -> MetricVerdict:
-    reason = f"too few samples ({counts}; {need} needed each)"
-    if estimate is not None and estimate.needed_per_side is not None:
-        reason += f"; about {estimate.needed_per_side} per side for the effect seen so far"
-    check = Check("samples", Outcome.INCONCLUSIVE, None, float(need), None, None, False, reason)
-    return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,), statistics,
-                         basis, matched, estimate)
-
-
-def _missing(name: str) -> MetricVerdict:
-    reason = "required metric has no samples"
-    check = Check("samples", Outcome.INCONCLUSIVE, None, None, None, None, False, reason)
-    return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,), None)
-
-
-def _ungated(name: str, statistics: Comparison | PairwiseSummary | None,
-             basis: str = "primary") -> MetricVerdict:
-    reason = "not gated: statistics only"
-    return MetricVerdict(name, Outcome.PASS, False, (reason,), (), statistics, basis)

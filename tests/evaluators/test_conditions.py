@@ -16,7 +16,7 @@ import pytest
 from scipy import stats
 
 from evaluators._gates import Gates
-from evaluators._judge import LoadConditions, MetricSamples, MetricVerdict, judge
+from evaluators._judge import judge
 from evaluators._matching import (
     UNKNOWN,
     cache_hit_rate,
@@ -40,6 +40,7 @@ from evaluators._sample_bias import (
 )
 from evaluators._statistics import DEFAULT_CONFIDENCE, hodges_lehmann
 from evaluators._strata import bin_labels, compare_strata
+from evaluators._verdicts import LoadConditions, MetricSamples, MetricVerdict
 
 FloatArray = npt.NDArray[np.float64]
 ALPHA = 1.0 - DEFAULT_CONFIDENCE

@@ -12,10 +12,10 @@ import pytest
 
 from evaluators import Gates, MetricSamples, Outcome, judge
 from evaluators._exchange import Exchange
-from evaluators._judge import MetricVerdict
 from evaluators._observation import Capture, Embeddings, observe
 from evaluators._score import Direction
 from evaluators._scorers_quality import EmbeddingDistanceScorer
+from evaluators._verdicts import MetricVerdict
 
 METRIC = "quality.embedding_distance"
 

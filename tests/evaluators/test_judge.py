@@ -11,8 +11,9 @@ import pytest
 
 from evaluators._checks import Outcome
 from evaluators._gates import SEMANTIC_SIMILARITY_METRIC, TTFT_METRIC, Gates, MetricGate
-from evaluators._judge import MetricSamples, Verdict, judge
+from evaluators._judge import judge
 from evaluators._score import Direction
+from evaluators._verdicts import MetricSamples, Verdict
 
 ITL = "latency.itl_mean_s"
 TPS = "throughput.output_tps"

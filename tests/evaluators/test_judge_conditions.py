@@ -9,10 +9,11 @@ import pytest
 from scipy import stats
 
 from evaluators import Gates, MetricSamples, Outcome, Verdict, judge
-from evaluators._judge import ESTIMATE_POWER, LoadConditions
 from evaluators._sample_bias import check_sample_bias
+from evaluators._samples_needed import ESTIMATE_POWER
 from evaluators._score import Direction
 from evaluators._statistics import Comparison
+from evaluators._verdicts import LoadConditions
 
 TTFT = "latency.ttft_s"
 DIRECTIONS: Mapping[str, Direction] = {TTFT: "lower"}

@@ -18,17 +18,17 @@ from evaluators._gates import (
     Gates,
     MetricGate,
 )
-from evaluators._judge import (
+from evaluators._judge import judge
+from evaluators._sample_bias import check_sample_bias
+from evaluators._score import Direction
+from evaluators._statistics import RateCounts
+from evaluators._verdicts import (
     LoadConditions,
     MetricSamples,
     MetricVerdict,
     RateSamples,
     Verdict,
-    judge,
 )
-from evaluators._sample_bias import check_sample_bias
-from evaluators._score import Direction
-from evaluators._statistics import RateCounts
 
 DIRECTIONS: dict[str, Direction] = {SEMANTIC_SIMILARITY_METRIC: "higher",
                                     EMBEDDING_DISTANCE_METRIC: "lower"}

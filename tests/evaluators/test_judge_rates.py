@@ -13,9 +13,10 @@ from scipy import stats
 
 from evaluators._checks import Check, Outcome, not_significant_overall
 from evaluators._gates import Gates, MetricGate
-from evaluators._judge import MetricSamples, RateSamples, Verdict, judge
+from evaluators._judge import judge
 from evaluators._score import Direction
 from evaluators._statistics import RateCounts
+from evaluators._verdicts import MetricSamples, RateSamples, Verdict
 
 SUCCESS = "reliability.success"
 DIRECTIONS: dict[str, Direction] = {SUCCESS: "higher"}
