@@ -110,20 +110,22 @@ class _Evidence:
     bounded: bool = False
 
 
-def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
+def backend_checks(c: Comparison, gate: MetricGate, band: float, *,
+                   baseline: str = "primary") -> list[Check]:
     """The judge's rule 2 for a per-backend metric's enabled checks (a rate's gate is
-    :func:`rate_check`'s: rule 2)."""
+    :func:`rate_check`'s: rule 2); ``baseline`` names what the candidate was compared
+    with in the reasons (the primary, or the replica at the same rate)."""
     if gate.max_mean_worsening is not None:
         raise ValueError("a rate's check reads its counts (rate_check), not a Comparison")
     hib = c.higher_is_better
-    ratio = "primary/candidate" if hib else "candidate/primary"  # larger is worse
+    ratio = f"{baseline}/candidate" if hib else f"candidate/{baseline}"  # larger is worse
     checks: list[Check] = []
     if gate.max_shift_ratio is not None:
         low, high = _orient_shift(c.relative_ci_low, c.relative_ci_high, hib)
         x = None if c.relative_shift is None else _worse(c.relative_shift, hib)
         evidence = _Evidence(x, low, high, c.significantly_worse,
                              _interval_p(x, low, 0.0, c.confidence))
-        label = "median change toward worse, relative to the primary's"
+        label = f"median change toward worse, relative to the {baseline}'s"
         checks.append(_graded("median_shift", label, evidence, gate.max_shift_ratio, band, True))
     if gate.max_mean_ratio is not None:
         low, high = _orient_ratio(c.mean_ratio_ci_low, c.mean_ratio_ci_high, hib)
@@ -148,7 +150,7 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float) -> list[Check]:
         x = c.std_ratio
         if x is None:
             x = math.inf if c.std_candidate > 0.0 else 1.0
-        label = f"std ratio candidate/primary (Brown-Forsythe p={c.variance_p_value:.3g})"
+        label = f"std ratio candidate/{baseline} (Brown-Forsythe p={c.variance_p_value:.3g})"
         # Brown-Forsythe's p is two-sided; the check asks whether the spread grew.
         p_value = c.variance_p_value / 2.0 if c.std_candidate > c.std_baseline else 1.0
         tail_no_worse = c.tail_ratio is not None and _worse_ratio(c.tail_ratio, hib) <= 1.0

@@ -443,7 +443,7 @@ def _judge_metric(
         estimate = gate_estimate(gate, statistics, None, asked)
         return inconclusive_verdict(name, f"candidate {n_c}, {side} {n_b}", need,
                                     statistics, basis=basis, estimate=estimate)
-    checks = backend_checks(statistics, gate, gates.marginal_band)
+    checks = backend_checks(statistics, gate, gates.marginal_band, baseline=side)
     return checked_verdict(name, checks, statistics, basis)
 
 

@@ -113,6 +113,12 @@ def test_replica_at_the_same_rate_is_the_baseline() -> None:
                             replica=_quantiles(30))
     metric = judge({TTFT: samples}, Gates(min_samples=10), DIRECTIONS).metric(TTFT)
     assert metric.basis == "replica at the same rate" and metric.outcome is Outcome.PASS
+    # The reasons name the replica as what the candidate was compared with: they said
+    # "relative to the primary's" and "candidate/primary" whatever the basis.
+    assert metric.reasons[0].startswith("median change toward worse, relative to the "
+                                        "replica's")
+    assert any("p99 ratio candidate/replica" in r for r in metric.reasons)
+    assert not any("primary" in r for r in metric.reasons)
 
 
 def test_cache_strata_separate_a_cold_cache_from_a_slow_engine() -> None:
