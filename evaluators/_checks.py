@@ -13,7 +13,7 @@ metric's (its limits and its noise floor):
    threshold (for a limit on a mean, times the limit); a statistic that is undefined (a
    ratio over a zero) leaves the check to its evidence alone.
 2. A rate's check (:func:`rate_check`; a gate with ``max_mean_worsening``, ``_gates``
-   rule 3) reads counts, not a bootstrap (``_statistics`` rule 7): its evidence is
+   rule 3) reads counts, not a bootstrap (``_rates`` rules 1-3): its evidence is
    Fisher's exact test, its interval Newcombe's, and it passes only where that interval
    rules out a worsening beyond the limit (:attr:`Check.bounded`; the judge's rule 1).
 3. A check that tests something carries a one-sided p-value (:attr:`Check.p_value`): its
@@ -38,7 +38,8 @@ from typing import Any, Final
 from scipy import stats
 
 from evaluators._gates import DEFAULT_MAX_NOISE_FLOOR_MISS, MetricGate
-from evaluators._statistics import RATE_TEST, Comparison, PairwiseSummary, RateComparison
+from evaluators._rates import RATE_TEST, RateComparison
+from evaluators._statistics import Comparison, PairwiseSummary
 from evaluators._strata import StratifiedComparison
 
 __all__ = [

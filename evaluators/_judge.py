@@ -35,7 +35,7 @@ Rules:
    - mean_ratio (cost): candidate mean over primary mean; its interval lies wholly
      above 1 (no change).
    - mean_worsening (0/1 rates): the change of the rate toward worse; Fisher's exact test,
-     one-sided, rejects "no worse" (``_statistics`` rule 7: a count, not a bootstrap,
+     one-sided, rejects "no worse" (``_rates`` rule 2: a count, not a bootstrap,
      whose interval collapsed at 0 errors and called 5 errors in 30 against 0 significant,
      where Fisher's p is 0.026). Its interval is Newcombe's, and a PASS needs that
      interval's upper end within T as well (rule 1).
@@ -183,6 +183,7 @@ from evaluators._gates import Gates, MetricGate
 from evaluators._matched_load import judge_matched, replica_is_basis
 from evaluators._pairwise_judgement import judge_pairwise, pairwise_verdict
 from evaluators._power import PowerQuery
+from evaluators._rates import compare_rates
 from evaluators._sample_bias import SampleBias
 from evaluators._sample_skew import SAMPLE_BIAS_METRIC, judge_reweighted, sample_bias_verdict
 from evaluators._samples_needed import ESTIMATE_POWER, gate_estimate, rate_estimate
@@ -191,7 +192,6 @@ from evaluators._statistics import (
     DEFAULT_SEED,
     MIN_COMPARABLE_SAMPLES,
     PairwiseSummary,
-    compare_rates,
     compare_samples,
     holm_rejected,
 )

@@ -23,7 +23,7 @@ Theory of operation:
 4. Means (cost's ``mean_ratio``): n = (z(1 - alpha/2) + z(power))^2 * (s1^2 + s2^2) / d^2.
 4b. Rates ruled out beyond a limit (the judge's rule 1 for a rate: a PASS needs the
    upper end of the change's interval within the limit): the fewest values per side at
-   which Newcombe's interval (``_statistics`` rule 7) around the rates seen so far ends
+   which Newcombe's interval (``_rates`` rule 3) around the rates seen so far ends
    within ``limit``, found by bisection; the interval is taken at the two-sided level
    whose z is z(1 - alpha/2) + z(power), so at power 1/2 it is the judge's own interval.
    This is the sample size of a non-inferiority test (Blackwelder, 1982), with the score
@@ -46,11 +46,8 @@ from typing import Any, Final, Literal
 
 from scipy import stats
 
-from evaluators._statistics import (
-    DEFAULT_CONFIDENCE,
-    MIN_COMPARABLE_SAMPLES,
-    rate_change_interval,
-)
+from evaluators._rates import rate_change_interval
+from evaluators._statistics import DEFAULT_CONFIDENCE, MIN_COMPARABLE_SAMPLES
 
 __all__ = [
     "DEFAULT_POWER",

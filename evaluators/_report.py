@@ -66,9 +66,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from evaluators._gates import Gates
 from evaluators._judge import judge
 from evaluators._matching import cache_hit_rate, compare_within_cache_strata, load_curve
+from evaluators._rates import RateCounts
 from evaluators._sample_bias import SampleBias, check_sample_bias, turn_depth_bucket
 from evaluators._score import METRICS
-from evaluators._statistics import RateCounts
 from evaluators._verdicts import LoadConditions, MetricSamples, RateSamples, Verdict
 from evaluators.store import (
     TRAFFIC_SEEN,

@@ -19,7 +19,8 @@ from evaluators._power import (
     samples_needed_for_rate,
     samples_needed_to_bound_rate,
 )
-from evaluators._statistics import Comparison, RateComparison
+from evaluators._rates import RateComparison
+from evaluators._statistics import Comparison
 from evaluators._strata import StratifiedComparison
 
 __all__ = ["ESTIMATE_POWER", "gate_estimate", "rate_estimate"]

@@ -16,14 +16,9 @@ from typing import Any
 
 from evaluators._checks import SEVERITY, Check, Outcome
 from evaluators._power import SampleSizeEstimate
+from evaluators._rates import RateComparison, RateCounts
 from evaluators._reweight import Reweighting
-from evaluators._statistics import (
-    Comparison,
-    PairwiseSummary,
-    RateComparison,
-    RateCounts,
-    Samples,
-)
+from evaluators._statistics import Comparison, PairwiseSummary, Samples
 from evaluators._strata import StratifiedComparison
 
 __all__ = [

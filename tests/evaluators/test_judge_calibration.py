@@ -11,8 +11,9 @@ import pytest
 from evaluators._checks import Outcome, backend_checks, rate_check
 from evaluators._gates import EMBEDDING_DISTANCE_METRIC, Gates
 from evaluators._judge import judge
+from evaluators._rates import RateCounts, compare_rates
 from evaluators._score import METRICS
-from evaluators._statistics import RateCounts, compare_rates, compare_samples, holm_rejected
+from evaluators._statistics import compare_samples, holm_rejected
 from evaluators._verdicts import MetricSamples
 
 DIRECTIONS = {name: spec.direction for name, spec in METRICS.items()}

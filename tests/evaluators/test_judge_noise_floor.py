@@ -19,9 +19,9 @@ from evaluators._gates import (
     MetricGate,
 )
 from evaluators._judge import judge
+from evaluators._rates import RateCounts
 from evaluators._sample_bias import check_sample_bias
 from evaluators._score import Direction
-from evaluators._statistics import RateCounts
 from evaluators._verdicts import (
     LoadConditions,
     MetricSamples,

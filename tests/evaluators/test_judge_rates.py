@@ -1,6 +1,6 @@
 """Rates (0/1 metrics) judged as counts: Fisher's exact test for the evidence, Newcombe's
 interval, and a PASS only where that interval rules out a worsening beyond the limit
-(judge rules 1, 2 and 7; gates rule 3; checks rule 2; ``_statistics`` rule 7)."""
+(judge rules 1, 2 and 7; gates rule 3; checks rule 2; ``_rates`` rules 1-3)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from scipy import stats
 from evaluators._checks import Check, Outcome, not_significant_overall
 from evaluators._gates import Gates, MetricGate
 from evaluators._judge import judge
+from evaluators._rates import RateCounts
 from evaluators._score import Direction
-from evaluators._statistics import RateCounts
 from evaluators._verdicts import MetricSamples, RateSamples, Verdict
 
 SUCCESS = "reliability.success"

@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from evaluators import Gates, Outcome, Score, build_report
-from evaluators._statistics import RateCounts
+from evaluators._rates import RateCounts
 from evaluators.store import (
     ScoreRow,
     ScoreWriter,
