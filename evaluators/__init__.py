@@ -15,12 +15,8 @@ from evaluators._exchange import (
 from evaluators._gates import Gates, MetricGate
 from evaluators._judge import judge
 from evaluators._observation import Capture, Observation, Usage, observe
-from evaluators._pipeline import (
-    EvaluationPipeline,
-    EvaluationProcessError,
-    PipelineState,
-    PipelineStats,
-)
+from evaluators._pipeline import EvaluationPipeline, EvaluationProcessError, PipelineState
+from evaluators._pipeline_stats import PipelineStats
 from evaluators._report import (
     Report,
     ReportInputs,

@@ -20,9 +20,10 @@ Rules (DESIGN.md invariants 1 and 7):
    (``reason=sink_full``).
 2. The child reports its counters and its writer's every ``STATS_INTERVAL_S`` on a pipe
    that a reader on this loop receives; ``stats`` and ``writer_stats`` are the latest,
-   summed over every child this pipeline has had. The child scores in batches of at
-   most ``batch_size`` (what was queued when it took the last one); ``stats`` has the
-   batches, the last one's size and the queue's depth, for the gateway's metrics.
+   summed over every child this pipeline has had (``_pipeline_stats``). The child
+   scores in batches of at most ``batch_size`` (what was queued when it took the last
+   one); ``stats`` has the batches, the last one's size and the queue's depth, for the
+   gateway's metrics.
 3. Every accepted exchange is scored and submitted to the ScoreWriter (which stores it or
    counts its own drop) or counted as dropped: ``scoring_error`` or ``store_error`` (by
    the child: it failed to score, or the writer raised on it),
@@ -64,15 +65,14 @@ import os
 import queue
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
-from types import MappingProxyType
-from typing import TypeVar
 
 from evaluators._exchange import Exchange
+from evaluators._pipeline_stats import ChildReports, PipelineStats
 from evaluators._scorers import DEFAULT_SCORERS, ScorerConfig
 from evaluators._scoring_process import (
     MAX_BATCH_SIZE,
@@ -85,13 +85,11 @@ from evaluators._scoring_process import (
     run_scoring_process,
 )
 from evaluators.store import StoreConfig
-from evaluators.store._writer import DropReason, WriterState, WriterStats
+from evaluators.store._writer import WriterStats
 
-__all__ = ["EvaluationPipeline", "EvaluationProcessError", "PipelineState", "PipelineStats"]
+__all__ = ["EvaluationPipeline", "EvaluationProcessError", "PipelineState"]
 
 log = logging.getLogger("understudy.evaluation")
-
-K = TypeVar("K")
 
 DEFAULT_MAX_PENDING = 10_000
 DEFAULT_BATCH_SIZE = 64
@@ -126,23 +124,6 @@ class PipelineState(enum.Enum):
     FAILED = "failed"  # the child died past the restart budget: submit refuses
     CLOSING = "closing"
     CLOSED = "closed"
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineStats:
-    accepted: int
-    scored: int
-    pending: int
-    dropped: dict[str, int]
-    restarts: int = 0
-    """Children started to replace one that died (rule 8)."""
-    batches: int = 0
-    """Batches the children scored (rule 2)."""
-    batch_size: int = 0
-    """Exchanges in the batch the child took last (0 before the first)."""
-    queue_depth: int = 0
-    """Exchanges on the queue, not yet taken by the child (``pending`` also counts those
-    it is scoring)."""
 
 
 class EvaluationPipeline:
@@ -180,13 +161,8 @@ class EvaluationPipeline:
         self._pid: int | None = None  # kept once the child is reaped and released
         self._ready: asyncio.Future[None] | None = None
         self._finished: asyncio.Future[None] | None = None  # the final snapshot, or EOF
-        self._last: Snapshot | None = None
-        self._writer_stats: WriterStats | None = None
-        # Totals of the children that died, and what is counted here, not by a child.
-        self._past_scored = 0
-        self._past_batches = 0
-        self._past_dropped: Counter[str] = Counter()
-        self._past_writer: WriterStats | None = None
+        self._reports = ChildReports()  # what the children reported (rules 2 and 3)
+        # What is counted here, not by a child.
         self._accepted = 0
         self._dropped: Counter[str] = Counter()
         self._restarts = 0
@@ -210,16 +186,13 @@ class EvaluationPipeline:
 
     @property
     def stats(self) -> PipelineStats:
-        last = self._last
-        scored = self._past_scored + (last.scored if last is not None else 0)
-        dropped = Counter(self._past_dropped)
-        dropped.update(last.dropped if last is not None else {})
+        reports = self._reports
+        scored = reports.scored
+        dropped = reports.dropped()
         dropped.update(self._dropped)
         pending = max(self._accepted - scored - sum(dropped.values()), 0)
-        batches = self._past_batches + (last.batches if last is not None else 0)
         return PipelineStats(self._accepted, scored, pending, dict(dropped),
-                             self._restarts, batches,
-                             last.last_batch_size if last is not None else 0,
+                             self._restarts, reports.batches, reports.last_batch_size,
                              self._queue_depth(pending))
 
     def _queue_depth(self, pending: int) -> int:
@@ -234,9 +207,7 @@ class EvaluationPipeline:
     def writer_stats(self) -> WriterStats | None:
         """The children's ScoreWriters as they last reported (every ``STATS_INTERVAL_S``),
         summed over every child this pipeline has had."""
-        if self._past_writer is None or self._writer_stats is None:
-            return self._writer_stats or self._past_writer
-        return _sum_writer_stats(self._past_writer, self._writer_stats)
+        return self._reports.writer_stats
 
     def submit(self, exchange: Exchange) -> bool:
         if self._state not in (PipelineState.RUNNING, PipelineState.RESTARTING):
@@ -326,8 +297,7 @@ class EvaluationPipeline:
             daemon=True)
         self._ready = loop.create_future()
         self._finished = loop.create_future()
-        self._last = None
-        self._writer_stats = None
+        self._reports.new_child()
         self._process.start()
         self._pid = self._process.pid
         child_conn.close()  # the child holds the only other end: its EOF is the child's exit
@@ -379,11 +349,7 @@ class EvaluationPipeline:
             self._on_exit()
             return
         if isinstance(message, Snapshot):
-            self._last = message
-            writer = message.writer
-            self._writer_stats = replace(
-                writer, written_rows=MappingProxyType(writer.written_rows),
-                dropped=MappingProxyType(writer.dropped))
+            self._reports.report(message)
             if message.final:
                 _resolve(self._finished)
         elif isinstance(message, Ready):
@@ -408,32 +374,12 @@ class EvaluationPipeline:
         self._dropped["process_exit"] += lost
         self._last_failure = f"the evaluation process {self._pid} exited unexpectedly"
         log.error("%s; %d exchanges lost; restarting it", self._last_failure, lost)
-        self._bury_child()
+        self._reports.bury()
         dead, old_queue = self._process, self._queue
         self._queue = self._new_queue()
         self._state = PipelineState.RESTARTING
         self._restarter = asyncio.get_running_loop().create_task(
             self._restart(dead, old_queue), name="understudy-evaluation-restart")
-
-    def _bury_child(self) -> None:
-        """Fold the dead child's last report into the totals; what its writer still held
-        is lost with it."""
-        if self._last is not None:
-            self._past_scored += self._last.scored
-            self._past_batches += self._last.batches
-            self._past_dropped.update(self._last.dropped)
-        writer = self._writer_stats
-        if writer is not None:
-            held = writer.queued_records + writer.held_records
-            dropped: dict[DropReason, int] = dict(writer.dropped)
-            dropped["process_exit"] = dropped.get("process_exit", 0) + held
-            writer = replace(writer, state=WriterState.CLOSED, queued_records=0,
-                             queued_rows=0, held_records=0,
-                             dropped=MappingProxyType(dropped))
-            self._past_writer = (writer if self._past_writer is None
-                                 else _sum_writer_stats(self._past_writer, writer))
-        self._last = None
-        self._writer_stats = None
 
     async def _restart(self, dead: BaseProcess, old_queue: Queue[Exchange]) -> None:
         await asyncio.to_thread(dead.join, JOIN_TIMEOUT_S)  # reap it: no zombie
@@ -459,7 +405,7 @@ class EvaluationPipeline:
                 continue
             assert self._finished is not None
             if self._finished.done():  # it died between its Ready and now
-                self._bury_child()
+                self._reports.bury()
                 continue
             self._state = PipelineState.RUNNING
             self._restarter = None
@@ -496,24 +442,6 @@ def _close_queue(queue: Queue[Exchange]) -> None:
     if queue._thread is None:  # type: ignore[attr-defined]
         queue._reader.close()  # type: ignore[attr-defined]
         queue._writer.close()  # type: ignore[attr-defined]
-
-
-def _sum_writer_stats(a: WriterStats, b: WriterStats) -> WriterStats:
-    """Counters summed; the state, queue and last error are ``b``'s (the newer writer)."""
-    return replace(
-        b, submitted=a.submitted + b.submitted, accepted=a.accepted + b.accepted,
-        written_records=a.written_records + b.written_records,
-        written_rows=MappingProxyType(_sum(a.written_rows, b.written_rows)),
-        dropped=MappingProxyType(_sum(a.dropped, b.dropped)),
-        batches=a.batches + b.batches, retries=a.retries + b.retries,
-        pruned_exchanges=a.pruned_exchanges + b.pruned_exchanges,
-        prune_passes=a.prune_passes + b.prune_passes,
-        last_error=b.last_error or a.last_error,
-        last_error_at=b.last_error_at or a.last_error_at, writing_since=b.writing_since)
-
-
-def _sum(a: Mapping[K, int], b: Mapping[K, int]) -> dict[K, int]:
-    return {key: a.get(key, 0) + b.get(key, 0) for key in {*a, *b}}
 
 
 def _resolve(future: asyncio.Future[None] | None) -> None:
