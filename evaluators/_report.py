@@ -11,7 +11,9 @@ Rules:
 4. Conditions (the judge's rule 6): the latency and throughput metrics
    (:data:`CONDITIONED_METRICS`) are loaded with the concurrency,
    prompt and cached tokens of each observation. When the secondary is mirrored at the
-   candidate's rate (``replica_at_same_rate``) its own latencies are the baseline,
+   candidate's rate (``replica_at_same_rate``) its own latencies are the baseline (and
+   its own rates, counted as rule 6 counts the candidate's: a candidate at a tenth of
+   the primary's load has its errors measured against a replica at that load too),
    unless the judge finds that replica broken on a pairwise metric (its rule 11: then
    the primary is, and the basis says so); otherwise the judge compares at matched
    load. The load a value is matched on is the
@@ -155,14 +157,17 @@ class Report:
 
 def _metric_samples(stored: dict[str, StoredSamples], floor: dict[str, StoredSamples],
                     conditioned: dict[str, ConditionedSamples],
-                    counts: dict[str, StoredCounts],
+                    counts: dict[str, StoredCounts], floor_counts: dict[str, StoredCounts],
                     replica: bool) -> dict[str, MetricSamples]:
     out: dict[str, MetricSamples] = {}
     for metric, count in counts.items():  # rule 6: a rate's counts are all the judge reads
         if count.candidate.n and metric in METRICS:
+            same_rate = floor_counts.get(metric) if replica else None
             out[metric] = MetricSamples(
                 candidate=[], baseline=[],
                 rates=RateSamples(RateCounts(*count.candidate), RateCounts(*count.primary),
+                                  replica=(RateCounts(*same_rate.candidate)
+                                           if same_rate and same_rate.candidate.n else None),
                                   scope=RATE_SCOPE))
     for metric, (candidate, primary) in stored.items():
         if metric in counts:
@@ -319,6 +324,8 @@ class ReportInputs:
     traffic: list[TrafficCount]
     counts: dict[str, StoredCounts] = field(default_factory=dict)
     """Rule 6: the rates' values over the whole window, counted per side."""
+    floor_counts: dict[str, StoredCounts] = field(default_factory=dict)
+    """Rule 6: the secondary's rates over the same window (its side is ``candidate``)."""
     rates_since: datetime | None = None
     """The window's start as asked: the counts' (the cap does not move it)."""
 
@@ -341,10 +348,13 @@ async def load_report_inputs(session: AsyncSession, candidate: str, gates: Gates
     if capped:
         since = cap_start
     use_floor = secondary is not None and secondary != candidate
+    rates = _rate_metrics(gates)
     return ReportInputs(
         candidate=candidate, secondary=secondary, since=since, capped=capped,
         rates_since=asked,
-        counts=await load_value_counts(session, candidate, _rate_metrics(gates), since=asked),
+        counts=await load_value_counts(session, candidate, rates, since=asked),
+        floor_counts=(await load_value_counts(session, secondary, rates, since=asked)
+                      if use_floor and secondary else {}),
         stored=await load_samples(session, candidate, since=since),
         floor=await load_samples(session, secondary, since=since) if secondary else {},
         conditioned=await load_conditioned_samples(session, candidate, CONDITIONED_METRICS,
@@ -362,7 +372,7 @@ def judge_inputs(inputs: ReportInputs, gates: Gates, *,
     secondary = inputs.secondary
     use_replica = replica_at_same_rate and secondary is not None and secondary != inputs.candidate
     samples = _metric_samples(inputs.stored, inputs.floor, inputs.conditioned, inputs.counts,
-                              use_replica)
+                              inputs.floor_counts, use_replica)
     bias = _sample_bias(inputs.evaluated, inputs.traffic)
     verdict = judge(samples, gates, _DIRECTIONS, sample_bias=bias, noise_floor_from=secondary)
     conditions = _conditions(inputs.conditioned, inputs.replica, secondary, gates)

@@ -135,3 +135,31 @@ async def test_a_rate_with_other_values_is_not_judged_as_a_rate(engine: AsyncEng
     assert metric.outcome is Outcome.INCONCLUSIVE
     assert "not judged as a rate" in metric.reasons[0]
     assert report.samples[JSON_VALID] == 60
+
+
+async def test_a_replica_at_the_same_rate_is_a_rates_baseline(engine: AsyncEngine) -> None:
+    """Mirrored at the candidate's rate, the replica's own errors are the baseline of the
+    candidate's (the report's rule 4), counted over the whole window as the candidate's
+    are: a candidate failing 5 % of requests at a tenth of the load, where the replica at
+    that load fails none and the loaded primary 10 %, PASSed against the primary."""
+    async with ScoreWriter(engine, quick_config(engine)) as writer:
+        for i in range(600):
+            assert writer.submit(make_exchange(f"c{i}"),
+                                 [Score(SUCCESS, float(i % 20 != 0), float(i % 10 != 0))])
+            assert writer.submit(make_exchange(f"s{i}", "replica"),
+                                 [Score(SUCCESS, 1.0, float(i % 10 != 0))])
+        await written(writer, 1200)
+    gates = Gates(max_judged_exchanges=50)
+    async with session_factory(engine)() as session:
+        same_rate = await build_report(session, "cand-a", gates, secondary="replica",
+                                       record=False, replica_at_same_rate=True)
+        primary = await build_report(session, "cand-a", gates, secondary="replica",
+                                     record=False)
+    metric = same_rate.verdict.metric(SUCCESS)
+    assert metric.basis == "replica at the same rate"
+    assert metric.outcome is Outcome.FAIL, metric.reasons
+    assert "(570/600 against 600/600" in metric.reasons[0]
+    assert metric.rates is not None and metric.rates.n_baseline == 600  # past the cap
+    against_primary = primary.verdict.metric(SUCCESS)
+    assert against_primary.basis == "primary"
+    assert against_primary.outcome is Outcome.PASS, against_primary.reasons

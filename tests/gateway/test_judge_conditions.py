@@ -307,6 +307,8 @@ async def test_replica_at_the_same_rate_is_the_latency_baseline(tmp_path: Any,
     print(f"against the replica: TTFT shift {ttft['statistics']['relative_shift']:+.1%} "
           f"(p={ttft['statistics']['p_value']:.2g}), verdict {ttft['verdict']}")
     assert ttft["basis"] == "replica at the same rate"
+    success = _metric(report, "reliability.success")  # a rate too, on the replica's counts
+    assert success["basis"] == "replica at the same rate", success
     assert ttft["statistics"]["hl_ci_low"] <= 0.0 <= ttft["statistics"]["hl_ci_high"] or abs(
         ttft["statistics"]["relative_shift"]) < 0.25
 
