@@ -215,10 +215,8 @@ def pairwise_checks(
     ``broken`` says which metric showed that replica broken (:func:`broken_floor`): it
     is then no floor here either (the judge's rule 11)."""
     checks: list[Check] = []
-    for limit, sign in ((gate.min_mean, 1.0), (gate.max_mean, -1.0)):
-        if limit is None:
-            continue
-        miss = 0.0 if floor is None else sign * (limit - floor.mean_baseline)
+    for limit, sign in _mean_limits(gate):
+        miss = 0.0 if floor is None else _floor_miss(floor, limit, sign)
         bound = max_floor_miss * abs(limit)
         if floor is None or miss <= 0.0:
             checks.append(_limit_check(s, None, limit, sign, band))
@@ -266,16 +264,27 @@ def broken_floor(metric: str, floor: Comparison, gate: MetricGate, max_floor_mis
     """Why ``replica`` is no noise floor, as rule 3 of the judge found on ``metric``: the
     first of its limits that the replica's own mean misses by more than
     ``max_floor_miss`` of it (None: it misses none so far)."""
-    for limit, sign in ((gate.min_mean, 1.0), (gate.max_mean, -1.0)):
-        if limit is None:
-            continue
-        miss = sign * (limit - floor.mean_baseline)
+    for limit, sign in _mean_limits(gate):
+        miss = _floor_miss(floor, limit, sign)
         if miss > max_floor_miss * abs(limit):
             kind = "minimum" if sign > 0 else "maximum"
             who = "the replica" + (f" {replica!r}" if replica else "")
             return (f"{who} missed {metric}'s {kind} {limit:.4g} by {miss:.4g} (beyond "
                     f"{max_floor_miss:.0%} of it, max_noise_floor_miss)")
     return None
+
+
+def _mean_limits(gate: MetricGate) -> list[tuple[float, float]]:
+    """A pairwise gate's limits on the mean, each with its sense (+1 a minimum, -1 a
+    maximum)."""
+    return [(limit, sign) for limit, sign in ((gate.min_mean, 1.0), (gate.max_mean, -1.0))
+            if limit is not None]
+
+
+def _floor_miss(floor: Comparison, limit: float, sign: float) -> float:
+    """How far the replica's own mean (``floor``'s baseline) misses ``limit`` on its
+    wrong side (at most 0: it keeps the limit)."""
+    return sign * (limit - floor.mean_baseline)
 
 
 def on_broken_floor(check: Check, broken: str | None) -> Check:

@@ -133,7 +133,7 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
     except http.client.RemoteDisconnected:
         # Under TLS 1.3 a server that wants a client certificate drops the connection after
         # the handshake: its alert never reaches urllib.
-        maybe = _certificate_hint("CERTIFICATE_REQUIRED") if parts.scheme == "https" else ""
+        maybe = _certificate_hint(None, possible=True) if parts.scheme == "https" else ""
         raise click.ClickException(f"{_shown(url)} closed the connection without an answer; "
                                    f"is --admin-url the admin API's?{maybe}") from None
     except http.client.HTTPException as exc:
@@ -150,10 +150,11 @@ def _call(admin: tuple[str, str | None], method: str, path: str,
                                    "is --admin-url the admin API's (.../admin/v1)?") from None
 
 
-def _certificate_hint(reason: object) -> str:
-    """A hint where the admin API refused, or may have refused, the handshake for want of a
-    client certificate and none is set."""
-    if "CERTIFICATE_REQUIRED" in str(reason) and not os.environ.get(ADMIN_CLIENT_CERT_ENV):
+def _certificate_hint(reason: object, *, possible: bool = False) -> str:
+    """A hint where the admin API refused the handshake for want of a client certificate
+    (its alert, ``reason``, says so) or, ``possible``, may have, and none is set."""
+    refused = possible or "CERTIFICATE_REQUIRED" in str(reason)
+    if refused and not os.environ.get(ADMIN_CLIENT_CERT_ENV):
         return (f"; an admin API that asks for a client certificate needs "
                 f"${ADMIN_CLIENT_CERT_ENV} (and ${ADMIN_CLIENT_KEY_ENV} where the key is in "
                 "a file of its own)")
