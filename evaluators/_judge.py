@@ -43,7 +43,12 @@ Rules:
      interval's lower bound is above T itself: the tail is beyond the gate, not merely
      worse (Kayenta's gap: a longer tail under an unchanged median).
    - std_ratio: Brown-Forsythe rejects equal spread and the candidate's is larger
-     (Kayenta's gap: a variance increase under an unchanged median).
+     (Kayenta's gap: a variance increase under an unchanged median). For a candidate
+     significantly better on the median both read the values on the slow side of the
+     baseline's median only: answers made faster widen the whole spread, and harm
+     nobody (half the answers made twice as fast, the rest unchanged, FAILed in 11 of 12
+     windows), while stalls widen that side's (10 % faster with 0.5 % stalled 10x, once
+     excused on a p99 no worse, PASSed in 10 of 12).
    - mean_limit (pairwise): x is the mean's shortfall below a minimum (or excess over a
      maximum), T = 0; the mean's interval lies wholly beyond the limit.
    - noise_floor (pairwise, Diffy): the mean's change toward worse from the floor
@@ -71,7 +76,11 @@ Rules:
    verdict more when it names the broken replica and waits for it to be fixed (or the
    bound widened, where the primary really is that noisy).
 4. A metric's verdict is the worst of its checks. A metric without checks is not gated:
-   its verdict and statistics are shown but do not count.
+   its verdict and statistics are shown but do not count. One held only to the noise
+   floor (exact match, tool-call agreement, ...) is not gated where no floor was
+   measured, and a PASS says so in a reason of its own naming those metrics: without a
+   replica, tool calls that agreed with the primary's in 60 % of answers PASSed on
+   "all 1 gated metrics pass" alone.
 5. The candidate's verdict is the worst over gated metrics, FAIL > INCONCLUSIVE >
    MARGINAL > PASS; with no gated metric it is INCONCLUSIVE. Every reason that is not a
    pass is listed, prefixed with its metric, the worst first (by severity, then in metric
@@ -196,6 +205,7 @@ from evaluators._statistics import (
     holm_rejected,
 )
 from evaluators._verdicts import (
+    NO_NOISE_FLOOR,
     MetricSamples,
     MetricVerdict,
     RateSamples,
@@ -264,6 +274,11 @@ def judge(
     reasons = tuple(f"{metric}: {check.reason}" for metric, check in failing)
     if overall is Outcome.PASS:
         reasons = (f"all {len(gated)} gated metrics pass",)
+        unheld = [v.metric for v in verdicts if v.reasons == (NO_NOISE_FLOOR,)]
+        if unheld:  # rule 4: a PASS says what it did not judge
+            reasons += (f"not judged, no noise floor measured: {', '.join(unheld)} (mirror "
+                        "a replica of the primary, role = \"secondary\", to hold them to "
+                        "it)",)
     if sample_bias is not None and sample_bias.skew and not sample_bias.refuse:
         reasons += tuple(f"{SAMPLE_BIAS_METRIC}: sample skew flagged: {r}"
                          for r in sample_bias.reasons)

@@ -13,6 +13,7 @@ from evaluators._checks import Check, Outcome, pairwise_checks
 from evaluators._gates import Gates
 from evaluators._statistics import MIN_COMPARABLE_SAMPLES, PairwiseSummary, summarize_pairwise
 from evaluators._verdicts import (
+    NO_NOISE_FLOOR,
     MetricSamples,
     MetricVerdict,
     checked_verdict,
@@ -53,6 +54,8 @@ def pairwise_verdict(
     n_floor = 0 if floor is None else len(floor)
     floor_gated = gate.max_noise_floor_shift_ratio is not None and floor is not None
     if not (gate.has_limit_checks or floor_gated):
+        if gate.max_noise_floor_shift_ratio is not None:  # the judge's rule 4: say so
+            return ungated_verdict(name, statistics, reason=NO_NOISE_FLOOR)
         return ungated_verdict(name, statistics)
     need = gates.min_samples_for(gate)
     floor_measured = floor is not None and n_floor >= need

@@ -97,6 +97,10 @@ class Comparison:
     ``tail_quantile`` (the bad tail) of each sample and their ratio candidate/baseline
     with a percentile-bootstrap interval, like ``mean_shift_*`` and ``mean_ratio_*``.
     ``variance_p_value`` is Brown-Forsythe's (Levene's test about the medians).
+    ``slow_side_*`` are the same spread figures over each side's values on the bad side
+    of the baseline's median (above it where lower is better): the spread of the answers
+    that were slow to begin with, which a candidate that made other answers faster left
+    as it was (None where a side has fewer than two such values).
     All intervals are at ``confidence``.
     """
 
@@ -137,6 +141,8 @@ class Comparison:
     levene_statistic: float | None
     variance_p_value: float
     bootstrap_resamples: int
+    slow_side_std_ratio: float | None = None
+    slow_side_variance_p_value: float | None = None
 
     @property
     def alpha(self) -> float:
@@ -261,6 +267,7 @@ def compare_samples(
     std_b = float(np.std(b, ddof=1))
     std_c = float(np.std(c, ddof=1))
     levene_stat, variance_p = _brown_forsythe(b, c)
+    slow_std_ratio, slow_variance_p = _slow_side_spread(b, c, median_b, higher_is_better)
 
     return Comparison(
         confidence=confidence,
@@ -300,6 +307,8 @@ def compare_samples(
         levene_statistic=levene_stat,
         variance_p_value=variance_p,
         bootstrap_resamples=BOOTSTRAP_RESAMPLES,
+        slow_side_std_ratio=slow_std_ratio,
+        slow_side_variance_p_value=slow_variance_p,
     )
 
 
@@ -431,6 +440,19 @@ def _brown_forsythe(b: FloatArray, c: FloatArray) -> tuple[float | None, float]:
     if math.isnan(statistic):
         return None, 1.0
     return _finite_or_none(statistic), as_probability(float(result.pvalue))
+
+
+def _slow_side_spread(b: FloatArray, c: FloatArray, median_b: float,
+                      higher_is_better: bool) -> tuple[float | None, float | None]:
+    """The std ratio candidate/baseline and Brown-Forsythe's p over each side's values on
+    the bad side of the baseline's median (:class:`Comparison`'s ``slow_side_*``)."""
+    slow_b = b[b < median_b] if higher_is_better else b[b > median_b]
+    slow_c = c[c < median_b] if higher_is_better else c[c > median_b]
+    if min(slow_b.size, slow_c.size) < 2:
+        return None, None
+    std_b = float(np.std(slow_b, ddof=1))
+    ratio = float(np.std(slow_c, ddof=1)) / std_b if std_b > 0.0 else None
+    return ratio, _brown_forsythe(slow_b, slow_c)[1]
 
 
 def _mean_and_median(values: FloatArray, axis: int) -> FloatArray:

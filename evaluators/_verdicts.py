@@ -22,6 +22,7 @@ from evaluators._statistics import Comparison, PairwiseSummary, Samples
 from evaluators._strata import StratifiedComparison
 
 __all__ = [
+    "NO_NOISE_FLOOR",
     "LoadConditions",
     "MetricSamples",
     "MetricVerdict",
@@ -215,8 +216,12 @@ def missing_verdict(name: str) -> MetricVerdict:
     return MetricVerdict(name, Outcome.INCONCLUSIVE, True, (reason,), (check,), None)
 
 
+NO_NOISE_FLOOR = "not gated: no noise floor measured, and the metric has no limit of its own"
+
+
 def ungated_verdict(name: str, statistics: Comparison | PairwiseSummary | None,
-                    basis: str = "primary") -> MetricVerdict:
-    """Rule 4: a metric without checks, shown but not counted."""
-    reason = "not gated: statistics only"
+                    basis: str = "primary", reason: str = "not gated: statistics only",
+                    ) -> MetricVerdict:
+    """Rule 4: a metric without checks, shown but not counted (``reason``: why, where
+    :data:`NO_NOISE_FLOOR` says it would be held to a floor that was not measured)."""
     return MetricVerdict(name, Outcome.PASS, False, (reason,), (), statistics, basis)

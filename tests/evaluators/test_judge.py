@@ -98,6 +98,38 @@ def test_a_variance_increase_under_the_same_median_fails() -> None:
     assert verdict.outcome is Outcome.FAIL
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_answers_made_faster_widen_no_spread_that_is_judged(seed: int) -> None:
+    """Half the answers (those below the median) twice as fast, the rest as they were
+    (prefix-cache hits, speculative decoding on short answers): every quantile no worse,
+    the whole spread ~1.55x. The spread check reads the slow side of the primary's
+    median for a candidate significantly better; read whole it FAILed in 11 of 12
+    windows (its p99 ratio ~1.04, so not excused as a tail no worse)."""
+    rng = _rng(100 + seed)
+    candidate = _latency(rng, 2000)
+    candidate[candidate < 0.2] /= 2.0
+    verdict = _one(TTFT_METRIC, MetricSamples(candidate=candidate,
+                                              baseline=_latency(rng, 2000)))
+    assert verdict.outcome is Outcome.PASS, verdict.reasons
+    (spread,) = [c for c in verdict.metric(TTFT_METRIC).checks if c.name == "std_ratio"]
+    assert "on the slow side of the primary's median" in spread.reason
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rare_stalls_are_caught_under_a_better_median(seed: int) -> None:
+    """10 % faster, with 0.5 % of answers stalled 10x: the p99 is no worse, so the spread
+    check was excused and the candidate PASSed in 10 of 12 windows; on the slow side of
+    the primary's median the stalls show."""
+    rng = _rng(200 + seed)
+    candidate = _latency(rng, 2000, 0.9)
+    candidate[:10] *= 10.0
+    verdict = _one(TTFT_METRIC, MetricSamples(candidate=candidate,
+                                              baseline=_latency(rng, 2000)))
+    assert _check(verdict, TTFT_METRIC, "median_shift") is Outcome.PASS
+    assert _check(verdict, TTFT_METRIC, "std_ratio") is not Outcome.PASS, verdict.reasons
+    assert verdict.outcome is not Outcome.PASS
+
+
 def test_a_heavier_tail_fails_on_the_p99_ratio() -> None:
     rng = _rng(6)
     candidate = _latency(rng, 1000)
@@ -312,3 +344,24 @@ def test_bad_inputs_are_refused() -> None:
         MetricSamples(candidate=[1.0], baseline=[1.0], noise_floor=[1.0])
     with pytest.raises(ValueError, match="direction"):
         judge({"latency.unknown": MetricSamples(candidate=[1.0], baseline=[1.0])}, Gates(), {})
+
+
+def test_a_pass_names_the_metrics_it_could_not_hold_to_a_noise_floor() -> None:
+    """Tool-call agreement is held to the noise floor alone: without a replica it is not
+    gated, and the PASS says so rather than "all 1 gated metrics pass" alone (60 % of
+    tool calls unlike the primary's PASSed so)."""
+    rng = _rng(11)
+    tool_calls = "quality.tool_call_match"
+    samples = {TTFT_METRIC: MetricSamples(candidate=_latency(rng, 400),
+                                          baseline=_latency(rng, 400)),
+               tool_calls: MetricSamples(candidate=(rng.random(400) < 0.6).astype(float))}
+    verdict = judge(samples, Gates(), {**DIRECTIONS, tool_calls: "higher"})
+    assert verdict.outcome is Outcome.PASS, verdict.reasons
+    assert verdict.reasons[0] == "all 1 gated metrics pass"
+    assert verdict.reasons[1].startswith(
+        f"not judged, no noise floor measured: {tool_calls} (mirror a replica")
+    assert not verdict.metric(tool_calls).gated
+    with_floor = judge({**samples, tool_calls: MetricSamples(
+        candidate=samples[tool_calls].candidate, noise_floor=np.ones(400))},
+        Gates(), {**DIRECTIONS, tool_calls: "higher"})
+    assert with_floor.outcome is Outcome.FAIL, with_floor.reasons  # 60 % against 100 %
