@@ -81,6 +81,9 @@ def build_app(config: GatewayConfig, sink: EvaluationSink | None = None) -> web.
                        config.admin.routing_poll_interval_s, config.admin.store_timeout_s,
                        settings_models=upstreams.models)
     promoter = Promoter(sync, mirror, metrics, scorekeeper, upstreams)
+    if scorekeeper is not None:  # its rule 6: no replica is at a live canary's load
+        scorekeeper.attach_canary(
+            lambda: None if (canary := sync.routing.canary) is None else canary.backend.name)
 
     def scrape_targets() -> dict[str, str]:
         primary = sync.routing.primary

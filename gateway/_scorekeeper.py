@@ -38,6 +38,11 @@ The store at start (DESIGN.md invariant 7: a store outage never blocks the proxy
    mirrored at a candidate's rate and unit (then its latencies are that candidate's
    baseline), is read from the runtime candidates the app attaches (the mirror's, as the
    admin API added or changed them) at each report, never from the startup config alone.
+   The routing's canary candidate has no replica at its rate, whatever the rates say: it
+   serves its share of the sessions live besides the mirror's, at a load no mirrored
+   replica shares (at 50 % about twice the primary's), so it is judged against the
+   primary at matched load. Judged against a replica at the mirror's load, an identical
+   engine read slower and its canary was rolled back.
 """
 
 from __future__ import annotations
@@ -115,11 +120,16 @@ class Scorekeeper:
         self._traffic: TrafficTally | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._candidates: Callable[[], Iterable[CandidateConfig]] = lambda: config.candidates
+        self._canary: Callable[[], str | None] = lambda: None
 
     def attach_candidates(self, candidates: Callable[[], Iterable[CandidateConfig]]) -> None:
         """Rule 6: the runtime candidates (the mirror's, as the admin API changed them),
         read whenever a report asks which replica is the noise floor and at what rate."""
         self._candidates = candidates
+
+    def attach_canary(self, canary: Callable[[], str | None]) -> None:
+        """Rule 6: the name of the routing's canary candidate now (None: no canary)."""
+        self._canary = canary
 
     def attach_traffic(self, traffic: TrafficTally) -> None:
         """Rule 4: the tally of all traffic whose counts this scorekeeper stores."""
@@ -308,7 +318,10 @@ class Scorekeeper:
 
     def _replica_at_same_rate(self, candidate: str) -> bool:
         """Whether the noise-floor replica is mirrored as ``candidate`` is (same sample
-        rate and unit): then its latency is measured at the candidate's load share."""
+        rate and unit) and ``candidate`` serves no canary (rule 6): then its latency is
+        measured at the candidate's load share."""
+        if self._canary() == candidate:
+            return False
         by_name = {c.name: c for c in self._candidates()}
         replica, mine = by_name.get(self.secondary or ""), by_name.get(candidate)
         return (replica is not None and mine is not None and replica is not mine
