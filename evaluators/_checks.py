@@ -148,12 +148,6 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float, *,
         label = f"p{round(c.tail_quantile * 100)} ratio {ratio} (the bad tail)"
         checks.append(_graded("tail_ratio", label, evidence, gate.max_tail_ratio, band))
     if gate.max_std_ratio is not None:
-        x = c.std_ratio
-        if x is None:
-            x = math.inf if c.std_candidate > 0.0 else 1.0
-        label = f"std ratio candidate/{baseline} (Brown-Forsythe p={c.variance_p_value:.3g})"
-        # Brown-Forsythe's p is two-sided; the check asks whether the spread grew.
-        p_value = c.variance_p_value / 2.0 if c.std_candidate > c.std_baseline else 1.0
         if c.significantly_better and c.slow_side_std_ratio is not None \
                 and c.slow_side_variance_p_value is not None:
             # A wider spread around a better centre harms nobody where the answers on the
@@ -172,6 +166,13 @@ def backend_checks(c: Comparison, gate: MetricGate, band: float, *,
                                  slow_p / 2.0 if grew else 1.0)
             checks.append(_graded("std_ratio", label, evidence, gate.max_std_ratio, band))
         else:
+            x = c.std_ratio
+            if x is None:
+                x = math.inf if c.std_candidate > 0.0 else 1.0
+            label = (f"std ratio candidate/{baseline} (Brown-Forsythe "
+                     f"p={c.variance_p_value:.3g})")
+            # Brown-Forsythe's p is two-sided; the check asks whether the spread grew.
+            p_value = c.variance_p_value / 2.0 if c.std_candidate > c.std_baseline else 1.0
             evidence = _Evidence(x, None, None, c.variance_increased, p_value)
             checks.append(_graded("std_ratio", label, evidence, gate.max_std_ratio, band))
     return checks

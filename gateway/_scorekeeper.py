@@ -35,9 +35,10 @@ The store at start (DESIGN.md invariant 7: a store outage never blocks the proxy
    scoring child's (running, restarting, failed); either not well makes the gateway
    ``degraded``.
 6. Which candidate is the noise-floor replica (role ``secondary``), and whether it is
-   mirrored at a candidate's rate and unit (then its latencies are that candidate's
-   baseline), is read from the runtime candidates the app attaches (the mirror's, as the
-   admin API added or changed them) at each report, never from the startup config alone.
+   mirrored at a candidate's rate and unit (then its latencies, throughput and rates are
+   that candidate's baseline), is read from the runtime candidates the app attaches (the
+   mirror's, as the admin API added or changed them) at each report, never from the
+   startup config alone.
    The routing's canary candidate has no replica at its rate, whatever the rates say: it
    serves its share of the sessions live besides the mirror's, at a load no mirrored
    replica shares (at 50 % about twice the primary's), so it is judged against the
